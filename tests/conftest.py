@@ -1,0 +1,27 @@
+"""Test setup: 8 simulated CPU devices, set before jax is imported anywhere."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+
+# With libtpu installed (the `tpu` extra, for AOT compilation tests) jax would
+# probe for a TPU at start-up; on a machine without accelerators, say CPU outright.
+if "JAX_PLATFORMS" not in os.environ and not (
+    os.path.exists("/dev/accel0") or os.path.exists("/dev/nvidia0") or os.path.exists("/dev/vfio")
+):
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def pytest_collection_modifyitems(config, items):
+    on_accelerator = jax.default_backend() in ("gpu", "tpu")
+    skip = pytest.mark.skip(reason="needs a TPU or GPU (jax backend is cpu)")
+    for item in items:
+        if "accelerator" in item.keywords and not on_accelerator:
+            item.add_marker(skip)

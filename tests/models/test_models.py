@@ -1,0 +1,217 @@
+"""Properties every architecture must have, on tiny models."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from tfjax import models
+from tfjax.config import ModelConfig, RopeConfig, model_config
+
+TINY = dict(vocab_size=61, d_model=32, num_layers=2, num_heads=4, d_ff=48, max_len=64)
+
+
+def tiny(**kw) -> ModelConfig:
+    return model_config({**TINY, **kw})
+
+
+def tokens(B, T, seed=0, vocab=61):
+    return jax.random.randint(jax.random.key(seed), (B, T), 0, vocab)
+
+
+DECODERS = {
+    "gpt2": dict(position="learned", norm="layernorm", activation="gelu_tanh"),
+    "llama_gqa": dict(position="rope", norm="rmsnorm", activation="swiglu", num_kv_heads=2,
+                      ffn_bias=False, tie_embeddings=False),
+    "mqa_interleaved_partial": dict(num_kv_heads=1, rope=dict(layout="interleaved", fraction=0.5)),
+    "alibi": dict(position="alibi", embed_norm=True),
+    "t5bias": dict(position="t5", norm="rmsnorm", t5_num_buckets=8, t5_max_distance=16),
+    "sinusoidal_post": dict(position="sinusoidal", norm_placement="post", activation="relu",
+                            scale_embeddings=True),
+    "gemma2_like": dict(layer_pattern=("local", "global"), sliding_window=3, num_layers=3,
+                        norm="rmsnorm_plus_one", norm_placement="sandwich", attn_softcap=20.0,
+                        final_softcap=15.0, activation="geglu_tanh", scale_embeddings=True,
+                        qk_norm=True),
+    "neox_parallel": dict(block="parallel", parallel_shared_norm=False, rope=dict(fraction=0.25)),
+    "unscanned": dict(scan_layers=False, position="none"),
+    "remat": dict(remat="full", num_layers=3),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DECODERS))
+def test_decoder_is_causal_and_differentiable(name):
+    cfg = tiny(**DECODERS[name])
+    model = models.build(cfg, rngs=nnx.Rngs(1))
+    x = tokens(2, 11, seed=1)
+    y = x.at[:, 7:].set((x[:, 7:] + 5) % cfg.vocab_size)  # change the future of position 6
+    ab = nnx.jit(lambda m, t: m(t))(model, jnp.concatenate([x, y]))
+    a, b = ab[:2], ab[2:]
+    assert a.shape == (2, 11, cfg.vocab_size) and a.dtype == jnp.float32
+    np.testing.assert_allclose(a[:, :7], b[:, :7], atol=1e-5)
+    assert not np.allclose(a[:, 7:], b[:, 7:], atol=1e-3), "later logits must see later tokens"
+
+    def loss(m):
+        logits = m(x)
+        return -jnp.mean(jax.nn.log_softmax(logits)[..., 0])
+
+    grads = nnx.jit(nnx.grad(loss))(model)
+    leaves = jax.tree.leaves(nnx.state(grads, nnx.Param))
+    assert leaves and all(np.isfinite(np.asarray(g)).all() for g in leaves)
+    assert sum(float(jnp.abs(g).sum()) for g in leaves) > 0
+
+
+def test_sliding_window_receptive_field():
+    # One local layer of window W: position t sees t-W..t, not t-W-1.
+    W = 3
+    cfg = tiny(layer_pattern=("local",), sliding_window=W, num_layers=1, position="none")
+    model = models.build(cfg)
+    x = tokens(1, 10)
+    t = 8
+    far = x.at[:, t - W - 1].set((x[:, t - W - 1] + 1) % 61)
+    near = x.at[:, t - W].set((x[:, t - W] + 1) % 61)
+    np.testing.assert_allclose(model(x)[:, t], model(far)[:, t], atol=1e-6)
+    assert not np.allclose(model(x)[:, t], model(near)[:, t], atol=1e-4)
+
+
+def test_packed_documents_equal_separate_documents():
+    cfg = tiny(**DECODERS["llama_gqa"])
+    model = models.build(cfg)
+    a, b = tokens(1, 5, seed=2), tokens(1, 6, seed=3)
+    packed = jnp.concatenate([a, b], axis=1)
+    seg = jnp.array([[1] * 5 + [2] * 6])
+    pos = jnp.array([list(range(5)) + list(range(6))])
+    out = model(packed, positions=pos, segment_ids=seg)
+    np.testing.assert_allclose(out[:, :5], model(a), atol=1e-5)
+    np.testing.assert_allclose(out[:, 5:], model(b), atol=1e-5)
+
+
+def test_prefix_lm():
+    cfg = tiny(prefix_lm=True)
+    model = models.build(cfg)
+    x = tokens(2, 8)
+    prefix = jnp.array([4, 4])
+    out = model(x, prefix_lengths=prefix)
+    # A prefix position sees later prefix tokens, but nothing after the prefix.
+    y = x.at[:, 3].set((x[:, 3] + 1) % 61)
+    assert not np.allclose(model(y, prefix_lengths=prefix)[:, 1], out[:, 1], atol=1e-4)
+    z = x.at[:, 5:].set((x[:, 5:] + 1) % 61)
+    np.testing.assert_allclose(model(z, prefix_lengths=prefix)[:, :5], out[:, :5], atol=1e-5)
+    with pytest.raises(ValueError, match="prefix_lengths"):
+        model(x)
+    with pytest.raises(ValueError, match="prefix_lm"):
+        models.build(tiny())(x, prefix_lengths=prefix)
+
+
+def _transfer_scanned_to_unrolled(scanned, unrolled, pattern_len):
+    """Copy stacked [cycles, ...] layer params into the unrolled model's list."""
+    s_state = nnx.state(scanned, nnx.Param)
+    flat = dict(nnx.to_flat_state(nnx.state(unrolled, nnx.Param)))
+    new = {}
+    s_flat = dict(nnx.to_flat_state(s_state))
+    n_cycles = None
+    for path, var in s_flat.items():
+        if path[:2] == ("layers", "cycles"):
+            j = path[3]  # ("layers", "cycles", "layers", j, ...)
+            n_cycles = var.get_value().shape[0]
+            for c in range(n_cycles):
+                new[("layers", "blocks", c * pattern_len + j) + path[4:]] = var.get_value()[c]
+    for path, var in s_flat.items():
+        if path[:2] == ("layers", "blocks"):
+            new[("layers", "blocks", n_cycles * pattern_len + path[2]) + path[3:]] = var.get_value()
+        elif path[:2] != ("layers", "cycles"):
+            new[path] = var.get_value()
+    assert set(new) == set(flat), set(new) ^ set(flat)
+    for path, var in flat.items():
+        assert var.get_value().shape == new[path].shape, path
+        var.set_value(new[path])
+    nnx.update(unrolled, nnx.from_flat_state(flat))
+
+
+@pytest.mark.parametrize("pattern,layers", [(("global",), 3), (("local", "global"), 5)])
+def test_scan_equals_unrolled(pattern, layers):
+    kw = dict(layer_pattern=pattern, num_layers=layers, sliding_window=2, norm="rmsnorm")
+    scanned = models.build(tiny(**kw))
+    unrolled = models.build(tiny(scan_layers=False, **kw))
+    _transfer_scanned_to_unrolled(scanned, unrolled, len(pattern))
+    x = tokens(2, 9)
+    np.testing.assert_allclose(scanned(x), unrolled(x), atol=1e-5)
+
+
+def test_scanned_params_carry_the_layers_axis_name():
+    model = models.build(tiny())
+    specs = nnx.get_partition_spec(nnx.state(model, nnx.Param))
+    flat = dict(nnx.to_flat_state(specs))
+    q = flat[("layers", "cycles", "layers", 0, "attn", "q", "kernel")]
+    assert tuple(q.get_value()) == ("layers", "embed", "heads", "head_dim")
+    emb = flat[("embed", "tokens", "embedding")]
+    assert tuple(emb.get_value()) == ("vocab", "embed")
+
+
+def test_encoder_is_permutation_equivariant_without_positions():
+    cfg = tiny(arch="encoder", position="none", norm_placement="post", final_norm=False)
+    model = models.build(cfg)
+    x = tokens(2, 7)
+    perm = jnp.array([3, 0, 6, 1, 5, 2, 4])
+    np.testing.assert_allclose(model(x)[:, perm], model(x[:, perm]), atol=1e-5)
+
+
+def test_bert_padding_token_types_pooler_classifier():
+    cfg = tiny(arch="encoder", position="learned", norm_placement="post", embed_norm=True,
+               type_vocab_size=2, num_classes=3, activation="gelu")
+    model = models.build(cfg)
+    x = tokens(2, 8)
+    mask = jnp.array([[1] * 8, [1] * 5 + [0] * 3])
+    types = jnp.array([[0] * 4 + [1] * 4, [0] * 8])
+    out = model(x, token_type_ids=types, attention_mask=mask)
+    assert out.shape == (2, 8, 61)
+    # Real tokens do not see padding: changing the padding changes nothing for them.
+    y = x.at[1, 5:].set(7)
+    np.testing.assert_allclose(model(y, token_type_ids=types, attention_mask=mask)[1, :5],
+                               out[1, :5], atol=1e-5)
+    # Token types matter.
+    assert not np.allclose(model(x, attention_mask=mask)[0], out[0], atol=1e-4)
+    logits = model.classify(x, token_type_ids=types, attention_mask=mask)
+    assert logits.shape == (2, 3)
+    hidden = model.encode(x, types, mask)
+    np.testing.assert_allclose(
+        model.pool(hidden), jnp.tanh(hidden[:, 0] @ model.pooler.kernel[...] + model.pooler.bias[...]),
+        atol=1e-5)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(position="sinusoidal", norm_placement="post", activation="relu", scale_embeddings=True,
+         final_norm=False),
+    dict(position="t5", norm="rmsnorm", activation="geglu", t5_num_buckets=8, t5_max_distance=16,
+         num_encoder_layers=3),
+])
+def test_encoder_decoder(kw):
+    cfg = tiny(arch="encoder_decoder", **kw)
+    model = models.build(cfg)
+    src, tgt = tokens(2, 6, seed=4), tokens(2, 9, seed=5)
+    out = model(src, tgt)
+    assert out.shape == (2, 9, 61)
+    # Decoder is causal.
+    tgt2 = tgt.at[:, 5:].set((tgt[:, 5:] + 1) % 61)
+    np.testing.assert_allclose(model(src, tgt2)[:, :5], out[:, :5], atol=1e-5)
+    # Every decoder position sees the whole source.
+    src2 = src.at[:, -1].set((src[:, -1] + 1) % 61)
+    assert not np.allclose(model(src2, tgt)[:, 0], out[:, 0], atol=1e-4)
+    # Encoder padding (segment 0) is invisible to the decoder.
+    seg = jnp.array([[1] * 6, [1] * 4 + [0] * 2])
+    padded = model(src, tgt, encoder_segment_ids=seg)
+    src3 = src.at[1, 4:].set(3)
+    np.testing.assert_allclose(model(src3, tgt, encoder_segment_ids=seg)[1], padded[1], atol=1e-5)
+    grads = nnx.grad(lambda m: m(src, tgt).mean())(model)
+    assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(nnx.state(grads)))
+
+
+def test_gqa_with_k_equal_n_is_mha_and_bad_inputs():
+    model = models.build(tiny(num_kv_heads=4))
+    mha = models.build(tiny())
+    x = tokens(1, 5)
+    np.testing.assert_allclose(model(x), mha(x), atol=1e-6)  # same init, same params
+    with pytest.raises(ValueError, match=r"\[B, T\]"):
+        mha(x[0])

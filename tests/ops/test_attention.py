@@ -1,0 +1,141 @@
+"""dot_product_attention: the reference against a numpy loop, "xla" against the
+reference (forward and gradients), fully masked rows, dispatch errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tfjax.ops import attention_reference, dot_product_attention, masks as M
+
+
+def numpy_attention(q, k, v, allowed, bias=None, scale=None, softcap=None):
+    """Per (b, n, i) loop: the kv head of query head n is n // G."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    G = N // K
+    scale = H ** -0.5 if scale is None else scale
+    out = np.zeros((B, T, N, H))
+    lse = np.full((B, N, T), -np.inf)
+    allowed = np.broadcast_to(np.asarray(allowed), (B, T, S))
+    for b in range(B):
+        for n in range(N):
+            for i in range(T):
+                s = k[b, :, n // G] @ q[b, i, n] * scale
+                if softcap:
+                    s = softcap * np.tanh(s / softcap)
+                if bias is not None:
+                    s = s + np.broadcast_to(np.asarray(bias), (B, N, T, S))[b, n, i]
+                ok = allowed[b, i]
+                if not ok.any():
+                    continue
+                s = np.where(ok, s, -np.inf)
+                m = s.max()
+                p = np.exp(s - m)
+                out[b, i, n] = p @ v[b, :, n // G] / p.sum()
+                lse[b, n, i] = m + np.log(p.sum())
+    return out, lse
+
+
+def rand(shape, seed):
+    return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+
+
+SEG = np.array([[1, 1, 1, 2, 2, 2, 2], [3, 3, 3, 3, 3, 3, 3]])
+MASKS = {
+    "none": None,
+    "causal": M.causal(),
+    "window": M.sliding_window(2),
+    "segments&causal": M.segments(SEG) & M.causal(),
+    "prefix": M.prefix_lm(np.array([4, 1])),
+    "fully_masked_rows": M.padding(np.array([0, 3])),  # batch 0 sees no key at all
+}
+
+
+@pytest.mark.parametrize("mask_name", sorted(MASKS))
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1)])
+def test_reference_matches_numpy_loop(mask_name, heads):
+    N, K = heads
+    q, k, v = rand((2, 7, N, 8), 0), rand((2, 7, K, 8), 1), rand((2, 7, K, 8), 2)
+    mask = MASKS[mask_name]
+    out, lse = attention_reference(q, k, v, mask, return_lse=True)
+    want_out, want_lse = numpy_attention(q, k, v, M.dense(mask, 7, 7))
+    np.testing.assert_allclose(out, want_out, atol=1e-5)
+    np.testing.assert_allclose(lse, want_lse, atol=1e-5)
+    assert np.isfinite(np.asarray(out)).all()
+
+
+def test_reference_bias_softcap_scale_and_offsets():
+    q, k, v = rand((1, 5, 4, 8), 3), rand((1, 6, 2, 8), 4), rand((1, 6, 2, 8), 5)
+    bias = rand((1, 4, 5, 6), 6)
+    mask = M.causal()
+    out = attention_reference(q, k, v, mask, bias=bias, scale=0.3, softcap=2.0,
+                              q_offset=1, kv_offset=0)
+    want, _ = numpy_attention(q, k, v, mask.dense(5, 6, q_offset=1), bias=bias, scale=0.3,
+                              softcap=2.0)
+    np.testing.assert_allclose(out, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("mask_name", ["none", "segments&causal", "fully_masked_rows", "window"])
+def test_xla_matches_reference_forward_and_grads(mask_name):
+    q, k, v = rand((2, 7, 6, 16), 7), rand((2, 7, 2, 16), 8), rand((2, 7, 2, 16), 9)
+    mask = MASKS[mask_name]
+    bias = 0.1 * rand((1, 6, 7, 7), 10)
+
+    def loss(impl, q, k, v, bias):
+        out = dot_product_attention(q, k, v, mask, bias=bias, implementation=impl)
+        return jnp.sum(out * jnp.cos(out)), out
+
+    (lr, out_r), g_r = jax.value_and_grad(loss, argnums=(1, 2, 3, 4), has_aux=True)(
+        "reference", q, k, v, bias)
+    (lx, out_x), g_x = jax.value_and_grad(loss, argnums=(1, 2, 3, 4), has_aux=True)(
+        "xla", q, k, v, bias)
+    np.testing.assert_allclose(out_x, out_r, atol=1e-5)
+    for a, b in zip(g_x, g_r):
+        assert np.isfinite(np.asarray(a)).all()
+        np.testing.assert_allclose(a, b, atol=1e-4)
+
+
+def test_fully_masked_rows_give_zero_output_and_zero_grads():
+    q, k, v = rand((2, 4, 2, 8), 11), rand((2, 4, 2, 8), 12), rand((2, 4, 2, 8), 13)
+    mask = M.padding(np.array([0, 4]))
+    for impl in ("reference", "xla"):
+        out = dot_product_attention(q, k, v, mask, implementation=impl)
+        assert np.all(np.asarray(out[0]) == 0)
+        g = jax.grad(lambda q: dot_product_attention(q, k, v, mask, implementation=impl).sum())(q)
+        assert np.isfinite(np.asarray(g)).all() and np.all(np.asarray(g[0]) == 0)
+
+
+def test_gqa_equals_mha_with_repeated_kv():
+    q, k, v = rand((1, 5, 6, 8), 14), rand((1, 5, 2, 8), 15), rand((1, 5, 2, 8), 16)
+    gqa = dot_product_attention(q, k, v, M.causal(), implementation="reference")
+    mha = dot_product_attention(q, jnp.repeat(k, 3, axis=2), jnp.repeat(v, 3, axis=2), M.causal(),
+                                implementation="reference")
+    np.testing.assert_allclose(gqa, mha, atol=1e-6)
+
+
+def test_errors_name_the_problem():
+    q, k = rand((1, 4, 3, 8), 0), rand((1, 4, 2, 8), 1)
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        dot_product_attention(q, k, k)
+    q = rand((1, 4, 4, 8), 0)
+    with pytest.raises(ValueError, match="head dim"):
+        dot_product_attention(q, rand((1, 4, 2, 4), 1), rand((1, 4, 2, 4), 1))
+    with pytest.raises(ValueError, match="soft-cap"):
+        dot_product_attention(q, k, k, softcap=5.0, implementation="xla")
+    with pytest.raises(ValueError, match="allowed"):
+        dot_product_attention(q, k, k, implementation="nope")
+    with pytest.raises(ValueError, match="bias"):
+        dot_product_attention(q, k, k, bias=jnp.zeros((1, 4, 4, 5)))
+    with pytest.raises(ValueError, match="batch"):
+        dot_product_attention(q, k, k, M.padding(np.array([1, 2])))
+    with pytest.raises(TypeError, match="Mask"):
+        dot_product_attention(q, k, k, jnp.ones((1, 4, 4), bool))
+
+
+def test_auto_never_changes_semantics():
+    q, k = rand((1, 4, 4, 8), 0), rand((1, 4, 2, 8), 1)
+    out = dot_product_attention(q, k, k, M.causal(), softcap=3.0)  # auto must honour softcap
+    want = attention_reference(q, k, k, M.causal(), softcap=3.0)
+    np.testing.assert_allclose(out, want, atol=1e-5)

@@ -1,0 +1,66 @@
+"""Decoder-only language model (GPT, Llama, Mistral, Gemma 2, NeoX, BLOOM, ...).
+
+    logits = model(tokens, positions=None, segment_ids=None, prefix_lengths=None)
+
+Causal self-attention over the tokens; `segment_ids` `[B,T]` keep packed
+documents apart (with `positions` restarting per document); in prefix-LM mode
+(`prefix_lm=True`, Raffel et al. 2020 / UniLM) the first `prefix_lengths[b]`
+tokens attend bidirectionally. Layers of kind "local" add a sliding window.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tfjax.config import ModelConfig
+from tfjax.models.stack import (Embedder, LayerStack, build_norm, default_positions, dtype_of,
+                                layer_masks, position_bias)
+from tfjax.nn.positions import T5RelativeBias
+from tfjax.ops import masks as masks_lib
+
+__all__ = ["DecoderLM"]
+
+
+class DecoderLM(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = cfg
+        self.embed = Embedder(cfg, rngs)
+        self.rel_bias = (T5RelativeBias(cfg.num_heads, num_buckets=cfg.t5_num_buckets,
+                                        max_distance=cfg.t5_max_distance, bidirectional=False,
+                                        init_std=cfg.init_std,
+                                        param_dtype=dtype_of(cfg.param_dtype), rngs=rngs)
+                         if cfg.position == "t5" else None)
+        self.layers = LayerStack(cfg, rngs, num_layers=cfg.num_layers)
+        self.final_norm = build_norm(cfg, rngs) if cfg.final_norm else None
+
+    def mask(self, tokens, segment_ids=None, prefix_lengths=None) -> masks_lib.Mask:
+        """The base (global-layer) mask: causal or prefix-LM, within segments."""
+        if self.config.prefix_lm:
+            if prefix_lengths is None:
+                raise ValueError("model.prefix_lm=True: pass prefix_lengths [B] (the number of "
+                                 "bidirectional prefix tokens of each row)")
+            base = masks_lib.prefix_lm(prefix_lengths)
+        else:
+            if prefix_lengths is not None:
+                raise ValueError("prefix_lengths given but model.prefix_lm=False; set "
+                                 "--config.model.prefix_lm=True")
+            base = masks_lib.causal()
+        if segment_ids is not None:
+            base = base & masks_lib.segments(segment_ids)
+        return base
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None, prefix_lengths: jax.Array | None = None):
+        """tokens `[B,T]` int -> logits `[B,T,V]` float32."""
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens must be [B, T] integers, got shape {tokens.shape}")
+        positions = default_positions(tokens) if positions is None else positions
+        masks = layer_masks(self.config, self.mask(tokens, segment_ids, prefix_lengths))
+        bias = position_bias(self.config, self.rel_bias, positions, positions)
+        x = self.embed(tokens, positions)
+        x = self.layers(x, masks=masks, bias=bias, positions=positions)
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        return self.embed.logits(x)

@@ -1,0 +1,91 @@
+"""Encoder-decoder (the original Transformer, Vaswani et al. 2017; T5, Raffel et al. 2020).
+
+    logits = model(encoder_tokens, decoder_tokens, encoder_segment_ids=None,
+                   decoder_segment_ids=None)                       # [B, T, V]
+    encoded = model.encode(encoder_tokens, ...)                    # [B, S, D]
+    logits  = model.decode(decoder_tokens, encoded, ...)
+
+One token embedding is shared by the encoder, the decoder and (tied) the output.
+The decoder's blocks add cross-attention over the encoder output. Segment ids
+(`[B,S]`, `[B,T]`; 0 = padding by convention) pair decoder tokens with the encoder
+tokens of the same segment; given encoder ids only, the decoder ids default to 1
+(one example per row, whose encoder padding is segment 0). T5's relative bias
+has one table for the encoder (bidirectional) and one for the decoder (causal);
+cross-attention has none.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tfjax.config import ModelConfig
+from tfjax.models.stack import (Embedder, LayerStack, build_norm, default_positions, dtype_of,
+                                layer_masks, position_bias)
+from tfjax.nn.positions import T5RelativeBias
+from tfjax.ops import masks as masks_lib
+
+__all__ = ["EncoderDecoderModel"]
+
+
+class EncoderDecoderModel(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = cfg
+        self.embed = Embedder(cfg, rngs)
+
+        def rel_bias(bidirectional):
+            if cfg.position != "t5":
+                return None
+            return T5RelativeBias(cfg.num_heads, num_buckets=cfg.t5_num_buckets,
+                                  max_distance=cfg.t5_max_distance, bidirectional=bidirectional,
+                                  init_std=cfg.init_std, param_dtype=dtype_of(cfg.param_dtype),
+                                  rngs=rngs)
+
+        self.encoder_rel_bias, self.decoder_rel_bias = rel_bias(True), rel_bias(False)
+        self.encoder = LayerStack(cfg, rngs, num_layers=cfg.encoder_layers)
+        self.decoder = LayerStack(cfg, rngs, num_layers=cfg.num_layers, cross=True)
+        final = cfg.final_norm and cfg.norm_placement != "post"
+        self.encoder_norm = build_norm(cfg, rngs) if final else None
+        self.decoder_norm = build_norm(cfg, rngs) if final else None
+
+    def encode(self, encoder_tokens, encoder_segment_ids=None, encoder_positions=None):
+        if encoder_tokens.ndim != 2:
+            raise ValueError(f"encoder_tokens must be [B, S] integers, got {encoder_tokens.shape}")
+        positions = (default_positions(encoder_tokens) if encoder_positions is None
+                     else encoder_positions)
+        base = None if encoder_segment_ids is None else masks_lib.segments(encoder_segment_ids)
+        masks = layer_masks(self.config, base, bidirectional=True)
+        bias = position_bias(self.config, self.encoder_rel_bias, positions, positions)
+        x = self.embed(encoder_tokens, positions)
+        x = self.encoder(x, masks=masks, bias=bias, positions=positions)
+        return x if self.encoder_norm is None else self.encoder_norm(x)
+
+    def decode(self, decoder_tokens, encoded, encoder_segment_ids=None, decoder_segment_ids=None,
+               decoder_positions=None):
+        if decoder_tokens.ndim != 2:
+            raise ValueError(f"decoder_tokens must be [B, T] integers, got {decoder_tokens.shape}")
+        positions = (default_positions(decoder_tokens) if decoder_positions is None
+                     else decoder_positions)
+        if encoder_segment_ids is not None and decoder_segment_ids is None:
+            decoder_segment_ids = jnp.ones(decoder_tokens.shape, jnp.int32)
+        base = masks_lib.causal()
+        cross = None
+        if decoder_segment_ids is not None:
+            base = base & masks_lib.segments(decoder_segment_ids)
+        if encoder_segment_ids is not None:
+            cross = masks_lib.segments(decoder_segment_ids, encoder_segment_ids)
+        masks = layer_masks(self.config, base)
+        bias = position_bias(self.config, self.decoder_rel_bias, positions, positions)
+        x = self.embed(decoder_tokens, positions)
+        x = self.decoder(x, masks=masks, bias=bias, positions=positions, context=encoded,
+                         context_mask=cross)
+        if self.decoder_norm is not None:
+            x = self.decoder_norm(x)
+        return self.embed.logits(x)
+
+    def __call__(self, encoder_tokens, decoder_tokens, encoder_segment_ids=None,
+                 decoder_segment_ids=None, encoder_positions=None, decoder_positions=None):
+        encoded = self.encode(encoder_tokens, encoder_segment_ids, encoder_positions)
+        return self.decode(decoder_tokens, encoded, encoder_segment_ids, decoder_segment_ids,
+                           decoder_positions)

@@ -1,0 +1,116 @@
+"""Multi-head attention (Vaswani et al. 2017) with grouped / multi-query heads.
+
+One module serves MHA (K = N), GQA (Ainslie et al. 2023, 1 < K < N) and MQA
+(Shazeer 2019, K = 1), self- and cross-attention. Design choices:
+
+- Projections are einsums over explicit head axes (`BTD,DNH->BTNH`), so
+  parameters carry logical names per axis ("embed", "heads", "kv_heads",
+  "head_dim") and tensor parallelism splits heads with a rules change.
+- K/V are projected to K heads only and never repeated: the attention op groups
+  the N query heads as [K, G] (the kv head of query head n is n // G).
+- Optional QK-norm (Dehghani et al. 2023; OLMo 2, Qwen3) normalises q and k per
+  head over H before RoPE; soft-capping (Gemma 2) and a scale override
+  (Gemma's query_pre_attn_scalar, T5's unscaled logits) pass to the op.
+- The attention itself is `tfjax.ops.dot_product_attention`: the layer never
+  chooses a kernel, `implementation` does (default "auto").
+- `project(...)` and `attend(...)` are separate so a KV cache can sit between
+  them (the inference code stores k, v after RoPE).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tfjax.nn.norms import make_norm
+from tfjax.nn.positions import RotaryEmbedding
+from tfjax.ops import dot_product_attention
+from tfjax.ops.masks import Mask
+from tfjax.parallel.sharding import shard, with_logical_axes
+from tfjax.typing import DType
+
+__all__ = ["MultiHeadAttention"]
+
+
+class MultiHeadAttention(nnx.Module):
+    """`x [B,T,D]` (and `context [B,S,Dc]` for cross-attention) -> `[B,T,D]`."""
+
+    def __init__(self, d_model: int, num_heads: int, *, num_kv_heads: int | None = None,
+                 head_dim: int | None = None, context_dim: int | None = None,
+                 qkv_bias: bool = False, out_bias: bool = False, qk_norm: bool = False,
+                 qk_norm_kind: str = "rmsnorm", norm_eps: float = 1e-6,
+                 scale: float | None = None, softcap: float | None = None,
+                 rope: RotaryEmbedding | None = None, implementation: str = "auto",
+                 dtype: DType = jnp.float32, param_dtype: DType = jnp.float32,
+                 init_std: float = 0.02, out_init_std: float | None = None, rngs: nnx.Rngs):
+        K = num_kv_heads or num_heads
+        if num_heads % K:
+            raise ValueError(f"num_kv_heads={K} must divide num_heads={num_heads}")
+        H = head_dim or d_model // num_heads
+        if not head_dim and d_model % num_heads:
+            raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}; "
+                             "pass head_dim")
+        Dc = context_dim or d_model
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, K, H
+        self.scale = H ** -0.5 if scale is None else scale
+        self.softcap = softcap or None
+        self.rope = rope
+        self.implementation = implementation
+        normal = nnx.initializers.normal(init_std)
+        out_normal = nnx.initializers.normal(init_std if out_init_std is None else out_init_std)
+        zeros = nnx.initializers.zeros_init()
+
+        def proj(spec, shape, names, bias_names, init, use_bias):
+            return nnx.Einsum(spec, shape, shape[-len(bias_names):] if use_bias else None,
+                              dtype=dtype, param_dtype=param_dtype,
+                              kernel_init=with_logical_axes(init, names),
+                              bias_init=with_logical_axes(zeros, bias_names), rngs=rngs)
+
+        self.q = proj("BTD,DNH->BTNH", (d_model, num_heads, H), ("embed", "heads", "head_dim"),
+                      ("heads", "head_dim"), normal, qkv_bias)
+        self.k = proj("BSD,DKH->BSKH", (Dc, K, H), ("embed", "kv_heads", "head_dim"),
+                      ("kv_heads", "head_dim"), normal, qkv_bias)
+        self.v = proj("BSD,DKH->BSKH", (Dc, K, H), ("embed", "kv_heads", "head_dim"),
+                      ("kv_heads", "head_dim"), normal, qkv_bias)
+        self.o = proj("BTNH,NHD->BTD", (num_heads, H, d_model), ("heads", "head_dim", "embed"),
+                      ("embed",), out_normal, out_bias)
+        if qk_norm:
+            self.q_norm = make_norm(qk_norm_kind, H, eps=norm_eps, dtype=dtype,
+                                    param_dtype=param_dtype, rngs=rngs)
+            self.k_norm = make_norm(qk_norm_kind, H, eps=norm_eps, dtype=dtype,
+                                    param_dtype=param_dtype, rngs=rngs)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def project(self, x, context=None, *, positions=None, kv_positions=None):
+        """q `[B,T,N,H]`, k/v `[B,S,K,H]` after QK-norm and RoPE."""
+        context = x if context is None else context
+        q = shard(self.q(x), ("batch", "length", "heads", "head_dim"))
+        k = shard(self.k(context), ("batch", "length", "kv_heads", "head_dim"))
+        v = shard(self.v(context), ("batch", "length", "kv_heads", "head_dim"))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope is not None:
+            if positions is None:
+                positions = _default_positions(x)
+            if kv_positions is None:
+                kv_positions = positions if context is x else _default_positions(context)
+            q, k = self.rope(q, positions), self.rope(k, kv_positions)
+        return q, k, v
+
+    def attend(self, q, k, v, mask: Mask | None = None, bias=None, *, q_offset=0, kv_offset=0):
+        out = dot_product_attention(q, k, v, mask, bias=bias, scale=self.scale,
+                                    softcap=self.softcap, implementation=self.implementation,
+                                    q_offset=q_offset, kv_offset=kv_offset)  # [B, T, N, H]
+        return shard(self.o(out), ("batch", "length", "embed"))
+
+    def __call__(self, x, context=None, *, mask: Mask | None = None, bias=None, positions=None,
+                 kv_positions=None):
+        q, k, v = self.project(x, context, positions=positions, kv_positions=kv_positions)
+        return self.attend(q, k, v, mask, bias)
+
+
+def _default_positions(x: jax.Array) -> jax.Array:
+    B, T = x.shape[:2]
+    return jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))

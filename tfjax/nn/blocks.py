@@ -1,0 +1,88 @@
+"""Transformer blocks: sequential or parallel, with pre-, post- or sandwich norm.
+
+    pre       x = x + f(norm(x))                      (GPT-2, Llama; Xiong et al. 2020)
+    post      x = norm(x + f(x))                      (the original Transformer, BERT)
+    sandwich  x = x + post_norm(f(pre_norm(x)))       (Gemma 2; Ding et al. 2021)
+    parallel  x = x + attn(n1(x)) + ffn(n2(x))        (GPT-J, PaLM with n1 = n2; NeoX two norms)
+
+for f in self-attention, cross-attention (decoder of an encoder-decoder) and the
+feed-forward. The block is composed from built submodules (the model file maps
+the config to them), so it knows nothing of configs. Residual dropout, when a
+rate is set, drops each sublayer's output before it joins the residual stream.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+from flax import nnx
+
+from tfjax.registry import Registry
+
+__all__ = ["BLOCKS", "LAYER_KINDS", "TransformerBlock"]
+
+BLOCKS: Registry[str] = Registry("block")
+BLOCKS.register("sequential", "attention then feed-forward, each with its own residual")
+BLOCKS.register("parallel", "attention and feed-forward read the same input (PaLM, GPT-J, NeoX)")
+
+# What a layer of the per-layer pattern is (model.layer_pattern cycles over these).
+LAYER_KINDS: Registry[str] = Registry("layer kind")
+LAYER_KINDS.register("global", "full attention under the model's mask")
+LAYER_KINDS.register("local", "sliding-window attention of model.sliding_window keys back")
+
+PLACEMENTS = ("pre", "post", "sandwich")
+
+
+class TransformerBlock(nnx.Module):
+    """One layer. `make_norm()` builds a fresh norm (called once per norm needed)."""
+
+    def __init__(self, *, attn: nnx.Module, ffn: nnx.Module, make_norm: Callable[[], nnx.Module],
+                 cross_attn: nnx.Module | None = None, placement: str = "pre",
+                 parallel: bool = False, parallel_shared_norm: bool = True,
+                 dropout_rate: float = 0.0, rngs: nnx.Rngs | None = None):
+        if placement not in PLACEMENTS:
+            raise ValueError(f"norm_placement={placement!r}; allowed: {', '.join(PLACEMENTS)}")
+        if parallel and placement != "pre":
+            raise ValueError(f"a parallel block needs norm_placement='pre', got {placement!r}")
+        if parallel and cross_attn is not None:
+            raise ValueError("a parallel block has no cross-attention; use block='sequential'")
+        self.placement, self.parallel = placement, parallel
+        self.attn, self.ffn, self.cross_attn = attn, ffn, cross_attn
+        self.attn_norm = make_norm()
+        self.ffn_norm = None if parallel and parallel_shared_norm else make_norm()
+        self.cross_norm = make_norm() if cross_attn is not None else None
+        sandwich = placement == "sandwich"
+        self.post_attn_norm = make_norm() if sandwich else None
+        self.post_ffn_norm = make_norm() if sandwich else None
+        self.post_cross_norm = make_norm() if sandwich and cross_attn is not None else None
+        self.dropout = nnx.Dropout(dropout_rate, rngs=rngs) if dropout_rate > 0 else None
+
+    def _drop(self, y):
+        return y if self.dropout is None else self.dropout(y)
+
+    def _sublayer(self, x, f, norm, post_norm):
+        if self.placement == "post":
+            return norm(x + self._drop(f(x)))
+        y = f(norm(x))
+        if post_norm is not None:
+            y = post_norm(y)
+        return x + self._drop(y)
+
+    def __call__(self, x: jax.Array, *, mask=None, bias=None, positions=None,
+                 context=None, context_mask=None, context_bias=None, context_positions=None):
+        """x `[B,T,D]`; `context [B,S,D]` is the encoder output for cross-attention."""
+        attn = lambda h: self.attn(h, mask=mask, bias=bias, positions=positions)  # noqa: E731
+        if self.parallel:
+            h = self.attn_norm(x)
+            h2 = h if self.ffn_norm is None else self.ffn_norm(x)
+            return x + self._drop(attn(h)) + self._drop(self.ffn(h2))
+        x = self._sublayer(x, attn, self.attn_norm, self.post_attn_norm)
+        if self.cross_attn is not None:
+            if context is None:
+                raise ValueError("this block has cross-attention: pass context (the encoder output)")
+            cross = lambda h: self.cross_attn(h, context, mask=context_mask,  # noqa: E731
+                                              bias=context_bias, positions=positions,
+                                              kv_positions=context_positions)
+            x = self._sublayer(x, cross, self.cross_norm, self.post_cross_norm)
+        return self._sublayer(x, self.ffn, self.ffn_norm, self.post_ffn_norm)

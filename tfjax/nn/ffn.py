@@ -1,0 +1,115 @@
+"""Position-wise feed-forward block, plain or gated.
+
+- Plain (Vaswani et al. 2017): `wo(act(wi(x)))`.
+- Gated linear units (Dauphin et al. 2017; Shazeer 2020, "GLU Variants Improve
+  Transformer", arXiv:2002.05202): `wo(act(wi_gate(x)) * wi_up(x))`, giving
+  ReGLU, GEGLU and SwiGLU.
+
+Design choices:
+- The activation name alone decides whether the block is gated: `ACTIVATIONS`
+  maps a name to `(fn, gated)`, so a config cannot ask for a gated activation
+  with an ungated layout.
+- Gated blocks keep two separate input projections `wi_gate` and `wi_up`
+  rather than one fused `[D, 2F]` kernel: checkpoints (LLaMA, Gemma, T5 v1.1)
+  store them separately, and each then shards on "mlp" without a split.
+- "gelu" is the exact erf form and "gelu_tanh" the tanh approximation (what
+  GPT-2 and Gemma call gelu); they differ by up to ~5e-4, enough to matter in
+  checkpoint parity, so both are named explicitly.
+- Projections are Flax's `nnx.Linear`, with logical axes ("embed", "mlp") on
+  the input kernels and ("mlp", "embed") on the output kernel.
+- `out_init_std` lets the output projection use a smaller init (GPT-2's
+  0.02 / sqrt(2 L) residual scaling), which only the caller knows.
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tfjax.parallel.sharding import with_logical_axes
+from tfjax.registry import Registry
+from tfjax.typing import Array, DType, Float
+
+Activation = Callable[[jax.Array], jax.Array]
+
+ACTIVATIONS: Registry[tuple[Activation, bool]] = Registry("activation")
+
+_gelu_exact = functools.partial(jax.nn.gelu, approximate=False)
+_gelu_tanh = functools.partial(jax.nn.gelu, approximate=True)
+
+ACTIVATIONS.register("relu", (jax.nn.relu, False))
+ACTIVATIONS.register("gelu", (_gelu_exact, False))
+ACTIVATIONS.register("gelu_tanh", (_gelu_tanh, False))
+ACTIVATIONS.register("silu", (jax.nn.silu, False))
+ACTIVATIONS.register("reglu", (jax.nn.relu, True))
+ACTIVATIONS.register("geglu", (_gelu_exact, True))
+ACTIVATIONS.register("geglu_tanh", (_gelu_tanh, True))
+ACTIVATIONS.register("swiglu", (jax.nn.silu, True))
+
+
+class FeedForward(nnx.Module):
+    """`[B, T, D] -> [B, T, D]` through a hidden layer of width F.
+
+    Submodules: `wi` (ungated) or `wi_gate` and `wi_up` (gated), then `wo`.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        *,
+        activation: str = "gelu",
+        use_bias: bool = True,
+        dtype: DType = jnp.float32,
+        param_dtype: DType = jnp.float32,
+        init_std: float = 0.02,
+        out_init_std: float | None = None,
+        rngs: nnx.Rngs,
+    ):
+        _, self.gated = ACTIVATIONS.get(activation, field="activation")
+        for field, value in (("d_model", d_model), ("d_ff", d_ff)):
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{field} must be a positive int, got {value!r}")
+        for field, value in (("init_std", init_std), ("out_init_std", out_init_std)):
+            if value is not None and value < 0:
+                raise ValueError(f"{field} must be >= 0, got {value!r}")
+        self.activation = activation
+        out_std = init_std if out_init_std is None else out_init_std
+
+        def linear(d_in: int, d_out: int, std: float, axes: tuple[str, str]) -> nnx.Linear:
+            kernel_init = nnx.initializers.normal(std)
+            bias_init = nnx.initializers.zeros_init()
+            return nnx.Linear(
+                d_in,
+                d_out,
+                use_bias=use_bias,
+                dtype=dtype,
+                param_dtype=param_dtype,
+                kernel_init=with_logical_axes(kernel_init, axes),
+                bias_init=with_logical_axes(bias_init, axes[1:]),
+                rngs=rngs,
+            )
+
+        if self.gated:
+            self.wi_gate = linear(d_model, d_ff, init_std, ("embed", "mlp"))
+            self.wi_up = linear(d_model, d_ff, init_std, ("embed", "mlp"))
+        else:
+            self.wi = linear(d_model, d_ff, init_std, ("embed", "mlp"))
+        self.wo = linear(d_ff, d_model, out_std, ("mlp", "embed"))
+
+    def __call__(self, x: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
+        # Looked up by name so the graph's static data holds a string, not a function.
+        act, _ = ACTIVATIONS.get(self.activation)
+        if self.gated:
+            h = act(self.wi_gate(x)) * self.wi_up(x)  # [B, T, F]
+        else:
+            h = act(self.wi(x))  # [B, T, F]
+        return self.wo(h)
+
+
+__all__ = ["ACTIVATIONS", "Activation", "FeedForward"]

@@ -1,0 +1,189 @@
+"""Normalisation layers, chosen by name through the `NORMS` registry.
+
+- "layernorm": LayerNorm (Ba, Kiros & Hinton 2016, arXiv:1607.06450), learned
+  scale and optional bias.
+- "rmsnorm": RMSNorm (Zhang & Sennrich 2019, arXiv:1910.07467), learned scale
+  initialised to 1, never a bias.
+- "rmsnorm_plus_one": Gemma's RMSNorm (Gemma Team 2024), which stores `w` and
+  scales by `(1 + w)` with `w` initialised to 0, so checkpoints that use this
+  layout load without rewriting the weights.
+
+Design choices:
+- Flax's own `nnx.LayerNorm` / `nnx.RMSNorm` do the work; we only fix the
+  numerics and attach logical axis names ("norm") to the parameters.
+- Whatever the compute `dtype`, the input and parameters are upcast to float32
+  (at least) before the statistics, the normalisation, the scale and the bias;
+  the result is cast to `dtype` once at the end. Half-precision statistics lose
+  most of their mantissa on long reductions, and a second rounding between
+  normalise and scale buys nothing.
+- LayerNorm uses the two-pass variance E[(x - E[x])^2], not the one-pass
+  E[x^2] - E[x]^2 that Flax defaults to: the residual stream can carry a large
+  mean, and the one-pass form cancels catastrophically there.
+- RMSNorm variants accept `use_bias` so every kind shares one signature, and
+  ignore it: they have no bias by definition.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import jax.numpy as jnp
+from flax import nnx
+
+from tfjax.parallel.sharding import with_logical_axes
+from tfjax.registry import Registry
+from tfjax.typing import Array, DType, Float
+
+NORM_AXES = ("norm",)
+
+
+def _annotated(init: Any) -> Any:
+    return with_logical_axes(init, NORM_AXES)
+
+
+class NormBuilder(Protocol):
+    def __call__(
+        self,
+        dim: int,
+        *,
+        eps: float = 1e-5,
+        use_bias: bool = True,
+        dtype: DType = jnp.float32,
+        param_dtype: DType = jnp.float32,
+        rngs: nnx.Rngs,
+    ) -> nnx.Module: ...
+
+
+NORMS: Registry[NormBuilder] = Registry("norm")
+
+
+def _promote_to_float32(args: tuple[Any, ...], *, dtype: DType = None) -> tuple[Any, ...]:
+    """Flax `promote_dtype` hook: compute in at least float32, whatever `dtype`.
+
+    Flax casts the result to `dtype` itself, so the output dtype is unchanged.
+    float64 (x64 mode) is kept, never narrowed.
+    """
+    del dtype
+    return tuple(
+        None if a is None else jnp.asarray(a, jnp.promote_types(jnp.result_type(a), jnp.float32))
+        for a in args
+    )
+
+
+@NORMS.register("layernorm")
+def layer_norm(
+    dim: int,
+    *,
+    eps: float = 1e-5,
+    use_bias: bool = True,
+    dtype: DType = jnp.float32,
+    param_dtype: DType = jnp.float32,
+    rngs: nnx.Rngs,
+) -> nnx.LayerNorm:
+    return nnx.LayerNorm(
+        dim,
+        epsilon=eps,
+        use_bias=use_bias,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        scale_init=_annotated(nnx.initializers.ones_init()),
+        bias_init=_annotated(nnx.initializers.zeros_init()),
+        use_fast_variance=False,
+        promote_dtype=_promote_to_float32,
+        rngs=rngs,
+    )
+
+
+@NORMS.register("rmsnorm")
+def rms_norm(
+    dim: int,
+    *,
+    eps: float = 1e-5,
+    use_bias: bool = True,
+    dtype: DType = jnp.float32,
+    param_dtype: DType = jnp.float32,
+    rngs: nnx.Rngs,
+) -> nnx.RMSNorm:
+    del use_bias  # RMSNorm has no bias; accepted so all kinds share one signature.
+    return nnx.RMSNorm(
+        dim,
+        epsilon=eps,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        scale_init=_annotated(nnx.initializers.ones_init()),
+        promote_dtype=_promote_to_float32,
+        rngs=rngs,
+    )
+
+
+class RMSNormPlusOne(nnx.Module):
+    """RMSNorm whose learned parameter `scale` is stored as an offset from 1.
+
+    y = x / sqrt(mean(x^2) + eps) * (1 + scale), computed in float32, cast to
+    `dtype`. `scale` starts at 0, so a fresh layer is plain RMS normalisation.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        *,
+        eps: float = 1e-5,
+        dtype: DType = jnp.float32,
+        param_dtype: DType = jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        init = _annotated(nnx.initializers.zeros_init())
+        self.scale = nnx.Param(init(rngs.params(), (dim,), param_dtype))
+        # Flax's RMSNorm without a scale does the normalisation; its output stays
+        # float32 so that (1 + scale) is applied before the one cast to `dtype`.
+        self.norm = nnx.RMSNorm(
+            dim,
+            epsilon=eps,
+            use_scale=False,
+            dtype=jnp.float32,
+            param_dtype=param_dtype,
+            promote_dtype=_promote_to_float32,
+            rngs=rngs,
+        )
+        self.dtype = dtype
+
+    def __call__(self, x: Float[Array, "... D"]) -> Float[Array, "... D"]:
+        y = self.norm(x)  # float32 (or float64 under x64)
+        (scale,) = _promote_to_float32((self.scale[...],))
+        return jnp.asarray(y * (1.0 + scale), self.dtype)
+
+
+@NORMS.register("rmsnorm_plus_one")
+def rms_norm_plus_one(
+    dim: int,
+    *,
+    eps: float = 1e-5,
+    use_bias: bool = True,
+    dtype: DType = jnp.float32,
+    param_dtype: DType = jnp.float32,
+    rngs: nnx.Rngs,
+) -> RMSNormPlusOne:
+    del use_bias  # as for "rmsnorm"
+    return RMSNormPlusOne(dim, eps=eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+
+def make_norm(
+    kind: str,
+    dim: int,
+    *,
+    eps: float = 1e-5,
+    use_bias: bool = True,
+    dtype: DType = jnp.float32,
+    param_dtype: DType = jnp.float32,
+    rngs: nnx.Rngs,
+) -> nnx.Module:
+    """Builds the norm named `kind` over the last axis: `norm(x [..., D]) -> [..., D]` in `dtype`.
+
+    Raises ValueError naming the field ("norm") and the allowed kinds if `kind`
+    is unknown.
+    """
+    builder = NORMS.get(kind, field="norm")
+    return builder(dim, eps=eps, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+
+__all__ = ["NORMS", "RMSNormPlusOne", "make_norm"]

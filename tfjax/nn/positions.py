@@ -1,0 +1,433 @@
+"""Position encodings: sinusoidal, learned, rotary (with context-extension scalings),
+ALiBi and T5 relative bias.
+
+Papers:
+  sinusoidal   Vaswani et al. 2017, "Attention Is All You Need" (sin/cos interleaved).
+  learned      Radford et al. 2018 / Devlin et al. 2019 (a trained [max_len, D] table).
+  RoPE         Su et al. 2021, "RoFormer"; partial rotary as GPT-NeoX (Black et al. 2022).
+  scalings     linear: Chen et al. 2023 (position interpolation); ntk: bloc97 2023
+               (NTK-aware base change); dynamic_ntk: emozilla 2023 (as HF transformers);
+               yarn: Peng et al. 2023 ("YaRN"); llama3: Meta 2024 (Llama 3.1 recipe).
+  ALiBi        Press et al. 2022, "Train Short, Test Long".
+  T5 bias      Raffel et al. 2020, bucketing as mesh-tensorflow's `_relative_position_bucket`.
+
+Design choices:
+  * `POSITIONS` maps a config name to where the encoding acts: "embedding" (added to
+    the token embeddings), "rotary" (applied to q and k) or "bias" (added to the
+    attention logits, [B, N, T, S]), so a model needs no second dispatch table.
+  * `RotaryEmbedding` is a frozen, hashable dataclass, not a Module: it has no
+    parameters and lives as a static attribute of attention modules. Frequencies are
+    recomputed per call (constant-folded under jit), so nothing is cached on it.
+  * RoPE runs in float32 and casts back: bf16 angles lose whole radians at long
+    positions. Frequencies follow HF transformers' formulas so imported checkpoints
+    (Llama 3.x, YaRN, NeoX partial rotary) see the rotations they were trained with.
+  * Biases are computed from explicit q/kv positions (not T, S), so packed
+    sequences, KV-cache decoding and ring-attention shards all get the right offsets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from tfjax.parallel.sharding import with_logical_axes
+from tfjax.registry import Registry
+
+__all__ = [
+    "POSITIONS",
+    "ROPE_SCALINGS",
+    "LearnedPositions",
+    "RotaryEmbedding",
+    "T5RelativeBias",
+    "alibi_bias",
+    "alibi_slopes",
+    "relative_position_bucket",
+    "sinusoidal_embedding",
+]
+
+# Name -> where the encoding acts: "none" | "embedding" | "rotary" | "bias".
+POSITIONS: Registry[str] = Registry("position")
+POSITIONS.register("none", "none")
+POSITIONS.register("sinusoidal", "embedding")
+POSITIONS.register("learned", "embedding")
+POSITIONS.register("rope", "rotary")
+POSITIONS.register("alibi", "bias")
+POSITIONS.register("t5", "bias")
+
+# Name -> fn(rope, seq_len) -> inv_freq [rotary_dim // 2] (float32).
+ROPE_SCALINGS: Registry[Callable[["RotaryEmbedding", jax.Array | int | None], jax.Array]] = (
+    Registry("rope scaling"))
+
+ROPE_LAYOUTS = ("half", "interleaved")
+
+
+# ----------------------------------------------------------------------------- sinusoidal
+
+
+def sinusoidal_embedding(
+    positions: Int[Array, "B T"],
+    dim: int,
+    *,
+    max_timescale: float = 10000.0,
+    dtype=jnp.float32,
+) -> Float[Array, "B T D"]:
+    """PE(pos, 2i) = sin(pos / max_timescale^(2i/dim)), PE(pos, 2i+1) = cos(same).
+
+    Interleaved as the paper writes it (tensor2tensor concatenates [sin, cos] instead).
+    """
+    if dim <= 0 or dim % 2:
+        raise ValueError(f"dim must be a positive even number (sin/cos pairs), got {dim}")
+    # Angles in float32 whatever `dtype` is: pos / timescale needs the mantissa.
+    exponent = jnp.arange(0, dim, 2, dtype=jnp.float32) / dim  # [D/2] = 2i/d
+    inv_timescale = 1.0 / (max_timescale ** exponent)
+    angles = jnp.asarray(positions, jnp.float32)[..., None] * inv_timescale  # [B, T, D/2]
+    pe = jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1)  # [B, T, D/2, 2]
+    return pe.reshape(*angles.shape[:-1], dim).astype(dtype)
+
+
+# ----------------------------------------------------------------------------- learned
+
+
+class LearnedPositions(nnx.Module):
+    """A trained table of absolute position embeddings, [max_len, D]."""
+
+    def __init__(
+        self,
+        max_len: int,
+        dim: int,
+        *,
+        init_std: float = 0.02,
+        param_dtype=jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        if max_len <= 0:
+            raise ValueError(f"max_len must be positive, got {max_len}")
+        if dim <= 0:
+            raise ValueError(f"dim must be positive, got {dim}")
+        self.max_len = max_len
+        self.dim = dim
+        init = with_logical_axes(nnx.initializers.normal(init_std), ("max_len", "embed"))
+        self.embedding = nnx.Param(init(rngs.params(), (max_len, dim), param_dtype))
+
+    def __call__(self, positions: Int[Array, "B T"]) -> Float[Array, "B T D"]:
+        if positions.shape[-1] > self.max_len:
+            raise ValueError(
+                f"sequence length {positions.shape[-1]} exceeds max_len={self.max_len} of the "
+                "learned position table; raise max_len or use a relative encoding")
+        # mode="fill": a traced position >= max_len gives NaN instead of silently
+        # reusing the last row (which is what clipping gathers would do).
+        return jnp.take(self.embedding[...], positions, axis=0, mode="fill")
+
+
+# ----------------------------------------------------------------------------- rotary
+
+
+@dataclasses.dataclass(frozen=True)
+class RotaryEmbedding:
+    """Rotary position embedding of the first `rotary_dim` dims of each head.
+
+    layout "half" pairs (x[i], x[i + r/2]) (GPT-NeoX, Llama, HF); "interleaved" pairs
+    (x[2i], x[2i+1]) (GPT-J, the paper). `scaling` names an entry of ROPE_SCALINGS;
+    `factor` is the context-extension factor s, `original_max_len` the pre-training
+    context. beta_fast/beta_slow/mscale are YaRN's, low/high_freq_factor llama3's.
+    """
+
+    head_dim: int
+    theta: float = 10000.0
+    fraction: float = 1.0
+    layout: str = "half"
+    scaling: str = "none"
+    factor: float = 1.0
+    original_max_len: int = 2048
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+
+    def __post_init__(self):
+        if self.head_dim <= 0:
+            raise ValueError(f"head_dim must be positive, got {self.head_dim}")
+        if not self.theta > 0:
+            raise ValueError(f"theta must be positive, got {self.theta}")
+        if not 0.0 < self.fraction <= 1.0:
+            raise ValueError(f"fraction must be in (0, 1], got {self.fraction}")
+        rotary = self.fraction * self.head_dim
+        # round(), not int(): 0.29 * 100 == 28.999999999999996 must mean 29 (then rejected
+        # as odd), not a silent 28.
+        if abs(rotary - round(rotary)) > 1e-6 or round(rotary) % 2 or round(rotary) == 0:
+            raise ValueError(
+                f"fraction: rotary dims = fraction * head_dim = {self.fraction} * {self.head_dim}"
+                f" = {rotary:g} must be a positive even integer")
+        if self.layout not in ROPE_LAYOUTS:
+            raise ValueError(f"unknown layout={self.layout!r}; allowed: {', '.join(ROPE_LAYOUTS)}")
+        ROPE_SCALINGS.get(self.scaling, field="scaling")
+        if not self.factor >= 1.0:
+            raise ValueError(
+                f"factor must be >= 1 (the context extension factor), got {self.factor}")
+        if self.original_max_len <= 0:
+            raise ValueError(f"original_max_len must be positive, got {self.original_max_len}")
+        if self.scaling in ("ntk", "dynamic_ntk") and self.rotary_dim <= 2:
+            # The NTK exponent d / (d - 2) is undefined for a single rotated pair.
+            raise ValueError(f"fraction: scaling={self.scaling!r} needs rotary dims > 2, "
+                             f"got {self.rotary_dim}")
+        if self.scaling == "yarn" and not self.beta_fast > self.beta_slow > 0:
+            raise ValueError(f"beta_fast must be > beta_slow > 0 for yarn, got "
+                             f"beta_fast={self.beta_fast}, beta_slow={self.beta_slow}")
+        if self.scaling == "llama3" and not self.high_freq_factor > self.low_freq_factor > 0:
+            raise ValueError(f"high_freq_factor must be > low_freq_factor > 0 for llama3, got "
+                             f"high_freq_factor={self.high_freq_factor}, "
+                             f"low_freq_factor={self.low_freq_factor}")
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(round(self.fraction * self.head_dim))
+
+    @property
+    def attention_factor(self) -> float:
+        """Multiplier on cos and sin: YaRN's temperature 0.1 * mscale * ln(s) + 1, else 1."""
+        if self.scaling == "yarn" and self.factor > 1.0:
+            return 0.1 * self.mscale * math.log(self.factor) + 1.0
+        return 1.0
+
+    def inv_freq(self, seq_len: jax.Array | int | None = None) -> Float[Array, " R"]:
+        """Angular frequency of each rotated pair, [rotary_dim // 2], float32.
+
+        `seq_len` (may be traced) is the current length, used only by dynamic_ntk.
+        """
+        return ROPE_SCALINGS.get(self.scaling, field="scaling")(self, seq_len)
+
+    def __call__(
+        self, x: Float[Array, "B T N H"], positions: Int[Array, "B T"]
+    ) -> Float[Array, "B T N H"]:
+        if x.shape[-1] != self.head_dim:
+            raise ValueError(f"head_dim={self.head_dim} but x has last dim {x.shape[-1]} "
+                             f"(x.shape={x.shape}, expected [B, T, N, H])")
+        if positions.ndim != x.ndim - 2:
+            raise ValueError(f"positions must be [B, T] for x [B, T, N, H]; got positions "
+                             f"{positions.shape} and x {x.shape}")
+        r = self.rotary_dim
+        # dynamic_ntk grows the base with the longest position in the batch, as HF does.
+        seq_len = jnp.max(positions) + 1 if self.scaling == "dynamic_ntk" else None
+        inv_freq = self.inv_freq(seq_len)  # [R/2]
+        angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, R/2]
+        cos = (jnp.cos(angles) * self.attention_factor)[..., None, :]  # [B, T, 1, R/2]
+        sin = (jnp.sin(angles) * self.attention_factor)[..., None, :]
+
+        xf = x.astype(jnp.float32)
+        x_rot, x_pass = xf[..., :r], xf[..., r:]
+        if self.layout == "half":
+            x1, x2 = x_rot[..., : r // 2], x_rot[..., r // 2:]
+        else:
+            pairs = x_rot.reshape(*x_rot.shape[:-1], r // 2, 2)
+            x1, x2 = pairs[..., 0], pairs[..., 1]
+        # (x1 + i x2) * e^{i angle}
+        y1 = x1 * cos - x2 * sin
+        y2 = x2 * cos + x1 * sin
+        if self.layout == "half":
+            y = jnp.concatenate([y1, y2], axis=-1)
+        else:
+            y = jnp.stack([y1, y2], axis=-1).reshape(x_rot.shape)
+        return jnp.concatenate([y, x_pass], axis=-1).astype(x.dtype)
+
+
+def _inv_freq_from_base(base, dim: int) -> jax.Array:
+    # 1 / base^(2i/d), i < d/2 -- the shared form, so scalings that change only the
+    # base are bit-identical to plain RoPE when the base is unchanged.
+    return 1.0 / (base ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+
+
+@ROPE_SCALINGS.register("none")
+def _rope_none(rope: RotaryEmbedding, seq_len=None) -> jax.Array:
+    return _inv_freq_from_base(rope.theta, rope.rotary_dim)
+
+
+@ROPE_SCALINGS.register("linear")
+def _rope_linear(rope: RotaryEmbedding, seq_len=None) -> jax.Array:
+    # Position interpolation: angle(p / s) == (p) * (inv_freq / s).
+    return _inv_freq_from_base(rope.theta, rope.rotary_dim) / rope.factor
+
+
+@ROPE_SCALINGS.register("ntk")
+def _rope_ntk(rope: RotaryEmbedding, seq_len=None) -> jax.Array:
+    # NTK-aware: stretch the base so the lowest frequency is interpolated by s while the
+    # highest stays put: base' = base * s^(d / (d - 2)).
+    d = rope.rotary_dim
+    return _inv_freq_from_base(rope.theta * rope.factor ** (d / (d - 2)), d)
+
+
+@ROPE_SCALINGS.register("dynamic_ntk")
+def _rope_dynamic_ntk(rope: RotaryEmbedding, seq_len=None) -> jax.Array:
+    d = rope.rotary_dim
+    if seq_len is None:
+        return _inv_freq_from_base(rope.theta, d)
+    length = jnp.asarray(seq_len, jnp.float32)
+    orig = float(rope.original_max_len)
+    grown = rope.theta * ((rope.factor * length / orig) - (rope.factor - 1.0)) ** (d / (d - 2))
+    # where, not a clamp of the length: exactly plain RoPE up to original_max_len.
+    base = jnp.where(length > orig, grown, jnp.float32(rope.theta))
+    return _inv_freq_from_base(base, d)
+
+
+@ROPE_SCALINGS.register("yarn")
+def _rope_yarn(rope: RotaryEmbedding, seq_len=None) -> jax.Array:
+    # NTK-by-parts: pairs that rotate more than beta_fast times over the original context
+    # keep their frequency (extrapolate), those rotating fewer than beta_slow times are
+    # interpolated by s, and a ramp blends between. The ramp is linear in the pair index
+    # between floor/ceil of the band edges, as the authors' released code and HF do (the
+    # paper's eq. writes it linear in the rotation count); checkpoints were trained so.
+    d = rope.rotary_dim
+    inv_freq = _inv_freq_from_base(rope.theta, d)
+
+    def edge(num_rotations: float) -> float:
+        # Pair index i (fractional) at which original_max_len / wavelength_i == num_rotations.
+        return (d * math.log(rope.original_max_len / (num_rotations * 2 * math.pi))
+                / (2 * math.log(rope.theta)))
+
+    low = max(math.floor(edge(rope.beta_fast)), 0)
+    high = min(math.ceil(edge(rope.beta_slow)), d - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = jnp.clip((jnp.arange(d // 2, dtype=jnp.float32) - low) / (high - low), 0.0, 1.0)
+    # ramp 0 -> high frequency (keep), 1 -> low frequency (interpolate).
+    return inv_freq * (1.0 - ramp) + (inv_freq / rope.factor) * ramp
+
+
+@ROPE_SCALINGS.register("llama3")
+def _rope_llama3(rope: RotaryEmbedding, seq_len=None) -> jax.Array:
+    # Wavelengths longer than original_max_len / low_freq_factor are interpolated by s,
+    # shorter than original_max_len / high_freq_factor kept, and the band between blended
+    # by the rotation count.
+    inv_freq = _inv_freq_from_base(rope.theta, rope.rotary_dim)
+    orig = float(rope.original_max_len)
+    wavelen = 2 * math.pi / inv_freq
+    lo, hi = rope.low_freq_factor, rope.high_freq_factor
+    smooth = (orig / wavelen - lo) / (hi - lo)  # rotations over the original context, rescaled
+    blended = (1.0 - smooth) * inv_freq / rope.factor + smooth * inv_freq
+    out = jnp.where(wavelen > orig / lo, inv_freq / rope.factor, inv_freq)
+    is_medium = (wavelen >= orig / hi) & (wavelen <= orig / lo)
+    return jnp.where(is_medium, blended, out)
+
+
+# ----------------------------------------------------------------------------- ALiBi
+
+
+def alibi_slopes(num_heads: int) -> np.ndarray:
+    """Per-head ALiBi slopes, [N] float32: 2^(-8/n), 2^(-16/n), ... for n a power of two.
+
+    Other head counts take the slopes of the closest lower power of two, then every
+    other slope of the next power of two (the paper's and BLOOM's recipe).
+    """
+    if num_heads <= 0:
+        raise ValueError(f"num_heads must be positive, got {num_heads}")
+
+    def power_of_two(n: int) -> list[float]:
+        return [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
+
+    closest = 2 ** int(math.floor(math.log2(num_heads)))
+    slopes = power_of_two(closest)
+    if closest < num_heads:
+        slopes += power_of_two(2 * closest)[0::2][: num_heads - closest]
+    return np.asarray(slopes, np.float32)
+
+
+def alibi_bias(
+    q_positions: Int[Array, "B T"],
+    kv_positions: Int[Array, "B S"],
+    slopes: Float[Array, " N"],
+) -> Float[Array, "B N T S"]:
+    """-slope * |q - k|: the causal ALiBi bias on every key a causal query sees, and its
+    symmetric extension for bidirectional attention."""
+    q = jnp.asarray(q_positions, jnp.float32)[:, None, :, None]  # [B, 1, T, 1]
+    k = jnp.asarray(kv_positions, jnp.float32)[:, None, None, :]  # [B, 1, 1, S]
+    m = jnp.asarray(slopes, jnp.float32)[None, :, None, None]  # [1, N, 1, 1]
+    return -m * jnp.abs(q - k)
+
+
+# ----------------------------------------------------------------------------- T5
+
+
+def _check_buckets(num_buckets: int, max_distance: int, bidirectional: bool) -> None:
+    half = num_buckets // 2 if bidirectional else num_buckets
+    if half // 2 < 1:
+        raise ValueError(f"num_buckets={num_buckets} is too small: need >= "
+                         f"{4 if bidirectional else 2} (bidirectional={bidirectional})")
+    if max_distance <= half // 2:
+        raise ValueError(f"max_distance={max_distance} must exceed the {half // 2} exact "
+                         f"buckets (num_buckets={num_buckets}, bidirectional={bidirectional})")
+
+
+def relative_position_bucket(
+    relative_position: Int[Array, "..."],
+    *,
+    bidirectional: bool,
+    num_buckets: int = 32,
+    max_distance: int = 128,
+) -> Int[Array, "..."]:
+    """T5's bucket of relative_position = key_pos - query_pos (mesh-tensorflow formula).
+
+    Bidirectional: keys after the query use the upper half of the buckets. Within a
+    half, distances below half/2 get their own bucket, larger ones log-spaced buckets
+    up to max_distance, beyond which they share the last bucket. Unidirectional: keys
+    after the query (never seen causally) all land in bucket 0.
+    """
+    _check_buckets(num_buckets, max_distance, bidirectional)
+    n = -jnp.asarray(relative_position, jnp.int32)  # distance into the past
+    ret = jnp.zeros_like(n)
+    if bidirectional:
+        num_buckets //= 2
+        ret = ret + (n < 0).astype(jnp.int32) * num_buckets
+        n = jnp.abs(n)
+    else:
+        n = jnp.maximum(n, 0)
+    max_exact = num_buckets // 2
+    is_small = n < max_exact
+    # float32 and this order of operations, as mesh-tensorflow and HF, so bucket edges
+    # agree with trained checkpoints; max() keeps log() finite on the unused branch.
+    n_large = jnp.maximum(n, max_exact).astype(jnp.float32)
+    log_ratio = jnp.log(n_large / max_exact) / math.log(max_distance / max_exact)
+    val_if_large = max_exact + (log_ratio * (num_buckets - max_exact)).astype(jnp.int32)
+    val_if_large = jnp.minimum(val_if_large, num_buckets - 1)
+    return ret + jnp.where(is_small, n, val_if_large)
+
+
+class T5RelativeBias(nnx.Module):
+    """A learned scalar per (relative-position bucket, head), added to the logits."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        *,
+        num_buckets: int = 32,
+        max_distance: int = 128,
+        bidirectional: bool,
+        init_std: float = 0.02,
+        param_dtype=jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        if num_heads <= 0:
+            raise ValueError(f"num_heads must be positive, got {num_heads}")
+        _check_buckets(num_buckets, max_distance, bidirectional)
+        self.num_heads = num_heads
+        self.num_buckets = num_buckets
+        self.max_distance = max_distance
+        self.bidirectional = bidirectional
+        init = with_logical_axes(nnx.initializers.normal(init_std), ("relpos_buckets", "heads"))
+        self.embedding = nnx.Param(init(rngs.params(), (num_buckets, num_heads), param_dtype))
+
+    def __call__(
+        self, q_positions: Int[Array, "B T"], kv_positions: Int[Array, "B S"]
+    ) -> Float[Array, "B N T S"]:
+        rel = kv_positions[:, None, :] - q_positions[:, :, None]  # [B, T, S]
+        buckets = relative_position_bucket(
+            rel, bidirectional=self.bidirectional, num_buckets=self.num_buckets,
+            max_distance=self.max_distance)
+        values = jnp.take(self.embedding[...], buckets, axis=0)  # [B, T, S, N]
+        return jnp.transpose(values, (0, 3, 1, 2))

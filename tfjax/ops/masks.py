@@ -1,0 +1,386 @@
+"""Lazy attention masks.
+
+A mask says which (query, key) pairs may attend. It is an object, not an array:
+it gives a **dense view** (`mask.dense(T, S)`, a bool `[B|1, T, S]` array, for the
+reference and for tests) and a **block view** (`mask.blocks(T, S, bq, bk)`, which
+`bq x bk` tiles are EMPTY, PARTIAL or FULL) without building the `T x S` array, so
+tiled kernels skip empty tiles and a lazy mask stays cheap at 128k tokens.
+
+Masks combine with `&` (both allow) and `|` (either allows). Every view takes
+global position offsets (`q_offset`, `kv_offset`): query row i is at global
+position `q_offset + i`. Positional rules (causal, windows, chunks, prefix,
+padding lengths) use global positions; per-token data (segment ids) is indexed
+locally, so a device holding one chunk of a sequence asks for exactly its piece
+(ring attention). Masks are pytrees: array fields are leaves, sizes are static.
+
+A query row every key of which is masked is *fully masked*; every attention
+implementation returns zeros for it (never NaN).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "EMPTY", "PARTIAL", "FULL",
+    "Mask", "Causal", "SlidingWindow", "ChunkedCausal", "Padding", "Segments", "PrefixLM",
+    "And", "Or",
+    "causal", "sliding_window", "chunked_causal", "padding", "segments", "prefix_lm",
+    "dense", "combine",
+]
+
+EMPTY, PARTIAL, FULL = 0, 1, 2  # block view codes
+
+
+def _static(**kw):
+    return dataclasses.field(metadata=dict(static=True), **kw)
+
+
+def _pytree(cls):
+    cls = dataclasses.dataclass(frozen=True, eq=False)(cls)
+    return jax.tree_util.register_dataclass(cls)
+
+
+def _index(n: int, offset) -> jax.Array:
+    return jnp.arange(n, dtype=jnp.int32) + jnp.asarray(offset, jnp.int32)
+
+
+def _tile_ranges(n: int, block: int, offset) -> tuple[jax.Array, jax.Array]:
+    """First and last global position of each tile (the last tile may be short)."""
+    starts = jnp.arange(0, n, block, dtype=jnp.int32)
+    ends = jnp.minimum(starts + block, n) - 1
+    off = jnp.asarray(offset, jnp.int32)
+    return starts + off, ends + off
+
+
+def _code(full, empty) -> jax.Array:
+    return jnp.where(empty, EMPTY, jnp.where(full, FULL, PARTIAL)).astype(jnp.int8)
+
+
+class Mask:
+    """Base class. Subclasses implement `_allowed` and `_tiles`."""
+
+    # -- views ----------------------------------------------------------------
+    def dense(self, q_len: int, kv_len: int, *, q_offset=0, kv_offset=0) -> jax.Array:
+        """bool `[B|1, T, S]`: True where query i may attend to key j."""
+        q = jnp.arange(q_len, dtype=jnp.int32)
+        k = jnp.arange(kv_len, dtype=jnp.int32)
+        return self.evaluate(q, k, q_offset=q_offset, kv_offset=kv_offset)
+
+    def evaluate(self, q_idx: jax.Array, kv_idx: jax.Array, *, q_offset=0, kv_offset=0) -> jax.Array:
+        """bool `[B|1, len(q_idx), len(kv_idx)]` for local query/key indices
+        (global position = index + offset). Tiled code calls this per tile."""
+        q_idx = jnp.asarray(q_idx, jnp.int32)
+        kv_idx = jnp.asarray(kv_idx, jnp.int32)
+        out = self._allowed(q_idx[:, None], kv_idx[None, :],
+                            jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32))
+        out = jnp.asarray(out, bool)
+        if out.ndim == 2:
+            out = out[None]
+        return jnp.broadcast_to(out, (out.shape[0], q_idx.shape[0], kv_idx.shape[0]))
+
+    def blocks(self, q_len: int, kv_len: int, block_q: int, block_kv: int, *,
+               q_offset=0, kv_offset=0) -> jax.Array:
+        """int8 `[B|1, ceil(T/bq), ceil(S/bk)]` of EMPTY / PARTIAL / FULL per tile.
+
+        Conservative: a tile reported EMPTY or FULL is exactly that; PARTIAL may
+        (rarely, for combined masks) be empty or full. Tail tiles cover only the
+        real positions.
+        """
+        qs, qe = _tile_ranges(q_len, block_q, q_offset)
+        ks, ke = _tile_ranges(kv_len, block_kv, kv_offset)
+        full, empty = self._tiles(qs[:, None], qe[:, None], ks[None, :], ke[None, :],
+                                  q_len=q_len, kv_len=kv_len, block_q=block_q, block_kv=block_kv)
+        code = _code(jnp.asarray(full), jnp.asarray(empty))
+        if code.ndim == 2:
+            code = code[None]
+        return jnp.broadcast_to(code, (code.shape[0], qs.shape[0], ks.shape[0]))
+
+    # -- combination ----------------------------------------------------------
+    def __and__(self, other: "Mask | None") -> "Mask":
+        return self if other is None else And(self, other)
+
+    def __rand__(self, other: "Mask | None") -> "Mask":
+        return self if other is None else And(other, self)
+
+    def __or__(self, other: "Mask") -> "Mask":
+        return Or(self, other)
+
+    # -- to implement ---------------------------------------------------------
+    def _allowed(self, q_idx, kv_idx, q_off, kv_off) -> jax.Array:  # [T,1], [1,S] local
+        raise NotImplementedError
+
+    def _tiles(self, qs, qe, ks, ke, **sizes) -> tuple[Any, Any]:
+        """(full, empty) bool arrays `[B|1, nq, nk]` or `[nq, nk]` from tile ranges of
+        global positions qs..qe (`[nq,1]`) and ks..ke (`[1,nk]`)."""
+        raise NotImplementedError
+
+    @property
+    def batch_size(self) -> int | None:
+        """The batch size the mask's data fixes, or None when it broadcasts."""
+        return None
+
+
+# --------------------------------------------------------------------------- #
+# Positional masks (no data).
+# --------------------------------------------------------------------------- #
+
+
+@_pytree
+class Causal(Mask):
+    """Key j visible to query i iff pos(j) <= pos(i)."""
+
+    def _allowed(self, q, k, qo, ko):
+        return k + ko <= q + qo
+
+    def _tiles(self, qs, qe, ks, ke, **_):
+        return ke <= qs, ks > qe
+
+
+@_pytree
+class SlidingWindow(Mask):
+    """Query at p sees keys at [p - left, p + right]: `left` keys before it, itself,
+    and `right` keys after it (right > 0 for bidirectional local attention)."""
+
+    left: int = _static()
+    right: int = _static(default=0)
+
+    def __post_init__(self):
+        if self.left < 0 or self.right < 0:
+            raise ValueError(f"sliding_window: left and right must be >= 0, got left={self.left}, "
+                             f"right={self.right}")
+
+    def _allowed(self, q, k, qo, ko):
+        d = (q + qo) - (k + ko)
+        return (d <= self.left) & (d >= -self.right)
+
+    def _tiles(self, qs, qe, ks, ke, **_):
+        full = (ks >= qe - self.left) & (ke <= qs + self.right)
+        empty = (ke < qs - self.left) | (ks > qe + self.right)
+        return full, empty
+
+
+@_pytree
+class ChunkedCausal(Mask):
+    """Causal within fixed chunks of `chunk` positions (Llama 4 local layers)."""
+
+    chunk: int = _static()
+
+    def __post_init__(self):
+        if self.chunk < 1:
+            raise ValueError(f"chunked_causal: chunk must be >= 1, got {self.chunk}")
+
+    def _allowed(self, q, k, qo, ko):
+        qp, kp = q + qo, k + ko
+        return (kp <= qp) & (qp // self.chunk == kp // self.chunk)
+
+    def _tiles(self, qs, qe, ks, ke, **_):
+        c = self.chunk
+        one_chunk = (qs // c == qe // c) & (ks // c == ke // c) & (qs // c == ks // c)
+        full = (ke <= qs) & one_chunk
+        empty = (ks > qe) | (ke // c < qs // c) | (ks // c > qe // c)
+        return full, empty
+
+
+# --------------------------------------------------------------------------- #
+# Data-dependent masks.
+# --------------------------------------------------------------------------- #
+
+
+@_pytree
+class Padding(Mask):
+    """Keys at global positions >= kv_lengths[b] are padding and never visible."""
+
+    kv_lengths: jax.Array  # [B] int
+
+    def _allowed(self, q, k, qo, ko):
+        return (k + ko)[None] < self.kv_lengths.astype(jnp.int32)[:, None, None]
+
+    def _tiles(self, qs, qe, ks, ke, **_):
+        n = self.kv_lengths.astype(jnp.int32)[:, None, None]
+        full = jnp.broadcast_to(ke[None] < n, (n.shape[0], qs.shape[0], ks.shape[1]))
+        empty = jnp.broadcast_to(ks[None] >= n, full.shape)
+        return full, empty
+
+    @property
+    def batch_size(self):
+        return self.kv_lengths.shape[0]
+
+
+@_pytree
+class PrefixLM(Mask):
+    """Prefix-LM (T5 / UniLM): keys in the first prefix_lengths[b] positions are
+    visible to every query; the rest is causal."""
+
+    prefix_lengths: jax.Array  # [B] int
+
+    def _allowed(self, q, k, qo, ko):
+        p = self.prefix_lengths.astype(jnp.int32)[:, None, None]
+        kp = (k + ko)[None]
+        return (kp <= (q + qo)[None]) | (kp < p)
+
+    def _tiles(self, qs, qe, ks, ke, **_):
+        p = self.prefix_lengths.astype(jnp.int32)[:, None, None]
+        full = (ke <= qs)[None] | (ke[None] < p)
+        empty = (ks > qe)[None] & (ks[None] >= p)
+        return full, empty
+
+    @property
+    def batch_size(self):
+        return self.prefix_lengths.shape[0]
+
+
+@_pytree
+class Segments(Mask):
+    """Packed sequences: query i sees key j iff their segment ids are equal."""
+
+    q_segment_ids: jax.Array  # [B, T] int, indexed by local position
+    kv_segment_ids: jax.Array  # [B, S] int
+
+    def _allowed(self, q, k, qo, ko):
+        qs = jnp.take(self.q_segment_ids, q[:, 0], axis=1)  # [B, T]
+        ks = jnp.take(self.kv_segment_ids, k[0, :], axis=1)  # [B, S]
+        return qs[:, :, None] == ks[:, None, :]
+
+    def _tiles(self, qs, qe, ks, ke, *, q_len, kv_len, block_q, block_kv):
+        qmin, qmax = _tile_min_max(self.q_segment_ids, q_len, block_q)  # [B, nq]
+        kmin, kmax = _tile_min_max(self.kv_segment_ids, kv_len, block_kv)  # [B, nk]
+        qmin, qmax = qmin[:, :, None], qmax[:, :, None]
+        kmin, kmax = kmin[:, None, :], kmax[:, None, :]
+        full = (qmin == qmax) & (kmin == kmax) & (qmin == kmin)
+        empty = (qmax < kmin) | (qmin > kmax)
+        return full, empty
+
+    @property
+    def batch_size(self):
+        return self.q_segment_ids.shape[0]
+
+
+def _tile_min_max(ids: jax.Array, n: int, block: int) -> tuple[jax.Array, jax.Array]:
+    ids = ids[:, :n].astype(jnp.int32)
+    pad = (-n) % block
+    if pad:  # repeat the last id: it changes no min or max
+        ids = jnp.concatenate([ids, jnp.repeat(ids[:, -1:], pad, axis=1)], axis=1)
+    tiles = ids.reshape(ids.shape[0], -1, block)
+    return tiles.min(-1), tiles.max(-1)
+
+
+# --------------------------------------------------------------------------- #
+# Combinations.
+# --------------------------------------------------------------------------- #
+
+
+@_pytree
+class And(Mask):
+    a: Mask
+    b: Mask
+
+    def _allowed(self, q, k, qo, ko):
+        return _batched(self.a._allowed(q, k, qo, ko)) & _batched(self.b._allowed(q, k, qo, ko))
+
+    def _tiles(self, qs, qe, ks, ke, **sizes):
+        fa, ea = (_batched(x) for x in self.a._tiles(qs, qe, ks, ke, **sizes))
+        fb, eb = (_batched(x) for x in self.b._tiles(qs, qe, ks, ke, **sizes))
+        return fa & fb, ea | eb
+
+    @property
+    def batch_size(self):
+        return self.a.batch_size or self.b.batch_size
+
+
+@_pytree
+class Or(Mask):
+    a: Mask
+    b: Mask
+
+    def _allowed(self, q, k, qo, ko):
+        return _batched(self.a._allowed(q, k, qo, ko)) | _batched(self.b._allowed(q, k, qo, ko))
+
+    def _tiles(self, qs, qe, ks, ke, **sizes):
+        fa, ea = (_batched(x) for x in self.a._tiles(qs, qe, ks, ke, **sizes))
+        fb, eb = (_batched(x) for x in self.b._tiles(qs, qe, ks, ke, **sizes))
+        return fa | fb, ea & eb
+
+    @property
+    def batch_size(self):
+        return self.a.batch_size or self.b.batch_size
+
+
+def _batched(x) -> jax.Array:
+    x = jnp.asarray(x)
+    return x if x.ndim == 3 else x[None]
+
+
+# --------------------------------------------------------------------------- #
+# Constructors (the public names).
+# --------------------------------------------------------------------------- #
+
+
+def causal() -> Mask:
+    return Causal()
+
+
+def sliding_window(left: int, right: int = 0) -> Mask:
+    """A query sees `left` keys before it plus itself (as Mistral's window), and
+    `right` keys after it. Work and memory of tiled kernels are O(T * (left + right))."""
+    return SlidingWindow(int(left), int(right))
+
+
+def chunked_causal(chunk: int) -> Mask:
+    return ChunkedCausal(int(chunk))
+
+
+def padding(kv_lengths) -> Mask:
+    """Keys at positions >= kv_lengths[b] (`[B]`) are padding."""
+    kv_lengths = jnp.asarray(kv_lengths, jnp.int32)
+    if kv_lengths.ndim != 1:
+        raise ValueError(f"padding: kv_lengths must be [B], got shape {kv_lengths.shape}")
+    return Padding(kv_lengths)
+
+
+def segments(q_segment_ids, kv_segment_ids=None) -> Mask:
+    """Same-segment attention; kv ids default to the query ids (self-attention)."""
+    q = jnp.asarray(q_segment_ids, jnp.int32)
+    kv = q if kv_segment_ids is None else jnp.asarray(kv_segment_ids, jnp.int32)
+    if q.ndim != 2 or kv.ndim != 2 or q.shape[0] != kv.shape[0]:
+        raise ValueError(f"segments: segment ids must be [B, T] and [B, S] with the same B, got "
+                         f"{q.shape} and {kv.shape}")
+    return Segments(q, kv)
+
+
+def prefix_lm(prefix_lengths) -> Mask:
+    """Bidirectional over the first prefix_lengths[b] (`[B]`) positions, causal after."""
+    prefix_lengths = jnp.asarray(prefix_lengths, jnp.int32)
+    if prefix_lengths.ndim != 1:
+        raise ValueError(f"prefix_lm: prefix_lengths must be [B], got shape {prefix_lengths.shape}")
+    return PrefixLM(prefix_lengths)
+
+
+def combine(*masks: Mask | None) -> Mask | None:
+    """`&` of the masks that are not None (None when all are)."""
+    out = None
+    for m in masks:
+        if m is not None:
+            out = m if out is None else out & m
+    return out
+
+
+def dense(mask: Mask | None, q_len: int, kv_len: int, *, q_offset=0, kv_offset=0) -> jax.Array:
+    """Dense view of an optional mask (None: everything visible), `[B|1, T, S]`."""
+    if mask is None:
+        return jnp.ones((1, q_len, kv_len), bool)
+    return mask.dense(q_len, kv_len, q_offset=q_offset, kv_offset=kv_offset)
+
+
+def to_numpy_blocks(mask: Mask | None, q_len: int, kv_len: int, block_q: int, block_kv: int,
+                    **offsets) -> np.ndarray:
+    """Block view as a host numpy array (for kernels that build static tile tables)."""
+    if mask is None:
+        nq, nk = -(-q_len // block_q), -(-kv_len // block_kv)
+        return np.full((1, nq, nk), FULL, np.int8)
+    return np.asarray(mask.blocks(q_len, kv_len, block_q, block_kv, **offsets))
