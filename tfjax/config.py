@@ -31,6 +31,7 @@ __all__ = [
     "model_config",
     "run_config",
     "default_config",
+    "apply_variant",
     "from_dict",
     "to_config_dict",
 ]
@@ -567,6 +568,29 @@ def run_config(cfg: Mapping[str, Any] | ml_collections.ConfigDict | RunConfig) -
 def default_config() -> ml_collections.ConfigDict:
     """The defaults of every section as a ConfigDict; presets start here and override."""
     return to_config_dict(RunConfig())
+
+
+def apply_variant(cfg: ml_collections.ConfigDict, arg: str | None,
+                  variants: Mapping[str, Mapping[str, Any]]) -> ml_collections.ConfigDict:
+    """Presets' `get_config(arg)`: apply the overrides of variant `arg` (None = the
+    preset's default). Overrides are nested dicts, e.g. {"model": {"num_layers": 2}}."""
+    if arg is None or arg == "":
+        return cfg
+    if arg not in variants:
+        raise ValueError(f"unknown preset variant {arg!r}; allowed: {', '.join(sorted(variants))} "
+                         "(or none for the full-size default)")
+
+    def merge(node, overrides, where):
+        for key, value in overrides.items():
+            if key not in node:
+                raise ValueError(f"preset variant {arg!r}: {where}{key} is not a config field")
+            if isinstance(value, Mapping):
+                merge(node[key], value, f"{where}{key}.")
+            else:
+                node[key] = value
+
+    merge(cfg, variants[arg], "")
+    return cfg
 
 
 def to_config_dict(obj: Any) -> ml_collections.ConfigDict:

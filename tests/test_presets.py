@@ -1,0 +1,83 @@
+"""Every preset: full size matches the published parameter count (built
+abstractly), and the tiny variant runs forward and backward with finite values."""
+
+import importlib.util
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from tfjax import models
+from tfjax.config import run_config
+
+CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "configs"
+
+
+def load(name):
+    spec = importlib.util.spec_from_file_location(f"preset_{name}", CONFIGS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# Published sizes of the reference checkpoints (Hugging Face parameter counts).
+PARAMS = {
+    "gpt2": 124_439_808,  # gpt2
+    "llama": 8_030_261_248,  # Llama-3.1-8B
+    "mistral": 7_241_732_096,  # Mistral-7B-v0.1
+    "gemma2": 2_614_341_888,  # gemma-2-2b
+    "neox": 1_414_647_808,  # pythia-1.4b
+    "bloom": 559_214_592,  # bloom-560m
+    "bert": 109_482_240 + 590_592 + 1_536 + 30_522 + 1_538,  # bert-base + MLM head + 2 classes
+    "t5": 222_903_552,  # t5-base
+}
+ALL = sorted(p.stem for p in CONFIGS.glob("*.py") if not p.stem.startswith("_"))
+
+
+def n_params(model_cfg):
+    abstract = nnx.eval_shape(lambda: models.build(model_cfg, rngs=nnx.Rngs(0)))
+    return sum(x.size for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+
+
+def test_the_required_presets_exist():
+    required = {"gpt2", "llama", "mistral", "gemma2", "neox", "bloom", "bert", "t5", "transformer"}
+    assert required <= set(ALL)
+
+
+@pytest.mark.parametrize("name", sorted(PARAMS))
+def test_full_size_parameter_count(name):
+    cfg = run_config(load(name).get_config())
+    assert n_params(cfg.model) == PARAMS[name]
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_tiny_forward_backward(name):
+    module = load(name)
+    assert module.__doc__ and "tiny" in module.__doc__, "docstring says how to run it"
+    cfg = run_config(module.get_config("tiny")).model
+    model = models.build(cfg, rngs=nnx.Rngs(0))
+    B, T = 2, 12
+    x = jax.random.randint(jax.random.key(0), (B, T), 0, cfg.vocab_size)
+
+    def loss(m):
+        if cfg.arch == "encoder_decoder":
+            logits = m(x, x[:, :7])
+        elif cfg.arch == "encoder":
+            logits = m(x, attention_mask=jnp.ones_like(x))
+        else:
+            logits = m(x)
+        return jnp.mean(jax.nn.logsumexp(logits, -1)), logits
+
+    (value, logits), grads = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(model)
+    assert logits.shape[-1] == cfg.vocab_size
+    assert np.isfinite(float(value))
+    leaves = jax.tree.leaves(nnx.state(grads, nnx.Param))
+    assert all(np.isfinite(np.asarray(g)).all() for g in leaves)
+
+
+def test_unknown_variant_is_an_error():
+    with pytest.raises(ValueError, match="tiny"):
+        load("llama").get_config("huge")
