@@ -1,6 +1,5 @@
 """Properties every architecture must have, on tiny models."""
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +8,7 @@ import pytest
 from flax import nnx
 
 from tfjax import models
-from tfjax.config import ModelConfig, RopeConfig, model_config
+from tfjax.config import ModelConfig, model_config
 
 TINY = dict(vocab_size=61, d_model=32, num_layers=2, num_heads=4, d_ff=48, max_len=64)
 

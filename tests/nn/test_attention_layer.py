@@ -77,7 +77,7 @@ def test_self_attention_matches_reference_forward_and_grads(N, K, bias):
 
 
 def test_cross_attention_scale_and_bias():
-    D, N, H = 16, 4, 4
+    D, N = 16, 4
     layer = MultiHeadAttention(D, N, num_kv_heads=2, context_dim=12, scale=0.5, rngs=nnx.Rngs(0))
     x, ctx = rand((2, 5, D), 2), rand((2, 9, 12), 3)
     bias = rand((1, N, 5, 9), 4)

@@ -11,13 +11,11 @@ tokens attend bidirectionally. Layers of kind "local" add a sliding window.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from tfjax.config import ModelConfig
-from tfjax.models.stack import (Embedder, LayerStack, build_norm, default_positions, dtype_of,
-                                layer_masks, position_bias)
-from tfjax.nn.positions import T5RelativeBias
+from tfjax.models.stack import (Embedder, LayerStack, build_norm, default_positions, layer_masks,
+                                position_bias, relative_bias)
 from tfjax.ops import masks as masks_lib
 
 __all__ = ["DecoderLM"]
@@ -27,11 +25,7 @@ class DecoderLM(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.config = cfg
         self.embed = Embedder(cfg, rngs)
-        self.rel_bias = (T5RelativeBias(cfg.num_heads, num_buckets=cfg.t5_num_buckets,
-                                        max_distance=cfg.t5_max_distance, bidirectional=False,
-                                        init_std=cfg.init_std,
-                                        param_dtype=dtype_of(cfg.param_dtype), rngs=rngs)
-                         if cfg.position == "t5" else None)
+        self.rel_bias = relative_bias(cfg, rngs, bidirectional=False)
         self.layers = LayerStack(cfg, rngs, num_layers=cfg.num_layers)
         self.final_norm = build_norm(cfg, rngs) if cfg.final_norm else None
 
@@ -64,3 +58,28 @@ class DecoderLM(nnx.Module):
         if self.final_norm is not None:
             x = self.final_norm(x)
         return self.embed.logits(x)
+
+    def step(self, tokens: jax.Array, cache, lengths: jax.Array | None = None, *,
+             all_logits: bool = False):
+        """Inference: append `tokens` `[B,T]` to `cache` (`tfjax.inference.kv_cache`).
+
+        T > 1 is a prefill into an empty cache (row b: `lengths[b]` real tokens,
+        right-padded; prefix-LM models take them as the prefix); T == 1 a decode step.
+        Returns (logits `[B,1,V]` at each row's last real token, or `[B,T,V]` with
+        `all_logits`, the new cache).
+        """
+        from tfjax.inference import kv_cache
+
+        prefix = None
+        if self.config.prefix_lm:
+            prefix = jnp.full(tokens.shape[:1], tokens.shape[1]) if lengths is None else lengths
+        s = kv_cache.begin_step(self.config, cache, tokens, lengths, rel_bias=self.rel_bias,
+                                base_mask=self.mask(tokens, prefix_lengths=prefix))
+        x = self.embed(tokens, s.positions)
+        x, layers = self.layers(x, masks=s.masks, biases=s.biases, bias=s.bias,
+                                positions=s.positions, cache=s.layers)
+        if not all_logits:
+            x = kv_cache.last_token(x, s.last)
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        return self.embed.logits(x), s.finish(layers)

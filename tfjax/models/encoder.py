@@ -18,8 +18,7 @@ from flax import nnx
 
 from tfjax.config import ModelConfig
 from tfjax.models.stack import (Embedder, LayerStack, build_norm, default_positions, dtype_of,
-                                layer_masks, position_bias)
-from tfjax.nn.positions import T5RelativeBias
+                                layer_masks, position_bias, relative_bias)
 from tfjax.ops import masks as masks_lib
 from tfjax.parallel.sharding import with_logical_axes
 
@@ -37,11 +36,7 @@ class EncoderModel(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.config = cfg
         self.embed = Embedder(cfg, rngs)
-        self.rel_bias = (T5RelativeBias(cfg.num_heads, num_buckets=cfg.t5_num_buckets,
-                                        max_distance=cfg.t5_max_distance, bidirectional=True,
-                                        init_std=cfg.init_std,
-                                        param_dtype=dtype_of(cfg.param_dtype), rngs=rngs)
-                         if cfg.position == "t5" else None)
+        self.rel_bias = relative_bias(cfg, rngs, bidirectional=True)
         self.layers = LayerStack(cfg, rngs, num_layers=cfg.num_layers)
         self.final_norm = (build_norm(cfg, rngs)
                            if cfg.final_norm and cfg.norm_placement != "post" else None)

@@ -16,14 +16,12 @@ cross-attention has none.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from tfjax.config import ModelConfig
-from tfjax.models.stack import (Embedder, LayerStack, build_norm, default_positions, dtype_of,
-                                layer_masks, position_bias)
-from tfjax.nn.positions import T5RelativeBias
+from tfjax.models.stack import (Embedder, LayerStack, build_norm, default_positions, layer_masks,
+                                position_bias, relative_bias)
 from tfjax.ops import masks as masks_lib
 
 __all__ = ["EncoderDecoderModel"]
@@ -33,16 +31,8 @@ class EncoderDecoderModel(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.config = cfg
         self.embed = Embedder(cfg, rngs)
-
-        def rel_bias(bidirectional):
-            if cfg.position != "t5":
-                return None
-            return T5RelativeBias(cfg.num_heads, num_buckets=cfg.t5_num_buckets,
-                                  max_distance=cfg.t5_max_distance, bidirectional=bidirectional,
-                                  init_std=cfg.init_std, param_dtype=dtype_of(cfg.param_dtype),
-                                  rngs=rngs)
-
-        self.encoder_rel_bias, self.decoder_rel_bias = rel_bias(True), rel_bias(False)
+        self.encoder_rel_bias = relative_bias(cfg, rngs, bidirectional=True)
+        self.decoder_rel_bias = relative_bias(cfg, rngs, bidirectional=False)
         self.encoder = LayerStack(cfg, rngs, num_layers=cfg.encoder_layers)
         self.decoder = LayerStack(cfg, rngs, num_layers=cfg.num_layers, cross=True)
         final = cfg.final_norm and cfg.norm_placement != "post"
@@ -83,6 +73,26 @@ class EncoderDecoderModel(nnx.Module):
         if self.decoder_norm is not None:
             x = self.decoder_norm(x)
         return self.embed.logits(x)
+
+    def step(self, decoder_tokens, cache, encoded=None, lengths=None, *, all_logits=False):
+        """Inference: append `decoder_tokens` `[B,T]` to `cache` (`tfjax.inference.kv_cache`,
+        made with the encoder's length and per-row real lengths). Pass `encoded` (the
+        encoder output) at the first step: cross-attention K/V are computed from it
+        once and reused after. Returns (logits `[B,1,V]` at each row's last real token,
+        or `[B,T,V]` with `all_logits`, the new cache)."""
+        from tfjax.inference import kv_cache
+
+        s = kv_cache.begin_step(self.config, cache, decoder_tokens, lengths,
+                                rel_bias=self.decoder_rel_bias, base_mask=masks_lib.causal())
+        x = self.embed(decoder_tokens, s.positions)
+        x, layers = self.decoder(x, masks=s.masks, biases=s.biases, bias=s.bias,
+                                 positions=s.positions, cache=s.layers, context=encoded,
+                                 context_mask=masks_lib.padding(cache.encoder_length))
+        if not all_logits:
+            x = kv_cache.last_token(x, s.last)
+        if self.decoder_norm is not None:
+            x = self.decoder_norm(x)
+        return self.embed.logits(x), s.finish(layers)
 
     def __call__(self, encoder_tokens, decoder_tokens, encoder_segment_ids=None,
                  decoder_segment_ids=None, encoder_positions=None, decoder_positions=None):

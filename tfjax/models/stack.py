@@ -27,7 +27,7 @@ from tfjax.parallel.sharding import shard, with_logical_axes
 from tfjax.registry import Registry
 
 __all__ = ["REMAT_POLICIES", "LayerStack", "Embedder", "build_block", "build_norm",
-           "position_bias", "layer_masks", "default_positions", "dtype_of"]
+           "position_bias", "relative_bias", "layer_masks", "default_positions", "dtype_of"]
 
 # Named rematerialisation policies for the scanned layer body.
 REMAT_POLICIES: Registry = Registry("remat policy")
@@ -114,8 +114,16 @@ class LayerStack(nnx.Module):
             self.cycles = None
             self.blocks = nnx.List([build_block(cfg, rngs, cross=cross) for _ in range(num_layers)])
 
-    def __call__(self, x, *, masks: dict, **kwargs):
-        """`masks[kind]` is the mask of layers of that kind; kwargs go to every block."""
+    def __call__(self, x, *, masks: dict, cache=None, biases: dict | None = None, **kwargs):
+        """`masks[kind]` is the mask of layers of that kind; kwargs go to every block.
+
+        Inference: with `cache` (`{"cycles": per-pattern-position caches stacked over
+        cycles, "blocks": per unrolled block}`, made by `tfjax.inference.kv_cache`)
+        each block gets its cache (the stacked ones scanned alongside the layers) and
+        this returns `(x, new_cache)`; `biases[kind]`, when given, is that kind's bias.
+        """
+        if cache is not None:
+            return self._call_cached(x, masks, biases or {}, cache, kwargs)
         policy = REMAT_POLICIES.get(self.remat, field="model.remat")
 
         def apply(block, x, mask):
@@ -140,6 +148,31 @@ class LayerStack(nnx.Module):
             x = apply(block, x, masks[self.pattern[i % len(self.pattern)]])
         return x
 
+    def _call_cached(self, x, masks, biases, cache, kwargs):
+        pattern = self.pattern
+        bias = kwargs.pop("bias", None)
+
+        def apply(block, x, kind, c):
+            return block(x, mask=masks[kind], bias=biases.get(kind, bias), cache=c, **kwargs)
+
+        cycles = cache.get("cycles")
+        if self.cycles is not None:
+            def body(x, cycle, cc):
+                new = []
+                for kind, block, c in zip(pattern, cycle.layers, cc):
+                    x, c = apply(block, x, kind, c)
+                    new.append(c)
+                return x, tuple(new)
+
+            x, cycles = nnx.scan(body, in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0),
+                                 transform_metadata={nnx.PARTITION_NAME: "layers"})(
+                                     x, self.cycles, tuple(cycles))
+        blocks = []
+        for i, (block, c) in enumerate(zip(self.blocks, cache["blocks"])):
+            x, c = apply(block, x, pattern[i % len(pattern)], c)
+            blocks.append(c)
+        return x, {"cycles": cycles, "blocks": tuple(blocks)}
+
 
 def layer_masks(cfg: ModelConfig, base: masks_lib.Mask | None, *,
                 bidirectional: bool = False) -> dict:
@@ -149,6 +182,16 @@ def layer_masks(cfg: ModelConfig, base: masks_lib.Mask | None, *,
         right = cfg.sliding_window if bidirectional else 0
         out["local"] = masks_lib.combine(base, masks_lib.sliding_window(cfg.sliding_window, right))
     return out
+
+
+def relative_bias(cfg: ModelConfig, rngs: nnx.Rngs, *, bidirectional: bool):
+    """The T5 bucketed relative bias table of a stack, or None for other encodings."""
+    if cfg.position != "t5":
+        return None
+    return pos_lib.T5RelativeBias(cfg.num_heads, num_buckets=cfg.t5_num_buckets,
+                                  max_distance=cfg.t5_max_distance, bidirectional=bidirectional,
+                                  init_std=cfg.init_std, param_dtype=dtype_of(cfg.param_dtype),
+                                  rngs=rngs)
 
 
 def position_bias(cfg: ModelConfig, rel_bias, q_positions, kv_positions):
