@@ -1,22 +1,36 @@
 # tfjax: two commands on a fresh machine with Python >= 3.11 and pip.
 #   make test    create .venv if missing, install tfjax[test], run the suite
+#   make train   create .venv if missing, train the tiny default decoder LM on the
+#                stdlib corpus (CPU, a few minutes); rerun to resume from WORKDIR
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PYTEST_ARGS ?= -n 2
+WORKDIR ?= workdirs/default
+TRAIN_ARGS ?=
 
-.PHONY: test install clean
+.PHONY: test train install clean
 
+# Training needs the package; the tests also need pytest and libtpu (the `tpu`
+# extra), with which the TPU compiler runs on this CPU to check that the Pallas
+# kernels and sharded steps really compile for TPUs.
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[test,tpu]"
 	touch $@
 
 install: $(VENV)/.installed
 
-test: $(VENV)/.installed
+test: $(VENV)/.installed-test
 	$(PY) -m pytest $(PYTEST_ARGS) tests
+
+train: $(VENV)/.installed
+	$(PY) -m tfjax.train --config configs/default.py --workdir $(WORKDIR) $(TRAIN_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -18,7 +18,7 @@ GOOD = dict(vocab_size=64, d_model=32, num_layers=2, num_heads=4, d_ff=64)
     (dict(norm="batchnorm"), "model.norm"),
     (dict(position="xpos"), "model.position"),
     (dict(block="hybrid"), "model.block"),
-    (dict(layer_pattern=("global", "mamba")), r"model.layer_pattern\[1\]"),
+    (dict(layer_pattern=("global", "dense_local")), r"model.layer_pattern\[1\]"),
     (dict(layer_pattern=()), "model.layer_pattern"),
     (dict(norm_placement="middle"), "model.norm_placement"),
     (dict(arch="seq2seq"), "model.arch"),

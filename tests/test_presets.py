@@ -33,6 +33,9 @@ PARAMS = {
     "bloom": 559_214_592,  # bloom-560m
     "bert": 109_482_240 + 590_592 + 1_536 + 30_522 + 1_538,  # bert-base + MLM head + 2 classes
     "t5": 222_903_552,  # t5-base
+    "mixtral": 46_702_792_704,  # Mixtral-8x7B-v0.1
+    "mamba": 129_135_360,  # state-spaces/mamba-130m
+    "jamba": 51_570_323_328,  # Jamba-v0.1: counted from its config.json (model card: 52B)
 }
 ALL = sorted(p.stem for p in CONFIGS.glob("*.py") if not p.stem.startswith("_"))
 

@@ -100,6 +100,31 @@ class ModelConfig:
     sliding_window: int = 0  # keys before the query a "local" layer sees (plus itself)
     prefix_lm: bool = False  # decoder: bidirectional over a prefix given at call time
 
+    # Beyond dense attention (tfjax.nn.moe, tfjax.nn.ssm, tfjax.nn.linear_attention).
+    # layer_pattern also takes "mamba" and "linear" mixers (decoder only); ffn_pattern
+    # is cycled over layers independently: dense | moe | none. The scanned unit is
+    # lcm(len(layer_pattern), len(ffn_pattern)) layers.
+    ffn_pattern: tuple[str, ...] = ("dense",)
+    num_experts: int = 0  # experts per "moe" layer
+    experts_per_token: int = 2  # top-k
+    moe_d_ff: int = 0  # one expert's hidden width; 0 -> d_ff
+    shared_experts: int = 0  # always-on experts added to the routed ones (each moe_d_ff wide)
+    router_renormalize: bool = True  # top-k gates renormalised to sum 1 (Mixtral) or raw (Jamba)
+    capacity_factor: float = 0.0  # 0 -> dropless; else C = ceil(cf * T * k / E) slots per sequence
+    moe_impl: str = "ragged"  # dropless dispatch: ragged (grouped matmul) | dense (every expert)
+    moe_aux_loss_weight: float = 0.01  # load-balancing loss (Switch), 1.0 when balanced
+    moe_z_loss_weight: float = 0.001  # router z-loss (ST-MoE)
+    ssm_d_state: int = 16  # Mamba state size N
+    ssm_d_conv: int = 4  # depthwise causal conv width
+    ssm_expand: int = 2  # inner width = expand * d_model
+    ssm_dt_rank: int = 0  # 0 -> ceil(d_model / 16)
+    ssm_chunk: int = 0  # 0 -> one associative scan over T; else chunks of this many steps
+    ssm_conv_bias: bool = True
+    ssm_proj_bias: bool = False  # in/out projection biases
+    ssm_inner_norm: bool = False  # RMSNorm on dt, B, C (Jamba)
+    linear_feature_map: str = "elu_plus_one"  # linear attention phi: elu_plus_one | relu | softplus
+    linear_chunk: int = 64  # causal linear attention chunk
+
     # Positions.
     position: str = "rope"  # none | sinusoidal | learned | rope | alibi | t5
     rope: RopeConfig = dataclasses.field(default_factory=RopeConfig)
@@ -149,6 +174,9 @@ class ModelConfig:
     def scale(self) -> float:
         return self.attn_scale or 1.0 / math.sqrt(self.head_size)
 
+    def ffn_kind(self, i: int) -> str:
+        return self.ffn_pattern[i % len(self.ffn_pattern)]
+
     def layer_kind(self, i: int) -> str:
         return self.layer_pattern[i % len(self.layer_pattern)]
 
@@ -162,7 +190,6 @@ class ModelConfig:
 # --------------------------------------------------------------------------- #
 
 MESH_AXES = ("data", "fsdp", "sequence", "tensor", "expert")
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 SCHEDULES = ("cosine", "constant")
 DATA_SOURCES = ("stdlib", "text", "jsonl")
 
@@ -198,7 +225,7 @@ class TrainConfig:
       `lr * lr_min_ratio` at `steps` (or constant).
     microbatches: gradient accumulation; each step sums the gradients of
       `microbatches` slices of the global batch (same result as one big batch).
-    remat: none | full | dots (save matmul outputs) | dots_no_batch.
+    Activation checkpointing is `model.remat` (per scanned layer, in the model).
     z_loss: weight of log(Z)^2 (PaLM); 0 = off.
     peak_flops: per-device peak FLOP/s for MFU; 0 = from a table of chips, or a
       matmul measured at start on CPU.
@@ -218,7 +245,6 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0  # global-norm clipping; 0 = off
     z_loss: float = 0.0
-    remat: str = "none"
     log_every: int = 10
     eval_every: int = 0  # 0 -> evaluate at the end only
     eval_batches: int = 8  # 0 -> the whole validation split
@@ -327,7 +353,8 @@ def _registries():
     # Imported here: the registries live beside the code they build.
     from tfjax.models import ARCHITECTURES
     from tfjax.models.stack import REMAT_POLICIES
-    from tfjax.nn.blocks import BLOCKS, LAYER_KINDS
+    from tfjax.nn.blocks import BLOCKS, FFN_KINDS, LAYER_KINDS
+    from tfjax.nn.linear_attention import FEATURE_MAPS
     from tfjax.nn.ffn import ACTIVATIONS
     from tfjax.nn.norms import NORMS
     from tfjax.nn.positions import POSITIONS, ROPE_SCALINGS
@@ -341,6 +368,8 @@ def _registries():
         rope_scaling=ROPE_SCALINGS.names(),
         block=BLOCKS.names(),
         layer_kind=LAYER_KINDS.names(),
+        ffn_kind=FFN_KINDS.names(),
+        feature_map=FEATURE_MAPS.names(),
         attention_impl=("auto",) + IMPLEMENTATIONS.names(),
         remat=REMAT_POLICIES.names(),
     )
@@ -380,6 +409,7 @@ def _validate_model(c: ModelConfig, p: str) -> None:
         _fail(f"{p}.layer_pattern", "must name at least one layer kind, e.g. ('global',)")
     for i, kind in enumerate(c.layer_pattern):
         _one_of(f"{p}.layer_pattern[{i}]", kind, names["layer_kind"])
+    _validate_beyond_dense(c, p, names)
     if "local" in c.layer_pattern and c.sliding_window < 1:
         _fail(f"{p}.sliding_window", f"must be >= 1 when layer_pattern has 'local' layers, "
               f"got {c.sliding_window}")
@@ -426,6 +456,34 @@ def _validate_model(c: ModelConfig, p: str) -> None:
               f"(arch={c.arch!r}); use num_layers")
 
 
+def _validate_beyond_dense(c: ModelConfig, p: str, names: dict) -> None:
+    """ffn_pattern, MoE, Mamba and linear attention fields."""
+    from tfjax.nn.moe import MOE_IMPLEMENTATIONS
+
+    if not c.ffn_pattern:
+        _fail(f"{p}.ffn_pattern", "must name at least one ffn kind, e.g. ('dense',)")
+    for i, kind in enumerate(c.ffn_pattern):
+        _one_of(f"{p}.ffn_pattern[{i}]", kind, names["ffn_kind"])
+    for name in ("moe_d_ff", "shared_experts", "capacity_factor", "moe_aux_loss_weight",
+                 "moe_z_loss_weight", "ssm_dt_rank", "ssm_chunk"):
+        _non_negative(f"{p}.{name}", getattr(c, name))
+    for name in ("ssm_d_state", "ssm_d_conv", "ssm_expand", "linear_chunk"):
+        _positive(f"{p}.{name}", getattr(c, name))
+    _one_of(f"{p}.moe_impl", c.moe_impl, MOE_IMPLEMENTATIONS)
+    _one_of(f"{p}.linear_feature_map", c.linear_feature_map, names["feature_map"])
+    if "moe" in c.ffn_pattern:
+        if c.num_experts < 1:
+            _fail(f"{p}.num_experts", f"ffn_pattern has 'moe' layers: set num_experts >= 1, "
+                  f"got {c.num_experts}")
+        if not 1 <= c.experts_per_token <= c.num_experts:
+            _fail(f"{p}.experts_per_token", f"must be in [1, num_experts={c.num_experts}], "
+                  f"got {c.experts_per_token}")
+    sequence_mixers = sorted({"mamba", "linear"} & set(c.layer_pattern))
+    if sequence_mixers and c.arch != "decoder":
+        _fail(f"{p}.layer_pattern", f"{', '.join(map(repr, sequence_mixers))} layers are causal "
+              f"mixers for arch='decoder' (arch={c.arch!r})")
+
+
 def _validate_train(c: TrainConfig, p: str) -> None:
     for name in ("steps", "batch_size", "seq_len", "microbatches", "lr", "log_every", "eps"):
         _positive(f"{p}.{name}", getattr(c, name))
@@ -433,7 +491,6 @@ def _validate_train(c: TrainConfig, p: str) -> None:
                  "eval_batches", "sample_tokens", "peak_flops"):
         _non_negative(f"{p}.{name}", getattr(c, name))
     _one_of(f"{p}.schedule", c.schedule, SCHEDULES)
-    _one_of(f"{p}.remat", c.remat, REMAT_POLICIES)
     if not 0.0 <= c.lr_min_ratio <= 1.0:
         _fail(f"{p}.lr_min_ratio", f"must be in [0, 1], got {c.lr_min_ratio!r}")
     for name in ("b1", "b2"):

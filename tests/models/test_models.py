@@ -17,6 +17,12 @@ def tiny(**kw) -> ModelConfig:
     return model_config({**TINY, **kw})
 
 
+@nnx.jit
+def run(model, *args, **kwargs):
+    """Jitted forward: one compile per call signature instead of op-by-op dispatch."""
+    return model(*args, **kwargs)
+
+
 def tokens(B, T, seed=0, vocab=61):
     return jax.random.randint(jax.random.key(seed), (B, T), 0, vocab)
 
@@ -71,8 +77,8 @@ def test_sliding_window_receptive_field():
     t = 8
     far = x.at[:, t - W - 1].set((x[:, t - W - 1] + 1) % 61)
     near = x.at[:, t - W].set((x[:, t - W] + 1) % 61)
-    np.testing.assert_allclose(model(x)[:, t], model(far)[:, t], atol=1e-6)
-    assert not np.allclose(model(x)[:, t], model(near)[:, t], atol=1e-4)
+    np.testing.assert_allclose(run(model, x)[:, t], run(model, far)[:, t], atol=1e-6)
+    assert not np.allclose(run(model, x)[:, t], run(model, near)[:, t], atol=1e-4)
 
 
 def test_packed_documents_equal_separate_documents():
@@ -82,9 +88,9 @@ def test_packed_documents_equal_separate_documents():
     packed = jnp.concatenate([a, b], axis=1)
     seg = jnp.array([[1] * 5 + [2] * 6])
     pos = jnp.array([list(range(5)) + list(range(6))])
-    out = model(packed, positions=pos, segment_ids=seg)
-    np.testing.assert_allclose(out[:, :5], model(a), atol=1e-5)
-    np.testing.assert_allclose(out[:, 5:], model(b), atol=1e-5)
+    out = run(model, packed, positions=pos, segment_ids=seg)
+    np.testing.assert_allclose(out[:, :5], run(model, a), atol=1e-5)
+    np.testing.assert_allclose(out[:, 5:], run(model, b), atol=1e-5)
 
 
 def test_prefix_lm():
@@ -92,16 +98,16 @@ def test_prefix_lm():
     model = models.build(cfg)
     x = tokens(2, 8)
     prefix = jnp.array([4, 4])
-    out = model(x, prefix_lengths=prefix)
+    out = run(model, x, prefix_lengths=prefix)
     # A prefix position sees later prefix tokens, but nothing after the prefix.
     y = x.at[:, 3].set((x[:, 3] + 1) % 61)
-    assert not np.allclose(model(y, prefix_lengths=prefix)[:, 1], out[:, 1], atol=1e-4)
+    assert not np.allclose(run(model, y, prefix_lengths=prefix)[:, 1], out[:, 1], atol=1e-4)
     z = x.at[:, 5:].set((x[:, 5:] + 1) % 61)
-    np.testing.assert_allclose(model(z, prefix_lengths=prefix)[:, :5], out[:, :5], atol=1e-5)
+    np.testing.assert_allclose(run(model, z, prefix_lengths=prefix)[:, :5], out[:, :5], atol=1e-5)
     with pytest.raises(ValueError, match="prefix_lengths"):
-        model(x)
+        run(model, x)
     with pytest.raises(ValueError, match="prefix_lm"):
-        models.build(tiny())(x, prefix_lengths=prefix)
+        run(models.build(tiny()), x, prefix_lengths=prefix)
 
 
 def _transfer_scanned_to_unrolled(scanned, unrolled, pattern_len):
@@ -154,7 +160,7 @@ def test_encoder_is_permutation_equivariant_without_positions():
     model = models.build(cfg)
     x = tokens(2, 7)
     perm = jnp.array([3, 0, 6, 1, 5, 2, 4])
-    np.testing.assert_allclose(model(x)[:, perm], model(x[:, perm]), atol=1e-5)
+    np.testing.assert_allclose(run(model, x)[:, perm], run(model, x[:, perm]), atol=1e-5)
 
 
 def test_bert_padding_token_types_pooler_classifier():
@@ -164,17 +170,17 @@ def test_bert_padding_token_types_pooler_classifier():
     x = tokens(2, 8)
     mask = jnp.array([[1] * 8, [1] * 5 + [0] * 3])
     types = jnp.array([[0] * 4 + [1] * 4, [0] * 8])
-    out = model(x, token_type_ids=types, attention_mask=mask)
+    out = run(model, x, token_type_ids=types, attention_mask=mask)
     assert out.shape == (2, 8, 61)
     # Real tokens do not see padding: changing the padding changes nothing for them.
     y = x.at[1, 5:].set(7)
-    np.testing.assert_allclose(model(y, token_type_ids=types, attention_mask=mask)[1, :5],
+    np.testing.assert_allclose(run(model, y, token_type_ids=types, attention_mask=mask)[1, :5],
                                out[1, :5], atol=1e-5)
     # Token types matter.
-    assert not np.allclose(model(x, attention_mask=mask)[0], out[0], atol=1e-4)
-    logits = model.classify(x, token_type_ids=types, attention_mask=mask)
+    assert not np.allclose(run(model, x, attention_mask=mask)[0], out[0], atol=1e-4)
+    logits = nnx.jit(lambda m, *a: m.classify(*a))(model, x, types, mask)
     assert logits.shape == (2, 3)
-    hidden = model.encode(x, types, mask)
+    hidden = nnx.jit(lambda m, *a: m.encode(*a))(model, x, types, mask)
     np.testing.assert_allclose(
         model.pool(hidden), jnp.tanh(hidden[:, 0] @ model.pooler.kernel[...] + model.pooler.bias[...]),
         atol=1e-5)
@@ -190,20 +196,21 @@ def test_encoder_decoder(kw):
     cfg = tiny(arch="encoder_decoder", **kw)
     model = models.build(cfg)
     src, tgt = tokens(2, 6, seed=4), tokens(2, 9, seed=5)
-    out = model(src, tgt)
+    out = run(model, src, tgt)
     assert out.shape == (2, 9, 61)
     # Decoder is causal.
     tgt2 = tgt.at[:, 5:].set((tgt[:, 5:] + 1) % 61)
-    np.testing.assert_allclose(model(src, tgt2)[:, :5], out[:, :5], atol=1e-5)
+    np.testing.assert_allclose(run(model, src, tgt2)[:, :5], out[:, :5], atol=1e-5)
     # Every decoder position sees the whole source.
     src2 = src.at[:, -1].set((src[:, -1] + 1) % 61)
-    assert not np.allclose(model(src2, tgt)[:, 0], out[:, 0], atol=1e-4)
+    assert not np.allclose(run(model, src2, tgt)[:, 0], out[:, 0], atol=1e-4)
     # Encoder padding (segment 0) is invisible to the decoder.
     seg = jnp.array([[1] * 6, [1] * 4 + [0] * 2])
-    padded = model(src, tgt, encoder_segment_ids=seg)
+    padded = run(model, src, tgt, encoder_segment_ids=seg)
     src3 = src.at[1, 4:].set(3)
-    np.testing.assert_allclose(model(src3, tgt, encoder_segment_ids=seg)[1], padded[1], atol=1e-5)
-    grads = nnx.grad(lambda m: m(src, tgt).mean())(model)
+    np.testing.assert_allclose(run(model, src3, tgt, encoder_segment_ids=seg)[1], padded[1],
+                               atol=1e-5)
+    grads = nnx.jit(nnx.grad(lambda m: m(src, tgt).mean()))(model)
     assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(nnx.state(grads)))
 
 
@@ -211,6 +218,6 @@ def test_gqa_with_k_equal_n_is_mha_and_bad_inputs():
     model = models.build(tiny(num_kv_heads=4))
     mha = models.build(tiny())
     x = tokens(1, 5)
-    np.testing.assert_allclose(model(x), mha(x), atol=1e-6)  # same init, same params
+    np.testing.assert_allclose(run(model, x), run(mha, x), atol=1e-6)  # same init, same params
     with pytest.raises(ValueError, match=r"\[B, T\]"):
         mha(x[0])

@@ -139,3 +139,22 @@ def test_auto_never_changes_semantics():
     out = dot_product_attention(q, k, k, M.causal(), softcap=3.0)  # auto must honour softcap
     want = attention_reference(q, k, k, M.causal(), softcap=3.0)
     np.testing.assert_allclose(out, want, atol=1e-5)
+
+
+def test_reference_lse_gradient_is_the_softmax():
+    q, k, v = rand((1, 5, 2, 8), 20), rand((1, 6, 2, 8), 21), rand((1, 6, 2, 8), 22)
+    mask = M.causal()
+
+    def lse_ref(q, k):
+        return attention_reference(q, k, v, mask, return_lse=True)[1]
+
+    def lse_dense(q, k):
+        s = jnp.einsum("btnh,bsnh->bnts", q, k) * 8 ** -0.5
+        s = jnp.where(mask.dense(5, 6)[:, None], s, -jnp.inf)
+        return jax.nn.logsumexp(s, axis=-1)
+
+    w = rand((1, 2, 5), 23)
+    g_ref = jax.grad(lambda q, k: jnp.sum(w * lse_ref(q, k)), argnums=(0, 1))(q, k)
+    g_dense = jax.grad(lambda q, k: jnp.sum(w * lse_dense(q, k)), argnums=(0, 1))(q, k)
+    for a, b in zip(g_ref, g_dense):
+        np.testing.assert_allclose(a, b, atol=1e-5)

@@ -6,6 +6,8 @@ local, global); parameters of each position in the cycle are stacked over a
 leading "layers" axis with `nnx.vmap` and applied with `nnx.scan`, so compile
 time does not grow with depth. Layers left over when the depth is not a multiple
 of the pattern run unrolled after the scan. `scan_layers=False` unrolls all.
+The cycle is lcm(len(layer_pattern), len(ffn_pattern)) layers (`cycle_length`):
+layer i has mixer kind `layer_pattern[i % len]` and ffn kind `ffn_pattern[i % len]`.
 """
 
 from __future__ import annotations
@@ -21,12 +23,15 @@ from tfjax.nn import positions as pos_lib
 from tfjax.nn.attention import MultiHeadAttention
 from tfjax.nn.blocks import TransformerBlock
 from tfjax.nn.ffn import FeedForward
+from tfjax.nn.linear_attention import LinearAttention
+from tfjax.nn.moe import MoE
+from tfjax.nn.ssm import Mamba
 from tfjax.nn.norms import make_norm
 from tfjax.ops import masks as masks_lib
 from tfjax.parallel.sharding import shard, with_logical_axes
 from tfjax.registry import Registry
 
-__all__ = ["REMAT_POLICIES", "LayerStack", "Embedder", "build_block", "build_norm",
+__all__ = ["REMAT_POLICIES", "LayerStack", "Embedder", "build_block", "build_norm", "cycle_length",
            "position_bias", "relative_bias", "layer_masks", "default_positions", "dtype_of"]
 
 # Named rematerialisation policies for the scanned layer body.
@@ -74,14 +79,52 @@ def _attention(cfg: ModelConfig, rngs: nnx.Rngs, *, cross: bool) -> MultiHeadAtt
         out_init_std=cfg.init_std / math.sqrt(2 * cfg.num_layers), rngs=rngs)
 
 
-def build_block(cfg: ModelConfig, rngs: nnx.Rngs, *, cross: bool = False) -> TransformerBlock:
-    """One layer as the config describes it (its kind only changes the mask it gets)."""
-    ffn = FeedForward(cfg.d_model, cfg.d_ff, activation=cfg.activation, use_bias=cfg.ffn_bias,
-                      dtype=dtype_of(cfg.dtype), param_dtype=dtype_of(cfg.param_dtype),
-                      init_std=cfg.init_std,
-                      out_init_std=cfg.init_std / math.sqrt(2 * cfg.num_layers), rngs=rngs)
+def cycle_length(cfg: ModelConfig) -> int:
+    """Layers in one scanned cycle: lcm(len(layer_pattern), len(ffn_pattern))."""
+    return math.lcm(len(cfg.layer_pattern), len(cfg.ffn_pattern))
+
+
+def _ffn(cfg: ModelConfig, rngs: nnx.Rngs, kind: str) -> nnx.Module | None:
+    kw = dict(activation=cfg.activation, use_bias=cfg.ffn_bias, dtype=dtype_of(cfg.dtype),
+              param_dtype=dtype_of(cfg.param_dtype), init_std=cfg.init_std,
+              out_init_std=cfg.init_std / math.sqrt(2 * cfg.num_layers), rngs=rngs)
+    if kind == "none":
+        return None
+    if kind == "moe":
+        return MoE(cfg.d_model, cfg.moe_d_ff or cfg.d_ff, num_experts=cfg.num_experts,
+                   experts_per_token=cfg.experts_per_token, shared_experts=cfg.shared_experts,
+                   renormalize=cfg.router_renormalize, capacity_factor=cfg.capacity_factor,
+                   implementation=cfg.moe_impl, aux_loss_weight=cfg.moe_aux_loss_weight,
+                   z_loss_weight=cfg.moe_z_loss_weight, **kw)
+    return FeedForward(cfg.d_model, cfg.d_ff, **kw)
+
+
+def _mixer(cfg: ModelConfig, rngs: nnx.Rngs, kind: str) -> nnx.Module:
+    dt, pdt = dtype_of(cfg.dtype), dtype_of(cfg.param_dtype)
+    out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
+    if kind == "mamba":
+        return Mamba(cfg.d_model, d_state=cfg.ssm_d_state, d_conv=cfg.ssm_d_conv,
+                     expand=cfg.ssm_expand, dt_rank=cfg.ssm_dt_rank, chunk_size=cfg.ssm_chunk,
+                     conv_bias=cfg.ssm_conv_bias, proj_bias=cfg.ssm_proj_bias,
+                     inner_norm=cfg.ssm_inner_norm, norm_eps=cfg.norm_eps, dtype=dt,
+                     param_dtype=pdt, init_std=cfg.init_std, out_init_std=out_std, rngs=rngs)
+    if kind == "linear":
+        return LinearAttention(cfg.d_model, cfg.num_heads, num_kv_heads=cfg.kv_heads,
+                               head_dim=cfg.head_size, qkv_bias=cfg.qkv_bias,
+                               out_bias=cfg.out_bias, feature_map=cfg.linear_feature_map,
+                               chunk_size=cfg.linear_chunk, dtype=dt, param_dtype=pdt,
+                               init_std=cfg.init_std, out_init_std=out_std, rngs=rngs)
+    return _attention(cfg, rngs, cross=False)  # global / local: the kind only picks the mask
+
+
+def build_block(cfg: ModelConfig, rngs: nnx.Rngs, *, cross: bool = False,
+                layer: int = 0) -> TransformerBlock:
+    """Layer `layer` as the config describes it: its layer kind picks the mixer
+    (attention for global / local, which differ only in the mask they get; Mamba;
+    linear attention), its ffn kind the feed-forward (dense, MoE or none)."""
+    ffn = _ffn(cfg, rngs, cfg.ffn_kind(layer))
     return TransformerBlock(
-        attn=_attention(cfg, rngs, cross=False), ffn=ffn, make_norm=lambda: build_norm(cfg, rngs),
+        attn=_mixer(cfg, rngs, cfg.layer_kind(layer)), ffn=ffn, make_norm=lambda: build_norm(cfg, rngs),
         cross_attn=_attention(cfg, rngs, cross=True) if cross else None,
         placement=cfg.norm_placement, parallel=cfg.block == "parallel",
         parallel_shared_norm=cfg.parallel_shared_norm, dropout_rate=cfg.dropout_rate, rngs=rngs)
@@ -91,14 +134,16 @@ class _Cycle(nnx.Module):
     """One repeat of the layer pattern (the scanned unit)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, *, cross: bool):
-        self.layers = nnx.List([build_block(cfg, rngs, cross=cross) for _ in cfg.layer_pattern])
+        self.layers = nnx.List([build_block(cfg, rngs, cross=cross, layer=i)
+                                for i in range(cycle_length(cfg))])
 
 
 class LayerStack(nnx.Module):
-    """`num_layers` blocks; layer i has kind `layer_pattern[i % len(pattern)]`."""
+    """`num_layers` blocks; layer i has kind `layer_pattern[i % len(pattern)]` (and ffn
+    kind `ffn_pattern[i % len]`); `self.pattern` is the kinds of one scanned cycle."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, *, num_layers: int, cross: bool = False):
-        self.pattern = tuple(cfg.layer_pattern)
+        self.pattern = tuple(cfg.layer_kind(i) for i in range(cycle_length(cfg)))
         self.remat = cfg.remat
         n_cycles, rest = divmod(num_layers, len(self.pattern))
         self.scanned = cfg.scan_layers and n_cycles >= 1
@@ -109,10 +154,13 @@ class LayerStack(nnx.Module):
                 return _Cycle(cfg, rngs, cross=cross)
 
             self.cycles = create(rngs)
-            self.blocks = nnx.List([build_block(cfg, rngs, cross=cross) for _ in range(rest)])
+            self.blocks = nnx.List([build_block(cfg, rngs, cross=cross,
+                                                layer=n_cycles * len(self.pattern) + i)
+                                    for i in range(rest)])
         else:
             self.cycles = None
-            self.blocks = nnx.List([build_block(cfg, rngs, cross=cross) for _ in range(num_layers)])
+            self.blocks = nnx.List([build_block(cfg, rngs, cross=cross, layer=i)
+                                    for i in range(num_layers)])
 
     def __call__(self, x, *, masks: dict, cache=None, biases: dict | None = None, **kwargs):
         """`masks[kind]` is the mask of layers of that kind; kwargs go to every block.
@@ -181,6 +229,7 @@ def layer_masks(cfg: ModelConfig, base: masks_lib.Mask | None, *,
     if cfg.sliding_window:
         right = cfg.sliding_window if bidirectional else 0
         out["local"] = masks_lib.combine(base, masks_lib.sliding_window(cfg.sliding_window, right))
+    out["mamba"] = out["linear"] = None  # causal by construction; they take no mask
     return out
 
 

@@ -105,8 +105,23 @@ class MultiHeadAttention(nnx.Module):
                                     q_offset=q_offset, kv_offset=kv_offset)  # [B, T, N, H]
         return shard(self.o(out), ("batch", "length", "embed"))
 
+    def project_query(self, x, *, positions=None):
+        """q `[B,T,N,H]` alone (after QK-norm and RoPE): cross-attention decode steps
+        reuse the cached K/V of the encoder output."""
+        q = shard(self.q(x), ("batch", "length", "heads", "head_dim"))
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        if self.rope is not None:
+            q = self.rope(q, _default_positions(x) if positions is None else positions)
+        return q
+
     def __call__(self, x, context=None, *, mask: Mask | None = None, bias=None, positions=None,
-                 kv_positions=None):
+                 kv_positions=None, cache=None):
+        """With `cache` (a `tfjax.inference.kv_cache` layer cache), the cache decides
+        what to project, store and attend over, and this returns `(out, new_cache)`."""
+        if cache is not None:
+            return cache.apply(self, x, context, mask=mask, bias=bias, positions=positions,
+                               kv_positions=kv_positions)
         q, k, v = self.project(x, context, positions=positions, kv_positions=kv_positions)
         return self.attend(q, k, v, mask, bias)
 

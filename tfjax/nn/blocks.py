@@ -20,7 +20,7 @@ from flax import nnx
 
 from tfjax.registry import Registry
 
-__all__ = ["BLOCKS", "LAYER_KINDS", "TransformerBlock"]
+__all__ = ["BLOCKS", "LAYER_KINDS", "FFN_KINDS", "TransformerBlock"]
 
 BLOCKS: Registry[str] = Registry("block")
 BLOCKS.register("sequential", "attention then feed-forward, each with its own residual")
@@ -30,6 +30,15 @@ BLOCKS.register("parallel", "attention and feed-forward read the same input (PaL
 LAYER_KINDS: Registry[str] = Registry("layer kind")
 LAYER_KINDS.register("global", "full attention under the model's mask")
 LAYER_KINDS.register("local", "sliding-window attention of model.sliding_window keys back")
+LAYER_KINDS.register("mamba", "Mamba selective SSM mixer (tfjax.nn.ssm; decoder only)")
+LAYER_KINDS.register("linear", "causal linear attention (tfjax.nn.linear_attention; decoder only)")
+
+# What follows the mixer in a layer (model.ffn_pattern cycles over these, independently
+# of layer_pattern: Jamba is layer_pattern of 8 with attention at 4, ffn_pattern ("dense", "moe")).
+FFN_KINDS: Registry[str] = Registry("ffn kind")
+FFN_KINDS.register("dense", "the feed-forward of model.activation and model.d_ff")
+FFN_KINDS.register("moe", "a routed Mixture of Experts (tfjax.nn.moe; model.num_experts, ...)")
+FFN_KINDS.register("none", "no feed-forward sublayer (Mamba: mixer only)")
 
 PLACEMENTS = ("pre", "post", "sandwich")
 
@@ -37,7 +46,7 @@ PLACEMENTS = ("pre", "post", "sandwich")
 class TransformerBlock(nnx.Module):
     """One layer. `make_norm()` builds a fresh norm (called once per norm needed)."""
 
-    def __init__(self, *, attn: nnx.Module, ffn: nnx.Module, make_norm: Callable[[], nnx.Module],
+    def __init__(self, *, attn: nnx.Module, ffn: nnx.Module | None, make_norm: Callable[[], nnx.Module],
                  cross_attn: nnx.Module | None = None, placement: str = "pre",
                  parallel: bool = False, parallel_shared_norm: bool = True,
                  dropout_rate: float = 0.0, rngs: nnx.Rngs | None = None):
@@ -50,11 +59,11 @@ class TransformerBlock(nnx.Module):
         self.placement, self.parallel = placement, parallel
         self.attn, self.ffn, self.cross_attn = attn, ffn, cross_attn
         self.attn_norm = make_norm()
-        self.ffn_norm = None if parallel and parallel_shared_norm else make_norm()
+        self.ffn_norm = None if (parallel and parallel_shared_norm) or ffn is None else make_norm()
         self.cross_norm = make_norm() if cross_attn is not None else None
         sandwich = placement == "sandwich"
         self.post_attn_norm = make_norm() if sandwich else None
-        self.post_ffn_norm = make_norm() if sandwich else None
+        self.post_ffn_norm = make_norm() if sandwich and ffn is not None else None
         self.post_cross_norm = make_norm() if sandwich and cross_attn is not None else None
         self.dropout = nnx.Dropout(dropout_rate, rngs=rngs) if dropout_rate > 0 else None
 
@@ -70,19 +79,39 @@ class TransformerBlock(nnx.Module):
         return x + self._drop(y)
 
     def __call__(self, x: jax.Array, *, mask=None, bias=None, positions=None,
-                 context=None, context_mask=None, context_bias=None, context_positions=None):
-        """x `[B,T,D]`; `context [B,S,D]` is the encoder output for cross-attention."""
-        attn = lambda h: self.attn(h, mask=mask, bias=bias, positions=positions)  # noqa: E731
+                 context=None, context_mask=None, context_bias=None, context_positions=None,
+                 cache=None):
+        """x `[B,T,D]`; `context [B,S,D]` is the encoder output for cross-attention.
+
+        Inference: `cache` is a dict of sublayer caches ("attn", and "cross" with
+        cross-attention; see `tfjax.inference.kv_cache`), each passed to its sublayer
+        as `cache=`; then the block returns `(x, new_cache)`. A cross-attention cache
+        that holds the encoder's K/V needs no `context`.
+        """
+        new_cache = None if cache is None else dict(cache)
+
+        def call(name, module, *args, **kw):
+            if cache is None:
+                return module(*args, **kw)
+            y, new_cache[name] = module(*args, cache=cache[name], **kw)
+            return y
+
+        attn = lambda h: call("attn", self.attn, h, mask=mask, bias=bias,  # noqa: E731
+                              positions=positions)
         if self.parallel:
             h = self.attn_norm(x)
             h2 = h if self.ffn_norm is None else self.ffn_norm(x)
-            return x + self._drop(attn(h)) + self._drop(self.ffn(h2))
+            x = x + self._drop(attn(h))
+            x = x if self.ffn is None else x + self._drop(self.ffn(h2))
+            return x if cache is None else (x, new_cache)
         x = self._sublayer(x, attn, self.attn_norm, self.post_attn_norm)
         if self.cross_attn is not None:
-            if context is None:
+            if context is None and cache is None:
                 raise ValueError("this block has cross-attention: pass context (the encoder output)")
-            cross = lambda h: self.cross_attn(h, context, mask=context_mask,  # noqa: E731
-                                              bias=context_bias, positions=positions,
-                                              kv_positions=context_positions)
+            cross = lambda h: call("cross", self.cross_attn, h, context,  # noqa: E731
+                                   mask=context_mask, bias=context_bias, positions=positions,
+                                   kv_positions=context_positions)
             x = self._sublayer(x, cross, self.cross_norm, self.post_cross_norm)
-        return self._sublayer(x, self.ffn, self.ffn_norm, self.post_ffn_norm)
+        if self.ffn is not None:  # None: a mixer-only layer (Mamba)
+            x = self._sublayer(x, self.ffn, self.ffn_norm, self.post_ffn_norm)
+        return x if cache is None else (x, new_cache)

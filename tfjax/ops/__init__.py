@@ -1,6 +1,10 @@
 """Attention ops below the layers: one entry point, lazy masks, many implementations."""
 
-from tfjax.ops import masks
+from tfjax.ops import (
+    cudnn,  # registers "cudnn" (before pallas in the GPU auto order)
+    masks,
+    pallas,  # registers "pallas"
+)
 from tfjax.ops.attention import (
     AUTO_ORDER,
     IMPLEMENTATIONS,
@@ -9,11 +13,19 @@ from tfjax.ops.attention import (
     register_implementation,
     select_implementation,
 )
-from tfjax.ops.reference import attention_reference
 from tfjax.ops.blockwise import blockwise_attention  # registers "blockwise"
-from tfjax.ops import pallas  # registers "pallas"
+from tfjax.ops.reference import attention_reference
 
 __all__ = [
-    "masks", "pallas", "dot_product_attention", "attention_reference", "blockwise_attention", "IMPLEMENTATIONS", "AUTO_ORDER",
-    "AttentionRequest", "register_implementation", "select_implementation",
+    "AUTO_ORDER",
+    "IMPLEMENTATIONS",
+    "AttentionRequest",
+    "attention_reference",
+    "blockwise_attention",
+    "cudnn",
+    "dot_product_attention",
+    "masks",
+    "pallas",
+    "register_implementation",
+    "select_implementation",
 ]

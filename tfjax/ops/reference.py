@@ -46,6 +46,8 @@ def attention_reference(q, k, v, mask=None, *, bias=None, scale=None, softcap=No
     out = out.reshape(B, T, N, H).astype(q.dtype)
     if not return_lse:
         return out
-    lse = jnp.where(denom[..., 0] > 0, jnp.log(jnp.where(denom[..., 0] > 0, denom[..., 0], 1.0))
-                    + row_max[..., 0], -jnp.inf)  # [B, K, G, T]
+    # row_max is a constant shift (stop_gradient): d lse / d logits is the softmax.
+    safe = jnp.where(denom[..., 0] > 0, denom[..., 0], 1.0)
+    lse = jnp.where(denom[..., 0] > 0,
+                    jnp.log(safe) + jax.lax.stop_gradient(row_max[..., 0]), -jnp.inf)  # [B,K,G,T]
     return out, lse.reshape(B, N, T)

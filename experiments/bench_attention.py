@@ -1,0 +1,207 @@
+"""Attention implementations: memory and speed.
+
+    .venv/bin/python experiments/bench_attention.py cpu            # ~10 min on 2 cores
+    .venv/bin/python experiments/bench_attention.py gpu            # < 8 min on one H100/H200
+
+cpu: compiled temporary memory (`memory_analysis().temp_size_in_bytes`) and wall
+time of reference / xla / blockwise at S = 1k, 4k, 16k (causal self-attention,
+GQA 4/1, H=64, fp32, forward and forward+backward), and the growth factor per
+4x S. The claim: materialising attention grows ~16x per 4x S; tiled attention
+~4x (its memory is O(T*H)). Time is measured only where the temporary memory is
+below --max-run-gib (compiling is enough to know the memory).
+
+gpu: forward, backward and forward+backward TFLOP/s (4*B*N*T*S*H FLOPs, halved
+when causal; backward counted as 2.5x forward) of "pallas" next to
+jax.nn.dot_product_attention(implementation="cudnn" / "xla") and jax's own Pallas
+GPU attention, for H in {64, 128, 256}, S from 1k to 16k, causal and not, GQA
+32/8, sliding-window and segment masks (cuDNN given the explicit dense mask).
+Writes a markdown table to experiments/results/attention_gpu_<date>.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import jax
+import jax.numpy as jnp
+
+from tfjax.ops import dot_product_attention
+from tfjax.ops import masks as M
+
+GIB = 1024 ** 3
+
+
+def _time(f, *args, reps=2):
+    jax.block_until_ready(f(*args))  # compile + warm up
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def _fn(impl, mask, grad, **kw):
+    def fwd(q, k, v):
+        return dot_product_attention(q, k, v, mask, implementation=impl, **kw)
+
+    if not grad:
+        return jax.jit(fwd)
+    return jax.jit(jax.grad(lambda q, k, v: fwd(q, k, v).astype(jnp.float32).sum(), (0, 1, 2)))
+
+
+# --------------------------------------------------------------------------- #
+# CPU.
+# --------------------------------------------------------------------------- #
+
+
+def bench_cpu(args):
+    B, N, K, H = 1, 4, 1, 64
+    sizes = [int(s) for s in args.sizes.split(",")]
+    rows = []
+    print(f"# CPU attention: B={B} N={N} K={K} H={H} fp32 causal; jax {jax.__version__}, "
+          f"{jax.devices()[0].device_kind}, {os.cpu_count()} cores; "
+          f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC", flush=True)
+    print("| impl | pass | S | temp memory | time (s) |\n|---|---|---|---|---|", flush=True)
+    for impl in ("reference", "xla", "blockwise"):
+        for grad in (False, True):
+            for S in sizes:
+                q = jax.ShapeDtypeStruct((B, S, N, H), jnp.float32)
+                kv = jax.ShapeDtypeStruct((B, S, K, H), jnp.float32)
+                f = _fn(impl, M.causal(), grad)
+                temp = f.lower(q, kv, kv).compile().memory_analysis().temp_size_in_bytes
+                t = None
+                if temp < args.max_run_gib * GIB:
+                    ks = jax.random.split(jax.random.key(0), 3)
+                    x = [jax.random.normal(kk, s.shape, s.dtype) for kk, s in zip(ks, (q, kv, kv))]
+                    t = _time(f, *x, reps=args.reps)
+                rows.append((impl, grad, S, temp, t))
+                print(f"| {impl} | {'fwd+bwd' if grad else 'fwd'} | {S} | {temp / 2**20:,.1f} MiB "
+                      f"| {'-' if t is None else f'{t:.3f}'} |", flush=True)
+    print("\n| impl | pass | memory growth per 4x S | time growth per 4x S |\n|---|---|---|---|")
+    for impl in ("reference", "xla", "blockwise"):
+        for grad in (False, True):
+            sel = [r for r in rows if r[0] == impl and r[1] == grad]
+            mem = [f"{b[3] / max(a[3], 1):.1f}x" for a, b in itertools.pairwise(sel)]
+            tim = [f"{b[4] / a[4]:.1f}x" if a[4] and b[4] else "-"
+                   for a, b in itertools.pairwise(sel)]
+            print(f"| {impl} | {'fwd+bwd' if grad else 'fwd'} | {', '.join(mem)} | "
+                  f"{', '.join(tim)} |")
+
+
+# --------------------------------------------------------------------------- #
+# GPU.
+# --------------------------------------------------------------------------- #
+
+
+def _jax_pallas_gpu(causal):
+    from jax.experimental.pallas.ops.gpu import attention as jax_attention
+
+    def f(q, k, v):  # jax's kernel has no GQA: K/V are repeated for it
+        G = q.shape[2] // k.shape[2]
+        k, v = (jnp.repeat(x, G, axis=2) for x in (k, v))
+        return jax_attention.mha(q, k, v, segment_ids=None, causal=causal)
+
+    return f
+
+
+def _cudnn(mask, T, S, kind):
+    def f(q, k, v):
+        if kind == "explicit":
+            dense = mask.dense(T, S)[:, None]
+            return jax.nn.dot_product_attention(q, k, v, mask=dense, implementation="cudnn")
+        return jax.nn.dot_product_attention(q, k, v, is_causal=kind == "causal",
+                                            implementation="cudnn")
+    return f
+
+
+def bench_gpu(args):
+    B, N, K = 1, 32, 8
+    dtype = jnp.bfloat16
+    out = [(f"# GPU attention TFLOP/s ({jax.devices()[0].device_kind}, jax {jax.__version__}, "
+            f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC)"), "",
+           (f"B={B}, N={N}, K={K} (GQA), bf16. FLOPs 4*B*N*T*S*H (x0.5 causal), "
+            "backward = 2.5x forward."), "",
+           "| H | S | mask | impl | fwd TFLOP/s | bwd TFLOP/s | fwd+bwd TFLOP/s |",
+           "|---|---|---|---|---|---|---|"]
+    print("\n".join(out), flush=True)
+    deadline = time.time() + args.budget_s
+    configs = []
+    for H in (64, 128, 256):
+        for S in (1024, 4096, 8192, 16384):
+            for mask_name in ("none", "causal"):
+                configs.append((H, S, mask_name))
+    for S in (4096, 16384):
+        configs += [(128, S, "window1k"), (128, S, "segments4")]
+    for H, S, mask_name in configs:
+        if time.time() > deadline:
+            out.append(f"| {H} | {S} | {mask_name} | (time budget spent) | | | |")
+            continue
+        T = S
+        mask = {"none": None, "causal": M.causal(), "window1k": M.sliding_window(1024),
+                "segments4": M.segments(jnp.repeat(jnp.arange(4), S // 4)[None])}[mask_name]
+        frac = {"none": 1.0, "causal": 0.5, "window1k": min(1.0, 1025 / S),
+                "segments4": 0.25}[mask_name]
+        flops = 4 * B * N * T * S * H * frac
+        ks = jax.random.split(jax.random.key(0), 3)
+        q = jax.random.normal(ks[0], (B, T, N, H), dtype)
+        k = jax.random.normal(ks[1], (B, S, K, H), dtype)
+        v = jax.random.normal(ks[2], (B, S, K, H), dtype)
+        impls = {"pallas (tfjax)": lambda q, k, v, m=mask: dot_product_attention(
+            q, k, v, m, implementation="pallas")}
+        if mask_name in ("none", "causal"):
+            impls["cudnn"] = _cudnn(mask, T, S, "causal" if mask_name == "causal" else "none")
+            impls["jax pallas gpu"] = _jax_pallas_gpu(mask_name == "causal")
+            if S <= 8192:
+                impls["xla"] = lambda q, k, v, m=mask: dot_product_attention(q, k, v, m,
+                                                                             implementation="xla")
+        else:
+            impls["cudnn (explicit mask)"] = _cudnn(mask, T, S, "explicit")
+        for name, f in impls.items():
+            try:
+                fwd = jax.jit(f)
+                fb = jax.jit(jax.grad(lambda q, k, v, f=f: f(q, k, v).astype(jnp.float32).sum(),
+                                      (0, 1, 2)))
+                t_f = _time(fwd, q, k, v, reps=3)
+                t_fb = _time(fb, q, k, v, reps=3)
+                t_b = max(t_fb - t_f, 1e-9)
+                row = (f"| {H} | {S} | {mask_name} | {name} | {flops / t_f / 1e12:.1f} | "
+                       f"{2.5 * flops / t_b / 1e12:.1f} | {3.5 * flops / t_fb / 1e12:.1f} |")
+            except Exception as e:  # noqa: BLE001 - a row says why an implementation failed
+                row = f"| {H} | {S} | {mask_name} | {name} | failed: {type(e).__name__}: " \
+                      f"{str(e).splitlines()[0][:80]} | | |"
+            out.append(row)
+            print(row, flush=True)
+    os.makedirs(os.path.join(os.path.dirname(__file__), "results"), exist_ok=True)
+    path = os.path.join(os.path.dirname(__file__), "results",
+                        f"attention_gpu_{datetime.date.today():%Y%m%d}.md")
+    with open(path, "w") as fh:
+        fh.write("\n".join(out) + "\n")
+    print(f"wrote {path}")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("part", choices=["cpu", "gpu"])
+    p.add_argument("--sizes", default="1024,4096,16384")
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--max-run-gib", type=float, default=3.0)
+    p.add_argument("--budget-s", type=float, default=420.0)
+    args = p.parse_args()
+    if args.part == "cpu":
+        bench_cpu(args)
+    else:
+        if jax.default_backend() != "gpu":
+            sys.exit(f"bench_attention.py gpu: needs a GPU, jax backend is {jax.default_backend()}")
+        bench_gpu(args)
+
+
+if __name__ == "__main__":
+    main()

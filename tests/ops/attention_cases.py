@@ -1,0 +1,131 @@
+"""Shared by the blockwise and pallas tests: inputs, masks by name, and one
+check of an implementation against `attention_reference` (forward, lse, dq, dk,
+dv, dbias, all under one jit so each case compiles once)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tfjax.ops import attention_reference
+from tfjax.ops import masks as M
+
+TOL = {  # forward, grads (fp32: absolute + relative; bf16: relative error of the whole tensor)
+    "float32": (1e-5, 1e-4),
+    "bfloat16": (2e-2, 2e-2),
+}
+
+
+def inputs(B, T, S, N, K, H, dtype=jnp.float32, seed=0, bias=None):
+    ks = jax.random.split(jax.random.key(seed), 5)
+    q = jax.random.normal(ks[0], (B, T, N, H), jnp.float32).astype(dtype)
+    k = jax.random.normal(ks[1], (B, S, K, H), jnp.float32).astype(dtype)
+    v = jax.random.normal(ks[2], (B, S, K, H), jnp.float32).astype(dtype)
+    b = None
+    if bias is not None:  # bias = (Bb, Nb)
+        b = jax.random.normal(ks[3], (*bias, T, S), jnp.float32)
+    return q, k, v, b
+
+
+def segment_ids(B, L, seed, n=3):
+    """Sorted random segment ids: packed sequences of random lengths."""
+    rng = np.random.default_rng(seed)
+    return np.sort(rng.integers(0, n, (B, L)), axis=1).astype(np.int32)
+
+
+def make_mask(name, B, T, S):
+    if name == "none":
+        return None
+    if name == "causal":
+        return M.causal()
+    if name == "window":
+        return M.sliding_window(17)
+    if name == "window_lr":
+        return M.sliding_window(9, 40)
+    if name == "chunked":
+        return M.chunked_causal(50)
+    if name == "prefix":
+        return M.prefix_lm(np.array([T // 3 + 1] + [1] * (B - 1)))
+    if name == "segments":
+        return M.segments(segment_ids(B, T, 1), segment_ids(B, S, 2))
+    if name == "causal&segments":
+        return M.causal() & M.segments(segment_ids(B, T, 1), segment_ids(B, S, 1))
+    if name == "window&segments":
+        return M.sliding_window(30, 5) & M.segments(segment_ids(B, T, 3), segment_ids(B, S, 3))
+    if name == "padding_fully_masked":  # example 0 sees no key: its rows are fully masked
+        return M.padding(np.array([0] + [S - S // 3] * (B - 1)))
+    if name == "prefix|window":
+        return M.prefix_lm(np.array([5] * B)) | M.sliding_window(8)
+    raise ValueError(name)
+
+
+def _loss(out, lse):
+    w = jnp.cos(jnp.arange(out.size, dtype=jnp.float32).reshape(out.shape))
+    lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    return jnp.sum(out.astype(jnp.float32) * w) + 0.5 * jnp.sum(jnp.sin(lse))
+
+
+def dense_lse(q, k, mask, bias, scale, softcap, q_offset, kv_offset):
+    """logsumexp from the dense logits (an independent ground truth for d lse)."""
+    B, T, N, H = q.shape
+    S, K = k.shape[1:3]
+    qf = q.astype(jnp.float32).reshape(B, T, K, N // K, H)
+    s = jnp.einsum("BTKGH,BSKH->BKGTS", qf, k.astype(jnp.float32)) * scale
+    if softcap:
+        s = softcap * jnp.tanh(s / softcap)
+    if bias is not None:
+        s = s + jnp.broadcast_to(bias, (B, N, T, S)).reshape(B, K, N // K, T, S)
+    allowed = M.dense(mask, T, S, q_offset=q_offset, kv_offset=kv_offset)[:, None, None]
+    s = jnp.where(allowed, s, -jnp.inf)
+    return jax.nn.logsumexp(s, axis=-1).reshape(B, N, T)
+
+
+def run(impl, q, k, v, mask, bias, *, softcap=None, q_offset=0, kv_offset=0, scale=None,
+        ref=False, **kw):
+    """(out, lse, grads) of `_loss`, jitted; grads w.r.t. q, k, v (and bias)."""
+    H = q.shape[-1]
+    scale_v = H ** -0.5 if scale is None else scale
+
+    def f(q, k, v, bias):
+        if ref:  # out from the reference, lse from the dense logsumexp
+            out = attention_reference(q, k, v, mask, bias=bias, scale=scale, softcap=softcap,
+                                      q_offset=q_offset, kv_offset=kv_offset)
+            lse = dense_lse(q, k, mask, bias, scale_v, softcap, q_offset, kv_offset)
+        else:
+            out, lse = impl(q, k, v, mask, bias=bias, scale=scale, softcap=softcap,
+                            q_offset=q_offset, kv_offset=kv_offset, return_lse=True, **kw)
+        return _loss(out, lse), (out, lse)
+
+    argnums = (0, 1, 2, 3) if bias is not None else (0, 1, 2)
+    (_, (out, lse)), grads = jax.jit(jax.value_and_grad(f, argnums, has_aux=True))(q, k, v, bias)
+    return out, lse, grads
+
+
+def assert_close(got, want, dtype, what, kind):
+    fwd, grad = TOL[str(dtype)]
+    tol = fwd if kind == "fwd" else grad
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert np.isfinite(got).all() or what == "lse", f"{what}: not finite"
+    if str(dtype) == "float32":
+        np.testing.assert_allclose(got, want, atol=tol, rtol=tol, err_msg=what)
+    else:
+        err = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-6)
+        assert err < tol, f"{what}: relative error {err:.3g} >= {tol}"
+
+
+def check_against_reference(impl, q, k, v, mask, bias=None, **kw):
+    impl_kw = {key: kw.pop(key) for key in list(kw) if key in ("block_q", "block_kv",
+                                                               "block_sizes", "interpret")}
+    out, lse, grads = run(impl, q, k, v, mask, bias, **kw, **impl_kw)
+    r_out, r_lse, r_grads = run(None, q, k, v, mask, bias, ref=True, **kw)
+    dtype = q.dtype
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert lse.dtype == jnp.float32 and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
+    assert_close(out, r_out, dtype, "out", "fwd")
+    np.testing.assert_array_equal(np.isinf(lse), np.isinf(r_lse), err_msg="lse -inf rows")
+    assert_close(jnp.where(jnp.isinf(r_lse), 0, lse), jnp.where(jnp.isinf(r_lse), 0, r_lse),
+                 dtype, "lse", "fwd")
+    for name, g, rg in zip(("dq", "dk", "dv", "dbias"), grads, r_grads):
+        assert_close(g, rg, dtype, name, "grad")
+    return out, lse, grads

@@ -1,0 +1,134 @@
+"""The block view of every mask against its dense view: a tile reported EMPTY has
+no visible entry, FULL has no hidden one, and for the primitive masks PARTIAL is
+exact (it holds both). Tails (T, S not multiples of the tile), offsets,
+combinations, and tables that never build T x S (a 128k mask stays cheap)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tfjax.ops import masks as M
+from tfjax.ops.pallas.common import tile_tables
+
+B = 2
+
+
+def _segments(T, S, seed):
+    rng = np.random.default_rng(seed)
+    q = np.sort(rng.integers(0, 4, (B, T)), axis=1)
+    kv = np.sort(rng.integers(0, 4, (B, S)), axis=1)
+    return M.segments(q, kv)
+
+
+def _masks(T, S):
+    return {
+        "causal": M.causal(),
+        "window_left": M.sliding_window(5),
+        "window_left_right": M.sliding_window(3, 7),
+        "chunked": M.chunked_causal(6),
+        "padding": M.padding(np.array([0, S // 2 + 1])),
+        "prefix": M.prefix_lm(np.array([3, T // 2 + 2])),
+        "segments": _segments(T, S, 0),
+    }
+
+
+PRIMITIVE = ["causal", "window_left", "window_left_right", "chunked", "padding", "prefix",
+             "segments"]
+
+
+def _check(mask, T, S, bq, bk, qo, ko, exact):
+    views = jax.jit(lambda m: (m.dense(T, S, q_offset=qo, kv_offset=ko),
+                               m.blocks(T, S, bq, bk, q_offset=qo, kv_offset=ko)))
+    dense, blocks = (np.asarray(x) for x in views(mask))  # one compile, not one per op
+    nq, nk = -(-T // bq), -(-S // bk)
+    assert blocks.shape[1:] == (nq, nk) and blocks.shape[0] in (1, B)
+    assert blocks.dtype == np.int8
+    dense = np.broadcast_to(dense, (B, T, S))
+    blocks = np.broadcast_to(blocks, (B, nq, nk))
+    for b in range(B):
+        for i in range(nq):
+            for j in range(nk):
+                tile = dense[b, i * bq:(i + 1) * bq, j * bk:(j + 1) * bk]
+                code = blocks[b, i, j]
+                where = (f"b={b} tile=({i},{j}) code={code} T={T} S={S} bq={bq} bk={bk} "
+                         f"off={qo},{ko}")
+                if code == M.EMPTY:
+                    assert not tile.any(), where
+                elif code == M.FULL:
+                    assert tile.all(), where
+                else:
+                    assert code == M.PARTIAL, where
+                    if exact:
+                        assert tile.any() and not tile.all(), where
+
+
+GEOMETRY = [  # T, S, bq, bk, q_offset, kv_offset
+    (16, 16, 4, 4, 0, 0),
+    (13, 19, 4, 8, 0, 0),  # tails on both axes
+    (10, 23, 8, 3, 5, 0),  # query chunk of a longer sequence
+    (17, 9, 5, 4, 0, 7),  # keys start later (ring attention step)
+    (7, 30, 3, 7, 20, 2),
+]
+
+
+@pytest.mark.parametrize("name", PRIMITIVE)
+@pytest.mark.parametrize("geometry", GEOMETRY, ids=lambda g: "T{}S{}b{}x{}o{},{}".format(*g))
+def test_primitive_block_view_is_exact(name, geometry):
+    T, S, bq, bk, qo, ko = geometry
+    # chunked causal: a tile may straddle chunks; only conservativeness is promised there
+    _check(_masks(T, S)[name], T, S, bq, bk, qo, ko, exact=name != "chunked")
+
+
+COMBOS = {
+    "causal&segments": lambda m: m["causal"] & m["segments"],
+    "window&padding": lambda m: m["window_left_right"] & m["padding"],
+    "prefix|window": lambda m: m["prefix"] | m["window_left"],
+    "chunked&segments|causal": lambda m: (m["chunked"] & m["segments"]) | m["causal"],
+    "padding&prefix&window": lambda m: m["padding"] & m["prefix"] & m["window_left"],
+}
+
+
+@pytest.mark.parametrize("combo", sorted(COMBOS))
+def test_combined_block_view_is_conservative(combo):
+    for T, S, bq, bk, qo, ko in GEOMETRY:
+        _check(COMBOS[combo](_masks(T, S)), T, S, bq, bk, qo, ko, exact=False)
+
+
+def test_chunked_tiles_inside_one_chunk_are_exact():
+    _check(M.chunked_causal(8), 32, 32, 4, 4, 0, 0, exact=True)
+
+
+def test_block_view_under_jit_with_traced_offsets():
+    mask = M.causal() & M.sliding_window(6)
+    f = jax.jit(lambda qo, ko: mask.blocks(20, 24, 4, 8, q_offset=qo, kv_offset=ko))
+    np.testing.assert_array_equal(f(jnp.int32(8), jnp.int32(3)),
+                                  mask.blocks(20, 24, 4, 8, q_offset=8, kv_offset=3))
+
+
+def test_block_view_is_cheap_at_128k():
+    T = 128 * 1024
+    mask = M.causal() & M.sliding_window(4096)
+    lowered = jax.jit(lambda: mask.blocks(T, T, 512, 512)).lower()
+    temp = lowered.compile().memory_analysis().temp_size_in_bytes
+    assert temp < 16 * 1024 * 1024  # a dense T x T bool would be 16 GiB
+    blocks = np.asarray(mask.blocks(T, T, 512, 512))
+    assert (blocks != M.EMPTY).sum() <= 256 * 10  # ~9 tiles per row, not 256
+
+
+def test_tile_tables_compact_nonempty_tiles_first():
+    mask = M.causal()
+    tab = tile_tables(mask, 40, 40, 8, 8)  # 5 x 5, T % 8 == 0
+    np.testing.assert_array_equal(tab.count[0], [1, 2, 3, 4, 5])
+    assert tab.steps == 5 and not tab.batched
+    np.testing.assert_array_equal(tab.order[0, 1], [0, 1, 1, 1, 1])  # repeats the last index
+    np.testing.assert_array_equal(tab.code[0, 1, :2], [M.FULL, M.PARTIAL])
+    tab_t = tile_tables(mask, 40, 40, 8, 8, transpose=True)
+    np.testing.assert_array_equal(tab_t.count[0], [5, 4, 3, 2, 1])
+    np.testing.assert_array_equal(tab_t.order[0, 3, :2], [3, 4])
+    # a tail tile is never FULL: the kernel must mask the padding
+    tail = tile_tables(None, 20, 20, 8, 8)
+    np.testing.assert_array_equal(tail.code[0, 0], [M.FULL, M.FULL, M.PARTIAL])
+    np.testing.assert_array_equal(tail.code[0, 2], [M.PARTIAL] * 3)
+    window = tile_tables(M.sliding_window(8), 1024, 1024, 128, 128)
+    assert window.steps == 2  # the grid walks 2 kv tiles per query tile, not 8

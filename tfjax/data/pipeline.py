@@ -1,0 +1,155 @@
+"""The input pipeline: documents -> tokens -> packed rows -> this process's share of
+each global batch, with an iterator state small enough to checkpoint as JSON.
+
+grain does the random access part: `MapDataset.source(docs).shuffle(seed).repeat()`
+(each epoch reshuffled, deterministically from the seed) `.map(tokenize)`.
+
+Packing: row r of every global batch is fed by its own stream, which reads the
+documents r, r + B, r + 2B, ... of that shuffled order (B = global batch), so the
+rows of a batch come from B different documents rather than from one long file.
+A stream lays its documents `[bos] + tokens + [eos]` end to end and cuts them into
+rows of `seq_len + 1` tokens, each row starting on the last token of the previous
+one, so every token is a target exactly once. Inside a row each document piece
+gets its own segment id (1, 2, ...; 0 = padding) and positions counted from 0, so
+attention never crosses a document and `mask` drops the target that would.
+
+A process only runs the streams of the rows its devices hold, so each process
+loads only its share, and a batch is the same whatever the number of processes
+(a 2-process run trains exactly like a 1-process run). The state is one
+(document, offset) cursor per stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import grain
+import numpy as np
+
+from tfjax.data.sources import DocumentSource
+
+__all__ = ["BATCH_KEYS", "PackedBatches"]
+
+BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "mask", "target_bytes")
+
+
+class PackedBatches(Iterator[dict]):
+    """Batches `{inputs, targets, positions, segment_ids, mask, target_bytes}` of shape
+    `[len(local_rows), seq_len]` (int32): the rows `local_rows` of each global batch.
+
+    repeat=False reads the documents once (evaluation): exhausted streams give empty
+    rows (mask 0) and the iterator stops after `num_batches()` batches, a number every
+    process computes alike.
+    """
+
+    def __init__(self, source: DocumentSource, tokenizer, *, seq_len: int, global_batch: int,
+                 local_rows: Sequence[int] | None = None, seed: int = 0, shuffle: bool = True,
+                 repeat: bool = True):
+        self.seq_len, self.global_batch = seq_len, global_batch
+        self.local_rows = list(range(global_batch)) if local_rows is None else sorted(local_rows)
+        self.tokenizer = tokenizer
+        self.repeat = repeat
+        self._num_docs = len(source)
+        bos, eos = tokenizer.bos_id, tokenizer.eos_id
+        ds = grain.MapDataset.source(source)
+        if shuffle:
+            ds = ds.shuffle(seed=seed)
+        if repeat:
+            ds = ds.repeat()
+        self._docs = ds.map(lambda text: np.concatenate(
+            [[bos], tokenizer.encode(text), [eos]]).astype(np.int32))
+        self._cache: dict[int, tuple[int, np.ndarray]] = {}
+        self._num_batches: int | None = None
+        self._state = dict(cursors=[[0, 0] for _ in range(global_batch)], batch=0)
+
+    # -- checkpointable state ------------------------------------------------
+    def get_state(self) -> dict:
+        return dict(cursors=[list(c) for c in self._state["cursors"]], batch=self._state["batch"])
+
+    def set_state(self, state: dict) -> None:
+        cursors = [[int(d), int(o)] for d, o in state["cursors"]]
+        if len(cursors) != self.global_batch:
+            raise ValueError(f"data state has {len(cursors)} streams but train.batch_size is "
+                             f"{self.global_batch}; resume with the batch size it was saved with")
+        self._state = dict(cursors=cursors, batch=int(state["batch"]))
+
+    # -- packing -------------------------------------------------------------
+    def _doc(self, r: int, j: int) -> np.ndarray | None:
+        """Document j of stream r (None past the end when not repeating)."""
+        k = r + j * self.global_batch
+        if not self.repeat and k >= self._num_docs:
+            return None
+        cached = self._cache.get(r)
+        if cached is None or cached[0] != k:
+            self._cache[r] = cached = (k, self._docs[k])
+        return cached[1]
+
+    def num_batches(self) -> int:
+        """Batches in one pass (repeat=False): the longest stream decides."""
+        if self.repeat:
+            raise ValueError("an endless (repeat=True) stream has no number of batches")
+        if self._num_batches is None:
+            longest = 0
+            for r in range(self.global_batch):
+                n = sum(len(self._docs[k]) for k in range(r, self._num_docs, self.global_batch))
+                longest = max(longest, -(-(n - 1) // self.seq_len) if n > 1 else 0)
+            self._num_batches = longest
+        return self._num_batches
+
+    def _next_row(self, r: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        need = self.seq_len + 1
+        toks = np.full(need, self.tokenizer.pad_id, np.int32)
+        seg = np.zeros(need, np.int32)
+        pos = np.zeros(need, np.int32)
+        cursor = self._state["cursors"][r]
+        j, o = cursor
+        filled, piece, last = 0, 0, None
+        while filled < need:
+            doc = self._doc(r, j)
+            if doc is None:
+                break
+            n = min(len(doc) - o, need - filled)
+            toks[filled:filled + n] = doc[o:o + n]
+            piece += 1
+            seg[filled:filled + n] = piece
+            pos[filled:filled + n] = np.arange(n)
+            filled += n
+            last = (j, o + n)
+            j, o = (j + 1, 0) if o + n == len(doc) else (j, o + n)
+        if filled <= 1 and not self.repeat:  # nothing left to predict
+            cursor[:] = [j, o]
+            return None
+        if filled == need:  # the next row starts on this row's last token
+            cursor[:] = [last[0], last[1] - 1]
+        else:
+            cursor[:] = [j, 0]
+        return toks, seg, pos
+
+    def _row_arrays(self, row):
+        toks, seg, pos = row
+        T = self.seq_len
+        mask = (seg[:T] == seg[1:]) & (seg[:T] > 0)
+        targets = toks[1:]
+        tb = self.tokenizer.token_bytes[np.minimum(targets, len(self.tokenizer.token_bytes) - 1)]
+        return dict(inputs=toks[:T], targets=targets, positions=pos[:T], segment_ids=seg[:T],
+                    mask=mask.astype(np.int32), target_bytes=(tb * mask).astype(np.int32))
+
+    def _empty_row(self):
+        T = self.seq_len
+        z = np.zeros(T, np.int32)
+        return dict(inputs=np.full(T, self.tokenizer.pad_id, np.int32),
+                    targets=np.full(T, self.tokenizer.pad_id, np.int32),
+                    positions=z, segment_ids=z, mask=z, target_bytes=z)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        if not self.repeat and self._state["batch"] >= self.num_batches():
+            raise StopIteration
+        rows = []
+        for r in self.local_rows:
+            row = self._next_row(r)
+            rows.append(self._row_arrays(row) if row is not None else self._empty_row())
+        self._state["batch"] += 1
+        return {k: np.stack([r[k] for r in rows]) for k in BATCH_KEYS}

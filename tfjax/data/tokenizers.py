@@ -1,0 +1,118 @@
+"""Tokenizers: bytes (no download, the default) and local tokenizer files.
+
+Every tokenizer gives `encode(text) -> int32 ids`, `decode(ids) -> str`, the ids
+of its specials (`pad_id`, `bos_id`, `eos_id`), `vocab_size`, and
+`token_bytes`: for each id, how many UTF-8 bytes it stands for (0 for specials),
+which turns a loss in nats per token into bits per byte for any tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+__all__ = ["ByteTokenizer", "HFTokenizer", "SentencePieceTokenizer", "load_tokenizer"]
+
+
+class ByteTokenizer:
+    """UTF-8 bytes 0..255 are their own ids; specials follow: pad 256, bos 257, eos 258."""
+
+    pad_id, bos_id, eos_id = 256, 257, 258
+    vocab_size = 259
+    name = "byte"
+
+    def __init__(self):
+        self.token_bytes = np.array([1] * 256 + [0] * 3, np.int32)
+
+    def encode(self, text: str | bytes) -> np.ndarray:
+        data = text.encode("utf-8") if isinstance(text, str) else text
+        return np.frombuffer(data, np.uint8).astype(np.int32)
+
+    def decode(self, ids) -> str:
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A Hugging Face `tokenizers` JSON file (needs the `tokenizers` package: `pip install tokenizers`
+    or the `hf` extra)."""
+
+    def __init__(self, path: str):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError as e:  # pragma: no cover - depends on extras
+            raise ValueError(f"data.tokenizer: {path!r} is a tokenizers JSON file, which needs the "
+                             "`tokenizers` package: pip install 'tfjax[hf]'") from e
+        self.name = path
+        self._tok = Tokenizer.from_file(path)
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        specials = {t.content for t in self._tok.get_added_tokens_decoder().values() if t.special}
+
+        def find(*names):
+            for n in names:
+                if n in vocab:
+                    return vocab[n]
+            return None
+
+        self.bos_id = find("<s>", "<|begin_of_text|>", "<bos>", "[CLS]", "<|endoftext|>")
+        self.eos_id = find("</s>", "<|end_of_text|>", "<eos>", "[SEP]", "<|endoftext|>")
+        self.pad_id = find("<pad>", "[PAD]", "<|pad|>")
+        if self.eos_id is None:
+            raise ValueError(f"data.tokenizer: {path!r} has no end-of-text token "
+                             "(</s>, <eos>, <|endoftext|>, ...)")
+        self.bos_id = self.eos_id if self.bos_id is None else self.bos_id
+        self.pad_id = self.eos_id if self.pad_id is None else self.pad_id
+        self.token_bytes = np.zeros(self.vocab_size, np.int32)
+        for tok, i in vocab.items():
+            if tok not in specials and i < self.vocab_size:
+                self.token_bytes[i] = len(self._tok.decode([i], skip_special_tokens=False).encode())
+
+    def encode(self, text):
+        text = text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text
+        return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, np.int32)
+
+    def decode(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids])
+
+
+class SentencePieceTokenizer:
+    """A sentencepiece `.model` file (needs `pip install sentencepiece`)."""
+
+    def __init__(self, path: str):
+        try:
+            import sentencepiece as spm
+        except ImportError as e:  # pragma: no cover - depends on extras
+            raise ValueError(f"data.tokenizer: {path!r} is a sentencepiece model, which needs "
+                             "`pip install sentencepiece`") from e
+        self.name = path
+        self._sp = spm.SentencePieceProcessor(model_file=path)
+        self.vocab_size = self._sp.get_piece_size()
+        self.eos_id = self._sp.eos_id()
+        self.bos_id = self._sp.bos_id() if self._sp.bos_id() >= 0 else self.eos_id
+        self.pad_id = self._sp.pad_id() if self._sp.pad_id() >= 0 else self.eos_id
+        self.token_bytes = np.array(
+            [0 if (self._sp.is_control(i) or self._sp.is_unknown(i)) else
+             len(self._sp.decode([i]).encode()) for i in range(self.vocab_size)], np.int32)
+
+    def encode(self, text):
+        text = text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text
+        return np.asarray(self._sp.encode(text), np.int32)
+
+    def decode(self, ids) -> str:
+        return self._sp.decode([int(i) for i in ids])
+
+
+def load_tokenizer(name: str):
+    """"byte", or a local `tokenizers` .json / sentencepiece .model file."""
+    if name == "byte":
+        return ByteTokenizer()
+    if not os.path.exists(name):
+        raise ValueError(f"data.tokenizer: {name!r} is neither 'byte' nor an existing file "
+                         "(a tokenizers .json or a sentencepiece .model)")
+    if name.endswith(".json"):
+        with open(name) as f:
+            json.load(f)  # a clear JSON error before the tokenizers library's
+        return HFTokenizer(name)
+    return SentencePieceTokenizer(name)

@@ -1,0 +1,185 @@
+"""Autoregressive generation with KV caches: a jitted prefill, then a jitted decode loop.
+
+    out = tfjax.inference.generate(model, prompt_tokens, max_new_tokens=64,
+                                   prompt_lengths=None, temperature=0.0, top_k=None,
+                                   top_p=None, eos_id=None, seed=0)      # [B, 64] int32
+
+- **Prompts are right-padded**: row b holds `prompt_lengths[b]` real tokens (default:
+  all T) followed by anything; each row generates exactly what it would alone
+  (its own positions, cache slots and stop). Decoder-only: the prompt is the
+  start of the sequence. Encoder-decoder: the prompt is the encoder input (its
+  padding masked) and decoding starts from `decoder_start_id` (T5: 0).
+- **Prefill** runs the model once over the prompt (the fast attention path) and
+  fills the caches (`kv_cache`); the **decode loop** is one `lax.while_loop` of
+  fixed shapes (cache preallocated to prompt + max_new_tokens) that stops as soon
+  as every row has emitted `eos_id`; a row emits EOS itself, then `pad_id`
+  (default: eos_id, or 0 without one). `generate` compiles both into one program
+  (one dispatch); compiled programs are cached per model structure and shapes.
+- **Sampling** (`sampling.sample`): temperature 0 is greedy; otherwise temperature,
+  top-k, top-p. Step i draws with `fold_in(key(seed), i)`, so a seed reproduces a
+  generation. The settings are traced: changing them does not recompile.
+- **Sharding**: under `tfjax.parallel.sharding.use_rules(mesh, rules)` (and with
+  the model's state placed on the mesh) activations and caches follow the logical
+  axis rules: cache rows over the batch axes, kv heads over `tensor`.
+- `stream(...)` yields each step's `[B]` tokens as they are produced (a jitted
+  single step per token, for the CLI); it produces the same tokens as `generate`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from tfjax.inference import kv_cache
+from tfjax.inference.sampling import sample
+from tfjax.parallel.sharding import active_mesh
+
+__all__ = ["generate", "stream"]
+
+
+def _is_encoder_decoder(model) -> bool:
+    return getattr(model.config, "arch", "decoder") == "encoder_decoder"
+
+
+@functools.lru_cache(maxsize=16)
+def _programs(graphdef, mesh=None):
+    """Jitted (start, step, run) for one model structure (compiled per shape). The
+    active mesh (`tfjax.parallel.sharding.use_rules`) is part of the key: `shard`
+    constraints are read when tracing."""
+
+    def merge(state):
+        model = nnx.merge(graphdef, state)
+        model.eval()
+        return model
+
+    def start(state, prompt, lengths, key, settings, *, cache_len, decoder_start_id):
+        model = merge(state)
+        B, T = prompt.shape
+        if _is_encoder_decoder(model):
+            seg = (jnp.arange(T)[None, :] < lengths[:, None]).astype(jnp.int32)
+            encoded = model.encode(prompt, encoder_segment_ids=seg)
+            cache = kv_cache.init_cache(model, B, cache_len, encoder_length=lengths,
+                                        encoder_len=T)
+            first = jnp.full((B, 1), decoder_start_id, jnp.int32)
+            logits, cache = model.step(first, cache, encoded)
+        else:
+            cache = kv_cache.init_cache(model, B, cache_len)
+            logits, cache = model.step(prompt, cache, lengths)
+        return sample(jax.random.fold_in(key, 0), logits[:, 0], **settings), cache
+
+    def step(state, cache, tok, key, i, settings):
+        logits, cache = merge(state).step(tok[:, None], cache)
+        return sample(jax.random.fold_in(key, i), logits[:, 0], **settings), cache
+
+    def loop(state, cache, tok, key, settings, eos_id, pad_id, *, n):
+        B = tok.shape[0]
+
+        # The parameters ride in the carry: nnx transforms inside the body (the
+        # scanned layers) need their variables at the body's trace level.
+        def cond(c):
+            i, _, _, _, done, _ = c
+            return (i < n) & ~jnp.all(done)
+
+        def body(c):
+            i, tok, cache, out, done, state = c
+            out = out.at[:, i].set(jnp.where(done, pad_id, tok))
+            done = done | (tok == eos_id)
+            tok, cache = step(state, cache, tok, key, i + 1, settings)
+            return i + 1, tok, cache, out, done, state
+
+        init = (jnp.int32(0), tok, cache, jnp.full((B, n), pad_id, jnp.int32),
+                jnp.zeros((B,), bool), state)
+        return jax.lax.while_loop(cond, body, init)[3]
+
+    def run(state, prompt, lengths, key, settings, eos_id, pad_id, *, cache_len, n,
+            decoder_start_id):
+        tok, cache = start(state, prompt, lengths, key, settings, cache_len=cache_len,
+                           decoder_start_id=decoder_start_id)
+        return loop(state, cache, tok, key, settings, eos_id, pad_id, n=n)
+
+    return (jax.jit(start, static_argnames=("cache_len", "decoder_start_id")),
+            jax.jit(step, donate_argnums=1),
+            jax.jit(run, static_argnames=("cache_len", "n", "decoder_start_id")))
+
+
+def _prepare(model, prompt_tokens, max_new_tokens, prompt_lengths, temperature, top_k, top_p,
+             eos_id, pad_id, seed):
+    prompt = jnp.asarray(prompt_tokens, jnp.int32)
+    if prompt.ndim != 2:
+        raise ValueError(f"prompt_tokens must be [B, T] integers, got shape {prompt.shape}")
+    B, T = prompt.shape
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if prompt_lengths is None:
+        lengths = jnp.full((B,), T, jnp.int32)
+    else:
+        lengths = jnp.asarray(prompt_lengths, jnp.int32)
+        if lengths.shape != (B,):
+            raise ValueError(f"prompt_lengths must be [B] = [{B}], got shape {lengths.shape}")
+        try:
+            lo, hi = int(jnp.min(lengths)), int(jnp.max(lengths))
+        except jax.errors.ConcretizationTypeError:  # traced: checked by the caller
+            lo, hi = 1, T
+        if lo < 1 or hi > T:
+            raise ValueError(f"prompt_lengths must be in [1, T={T}] (right-padded prompts), "
+                             f"got min {lo}, max {hi}")
+    cfg = model.config
+    enc_dec = _is_encoder_decoder(model)
+    cache_len = max_new_tokens + 1 if enc_dec else T + max_new_tokens
+    if cfg.position == "learned" and cache_len > cfg.max_len:
+        raise ValueError(f"max_new_tokens: prompt + generated = {cache_len} tokens exceed "
+                         f"model.max_len={cfg.max_len} (learned position table)")
+    if top_k is not None and top_k < 0:
+        raise ValueError(f"top_k must be >= 1 (or None), got {top_k}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1] (or None), got {top_p}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    settings = dict(temperature=jnp.float32(temperature),
+                    top_k=jnp.int32(top_k or 0), top_p=jnp.float32(1.0 if top_p is None else top_p))
+    eos = -1 if eos_id is None else int(eos_id)
+    pad = pad_id if pad_id is not None else (0 if eos_id is None else eos_id)
+    graphdef, state = nnx.split(model)
+    return (graphdef, state, prompt, lengths, settings, cache_len, jnp.int32(eos),
+            jnp.int32(pad), jax.random.key(seed))
+
+
+def generate(model, prompt_tokens, *, max_new_tokens: int, prompt_lengths=None,
+             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+             eos_id: int | None = None, seed: int = 0, pad_id: int | None = None,
+             decoder_start_id: int = 0) -> jax.Array:
+    """`max_new_tokens` tokens `[B, max_new_tokens]` int32 after each (right-padded)
+    prompt; rows that emitted `eos_id` continue with `pad_id`."""
+    graphdef, state, prompt, lengths, settings, cache_len, eos, pad, key = _prepare(
+        model, prompt_tokens, max_new_tokens, prompt_lengths, temperature, top_k, top_p, eos_id,
+        pad_id, seed)
+    run = _programs(graphdef, active_mesh())[2]  # prefill and decode loop: one program, one dispatch
+    return run(state, prompt, lengths, key, settings, eos, pad, cache_len=cache_len,
+               n=int(max_new_tokens), decoder_start_id=int(decoder_start_id))
+
+
+def stream(model, prompt_tokens, *, max_new_tokens: int, prompt_lengths=None,
+           temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+           eos_id: int | None = None, seed: int = 0, pad_id: int | None = None,
+           decoder_start_id: int = 0) -> Iterator[np.ndarray]:
+    """Yield the `[B]` tokens of each step as soon as they exist (same tokens as
+    `generate`); stops after max_new_tokens or once every row emitted EOS."""
+    graphdef, state, prompt, lengths, settings, cache_len, eos, pad, key = _prepare(
+        model, prompt_tokens, max_new_tokens, prompt_lengths, temperature, top_k, top_p, eos_id,
+        pad_id, seed)
+    start, step, _ = _programs(graphdef, active_mesh())
+    tok, cache = start(state, prompt, lengths, key, settings, cache_len=cache_len,
+                       decoder_start_id=int(decoder_start_id))
+    done = np.zeros(prompt.shape[0], bool)
+    for i in range(max_new_tokens):
+        t = np.asarray(tok)
+        yield np.where(done, int(pad), t).astype(np.int32)
+        done |= t == int(eos)
+        if done.all() or i + 1 == max_new_tokens:
+            return
+        tok, cache = step(state, cache, tok, key, jnp.int32(i + 1), settings)

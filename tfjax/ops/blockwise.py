@@ -1,0 +1,387 @@
+"""Blockwise attention: pure-JAX tiled online softmax with a recomputing backward.
+
+FlashAttention (Dao et al. 2022; FlashAttention-2, Dao 2023) written with
+`lax.scan` / `lax.while_loop` instead of a kernel, so it runs on any backend and
+never builds the `T x S` logits:
+
+- forward: a scan over query tiles; for each, a while loop over only the kv tiles
+  the mask's block view says are not EMPTY (a compacted per-row tile list, so a
+  causal mask does half the work and a sliding window O(T * window)). The mask is
+  evaluated (`mask.evaluate`) only on PARTIAL tiles (`lax.cond`); FULL tiles skip
+  it. Online softmax in fp32; the logsumexp `[B,N,T]` is kept.
+- backward (`custom_vjp`): recomputes the probabilities of each tile from the
+  saved logsumexp; a scan over kv tiles (the transposed tile list) accumulates
+  dk/dv in the carry and adds each tile's dq into an O(T*H) buffer. Residuals
+  are q, k, v, out and lse: activation memory is O(T*H), not O(T*S).
+- GQA is native: query heads are grouped `[K, G]` and K/V are never repeated.
+- The batch is `vmap`ped; a mask whose data varies per example (segments,
+  padding) is sliced per example, so its loop runs to the longest row of the
+  batch; positional masks skip tiles exactly.
+- Fully masked rows give zeros and lse -inf, never NaN. The lse is differentiable
+  (ring attention merges partial results with it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from tfjax.ops import masks as masks_lib
+
+__all__ = ["DEFAULT_BLOCK", "blockwise_attention"]
+
+DEFAULT_BLOCK = 512  # a CPU / XLA sweet spot; kernels choose their own tiles
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    scale: float
+    softcap: float | None
+    block_q: int
+    block_kv: int
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _round_up(a: int, b: int) -> int:
+    return _cdiv(a, b) * b
+
+
+def blockwise_attention(q, k, v, mask: masks_lib.Mask | None = None, *, bias=None, scale=None,
+                        softcap=None, q_offset=0, kv_offset=0, return_lse: bool = False,
+                        block_q: int = DEFAULT_BLOCK, block_kv: int = DEFAULT_BLOCK):
+    """q `[B,T,N,H]`, k/v `[B,S,K,H]` -> out `[B,T,N,H]` (and lse `[B,N,T]` fp32).
+
+    Same semantics as `attention_reference`; `block_q` / `block_kv` are the tile
+    sizes (clamped to the sequence lengths, rounded up to 8)."""
+    _, T, _, H = q.shape
+    S = k.shape[1]
+    cfg = _Config(scale=float(H ** -0.5 if scale is None else scale),
+                  softcap=float(softcap) if softcap else None,
+                  block_q=min(int(block_q), _round_up(T, 8)),
+                  block_kv=min(int(block_kv), _round_up(S, 8)))
+    q_offset = jnp.asarray(q_offset, jnp.int32)
+    kv_offset = jnp.asarray(kv_offset, jnp.int32)
+    out, lse = _attention(cfg, q, k, v, mask, bias, q_offset, kv_offset)
+    return (out, lse) if return_lse else out
+
+
+# --------------------------------------------------------------------------- #
+# Batch handling: vmap over B, with per-example mask data and bias.
+# --------------------------------------------------------------------------- #
+
+
+def _mask_axes(mask):
+    """vmap in_axes for the mask, and a function making the per-example mask look
+    like a batch-1 mask again (its views keep their leading [1] axis)."""
+    if mask is None or mask.batch_size is None:
+        return None, lambda m: m
+    return 0, lambda m: jax.tree.map(lambda x: x[None], m)
+
+
+def _bias_axes(bias, B):
+    if bias is None:
+        return None, None
+    if bias.shape[0] == 1 and B != 1:
+        return None, bias[0]
+    return 0, bias
+
+
+def _vmap_batch(fn, q, k, v, mask, bias, *rest_batched):
+    B = q.shape[0]
+    mask_axis, unbatch = _mask_axes(mask)
+    bias_axis, bias = _bias_axes(bias, B)
+
+    def one(q, k, v, mask, bias, *rest):
+        return fn(q, k, v, unbatch(mask), bias, *rest)
+
+    in_axes = (0, 0, 0, mask_axis, bias_axis) + (0,) * len(rest_batched)
+    return jax.vmap(one, in_axes=in_axes)(q, k, v, mask, bias, *rest_batched)
+
+
+# --------------------------------------------------------------------------- #
+# Shared tile helpers (one example: q [T,N,H], k/v [S,K,H], bias [Nb,T,S]).
+# --------------------------------------------------------------------------- #
+
+
+def _tile_codes(mask, T, S, bq, bk, qo, ko) -> jax.Array:
+    """int32 `[nq, nk]` block view for one example."""
+    nq, nk = _cdiv(T, bq), _cdiv(S, bk)
+    if mask is None:
+        return jnp.full((nq, nk), masks_lib.FULL, jnp.int32)
+    return mask.blocks(T, S, bq, bk, q_offset=qo, kv_offset=ko)[0].astype(jnp.int32)
+
+
+def _compact(codes: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per row, the indices of the non-EMPTY tiles first (in order), and their count."""
+    nonempty = codes != masks_lib.EMPTY
+    order = jnp.argsort(~nonempty, axis=-1, stable=True).astype(jnp.int32)
+    return order, nonempty.sum(-1).astype(jnp.int32)
+
+
+def _tile_allowed(cfg, mask, code, qi, kj, T, S, qo, ko) -> jax.Array:
+    """bool `[bq, bk]`: the mask on this tile (evaluated only when PARTIAL) and the
+    tails (padded rows and columns are never allowed)."""
+    bq, bk = cfg.block_q, cfg.block_kv
+    q_idx = qi * bq + jnp.arange(bq, dtype=jnp.int32)
+    kv_idx = kj * bk + jnp.arange(bk, dtype=jnp.int32)
+    valid = (q_idx < T)[:, None] & (kv_idx < S)[None, :]
+    if mask is None:
+        return valid
+
+    def partial():
+        return mask.evaluate(jnp.minimum(q_idx, T - 1), jnp.minimum(kv_idx, S - 1),
+                             q_offset=qo, kv_offset=ko)[0]
+
+    # Loops visit only non-EMPTY tiles; the single-tile path visits EMPTY ones too.
+    allowed = lax.cond(code != masks_lib.FULL, partial, lambda: jnp.ones((bq, bk), bool))
+    return allowed & valid
+
+
+def _logits(cfg, qt, kt, bias_t):
+    """fp32 logits `[K,G,bq,bk]` (and tanh of the soft-cap, for the backward)."""
+    s = jnp.einsum("QKGH,SKH->KGQS", qt, kt, preferred_element_type=jnp.float32) * cfg.scale
+    t = None
+    if cfg.softcap:
+        t = jnp.tanh(s / cfg.softcap)
+        s = cfg.softcap * t
+    if bias_t is not None:  # [N|1, bq, bk] -> [K|1, G|1, bq, bk]
+        K, G = s.shape[:2]
+        shape = (K, G) if bias_t.shape[0] != 1 else (1, 1)
+        s = s + bias_t.astype(jnp.float32).reshape(*shape, *bias_t.shape[1:])
+    return s, t
+
+
+def _loop(cond, body, init, max_trips):
+    """`lax.while_loop`, or one direct call when a row has a single tile (small
+    problems then compile about as fast as plain attention; an EMPTY tile visited
+    this way is hidden by its mask)."""
+    if max_trips == 1:
+        return body(init)
+    return lax.while_loop(cond, body, init)
+
+
+def _scan(f, carry, xs):
+    """`lax.scan`, or a direct call for a single tile."""
+    if jax.tree.leaves(xs)[0].shape[0] == 1:
+        carry, ys = f(carry, jax.tree.map(lambda x: x[0], xs))
+        return carry, jax.tree.map(lambda y: y[None], ys)
+    return lax.scan(f, carry, xs)
+
+
+def _pad_to(x, axis, n):
+    pad = n - x.shape[axis]
+    if pad == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths)
+
+
+def _bias_tile(bias, qi, kj, bq, bk):
+    if bias is None:
+        return None
+    return lax.dynamic_slice(bias, (0, qi * bq, kj * bk), (bias.shape[0], bq, bk))
+
+
+# --------------------------------------------------------------------------- #
+# Forward.
+# --------------------------------------------------------------------------- #
+
+
+def _forward_one(cfg, q, k, v, mask, bias, qo, ko):
+    T, N, H = q.shape
+    S, K, _ = k.shape
+    G = N // K
+    bq, bk = cfg.block_q, cfg.block_kv
+    nq, nk = _cdiv(T, bq), _cdiv(S, bk)
+    qp = _pad_to(q, 0, nq * bq).reshape(nq, bq, K, G, H)
+    kp = _pad_to(k, 0, nk * bk)
+    vp = _pad_to(v, 0, nk * bk)
+    if bias is not None:
+        bias = _pad_to(_pad_to(bias, 1, nq * bq), 2, nk * bk)
+    codes = _tile_codes(mask, T, S, bq, bk, qo, ko)
+    order, counts = _compact(codes)
+
+    def q_tile(_, xs):
+        qi, qt = xs
+
+        def body(carry):
+            j, m, l, acc = carry
+            kj = order[qi, j]
+            kt = lax.dynamic_slice_in_dim(kp, kj * bk, bk)
+            vt = lax.dynamic_slice_in_dim(vp, kj * bk, bk)
+            s, _ = _logits(cfg, qt, kt, _bias_tile(bias, qi, kj, bq, bk))
+            allowed = _tile_allowed(cfg, mask, codes[qi, kj], qi, kj, T, S, qo, ko)
+            s = jnp.where(allowed, s, -jnp.inf)
+            m_new = jnp.maximum(m, s.max(-1))
+            m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+            p = jnp.exp(s - m_safe[..., None])
+            alpha = jnp.exp(m - m_safe)
+            l = alpha * l + p.sum(-1)
+            pv = jnp.einsum("KGQS,SKH->KGQH", p.astype(v.dtype), vt,
+                            preferred_element_type=jnp.float32)
+            return j + 1, m_new, l, alpha[..., None] * acc + pv
+
+        init = (jnp.int32(0), jnp.full((K, G, bq), -jnp.inf, jnp.float32),
+                jnp.zeros((K, G, bq), jnp.float32), jnp.zeros((K, G, bq, H), jnp.float32))
+        _, m, l, acc = _loop(lambda c: c[0] < counts[qi], body, init, nk)
+        has = l > 0
+        out = jnp.where(has[..., None], acc / jnp.where(has, l, 1.0)[..., None], 0.0)
+        lse = jnp.where(has, m + jnp.log(jnp.where(has, l, 1.0)), -jnp.inf)
+        return None, (out.astype(q.dtype), lse)
+
+    _, (out, lse) = _scan(q_tile, None, (jnp.arange(nq, dtype=jnp.int32), qp))
+    out = out.transpose(0, 3, 1, 2, 4).reshape(nq * bq, N, H)[:T]  # [nq,K,G,bq,H] -> [T,N,H]
+    lse = lse.transpose(1, 2, 0, 3).reshape(N, nq * bq)[:, :T]  # [nq,K,G,bq] -> [N,T]
+    return out, lse
+
+
+def _forward(cfg, q, k, v, mask, bias, qo, ko):
+    fn = lambda q, k, v, mask, bias: _forward_one(cfg, q, k, v, mask, bias, qo, ko)
+    return _vmap_batch(fn, q, k, v, mask, bias)
+
+
+# --------------------------------------------------------------------------- #
+# Backward.
+# --------------------------------------------------------------------------- #
+
+
+def _backward_one(cfg, q, k, v, mask, bias, qo, ko, out, lse, dout, dlse):
+    T, N, H = q.shape
+    S, K, _ = k.shape
+    G = N // K
+    bq, bk = cfg.block_q, cfg.block_kv
+    nq, nk = _cdiv(T, bq), _cdiv(S, bk)
+    # D_i = sum_h dO*O - dlse_i: the softmax backward's row term (dlse enters here).
+    delta = jnp.einsum("TNH,TNH->NT", dout.astype(jnp.float32), out.astype(jnp.float32)) - dlse
+    qp = _pad_to(q, 0, nq * bq).reshape(nq, bq, K, G, H)
+    dop = _pad_to(dout, 0, nq * bq).reshape(nq, bq, K, G, H)
+    lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    lsep = _pad_to(lse, 1, nq * bq).reshape(K, G, nq, bq).transpose(2, 0, 1, 3)  # [nq,K,G,bq]
+    dp_ = _pad_to(delta, 1, nq * bq).reshape(K, G, nq, bq).transpose(2, 0, 1, 3)
+    kp = _pad_to(k, 0, nk * bk).reshape(nk, bk, K, H)
+    vp = _pad_to(v, 0, nk * bk).reshape(nk, bk, K, H)
+    if bias is not None:
+        Nb = bias.shape[0]
+        bias = _pad_to(_pad_to(bias, 1, nq * bq), 2, nk * bk)
+    codes = _tile_codes(mask, T, S, bq, bk, qo, ko)
+    order_t, counts_t = _compact(codes.T)
+
+    def kv_tile(carry, xs):
+        dq, dbias = carry
+        kj, kt, vt = xs
+
+        def body(c):
+            i, dq, dbias, dk, dv = c
+            qi = order_t[kj, i]
+            qt, dot = qp[qi], dop[qi]
+            s, t = _logits(cfg, qt, kt, _bias_tile(bias, qi, kj, bq, bk))
+            allowed = _tile_allowed(cfg, mask, codes[qi, kj], qi, kj, T, S, qo, ko)
+            p = jnp.where(allowed, jnp.exp(s - lsep[qi][..., None]), 0.0)  # [K,G,bq,bk]
+            dv = dv + jnp.einsum("KGQS,QKGH->SKH", p.astype(dout.dtype), dot,
+                                 preferred_element_type=jnp.float32)
+            dp = jnp.einsum("QKGH,SKH->KGQS", dot, vt, preferred_element_type=jnp.float32)
+            ds = p * (dp - dp_[qi][..., None])  # d logits
+            if dbias is not None:
+                db = ds.reshape(N, bq, bk)
+                db = db if Nb == N else db.sum(0, keepdims=True)
+                cur = lax.dynamic_slice(dbias, (0, qi * bq, kj * bk), (Nb, bq, bk))
+                dbias = lax.dynamic_update_slice(dbias, cur + db, (0, qi * bq, kj * bk))
+            if t is not None:
+                ds = ds * (1.0 - t * t)
+            ds = ds * cfg.scale
+            dq = dq.at[qi].add(jnp.einsum("KGQS,SKH->QKGH", ds.astype(k.dtype), kt,
+                                          preferred_element_type=jnp.float32))
+            dk = dk + jnp.einsum("KGQS,QKGH->SKH", ds.astype(q.dtype), qt,
+                                 preferred_element_type=jnp.float32)
+            return i + 1, dq, dbias, dk, dv
+
+        zeros = jnp.zeros((bk, K, H), jnp.float32)
+        _, dq, dbias, dk, dv = _loop(lambda c: c[0] < counts_t[kj], body,
+                                       (jnp.int32(0), dq, dbias, zeros, zeros), nq)
+        return (dq, dbias), (dk, dv)
+
+    dq0 = jnp.zeros((nq, bq, K, G, H), jnp.float32)
+    db0 = None if bias is None else jnp.zeros(bias.shape, jnp.float32)
+    (dq, dbias), (dk, dv) = _scan(kv_tile, (dq0, db0),
+                                  (jnp.arange(nk, dtype=jnp.int32), kp, vp))
+    dq = dq.reshape(nq * bq, N, H)[:T].astype(q.dtype)
+    dk = dk.reshape(nk * bk, K, H)[:S].astype(k.dtype)
+    dv = dv.reshape(nk * bk, K, H)[:S].astype(v.dtype)
+    if dbias is not None:
+        dbias = dbias[:, :T, :S]
+    return dq, dk, dv, dbias
+
+
+# --------------------------------------------------------------------------- #
+# custom_vjp.
+# --------------------------------------------------------------------------- #
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(cfg, q, k, v, mask, bias, qo, ko):
+    return _forward(cfg, q, k, v, mask, bias, qo, ko)
+
+
+def _attention_fwd(cfg, q, k, v, mask, bias, qo, ko):
+    out, lse = _forward(cfg, q, k, v, mask, bias, qo, ko)
+    return (out, lse), (q, k, v, mask, bias, qo, ko, out, lse)
+
+
+def _attention_bwd(cfg, res, cts):
+    q, k, v, mask, bias, qo, ko, out, lse = res
+    dout, dlse = cts
+    B = q.shape[0]
+
+    def fn(q, k, v, mask, bias, out, lse, dout, dlse):
+        return _backward_one(cfg, q, k, v, mask, bias, qo, ko, out, lse, dout, dlse)
+
+    dq, dk, dv, dbias = _vmap_batch(fn, q, k, v, mask, bias, out, lse, dout.astype(out.dtype),
+                                    dlse.astype(jnp.float32))
+    if dbias is not None:
+        if bias.shape[0] == 1 and B != 1:
+            dbias = dbias.sum(0, keepdims=True)
+        dbias = dbias.astype(bias.dtype)
+    mask_ct = jax.tree.map(_zero_cotangent, mask)
+    return dq, dk, dv, mask_ct, dbias, _zero_cotangent(qo), _zero_cotangent(ko)
+
+
+def _zero_cotangent(x):
+    x = jnp.asarray(x)
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.zeros_like(x)
+    return jnp.zeros(x.shape, jax.dtypes.float0)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+# --------------------------------------------------------------------------- #
+# Registration: "blockwise" serves every request; it is the CPU default.
+# --------------------------------------------------------------------------- #
+
+
+def _impl(q, k, v, mask, *, bias, scale, softcap, q_offset, kv_offset, return_lse):
+    return blockwise_attention(q, k, v, mask, bias=bias, scale=scale, softcap=softcap,
+                               q_offset=q_offset, kv_offset=kv_offset, return_lse=return_lse)
+
+
+def _register():
+    from tfjax.ops.attention import AUTO_ORDER, register_implementation
+
+    def before_reference(backend):  # on accelerators: after the kernels and xla
+        order = AUTO_ORDER.get(backend, [])
+        return order.index("reference") if "reference" in order else len(order)
+
+    register_implementation("blockwise", _impl, auto={
+        "cpu": 0, "gpu": before_reference("gpu"), "tpu": before_reference("tpu")})
+
+
+_register()

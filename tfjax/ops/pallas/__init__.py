@@ -1,0 +1,51 @@
+"""Pallas attention kernels (`implementation="pallas"`).
+
+`flash_attention(q, k, v, mask, ...)` dispatches to the TPU (Mosaic) kernels on
+TPU and on CPU (interpret mode), and to the GPU (Triton) kernels on GPU.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from tfjax.ops.attention import AUTO_ORDER, AttentionRequest, register_implementation
+from tfjax.ops.pallas.common import BlockSizes, mask_support
+from tfjax.ops.pallas.tpu import flash_attention_tpu
+
+__all__ = ["BlockSizes", "flash_attention", "flash_attention_tpu", "supports"]
+
+
+def flash_attention(q, k, v, mask=None, *, bias=None, scale=None, softcap=None, q_offset=0,
+                    kv_offset=0, return_lse=False, block_sizes: BlockSizes | None = None,
+                    interpret=None):
+    """Pallas FlashAttention; same semantics as `attention_reference`."""
+    if jax.default_backend() == "gpu" and not interpret:
+        from tfjax.ops.pallas.gpu import flash_attention_gpu
+        return flash_attention_gpu(q, k, v, mask, bias=bias, scale=scale, softcap=softcap,
+                                   q_offset=q_offset, kv_offset=kv_offset, return_lse=return_lse,
+                                   block_sizes=block_sizes)
+    return flash_attention_tpu(q, k, v, mask, bias=bias, scale=scale, softcap=softcap,
+                               q_offset=q_offset, kv_offset=kv_offset, return_lse=return_lse,
+                               block_sizes=block_sizes, interpret=interpret)
+
+
+def supports(r: AttentionRequest) -> str | None:
+    reason = mask_support(r.mask)
+    if reason:
+        return reason
+    if r.dtype not in ("float32", "bfloat16", "float16"):
+        return f"the pallas kernels take float32/bfloat16/float16 inputs, got {r.dtype}"
+    if r.backend == "gpu":
+        from tfjax.ops.pallas.gpu import supports as gpu_supports
+        return gpu_supports(r)
+    return None
+
+
+def _impl(q, k, v, mask, *, bias, scale, softcap, q_offset, kv_offset, return_lse):
+    return flash_attention(q, k, v, mask, bias=bias, scale=scale, softcap=softcap,
+                           q_offset=q_offset, kv_offset=kv_offset, return_lse=return_lse)
+
+
+# On GPU, cuDNN (plain causal requests) comes first whichever module registers first.
+_GPU_RANK = 1 if "cudnn" in AUTO_ORDER.get("gpu", []) else 0
+register_implementation("pallas", _impl, supports, auto={"tpu": 0, "gpu": _GPU_RANK})

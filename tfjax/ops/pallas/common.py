@@ -1,0 +1,225 @@
+"""What the TPU and GPU attention kernels share: frozen block sizes, tile tables
+built from a mask's block view, and the mask compiled into kernel operands plus
+an in-kernel tile evaluator.
+
+Tile tables (per batch row of the mask, `Bm` = 1 or B): for each query tile the
+kv tiles that are not EMPTY, compacted to the front (`order`), their number
+(`count`), and their code (`code`, PARTIAL or FULL; tiles holding a sequence tail
+are PARTIAL so the kernel masks the padding). Entries past `count` repeat the
+last real index, so a pipelined kernel issues no DMA for the grid steps it skips.
+The transposed tables (for each kv tile, its query tiles) drive the dk/dv kernel.
+
+Masks in kernels: positional masks (causal, windows, chunks) become iota
+arithmetic on global positions; per-example scalars (padding and prefix lengths)
+become scalar-prefetch operands; segment ids become blocked VMEM operands
+(`[B, Tp, 1]` and `[B, 1, Sp]`). A mask kind this module does not know is refused
+by `mask_support` (the "pallas" implementation then declines the request).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from tfjax.ops import masks as M
+
+__all__ = [
+    "BlockSizes",
+    "MaskOperands",
+    "TileTables",
+    "cdiv",
+    "mask_support",
+    "round_up",
+    "tile_tables",
+]
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def round_up(a: int, b: int) -> int:
+    return cdiv(a, b) * b
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tile sizes of the forward, dq and dk/dv kernels (query x key). They are
+    clamped to the (padded) sequence lengths; kv tiles must be multiples of 128
+    on TPU (lanes), query tiles multiples of 8 (sublanes)."""
+
+    block_q: int = 128
+    block_kv: int = 128
+    block_q_dq: int = 128
+    block_kv_dq: int = 128
+    block_q_dkv: int = 128
+    block_kv_dkv: int = 128
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, int) or v < 8 or v % 8:
+                raise ValueError(f"BlockSizes.{f.name} must be a positive multiple of 8, got {v!r}")
+
+
+# --------------------------------------------------------------------------- #
+# Tile tables.
+# --------------------------------------------------------------------------- #
+
+
+@dataclasses.dataclass(frozen=True)
+class TileTables:
+    order: jax.Array  # int32 [Bm, rows, cols]: non-empty column tiles first
+    count: jax.Array  # int32 [Bm, rows]
+    code: jax.Array  # int32 [Bm, rows, cols]: code of order[..., j]
+    steps: int  # grid extent over j: max count when known at trace time, else cols
+    batched: bool  # Bm == B > 1 (index tables by the batch program id)
+
+
+def _codes(mask, T, S, bq, bk, q_offset, kv_offset):
+    nq, nk = cdiv(T, bq), cdiv(S, bk)
+    if mask is None:
+        codes = jnp.full((1, nq, nk), M.FULL, jnp.int32)
+    else:
+        codes = mask.blocks(T, S, bq, bk, q_offset=q_offset, kv_offset=kv_offset).astype(jnp.int32)
+    # Tiles holding padding (sequence tails) must be masked in the kernel.
+    tail = jnp.zeros((nq, nk), bool)
+    if T % bq:
+        tail = tail.at[-1, :].set(True)
+    if S % bk:
+        tail = tail.at[:, -1].set(True)
+    return jnp.where(tail & (codes == M.FULL), M.PARTIAL, codes)
+
+
+def _compact(codes):
+    nonempty = codes != M.EMPTY
+    order = jnp.argsort(~nonempty, axis=-1, stable=True).astype(jnp.int32)
+    count = nonempty.sum(-1).astype(jnp.int32)
+    cols = codes.shape[-1]
+    j = jnp.arange(cols, dtype=jnp.int32)
+    last = jnp.take_along_axis(order, jnp.maximum(count - 1, 0)[..., None], axis=-1)
+    order = jnp.where(j < count[..., None], order, last)  # repeat: no DMA on skipped steps
+    code = jnp.take_along_axis(codes, order, axis=-1)
+    return order, count, code
+
+
+def tile_tables(mask, T, S, bq, bk, *, q_offset=0, kv_offset=0, transpose=False) -> TileTables:
+    """Tables over query-tile rows (or kv-tile rows when `transpose`). Evaluated at
+    trace time when the mask and offsets are concrete (then the grid extent is
+    the longest row), else traced (then it is the number of column tiles)."""
+    with jax.ensure_compile_time_eval():
+        order, count, code = _build_tables(mask, q_offset, kv_offset, T=T, S=S, bq=bq, bk=bk,
+                                           transpose=transpose)
+        try:
+            steps = max(int(np.asarray(count).max()), 1)
+        except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+            steps = order.shape[-1]
+    return TileTables(order, count, code, steps, batched=order.shape[0] > 1)
+
+
+@functools.partial(jax.jit, static_argnames=("T", "S", "bq", "bk", "transpose"))
+def _build_tables(mask, q_offset, kv_offset, *, T, S, bq, bk, transpose):
+    codes = _codes(mask, T, S, bq, bk, q_offset, kv_offset)
+    if transpose:
+        codes = codes.transpose(0, 2, 1)
+    return _compact(codes)
+
+
+# --------------------------------------------------------------------------- #
+# Masks as kernel operands.
+# --------------------------------------------------------------------------- #
+
+_POSITIONAL = (M.Causal, M.SlidingWindow, M.ChunkedCausal)
+
+
+def mask_support(mask) -> str | None:
+    """None when the kernels can evaluate `mask` in a tile, else the reason."""
+    if mask is None or isinstance(mask, _POSITIONAL + (M.Padding, M.PrefixLM, M.Segments)):
+        return None
+    if isinstance(mask, (M.And, M.Or)):
+        return mask_support(mask.a) or mask_support(mask.b)
+    return f"the pallas kernels cannot evaluate a {type(mask).__name__} mask in a tile"
+
+
+class MaskOperands:
+    """The mask flattened into kernel operands: per-example scalars (`[B]` int32,
+    scalar prefetch) and padded segment ids (`[B, Tp]`, `[B, Sp]` int32; each
+    kernel gives them the 3-D layout its tiles need)."""
+
+    def __init__(self, mask, B: int, Tp: int, Sp: int):
+        self.mask = mask
+        self.scalars: list[jax.Array] = []
+        self.q_segments: list[jax.Array] = []
+        self.kv_segments: list[jax.Array] = []
+        self._slot: dict[int, int] = {}
+        self._collect(mask, B, Tp, Sp)
+
+    def _collect(self, m, B, Tp, Sp):
+        if m is None or isinstance(m, _POSITIONAL):
+            return
+        if isinstance(m, (M.And, M.Or)):
+            self._collect(m.a, B, Tp, Sp)
+            self._collect(m.b, B, Tp, Sp)
+        elif isinstance(m, (M.Padding, M.PrefixLM)):
+            x = m.kv_lengths if isinstance(m, M.Padding) else m.prefix_lengths
+            self._slot[id(m)] = len(self.scalars)
+            self.scalars.append(jnp.broadcast_to(jnp.asarray(x, jnp.int32), (B,)))
+        elif isinstance(m, M.Segments):
+            self._slot[id(m)] = len(self.q_segments)
+            qs = jnp.asarray(m.q_segment_ids, jnp.int32)
+            ks = jnp.asarray(m.kv_segment_ids, jnp.int32)
+            qs = jnp.pad(qs, ((0, 0), (0, Tp - qs.shape[1])), constant_values=-1)
+            ks = jnp.pad(ks, ((0, 0), (0, Sp - ks.shape[1])), constant_values=-2)
+            self.q_segments.append(qs)
+            self.kv_segments.append(ks)
+        else:
+            raise NotImplementedError(mask_support(m))
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.q_segments)
+
+    def evaluate(self, q_pos, kv_pos, b, scalar_refs, q_seg_vals, kv_seg_vals):
+        """bool tile from global positions `q_pos`, `kv_pos` (broadcastable int32
+        arrays), the batch index, the scalar refs and the loaded segment tiles
+        (`[bq, 1]` and `[1, bk]`, or transposed for the dk/dv kernel)."""
+        return self._eval(self.mask, q_pos, kv_pos, b, scalar_refs, q_seg_vals, kv_seg_vals)
+
+    def _eval(self, m, qp, kp, b, sref, qseg, kseg):
+        if isinstance(m, M.Causal):
+            return kp <= qp
+        if isinstance(m, M.SlidingWindow):
+            d = qp - kp
+            return (d <= m.left) & (d >= -m.right)
+        if isinstance(m, M.ChunkedCausal):
+            # positions are >= 0 in practice; lax.div truncates like floor there
+            return (kp <= qp) & (lax.div(qp, m.chunk) == lax.div(kp, m.chunk))
+        if isinstance(m, M.Padding):
+            return kp < sref[self._slot[id(m)]][b]
+        if isinstance(m, M.PrefixLM):
+            return (kp <= qp) | (kp < sref[self._slot[id(m)]][b])
+        if isinstance(m, M.Segments):
+            s = self._slot[id(m)]
+            return qseg[s] == kseg[s]
+        if isinstance(m, M.And):
+            return (self._eval(m.a, qp, kp, b, sref, qseg, kseg)
+                    & self._eval(m.b, qp, kp, b, sref, qseg, kseg))
+        if isinstance(m, M.Or):
+            return (self._eval(m.a, qp, kp, b, sref, qseg, kseg)
+                    | self._eval(m.b, qp, kp, b, sref, qseg, kseg))
+        raise NotImplementedError(mask_support(m))
+
+
+def pad_axis(x, axis: int, n: int, value: Any = 0):
+    pad = n - x.shape[axis]
+    if pad == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths, constant_values=value)

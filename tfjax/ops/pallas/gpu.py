@@ -1,0 +1,449 @@
+"""FlashAttention for GPU in Pallas (Triton lowering): forward, dq and dk/dv.
+
+The same algorithm and tile tables as `tpu.py`, shaped for Triton: one program
+per (query tile, batch, head) keeps its query tile in registers/shared memory
+and loops (`fori_loop` with a data-dependent trip count) over only the
+non-empty kv tiles of its row of the table, so causal, window and segment
+masks do proportionally less work; the mask is applied only where the tile is
+PARTIAL. The dk/dv program of a kv tile loops over the G query heads of its kv
+head (native GQA, K/V never repeated) and over its column of the table; dq has
+its own kernel (no atomics). Tails are padded (and masked) to the tile size,
+head dims to a power of two (>= 16) as Triton requires.
+
+Layout `[B, T, N, H]` (no transposes). Runs in interpret mode on CPU
+(`interpret=True`), which is how the CPU tests exercise it; compiling it needs
+a GPU. Mosaic GPU (Hopper warpgroup) kernels are not written yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from tfjax.ops import masks as M
+from tfjax.ops.pallas.common import (
+    BlockSizes,
+    MaskOperands,
+    pad_axis,
+    round_up,
+    tile_tables,
+)
+
+__all__ = ["flash_attention_gpu", "supports"]
+
+
+def _triton_params(num_warps, num_stages):
+    try:
+        from jax.experimental.pallas import triton as plgpu
+        return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    except (ImportError, AttributeError):  # pragma: no cover - older jax
+        return None
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def supports(r) -> str | None:
+    H = r.q_shape[-1]
+    if H > 256:
+        return f"the Triton kernels take head dims up to 256, got {H}"
+    return None
+
+
+def _default_block_sizes(H: int) -> BlockSizes:
+    """FlashAttention-2's Triton choices: 128 x 64 forward tiles while a [128, H]
+    query tile fits shared memory beside double-buffered K/V, else 64 x 64.
+    Not tuned on hardware yet (no GPU in the sessions so far)."""
+    bq = 128 if _pow2(H) <= 128 else 64
+    return BlockSizes(block_q=bq, block_kv=64, block_q_dq=64, block_kv_dq=64, block_q_dkv=64,
+                      block_kv_dkv=64)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    scale: float
+    softcap: float | None
+    block_sizes: BlockSizes
+    interpret: Any
+    static_offsets: tuple[int, int] | None
+
+
+def flash_attention_gpu(q, k, v, mask=None, *, bias=None, scale=None, softcap=None, q_offset=0,
+                        kv_offset=0, return_lse=False, block_sizes: BlockSizes | None = None,
+                        interpret: Any = False):
+    """q `[B,T,N,H]`, k/v `[B,S,K,H]` -> out `[B,T,N,H]` (and lse `[B,N,T]` fp32)."""
+    H = q.shape[-1]
+    static = (q_offset, kv_offset) if all(isinstance(o, int) for o in (q_offset, kv_offset)) \
+        else None
+    bs = block_sizes or _default_block_sizes(H)
+    cfg = _Config(float(H ** -0.5 if scale is None else scale), float(softcap) if softcap else None,
+                  bs, interpret, static)
+    offs = jnp.stack([jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32)])
+    out, lse = _flash(cfg, q, k, v, mask, bias, offs)
+    return (out, lse) if return_lse else out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Dims:
+    B: int
+    T: int
+    S: int
+    N: int
+    K: int
+    H: int
+    Hp: int
+    bq: int
+    bk: int
+    Tp: int
+    Sp: int
+
+    @property
+    def G(self):
+        return self.N // self.K
+
+
+def _dims(q, k, block_q, block_kv):
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    bq = max(16, min(_pow2(block_q), _pow2(T)))
+    bk = max(16, min(_pow2(block_kv), _pow2(S)))
+    return _Dims(B, T, S, N, K, H, max(16, _pow2(H)), bq, bk, round_up(T, bq), round_up(S, bk))
+
+
+def _pad_seq_head(x, n, Hp):
+    return pad_axis(pad_axis(x, 1, n), 3, Hp)
+
+
+def _precision(a, b):
+    f32 = a.dtype == jnp.float32 and b.dtype == jnp.float32
+    return lax.Precision.HIGHEST if f32 else lax.Precision.DEFAULT
+
+
+def _dot_nt(a, b):
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=_precision(a, b),
+                           preferred_element_type=jnp.float32)
+
+
+def _dot(a, b):
+    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=_precision(a, b),
+                           preferred_element_type=jnp.float32)
+
+
+def _dot_tn(a, b):  # a^T @ b
+    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=_precision(a, b),
+                           preferred_element_type=jnp.float32)
+
+
+def _logits(cfg, s, bias_tile):
+    s = s * cfg.scale
+    t = None
+    if cfg.softcap:
+        t = jnp.tanh(s / cfg.softcap)
+        s = cfg.softcap * t
+    if bias_tile is not None:
+        s = s + bias_tile.astype(jnp.float32)
+    return s, t
+
+
+def _tables(cfg, mask, d, offs, transpose=False):
+    qo, ko = cfg.static_offsets if cfg.static_offsets is not None else (offs[0], offs[1])
+    return tile_tables(mask, d.T, d.S, d.bq, d.bk, q_offset=qo, kv_offset=ko, transpose=transpose)
+
+
+def _allowed(d, mask, mops, code, q_loc, kv_loc, offs_ref, b, sref, qseg, kseg):
+    """[bq, bk] from local positions [bq, 1] and [1, bk]."""
+    ok = (q_loc < d.T) & (kv_loc < d.S)
+    if mask is not None:
+        m = mops.evaluate(q_loc + offs_ref[0], kv_loc + offs_ref[1], b, sref, qseg, kseg)
+        ok = ok & ((code != M.PARTIAL) | m)
+    return ok
+
+
+def _common_operands(mask, bias, d, q, k, v):
+    mops = MaskOperands(mask, d.B, d.Tp, d.Sp)
+    bias_op = None if bias is None else pad_axis(pad_axis(bias, 2, d.Tp), 3, d.Sp)
+    return mops, bias_op, _pad_seq_head(q, d.Tp, d.Hp), _pad_seq_head(k, d.Sp, d.Hp), \
+        _pad_seq_head(v, d.Sp, d.Hp)
+
+
+# --------------------------------------------------------------------------- #
+# Forward and dq: grid (nq, B, N).
+# --------------------------------------------------------------------------- #
+
+
+def _row_kernel(cfg, d, mask, mops, tab, has_bias, backward, *refs):
+    ns, nseg = len(mops.scalars), mops.num_segments
+    it = iter(refs)
+    take = lambda n: [next(it) for _ in range(n)]
+    order, count, code, offs_ref = take(4)
+    sref = take(ns)
+    q_ref, k_ref, v_ref = take(3)
+    bias_ref = next(it) if has_bias else None
+    if backward:
+        do_ref, lse_ref, delta_ref = take(3)
+    qseg, kseg = take(nseg), take(nseg)
+    outs = list(it)
+    i, b = pl.program_id(0), pl.program_id(1)
+    r = b if tab.batched else 0
+    bq, bk = d.bq, d.bk
+    q = q_ref[...]
+    q_loc = (i * bq + jnp.arange(bq, dtype=jnp.int32))[:, None]
+    qseg_v = [x[...][:, None] for x in qseg]
+    if backward:
+        do = do_ref[...]
+        lse = lse_ref[...][:, None]
+        delta = delta_ref[...][:, None]
+
+    def tile(j):
+        kj = order[r, i, j]
+        sl = pl.ds(kj * bk, bk)
+        s, t = _logits(cfg, _dot_nt(q, k_ref[sl, :]),
+                       bias_ref[pl.ds(i * bq, bq), sl] if has_bias else None)
+        kv_loc = (kj * bk + jnp.arange(bk, dtype=jnp.int32))[None, :]
+        ok = _allowed(d, mask, mops, code[r, i, j], q_loc, kv_loc, offs_ref, b, sref, qseg_v,
+                      [x[sl][None, :] for x in kseg])
+        return kj, sl, jnp.where(ok, s, -jnp.inf), t
+
+    if not backward:
+        def body(j, carry):
+            acc, m, l = carry
+            _, sl, s, _ = tile(j)
+            m_new = jnp.maximum(m, s.max(axis=-1))
+            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            p = jnp.exp(s - m_safe[:, None])
+            alpha = jnp.exp(m - m_safe)
+            v = v_ref[sl, :]
+            acc = alpha[:, None] * acc + _dot(p.astype(v.dtype), v)
+            return acc, m_new, alpha * l + p.sum(axis=-1)
+
+        init = (jnp.zeros((bq, d.Hp), jnp.float32), jnp.full((bq,), -jnp.inf, jnp.float32),
+                jnp.zeros((bq,), jnp.float32))
+        acc, m, l = lax.fori_loop(0, count[r, i], body, init)
+        has = l > 0
+        l_safe = jnp.where(has, l, 1.0)
+        o_ref, lse_out = outs
+        o_ref[...] = jnp.where(has[:, None], acc / l_safe[:, None], 0.0).astype(o_ref.dtype)
+        lse_out[...] = jnp.where(has, m + jnp.log(l_safe), -jnp.inf)
+        return
+
+    def body(j, dq):
+        _, sl, s, t = tile(j)
+        p = jnp.exp(s - lse)
+        v = v_ref[sl, :]
+        ds = p * (_dot_nt(do, v) - delta)
+        if t is not None:
+            ds = ds * (1.0 - t * t)
+        kk = k_ref[sl, :]
+        return dq + _dot((ds * cfg.scale).astype(kk.dtype), kk)
+
+    dq = lax.fori_loop(0, count[r, i], body, jnp.zeros((bq, d.Hp), jnp.float32))
+    (dq_ref,) = outs
+    dq_ref[...] = dq.astype(dq_ref.dtype)
+
+
+def _row_call(cfg, q, k, v, mask, bias, offs, backward, do=None, lse=None, delta=None):
+    bs = cfg.block_sizes
+    d = _dims(q, k, *((bs.block_q_dq, bs.block_kv_dq) if backward else (bs.block_q, bs.block_kv)))
+    G, bq = d.G, d.bq
+    tab = _tables(cfg, mask, d, offs)
+    mops, bias_op, qp, kp, vp = _common_operands(mask, bias, d, q, k, v)
+    has_bias = bias is not None
+    full = pl.no_block_spec  # whole array in the kernel (tables, per-example scalars)
+    in_specs = [full] * (4 + len(mops.scalars))
+    operands = [tab.order, tab.count, tab.code, offs, *mops.scalars]
+    in_specs += [pl.BlockSpec((None, bq, None, d.Hp), lambda i, b, h: (b, i, h, 0)),
+                 pl.BlockSpec((None, d.Sp, None, d.Hp), lambda i, b, h: (b, 0, h // G, 0)),
+                 pl.BlockSpec((None, d.Sp, None, d.Hp), lambda i, b, h: (b, 0, h // G, 0))]
+    operands += [qp, kp, vp]
+    if has_bias:
+        Bb, Nb = bias.shape[:2]
+        in_specs.append(pl.BlockSpec((None, None, d.Tp, d.Sp), lambda i, b, h: (
+            b if Bb > 1 else 0, h if Nb > 1 else 0, 0, 0)))
+        operands.append(bias_op)
+    if backward:
+        in_specs += [pl.BlockSpec((None, bq, None, d.Hp), lambda i, b, h: (b, i, h, 0)),
+                     pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)),
+                     pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))]
+        operands += [_pad_seq_head(do, d.Tp, d.Hp), pad_axis(lse, 2, d.Tp),
+                     pad_axis(delta, 2, d.Tp)]
+    for qs in mops.q_segments:
+        in_specs.append(pl.BlockSpec((None, bq), lambda i, b, h: (b, i)))
+        operands.append(qs)
+    for ks in mops.kv_segments:
+        in_specs.append(pl.BlockSpec((None, d.Sp), lambda i, b, h: (b, 0)))
+        operands.append(ks)
+    row = pl.BlockSpec((None, bq, None, d.Hp), lambda i, b, h: (b, i, h, 0))
+    if backward:
+        out_specs, out_shape = [row], [jax.ShapeDtypeStruct((d.B, d.Tp, d.N, d.Hp), q.dtype)]
+    else:
+        out_specs = [row, pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))]
+        out_shape = [jax.ShapeDtypeStruct((d.B, d.Tp, d.N, d.Hp), q.dtype),
+                     jax.ShapeDtypeStruct((d.B, d.N, d.Tp), jnp.float32)]
+    kernel = functools.partial(_row_kernel, cfg, d, mask, mops, tab, has_bias, backward)
+    outs = pl.pallas_call(
+        kernel, grid=(d.Tp // bq, d.B, d.N), in_specs=in_specs, out_specs=out_specs,
+        out_shape=out_shape, interpret=cfg.interpret,
+        compiler_params=_triton_params(4, 2 if backward else 3),
+        name="tfjax_flash_dq_gpu" if backward else "tfjax_flash_fwd_gpu",
+    )(*operands)
+    if backward:
+        return outs[0][:, :d.T, :, :d.H]
+    return outs[0][:, :d.T, :, :d.H], outs[1][:, :, :d.T]
+
+
+# --------------------------------------------------------------------------- #
+# dk/dv: grid (nk, B, K), loops over g and the kv tile's query tiles.
+# --------------------------------------------------------------------------- #
+
+
+def _dkv_kernel(cfg, d, mask, mops, tab, has_bias, *refs):
+    ns, nseg = len(mops.scalars), mops.num_segments
+    it = iter(refs)
+    take = lambda n: [next(it) for _ in range(n)]
+    order, count, code, offs_ref = take(4)
+    sref = take(ns)
+    q_ref, k_ref, v_ref = take(3)
+    bias_ref = next(it) if has_bias else None
+    do_ref, lse_ref, delta_ref = take(3)
+    if has_bias:
+        next(it)  # the zeros aliased to dbias
+    qseg, kseg = take(nseg), take(nseg)
+    outs = list(it)
+    dk_ref, dv_ref = outs[:2]
+    dbias_ref = outs[2] if has_bias else None
+    kj, b, kh = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    r = b if tab.batched else 0
+    bq, bk, G = d.bq, d.bk, d.G
+    kk, vv = k_ref[...], v_ref[...]
+    kv_loc = (kj * bk + jnp.arange(bk, dtype=jnp.int32))[None, :]
+    kseg_v = [x[...][None, :] for x in kseg]
+    Bb, Nb = (bias_ref.shape[0], bias_ref.shape[1]) if has_bias else (1, 1)
+
+    def head(g, carry):
+        h = kh * G + g
+
+        def body(j, carry):
+            dk, dv = carry
+            qi = order[r, kj, j]
+            sl = pl.ds(qi * bq, bq)
+            q, do = q_ref[sl, h, :], do_ref[sl, h, :]
+            bias_t = None
+            if has_bias:
+                bias_t = bias_ref[b if Bb > 1 else 0, h if Nb > 1 else 0, sl, pl.ds(kj * bk, bk)]
+            s, t = _logits(cfg, _dot_nt(q, kk), bias_t)
+            q_loc = (qi * bq + jnp.arange(bq, dtype=jnp.int32))[:, None]
+            ok = _allowed(d, mask, mops, code[r, kj, j], q_loc, kv_loc, offs_ref, b, sref,
+                          [x[sl][:, None] for x in qseg], kseg_v)
+            p = jnp.where(ok, jnp.exp(s - lse_ref[h, sl][:, None]), 0.0)  # [bq, bk]
+            dv = dv + _dot_tn(p.astype(do.dtype), do)
+            ds = p * (_dot_nt(do, vv) - delta_ref[h, sl][:, None])
+            if has_bias:
+                dbias_ref[b, h, sl, pl.ds(kj * bk, bk)] = ds
+            if t is not None:
+                ds = ds * (1.0 - t * t)
+            dk = dk + _dot_tn((ds * cfg.scale).astype(q.dtype), q)
+            return dk, dv
+
+        return lax.fori_loop(0, count[r, kj], body, carry)
+
+    zeros = jnp.zeros((bk, d.Hp), jnp.float32)
+    dk, dv = lax.fori_loop(0, G, head, (zeros, zeros))
+    dk_ref[...] = dk.astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _dkv_call(cfg, q, k, v, mask, bias, offs, do, lse, delta):
+    bs = cfg.block_sizes
+    d = _dims(q, k, bs.block_q_dkv, bs.block_kv_dkv)
+    bk = d.bk
+    tab = _tables(cfg, mask, d, offs, transpose=True)
+    mops, bias_op, qp, kp, vp = _common_operands(mask, bias, d, q, k, v)
+    has_bias = bias is not None
+    full = pl.no_block_spec
+    in_specs = [full] * (4 + len(mops.scalars))
+    operands = [tab.order, tab.count, tab.code, offs, *mops.scalars]
+    kv_blk = pl.BlockSpec((None, bk, None, d.Hp), lambda j, b, kh: (b, j, kh, 0))
+    all_q = pl.BlockSpec((None, d.Tp, d.N, d.Hp), lambda j, b, kh: (b, 0, 0, 0))
+    in_specs += [all_q, kv_blk, kv_blk]
+    operands += [qp, kp, vp]
+    if has_bias:
+        in_specs.append(full)
+        operands.append(bias_op)
+    stats = pl.BlockSpec((None, d.N, d.Tp), lambda j, b, kh: (b, 0, 0))
+    in_specs += [all_q, stats, stats]
+    operands += [_pad_seq_head(do, d.Tp, d.Hp), pad_axis(lse, 2, d.Tp), pad_axis(delta, 2, d.Tp)]
+    aliases = {}
+    if has_bias:
+        in_specs.append(full)
+        operands.append(jnp.zeros((d.B, d.N, d.Tp, d.Sp), jnp.float32))
+        aliases = {len(operands) - 1: 2}
+    for qs in mops.q_segments:
+        in_specs.append(pl.BlockSpec((None, d.Tp), lambda j, b, kh: (b, 0)))
+        operands.append(qs)
+    for ks in mops.kv_segments:
+        in_specs.append(pl.BlockSpec((None, bk), lambda j, b, kh: (b, j)))
+        operands.append(ks)
+    out_specs = [kv_blk, kv_blk]
+    out_shape = [jax.ShapeDtypeStruct((d.B, d.Sp, d.K, d.Hp), k.dtype),
+                 jax.ShapeDtypeStruct((d.B, d.Sp, d.K, d.Hp), v.dtype)]
+    if has_bias:
+        out_specs.append(full)
+        out_shape.append(jax.ShapeDtypeStruct((d.B, d.N, d.Tp, d.Sp), jnp.float32))
+    kernel = functools.partial(_dkv_kernel, cfg, d, mask, mops, tab, has_bias)
+    outs = pl.pallas_call(
+        kernel, grid=(d.Sp // bk, d.B, d.K), in_specs=in_specs, out_specs=out_specs,
+        out_shape=out_shape, interpret=cfg.interpret, input_output_aliases=aliases,
+        compiler_params=_triton_params(4, 2), name="tfjax_flash_dkv_gpu",
+    )(*operands)
+    dk, dv = outs[0][:, :d.S, :, :d.H], outs[1][:, :d.S, :, :d.H]
+    dbias = None
+    if has_bias:
+        Bb, Nb = bias.shape[:2]
+        dbias = outs[2][:, :, :d.T, :d.S]
+        axes = tuple(a for a, n in ((0, Bb), (1, Nb)) if n == 1 and dbias.shape[a] != 1)
+        dbias = dbias.sum(axis=axes, keepdims=True).astype(bias.dtype)
+    return dk, dv, dbias
+
+
+# --------------------------------------------------------------------------- #
+# custom_vjp.
+# --------------------------------------------------------------------------- #
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(cfg, q, k, v, mask, bias, offs):
+    return _row_call(cfg, q, k, v, mask, bias, offs, backward=False)
+
+
+def _flash_fwd(cfg, q, k, v, mask, bias, offs):
+    out, lse = _row_call(cfg, q, k, v, mask, bias, offs, backward=False)
+    return (out, lse), (q, k, v, mask, bias, offs, out, lse)
+
+
+def _flash_bwd(cfg, res, cts):
+    q, k, v, mask, bias, offs, out, lse = res
+    do, dlse = cts
+    do = do.astype(q.dtype)
+    delta = jnp.einsum("BTNH,BTNH->BNT", do.astype(jnp.float32), out.astype(jnp.float32))
+    delta = delta - dlse.astype(jnp.float32)
+    lse = jnp.where(lse == -jnp.inf, 0.0, lse)
+    dq = _row_call(cfg, q, k, v, mask, bias, offs, backward=True, do=do, lse=lse, delta=delta)
+    dk, dv, dbias = _dkv_call(cfg, q, k, v, mask, bias, offs, do, lse, delta)
+    return (dq, dk, dv, jax.tree.map(_zero_cotangent, mask), dbias, _zero_cotangent(offs))
+
+
+def _zero_cotangent(x):
+    x = jnp.asarray(x)
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.zeros_like(x)
+    return jnp.zeros(x.shape, jax.dtypes.float0)
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)

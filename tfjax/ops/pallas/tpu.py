@@ -1,0 +1,550 @@
+"""FlashAttention for TPU in Pallas (Mosaic): forward, dq and dk/dv kernels.
+
+FlashAttention-2 (Dao 2023) tiled for the TPU's VMEM: a query tile stays
+resident while the kv tiles stream past (online softmax in fp32 scratch); the
+backward recomputes probabilities from the saved logsumexp, one kernel for dq
+(grid over query tiles) and one for dk/dv (grid over kv tiles, the transposed
+problem, so every accumulation is local and no atomics are needed).
+
+Design choices:
+- **Skip empty tiles with scalar-prefetched tables** (`common.tile_tables`): the
+  innermost grid axis walks only the non-empty kv tiles of each query tile (its
+  extent is the longest row when the mask is known at trace time); K/V index
+  maps read the table, and skipped steps repeat the last index so no DMA is
+  issued. The mask is evaluated (iota arithmetic, segment tiles, per-example
+  scalars) only on PARTIAL tiles, under `lax.cond`.
+- **Native GQA/MQA**: the kv head of query head n is n // G in the index maps;
+  K/V are never repeated. dk/dv accumulate over the G query heads of a kv head
+  inside the kernel (grid axis g).
+- **Any length / head dim**: sequences are padded to the tile size and the tail
+  tiles are marked PARTIAL (padding masked); head dims are zero-padded to a
+  multiple of 128 lanes (zeros change no dot product).
+- Layout `[B, N, T, H]`; the logsumexp travels as `[B, N, T, 1]` (forward, dq)
+  and `[B, N, 1, T]` (dk/dv, where query positions run along lanes).
+- Fully masked rows: output 0, lse -inf. dbias is written tile by tile into a
+  zero-initialised aliased buffer (EMPTY tiles stay 0).
+- On CPU the same kernels run in interpret mode (`interpret=True`, or pass
+  `pltpu.InterpretParams()` for the TPU-semantics interpreter).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from tfjax.ops import masks as M
+from tfjax.ops.pallas.common import (
+    BlockSizes,
+    MaskOperands,
+    pad_axis,
+    round_up,
+    tile_tables,
+)
+
+__all__ = ["DEFAULT_BLOCK_SIZES", "flash_attention_tpu"]
+
+LANES = 128
+# Large tiles amortise the ~0.35us per grid step; [512, 512] fp32 logits are 1 MiB
+# of VMEM. Not tuned on hardware yet (no TPU in the sessions so far).
+DEFAULT_BLOCK_SIZES = BlockSizes(block_q=512, block_kv=512, block_q_dq=256, block_kv_dq=512,
+                                 block_q_dkv=512, block_kv_dkv=256)
+
+
+def _compiler_params(*semantics: str):
+    # Renamed TPUCompilerParams -> CompilerParams in 2025; names of semantics moved too.
+    cls = getattr(pltpu, "CompilerParams", None) or pltpu.TPUCompilerParams
+    consts = {"parallel": getattr(pltpu, "PARALLEL", "parallel"),
+              "arbitrary": getattr(pltpu, "ARBITRARY", "arbitrary")}
+    return cls(dimension_semantics=tuple(consts[s] for s in semantics))
+
+
+def _vmem(shape, dtype):
+    return pltpu.VMEM(shape, dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    scale: float
+    softcap: float | None
+    block_sizes: BlockSizes
+    interpret: Any
+    static_offsets: tuple[int, int] | None  # python-int offsets (tables built at trace time)
+
+
+def flash_attention_tpu(q, k, v, mask=None, *, bias=None, scale=None, softcap=None, q_offset=0,
+                        kv_offset=0, return_lse=False, block_sizes: BlockSizes | None = None,
+                        interpret: Any = None):
+    """q `[B,T,N,H]`, k/v `[B,S,K,H]` -> out `[B,T,N,H]` (and lse `[B,N,T]` fp32).
+
+    `interpret=None` interprets on CPU and compiles with Mosaic elsewhere."""
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    H = q.shape[-1]
+    static = (q_offset, kv_offset) if all(isinstance(o, int) for o in (q_offset, kv_offset)) \
+        else None
+    cfg = _Config(scale=float(H ** -0.5 if scale is None else scale),
+                  softcap=float(softcap) if softcap else None,
+                  block_sizes=block_sizes or DEFAULT_BLOCK_SIZES, interpret=interpret,
+                  static_offsets=static)
+    offs = jnp.stack([jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32)])
+    out, lse = _flash(cfg, q, k, v, mask, bias, offs)
+    return (out, lse) if return_lse else out
+
+
+# --------------------------------------------------------------------------- #
+# Layout helpers.
+# --------------------------------------------------------------------------- #
+
+
+@dataclasses.dataclass(frozen=True)
+class _Dims:
+    B: int
+    T: int
+    S: int
+    N: int
+    K: int
+    H: int
+    Hp: int
+    bq: int
+    bk: int
+    Tp: int
+    Sp: int
+
+    @property
+    def G(self):
+        return self.N // self.K
+
+
+def _dims(q, k, block_q, block_kv) -> _Dims:
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    bq = min(block_q, round_up(T, 8))
+    bk = min(block_kv, round_up(S, LANES))
+    return _Dims(B, T, S, N, K, H, round_up(H, LANES), bq, bk, round_up(T, bq), round_up(S, bk))
+
+
+def _heads_major(x, n, Hp):
+    """[B, L, N, H] -> [B, N, n, Hp] zero-padded."""
+    return pad_axis(pad_axis(x.transpose(0, 2, 1, 3), 2, n), 3, Hp)
+
+
+def _tables(cfg, mask, d, offs, transpose=False):
+    qo, ko = cfg.static_offsets if cfg.static_offsets is not None else (offs[0], offs[1])
+    return tile_tables(mask, d.T, d.S, d.bq, d.bk, q_offset=qo, kv_offset=ko, transpose=transpose)
+
+
+def _bias_operand(bias, d):
+    if bias is None:
+        return None
+    return pad_axis(pad_axis(bias, 2, d.Tp), 3, d.Sp)
+
+
+def _logits(cfg, s, bias_tile):
+    """Scale, soft-cap (keeping tanh for the backward) and bias an fp32 tile."""
+    s = s * cfg.scale
+    t = None
+    if cfg.softcap:
+        t = jnp.tanh(s / cfg.softcap)
+        s = cfg.softcap * t
+    if bias_tile is not None:
+        s = s + bias_tile.astype(jnp.float32)
+    return s, t
+
+
+def _iota(shape, dim):
+    return lax.broadcasted_iota(jnp.int32, shape, dim)
+
+
+def _split_refs(refs, n_scalars, has_bias, n_seg, n_extra_in, n_out, n_scratch):
+    it = iter(refs)
+    take = lambda n: [next(it) for _ in range(n)]
+    order, count, code, offs = take(4)
+    sref = take(n_scalars)
+    q_ref, k_ref, v_ref = take(3)
+    bias_ref = next(it) if has_bias else None
+    extra = take(n_extra_in)
+    qseg, kseg = take(n_seg), take(n_seg)
+    outs = take(n_out)
+    scratch = take(n_scratch)
+    return (order, count, code, offs, sref, q_ref, k_ref, v_ref, bias_ref, extra, qseg, kseg,
+            outs, scratch)
+
+
+def _precision(a, b):
+    # Explicit, so a global jax_default_matmul_precision cannot ask Mosaic for an
+    # fp32 contraction of bf16 operands (it refuses); fp32 operands stay exact.
+    f32 = a.dtype == jnp.float32 and b.dtype == jnp.float32
+    return lax.Precision.HIGHEST if f32 else lax.Precision.DEFAULT
+
+
+def _dot_nt(a, b):  # a [m,h] . b [n,h]^T -> [m,n] fp32
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=_precision(a, b),
+                           preferred_element_type=jnp.float32)
+
+
+def _dot(a, b):  # [m,k] @ [k,n] fp32
+    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=_precision(a, b),
+                           preferred_element_type=jnp.float32)
+
+
+# --------------------------------------------------------------------------- #
+# Forward kernel: grid (B, N, nq, steps).
+# --------------------------------------------------------------------------- #
+
+
+def _forward(cfg, q, k, v, mask, bias, offs):
+    bs = cfg.block_sizes
+    d = _dims(q, k, bs.block_q, bs.block_kv)
+    G, bq, bk = d.G, d.bq, d.bk
+    tab = _tables(cfg, mask, d, offs)
+    mops = MaskOperands(mask, d.B, d.Tp, d.Sp)
+    ns, nseg, has_bias = len(mops.scalars), mops.num_segments, bias is not None
+    bias_op = _bias_operand(bias, d)
+    rb = (lambda b: b) if tab.batched else (lambda b: 0)
+
+    def kernel(*refs):
+        (order, count, code, offs_ref, sref, q_ref, k_ref, v_ref, bias_ref, _, qseg, kseg,
+         (o_ref, lse_ref), (m_sc, l_sc, acc_sc)) = _split_refs(refs, ns, has_bias, nseg, 0, 2, 3)
+        b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+        r = rb(b)
+
+        @pl.when(j == 0)
+        def _init():
+            m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, jnp.float32)
+            l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+            acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+
+        @pl.when(j < count[r, i])
+        def _step():
+            kj = order[r, i, j]
+            s, _ = _logits(cfg, _dot_nt(q_ref[...], k_ref[...]),
+                           bias_ref[...] if has_bias else None)
+
+            def apply_mask(s):
+                qi_loc = i * bq + _iota((bq, bk), 0)
+                kj_loc = kj * bk + _iota((bq, bk), 1)
+                ok = (qi_loc < d.T) & (kj_loc < d.S)
+                if mask is not None:
+                    ok = ok & mops.evaluate(qi_loc + offs_ref[0], kj_loc + offs_ref[1], b, sref,
+                                            [x[...] for x in qseg], [x[...] for x in kseg])
+                return jnp.where(ok, s, -jnp.inf)
+
+            s = lax.cond(code[r, i, j] == M.PARTIAL, apply_mask, lambda s: s, s)
+            m_prev, l_prev = m_sc[...], l_sc[...]  # [bq, 1]
+            m_new = jnp.maximum(m_prev, s.max(axis=-1, keepdims=True))
+            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            p = jnp.exp(s - m_safe)
+            alpha = jnp.exp(m_prev - m_safe)
+            l_sc[...] = alpha * l_prev + p.sum(axis=-1, keepdims=True)
+            acc_sc[...] = alpha * acc_sc[...] + _dot(p.astype(v_ref.dtype), v_ref[...])
+            m_sc[...] = m_new
+
+        @pl.when(j == tab.steps - 1)
+        def _finish():
+            l = l_sc[...]
+            has = l > 0
+            l_safe = jnp.where(has, l, 1.0)
+            o_ref[...] = jnp.where(has, acc_sc[...] / l_safe, 0.0).astype(o_ref.dtype)
+            lse_ref[...] = jnp.where(has, m_sc[...] + jnp.log(l_safe), -jnp.inf)
+
+    kv_idx = lambda b, h, i, j, order, *_: (b, h // G, order[rb(b), i, j], 0)
+    in_specs = [pl.BlockSpec((None, None, bq, d.Hp), lambda b, h, i, j, *_: (b, h, i, 0)),
+                pl.BlockSpec((None, None, bk, d.Hp), kv_idx),
+                pl.BlockSpec((None, None, bk, d.Hp), kv_idx)]
+    operands = [_heads_major(q, d.Tp, d.Hp), _heads_major(k, d.Sp, d.Hp),
+                _heads_major(v, d.Sp, d.Hp)]
+    if has_bias:
+        Bb, Nb = bias.shape[:2]
+        in_specs.append(pl.BlockSpec(
+            (None, None, bq, bk),
+            lambda b, h, i, j, order, *_: (b if Bb > 1 else 0, h if Nb > 1 else 0, i,
+                                           order[rb(b), i, j])))
+        operands.append(bias_op)
+    for qs in mops.q_segments:
+        in_specs.append(pl.BlockSpec((None, bq, 1), lambda b, h, i, j, *_: (b, i, 0)))
+        operands.append(qs[:, :, None])
+    for ks in mops.kv_segments:
+        in_specs.append(pl.BlockSpec((None, 1, bk),
+                                     lambda b, h, i, j, order, *_: (b, 0, order[rb(b), i, j])))
+        operands.append(ks[:, None, :])
+    out_specs = [pl.BlockSpec((None, None, bq, d.Hp), lambda b, h, i, j, *_: (b, h, i, 0)),
+                 pl.BlockSpec((None, None, bq, 1), lambda b, h, i, j, *_: (b, h, i, 0))]
+    out_shape = [jax.ShapeDtypeStruct((d.B, d.N, d.Tp, d.Hp), q.dtype),
+                 jax.ShapeDtypeStruct((d.B, d.N, d.Tp, 1), jnp.float32)]
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=4 + ns, grid=(d.B, d.N, d.Tp // bq, tab.steps),
+        in_specs=in_specs, out_specs=out_specs,
+        scratch_shapes=[_vmem((bq, 1), jnp.float32), _vmem((bq, 1), jnp.float32),
+                        _vmem((bq, d.Hp), jnp.float32)])
+    out, lse = pl.pallas_call(
+        kernel, grid_spec=grid_spec, out_shape=out_shape, interpret=cfg.interpret,
+        compiler_params=_compiler_params("parallel", "parallel", "parallel", "arbitrary"),
+        name="tfjax_flash_fwd",
+    )(tab.order, tab.count, tab.code, offs, *mops.scalars, *operands)
+    out = out[:, :, :d.T, :d.H].transpose(0, 2, 1, 3)
+    return out, lse[:, :, :d.T, 0]
+
+
+# --------------------------------------------------------------------------- #
+# dq kernel: grid (B, N, nq, steps), the forward's tables.
+# --------------------------------------------------------------------------- #
+
+
+def _backward_dq(cfg, q, k, v, mask, bias, offs, do, lse, delta):
+    bs = cfg.block_sizes
+    d = _dims(q, k, bs.block_q_dq, bs.block_kv_dq)
+    G, bq, bk = d.G, d.bq, d.bk
+    tab = _tables(cfg, mask, d, offs)
+    mops = MaskOperands(mask, d.B, d.Tp, d.Sp)
+    ns, nseg, has_bias = len(mops.scalars), mops.num_segments, bias is not None
+    rb = (lambda b: b) if tab.batched else (lambda b: 0)
+
+    def kernel(*refs):
+        (order, count, code, offs_ref, sref, q_ref, k_ref, v_ref, bias_ref,
+         (do_ref, lse_ref, delta_ref), qseg, kseg, (dq_ref,), (acc_sc,)) = _split_refs(
+            refs, ns, has_bias, nseg, 3, 1, 1)
+        b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+        r = rb(b)
+
+        @pl.when(j == 0)
+        def _init():
+            acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+
+        @pl.when(j < count[r, i])
+        def _step():
+            kj = order[r, i, j]
+            kk = k_ref[...]
+            s, t = _logits(cfg, _dot_nt(q_ref[...], kk), bias_ref[...] if has_bias else None)
+
+            def apply_mask(s):
+                qi_loc = i * bq + _iota((bq, bk), 0)
+                kj_loc = kj * bk + _iota((bq, bk), 1)
+                ok = (qi_loc < d.T) & (kj_loc < d.S)
+                if mask is not None:
+                    ok = ok & mops.evaluate(qi_loc + offs_ref[0], kj_loc + offs_ref[1], b, sref,
+                                            [x[...] for x in qseg], [x[...] for x in kseg])
+                return jnp.where(ok, s, -jnp.inf)
+
+            s = lax.cond(code[r, i, j] == M.PARTIAL, apply_mask, lambda s: s, s)
+            p = jnp.exp(s - lse_ref[...])  # [bq, bk]; lse of fully masked rows is 0 here
+            dp = _dot_nt(do_ref[...], v_ref[...])
+            ds = p * (dp - delta_ref[...])
+            if t is not None:
+                ds = ds * (1.0 - t * t)
+            acc_sc[...] += _dot((ds * cfg.scale).astype(kk.dtype), kk)
+
+        @pl.when(j == tab.steps - 1)
+        def _finish():
+            dq_ref[...] = acc_sc[...].astype(dq_ref.dtype)
+
+    kv_idx = lambda b, h, i, j, order, *_: (b, h // G, order[rb(b), i, j], 0)
+    row = lambda b, h, i, j, *_: (b, h, i, 0)
+    in_specs = [pl.BlockSpec((None, None, bq, d.Hp), row),
+                pl.BlockSpec((None, None, bk, d.Hp), kv_idx),
+                pl.BlockSpec((None, None, bk, d.Hp), kv_idx)]
+    operands = [_heads_major(q, d.Tp, d.Hp), _heads_major(k, d.Sp, d.Hp),
+                _heads_major(v, d.Sp, d.Hp)]
+    if has_bias:
+        Bb, Nb = bias.shape[:2]
+        in_specs.append(pl.BlockSpec(
+            (None, None, bq, bk),
+            lambda b, h, i, j, order, *_: (b if Bb > 1 else 0, h if Nb > 1 else 0, i,
+                                           order[rb(b), i, j])))
+        operands.append(_bias_operand(bias, d))
+    in_specs += [pl.BlockSpec((None, None, bq, d.Hp), row),
+                 pl.BlockSpec((None, None, bq, 1), row), pl.BlockSpec((None, None, bq, 1), row)]
+    operands += [_heads_major(do, d.Tp, d.Hp), pad_axis(lse, 2, d.Tp)[..., None],
+                 pad_axis(delta, 2, d.Tp)[..., None]]
+    for qs in mops.q_segments:
+        in_specs.append(pl.BlockSpec((None, bq, 1), lambda b, h, i, j, *_: (b, i, 0)))
+        operands.append(qs[:, :, None])
+    for ks in mops.kv_segments:
+        in_specs.append(pl.BlockSpec((None, 1, bk),
+                                     lambda b, h, i, j, order, *_: (b, 0, order[rb(b), i, j])))
+        operands.append(ks[:, None, :])
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=4 + ns, grid=(d.B, d.N, d.Tp // bq, tab.steps),
+        in_specs=in_specs, out_specs=[pl.BlockSpec((None, None, bq, d.Hp), row)],
+        scratch_shapes=[_vmem((bq, d.Hp), jnp.float32)])
+    (dq,) = pl.pallas_call(
+        kernel, grid_spec=grid_spec,
+        out_shape=[jax.ShapeDtypeStruct((d.B, d.N, d.Tp, d.Hp), q.dtype)],
+        interpret=cfg.interpret, name="tfjax_flash_dq",
+        compiler_params=_compiler_params("parallel", "parallel", "parallel", "arbitrary"),
+    )(tab.order, tab.count, tab.code, offs, *mops.scalars, *operands)
+    return dq[:, :, :d.T, :d.H].transpose(0, 2, 1, 3)
+
+
+# --------------------------------------------------------------------------- #
+# dk/dv kernel: grid (B, K, nk, G, steps), transposed tables; logits as [bk, bq].
+# --------------------------------------------------------------------------- #
+
+
+def _backward_dkv(cfg, q, k, v, mask, bias, offs, do, lse, delta):
+    bs = cfg.block_sizes
+    T = q.shape[1]
+    # query positions run along lanes here: the query tile is a multiple of 128
+    d = _dims(q, k, min(bs.block_q_dkv, round_up(T, LANES)), bs.block_kv_dkv)
+    G, bq, bk = d.G, d.bq, d.bk
+    tab = _tables(cfg, mask, d, offs, transpose=True)
+    mops = MaskOperands(mask, d.B, d.Tp, d.Sp)
+    ns, nseg, has_bias = len(mops.scalars), mops.num_segments, bias is not None
+    rb = (lambda b: b) if tab.batched else (lambda b: 0)
+    n_out = 3 if has_bias else 2
+
+    def kernel(*refs):
+        (order, count, code, offs_ref, sref, q_ref, k_ref, v_ref, bias_ref, extra, qseg, kseg,
+         outs, (dk_sc, dv_sc)) = _split_refs(refs, ns, has_bias, nseg,
+                                             4 if has_bias else 3, n_out, 2)
+        do_ref, lse_ref, delta_ref = extra[:3]
+        dk_ref, dv_ref = outs[:2]
+        dbias_ref = outs[2] if has_bias else None
+        b, kj, g, j = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
+        r = rb(b)
+
+        @pl.when((g == 0) & (j == 0))
+        def _init():
+            dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
+            dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
+
+        if has_bias:
+            @pl.when(count[r, kj] == 0)
+            def _zero_bias():  # the block this kv tile points at holds no visible entry
+                dbias_ref[...] = jnp.zeros(dbias_ref.shape, dbias_ref.dtype)
+
+        @pl.when(j < count[r, kj])
+        def _step():
+            qi = order[r, kj, j]
+            qq, kk, vv, dd = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
+            s, t = _logits(cfg, _dot_nt(kk, qq),
+                           bias_ref[...].T if has_bias else None)  # [bk, bq]
+
+            def apply_mask(s):
+                qi_loc = qi * bq + _iota((bk, bq), 1)
+                kj_loc = kj * bk + _iota((bk, bq), 0)
+                ok = (qi_loc < d.T) & (kj_loc < d.S)
+                if mask is not None:
+                    ok = ok & mops.evaluate(qi_loc + offs_ref[0], kj_loc + offs_ref[1], b, sref,
+                                            [x[...] for x in qseg], [x[...] for x in kseg])
+                return jnp.where(ok, s, -jnp.inf)
+
+            s = lax.cond(code[r, kj, j] == M.PARTIAL, apply_mask, lambda s: s, s)
+            p = jnp.exp(s - lse_ref[...])  # [bk, bq]
+            dv_sc[...] += _dot(p.astype(dd.dtype), dd)
+            dp = _dot_nt(vv, dd)
+            ds = p * (dp - delta_ref[...])
+            if has_bias:
+                dbias_ref[...] = ds.T.astype(dbias_ref.dtype)
+            if t is not None:
+                ds = ds * (1.0 - t * t)
+            dk_sc[...] += _dot((ds * cfg.scale).astype(qq.dtype), qq)
+
+        @pl.when((g == G - 1) & (j == tab.steps - 1))
+        def _finish():
+            dk_ref[...] = dk_sc[...].astype(dk_ref.dtype)
+            dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
+
+    q_idx = lambda b, kh, kj, g, j, order, *_: (b, kh * G + g, order[rb(b), kj, j], 0)
+    kv_row = lambda b, kh, kj, g, j, *_: (b, kh, kj, 0)
+    lse_idx = lambda b, kh, kj, g, j, order, *_: (b, kh * G + g, 0, order[rb(b), kj, j])
+    in_specs = [pl.BlockSpec((None, None, bq, d.Hp), q_idx),
+                pl.BlockSpec((None, None, bk, d.Hp), kv_row),
+                pl.BlockSpec((None, None, bk, d.Hp), kv_row)]
+    operands = [_heads_major(q, d.Tp, d.Hp), _heads_major(k, d.Sp, d.Hp),
+                _heads_major(v, d.Sp, d.Hp)]
+    if has_bias:
+        Bb, Nb = bias.shape[:2]
+        in_specs.append(pl.BlockSpec(
+            (None, None, bq, bk),
+            lambda b, kh, kj, g, j, order, *_: (b if Bb > 1 else 0, kh * G + g if Nb > 1 else 0,
+                                                order[rb(b), kj, j], kj)))
+        operands.append(_bias_operand(bias, d))
+    in_specs += [pl.BlockSpec((None, None, bq, d.Hp), q_idx),
+                 pl.BlockSpec((None, None, 1, bq), lse_idx),
+                 pl.BlockSpec((None, None, 1, bq), lse_idx)]
+    operands += [_heads_major(do, d.Tp, d.Hp), pad_axis(lse, 2, d.Tp)[:, :, None, :],
+                 pad_axis(delta, 2, d.Tp)[:, :, None, :]]
+    io_aliases = {}
+    if has_bias:  # zero-initialised dbias, aliased to the output: EMPTY tiles stay 0
+        in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
+        operands.append(jnp.zeros((d.B, d.N, d.Tp, d.Sp), jnp.float32))
+        io_aliases = {4 + ns + len(operands) - 1: 2}
+    for qs in mops.q_segments:
+        in_specs.append(pl.BlockSpec(
+            (None, 1, bq), lambda b, kh, kj, g, j, order, *_: (b, 0, order[rb(b), kj, j])))
+        operands.append(qs[:, None, :])
+    for ks in mops.kv_segments:
+        in_specs.append(pl.BlockSpec((None, bk, 1), lambda b, kh, kj, g, j, *_: (b, kj, 0)))
+        operands.append(ks[:, :, None])
+    out_specs = [pl.BlockSpec((None, None, bk, d.Hp), kv_row),
+                 pl.BlockSpec((None, None, bk, d.Hp), kv_row)]
+    out_shape = [jax.ShapeDtypeStruct((d.B, d.K, d.Sp, d.Hp), k.dtype),
+                 jax.ShapeDtypeStruct((d.B, d.K, d.Sp, d.Hp), v.dtype)]
+    if has_bias:
+        out_specs.append(pl.BlockSpec(
+            (None, None, bq, bk),
+            lambda b, kh, kj, g, j, order, *_: (b, kh * G + g, order[rb(b), kj, j], kj)))
+        out_shape.append(jax.ShapeDtypeStruct((d.B, d.N, d.Tp, d.Sp), jnp.float32))
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=4 + ns, grid=(d.B, d.K, d.Sp // bk, G, tab.steps),
+        in_specs=in_specs, out_specs=out_specs,
+        scratch_shapes=[_vmem((bk, d.Hp), jnp.float32), _vmem((bk, d.Hp), jnp.float32)])
+    outs = pl.pallas_call(
+        kernel, grid_spec=grid_spec, out_shape=out_shape, interpret=cfg.interpret,
+        input_output_aliases=io_aliases, name="tfjax_flash_dkv",
+        compiler_params=_compiler_params("parallel", "parallel", "parallel", "arbitrary",
+                                         "arbitrary"),
+    )(tab.order, tab.count, tab.code, offs, *mops.scalars, *operands)
+    dk = outs[0][:, :, :d.S, :d.H].transpose(0, 2, 1, 3)
+    dv = outs[1][:, :, :d.S, :d.H].transpose(0, 2, 1, 3)
+    dbias = None
+    if has_bias:
+        dbias = outs[2][:, :, :d.T, :d.S]
+        Bb, Nb = bias.shape[:2]
+        axes = tuple(a for a, n in ((0, Bb), (1, Nb)) if n == 1 and dbias.shape[a] != 1)
+        dbias = dbias.sum(axis=axes, keepdims=True).astype(bias.dtype)
+    return dk, dv, dbias
+
+
+# --------------------------------------------------------------------------- #
+# custom_vjp.
+# --------------------------------------------------------------------------- #
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(cfg, q, k, v, mask, bias, offs):
+    return _forward(cfg, q, k, v, mask, bias, offs)
+
+
+def _flash_fwd(cfg, q, k, v, mask, bias, offs):
+    out, lse = _forward(cfg, q, k, v, mask, bias, offs)
+    return (out, lse), (q, k, v, mask, bias, offs, out, lse)
+
+
+def _flash_bwd(cfg, res, cts):
+    q, k, v, mask, bias, offs, out, lse = res
+    do, dlse = cts
+    do = do.astype(q.dtype)
+    delta = jnp.einsum("BTNH,BTNH->BNT", do.astype(jnp.float32), out.astype(jnp.float32))
+    delta = delta - dlse.astype(jnp.float32)
+    lse = jnp.where(lse == -jnp.inf, 0.0, lse)  # fully masked rows: p is 0 anyway
+    dq = _backward_dq(cfg, q, k, v, mask, bias, offs, do, lse, delta)
+    dk, dv, dbias = _backward_dkv(cfg, q, k, v, mask, bias, offs, do, lse, delta)
+    return (dq, dk, dv, jax.tree.map(_zero_cotangent, mask), dbias, _zero_cotangent(offs))
+
+
+def _zero_cotangent(x):
+    x = jnp.asarray(x)
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.zeros_like(x)
+    return jnp.zeros(x.shape, jax.dtypes.float0)
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
