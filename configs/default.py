@@ -9,7 +9,7 @@ tokens (614k tokens), AdamW 3e-3, warmup 30, cosine to 5%.
 Expected: ~5 min on 2 shared CPU cores (296 s of training, ~2.3k tokens/s), then
 val 2.457 bits/byte on the 147,369 validation bytes, printed beside gzip -9
 (1.912) and xz -9e (1.695) on the same bytes: not yet below gzip.
-Variants: "quick" (a smoke run of ~30 s).
+Variants: "quick" (a smoke run of ~30 s), "tiny" (a 2-layer d=64 model).
 """
 
 from tfjax.config import apply_variant, default_config
@@ -29,4 +29,5 @@ def get_config(arg=None):
     cfg.checkpoint.update(dict(every_steps=100, keep=2))
     return apply_variant(cfg, arg, {
         "quick": {"train": dict(steps=40, warmup_steps=10, eval_batches=4, sample_tokens=40)},
+        "tiny": {"model": dict(d_model=64, num_layers=2, d_ff=192)},
     })

@@ -23,6 +23,7 @@ import optax
 from flax import nnx
 
 from tfjax.config import TrainConfig
+from tfjax.nn.moe import moe_aux
 from tfjax.parallel.sharding import shard, use_rules
 from tfjax.train.losses import cross_entropy_sums
 
@@ -31,9 +32,16 @@ __all__ = ["forward_sums", "make_eval_step", "make_train_step"]
 
 def forward_sums(graphdef, params, rest, batch) -> tuple[dict[str, jax.Array], Any]:
     """Run the model on a batch; return the loss sums and the model's updated non-param state."""
+    # Fresh Variables in this trace: `rest` (RNG counters, MoE statistics) enters from
+    # outside value_and_grad, and nnx transforms inside the model (scan) refuse
+    # Variables of another trace level.
+    rest = jax.tree.map(lambda x: x, rest)
     model = nnx.merge(graphdef, params, rest)
     logits = model(batch["inputs"], positions=batch["positions"], segment_ids=batch["segment_ids"])
     sums = cross_entropy_sums(logits, batch["targets"], batch["mask"], batch["target_bytes"])
+    # MoE load-balancing + router z-losses (already weighted; 0 without MoE layers),
+    # as a sum over tokens so microbatches add up like the other sums.
+    sums["moe_aux"] = moe_aux(model)["aux_loss"] * sums["tokens"]
     return sums, nnx.state(model, nnx.Not(nnx.Param))
 
 
@@ -48,7 +56,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: TrainConfig
 
     def loss_fn(params, rest, batch, denom):
         sums, rest = forward_sums(graphdef, params, rest, batch)
-        loss = (sums["nll"] + cfg.z_loss * sums["z"]) / denom
+        loss = (sums["nll"] + cfg.z_loss * sums["z"] + sums["moe_aux"]) / denom
         return loss, (sums, rest)
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
@@ -65,7 +73,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: TrainConfig
                 micro = jax.tree.map(
                     lambda x: x.reshape(B // M, M, *x.shape[1:]).swapaxes(0, 1), batch)
                 zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-                zsums = {k: jnp.zeros((), jnp.float32) for k in ("nll", "z", "tokens", "bytes")}
+                zsums = {k: jnp.zeros((), jnp.float32)
+                         for k in ("nll", "z", "tokens", "bytes", "moe_aux")}
 
                 def body(carry, mb):
                     acc, rest, tot = carry
@@ -83,6 +92,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: TrainConfig
             new = dict(step=state["step"] + 1, params=params, opt=opt, rest=rest)
             metrics = dict(loss=sums["nll"] / jnp.maximum(sums["tokens"], 1.0),
                            z=sums["z"] / jnp.maximum(sums["tokens"], 1.0),
+                           moe_aux=sums["moe_aux"] / jnp.maximum(sums["tokens"], 1.0),
                            nll_sum=sums["nll"], tokens=sums["tokens"], bytes=sums["bytes"],
                            grad_norm=grad_norm)
             return new, metrics

@@ -1,0 +1,44 @@
+"""The variant presets train through the real trainer (tfjax.models.build) with
+falling loss: MoE (whose aux losses enter the training loss), Mamba, the Jamba
+hybrid, and a model with dropout (RNG state carried through the step)."""
+
+import importlib.util
+import os
+
+import numpy as np
+import pytest
+from tiny_setup import devices
+
+from tfjax import config as C
+from tfjax.train import Trainer
+
+CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
+
+
+def preset(name, arg="tiny"):
+    spec = importlib.util.spec_from_file_location(f"preset_{name}", os.path.join(CONFIGS, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(arg)
+
+
+@pytest.mark.parametrize("name,overrides", [
+    ("mixtral", {}),
+    ("mamba", {}),
+    ("jamba", {}),
+    ("llama", {"model": dict(dropout_rate=0.1)}),
+])
+def test_preset_trains_with_falling_loss(tmp_path, name, overrides):
+    cd = preset(name)
+    cd.train.update(dict(steps=6, batch_size=8, seq_len=32, warmup_steps=1, lr=1e-2,
+                         log_every=1, eval_batches=1, eval_at_end=False, sample_tokens=0,
+                         progress=False))
+    cd.checkpoint.update(dict(enabled=False, every_steps=0, async_save=False))
+    cd.mesh.data = 1
+    for section, values in overrides.items():
+        cd[section].update(values)
+    tr = Trainer(C.run_config(cd), str(tmp_path), devices=devices(1), log=lambda s: None)
+    hist = tr.train()["history"]
+    losses = [hist[k] for k in sorted(hist)]
+    assert len(losses) == 6 and np.isfinite(losses).all()
+    assert losses[-1] < losses[0], losses

@@ -1,0 +1,262 @@
+"""Linear attention (Katharopoulos et al. 2020, "Transformers are RNNs",
+arXiv:2006.16236) with pluggable feature maps.
+
+    out_t = phi(q_t) . S_t / (phi(q_t) . z_t + eps)
+    S_t = sum_{s in visible(t)} phi(k_s) v_s^T   [H, H_v]     z_t = sum phi(k_s)   [H]
+
+Softmax's exp(q . k) is replaced by a kernel phi(q) . phi(k) (default elu + 1),
+so the sums can be taken before the queries arrive:
+- non-causal: one `[H, H_v]` state per head, O(T H^2) work and memory;
+- causal: a chunked scan. Within a chunk of c steps the masked quadratic form
+  (O(T c H)); across chunks a carried state (O(T H^2)); linear in T overall;
+- decoding: `step(...)` advances the state `(S [B,K,H,Hv], z [B,K,H])` one token.
+`linear_attention_reference` materialises the `[T, S]` weights (the test oracle).
+
+Design choices:
+- GQA as in softmax attention: N query heads in K groups share a kv head's state.
+- No positional encoding inside the kernel (RoPE does not keep phi positive);
+  the causal form carries order.
+- Feature maps live in the `FEATURE_MAPS` registry; register your own
+  `(x [..., H]) -> [..., H']` (H' may differ from H, e.g. random features).
+- Packed documents: given `positions` (restarting at 0 in each document, as the
+  model passes them), a step at position 0 starts a new document: keys of earlier
+  documents are invisible to it (the carried state is dropped), so packed rows
+  equal separate ones.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tfjax.parallel.sharding import shard, with_logical_axes
+from tfjax.registry import Registry
+from tfjax.typing import DType
+
+__all__ = ["FEATURE_MAPS", "LinearAttention", "LinearAttentionState", "linear_attention",
+           "causal_linear_attention", "linear_attention_step", "linear_attention_reference"]
+
+FEATURE_MAPS: Registry = Registry("linear attention feature map")
+FEATURE_MAPS.register("elu_plus_one", lambda x: jax.nn.elu(x) + 1.0)
+FEATURE_MAPS.register("relu", jax.nn.relu)
+FEATURE_MAPS.register("softplus", jax.nn.softplus)
+
+
+class LinearAttentionState(NamedTuple):
+    """Running sums: S `[B, K, H, Hv]` = sum phi(k) v^T, z `[B, K, H]` = sum phi(k)."""
+
+    S: jax.Array
+    z: jax.Array
+
+
+def _features(q, k, feature_map):
+    phi = FEATURE_MAPS.get(feature_map, field="feature_map")
+    B, T, N, _ = q.shape
+    K = k.shape[2]
+    qf = phi(q.astype(jnp.float32))
+    return qf.reshape(B, T, K, N // K, qf.shape[-1]), phi(k.astype(jnp.float32))
+
+
+def _normalise(num, den, eps):
+    return num / (den[..., None] + eps)
+
+
+def _documents(positions):
+    """positions `[B,T]` -> document index `[B,T]` (a new one at each position 0)."""
+    return jnp.cumsum((positions == 0).astype(jnp.int32), axis=1)
+
+
+def linear_attention_reference(q, k, v, *, causal: bool = True,
+                               feature_map: str = "elu_plus_one", eps: float = 1e-6,
+                               positions=None):
+    """q `[B,T,N,H]`, k `[B,S,K,H]`, v `[B,S,K,Hv]` -> `[B,T,N,Hv]` via `[T, S]` weights.
+    `positions [B,T]` (causal only): keys of earlier documents are invisible."""
+    B, T, N, _ = q.shape
+    qf, kf = _features(q, k, feature_map)
+    w = jnp.einsum("BTKGH,BSKH->BKGTS", qf, kf)
+    if causal:
+        w = jnp.where(jnp.tril(jnp.ones((T, k.shape[1]), bool)), w, 0.0)
+    if positions is not None:
+        doc = _documents(positions)
+        w = jnp.where((doc[:, :, None] == doc[:, None, :])[:, None, None], w, 0.0)
+    num = jnp.einsum("BKGTS,BSKM->BTKGM", w, v.astype(jnp.float32))
+    den = jnp.einsum("BKGTS->BTKG", w)
+    return _normalise(num, den, eps).reshape(B, T, N, -1).astype(q.dtype)
+
+
+def linear_attention(q, k, v, *, causal: bool = True, feature_map: str = "elu_plus_one",
+                     chunk_size: int = 64, eps: float = 1e-6, positions=None):
+    """The O(T) forms: non-causal sums, or the causal chunked scan. Shapes as the reference."""
+    if causal:
+        return causal_linear_attention(q, k, v, feature_map=feature_map, chunk_size=chunk_size,
+                                       eps=eps, positions=positions)[0]
+    if positions is not None:
+        raise ValueError("linear_attention: positions (document resets) need causal=True")
+    B, T, N, _ = q.shape
+    qf, kf = _features(q, k, feature_map)
+    S = jnp.einsum("BSKH,BSKM->BKHM", kf, v.astype(jnp.float32))
+    num = jnp.einsum("BTKGH,BKHM->BTKGM", qf, S)
+    den = jnp.einsum("BTKGH,BKH->BTKG", qf, kf.sum(1))
+    return _normalise(num, den, eps).reshape(B, T, N, -1).astype(q.dtype)
+
+
+def causal_linear_attention(q, k, v, *, feature_map: str = "elu_plus_one", chunk_size: int = 64,
+                            eps: float = 1e-6, state: LinearAttentionState | None = None,
+                            positions=None, lengths=None):
+    """Causal form from `state` (None: empty) -> (out `[B,T,N,Hv]`, final state).
+
+    Chunks of `chunk_size` steps: quadratic inside a chunk, a carried state across.
+    `positions [B,T]`: a step at position 0 starts a document (state dropped there).
+    `lengths [B]`: row b has lengths[b] real steps, then right padding that does not
+    enter the final state."""
+    B, T, N, _ = q.shape
+    K, Hv = k.shape[2], v.shape[-1]
+    if k.shape[1] != T:
+        raise ValueError(f"causal linear attention needs as many keys as queries, got T={T}, "
+                         f"S={k.shape[1]}")
+    qf, kf = _features(q, k, feature_map)  # [B,T,K,G,H'], [B,T,K,H']
+    if lengths is not None:  # padding keys get zero features
+        valid = jnp.arange(T)[None, :] < jnp.asarray(lengths, jnp.int32)[:, None]
+        kf = jnp.where(valid[..., None, None], kf, 0.0)
+    Hf = kf.shape[-1]
+    vf = v.astype(jnp.float32)
+    if state is None:
+        state = LinearAttentionState(jnp.zeros((B, K, Hf, Hv), jnp.float32),
+                                     jnp.zeros((B, K, Hf), jnp.float32))
+    c = max(1, min(chunk_size, T))
+    pad = (-T) % c
+    # Document of each step; the state entering the call belongs to document 0.
+    doc = jnp.zeros((B, T), jnp.int32) if positions is None else _documents(positions)
+    if pad:  # padded keys get zero features so they add nothing to the state
+        qf = jnp.pad(qf, [(0, 0), (0, pad)] + [(0, 0)] * 3)
+        kf = jnp.pad(kf, [(0, 0), (0, pad)] + [(0, 0)] * 2)
+        vf = jnp.pad(vf, [(0, 0), (0, pad)] + [(0, 0)] * 2)
+        doc = jnp.pad(doc, [(0, 0), (0, pad)], mode="edge")
+
+    def chunks(a):
+        return a.reshape(B, -1, c, *a.shape[2:]).swapaxes(0, 1)  # [nc, B, c, ...]
+
+    tril = jnp.tril(jnp.ones((c, c), bool))
+
+    @jax.checkpoint
+    def body(carry, xs):
+        S, z, prev = carry  # prev [B]: the document the carried state belongs to
+        qc, kc, vc, dc = xs
+        same = (dc[:, :, None] == dc[:, None, :])[:, None, None]  # [B,1,1,c,c]
+        w = jnp.where(tril & same, jnp.einsum("BTKGH,BSKH->BKGTS", qc, kc), 0.0)
+        use = (dc == prev[:, None]).astype(qc.dtype)[:, :, None, None]  # [B,c,1,1]
+        num = jnp.einsum("BKGTS,BSKM->BTKGM", w, vc) + \
+            jnp.einsum("BTKGH,BKHM->BTKGM", qc, S) * use[..., None]
+        den = jnp.einsum("BKGTS->BTKG", w) + jnp.einsum("BTKGH,BKH->BTKG", qc, z) * use
+        last = dc[:, -1]
+        keep = (last == prev).astype(S.dtype)  # no document started in this chunk
+        kin = kc * (dc == last[:, None]).astype(kc.dtype)[..., None, None]  # keys of the last doc
+        S = S * keep[:, None, None, None] + jnp.einsum("BSKH,BSKM->BKHM", kin, vc)
+        z = z * keep[:, None, None] + kin.sum(1)
+        return (S, z, last), _normalise(num, den, eps)
+
+    carry = (state.S, state.z, jnp.zeros((B,), jnp.int32))
+    (S, z, _), out = jax.lax.scan(body, carry, (chunks(qf), chunks(kf), chunks(vf), chunks(doc)))
+    out = out.swapaxes(0, 1).reshape(B, -1, N, Hv)[:, :T]
+    return out.astype(q.dtype), LinearAttentionState(S, z)
+
+
+def linear_attention_step(q_t, k_t, v_t, state: LinearAttentionState, *,
+                          feature_map: str = "elu_plus_one", eps: float = 1e-6):
+    """One token: q_t `[B,N,H]`, k_t `[B,K,H]`, v_t `[B,K,Hv]` -> (out `[B,N,Hv]`, state)."""
+    B, N, _ = q_t.shape
+    qf, kf = _features(q_t[:, None], k_t[:, None], feature_map)
+    qf, kf = qf[:, 0], kf[:, 0]  # [B,K,G,H'], [B,K,H']
+    S = state.S + jnp.einsum("BKH,BKM->BKHM", kf, v_t.astype(jnp.float32))
+    z = state.z + kf
+    num = jnp.einsum("BKGH,BKHM->BKGM", qf, S)
+    den = jnp.einsum("BKGH,BKH->BKG", qf, z)
+    return _normalise(num, den, eps).reshape(B, N, -1).astype(q_t.dtype), LinearAttentionState(S, z)
+
+
+class LinearAttention(nnx.Module):
+    """`x [B,T,D] -> [B,T,D]`: q/k/v/o projections as `MultiHeadAttention`, linear kernel."""
+
+    def __init__(self, d_model: int, num_heads: int, *, num_kv_heads: int | None = None,
+                 head_dim: int | None = None, qkv_bias: bool = False, out_bias: bool = False,
+                 feature_map: str = "elu_plus_one", chunk_size: int = 64, causal: bool = True,
+                 eps: float = 1e-6, dtype: DType = jnp.float32, param_dtype: DType = jnp.float32,
+                 init_std: float = 0.02, out_init_std: float | None = None, rngs: nnx.Rngs):
+        FEATURE_MAPS.get(feature_map, field="feature_map")
+        K = num_kv_heads or num_heads
+        if num_heads % K:
+            raise ValueError(f"num_kv_heads={K} must divide num_heads={num_heads}")
+        H = head_dim or d_model // num_heads
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, K, H
+        self.feature_map, self.chunk_size, self.causal, self.eps = feature_map, chunk_size, causal, eps
+        normal = nnx.initializers.normal(init_std)
+        out_normal = nnx.initializers.normal(init_std if out_init_std is None else out_init_std)
+        zeros = nnx.initializers.zeros_init()
+
+        def proj(spec, shape, names, bias_names, init, use_bias):
+            return nnx.Einsum(spec, shape, shape[-len(bias_names):] if use_bias else None,
+                              dtype=dtype, param_dtype=param_dtype,
+                              kernel_init=with_logical_axes(init, names),
+                              bias_init=with_logical_axes(zeros, bias_names), rngs=rngs)
+
+        self.q = proj("BTD,DNH->BTNH", (d_model, num_heads, H), ("embed", "heads", "head_dim"),
+                      ("heads", "head_dim"), normal, qkv_bias)
+        self.k = proj("BTD,DKH->BTKH", (d_model, K, H), ("embed", "kv_heads", "head_dim"),
+                      ("kv_heads", "head_dim"), normal, qkv_bias)
+        self.v = proj("BTD,DKH->BTKH", (d_model, K, H), ("embed", "kv_heads", "head_dim"),
+                      ("kv_heads", "head_dim"), normal, qkv_bias)
+        self.o = proj("BTNH,NHD->BTD", (num_heads, H, d_model), ("heads", "head_dim", "embed"),
+                      ("embed",), out_normal, out_bias)
+
+    def project(self, x):
+        q = shard(self.q(x), ("batch", "length", "heads", "head_dim"))
+        k = shard(self.k(x), ("batch", "length", "kv_heads", "head_dim"))
+        v = shard(self.v(x), ("batch", "length", "kv_heads", "head_dim"))
+        return q, k, v
+
+    def init_state(self, batch: int) -> LinearAttentionState:
+        Hf = FEATURE_MAPS.get(self.feature_map)(jnp.zeros((self.head_dim,))).shape[-1]
+        K = self.num_kv_heads
+        return LinearAttentionState(jnp.zeros((batch, K, Hf, self.head_dim), jnp.float32),
+                                    jnp.zeros((batch, K, Hf), jnp.float32))
+
+    def forward(self, x, state: LinearAttentionState | None = None, *, positions=None,
+                lengths=None):
+        """Causal: x `[B,T,D]` from `state` -> (y `[B,T,D]`, final state) (prefill).
+        `positions`: a step at position 0 starts a new document; `lengths [B]`: real
+        steps per row (right padding stays out of the state)."""
+        q, k, v = self.project(x)
+        out, state = causal_linear_attention(q, k, v, feature_map=self.feature_map,
+                                             chunk_size=self.chunk_size, eps=self.eps, state=state,
+                                             positions=positions, lengths=lengths)
+        return self.o(out), state
+
+    def step(self, x_t, state: LinearAttentionState):
+        """One token x_t `[B, D]` -> (y_t `[B, D]`, state). O(1) in the length."""
+        q, k, v = self.project(x_t[:, None])
+        out, state = linear_attention_step(q[:, 0], k[:, 0], v[:, 0], state,
+                                           feature_map=self.feature_map, eps=self.eps)
+        return self.o(out[:, None])[:, 0], state
+
+    def __call__(self, x, *, mask=None, bias=None, positions=None,
+                 cache: LinearAttentionState | None = None, **_):
+        """Block interface: causal (or not) by construction; `mask` and `bias` are
+        unused; `positions` only mark document starts (position 0) in the causal form
+        (no position encoding inside a linear kernel). With `cache` (a
+        `LinearAttentionState`, e.g. `init_state(B)`) it returns `(y, new_state)`; a
+        cache with an `apply` method (tfjax.inference's LayerCache protocol) is called
+        as `cache.apply(self, x, None, mask=, bias=, positions=)` instead."""
+        if cache is not None and hasattr(cache, "apply"):
+            return cache.apply(self, x, None, mask=mask, bias=bias, positions=positions)
+        del mask, bias
+        positions = positions if self.causal else None
+        if cache is not None:
+            y, state = self.forward(x, cache, positions=positions)
+            return shard(y, ("batch", "length", "embed")), state
+        q, k, v = self.project(x)
+        out = linear_attention(q, k, v, causal=self.causal, feature_map=self.feature_map,
+                               chunk_size=self.chunk_size, eps=self.eps, positions=positions)
+        return shard(self.o(out), ("batch", "length", "embed"))

@@ -1,0 +1,294 @@
+"""Mixture of Experts feed-forward (Shazeer et al. 2017; GShard, Lepikhin et al. 2020;
+Switch, Fedus et al. 2021; Mixtral, Jiang et al. 2024; ST-MoE, Zoph et al. 2022).
+
+    probs = softmax(x @ router)            # [B, T, E], float32
+    gates, experts = top_k(probs, k)       # renormalised over the k when `renormalize`
+    y = sum_j gates_j * expert_{experts_j}(x) + shared(x)
+
+Design choices:
+- Softmax then top-k (Mixtral, Jamba, Switch). `renormalize=True` divides the k
+  gates by their sum (Mixtral); False keeps the raw probabilities (Jamba).
+- Two dispatches, one semantics each:
+  * dropless (`capacity_factor=0`): every assignment is computed. Assignments are
+    sorted by expert and run as one grouped matmul, `jax.lax.ragged_dot`
+    (`implementation="ragged"`); `implementation="dense"` runs every expert on
+    every token and is the plain reference (tests, tiny models).
+  * capacity (`capacity_factor>0`, GShard / Switch): each sequence (the group) gives
+    each expert C = ceil(capacity_factor * T * k / E) slots. Slots are filled in
+    priority order: all first choices before second choices, then by position;
+    an assignment that finds its expert full is dropped (its gate contributes
+    nothing; the residual stream carries the token on). Because a later token's
+    first choice outranks an earlier token's second choice, dropping depends on the
+    whole sequence: a capacity-factor decoder is not strictly causal (as in GShard
+    and Switch); decoders that need exact causality use the dropless mode. Dispatch is by gather and
+    scatter over slot indices, so memory is O(E * C * D) per sequence, not the
+    O(T * E * C) of one-hot dispatch einsums. The expert buffer `[E, B, C, D]` is
+    constrained to logical axes ("expert", "batch", ...), so under a mesh with an
+    `expert` axis XLA shards experts and moves tokens between devices
+    (expert parallelism is a rules-table change).
+- Expert weights are stacked `[E, D, F]` / `[E, F, D]` with logical axes
+  ("expert", "embed", "mlp") / ("expert", "mlp", "embed").
+- Auxiliary losses (computed over all tokens of the call):
+  load balance (Switch) `E * sum_e f_e * P_e` with f_e the share of the B*T*k
+  assignments routed to e and P_e the mean router probability of e (1.0 when
+  perfectly balanced; Hugging Face's Mixtral loss is k times this), and router
+  z-loss (ST-MoE) `mean(logsumexp(logits)^2)`.
+- The losses and metrics leave the forward pass through `MoEAux` variables that
+  each call overwrites (they survive `nnx.scan` over layers, stacked per layer).
+  After a forward pass, `moe_aux(model)` gathers them: the weighted `aux_loss`
+  to add to the training loss, and `load_balance_loss`, `router_z_loss`,
+  `dropped_fraction`, `expert_load` (share of assignments per expert) as metrics.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tfjax.nn.ffn import ACTIVATIONS, FeedForward
+from tfjax.parallel.sharding import shard, with_logical_axes
+from tfjax.typing import Array, DType, Float
+
+__all__ = ["MoE", "MoEAux", "moe_aux", "route", "capacity_slots", "MOE_IMPLEMENTATIONS"]
+
+MOE_IMPLEMENTATIONS = ("ragged", "dense")  # dropless dispatch; capacity_factor > 0 always gathers
+
+
+class MoEAux(nnx.Variable):
+    """Per-forward MoE statistics (auxiliary losses and metrics), overwritten each call."""
+
+
+def route(logits: jax.Array, k: int, renormalize: bool):
+    """Router logits `[..., E]` -> (probs `[..., E]`, gates `[..., k]`, experts `[..., k]`)."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    gates, experts = jax.lax.top_k(probs, k)
+    if renormalize:
+        gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+    return probs, gates, experts.astype(jnp.int32)
+
+
+def capacity_slots(experts: jax.Array, num_experts: int, capacity: int):
+    """Slot of each assignment in its expert's buffer, per group.
+
+    experts `[B, T, k]` -> (slot `[B, T, k]` in [0, C), keep `[B, T, k]` bool). Priority:
+    choice rank first (every first choice before any second choice), then position.
+    """
+    B, T, k = experts.shape
+    order = experts.swapaxes(1, 2).reshape(B, k * T)  # [B, k*T], rank-major
+    onehot = jax.nn.one_hot(order, num_experts, dtype=jnp.int32)  # [B, kT, E]
+    before = jnp.cumsum(onehot, axis=1) - onehot  # earlier assignments to the same expert
+    slot = jnp.sum(before * onehot, axis=-1)  # [B, kT]
+    slot = slot.reshape(B, k, T).swapaxes(1, 2)  # [B, T, k]
+    return slot, slot < capacity
+
+
+class MoE(nnx.Module):
+    """`[B, T, D] -> [B, T, D]`: a routed mixture of `num_experts` feed-forward experts."""
+
+    def __init__(self, d_model: int, d_ff: int, *, num_experts: int, experts_per_token: int,
+                 activation: str = "swiglu", use_bias: bool = False, shared_experts: int = 0,
+                 shared_d_ff: int | None = None, renormalize: bool = True,
+                 capacity_factor: float = 0.0, implementation: str = "ragged",
+                 aux_loss_weight: float = 0.01, z_loss_weight: float = 0.001,
+                 dtype: DType = jnp.float32, param_dtype: DType = jnp.float32,
+                 init_std: float = 0.02, out_init_std: float | None = None, rngs: nnx.Rngs):
+        _, gated = ACTIVATIONS.get(activation, field="activation")
+        if num_experts < 1:
+            raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+        if not 1 <= experts_per_token <= num_experts:
+            raise ValueError(f"experts_per_token must be in [1, num_experts={num_experts}], got "
+                             f"{experts_per_token}")
+        if capacity_factor < 0:
+            raise ValueError(f"capacity_factor must be >= 0 (0 = dropless), got {capacity_factor}")
+        if implementation not in MOE_IMPLEMENTATIONS:
+            raise ValueError(f"implementation={implementation!r}; allowed: "
+                             f"{', '.join(MOE_IMPLEMENTATIONS)}")
+        E, D, F = num_experts, d_model, d_ff
+        self.num_experts, self.k = E, experts_per_token
+        self.activation, self.gated, self.use_bias = activation, gated, use_bias
+        self.renormalize, self.capacity_factor = renormalize, float(capacity_factor)
+        self.implementation = implementation
+        self.aux_loss_weight, self.z_loss_weight = float(aux_loss_weight), float(z_loss_weight)
+        self.dtype = dtype
+        out_std = init_std if out_init_std is None else out_init_std
+
+        def param(shape, names, std):
+            init = nnx.initializers.normal(std) if std else nnx.initializers.zeros_init()
+            return nnx.Param(with_logical_axes(init, names)(rngs.params(), shape, param_dtype))
+
+        self.router = param((D, E), ("embed", None), init_std)
+        if gated:
+            self.wi_gate = param((E, D, F), ("expert", "embed", "mlp"), init_std)
+            self.wi_up = param((E, D, F), ("expert", "embed", "mlp"), init_std)
+        else:
+            self.wi = param((E, D, F), ("expert", "embed", "mlp"), init_std)
+        self.wo = param((E, F, D), ("expert", "mlp", "embed"), out_std)
+        if use_bias:
+            names = ("expert", "mlp")
+            if gated:
+                self.bi_gate = param((E, F), names, 0.0)
+                self.bi_up = param((E, F), names, 0.0)
+            else:
+                self.bi = param((E, F), names, 0.0)
+            self.bo = param((E, D), ("expert", "embed"), 0.0)
+        self.shared = (FeedForward(D, shared_experts * (shared_d_ff or F), activation=activation,
+                                   use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
+                                   init_std=init_std, out_init_std=out_init_std, rngs=rngs)
+                       if shared_experts else None)
+        f32 = jnp.float32
+        self.load_balance_loss = MoEAux(jnp.zeros((), f32))
+        self.router_z_loss = MoEAux(jnp.zeros((), f32))
+        self.dropped_fraction = MoEAux(jnp.zeros((), f32))
+        self.expert_load = MoEAux(jnp.zeros((E,), f32))
+
+    # -- experts ----------------------------------------------------------------
+    def _w(self, name):
+        return getattr(self, name)[...].astype(self.dtype)
+
+    def _expert_hidden(self, h_gate, h_up=None):
+        act, _ = ACTIVATIONS.get(self.activation)
+        return act(h_gate) * h_up if self.gated else act(h_gate)
+
+    def _experts_dense(self, x):
+        """Every expert on every token: x `[M, D]` -> `[M, E, D]` (the reference)."""
+        first = "wi_gate" if self.gated else "wi"
+        h_gate = jnp.einsum("MD,EDF->MEF", x, self._w(first))
+        h_up = jnp.einsum("MD,EDF->MEF", x, self._w("wi_up")) if self.gated else None
+        if self.use_bias:
+            h_gate = h_gate + self._w("bi_gate" if self.gated else "bi")
+            h_up = h_up + self._w("bi_up") if self.gated else None
+        y = jnp.einsum("MEF,EFD->MED", self._expert_hidden(h_gate, h_up), self._w("wo"))
+        return y + self._w("bo") if self.use_bias else y
+
+    def _experts_ragged(self, xs, expert_ids, group_sizes):
+        """xs `[A, D]` sorted by expert (`group_sizes [E]`) -> `[A, D]` (grouped matmul)."""
+        first = "wi_gate" if self.gated else "wi"
+        h_gate = jax.lax.ragged_dot(xs, self._w(first), group_sizes)
+        h_up = jax.lax.ragged_dot(xs, self._w("wi_up"), group_sizes) if self.gated else None
+        if self.use_bias:
+            h_gate = h_gate + self._w("bi_gate" if self.gated else "bi")[expert_ids]
+            h_up = h_up + self._w("bi_up")[expert_ids] if self.gated else None
+        y = jax.lax.ragged_dot(self._expert_hidden(h_gate, h_up), self._w("wo"), group_sizes)
+        return y + self._w("bo")[expert_ids] if self.use_bias else y
+
+    def _experts_buffer(self, xb):
+        """Capacity buffer xb `[E, B, C, D]` -> `[E, B, C, D]` (expert-parallel layout)."""
+        xb = shard(xb, ("expert", "batch", None, "embed"))
+        first = "wi_gate" if self.gated else "wi"
+        h_gate = jnp.einsum("EBCD,EDF->EBCF", xb, self._w(first))
+        h_up = jnp.einsum("EBCD,EDF->EBCF", xb, self._w("wi_up")) if self.gated else None
+        if self.use_bias:
+            h_gate = h_gate + self._w("bi_gate" if self.gated else "bi")[:, None, None]
+            h_up = h_up + self._w("bi_up")[:, None, None] if self.gated else None
+        h = shard(self._expert_hidden(h_gate, h_up), ("expert", "batch", None, "mlp"))
+        y = jnp.einsum("EBCF,EFD->EBCD", h, self._w("wo"))
+        if self.use_bias:
+            y = y + self._w("bo")[:, None, None]
+        return shard(y, ("expert", "batch", None, "embed"))
+
+    def capacity(self, T: int) -> int:
+        """Slots per expert per sequence of T tokens (capacity_factor > 0)."""
+        c = math.ceil(self.capacity_factor * T * self.k / self.num_experts)
+        return max(1, min(c, T))
+
+    # -- forward ------------------------------------------------------------------
+    def __call__(self, x: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
+        B, T, _ = x.shape
+        E, k = self.num_experts, self.k
+        x = x.astype(self.dtype)
+        logits = jnp.einsum("BTD,DE->BTE", x.astype(jnp.float32),
+                            self.router[...].astype(jnp.float32))
+        probs, gates, experts = route(logits, k, self.renormalize)  # [B,T,E], [B,T,k], [B,T,k]
+
+        counts = jnp.sum(jax.nn.one_hot(experts, E, dtype=jnp.float32), axis=(0, 1, 2))  # [E]
+        load = counts / (B * T * k)
+        self.load_balance_loss[...] = E * jnp.sum(load * jnp.mean(probs, axis=(0, 1)))
+        self.router_z_loss[...] = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
+        self.expert_load[...] = load
+
+        if self.capacity_factor > 0:
+            y, dropped = self._capacity_forward(x, gates, experts)
+            self.dropped_fraction[...] = dropped
+        else:
+            y = self._dropless_forward(x, gates, experts)
+            self.dropped_fraction[...] = jnp.zeros((), jnp.float32)
+        if self.shared is not None:
+            y = y + self.shared(x)
+        return shard(y.astype(self.dtype), ("batch", "length", "embed"))
+
+    def _dropless_forward(self, x, gates, experts):
+        B, T, D = x.shape
+        M, k, E = B * T, self.k, self.num_experts
+        xf = x.reshape(M, D)
+        g = gates.reshape(M, k).astype(self.dtype)
+        if self.implementation == "dense":
+            ye = self._experts_dense(xf)  # [M, E, D]
+            picked = jnp.take_along_axis(ye, experts.reshape(M, k)[..., None], axis=1)  # [M,k,D]
+            return jnp.einsum("MKD,MK->MD", picked, g).reshape(B, T, D)
+        ids = experts.reshape(M * k)
+        order = jnp.argsort(ids, stable=True)  # assignments grouped by expert
+        token = order // k
+        group_sizes = jnp.bincount(ids, length=E).astype(jnp.int32)
+        ys = self._experts_ragged(xf[token], ids[order], group_sizes)  # [A, D]
+        y = jnp.zeros_like(ys).at[order].set(ys).reshape(M, k, D)
+        return jnp.einsum("MKD,MK->MD", y, g).reshape(B, T, D)
+
+    def _capacity_forward(self, x, gates, experts):
+        B, T, D = x.shape
+        E, k, C = self.num_experts, self.k, self.capacity(T)
+        slot, keep = capacity_slots(experts, E, C)  # [B, T, k]
+        flat = jnp.where(keep, experts * C + slot, E * C)  # E*C = the "dropped" bin
+        # Which token fills each slot (T = an all-zero padding row for empty slots).
+        token = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None, :, None], (B, T, k))
+        slot_token = jnp.full((B, E * C + 1), T, jnp.int32)
+        slot_token = slot_token.at[jnp.arange(B)[:, None], flat.reshape(B, T * k)].set(
+            token.reshape(B, T * k))[:, :E * C]  # [B, E*C]
+        xp = jnp.concatenate([x, jnp.zeros((B, 1, D), x.dtype)], axis=1)  # [B, T+1, D]
+        xb = jnp.take_along_axis(xp, slot_token[..., None], axis=1)  # [B, E*C, D]
+        xb = xb.reshape(B, E, C, D).swapaxes(0, 1)  # [E, B, C, D]
+        yb = self._experts_buffer(xb).swapaxes(0, 1).reshape(B, E * C, D)
+        yb = jnp.concatenate([yb, jnp.zeros((B, 1, D), yb.dtype)], axis=1)  # dropped -> 0
+        picked = jnp.take_along_axis(yb, flat.reshape(B, T * k)[..., None], axis=1)
+        picked = picked.reshape(B, T, k, D)
+        y = jnp.einsum("BTKD,BTK->BTD", picked, (gates * keep).astype(self.dtype))
+        return y, jnp.mean((~keep).astype(jnp.float32))
+
+
+def moe_aux(model: nnx.Module) -> dict[str, jax.Array]:
+    """MoE losses and metrics of the last forward pass of `model` (any module tree).
+
+    Returns float32 values (zeros when the model has no MoE layer):
+      aux_loss           sum over MoE layers of aux_loss_weight * load_balance
+                         + z_loss_weight * router_z: add it to the training loss
+      load_balance_loss  mean over MoE layers (1.0 = perfectly balanced)
+      router_z_loss      mean over MoE layers
+      dropped_fraction   mean over MoE layers of the share of dropped assignments
+      expert_load        `[E]` mean over MoE layers of each expert's share of assignments
+                         (absent when the model has no MoE layer)
+    Call it on the same module object right after the forward pass, inside the traced
+    loss function, so the loss is differentiable.
+    """
+    f32 = jnp.float32
+    total = lb = z = dropped = jnp.zeros((), f32)
+    load, n = None, 0
+    for _, m in nnx.iter_graph(model):
+        if not isinstance(m, MoE):
+            continue
+        lb_m = m.load_balance_loss[...].astype(f32)  # [] or [L] when scanned over layers
+        z_m = m.router_z_loss[...].astype(f32)
+        total = total + jnp.sum(m.aux_loss_weight * lb_m + m.z_loss_weight * z_m)
+        lb, z = lb + jnp.sum(lb_m), z + jnp.sum(z_m)
+        dropped = dropped + jnp.sum(m.dropped_fraction[...].astype(f32))
+        el = m.expert_load[...].astype(f32).reshape(-1, m.num_experts)
+        load = jnp.sum(el, 0) if load is None else load + jnp.sum(el, 0)
+        n += lb_m.size
+    out = dict(aux_loss=total)
+    if n:
+        out.update(load_balance_loss=lb / n, router_z_loss=z / n, dropped_fraction=dropped / n,
+                   expert_load=load / n)
+    else:
+        out.update(load_balance_loss=lb, router_z_loss=z, dropped_fraction=dropped)
+    return out

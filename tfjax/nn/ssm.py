@@ -1,0 +1,277 @@
+"""Mamba: the selective state-space layer (Gu & Dao 2023, arXiv:2312.00752).
+
+    x, z   = in_proj(u)                          # [B, T, Di] each, Di = expand * D
+    x      = silu(causal_depthwise_conv(x))      # kernel d_conv, per channel
+    dt,B,C = x_proj(x)                           # input-dependent: [B,T,R], [B,T,N], [B,T,N]
+    dt     = softplus(dt_proj(dt))               # [B, T, Di]
+    h_t    = exp(dt_t A) * h_{t-1} + dt_t B_t x_t    # A = -exp(A_log) [Di, N]
+    y_t    = C_t . h_t + D * x_t
+    out    = out_proj(y * silu(z))
+
+Design choices:
+- The recurrence h_t = a_t h_{t-1} + b_t is linear, so training runs it as a
+  parallel `jax.lax.associative_scan` over T (`chunk_size=0`), or, to bound
+  memory to one chunk of `[B, c, Di, N]`, as a `lax.scan` over chunks of
+  `chunk_size` steps with an associative scan inside each (rematerialised in the
+  backward pass). Both equal the sequential loop `selective_scan_reference`.
+- Decoding is O(1) per token: `init_state(batch)` gives a `MambaState` (the last
+  d_conv - 1 conv inputs and the SSM state `[B, Di, N]`), `step(u_t, state) ->
+  (y_t, state)` advances one token, and `forward(u, state) -> (y, state)`
+  processes a whole prompt from a state (prefill) with the same numerics.
+- Packed sequences: when `positions` are given (the model passes them, restarting
+  at 0 in each document), the conv does not read across a position-0 boundary and
+  the SSM state is reset there, so packed documents equal separate ones.
+- The discretisation is that of the reference implementation: A_bar = exp(dt A),
+  B_bar x = dt B x (zero-order hold for A, Euler for B). The scan runs in float32.
+- `inner_norm=True` adds Jamba's RMSNorms on dt, B and C (Lieber et al. 2024).
+- Parameters: in_proj `[D, 2, Di]` ("embed", None, "mlp"), conv `[d_conv, Di]`,
+  x_proj `[Di, R + 2N]`, dt_proj `[R, Di]` + bias, A_log `[Di, N]`, D `[Di]`,
+  out_proj `[Di, D]`; the inner channels shard on "mlp" (tensor parallelism).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tfjax.nn.norms import make_norm
+from tfjax.parallel.sharding import shard, with_logical_axes
+from tfjax.typing import DType
+
+__all__ = ["Mamba", "MambaState", "selective_scan", "selective_scan_reference"]
+
+
+class MambaState(NamedTuple):
+    """Decoding state of one Mamba layer: conv `[B, d_conv - 1, Di]`, ssm `[B, Di, N]`."""
+
+    conv: jax.Array
+    ssm: jax.Array
+
+
+def _combine(left, right):
+    a1, b1 = left
+    a2, b2 = right
+    return a1 * a2, a2 * b1 + b2
+
+
+def _scan_chunk(u, dt, A, Bm, Cm, h0, reset):
+    """Associative scan over one chunk. u, dt `[B,c,Di]`, Bm, Cm `[B,c,N]`, h0 `[B,Di,N]`,
+    reset `[B,c]` bool (state zeroed before that step) -> y `[B,c,Di]`, h_last."""
+    dA = jnp.exp(dt[..., None] * A)  # [B, c, Di, N]
+    if reset is not None:
+        dA = jnp.where(reset[:, :, None, None], 0.0, dA)
+    dBu = (dt * u)[..., None] * Bm[:, :, None, :]  # [B, c, Di, N]
+    dBu = dBu.at[:, 0].add(dA[:, 0] * h0)
+    _, hs = jax.lax.associative_scan(_combine, (dA, dBu), axis=1)
+    y = jnp.einsum("BTIN,BTN->BTI", hs, Cm)
+    return y, hs[:, -1]
+
+
+def selective_scan(u, dt, A, Bm, Cm, Dskip, h0=None, *, chunk_size: int = 0, reset=None):
+    """y_t = C_t . h_t + D u_t with h_t = exp(dt_t A) h_{t-1} + dt_t B_t u_t (float32).
+
+    u, dt `[B,T,Di]`; A `[Di,N]` (negative); Bm, Cm `[B,T,N]`; Dskip `[Di]`; h0
+    `[B,Di,N]` or None; reset `[B,T]` bool or None. Returns y `[B,T,Di]`, h_T `[B,Di,N]`.
+    `chunk_size=0`: one associative scan over T; else chunks of that many steps.
+    """
+    f32 = jnp.float32
+    u, dt, Bm, Cm, A = (a.astype(f32) for a in (u, dt, Bm, Cm, A))
+    Bsz, T, Di = u.shape
+    N = A.shape[-1]
+    h0 = jnp.zeros((Bsz, Di, N), f32) if h0 is None else h0.astype(f32)
+    if not chunk_size or chunk_size >= T:
+        y, h = _scan_chunk(u, dt, A, Bm, Cm, h0, reset)
+        return y + Dskip.astype(f32) * u, h
+    c = chunk_size
+    pad = (-T) % c  # dt = 0 on padding: exp(0) = 1 and no input, so the state passes through
+    def chunks(a, fill=0):
+        a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2), constant_values=fill)
+        return a.reshape(Bsz, -1, c, *a.shape[2:]).swapaxes(0, 1)  # [nc, B, c, ...]
+
+    xs = (chunks(u), chunks(dt), chunks(Bm), chunks(Cm),
+          None if reset is None else chunks(reset, False))
+
+    @jax.checkpoint
+    def body(h, xs):
+        uc, dtc, Bc, Cc, rc = xs
+        y, h = _scan_chunk(uc, dtc, A, Bc, Cc, h, rc)
+        return h, y
+
+    h, ys = jax.lax.scan(body, h0, xs)
+    y = ys.swapaxes(0, 1).reshape(Bsz, -1, Di)[:, :T]
+    return y + Dskip.astype(f32) * u, h
+
+
+def selective_scan_reference(u, dt, A, Bm, Cm, Dskip, h0=None, reset=None):
+    """The sequential loop over T (ground truth for tests)."""
+    f32 = jnp.float32
+    u, dt, Bm, Cm, A = (a.astype(f32) for a in (u, dt, Bm, Cm, A))
+    Bsz, T, Di = u.shape
+    h = jnp.zeros((Bsz, Di, A.shape[-1]), f32) if h0 is None else h0.astype(f32)
+    ys = []
+    for t in range(T):
+        if reset is not None:
+            h = jnp.where(reset[:, t, None, None], 0.0, h)
+        h = jnp.exp(dt[:, t, :, None] * A) * h + (dt[:, t] * u[:, t])[..., None] * Bm[:, t, None, :]
+        ys.append(jnp.einsum("BIN,BN->BI", h, Cm[:, t]) + Dskip.astype(f32) * u[:, t])
+    return jnp.stack(ys, 1), h
+
+
+class Mamba(nnx.Module):
+    """`[B, T, D] -> [B, T, D]` selective SSM mixer (a drop-in for attention in a block)."""
+
+    def __init__(self, d_model: int, *, d_state: int = 16, d_conv: int = 4, expand: int = 2,
+                 dt_rank: int = 0, chunk_size: int = 0, conv_bias: bool = True,
+                 proj_bias: bool = False, inner_norm: bool = False, norm_eps: float = 1e-6,
+                 dt_min: float = 1e-3, dt_max: float = 0.1, dt_init_floor: float = 1e-4,
+                 dtype: DType = jnp.float32, param_dtype: DType = jnp.float32,
+                 init_std: float = 0.02, out_init_std: float | None = None, rngs: nnx.Rngs):
+        for name, v in (("d_model", d_model), ("d_state", d_state), ("d_conv", d_conv),
+                        ("expand", expand)):
+            if v < 1:
+                raise ValueError(f"{name} must be >= 1, got {v}")
+        D, Di, N = d_model, expand * d_model, d_state
+        R = dt_rank or math.ceil(d_model / 16)
+        self.d_model, self.d_inner, self.d_state, self.d_conv, self.dt_rank = D, Di, N, d_conv, R
+        self.chunk_size, self.dtype = chunk_size, dtype
+        normal = nnx.initializers.normal(init_std)
+        zeros = nnx.initializers.zeros_init()
+
+        def param(init, shape, names):
+            return nnx.Param(with_logical_axes(init, names)(rngs.params(), shape, param_dtype))
+
+        def uniform(bound):
+            return lambda key, shape, dt=jnp.float32: jax.random.uniform(key, shape, dt, -bound, bound)
+
+        self.in_proj = param(normal, (D, 2, Di), ("embed", None, "mlp"))
+        self.in_bias = param(zeros, (2, Di), (None, "mlp")) if proj_bias else None
+        self.conv_w = param(uniform(d_conv ** -0.5), (d_conv, Di), (None, "mlp"))
+        self.conv_b = param(zeros, (Di,), ("mlp",)) if conv_bias else None
+        self.x_proj = param(normal, (Di, R + 2 * N), ("mlp", None))
+        self.dt_proj = param(uniform(R ** -0.5), (R, Di), (None, "mlp"))
+
+        def dt_bias_init(key, shape, dt=jnp.float32):
+            # softplus(bias) log-uniform in [dt_min, dt_max] (the paper's init).
+            u = jax.random.uniform(key, shape, jnp.float32)
+            step = jnp.exp(u * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+            step = jnp.maximum(step, dt_init_floor)
+            return (step + jnp.log(-jnp.expm1(-step))).astype(dt)
+
+        self.dt_bias = param(dt_bias_init, (Di,), ("mlp",))
+        a_init = lambda key, shape, dt=jnp.float32: jnp.broadcast_to(
+            jnp.log(jnp.arange(1, N + 1, dtype=jnp.float32)), shape).astype(dt)
+        self.A_log = param(a_init, (Di, N), ("mlp", None))
+        self.D = param(nnx.initializers.ones_init(), (Di,), ("mlp",))
+        out_std = init_std if out_init_std is None else out_init_std
+        self.out_proj = param(nnx.initializers.normal(out_std), (Di, D), ("mlp", "embed"))
+        self.out_bias = param(zeros, (D,), ("embed",)) if proj_bias else None
+        if inner_norm:
+            def norm(n):
+                return make_norm("rmsnorm", n, eps=norm_eps, dtype=jnp.float32,
+                                 param_dtype=param_dtype, rngs=rngs)
+
+            self.dt_norm, self.b_norm, self.c_norm = norm(R), norm(N), norm(N)
+        else:
+            self.dt_norm = self.b_norm = self.c_norm = None
+
+    # -- pieces -------------------------------------------------------------------
+    def _in(self, u):
+        xz = jnp.einsum("...D,DCI->...CI", u.astype(self.dtype), self.in_proj[...].astype(self.dtype))
+        if self.in_bias is not None:
+            xz = xz + self.in_bias[...].astype(self.dtype)
+        return xz[..., 0, :], xz[..., 1, :]
+
+    def _ssm_inputs(self, xc):
+        """xc `[..., Di]` -> dt `[..., Di]`, B, C `[..., N]`, in float32."""
+        R, N = self.dt_rank, self.d_state
+        dbc = jnp.einsum("...I,IR->...R", xc, self.x_proj[...].astype(xc.dtype)).astype(jnp.float32)
+        dt, Bm, Cm = dbc[..., :R], dbc[..., R:R + N], dbc[..., R + N:]
+        if self.dt_norm is not None:
+            dt, Bm, Cm = self.dt_norm(dt), self.b_norm(Bm), self.c_norm(Cm)
+        dt = jnp.einsum("...R,RI->...I", dt, self.dt_proj[...].astype(jnp.float32))
+        dt = jax.nn.softplus(dt + self.dt_bias[...].astype(jnp.float32))
+        return dt, Bm, Cm
+
+    def _out(self, y, z):
+        y = (y * jax.nn.silu(z.astype(jnp.float32))).astype(self.dtype)
+        out = jnp.einsum("...I,ID->...D", y, self.out_proj[...].astype(self.dtype))
+        if self.out_bias is not None:
+            out = out + self.out_bias[...].astype(self.dtype)
+        return out
+
+    def _A(self):
+        return -jnp.exp(self.A_log[...].astype(jnp.float32))
+
+    def init_state(self, batch: int, dtype: DType = jnp.float32) -> MambaState:
+        return MambaState(conv=jnp.zeros((batch, self.d_conv - 1, self.d_inner), dtype),
+                          ssm=jnp.zeros((batch, self.d_inner, self.d_state), jnp.float32))
+
+    # -- sequence and step ----------------------------------------------------------
+    def forward(self, u, state: MambaState | None = None, *, positions=None, lengths=None):
+        """u `[B,T,D]` from `state` (None: empty) -> (y `[B,T,D]`, final `MambaState`).
+
+        `positions [B,T]`: a step at position 0 starts a new document (no conv or
+        state carried into it). `lengths [B]`: row b has lengths[b] real steps, then
+        right padding; the final state is the state after its last real step."""
+        Bsz, T, _ = u.shape
+        K = self.d_conv
+        state = self.init_state(Bsz, self.dtype) if state is None else state
+        x, z = self._in(u)  # [B, T, Di]
+        x = shard(x, ("batch", "length", "mlp"))
+        xpad = jnp.concatenate([state.conv.astype(x.dtype), x], axis=1)  # [B, K-1+T, Di]
+        w = self.conv_w[...].astype(x.dtype)
+        xc = jnp.zeros_like(x)
+        for j in range(K):  # tap j reads x[t - (K-1-j)]
+            tap = xpad[:, j:j + T] * w[j]
+            if positions is not None and K - 1 - j > 0:
+                tap = jnp.where((positions >= K - 1 - j)[..., None], tap, 0)
+            xc = xc + tap
+        if self.conv_b is not None:
+            xc = xc + self.conv_b[...].astype(x.dtype)
+        xc = jax.nn.silu(xc)
+        dt, Bm, Cm = self._ssm_inputs(xc)
+        if lengths is not None:  # dt = 0 on padding: exp(0 * A) = 1 and no input
+            valid = jnp.arange(T)[None, :] < jnp.asarray(lengths, jnp.int32)[:, None]
+            dt = jnp.where(valid[..., None], dt, 0.0)
+        reset = None if positions is None else positions == 0
+        y, h = selective_scan(xc, dt, self._A(), Bm, Cm, self.D[...], state.ssm,
+                              chunk_size=self.chunk_size, reset=reset)
+        if K == 1:
+            conv = state.conv
+        else:  # the last K-1 conv inputs up to each row's last real step
+            end = jnp.full((Bsz,), T, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
+            idx = end[:, None] + jnp.arange(K - 1, dtype=jnp.int32)[None, :]  # [B, K-1] into xpad
+            conv = jnp.take_along_axis(xpad, idx[..., None], axis=1)
+        return self._out(y, z), MambaState(conv=conv.astype(state.conv.dtype), ssm=h)
+
+    def step(self, u_t, state: MambaState):
+        """One token: u_t `[B, D]` -> (y_t `[B, D]`, new state). O(1) in the length."""
+        x, z = self._in(u_t)  # [B, Di]
+        window = jnp.concatenate([state.conv.astype(x.dtype), x[:, None]], axis=1)  # [B, K, Di]
+        xc = jnp.einsum("BKI,KI->BI", window, self.conv_w[...].astype(x.dtype))
+        if self.conv_b is not None:
+            xc = xc + self.conv_b[...].astype(x.dtype)
+        xc = jax.nn.silu(xc)
+        dt, Bm, Cm = self._ssm_inputs(xc)
+        xf = xc.astype(jnp.float32)
+        h = jnp.exp(dt[..., None] * self._A()) * state.ssm + (dt * xf)[..., None] * Bm[:, None, :]
+        y = jnp.einsum("BIN,BN->BI", h, Cm) + self.D[...].astype(jnp.float32) * xf
+        return self._out(y, z), MambaState(conv=window[:, 1:].astype(state.conv.dtype), ssm=h)
+
+    def __call__(self, x, *, mask=None, bias=None, positions=None, cache: MambaState | None = None,
+                 **_):
+        """Block interface (as attention's): causal by construction, so `mask` and
+        `bias` are unused; `positions` mark document starts (see `forward`). With
+        `cache` (a `MambaState`, e.g. `init_state(B)`) it returns `(y, new_state)`;
+        a cache object with an `apply` method (tfjax.inference's LayerCache protocol)
+        is called as `cache.apply(self, x, None, mask=, bias=, positions=)` instead."""
+        if cache is not None and hasattr(cache, "apply"):
+            return cache.apply(self, x, None, mask=mask, bias=bias, positions=positions)
+        del mask, bias
+        y, state = self.forward(x, cache, positions=positions)
+        y = shard(y, ("batch", "length", "embed"))
+        return y if cache is None else (y, state)
