@@ -11,9 +11,11 @@ TRAIN_ARGS ?=
 
 .PHONY: test train install clean
 
-# Training needs the package; the tests also need pytest and libtpu (the `tpu`
-# extra), with which the TPU compiler runs on this CPU to check that the Pallas
-# kernels and sharded steps really compile for TPUs.
+# Training needs the package; the tests also need pytest, libtpu (the `tpu`
+# extra, with which the TPU compiler runs on this CPU to check that the Pallas
+# kernels and sharded steps really compile for TPUs), torch + transformers (the
+# `hf` extra: checkpoint-import parity tests) and nbclient (the `notebooks` extra:
+# colab/ notebooks run top to bottom).
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -21,7 +23,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(PY) -m pip install -q -e ".[test,tpu]"
+	$(PY) -m pip install -q -e ".[test,tpu,hf,notebooks]"
 	touch $@
 
 install: $(VENV)/.installed

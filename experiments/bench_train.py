@@ -7,8 +7,9 @@ jitted donated step), feed packed stdlib batches, time `--steps` steps after one
 warm-up (compile) step. MFU uses the FLOP formula of `tfjax.train.metrics` against
 this machine's own matmul peak, measured in the same run (an f32 1024^3 matmul on
 one device; on CPU every simulated device shares those cores).
-The PyTorch comparison (transformers LlamaForCausalLM on the same data) needs the
-`hf` extra; without it the row says so.
+Each Llama-shaped preset is also trained as transformers' LlamaForCausalLM in
+PyTorch (same shapes, batches, AdamW + clipping; CPU threads = all cores) and the
+ratio printed; that needs the `hf` extra (without it the row says so).
 """
 
 from __future__ import annotations
@@ -68,31 +69,90 @@ def bench(preset: str, steps: int) -> dict:
                 flops=flops_per_token(cfg.model, t.seq_len) * tps)
 
 
-def torch_row() -> str:
+def torch_bench(preset: str, steps: int) -> dict | str:
+    """The same model as transformers' LlamaForCausalLM, trained the same way in PyTorch.
+
+    Same shapes, batch and optimizer (AdamW, clipping); causal attention over each
+    row (PyTorch has no packed-document mask here, so it does slightly less
+    masking work than tfjax, which also applies segment ids)."""
     try:
-        import torch  # noqa: F401
-        import transformers  # noqa: F401
+        import numpy as np
+        import torch
+        import transformers
     except ImportError:
-        return "| PyTorch LlamaForCausalLM | not run: install the `hf` extra | | | |"
-    return "| PyTorch LlamaForCausalLM | not implemented in this script yet | | | |"
+        return "not run: install the `hf` extra"
+    cfg = run_config(load(preset))
+    m, t = cfg.model, cfg.train
+    if not (m.arch == "decoder" and m.position == "rope" and m.norm == "rmsnorm"
+            and m.activation == "swiglu"):
+        return "not run: only Llama-shaped presets map onto LlamaForCausalLM"
+    torch.manual_seed(0)
+    torch.set_num_threads(os.cpu_count() or 1)
+    hf = transformers.LlamaConfig(
+        vocab_size=m.vocab_size, hidden_size=m.d_model, intermediate_size=m.d_ff,
+        num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads,
+        num_key_value_heads=m.num_kv_heads or m.num_heads, max_position_embeddings=m.max_len,
+        rms_norm_eps=m.norm_eps, tie_word_embeddings=m.tie_embeddings,
+        attention_bias=False, mlp_bias=False)
+    model = transformers.LlamaForCausalLM(hf)
+    model.config._attn_implementation = "sdpa"
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+    it = PackedBatches(documents(cfg.data, "train"), load_tokenizer(cfg.data.tokenizer),
+                       seq_len=t.seq_len, global_batch=t.batch_size, seed=0)
+    batches = []
+    for _ in range(steps + 1):
+        b = next(it)
+        batches.append((torch.from_numpy(np.asarray(b["inputs"], np.int64)),
+                        torch.from_numpy(np.asarray(b["targets"], np.int64))))
+
+    def step(x, y):
+        logits = model(input_ids=x).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                                                 y.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip or 1e9)
+        opt.step()
+        return loss
+
+    step(*batches[0])  # warm-up
+    t0 = time.perf_counter()
+    for x, y in batches[1:]:
+        step(x, y)
+    dt = (time.perf_counter() - t0) / steps
+    return dict(params=sum(p.numel() for p in model.parameters()),
+                tokens_per_s=t.batch_size * t.seq_len / dt, step_s=dt,
+                flops=flops_per_token(m, t.seq_len) * t.batch_size * t.seq_len / dt,
+                version=torch.__version__)
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--presets", default="default,default:small")
+    ap.add_argument("--no_torch", action="store_true", help="skip the PyTorch rows")
     a = ap.parse_args()
     peak = measure_matmul_peak()
     print(f"{jax.devices()[0].device_kind} x{len(jax.devices())}: measured matmul peak "
           f"{peak / 1e9:.1f} GFLOP/s\n")
-    print("| preset | parameters | tokens/s | step (s) | MFU |")
-    print("|---|---|---|---|---|")
+    print("| preset | framework | parameters | tokens/s | step (s) | MFU | tfjax / PyTorch |")
+    print("|---|---|---|---|---|---|---|")
     for preset in a.presets.split(","):
         r = bench(preset, a.steps)
-        print(f"| {preset} | {r['params'] / 1e6:.2f}M | {r['tokens_per_s']:,.0f} | "
-              f"{r['step_s']:.3f} | {100 * r['flops'] / peak:.1f}% |")
-    print(torch_row())
-
+        print(f"| {preset} | tfjax (jax {jax.__version__}) | {r['params'] / 1e6:.2f}M | "
+              f"{r['tokens_per_s']:,.0f} | {r['step_s']:.3f} | "
+              f"{100 * r['flops'] / peak:.1f}% | |", flush=True)
+        if a.no_torch:
+            continue
+        tr = torch_bench(preset, a.steps)
+        if isinstance(tr, str):
+            print(f"| {preset} | PyTorch | {tr} | | | | |")
+            continue
+        print(f"| {preset} | PyTorch {tr['version']} (LlamaForCausalLM) | "
+              f"{tr['params'] / 1e6:.2f}M | {tr['tokens_per_s']:,.0f} | {tr['step_s']:.3f} | "
+              f"{100 * tr['flops'] / peak:.1f}% | "
+              f"{r['tokens_per_s'] / tr['tokens_per_s']:.2f}x |", flush=True)
 
 if __name__ == "__main__":
     main()

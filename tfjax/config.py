@@ -96,6 +96,10 @@ class ModelConfig:
     attn_scale: float = 0.0  # 0 -> 1/sqrt(head_dim)
     attn_softcap: float = 0.0  # 0 -> off; Gemma 2: 50
     attention_impl: str = "auto"
+    # Self-attention when the mesh splits the sequence (mesh.sequence > 1): "ring"
+    # (ring attention, K/V circulate; O(S/n) memory) | "all_gather" (each device
+    # gathers the whole K/V; the simple baseline). Ignored without a sequence axis.
+    context_parallel: str = "ring"
     layer_pattern: tuple[str, ...] = ("global",)  # cycled over layers: global | local
     sliding_window: int = 0  # keys before the query a "local" layer sees (plus itself)
     prefix_lm: bool = False  # decoder: bidirectional over a prefix given at call time
@@ -384,6 +388,7 @@ def _validate_model(c: ModelConfig, p: str) -> None:
     _one_of(f"{p}.position", c.position, names["position"])
     _one_of(f"{p}.block", c.block, names["block"])
     _one_of(f"{p}.attention_impl", c.attention_impl, names["attention_impl"])
+    _one_of(f"{p}.context_parallel", c.context_parallel, ("ring", "all_gather"))
     _one_of(f"{p}.remat", c.remat, names["remat"])
     _one_of(f"{p}.dtype", c.dtype, DTYPES)
     _one_of(f"{p}.param_dtype", c.param_dtype, DTYPES)

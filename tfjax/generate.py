@@ -14,6 +14,13 @@ at the tokenizer's EOS (unless `--noeos`). Temperature 0 (the default) is greedy
 Examples:
   python -m tfjax.generate --workdir workdirs/default --prompt "import " --max_new_tokens 200
   python -m tfjax.generate --workdir /tmp/w --prompt "def f(" --temperature 0.8 --top_p 0.95
+
+`--hf PATH` instead of `--workdir` loads a Hugging Face checkpoint directory
+(`tfjax.interop.hf.load`: config.json + *.safetensors) and its `tokenizer.json`
+(through `tokenizers`); the prompt is encoded as that tokenizer does (its
+post-processor adds BOS where the model expects it) and generation stops at the
+config's `eos_token_id` (any of them, when it is a list):
+  python -m tfjax.generate --hf ~/models/llama --prompt "The capital of France is"
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import os
 import sys
 from typing import TextIO
 
-__all__ = ["load_run", "main", "run"]
+__all__ = ["load_hf", "load_run", "main", "run", "run_hf"]
 
 
 def load_run(workdir: str, step: int | None = None):
@@ -78,30 +85,74 @@ def run(workdir: str, prompt: str, *, max_new_tokens: int = 200, temperature: fl
     """Stream the continuation of `prompt` to `out` (stdout); return it."""
     import numpy as np
 
-    from tfjax.inference import stream
-
     out = sys.stdout if out is None else out
     model, cfg, tok, step = load_run(workdir, step)
     ids = np.concatenate([[tok.bos_id], tok.encode(prompt)]).astype(np.int32)[None]
     eos = tok.eos_id if stop_at_eos else None
-    generated: list[int] = []
-    shown = ""
     print(f"[tfjax.generate: step {step} of {workdir}, {cfg.model.arch}, "
           f"{ids.shape[1]} prompt tokens]", file=sys.stderr, flush=True)
+    return _emit(model, ids, tok.decode, prompt, () if eos is None else (eos,), out,
+                 max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                 top_p=top_p, seed=seed)
+
+
+def load_hf(path: str):
+    """(model, model config, `tokenizers.Tokenizer`, EOS ids) from an HF checkpoint directory."""
+    from tfjax.interop import hf
+
+    tok_file = os.path.join(path, "tokenizer.json")
+    if not os.path.exists(tok_file):
+        raise ValueError(f"--hf: {tok_file} not found; the checkpoint directory needs the "
+                         "tokenizer.json that `tokenizers` reads (save_pretrained of a fast "
+                         "tokenizer writes it)")
+    import tokenizers
+
+    model, cfg = hf.load(path)
+    if cfg.arch != "decoder":
+        raise ValueError(f"--hf: {path} is a {cfg.arch} model; the CLI generates with causal "
+                         "LMs only")
+    with open(os.path.join(path, "config.json")) as f:
+        eos = json.load(f).get("eos_token_id")
+    eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+    return model, cfg, tokenizers.Tokenizer.from_file(tok_file), eos
+
+
+def run_hf(path: str, prompt: str, *, max_new_tokens: int = 200, temperature: float = 0.0,
+           top_k: int | None = None, top_p: float | None = None, seed: int = 0,
+           stop_at_eos: bool = True, out: TextIO | None = None) -> str:
+    """`run` for an HF checkpoint directory (`--hf PATH`)."""
+    import numpy as np
+
+    out = sys.stdout if out is None else out
+    model, cfg, tok, eos = load_hf(path)
+    ids = np.asarray(tok.encode(prompt).ids, np.int32)[None]
+    if ids.shape[1] == 0:
+        raise ValueError("--prompt: encodes to no tokens; give a non-empty prompt")
+    print(f"[tfjax.generate: {path}, {ids.shape[1]} prompt tokens]", file=sys.stderr, flush=True)
+    return _emit(model, ids, tok.decode, prompt, eos if stop_at_eos else (), out,
+                 max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                 top_p=top_p, seed=seed)
+
+
+def _emit(model, ids, decode, prompt: str, eos: tuple, out: TextIO, **kw) -> str:
+    """Stream the continuation of `ids` to `out` as text; stop at any id in `eos`."""
+    from tfjax.inference import stream
+
+    generated: list[int] = []
+    shown = ""
     out.write(prompt)
-    for t in stream(model, ids, max_new_tokens=max_new_tokens, temperature=temperature,
-                    top_k=top_k, top_p=top_p, eos_id=eos, seed=seed):
+    for t in stream(model, ids, eos_id=eos[0] if eos else None, **kw):
         t = int(t[0])
-        if t == eos:
+        if t in eos:
             break
         generated.append(t)
-        text = tok.decode(generated)
+        text = decode(generated)
         if text.endswith("\ufffd"):  # an incomplete UTF-8 character: wait for its bytes
             continue
         out.write(text[len(shown):])
         out.flush()
         shown = text
-    text = tok.decode(generated)
+    text = decode(generated)
     out.write(text[len(shown):] + "\n")
     out.flush()
     return text
@@ -113,7 +164,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m tfjax.generate",
                                 description=__doc__.split("\n\n")[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workdir", required=True, help="the training run's directory")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--workdir", help="the training run's directory")
+    src.add_argument("--hf", metavar="PATH", help="a Hugging Face checkpoint directory "
+                     "(config.json, *.safetensors, tokenizer.json)")
     p.add_argument("--prompt", default="", help="text to continue")
     p.add_argument("--max_new_tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -124,9 +178,15 @@ def main(argv=None) -> int:
     p.add_argument("--noeos", action="store_true", help="do not stop at the EOS token")
     a = p.parse_args(argv)
     try:
-        run(a.workdir, a.prompt, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
-            top_k=a.top_k, top_p=a.top_p, seed=a.seed, step=a.step, stop_at_eos=not a.noeos)
-    except ValueError as e:
+        kw = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
+                  top_p=a.top_p, seed=a.seed, stop_at_eos=not a.noeos)
+        if a.hf:
+            if a.step is not None:
+                raise ValueError("--step is for --workdir runs; an HF checkpoint has one state")
+            run_hf(a.hf, a.prompt, **kw)
+        else:
+            run(a.workdir, a.prompt, step=a.step, **kw)
+    except (ValueError, NotImplementedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

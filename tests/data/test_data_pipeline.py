@@ -169,3 +169,23 @@ def test_local_tokenizers_json(tmp_path):
     assert t.decode(ids) == "def f(x):"
     assert t.eos_id == tok.token_to_id("</s>") and t.token_bytes[t.eos_id] == 0
     assert t.token_bytes[ids].sum() == len(b"def f(x):")
+
+
+def test_local_sentencepiece_model(tmp_path):
+    spm = pytest.importorskip("sentencepiece")  # the `hf` extra
+    text = "def f(x):\n    return x + 1\nclass A:\n    pass\n"
+    (tmp_path / "corpus.txt").write_text(text * 40)
+    spm.SentencePieceTrainer.train(
+        input=str(tmp_path / "corpus.txt"), model_prefix=str(tmp_path / "sp"), vocab_size=300,
+        model_type="bpe", byte_fallback=True, bos_id=1, eos_id=2,
+        pad_id=3, unk_id=0, minloglevel=2, normalization_rule_name="identity",
+        remove_extra_whitespaces=False, split_by_whitespace=False)
+    t = load_tokenizer(str(tmp_path / "sp.model"))
+    assert (t.vocab_size, t.bos_id, t.eos_id, t.pad_id) == (300, 1, 2, 3)
+    sample = "def g(y):\n    return y + 1 ü"  # "ü" is not in the corpus: byte fallback
+    ids = t.encode(sample)
+    assert t.decode(ids) == sample
+    # bits/byte needs the byte count of every token, spaces and fallbacks included;
+    # sentencepiece's dummy prefix (a space before the text, as in Llama's) is one more
+    assert t.token_bytes[ids].sum() == len(sample.encode()) + 1
+    assert t.token_bytes[[0, 1, 2, 3]].tolist() == [0, 0, 0, 0]

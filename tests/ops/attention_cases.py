@@ -55,6 +55,10 @@ def make_mask(name, B, T, S):
         return M.sliding_window(30, 5) & M.segments(segment_ids(B, T, 3), segment_ids(B, S, 3))
     if name == "padding_fully_masked":  # example 0 sees no key: its rows are fully masked
         return M.padding(np.array([0] + [S - S // 3] * (B - 1)))
+    if name == "longformer&causal":  # global flags are kernel operands
+        return M.causal() & M.longformer(9, (0, 1, T // 2, T - 1))
+    if name == "bigbird":  # window | globals | seeded random blocks (in-kernel hash)
+        return M.bigbird(6, 3, 2, 32, seed=11, seq_len=max(T, S) + 8)
     if name == "prefix|window":
         return M.prefix_lm(np.array([5] * B)) | M.sliding_window(8)
     raise ValueError(name)

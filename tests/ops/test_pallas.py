@@ -27,6 +27,8 @@ CASES = [
     (128, 100, (4, 4), 128, "padding_fully_masked", {"bias": (2, 1)}),
     (1000, 1000, (4, 4), 32, "chunked", {}),
     (100, 384, (8, 2), 32, "prefix|window", {"kv_offset": 5}),
+    (200, 300, (8, 2), 64, "bigbird", {"kv_offset": 5}),
+    (130, 130, (4, 1), 32, "longformer&causal", {"q_offset": 3, "softcap": 30.0}),
 ]
 
 
@@ -139,3 +141,16 @@ def test_sweep_masks_by_head_dim(mask_name, H):
     q, k, v, bias = inputs(1, 130, 260, 8, 1, H, bias=(1, 1))
     check_against_reference(flash_attention, q, k, v, make_mask(mask_name, 1, 130, 260), bias,
                             softcap=10.0, block_sizes=BS)
+
+
+def test_in_kernel_random_block_hash_is_bit_identical_to_the_mask():
+    """BigBird's random blocks are drawn in the kernels with int32-only arithmetic;
+    it must give the draws of masks.RandomBlocks (uint32 hash) exactly."""
+    from tfjax.ops.pallas.common import _draw_random_block
+
+    qb = jnp.arange(0, 5000, 7, dtype=jnp.int32)
+    for seed, num_blocks in ((0, 1), (7, 13), (2**31 + 5, 1000), (2**32 - 1, 2**20 + 7)):
+        m = M.RandomBlocks(3, 16, num_blocks, seed)
+        for r in range(3):
+            np.testing.assert_array_equal(_draw_random_block(seed, qb, r, num_blocks),
+                                          m._draw(qb, r))

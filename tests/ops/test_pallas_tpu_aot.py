@@ -53,7 +53,10 @@ def compile_attention(topology, *, T, S, N, K, H, dtype, mask_name, softcap=None
                 "chunked": M.chunked_causal(512), "prefix": M.prefix_lm(q_seg[:, 0] * 0 + 100),
                 "segments": M.segments(q_seg, kv_seg),
                 "causal&segments": M.causal() & M.segments(q_seg, kv_seg),
-                "padding": M.padding(kv_seg[:, 0] * 0 + S // 2)}[mask_name]
+                "padding": M.padding(kv_seg[:, 0] * 0 + S // 2),
+                # global flags as operands; random blocks by an in-kernel int32 hash
+                "longformer&causal": M.causal() & M.longformer(128, (0, 1, 500)),
+                "bigbird": M.bigbird(64, 2, 2, 128, seed=3, seq_len=max(T, S))}[mask_name]
 
         def f(q, k, v, b):
             return flash_attention_tpu(q, k, v, mask, bias=b, softcap=softcap, interpret=False,
@@ -80,6 +83,8 @@ CASES = [  # (topology, mask, (N, K), H, dtype, extras)
     ("v5e:2x2", "window", (8, 1), 256, jnp.bfloat16, {"softcap": 30.0}),
     ("v5e:2x2", "padding", (4, 2), 80, jnp.float32, {"bias": True}),
     ("v5p:2x2x1", "causal", (8, 2), 128, jnp.bfloat16, {}),
+    ("v5e:2x2", "bigbird", (8, 2), 128, jnp.bfloat16, {}),
+    ("v5p:2x2x1", "longformer&causal", (4, 4), 64, jnp.float32, {}),
 ]
 
 

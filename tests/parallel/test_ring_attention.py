@@ -68,16 +68,18 @@ def _out_and_grads(attn, q, k, v, ct):
     return (out,) + vjp(ct)
 
 
-def _compare(mask, mesh, load_balance, batch_axes=None, kv_heads=K):
+def _compare(mask, mesh, load_balance, batch_axes=None, kv_heads=K, softcap=None, scale=None):
     q, k, v, ct = _inputs(kv_heads=kv_heads)
 
     def ring(q, k, v):
         return ring_attention(q, k, v, mask, mesh=mesh, batch_axes=batch_axes,
-                              load_balance=load_balance, block_q=8, block_kv=8)
+                              load_balance=load_balance, block_q=8, block_kv=8,
+                              softcap=softcap, scale=scale)
 
     got = jax.jit(lambda *a: _out_and_grads(ring, *a))(q, k, v, ct)
     want = jax.jit(lambda *a: _out_and_grads(
-        lambda q, k, v: attention_reference(q, k, v, mask), *a))(q, k, v, ct)
+        lambda q, k, v: attention_reference(q, k, v, mask, softcap=softcap, scale=scale),
+        *a))(q, k, v, ct)
     np.testing.assert_allclose(got[0], want[0], atol=1e-5, rtol=1e-5)
     for name, g, w in zip("qkv", got[1:], want[1:]):
         np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4, err_msg=f"d{name}")
@@ -97,6 +99,11 @@ def test_matches_reference(mesh4, mask_name, load_balance):
 
 def test_batch_sharded_zigzag_segments_causal(mesh2x4):
     _compare(MASKS["segments_causal"](), mesh2x4, "zigzag", batch_axes="data")
+
+
+def test_softcap_through_the_ring(mesh4):
+    # A large scale makes the soft-cap (tanh) bite on most logits, forward and backward.
+    _compare(masks.causal(), mesh4, "zigzag", softcap=2.0, scale=1.0)
 
 
 def test_fully_masked_rows_are_zero(mesh4):

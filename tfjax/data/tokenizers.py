@@ -92,9 +92,17 @@ class SentencePieceTokenizer:
         self.eos_id = self._sp.eos_id()
         self.bos_id = self._sp.bos_id() if self._sp.bos_id() >= 0 else self.eos_id
         self.pad_id = self._sp.pad_id() if self._sp.pad_id() >= 0 else self.eos_id
-        self.token_bytes = np.array(
-            [0 if (self._sp.is_control(i) or self._sp.is_unknown(i)) else
-             len(self._sp.decode([i]).encode()) for i in range(self.vocab_size)], np.int32)
+        self.token_bytes = np.array([self._piece_bytes(i) for i in range(self.vocab_size)],
+                                    np.int32)
+
+    def _piece_bytes(self, i: int) -> int:
+        # From the piece, not decode([i]): decoding drops a leading "▁" (space).
+        sp = self._sp
+        if sp.is_control(i) or sp.is_unknown(i):
+            return 0
+        if sp.is_byte(i):  # byte fallback "<0xAB>"
+            return 1
+        return len(sp.id_to_piece(i).replace("\u2581", " ").encode())
 
     def encode(self, text):
         text = text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text

@@ -15,6 +15,13 @@
   as every row has emitted `eos_id`; a row emits EOS itself, then `pad_id`
   (default: eos_id, or 0 without one). `generate` compiles both into one program
   (one dispatch); compiled programs are cached per model structure and shapes.
+- **Chunked prefill** (`prefill_chunk=C`, decoder-only): the prompt goes through
+  the cache C tokens at a time (the first chunk a plain prefill, the rest a
+  `lax.fori_loop` of `step(..., extend=True)`), so prefill activations are bounded
+  by C rather than T; the result equals one-shot prefill. Not for a prefix-LM
+  prompt longer than C (its prefix is bidirectional).
+- **Layer kinds**: attention (global / local: K/V caches) and recurrent mixers
+  (mamba, linear: O(1) states), mixed freely (Jamba), scanned or not; see `kv_cache`.
 - **Sampling** (`sampling.sample`): temperature 0 is greedy; otherwise temperature,
   top-k, top-p. Step i draws with `fold_in(key(seed), i)`, so a seed reproduces a
   generation. The settings are traced: changing them does not recompile.
@@ -57,7 +64,35 @@ def _programs(graphdef, mesh=None):
         model.eval()
         return model
 
-    def start(state, prompt, lengths, key, settings, *, cache_len, decoder_start_id):
+    def prefill(state, prompt, lengths, cache, C):
+        """Decoder-only prefill, in chunks of C tokens when 0 < C < T."""
+        T = prompt.shape[1]
+        if not C or C >= T:
+            return merge(state).step(prompt, cache, lengths)
+        n = -(-T // C)
+        prompt = jnp.pad(prompt, ((0, 0), (0, n * C - T)))
+
+        def chunk(i):
+            return (jax.lax.dynamic_slice_in_dim(prompt, i * C, C, axis=1),
+                    jnp.clip(lengths - i * C, 0, C))
+
+        # The first chunk is a plain prefill into the empty cache (every row has >= 1
+        # real token); the others extend it. Parameters ride in the carry (see loop).
+        toks, lens = chunk(0)
+        logits, cache = merge(state).step(toks, cache, lens)
+
+        def body(i, c):
+            cache, logits, state = c
+            toks, lens = chunk(i)
+            new, cache = merge(state).step(toks, cache, lens, extend=True)
+            logits = jnp.where((lens > 0)[:, None, None], new, logits)  # row's last real token
+            return cache, logits, state
+
+        cache, logits, _ = jax.lax.fori_loop(1, n, body, (cache, logits, state))
+        return logits, cache
+
+    def start(state, prompt, lengths, key, settings, *, cache_len, decoder_start_id,
+              prefill_chunk=0):
         model = merge(state)
         B, T = prompt.shape
         if _is_encoder_decoder(model):
@@ -69,7 +104,7 @@ def _programs(graphdef, mesh=None):
             logits, cache = model.step(first, cache, encoded)
         else:
             cache = kv_cache.init_cache(model, B, cache_len)
-            logits, cache = model.step(prompt, cache, lengths)
+            logits, cache = prefill(state, prompt, lengths, cache, prefill_chunk)
         return sample(jax.random.fold_in(key, 0), logits[:, 0], **settings), cache
 
     def step(state, cache, tok, key, i, settings):
@@ -97,14 +132,31 @@ def _programs(graphdef, mesh=None):
         return jax.lax.while_loop(cond, body, init)[3]
 
     def run(state, prompt, lengths, key, settings, eos_id, pad_id, *, cache_len, n,
-            decoder_start_id):
+            decoder_start_id, prefill_chunk=0):
         tok, cache = start(state, prompt, lengths, key, settings, cache_len=cache_len,
-                           decoder_start_id=decoder_start_id)
+                           decoder_start_id=decoder_start_id, prefill_chunk=prefill_chunk)
         return loop(state, cache, tok, key, settings, eos_id, pad_id, n=n)
 
-    return (jax.jit(start, static_argnames=("cache_len", "decoder_start_id")),
+    return (jax.jit(start, static_argnames=("cache_len", "decoder_start_id", "prefill_chunk")),
             jax.jit(step, donate_argnums=1),
-            jax.jit(run, static_argnames=("cache_len", "n", "decoder_start_id")))
+            jax.jit(run, static_argnames=("cache_len", "n", "decoder_start_id",
+                                          "prefill_chunk")))
+
+
+def _check_chunk(model, prefill_chunk, T) -> int:
+    if prefill_chunk is None:
+        return 0
+    if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+        raise ValueError(f"prefill_chunk must be a positive int (tokens per prefill chunk) or "
+                         f"None, got {prefill_chunk!r}")
+    if _is_encoder_decoder(model):
+        raise ValueError("prefill_chunk: an encoder-decoder encodes its prompt at once; chunked "
+                         "prefill is for decoder-only models (pass prefill_chunk=None)")
+    if getattr(model.config, "prefix_lm", False) and T > prefill_chunk:
+        raise ValueError(f"prefill_chunk={prefill_chunk} < prompt length {T}: a prefix-LM "
+                         f"prompt is one bidirectional prefix and cannot be split; pass "
+                         f"prefill_chunk=None")
+    return prefill_chunk
 
 
 def _prepare(model, prompt_tokens, max_new_tokens, prompt_lengths, temperature, top_k, top_p,
@@ -152,29 +204,34 @@ def _prepare(model, prompt_tokens, max_new_tokens, prompt_lengths, temperature, 
 def generate(model, prompt_tokens, *, max_new_tokens: int, prompt_lengths=None,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
              eos_id: int | None = None, seed: int = 0, pad_id: int | None = None,
-             decoder_start_id: int = 0) -> jax.Array:
+             decoder_start_id: int = 0, prefill_chunk: int | None = None) -> jax.Array:
     """`max_new_tokens` tokens `[B, max_new_tokens]` int32 after each (right-padded)
-    prompt; rows that emitted `eos_id` continue with `pad_id`."""
+    prompt; rows that emitted `eos_id` continue with `pad_id`. `prefill_chunk=C`
+    prefills the prompt C tokens at a time (same result, prefill memory bounded by C)."""
     graphdef, state, prompt, lengths, settings, cache_len, eos, pad, key = _prepare(
         model, prompt_tokens, max_new_tokens, prompt_lengths, temperature, top_k, top_p, eos_id,
         pad_id, seed)
+    chunk = _check_chunk(model, prefill_chunk, prompt.shape[1])
     run = _programs(graphdef, active_mesh())[2]  # prefill and decode loop: one program, one dispatch
     return run(state, prompt, lengths, key, settings, eos, pad, cache_len=cache_len,
-               n=int(max_new_tokens), decoder_start_id=int(decoder_start_id))
+               n=int(max_new_tokens), decoder_start_id=int(decoder_start_id),
+               prefill_chunk=chunk)
 
 
 def stream(model, prompt_tokens, *, max_new_tokens: int, prompt_lengths=None,
            temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
            eos_id: int | None = None, seed: int = 0, pad_id: int | None = None,
-           decoder_start_id: int = 0) -> Iterator[np.ndarray]:
+           decoder_start_id: int = 0, prefill_chunk: int | None = None
+           ) -> Iterator[np.ndarray]:
     """Yield the `[B]` tokens of each step as soon as they exist (same tokens as
     `generate`); stops after max_new_tokens or once every row emitted EOS."""
     graphdef, state, prompt, lengths, settings, cache_len, eos, pad, key = _prepare(
         model, prompt_tokens, max_new_tokens, prompt_lengths, temperature, top_k, top_p, eos_id,
         pad_id, seed)
+    chunk = _check_chunk(model, prefill_chunk, prompt.shape[1])
     start, step, _ = _programs(graphdef, active_mesh())
     tok, cache = start(state, prompt, lengths, key, settings, cache_len=cache_len,
-                       decoder_start_id=int(decoder_start_id))
+                       decoder_start_id=int(decoder_start_id), prefill_chunk=chunk)
     done = np.zeros(prompt.shape[0], bool)
     for i in range(max_new_tokens):
         t = np.asarray(tok)

@@ -24,6 +24,20 @@ Scaling Transformer Inference"). Design:
   tiled path), then each cache keeps, per row, the last `size` real positions (a
   gather, so right padding never overwrites real entries of a rolling buffer). A
   call with T = 1 is a decode step: write one slot per row, attend over the cache.
+- **Chunked prefill** (`step(..., extend=True)`, `generate(prefill_chunk=C)`): T
+  new tokens appended to a non-empty cache, row b taking `lengths[b]` of them (0:
+  the row's prompt already ended). Queries attend over the cache's slots followed
+  by the T fresh keys under a `ChunkMask` (causal, window, padding: by position),
+  then the real new keys are written. Prefill memory is then bounded by C, and a
+  rolling buffer needs no more than its W + 1 slots (the fresh keys ride beside it).
+- **Recurrent layers** (Mamba, linear attention) keep an O(1) state instead of
+  keys: `MambaCache` (the last d_conv - 1 conv inputs and the SSM state `[B, Di,
+  N]`), `LinearCache` (the sums S `[B, K, H', Hv]` and z `[B, K, H']`). A prefill
+  or chunk runs the mixer's parallel form from the state with per-row `lengths`:
+  padding steps get dt = 0 (Mamba: exp(0 A) = 1 and no input) or zero key
+  features (linear), and the conv window is gathered at each row's last real
+  token, so a padded tail never enters the state; a decode step is the mixer's
+  `step`. Their size does not depend on the length.
 - **Cross-attention** (encoder-decoder) keeps the encoder output's K/V, computed
   once at the first step (when `context` is passed) and reused after.
 - **Scanned layers**: caches of the layers of a scanned cycle are stacked on the
@@ -36,11 +50,13 @@ the state of the layer's mixer (the module in the block's `attn` slot), and
 `slots(cfg, max_len)` gives `(size, window)` for attention-like kinds (None for
 recurrent state, which needs no decode mask). A state is a pytree subclass of
 `LayerCache` with a `length` `[B]` field (tokens of each row seen after the current
-call, set by the model before the layers run) and
+call, set by the model before the layers run),
 `apply(module, x, context, *, mask, bias, positions, kv_positions) -> (y, new_state)`,
-which the mixer calls when given `cache=` (see `MultiHeadAttention.__call__`).
-Mamba conv + SSM state and linear-attention state register their kinds here
-(the variants' work); "global" and "local" are registered below.
+which the mixer calls when given `cache=` (see `MultiHeadAttention.__call__`), and
+`AXES` (field -> logical axis names, for sharding). `positions[:, 0]` is each row's
+length before the call, so `length - positions[:, 0]` is its number of real new
+tokens. "global" and "local" (KVCache), "mamba" (MambaCache) and "linear"
+(LinearCache) are registered below.
 """
 
 from __future__ import annotations
@@ -63,8 +79,11 @@ __all__ = [
     "CACHE_KINDS",
     "CacheKind",
     "CrossKVCache",
+    "ChunkMask",
     "KVCache",
     "LayerCache",
+    "LinearCache",
+    "MambaCache",
     "ModelCache",
     "SlotMask",
     "StepInputs",
@@ -92,6 +111,7 @@ class LayerCache:
     """Base of every per-layer inference state (a pytree with a `length` `[B]` field)."""
 
     length: jax.Array
+    AXES: dict = {}  # field -> logical axis names (without the stacked "layers" axis)
 
     def replace(self, **kw):
         return dataclasses.replace(self, **kw)
@@ -118,6 +138,7 @@ class KVCache(LayerCache):
     v: jax.Array
     length: jax.Array  # [B] tokens written (after the current call)
     window: int = _static(default=0)
+    AXES = {"k": KV_AXES, "v": KV_AXES}
 
     @property
     def size(self) -> int:
@@ -128,11 +149,15 @@ class KVCache(LayerCache):
         if context is not None:
             raise ValueError("a self-attention KV cache got a context (cross-attention)")
         q, k, v = attn.project(x, positions=positions)
+        if isinstance(mask, ChunkMask):  # a chunk: [cache slots; fresh keys], then write
+            keys = jnp.concatenate([self.k, k.astype(self.k.dtype)], axis=1)
+            vals = jnp.concatenate([self.v, v.astype(self.v.dtype)], axis=1)
+            return attn.attend(q, keys, vals, mask, bias), self._write(k, v, positions[:, 0])
         if x.shape[1] == 1:  # decode: one slot per row, then attend over the cache
             new = self._append(k, v)
             return attn.attend(q, new.k, new.v, mask, bias), new
         out = attn.attend(q, k, v, mask, bias)  # prefill: the fresh keys, model masks
-        return out, self._fill(k, v)
+        return out, self._write(k, v, jnp.zeros_like(self.length))
 
     def _append(self, k, v):
         B = k.shape[0]
@@ -142,16 +167,19 @@ class KVCache(LayerCache):
         nv = self.v.at[rows, slot].set(v[:, 0].astype(self.v.dtype))
         return self.replace(k=shard(nk, KV_AXES), v=shard(nv, KV_AXES))
 
-    def _fill(self, k, v):
-        """Keep, per row, the last `size` of the first `length[b]` positions of k/v."""
+    def _write(self, k, v, start):
+        """k/v `[B, T, K, H]` hold positions start[b].. of row b: store, per row, those
+        among the last `size` of its `length[b]` positions (the gather keeps right
+        padding out of a rolling buffer); other slots keep what they hold."""
         T = k.shape[1]
         pos = slot_positions(self.length, self.size)  # [B, size]
-        src = jnp.clip(pos, 0, T - 1)[:, :, None, None]
-        keep = (pos >= 0)[:, :, None, None]
+        rel = pos - start.astype(jnp.int32)[:, None]  # index among the new keys
+        src = jnp.clip(rel, 0, T - 1)[:, :, None, None]
+        new = ((pos >= 0) & (rel >= 0))[:, :, None, None]
 
         def take(x, old):
             got = jnp.take_along_axis(x, src, axis=1).astype(old.dtype)
-            return shard(jnp.where(keep, got, jnp.zeros((), old.dtype)), KV_AXES)
+            return shard(jnp.where(new, got, old), KV_AXES)
 
         return self.replace(k=take(k, self.k), v=take(v, self.v))
 
@@ -164,6 +192,7 @@ class CrossKVCache(LayerCache):
     k: jax.Array
     v: jax.Array
     length: jax.Array
+    AXES = {"k": KV_AXES, "v": KV_AXES}
 
     def apply(self, attn, x, context=None, *, mask=None, bias=None, positions=None,
               kv_positions=None):
@@ -174,6 +203,82 @@ class CrossKVCache(LayerCache):
         else:
             q, new = attn.project_query(x, positions=positions), self
         return attn.attend(q, new.k, new.v, mask, bias), new
+
+
+def _new_tokens(cache: LayerCache, positions, T: int) -> jax.Array:
+    """`[B]` real new tokens of each row in this call (its length before the call is
+    `positions[:, 0]`, the position of its first new token)."""
+    if positions is None:
+        raise ValueError("a recurrent layer cache needs the step's positions (the model's "
+                         "`step` passes them)")
+    return jnp.clip(cache.length - positions[:, 0].astype(jnp.int32), 0, T)
+
+
+def _keep_rows(n, new, old):
+    """Rows with no new token (n == 0: a finished prompt in a chunk) keep `old`."""
+    return jax.tree.map(lambda a, b: jnp.where((n > 0).reshape((-1,) + (1,) * (a.ndim - 1)),
+                                               a, b.astype(a.dtype)), new, old)
+
+
+def _run_recurrent(cache, mixer, x, positions, state):
+    """A decode step (`mixer.step`) or a prefill / chunk (`mixer.forward` from `state`,
+    padding kept out by per-row lengths) -> (y, new state)."""
+    T = x.shape[1]
+    n = _new_tokens(cache, positions, T)
+    if T == 1:
+        y, new = mixer.step(x[:, 0], state)
+        return y[:, None], _keep_rows(n, new, state)
+    return mixer.forward(x, state, positions=positions, lengths=n)
+
+
+MAMBA_AXES = {"conv": ("batch", None, "mlp"), "ssm": ("batch", "mlp", None)}
+LINEAR_AXES = {"S": ("batch", "kv_heads", None, None), "z": ("batch", "kv_heads", None)}
+
+
+@_pytree
+class MambaCache(LayerCache):
+    """A Mamba layer's state: conv `[B, d_conv - 1, Di]` (the last conv inputs) and
+    ssm `[B, Di, N]` (float32). O(1) in the length."""
+
+    conv: jax.Array
+    ssm: jax.Array
+    length: jax.Array
+    AXES = MAMBA_AXES
+
+    def apply(self, mixer, x, context=None, *, mask=None, bias=None, positions=None,
+              kv_positions=None):
+        from tfjax.nn.ssm import MambaState
+
+        if context is not None:
+            raise ValueError("a Mamba layer cache got a context (Mamba is a self mixer)")
+        y, new = _run_recurrent(self, mixer, x, positions, MambaState(self.conv, self.ssm))
+        return (shard(y, ("batch", "length", "embed")),
+                self.replace(conv=shard(new.conv.astype(self.conv.dtype), MAMBA_AXES["conv"]),
+                             ssm=shard(new.ssm.astype(self.ssm.dtype), MAMBA_AXES["ssm"])))
+
+
+@_pytree
+class LinearCache(LayerCache):
+    """A causal linear-attention layer's running sums: S `[B, K, H', Hv]` = sum
+    phi(k) v^T and z `[B, K, H']` = sum phi(k) (float32). O(1) in the length."""
+
+    S: jax.Array
+    z: jax.Array
+    length: jax.Array
+    AXES = LINEAR_AXES
+
+    def apply(self, mixer, x, context=None, *, mask=None, bias=None, positions=None,
+              kv_positions=None):
+        from tfjax.nn.linear_attention import LinearAttentionState
+
+        if context is not None:
+            raise ValueError("a linear-attention layer cache got a context (self mixer)")
+        if not mixer.causal:
+            raise ValueError("generation needs causal linear attention (LinearAttention("
+                             "causal=True)); a non-causal layer has no running state")
+        y, new = _run_recurrent(self, mixer, x, positions, LinearAttentionState(self.S, self.z))
+        return (shard(y, ("batch", "length", "embed")),
+                self.replace(S=shard(new.S, LINEAR_AXES["S"]), z=shard(new.z, LINEAR_AXES["z"])))
 
 
 @_pytree
@@ -232,6 +337,27 @@ def _kv_slots(window_of):
 CACHE_KINDS.register("global", CacheKind(_kv_init(lambda c: 0), _kv_slots(lambda c: 0)))
 CACHE_KINDS.register("local", CacheKind(_kv_init(lambda c: c.sliding_window),
                                         _kv_slots(lambda c: c.sliding_window)))
+
+
+def _mamba_init(cfg: ModelConfig, batch: int, max_len: int, dtype) -> MambaCache:
+    di = cfg.ssm_expand * cfg.d_model  # as tfjax.nn.ssm.Mamba
+    return MambaCache(jnp.zeros((batch, cfg.ssm_d_conv - 1, di), dtype),
+                      jnp.zeros((batch, di, cfg.ssm_d_state), jnp.float32),
+                      jnp.zeros((batch,), jnp.int32))
+
+
+def _linear_init(cfg: ModelConfig, batch: int, max_len: int, dtype) -> LinearCache:
+    from tfjax.nn.linear_attention import FEATURE_MAPS
+
+    phi = FEATURE_MAPS.get(cfg.linear_feature_map, field="model.linear_feature_map")
+    hf = jax.eval_shape(phi, jax.ShapeDtypeStruct((cfg.head_size,), jnp.float32)).shape[-1]
+    K = cfg.kv_heads
+    return LinearCache(jnp.zeros((batch, K, hf, cfg.head_size), jnp.float32),
+                       jnp.zeros((batch, K, hf), jnp.float32), jnp.zeros((batch,), jnp.int32))
+
+
+CACHE_KINDS.register("mamba", CacheKind(_mamba_init))
+CACHE_KINDS.register("linear", CacheKind(_linear_init))
 
 
 # --------------------------------------------------------------------------- #
@@ -346,12 +472,19 @@ def kv_bytes_per_token(cfg: ModelConfig, *, dtype=None) -> int:
 
 def logical_axes(cache: ModelCache):
     """A tree like `cache` of logical axis names per array (for `logical_to_spec`):
-    K/V `(layers?, batch, None, kv_heads, head_dim)`, counters `(layers?, batch)`."""
-    def names(x):
-        base = KV_AXES if x.ndim >= 4 else ("batch",)
+    each layer cache's `AXES` (K/V `(layers?, batch, None, kv_heads, head_dim)`, ...),
+    counters `(layers?, batch)`; a leading stacked axis is "layers"."""
+    def names(x, base):
         extra = x.ndim - len(base)
-        return ("layers",) * extra + tuple(base) if extra >= 0 else base[: x.ndim]
-    return jax.tree.map(names, cache)
+        return ("layers",) * extra + tuple(base) if extra >= 0 else tuple(base[: x.ndim])
+
+    def layer(c):
+        if not isinstance(c, LayerCache):
+            return names(c, ("batch",))
+        return c.replace(**{f.name: names(getattr(c, f.name), c.AXES.get(f.name, ("batch",)))
+                            for f in dataclasses.fields(c) if not f.metadata.get("static")})
+
+    return jax.tree.map(layer, cache, is_leaf=lambda c: isinstance(c, LayerCache))
 
 
 # --------------------------------------------------------------------------- #
@@ -387,6 +520,13 @@ class SlotMask(masks_lib.Mask):
         return self.q_positions.shape[0]
 
 
+@_pytree
+class ChunkMask(SlotMask):
+    """A chunk's mask (chunked prefill): `kv_positions` `[B, size + T]` are the cache's
+    slots then the T fresh keys (-1: empty slot or padding). Its type tells the
+    attention cache to attend over `[cache; fresh keys]` and then write them."""
+
+
 @dataclasses.dataclass
 class StepInputs:
     positions: jax.Array  # [B, T]
@@ -411,12 +551,14 @@ def _set_length(layers, length):
 
 
 def begin_step(cfg: ModelConfig, cache: ModelCache, tokens, lengths, *, rel_bias,
-               base_mask) -> StepInputs:
+               base_mask, extend: bool = False) -> StepInputs:
     """Positions, masks, biases and updated counters for appending `tokens` `[B,T]`.
 
     T > 1: a prefill into an empty cache, `lengths` `[B]` real tokens per row
     (right-padded; default T), at positions 0..T-1, under the model's `base_mask`.
     T == 1: a decode step at position `cache.length` over the cache's slots.
+    `extend=True`: a chunk of a chunked prefill (any T): row b appends `lengths[b]`
+    (may be 0) real tokens at positions `cache.length[b]`.., causally (`ChunkMask`).
     """
     from tfjax.models.stack import (  # models import this module
         layer_masks,
@@ -424,6 +566,25 @@ def begin_step(cfg: ModelConfig, cache: ModelCache, tokens, lengths, *, rel_bias
     )
 
     B, T = tokens.shape
+    if extend:
+        lengths = (jnp.full((B,), T, jnp.int32) if lengths is None
+                   else jnp.asarray(lengths, jnp.int32))
+        old = cache.length.astype(jnp.int32)
+        positions = old[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
+        fresh = jnp.where(jnp.arange(T)[None, :] < lengths[:, None], positions, -1)
+        length = old + lengths
+        masks, biases = {}, {}
+        for kind in dict.fromkeys(cfg.layer_pattern):
+            slots = _kind(kind).slots
+            if slots is None:
+                masks[kind] = None
+                continue
+            size, window = slots(cfg, cache.max_len)
+            kv_pos = jnp.concatenate([slot_positions(old, size), fresh], axis=1)
+            masks[kind] = ChunkMask(positions, kv_pos, window)
+            biases[kind] = position_bias(cfg, rel_bias, positions, kv_pos)
+        return StepInputs(positions, masks, biases, None, _set_length(cache.layers, length),
+                          length, jnp.maximum(lengths - 1, 0), cache)
     if T > 1:
         lengths = (jnp.full((B,), T, jnp.int32) if lengths is None
                    else jnp.asarray(lengths, jnp.int32))

@@ -11,6 +11,7 @@ tokens attend bidirectionally. Layers of kind "local" add a sliding window.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from tfjax.config import ModelConfig
@@ -60,21 +61,27 @@ class DecoderLM(nnx.Module):
         return self.embed.logits(x)
 
     def step(self, tokens: jax.Array, cache, lengths: jax.Array | None = None, *,
-             all_logits: bool = False):
+             all_logits: bool = False, extend: bool = False):
         """Inference: append `tokens` `[B,T]` to `cache` (`tfjax.inference.kv_cache`).
 
         T > 1 is a prefill into an empty cache (row b: `lengths[b]` real tokens,
-        right-padded; prefix-LM models take them as the prefix); T == 1 a decode step.
+        right-padded; prefix-LM models take them as the bidirectional prefix); T == 1
+        a decode step. `extend=True`: a chunk of a chunked prefill, appended causally
+        to a non-empty cache (row b: `lengths[b]` >= 0 real tokens; not prefix-LM).
         Returns (logits `[B,1,V]` at each row's last real token, or `[B,T,V]` with
         `all_logits`, the new cache).
         """
         from tfjax.inference import kv_cache
 
         prefix = None
+        if extend and self.config.prefix_lm:
+            raise ValueError("step(extend=True): a prefix-LM prompt is one bidirectional "
+                             "prefix and cannot be prefilled in chunks; prefill it at once")
         if self.config.prefix_lm:
             prefix = jnp.full(tokens.shape[:1], tokens.shape[1]) if lengths is None else lengths
         s = kv_cache.begin_step(self.config, cache, tokens, lengths, rel_bias=self.rel_bias,
-                                base_mask=self.mask(tokens, prefix_lengths=prefix))
+                                base_mask=None if extend else self.mask(tokens, prefix_lengths=prefix),
+                                extend=extend)
         x = self.embed(tokens, s.positions)
         x, layers = self.layers(x, masks=s.masks, biases=s.biases, bias=s.bias,
                                 positions=s.positions, cache=s.layers)

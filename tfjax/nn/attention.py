@@ -13,6 +13,11 @@ One module serves MHA (K = N), GQA (Ainslie et al. 2023, 1 < K < N) and MQA
   (Gemma's query_pre_attn_scalar, T5's unscaled logits) pass to the op.
 - The attention itself is `tfjax.ops.dot_product_attention`: the layer never
   chooses a kernel, `implementation` does (default "auto").
+- Context parallelism: under an active mesh whose rules split "length" over a
+  mesh axis of size > 1 (the trainer with `mesh.sequence > 1`), self-attention
+  runs as `context_parallel` says: "ring" (ring attention, K/V circulate) or
+  "all_gather" (each device gathers the whole K/V); see
+  `tfjax.parallel.ring_attention.context_parallel_attention`.
 - `project(...)` and `attend(...)` are separate so a KV cache can sit between
   them (the inference code stores k, v after RoPE).
 """
@@ -27,6 +32,7 @@ from tfjax.nn.norms import make_norm
 from tfjax.nn.positions import RotaryEmbedding
 from tfjax.ops import dot_product_attention
 from tfjax.ops.masks import Mask
+from tfjax.parallel.ring_attention import CONTEXT_PARALLEL_MODES, context_parallel_attention
 from tfjax.parallel.sharding import shard, with_logical_axes
 from tfjax.typing import DType
 
@@ -42,6 +48,7 @@ class MultiHeadAttention(nnx.Module):
                  qk_norm_kind: str = "rmsnorm", norm_eps: float = 1e-6,
                  scale: float | None = None, softcap: float | None = None,
                  rope: RotaryEmbedding | None = None, implementation: str = "auto",
+                 context_parallel: str = "ring",
                  dtype: DType = jnp.float32, param_dtype: DType = jnp.float32,
                  init_std: float = 0.02, out_init_std: float | None = None, rngs: nnx.Rngs):
         K = num_kv_heads or num_heads
@@ -57,6 +64,10 @@ class MultiHeadAttention(nnx.Module):
         self.softcap = softcap or None
         self.rope = rope
         self.implementation = implementation
+        if context_parallel not in CONTEXT_PARALLEL_MODES:
+            raise ValueError(f"context_parallel: got {context_parallel!r}; allowed: "
+                             f"{', '.join(map(repr, CONTEXT_PARALLEL_MODES))}")
+        self.context_parallel = context_parallel
         normal = nnx.initializers.normal(init_std)
         out_normal = nnx.initializers.normal(init_std if out_init_std is None else out_init_std)
         zeros = nnx.initializers.zeros_init()
@@ -100,9 +111,14 @@ class MultiHeadAttention(nnx.Module):
         return q, k, v
 
     def attend(self, q, k, v, mask: Mask | None = None, bias=None, *, q_offset=0, kv_offset=0):
-        out = dot_product_attention(q, k, v, mask, bias=bias, scale=self.scale,
-                                    softcap=self.softcap, implementation=self.implementation,
-                                    q_offset=q_offset, kv_offset=kv_offset)  # [B, T, N, H]
+        out = None
+        if bias is None and _is_zero(q_offset) and _is_zero(kv_offset):
+            out = context_parallel_attention(q, k, v, mask, mode=self.context_parallel,
+                                             scale=self.scale, softcap=self.softcap)
+        if out is None:
+            out = dot_product_attention(q, k, v, mask, bias=bias, scale=self.scale,
+                                        softcap=self.softcap, implementation=self.implementation,
+                                        q_offset=q_offset, kv_offset=kv_offset)  # [B, T, N, H]
         return shard(self.o(out), ("batch", "length", "embed"))
 
     def project_query(self, x, *, positions=None):
@@ -124,6 +140,10 @@ class MultiHeadAttention(nnx.Module):
                                kv_positions=kv_positions)
         q, k, v = self.project(x, context, positions=positions, kv_positions=kv_positions)
         return self.attend(q, k, v, mask, bias)
+
+
+def _is_zero(offset) -> bool:
+    return isinstance(offset, int) and offset == 0
 
 
 def _default_positions(x: jax.Array) -> jax.Array:

@@ -9,7 +9,8 @@ so the sums can be taken before the queries arrive:
 - non-causal: one `[H, H_v]` state per head, O(T H^2) work and memory;
 - causal: a chunked scan. Within a chunk of c steps the masked quadratic form
   (O(T c H)); across chunks a carried state (O(T H^2)); linear in T overall;
-- decoding: `step(...)` advances the state `(S [B,K,H,Hv], z [B,K,H])` one token.
+- decoding: `step(...)` advances the state `(S [B,K,H,Hv], z [B,K,H])` one token
+  (in a model: `tfjax.inference.kv_cache.LinearCache`).
 `linear_attention_reference` materialises the `[T, S]` weights (the test oracle).
 
 Design choices:

@@ -17,7 +17,8 @@ Design choices:
 - Decoding is O(1) per token: `init_state(batch)` gives a `MambaState` (the last
   d_conv - 1 conv inputs and the SSM state `[B, Di, N]`), `step(u_t, state) ->
   (y_t, state)` advances one token, and `forward(u, state) -> (y, state)`
-  processes a whole prompt from a state (prefill) with the same numerics.
+  processes a whole prompt from a state (prefill) with the same numerics. In a
+  model, `tfjax.inference.kv_cache.MambaCache` holds this state per layer.
 - Packed sequences: when `positions` are given (the model passes them, restarting
   at 0 in each document), the conv does not read across a position-0 boundary and
   the SSM state is reset there, so packed documents equal separate ones.

@@ -32,7 +32,7 @@ from jax import lax
 
 from tfjax.ops import masks as masks_lib
 
-__all__ = ["DEFAULT_BLOCK", "blockwise_attention"]
+__all__ = ["DEFAULT_BLOCK", "blockwise_attention", "blockwise_attention_backward"]
 
 DEFAULT_BLOCK = 512  # a CPU / XLA sweet spot; kernels choose their own tiles
 
@@ -253,7 +253,7 @@ def _forward(cfg, q, k, v, mask, bias, qo, ko):
 # --------------------------------------------------------------------------- #
 
 
-def _backward_one(cfg, q, k, v, mask, bias, qo, ko, out, lse, dout, dlse):
+def _backward_one(cfg, q, k, v, mask, bias, qo, ko, out, lse, dout, dlse, grad_dtype=None):
     T, N, H = q.shape
     S, K, _ = k.shape
     G = N // K
@@ -312,9 +312,9 @@ def _backward_one(cfg, q, k, v, mask, bias, qo, ko, out, lse, dout, dlse):
     db0 = None if bias is None else jnp.zeros(bias.shape, jnp.float32)
     (dq, dbias), (dk, dv) = _scan(kv_tile, (dq0, db0),
                                   (jnp.arange(nk, dtype=jnp.int32), kp, vp))
-    dq = dq.reshape(nq * bq, N, H)[:T].astype(q.dtype)
-    dk = dk.reshape(nk * bk, K, H)[:S].astype(k.dtype)
-    dv = dv.reshape(nk * bk, K, H)[:S].astype(v.dtype)
+    dq = dq.reshape(nq * bq, N, H)[:T].astype(grad_dtype or q.dtype)
+    dk = dk.reshape(nk * bk, K, H)[:S].astype(grad_dtype or k.dtype)
+    dv = dv.reshape(nk * bk, K, H)[:S].astype(grad_dtype or v.dtype)
     if dbias is not None:
         dbias = dbias[:, :T, :S]
     return dq, dk, dv, dbias
@@ -351,6 +351,36 @@ def _attention_bwd(cfg, res, cts):
         dbias = dbias.astype(bias.dtype)
     mask_ct = jax.tree.map(_zero_cotangent, mask)
     return dq, dk, dv, mask_ct, dbias, _zero_cotangent(qo), _zero_cotangent(ko)
+
+
+def blockwise_attention_backward(q, k, v, mask, out, lse, dout, *, scale=None, softcap=None,
+                                 q_offset=0, kv_offset=0, block_q: int = DEFAULT_BLOCK,
+                                 block_kv: int = DEFAULT_BLOCK, grad_dtype=jnp.float32):
+    """The backward of one (q block, kv block) pair: -> dq `[B,T,N,H]`, dk, dv `[B,S,K,H]`.
+
+    `out` `[B,T,N,H]` and `lse` `[B,N,T]` (fp32) are the *final* attention output
+    and logsumexp of these queries, which may span more keys than `k`/`v` (ring
+    attention passes the merged result over all blocks): probabilities are
+    recomputed per tile as `exp(logits - lse)`, so the returned gradients are this
+    block's exact contribution, and summing them over the blocks gives the full
+    gradient. No bias; gradients in `grad_dtype` (fp32 by default, for accumulation).
+    """
+    _, T, _, H = q.shape
+    S = k.shape[1]
+    cfg = _Config(scale=float(H ** -0.5 if scale is None else scale),
+                  softcap=float(softcap) if softcap else None,
+                  block_q=min(int(block_q), _round_up(T, 8)),
+                  block_kv=min(int(block_kv), _round_up(S, 8)))
+    qo = jnp.asarray(q_offset, jnp.int32)
+    ko = jnp.asarray(kv_offset, jnp.int32)
+
+    def fn(q, k, v, mask, bias, out, lse, dout):
+        dlse = jnp.zeros(lse.shape, jnp.float32)
+        return _backward_one(cfg, q, k, v, mask, None, qo, ko, out, lse, dout, dlse,
+                             grad_dtype)[:3]
+
+    return _vmap_batch(fn, q, k, v, mask, None, out, lse.astype(jnp.float32),
+                       dout.astype(out.dtype))
 
 
 def _zero_cotangent(x):

@@ -10,15 +10,22 @@ current block's compute so XLA can overlap them. A step whose whole block is mas
 (above the causal diagonal, outside a sliding window, other documents) is skipped
 with `lax.cond` on the mask's one-tile block view.
 
-Backward: JAX autodiff through the forward. `ppermute` transposes to the reverse
-`ppermute`, so dK/dV travel the ring back to their owners; `blockwise_attention`'s
-custom_vjp recomputes per tile, so nothing O(S^2) and no all-gather is built.
-The ring steps are a `jax.checkpoint`ed scan body, so the backward recomputes each
-step's forward (about one extra forward of compute) and keeps only the per-step
-carries (the fp32 accumulators and the K/V block): still O(S) per device, not the
-O(S/n) a hand-written ring backward (dK/dV riding the ring in a custom_vjp) would
-give. On CPU, causal fwd+bwd, 1024 tokens/device, the per-device temporaries are
-12 / 22 / 24 / 31 MiB at n = 1 / 2 / 4 / 8 (experiments/bench_ring.py).
+Backward: a hand-written `jax.custom_vjp`. The forward saves only the local q, k,
+v, the output and the fp32 logsumexp (O(S/n) per device). The backward runs a
+second ring: each device's K/V (and kv segment ids) circulate as in the forward,
+together with that shard's fp32 dK/dV accumulators; at each step a device adds
+the block's contribution from `blockwise_attention_backward` (probabilities
+recomputed per tile from the saved global lse, so there is no O(S^2) and no
+per-step forward to redo), dQ accumulates locally, and after n moves each dK/dV
+is back on its owner. Masked blocks are skipped as in the forward. On CPU, causal
+fwd+bwd, 1024 tokens/device, tiles 256, the per-device temporaries are
+9.2 / 11.9 / 11.4 / 11.4 MiB at n = 1 / 2 / 4 / 8 (flat), against 8.4 / 10.9 /
+16.7 / 30.8 MiB for single-device blockwise at the same total length
+(experiments/bench_ring.py). The ratio at n = 8 is 0.37 (0.26 at 4096 tokens per
+device), not the 1/6 the issue asked: besides fixed tile-sized temporaries, the
+ring holds about twice single-device blockwise's temporaries per local token
+(7.6 vs 3.6 KiB; not yet broken down, likely the fp32 dQ and dK/dV accumulators next to each block's fp32 gradients, fp32 forward
+accumulators, double-buffered K/V and dK/dV transfers).
 
 Load balancing (`load_balance="zigzag"`, for causal masks): the sequence is cut into
 2n chunks and device i holds chunks i and 2n-1-i, so every device does the same
@@ -26,6 +33,15 @@ causal work. `zigzag` / `unzigzag` reorder a global array; `ring_attention` acce
 natural order and undoes the reordering for the caller, inside the shard_map with
 half-chunk `ppermute`s (no gather); pass `natural_order=False` when the data
 pipeline already produced zig-zag order, which saves those two re-layouts.
+
+Also here: `all_gather_attention`, the simple baseline (each device gathers the
+whole K/V over the axis; O(S) per device), and `context_parallel_attention`, which
+`MultiHeadAttention` calls under an active mesh (`sharding.use_rules`, set by the
+trainer) whose rules split "length" over a mesh axis of size > 1: it runs ring
+(zig-zag balanced when the mask is causal-like and T % 2n == 0, with
+`natural_order=True`, so the data pipeline, positions and segment ids stay in
+natural order at the cost of four half-chunk ppermutes per layer) or all-gather
+attention, as `ModelConfig.context_parallel` says.
 """
 
 from __future__ import annotations
@@ -37,9 +53,11 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from tfjax.ops import masks as masks_lib
-from tfjax.ops.blockwise import DEFAULT_BLOCK, blockwise_attention
+from tfjax.ops.blockwise import (DEFAULT_BLOCK, blockwise_attention,
+                                 blockwise_attention_backward)
 
-__all__ = ["ring_attention", "unzigzag", "zigzag", "zigzag_order"]
+__all__ = ["CONTEXT_PARALLEL_MODES", "all_gather_attention", "context_parallel_attention",
+           "ring_attention", "unzigzag", "zigzag", "zigzag_order"]
 
 _Q_LEAF, _KV_LEAF = "q_segment_ids", "kv_segment_ids"
 
@@ -135,6 +153,24 @@ def _split_mask(mask):
     return [leaf for _, leaf in leaves_with_path], treedef, kinds
 
 
+def _zero_cotangent(x):
+    x = jnp.asarray(x)
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.zeros_like(x)
+    return np.zeros(x.shape, jax.dtypes.float0)
+
+
+def _specs(leaves, kinds, batch_axes, seq_axis):
+    """shard_map specs: q/k/v `[B,T,.,.]` and the mask leaves (segment ids `[B,T]`
+    split like the tokens; per-example leaves over the batch axes only)."""
+    def leaf_spec(x, kind):
+        b = batch_axes if x.shape[0] != 1 else None
+        return P(b, seq_axis) if kind != "other" else P(*([b] + [None] * (x.ndim - 1)))
+
+    return (P(batch_axes, seq_axis, None, None),
+            [leaf_spec(x, kd) for x, kd in zip(leaves, kinds)])
+
+
 def _merge(o, lse, o_new, lse_new):
     """Merge two normalised partial results (o `[b,T,N,H]` fp32, lse `[b,N,T]` fp32)."""
     m = lax.stop_gradient(jnp.maximum(lse, lse_new))
@@ -190,14 +226,7 @@ def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axi
     # Natural order in and out under zigzag: re-laid out inside shard_map (ppermutes).
     reorder = load_balance == "zigzag" and natural_order and n > 1
 
-    bspec = batch_axes
-    tok = P(bspec, seq_axis, None, None)
-
-    def leaf_spec(x, kind):
-        b = bspec if x.shape[0] != 1 else None
-        return P(b, seq_axis) if kind != "other" else P(*([b] + [None] * (x.ndim - 1)))
-
-    leaf_specs = [leaf_spec(x, kd) for x, kd in zip(leaves, kinds)]
+    tok, leaf_specs = _specs(leaves, kinds, batch_axes, seq_axis)
     Tl, Sl = T // n, S // n
     cq, ckv = Tl // pieces, Sl // pieces  # piece lengths
 
@@ -206,76 +235,247 @@ def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axi
             return [dev * c]
         return [dev * c, (2 * n - 1 - dev) * c]
 
-    def local(q, k, v, *mleaves):
+    perm = [(j, (j + 1) % n) for j in range(n)]
+
+    def split_leaves(mleaves):
+        by = {"q": [], "kv": [], "other": []}
+        for x, kd in zip(mleaves, kinds):
+            by[kd].append(x)
+        return by["q"], by["kv"], by["other"]
+
+    def build_mask(qseg, kvseg, other):
+        if treedef is None:
+            return None
+        it_q, it_kv, it_o = iter(qseg), iter(kvseg), iter(other)
+        out = [next(it_q) if kd == "q" else next(it_kv) if kd == "kv" else next(it_o)
+               for kd in kinds]
+        return jax.tree_util.tree_unflatten(treedef, out)
+
+    def cut(x, c, axis=1):
+        return [lax.slice_in_dim(x, p * c, (p + 1) * c, axis=axis) for p in range(pieces)]
+
+    def visit(state, blk_kv_leaves, src, q_seg, other, compute):
+        """Run `compute(state, p, r, mask, q_off, kv_off)` for every (q piece p, kv
+        piece r) pair of this step, skipping (lax.cond) the pairs whose whole
+        block is masked; `state` is threaded through."""
         i = lax.axis_index(seq_axis)
+        q_offs, kv_offs = piece_offsets(i, cq), piece_offsets(src, ckv)
+        kv_seg = [cut(x, ckv) for x in blk_kv_leaves]
+        for p in range(pieces):
+            for r in range(pieces):
+                m = build_mask(q_seg[p], [x[r] for x in kv_seg], other)
+                qo, ko = q_offs[p], kv_offs[r]
+                f = lambda st, p=p, r=r, m=m, qo=qo, ko=ko: compute(st, p, r, m, qo, ko)
+                if m is None or not skip_masked_blocks:
+                    state = f(state)
+                else:
+                    code = m.blocks(cq, ckv, cq, ckv, q_offset=qo, kv_offset=ko)
+                    state = lax.cond(jnp.all(code == masks_lib.EMPTY), lambda st: st, f, state)
+        return state
+
+    def ring_loop(carry, blk, step):
+        """The forward's n steps; step s holds the block that started on device
+        (i - s) mod n. `blk` moves with one ppermute per step, issued before the
+        step's compute so XLA can overlap them; the last step sends nothing."""
+        i = lax.axis_index(seq_axis)
+        if n > 1:
+            def body(c, s):
+                carry, blk = c
+                nxt = lax.ppermute(blk, seq_axis, perm)
+                return (step(carry, blk, (i - s) % n), nxt), None
+
+            # Steps 0..n-2, unrolled: XLA's CPU runtime may otherwise run a while loop
+            # holding collectives concurrently with other collectives in a different
+            # order on each device and deadlock (seen with the data-parallel gradient
+            # all-reduce on a data x sequence mesh); unrolled, the collective-permutes
+            # are ordered like every other collective, and the scheduler sees them all.
+            (carry, blk), _ = lax.scan(body, (carry, blk), jnp.arange(n - 1, dtype=jnp.int32),
+                                       unroll=True)
+        return step(carry, blk, (i - (n - 1)) % n)
+
+    def local_parts(q, mleaves):
+        q_leaves, kv_leaves, other = split_leaves(mleaves)
+        q_seg = [[x[p] for x in [cut(y, cq) for y in q_leaves]] for p in range(pieces)]
+        return q_seg, kv_leaves, other
+
+    # ---- forward: saves only q, k, v, out and the fp32 lse --------------------- #
+    def fwd_impl(q, k, v, mleaves):
+        q_seg, kv_leaves, other = local_parts(q, mleaves)
+        qs = cut(q, cq)
+        b = q.shape[0]
+        acc = tuple((jnp.zeros((b, cq, N, H), jnp.float32),
+                     jnp.full((b, N, cq), -jnp.inf, jnp.float32)) for _ in range(pieces))
+
+        def step(acc, blk, src):
+            kb, vb, kvl = blk
+            ks, vs = cut(kb, ckv), cut(vb, ckv)
+
+            def compute(acc, p, r, m, qo, ko):
+                o2, l2 = blockwise_attention(qs[p], ks[r], vs[r], m, scale=scale,
+                                             softcap=softcap, q_offset=qo, kv_offset=ko,
+                                             return_lse=True, block_q=block_q,
+                                             block_kv=block_kv)
+                acc = list(acc)
+                acc[p] = _merge(*acc[p], o2, l2)
+                return tuple(acc)
+
+            return visit(acc, kvl, src, q_seg, other, compute)
+
+        acc = ring_loop(acc, (k, v, list(kv_leaves)), step)
+        out = jnp.concatenate([o for o, _ in acc], axis=1).astype(q.dtype)
+        lse = jnp.concatenate([lse for _, lse in acc], axis=2)
+        return out, lse
+
+    # ---- backward: a second ring; dK/dV ride with K/V back to their owners ---- #
+    def bwd_impl(q, k, v, mleaves, out, lse, dout):
+        q_seg, kv_leaves, other = local_parts(q, mleaves)
+        qs, outs, douts = cut(q, cq), cut(out, cq), cut(dout.astype(q.dtype), cq)
+        lses = cut(lse, cq, axis=2)
+        dq0 = tuple(jnp.zeros((q.shape[0], cq, N, H), jnp.float32) for _ in range(pieces))
+        zkv = jnp.zeros(k.shape, jnp.float32)
+
+        def step(dq, blk, src):
+            kb, vb, kvl, dk, dv = blk
+            ks, vs = cut(kb, ckv), cut(vb, ckv)
+            state = (dq, tuple(cut(dk, ckv)), tuple(cut(dv, ckv)))
+
+            def compute(state, p, r, m, qo, ko):
+                dq, dk, dv = (list(x) for x in state)
+                a, b, c = blockwise_attention_backward(
+                    qs[p], ks[r], vs[r], m, outs[p], lses[p], douts[p], scale=scale,
+                    softcap=softcap, q_offset=qo, kv_offset=ko, block_q=block_q,
+                    block_kv=block_kv)
+                dq[p], dk[r], dv[r] = dq[p] + a, dk[r] + b, dv[r] + c
+                return tuple(dq), tuple(dk), tuple(dv)
+
+            dq, dks, dvs = visit(state, kvl, src, q_seg, other, compute)
+            return dq, (jnp.concatenate(dks, axis=1), jnp.concatenate(dvs, axis=1))
+
+        dq, dkv = ring_backward_loop(dq0, (zkv, zkv), (k, v, list(kv_leaves)), step)
+        dq = jnp.concatenate(dq, axis=1).astype(q.dtype)
+        return dq, dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)
+
+    def ring_backward_loop(dq, dkv, blk, step):
+        """The backward's n steps: K/V (and kv ids) move before each compute as in
+        the forward; the fp32 dK/dV accumulators move after it, n times in all, so
+        each arrives back on its owner."""
+        i = lax.axis_index(seq_axis)
+
+        def one(dq, blk, dkv, s, last):
+            nxt = None if last else lax.ppermute(blk, seq_axis, perm)
+            kb, vb, kvl = blk
+            dq, dkv = step(dq, (kb, vb, kvl, *dkv), (i - s) % n)
+            if n > 1:  # after its n-th move a dK/dV accumulator is back on its owner
+                dkv = lax.ppermute(dkv, seq_axis, perm)
+            return dq, nxt, dkv
+
+        if n > 1:
+            def body(c, s):
+                dq, blk, dkv = one(*c, s, False)
+                return (dq, blk, dkv), None
+
+            (dq, blk, dkv), _ = lax.scan(body, (dq, blk, dkv), jnp.arange(n - 1, dtype=jnp.int32),
+                                       unroll=True)
+        dq, _, dkv = one(dq, blk, dkv, n - 1, True)
+        return dq, dkv
+
+    @jax.custom_vjp
+    def core(q, k, v, mleaves):
+        return fwd_impl(q, k, v, mleaves)[0]
+
+    def core_fwd(q, k, v, mleaves):
+        out, lse = fwd_impl(q, k, v, mleaves)
+        return out, (q, k, v, mleaves, out, lse)
+
+    def core_bwd(res, dout):
+        q, k, v, mleaves, out, lse = res
+        dq, dk, dv = bwd_impl(q, k, v, mleaves, out, lse, dout)
+        return dq, dk, dv, [_zero_cotangent(x) for x in mleaves]
+
+    core.defvjp(core_fwd, core_bwd)
+
+    def local(q, k, v, *mleaves):
         if reorder:
             to_zz = lambda x: _relayout_local(x, n, seq_axis, "natural", "zigzag")
             q, k, v = to_zz(q), to_zz(k), to_zz(v)
             mleaves = [to_zz(x) if kd != "other" else x for x, kd in zip(mleaves, kinds)]
-        q_leaves = [x for x, kd in zip(mleaves, kinds) if kd == "q"]
-        kv_leaves = [x for x, kd in zip(mleaves, kinds) if kd == "kv"]
-        other = [x for x, kd in zip(mleaves, kinds) if kd == "other"]
-        q_offs = piece_offsets(i, cq)
-        qs = [q[:, p * cq:(p + 1) * cq] for p in range(pieces)]
-        q_seg = [[x[:, p * cq:(p + 1) * cq] for x in q_leaves] for p in range(pieces)]
-        b = q.shape[0]
-        acc = [(jnp.zeros((b, cq, N, H), jnp.float32), jnp.full((b, N, cq), -jnp.inf, jnp.float32))
-               for _ in range(pieces)]
-
-        def build_mask(qseg, kvseg):
-            if treedef is None:
-                return None
-            it_q, it_kv, it_o = iter(qseg), iter(kvseg), iter(other)
-            out = [next(it_q) if kd == "q" else next(it_kv) if kd == "kv" else next(it_o)
-                   for kd in kinds]
-            return jax.tree_util.tree_unflatten(treedef, out)
-
-        def step(acc, blk, src):
-            kb, vb, kvl = blk
-            kv_offs = piece_offsets(src, ckv)
-            new = []
-            for p in range(pieces):
-                o, lse = acc[p]
-                for r in range(pieces):
-                    kr = kb[:, r * ckv:(r + 1) * ckv]
-                    vr = vb[:, r * ckv:(r + 1) * ckv]
-                    m = build_mask(q_seg[p], [x[:, r * ckv:(r + 1) * ckv] for x in kvl])
-                    qo, ko = q_offs[p], kv_offs[r]
-
-                    def compute(o, lse, qp=qs[p], kr=kr, vr=vr, m=m, qo=qo, ko=ko):
-                        o2, l2 = blockwise_attention(qp, kr, vr, m, scale=scale, softcap=softcap,
-                                                     q_offset=qo, kv_offset=ko, return_lse=True,
-                                                     block_q=block_q, block_kv=block_kv)
-                        return _merge(o, lse, o2, l2)
-
-                    if m is None or not skip_masked_blocks:
-                        o, lse = compute(o, lse)
-                    else:
-                        code = m.blocks(cq, ckv, cq, ckv, q_offset=qo, kv_offset=ko)
-                        empty = jnp.all(code == masks_lib.EMPTY)
-                        o, lse = lax.cond(empty, lambda o, lse: (o, lse), compute, o, lse)
-                new.append((o, lse))
-            return new
-
-        perm = [(j, (j + 1) % n) for j in range(n)]
-        blk = (k, v, kv_leaves)
-        # Step s: this device holds the block that started on device (i - s) mod n.
-        # Steps 0..n-2 are one scan (the body compiles once whatever n is); each issues
-        # the transfer of the next block before computing on the current one. The last
-        # step sends nothing.
-        if n > 1:
-            @jax.checkpoint  # backward recomputes a step: residuals are the carries only
-            def body(carry, s):
-                acc, blk = carry
-                nxt = lax.ppermute(blk, seq_axis, perm)
-                return (step(acc, blk, (i - s) % n), nxt), None
-
-            (acc, blk), _ = lax.scan(body, (acc, blk), jnp.arange(n - 1, dtype=jnp.int32))
-        acc = step(acc, blk, (i - (n - 1)) % n)
-        out = jnp.concatenate([o for o, _ in acc], axis=1).astype(q.dtype)
+        out = core(q, k, v, list(mleaves))
         if reorder:
             out = _relayout_local(out, n, seq_axis, "zigzag", "natural")
         return out
 
     fn = _shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, *leaf_specs), out_specs=tok)
     return fn(q, k, v, *leaves)
+
+
+# --------------------------------------------------------------------------- #
+# The all-gather baseline and the layer-level entry point.
+# --------------------------------------------------------------------------- #
+
+
+def all_gather_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh,
+                         seq_axis: str = "sequence", batch_axes=None, scale=None, softcap=None,
+                         block_q: int = DEFAULT_BLOCK, block_kv: int = DEFAULT_BLOCK):
+    """The simple context-parallel baseline: same arguments and result as
+    `ring_attention` (natural order), but each device all-gathers the whole K/V
+    (and kv segment ids) over `seq_axis` and attends its own queries to it with
+    `blockwise_attention` at its global query offset. Per-device memory holds the
+    full K/V, O(S); autodiff turns the gather into a reduce-scatter of dK/dV."""
+    n = mesh.shape[seq_axis]
+    T, S = q.shape[1], k.shape[1]
+    if T % n or S % n:
+        raise ValueError(f"all_gather_attention: T={T} and S={S} must be divisible by the {n} "
+                         f"devices on {seq_axis!r}")
+    leaves, treedef, kinds = _split_mask(mask)
+    tok, leaf_specs = _specs(leaves, kinds, batch_axes, seq_axis)
+
+    def local(q, k, v, *mleaves):
+        gather = lambda x: lax.all_gather(x, seq_axis, axis=1, tiled=True)
+        k, v = gather(k), gather(v)
+        mleaves = [gather(x) if kd == "kv" else x for x, kd in zip(mleaves, kinds)]
+        m = None if treedef is None else jax.tree_util.tree_unflatten(treedef, mleaves)
+        qo = lax.axis_index(seq_axis) * q.shape[1]
+        return blockwise_attention(q, k, v, m, scale=scale, softcap=softcap, q_offset=qo,
+                                   block_q=block_q, block_kv=block_kv)
+
+    fn = _shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, *leaf_specs), out_specs=tok)
+    return fn(q, k, v, *leaves)
+
+
+CONTEXT_PARALLEL_MODES = ("ring", "all_gather")
+
+
+def context_parallel_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mode: str = "ring",
+                               scale=None, softcap=None):
+    """Attention for a layer under an active mesh (`sharding.use_rules`, as the trainer
+    sets it) whose rules split the logical "length" axis over a mesh axis of size
+    n > 1: `ring_attention` (mode "ring"; zig-zag balanced with natural order in
+    and out when T is divisible by 2n, so positions, segment ids and the data stay
+    in natural order) or `all_gather_attention` (mode "all_gather"). Returns None
+    when no such mesh is active or the call is not sequence-parallel self-attention
+    (T != S, e.g. cross-attention): the caller then uses `dot_product_attention`.
+    """
+    from tfjax.parallel.sharding import active_mesh, logical_to_spec
+
+    if mode not in CONTEXT_PARALLEL_MODES:
+        raise ValueError(f"context_parallel: got {mode!r}; allowed: "
+                         f"{', '.join(map(repr, CONTEXT_PARALLEL_MODES))}")
+    mesh = active_mesh()
+    if mesh is None or q.shape[1] != k.shape[1]:
+        return None
+    batch_axes, seq_axes = tuple(logical_to_spec(("batch", "length")))
+    seq_axes = (seq_axes,) if isinstance(seq_axes, str) else tuple(seq_axes or ())
+    seq_axes = tuple(a for a in seq_axes if mesh.shape[a] > 1)
+    if not seq_axes:
+        return None
+    if len(seq_axes) > 1:
+        raise ValueError(f"context_parallel: the rules split 'length' over several mesh axes "
+                         f"{seq_axes}; ring attention runs over one (map 'length' to one axis)")
+    seq_axis, n, T = seq_axes[0], mesh.shape[seq_axes[0]], q.shape[1]
+    if mode == "all_gather":
+        return all_gather_attention(q, k, v, mask, mesh=mesh, seq_axis=seq_axis,
+                                    batch_axes=batch_axes, scale=scale, softcap=softcap)
+    zz = mask is not None and T % (2 * n) == 0
+    return ring_attention(q, k, v, mask, mesh=mesh, seq_axis=seq_axis, batch_axes=batch_axes,
+                          scale=scale, softcap=softcap, load_balance="zigzag" if zz else "none",
+                          natural_order=True)

@@ -11,8 +11,10 @@ The transposed tables (for each kv tile, its query tiles) drive the dk/dv kernel
 
 Masks in kernels: positional masks (causal, windows, chunks) become iota
 arithmetic on global positions; per-example scalars (padding and prefix lengths)
-become scalar-prefetch operands; segment ids become blocked VMEM operands
-(`[B, Tp, 1]` and `[B, 1, Sp]`). A mask kind this module does not know is refused
+become scalar-prefetch operands; segment ids and Longformer's global-position
+flags become blocked VMEM operands (`[B, Tp, 1]` and `[B, 1, Sp]`); BigBird's
+random blocks are re-drawn in the tile by the mask's own seeded hash (int32
+arithmetic). A mask kind this module does not know is refused
 by `mask_support` (the "pallas" implementation then declines the request).
 """
 
@@ -138,9 +140,12 @@ def _build_tables(mask, q_offset, kv_offset, *, T, S, bq, bk, transpose):
 _POSITIONAL = (M.Causal, M.SlidingWindow, M.ChunkedCausal)
 
 
+_KNOWN = _POSITIONAL + (M.Padding, M.PrefixLM, M.Segments, M.Longformer, M.RandomBlocks)
+
+
 def mask_support(mask) -> str | None:
     """None when the kernels can evaluate `mask` in a tile, else the reason."""
-    if mask is None or isinstance(mask, _POSITIONAL + (M.Padding, M.PrefixLM, M.Segments)):
+    if mask is None or isinstance(mask, _KNOWN):
         return None
     if isinstance(mask, (M.And, M.Or)):
         return mask_support(mask.a) or mask_support(mask.b)
@@ -152,20 +157,31 @@ class MaskOperands:
     scalar prefetch) and padded segment ids (`[B, Tp]`, `[B, Sp]` int32; each
     kernel gives them the 3-D layout its tiles need)."""
 
-    def __init__(self, mask, B: int, Tp: int, Sp: int):
+    def __init__(self, mask, B: int, Tp: int, Sp: int, offsets=None):
         self.mask = mask
         self.scalars: list[jax.Array] = []
         self.q_segments: list[jax.Array] = []
         self.kv_segments: list[jax.Array] = []
         self._slot: dict[int, int] = {}
+        self._offsets = (0, 0) if offsets is None else (offsets[0], offsets[1])
         self._collect(mask, B, Tp, Sp)
 
     def _collect(self, m, B, Tp, Sp):
-        if m is None or isinstance(m, _POSITIONAL):
+        if m is None or isinstance(m, _POSITIONAL + (M.RandomBlocks,)):
             return
         if isinstance(m, (M.And, M.Or)):
             self._collect(m.a, B, Tp, Sp)
             self._collect(m.b, B, Tp, Sp)
+        elif isinstance(m, M.Longformer):
+            # Global flags of the padded positions (offsets may be traced), laid out
+            # like segment ids: a [B, Tp] / [B, Sp] operand each, 1 = global.
+            self._slot[id(m)] = len(self.q_segments)
+            g = m._globals()
+            for n, off, out in ((Tp, self._offsets[0], self.q_segments),
+                                (Sp, self._offsets[1], self.kv_segments)):
+                pos = jnp.arange(n, dtype=jnp.int32) + jnp.asarray(off, jnp.int32)
+                flag = (M._count_in(g, pos, pos) > 0).astype(jnp.int32)
+                out.append(jnp.broadcast_to(flag, (B, n)))
         elif isinstance(m, (M.Padding, M.PrefixLM)):
             x = m.kv_lengths if isinstance(m, M.Padding) else m.prefix_lengths
             self._slot[id(m)] = len(self.scalars)
@@ -207,6 +223,16 @@ class MaskOperands:
         if isinstance(m, M.Segments):
             s = self._slot[id(m)]
             return qseg[s] == kseg[s]
+        if isinstance(m, M.Longformer):
+            s = self._slot[id(m)]
+            return (jnp.abs(qp - kp) <= m.window) | (qseg[s] > 0) | (kseg[s] > 0)
+        if isinstance(m, M.RandomBlocks):
+            qb, kb = lax.div(qp, m.block_size), lax.div(kp, m.block_size)
+            hit = None
+            for r in range(m.num_random_blocks):
+                h = _draw_random_block(m.seed, qb, r, m.num_blocks) == kb
+                hit = h if hit is None else hit | h
+            return hit
         if isinstance(m, M.And):
             return (self._eval(m.a, qp, kp, b, sref, qseg, kseg)
                     & self._eval(m.b, qp, kp, b, sref, qseg, kseg))
@@ -214,6 +240,28 @@ class MaskOperands:
             return (self._eval(m.a, qp, kp, b, sref, qseg, kseg)
                     | self._eval(m.b, qp, kp, b, sref, qseg, kseg))
         raise NotImplementedError(mask_support(m))
+
+
+def _i32(c: int) -> np.int32:
+    """A 32-bit constant as the int32 with the same bits."""
+    return np.uint32(c & 0xFFFFFFFF).view(np.int32)
+
+
+def _draw_random_block(seed: int, qb, r: int, num_blocks: int):
+    """`masks.RandomBlocks._draw` in int32 arithmetic only (wrapping multiplies,
+    logical shifts, an unsigned remainder from non-negative pieces), which Mosaic
+    and Triton lower; bit-identical to the uint32 hash of `masks._hash32`."""
+    srl = lax.shift_right_logical
+    x = (jnp.int32(_i32((seed & 0xFFFFFFFF) * 0x9E3779B1)) ^ (qb * _i32(0x85EBCA77))
+         ^ jnp.int32(_i32(r * 0xC2B2AE3D)))
+    x = x ^ srl(x, jnp.int32(16))
+    x = x * _i32(0x7FEB352D)
+    x = x ^ srl(x, jnp.int32(15))
+    x = x * _i32(0x846CA68B)
+    x = x ^ srl(x, jnp.int32(16))
+    # unsigned(x) % n == (2 * ((x >>> 1) % n) + (x & 1)) % n, all in [0, 2^31)
+    n = jnp.int32(num_blocks)
+    return lax.rem(2 * lax.rem(srl(x, jnp.int32(1)), n) + (x & 1), n)
 
 
 def pad_axis(x, axis: int, n: int, value: Any = 0):

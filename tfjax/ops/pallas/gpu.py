@@ -166,8 +166,8 @@ def _allowed(d, mask, mops, code, q_loc, kv_loc, offs_ref, b, sref, qseg, kseg):
     return ok
 
 
-def _common_operands(mask, bias, d, q, k, v):
-    mops = MaskOperands(mask, d.B, d.Tp, d.Sp)
+def _common_operands(mask, bias, d, q, k, v, offs):
+    mops = MaskOperands(mask, d.B, d.Tp, d.Sp, offs)
     bias_op = None if bias is None else pad_axis(pad_axis(bias, 2, d.Tp), 3, d.Sp)
     return mops, bias_op, _pad_seq_head(q, d.Tp, d.Hp), _pad_seq_head(k, d.Sp, d.Hp), \
         _pad_seq_head(v, d.Sp, d.Hp)
@@ -253,7 +253,7 @@ def _row_call(cfg, q, k, v, mask, bias, offs, backward, do=None, lse=None, delta
     d = _dims(q, k, *((bs.block_q_dq, bs.block_kv_dq) if backward else (bs.block_q, bs.block_kv)))
     G, bq = d.G, d.bq
     tab = _tables(cfg, mask, d, offs)
-    mops, bias_op, qp, kp, vp = _common_operands(mask, bias, d, q, k, v)
+    mops, bias_op, qp, kp, vp = _common_operands(mask, bias, d, q, k, v, offs)
     has_bias = bias is not None
     full = pl.no_block_spec  # whole array in the kernel (tables, per-example scalars)
     in_specs = [full] * (4 + len(mops.scalars))
@@ -364,7 +364,7 @@ def _dkv_call(cfg, q, k, v, mask, bias, offs, do, lse, delta):
     d = _dims(q, k, bs.block_q_dkv, bs.block_kv_dkv)
     bk = d.bk
     tab = _tables(cfg, mask, d, offs, transpose=True)
-    mops, bias_op, qp, kp, vp = _common_operands(mask, bias, d, q, k, v)
+    mops, bias_op, qp, kp, vp = _common_operands(mask, bias, d, q, k, v, offs)
     has_bias = bias is not None
     full = pl.no_block_spec
     in_specs = [full] * (4 + len(mops.scalars))

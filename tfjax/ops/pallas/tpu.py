@@ -194,6 +194,19 @@ def _dot(a, b):  # [m,k] @ [k,n] fp32
                            preferred_element_type=jnp.float32)
 
 
+def _masked(s, q_tile, kv_tile, d, mask, mops, offs_ref, b, sref, qseg, kseg, *, kv_major=False):
+    """Tile `s` with the disallowed entries at -inf: sequence tails and, when there is
+    a mask, the mask at global positions. `kv_major`: `s` is [bk, bq] (dk/dv kernel)."""
+    shape, qdim = ((d.bk, d.bq), 1) if kv_major else ((d.bq, d.bk), 0)
+    q_loc = q_tile * d.bq + _iota(shape, qdim)
+    kv_loc = kv_tile * d.bk + _iota(shape, 1 - qdim)
+    ok = (q_loc < d.T) & (kv_loc < d.S)
+    if mask is not None:
+        ok = ok & mops.evaluate(q_loc + offs_ref[0], kv_loc + offs_ref[1], b, sref,
+                                [x[...] for x in qseg], [x[...] for x in kseg])
+    return jnp.where(ok, s, -jnp.inf)
+
+
 # --------------------------------------------------------------------------- #
 # Forward kernel: grid (B, N, nq, steps).
 # --------------------------------------------------------------------------- #
@@ -204,7 +217,7 @@ def _forward(cfg, q, k, v, mask, bias, offs):
     d = _dims(q, k, bs.block_q, bs.block_kv)
     G, bq, bk = d.G, d.bq, d.bk
     tab = _tables(cfg, mask, d, offs)
-    mops = MaskOperands(mask, d.B, d.Tp, d.Sp)
+    mops = MaskOperands(mask, d.B, d.Tp, d.Sp, offs)
     ns, nseg, has_bias = len(mops.scalars), mops.num_segments, bias is not None
     bias_op = _bias_operand(bias, d)
     rb = (lambda b: b) if tab.batched else (lambda b: 0)
@@ -228,13 +241,7 @@ def _forward(cfg, q, k, v, mask, bias, offs):
                            bias_ref[...] if has_bias else None)
 
             def apply_mask(s):
-                qi_loc = i * bq + _iota((bq, bk), 0)
-                kj_loc = kj * bk + _iota((bq, bk), 1)
-                ok = (qi_loc < d.T) & (kj_loc < d.S)
-                if mask is not None:
-                    ok = ok & mops.evaluate(qi_loc + offs_ref[0], kj_loc + offs_ref[1], b, sref,
-                                            [x[...] for x in qseg], [x[...] for x in kseg])
-                return jnp.where(ok, s, -jnp.inf)
+                return _masked(s, i, kj, d, mask, mops, offs_ref, b, sref, qseg, kseg)
 
             s = lax.cond(code[r, i, j] == M.PARTIAL, apply_mask, lambda s: s, s)
             m_prev, l_prev = m_sc[...], l_sc[...]  # [bq, 1]
@@ -302,7 +309,7 @@ def _backward_dq(cfg, q, k, v, mask, bias, offs, do, lse, delta):
     d = _dims(q, k, bs.block_q_dq, bs.block_kv_dq)
     G, bq, bk = d.G, d.bq, d.bk
     tab = _tables(cfg, mask, d, offs)
-    mops = MaskOperands(mask, d.B, d.Tp, d.Sp)
+    mops = MaskOperands(mask, d.B, d.Tp, d.Sp, offs)
     ns, nseg, has_bias = len(mops.scalars), mops.num_segments, bias is not None
     rb = (lambda b: b) if tab.batched else (lambda b: 0)
 
@@ -324,13 +331,7 @@ def _backward_dq(cfg, q, k, v, mask, bias, offs, do, lse, delta):
             s, t = _logits(cfg, _dot_nt(q_ref[...], kk), bias_ref[...] if has_bias else None)
 
             def apply_mask(s):
-                qi_loc = i * bq + _iota((bq, bk), 0)
-                kj_loc = kj * bk + _iota((bq, bk), 1)
-                ok = (qi_loc < d.T) & (kj_loc < d.S)
-                if mask is not None:
-                    ok = ok & mops.evaluate(qi_loc + offs_ref[0], kj_loc + offs_ref[1], b, sref,
-                                            [x[...] for x in qseg], [x[...] for x in kseg])
-                return jnp.where(ok, s, -jnp.inf)
+                return _masked(s, i, kj, d, mask, mops, offs_ref, b, sref, qseg, kseg)
 
             s = lax.cond(code[r, i, j] == M.PARTIAL, apply_mask, lambda s: s, s)
             p = jnp.exp(s - lse_ref[...])  # [bq, bk]; lse of fully masked rows is 0 here
@@ -394,7 +395,7 @@ def _backward_dkv(cfg, q, k, v, mask, bias, offs, do, lse, delta):
     d = _dims(q, k, min(bs.block_q_dkv, round_up(T, LANES)), bs.block_kv_dkv)
     G, bq, bk = d.G, d.bq, d.bk
     tab = _tables(cfg, mask, d, offs, transpose=True)
-    mops = MaskOperands(mask, d.B, d.Tp, d.Sp)
+    mops = MaskOperands(mask, d.B, d.Tp, d.Sp, offs)
     ns, nseg, has_bias = len(mops.scalars), mops.num_segments, bias is not None
     rb = (lambda b: b) if tab.batched else (lambda b: 0)
     n_out = 3 if has_bias else 2
@@ -427,13 +428,8 @@ def _backward_dkv(cfg, q, k, v, mask, bias, offs, do, lse, delta):
                            bias_ref[...].T if has_bias else None)  # [bk, bq]
 
             def apply_mask(s):
-                qi_loc = qi * bq + _iota((bk, bq), 1)
-                kj_loc = kj * bk + _iota((bk, bq), 0)
-                ok = (qi_loc < d.T) & (kj_loc < d.S)
-                if mask is not None:
-                    ok = ok & mops.evaluate(qi_loc + offs_ref[0], kj_loc + offs_ref[1], b, sref,
-                                            [x[...] for x in qseg], [x[...] for x in kseg])
-                return jnp.where(ok, s, -jnp.inf)
+                return _masked(s, qi, kj, d, mask, mops, offs_ref, b, sref, qseg, kseg,
+                               kv_major=True)
 
             s = lax.cond(code[r, kj, j] == M.PARTIAL, apply_mask, lambda s: s, s)
             p = jnp.exp(s - lse_ref[...])  # [bk, bq]

@@ -1,0 +1,111 @@
+"""Reading and writing safetensors files with numpy alone (no torch, no flax framework).
+
+The format (https://github.com/huggingface/safetensors) is an 8-byte little-endian
+header length, a JSON header `{name: {dtype, shape, data_offsets}}` and the raw
+little-endian tensor bytes. We parse it ourselves and memory-map the data, so
+bfloat16 / float8 tensors come out as `ml_dtypes` numpy arrays (as jax uses) and
+nothing is read before it is asked for. Sharded checkpoints
+(`model.safetensors.index.json`, `{"weight_map": {name: file}}`) read the same.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterator, Mapping
+
+import ml_dtypes
+import numpy as np
+
+__all__ = ["SafetensorsCheckpoint", "save_file"]
+
+_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+_NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
+
+
+def _read_header(path: str) -> tuple[dict, int]:
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise ValueError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
+        (n,) = struct.unpack("<Q", raw)
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
+class SafetensorsCheckpoint(Mapping):
+    """`{name: np.ndarray}` over the `*.safetensors` files of a directory (lazy, read-only).
+
+    With `model.safetensors.index.json` the files are those its weight map names;
+    otherwise every `*.safetensors` file in the directory.
+    """
+
+    def __init__(self, directory: str):
+        index = os.path.join(directory, "model.safetensors.index.json")
+        if os.path.exists(index):
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        else:
+            files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
+        if not files:
+            raise ValueError(f"{directory}: no *.safetensors files (torch .bin checkpoints are not "
+                             "read; convert them with transformers' save_pretrained)")
+        self._where: dict[str, tuple[str, dict, int]] = {}
+        for name in files:
+            path = os.path.join(directory, name)
+            header, start = _read_header(path)
+            for key, info in header.items():
+                self._where[key] = (path, info, start)
+        self._maps: dict[str, np.memmap] = {}
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        path, info, start = self._where[key]
+        if info["dtype"] not in _DTYPES:
+            raise ValueError(f"{key}: safetensors dtype {info['dtype']} is not supported "
+                             f"(supported: {', '.join(_DTYPES)})")
+        if path not in self._maps:
+            self._maps[path] = np.memmap(path, dtype=np.uint8, mode="r")
+        lo, hi = info["data_offsets"]
+        buf = self._maps[path][start + lo:start + hi]
+        return buf.view(_DTYPES[info["dtype"]]).reshape(info["shape"])
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._where[key][1]["shape"])
+
+    def dtype(self, key: str) -> np.dtype:
+        return np.dtype(_DTYPES[self._where[key][1]["dtype"]])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+def save_file(tensors: Mapping[str, np.ndarray], path: str, metadata: dict | None = None) -> None:
+    """Write `{name: array}` as one safetensors file (the layout transformers reads)."""
+    header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
+    offset = 0
+    arrays = []
+    for name in sorted(tensors):
+        a = np.ascontiguousarray(np.asarray(tensors[name]))
+        if a.dtype not in _NAMES:
+            raise ValueError(f"{name}: dtype {a.dtype} cannot be written to safetensors")
+        header[name] = {"dtype": _NAMES[a.dtype], "shape": list(a.shape),
+                        "data_offsets": [offset, offset + a.nbytes]}
+        offset += a.nbytes
+        arrays.append(a)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for a in arrays:
+            f.write(a.tobytes())
