@@ -5,11 +5,15 @@
 
 Writes experiments/results/bench_ring[_quick].md (+ .png). Causal self-attention,
 forward + backward, GQA 4/1, H = 64, fp32, on n = 1, 2, 4, 8 simulated CPU devices
-on a `sequence` mesh axis (`--xla_force_host_platform_device_count=8`). Three
+on a `sequence` mesh axis (`--xla_force_host_platform_device_count=8`). Four
 programs per n:
 
 - ring: `ring_attention(..., load_balance="zigzag", natural_order=False)` (inputs
-  already in zig-zag order, as a data pipeline would give them);
+  already in zig-zag order, as a data pipeline would give them), as it runs on CPU:
+  the ring's steps unrolled (XLA's CPU runtime can deadlock a while loop holding
+  collectives; XLA's CPU scheduler then issues transfers early and holds more blocks);
+- ring (while): the same with `unroll=False`, the steps as a while loop (one K/V block
+  in flight), as it runs on TPU/GPU; the longest-sequence table uses this one;
 - all_gather: `all_gather_attention` (each device gathers the whole K/V);
 - single: `blockwise_attention` on one device at the same total length S.
 
@@ -20,7 +24,7 @@ programs per n:
    per device for a fixed n and tile size, so two compiles fit it, and the
    predicted longest length (a multiple of 256 tokens per device) is checked by
    a third compile (stepped down until it fits).
-3. Step time (fwd+bwd, fastest of --reps after a warm-up), ring vs all-gather.
+3. Step time (fwd+bwd, fastest of --reps after a warm-up), ring (unrolled) vs all-gather.
    CPU CAVEAT: the "devices" are threads of one host sharing its cores (2 on the
    machine these numbers come from) and a collective-permute is a memcpy, so the
    times measure how much arithmetic and copying each program does on a shared
@@ -99,10 +103,13 @@ def _program(method, n, blk):
         mesh = None
     else:
         mesh = _mesh(n)
-        if method == "ring":
+        if method in ("ring", "ring_while"):
+            # "ring": the CPU default (steps unrolled); "ring_while": the steps as a
+            # while loop, the default on TPU/GPU.
             attn = lambda q, k, v: ring_attention(q, k, v, masks.causal(), mesh=mesh,
                                                   load_balance="zigzag", natural_order=False,
-                                                  block_q=blk, block_kv=blk)
+                                                  block_q=blk, block_kv=blk,
+                                                  unroll=method == "ring")
         else:
             attn = lambda q, k, v: all_gather_attention(q, k, v, masks.causal(), mesh=mesh,
                                                         block_q=blk, block_kv=blk)
@@ -188,14 +195,16 @@ def main():
     # 1. Memory at a fixed number of tokens per device.
     rows, temps, totals = [], {}, {}
     for n in ns:
-        for method in ("ring", "all_gather") if n > 1 else ("ring",):
+        for method in ("ring", "ring_while", "all_gather") if n > 1 else ("ring", "ring_while"):
             temps[method, n], totals[method, n] = memory(method, n, tpd, blk)
         temps["single", n], totals["single", n] = memory("single", n, n * tpd, blk)
         ag = temps.get(("all_gather", n))
-        rows.append([n, n * tpd, temps["ring", n] / MIB, "-" if ag is None else ag / MIB,
-                     temps["single", n] / MIB, temps["ring", n] / temps["single", n]])
-    exp.table(["n", "S", "ring temp MiB", "all-gather temp MiB", "single temp MiB",
-               "ring / single"], rows,
+        rows.append([n, n * tpd, temps["ring", n] / MIB, temps["ring_while", n] / MIB,
+                     "-" if ag is None else ag / MIB, temps["single", n] / MIB,
+                     temps["ring", n] / temps["single", n],
+                     temps["ring_while", n] / temps["single", n]])
+    exp.table(["n", "S", "ring temp MiB", "ring (while) temp MiB", "all-gather temp MiB",
+               "single temp MiB", "ring / single", "ring (while) / single"], rows,
               title=f"Per-device temporaries, {tpd} tokens per device (S = n x {tpd})")
     exp.plot({"ring (per device)": (list(ns), [temps["ring", n] / MIB for n in ns]),
               "all-gather (per device)": (list(ns[1:]), [temps["all_gather", n] / MIB
@@ -209,7 +218,7 @@ def main():
     t2 = 2 * tpd
     for n in ns:
         row = [n]
-        for method in ("ring", "all_gather"):
+        for method in ("ring_while", "all_gather"):
             if method == "all_gather" and n == 1:
                 row += ["-", "-"]
                 continue
@@ -219,7 +228,7 @@ def main():
                     None if total is None else total / MIB]
         rows.append(row)
     t, total, _ = longest("single", 1, budget, blk, tpd, t2, known={tpd: totals["single", 1]})
-    exp.table(["n", "ring longest S", "ring MiB used", "all-gather longest S",
+    exp.table(["n", "ring (while) longest S", "ring (while) MiB used", "all-gather longest S",
                "all-gather MiB used"], rows,
               title=f"Longest sequence within {budget / MIB:g} MiB per device "
                     f"(temporaries + arguments + outputs; multiples of {UNIT} tokens/device)")

@@ -30,7 +30,7 @@ from tfjax.data import PackedBatches, documents, load_tokenizer
 from tfjax.models import build
 from tfjax.parallel.mesh import make_mesh
 from tfjax.train.metrics import flops_per_token, measure_matmul_peak
-from tfjax.train.trainer import build_program
+from tfjax.train.trainer import build_program, zigzag_rows
 
 SMALL = dict(d_model=256, num_layers=6, num_heads=8, num_kv_heads=4, d_ff=768)
 
@@ -54,7 +54,8 @@ def bench(preset: str, steps: int) -> dict:
     t = cfg.train
     it = PackedBatches(documents(cfg.data, "train"), load_tokenizer(cfg.data.tokenizer),
                        seq_len=t.seq_len, global_batch=t.batch_size, seed=0)
-    batches = [{k: jax.device_put(v, p.batch_sharding) for k, v in next(it).items()}
+    order = (lambda v: zigzag_rows(v, p.zigzag)) if p.zigzag else (lambda v: v)  # as Trainer
+    batches = [{k: jax.device_put(order(v), p.batch_sharding) for k, v in next(it).items()}
                for _ in range(steps + 1)]
     state = p.init()
     state, m = p.step(state, batches[0])

@@ -100,6 +100,12 @@ class ModelConfig:
     # (ring attention, K/V circulate; O(S/n) memory) | "all_gather" (each device
     # gathers the whole K/V; the simple baseline). Ignored without a sequence axis.
     context_parallel: str = "ring"
+    # Zig-zag load balancing of the causal ring (2n chunks, device i holds i and 2n-1-i):
+    # "data" (the trainer reorders each batch once on the host; layers skip the
+    # re-layout; falls back to "layer", with a note, for models with order-dependent
+    # layers: mamba / linear mixers, ALiBi / T5 biases, capacity-factor MoE) | "layer"
+    # (natural-order data, every layer re-lays out q, k, v, out) | "none".
+    zigzag: str = "data"
     layer_pattern: tuple[str, ...] = ("global",)  # cycled over layers: global | local
     sliding_window: int = 0  # keys before the query a "local" layer sees (plus itself)
     prefix_lm: bool = False  # decoder: bidirectional over a prefix given at call time
@@ -389,6 +395,7 @@ def _validate_model(c: ModelConfig, p: str) -> None:
     _one_of(f"{p}.block", c.block, names["block"])
     _one_of(f"{p}.attention_impl", c.attention_impl, names["attention_impl"])
     _one_of(f"{p}.context_parallel", c.context_parallel, ("ring", "all_gather"))
+    _one_of(f"{p}.zigzag", c.zigzag, ("data", "layer", "none"))
     _one_of(f"{p}.remat", c.remat, names["remat"])
     _one_of(f"{p}.dtype", c.dtype, DTYPES)
     _one_of(f"{p}.param_dtype", c.param_dtype, DTYPES)

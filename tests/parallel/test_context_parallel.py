@@ -1,36 +1,52 @@
 """Long-context training through the trainer: on a data=2 x sequence=4 mesh the
 real decoder's self-attention runs as ring attention (or the all-gather baseline)
-over the `sequence` axis, and a few training steps match one device."""
+over the `sequence` axis, and a few training steps match one device. Ring runs with
+`model.zigzag="data"` (the default): the trainer puts each batch in zig-zag order
+once and the layers skip the per-layer re-layout."""
 
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 from tfjax import config as C
+from tfjax.models import build
 from tfjax.nn.attention import MultiHeadAttention
+from tfjax.ops import masks
+from tfjax.parallel.mesh import make_mesh
+from tfjax.parallel.rules import logical_rules
+from tfjax.parallel.sharding import use_rules
 from tfjax.train import Trainer
+from tfjax.train.trainer import build_program, zigzag_devices, zigzag_rows
 
 # The module (tfjax.parallel.ring_attention is also the exported function).
 ring_lib = sys.modules["tfjax.parallel.ring_attention"]
 
 
-def _config(**mesh):
+def _config(seq_len=32, model=None, **mesh):
     # seq_len 32 over sequence=4: 8 tokens a device, zig-zag chunks of 4 (T % 2n == 0).
+    # init_std 0.3 makes attention sharp enough that a position or mask read in the
+    # wrong order moves the losses by > 0.1 (at 0.02, positions left in natural order
+    # under zig-zag data still matched within 1e-4).
     return C.from_dict(C.RunConfig, dict(
-        model=dict(vocab_size=259, d_model=32, num_heads=4, num_kv_heads=2, d_ff=64,
-                   num_layers=1, position="rope", context_parallel=mesh.pop("cp", "ring")),
-        train=dict(steps=3, batch_size=4, seq_len=32, warmup_steps=1, lr=1e-2, log_every=1,
+        model={**dict(vocab_size=259, d_model=32, num_heads=4, num_kv_heads=2, d_ff=64,
+                      num_layers=1, position="rope", context_parallel=mesh.pop("cp", "ring"),
+                      init_std=0.3),
+               **(model or {})},
+        train=dict(steps=3, batch_size=4, seq_len=seq_len, warmup_steps=1, lr=1e-2, log_every=1,
                    eval_batches=1, eval_at_end=False, sample_tokens=0, progress=False),
         checkpoint=dict(enabled=False, every_steps=0, async_save=False),
         mesh=mesh))
 
 
-def _losses(tmp_path, name, n, **mesh):
+def _losses(tmp_path, name, n, trainers=None, **mesh):
     tr = Trainer(_config(**mesh), str(tmp_path / name), devices=jax.devices()[:n],
                  log=lambda s: None)
+    if trainers is not None:
+        trainers.append(tr)
     hist = tr.train()["history"]
     return [hist[k] for k in sorted(hist)]
 
@@ -43,19 +59,79 @@ def one_device(tmp_path_factory):
 @pytest.mark.parametrize("mode", ["ring", "all_gather"])
 def test_sequence_parallel_training_matches_one_device(tmp_path, one_device, mode, monkeypatch):
     # Record which sequence-parallel attention the layer really ran.
-    calls = []
+    calls, layouts = [], set()
     for name in ("ring_attention", "all_gather_attention"):
         inner = getattr(ring_lib, name)
 
         def spy(*args, _inner=inner, _name=name, **kwargs):
             calls.append(_name)
+            layouts.add((kwargs.get("load_balance"), kwargs.get("natural_order")))
             return _inner(*args, **kwargs)
 
         monkeypatch.setattr(ring_lib, name, spy)
-    got = _losses(tmp_path, mode, 8, data=2, sequence=4, cp=mode)
+    trainers = []
+    got = _losses(tmp_path, mode, 8, trainers, data=2, sequence=4, cp=mode)
     assert len(got) == 3 == len(one_device)
     np.testing.assert_allclose(got, one_device, rtol=1e-4, atol=1e-4)
     assert set(calls) == {"ring_attention" if mode == "ring" else "all_gather_attention"}
+    if mode == "ring":  # zigzag="data": batches reordered once, no per-layer re-layout
+        assert trainers[0].zigzag == 4
+        assert layouts == {("zigzag", False)}
+
+
+def _permutes(zigzag: str) -> int:
+    """collective_permutes in the lowered (not compiled) eval step on data=2 x sequence=4."""
+    cfg = _config(model=dict(zigzag=zigzag), data=2, sequence=4)
+    mesh = make_mesh(cfg.mesh, jax.devices()[:8])
+    p = build_program(cfg, mesh, build)
+    state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                         p.abstract_state, p.state_shardings)
+    batch = {k: jax.ShapeDtypeStruct((4, 32), jnp.int32, sharding=p.batch_sharding)
+             for k in ("inputs", "targets", "positions", "segment_ids", "mask", "target_bytes")}
+    return p.eval.lower(state, batch).as_text().count("collective_permute")
+
+
+def test_zigzag_data_drops_the_per_layer_relayout():
+    # "layer" re-lays out q, k, v, the segment ids and the output with half-chunk
+    # ppermutes in every layer; "data" reorders the batch on the host instead. (The
+    # eval step traces the same layers as the train step, without the backward.)
+    data, layer = _permutes("data"), _permutes("layer")
+    assert 0 < data < layer, (data, layer)
+
+
+def test_zigzag_plan_and_host_reorder():
+    mesh = make_mesh(C.MeshConfig(data=2, sequence=4), jax.devices()[:8])
+    assert zigzag_devices(_config(data=2, sequence=4), mesh) == (4, None)
+    assert zigzag_devices(_config(data=2, sequence=4), mesh, build) == (4, None)
+    n, note = zigzag_devices(_config(data=2, sequence=4), mesh, lambda cfg, rngs: None)
+    assert n == 0 and "custom build_model" in note  # e.g. tests/train/tiny_decoder.py
+    for kw in (dict(model=dict(zigzag="layer")), dict(cp="all_gather")):
+        assert zigzag_devices(_config(data=2, sequence=4, **kw), mesh) == (0, None)
+    # Order-dependent layers / biases / lengths: fall back to natural order, with a note.
+    for kw, why in ((dict(model=dict(layer_pattern=("global", "linear"))), "'linear'"),
+                    (dict(model=dict(position="alibi")), "alibi"),
+                    (dict(seq_len=36), "seq_len=36")):
+        n, note = zigzag_devices(_config(data=2, sequence=4, **kw), mesh)
+        assert n == 0 and why in note and "model.zigzag='layer'" in note
+    x = np.arange(3 * 32).reshape(3, 32)
+    np.testing.assert_array_equal(zigzag_rows(x, 4), np.asarray(ring_lib.zigzag(x, 4)))
+
+
+def test_zigzag_data_refuses_what_it_cannot_read():
+    # Under the trainer's zig-zag layout a biased attention (ALiBi / T5) would read
+    # the tokens against natural-order positions: an error, not a wrong answer.
+    cfg = _config(data=2, sequence=4)
+    mesh = make_mesh(cfg.mesh, jax.devices()[:8])
+    attn = nnx.eval_shape(lambda: MultiHeadAttention(32, 4, rngs=nnx.Rngs(0)))
+    q = np.zeros((2, 32, 4, 8), np.float32)  # only shapes are read before the errors
+    with use_rules(mesh, logical_rules(cfg.mesh.rules)), ring_lib.zigzag_data(4):
+        with pytest.raises(ValueError, match="zigzag='layer'"):
+            attn.attend(q, q, q, masks.causal(), bias=np.zeros((2, 4, 32, 32), np.float32))
+        with pytest.raises(ValueError, match="T % 8 == 0"):
+            attn.attend(q[:, :28], q[:, :28], q[:, :28], masks.causal())
+        with pytest.raises(ValueError, match="zigzag='none'"):
+            nnx.eval_shape(lambda: MultiHeadAttention(32, 4, zigzag="none", rngs=nnx.Rngs(0))
+                           ).attend(q, q, q)
 
 
 def test_context_parallel_is_validated():
@@ -63,3 +139,7 @@ def test_context_parallel_is_validated():
         _config(cp="gather").validate()
     with pytest.raises(ValueError, match="context_parallel"):
         MultiHeadAttention(32, 4, context_parallel="gather", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"model.zigzag: got 'zag'; allowed: 'data', 'layer'"):
+        _config(model=dict(zigzag="zag")).validate()
+    with pytest.raises(ValueError, match="zigzag"):
+        MultiHeadAttention(32, 4, zigzag="zag", rngs=nnx.Rngs(0))

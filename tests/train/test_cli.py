@@ -1,12 +1,15 @@
 """`python -m tfjax.train` end to end with the real model (tfjax.models.build): a short
-run, a rerun that resumes, two processes with gloo collectives, and AOT compilation
-for a TPU slice."""
+run, two processes with gloo collectives (one of them sent
+SIGTERM, then resumed), and AOT compilation for a TPU slice."""
 
 import json
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -32,7 +35,7 @@ def losses(workdir):
     return {r["step"]: r["loss"] for r in recs if "loss" in r}
 
 
-def test_cli_trains_evaluates_samples_and_resumes(tmp_path):
+def test_cli_trains_evaluates_and_samples(tmp_path):
     wd = str(tmp_path / "w")
     p = cli("--workdir", wd, "--config.train.steps=3", "--config.train.sample_tokens=8", *TINY)
     out = p.communicate(timeout=300)[0]
@@ -40,10 +43,7 @@ def test_cli_trains_evaluates_samples_and_resumes(tmp_path):
     assert "val_bpb" in out and "gzip -9" in out and "sample (greedy)" in out
     assert sorted(losses(wd)) == [1, 2, 3]
     assert os.path.isdir(os.path.join(wd, "checkpoints", "3"))
-    # same command again: resumes at step 3, nothing left to train
-    p = cli("--workdir", wd, "--config.train.steps=3", "--config.train.sample_tokens=0", *TINY)
-    out = p.communicate(timeout=300)[0]
-    assert p.returncode == 0 and "resumed from step 3" in out, out
+    # (the same command resuming: test_two_processes_train_like_one_and_survive_sigterm)
 
 
 def test_cli_config_errors_are_clear(tmp_path):
@@ -54,20 +54,73 @@ def test_cli_config_errors_are_clear(tmp_path):
     assert "train.batch_size: 3 is not divisible by the 2 batch shards" in out
 
 
+def finish(procs, timeout, what):
+    """Wait for every process; one that is still running after `timeout` s is a failure
+    with everyone's output (a hang, e.g. processes that disagree on the stop step and
+    wait for each other in a collective), never a stuck suite."""
+    deadline = time.monotonic() + timeout
+    try:
+        return [p.communicate(timeout=max(deadline - time.monotonic(), 0.1))[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        outs = [p.communicate()[0] for p in procs]  # kill() first: nothing blocks now
+        pytest.fail(f"{what}: processes still running after {timeout}s, killed (hung?); "
+                    f"their output:\n" + "\n----\n".join(outs))
+
+
 @pytest.mark.slow
-def test_two_processes_train_like_one(tmp_path):
+def test_two_processes_train_like_one_and_survive_sigterm(tmp_path, monkeypatch):
+    """Two processes (gloo) train like one process, with a SIGTERM to ONE of them on the
+    way: both stop at the same step, save it once, exit 143, and the same command resumes
+    to the same losses. The signal goes to rank 1 after rank 0 entered train() (its
+    config.json) and before the first step compiled, so the preemption sync point is
+    decided during the compile, whatever the machine's speed (mid-loop, a fast machine
+    could finish 3 steps before the ~1 s SIGTERM poll of the sync manager)."""
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax_cache"))  # rerun
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
     args = ["--config.train.steps=3", "--config.train.sample_tokens=0", "--config.mesh.data=4",
-            "--config.checkpoint.enabled=False", *TINY]
-    one = cli("--workdir", str(tmp_path / "one"), *args, devices=4)
-    procs = [cli("--workdir", str(tmp_path / "two"), *args, devices=2,
-                 *[f"--coordinator_address=localhost:{port}", "--num_processes=2",
-                   f"--process_id={i}"]) for i in range(2)]
-    outs = [p.communicate(timeout=400)[0] for p in [one, *procs]]
+            "--config.train.eval_at_end=False", *TINY]
+    two = str(tmp_path / "two")
+
+    def launch_two():
+        return [cli("--workdir", two, *args, devices=2,
+                    *[f"--coordinator_address=localhost:{port}", "--num_processes=2",
+                      f"--process_id={i}"]) for i in range(2)]
+
+    one = cli("--workdir", str(tmp_path / "one"), *args, "--config.checkpoint.enabled=False",
+              devices=4)
+    procs = launch_two()
+    try:
+        deadline = time.monotonic() + 300
+        while not os.path.exists(os.path.join(two, "config.json")):
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                for p in procs:
+                    p.kill()
+                pytest.fail("the two processes never reached train():\n" +
+                            "\n----\n".join(p.communicate()[0] for p in procs))
+            time.sleep(0.05)
+        procs[1].send_signal(signal.SIGTERM)
+        outs = finish(procs, 300, "after SIGTERM to process 1")
+        assert [p.returncode for p in procs] == [143, 143], "\n".join(outs)
+        saved = [re.findall(r"\[process (\d)\] SIGTERM: saved step (\d+)", o) for o in outs]
+        assert [len(x) for x in saved] == [1, 1], "\n".join(outs)  # once each
+        (i0, s0), (i1, s1) = saved[0][0], saved[1][0]
+        assert (i0, i1) == ("0", "1") and s0 == s1 and 1 <= int(s0) < 3, saved
+        assert os.path.isdir(os.path.join(two, "checkpoints", s0))
+
+        procs = launch_two()  # the same command again: resumes and finishes
+        outs = finish([one, *procs], 400, "the resumed run")
+    finally:
+        for p in [one, *procs]:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
     assert all(p.returncode == 0 for p in [one, *procs]), "\n".join(outs)
-    a, b = losses(str(tmp_path / "one")), losses(str(tmp_path / "two"))
+    assert f"resumed from step {s0}" in outs[1], outs[1]
+    a, b = losses(str(tmp_path / "one")), losses(two)
     assert sorted(a) == sorted(b) == [1, 2, 3]
     np.testing.assert_allclose([b[k] for k in a], [a[k] for k in a], rtol=1e-5)
 

@@ -22,10 +22,11 @@ def preset(name, arg="tiny"):
     return module.get_config(arg)
 
 
+# jamba (Mamba + MoE + attention) is not trained here: its parts train in mixtral and
+# mamba, and tests/models/test_hybrids.py runs it forward and backward with its losses.
 @pytest.mark.parametrize("name,overrides", [
     ("mixtral", {}),
     ("mamba", {}),
-    ("jamba", {}),
     ("llama", {"model": dict(dropout_rate=0.1)}),
 ])
 def test_preset_trains_with_falling_loss(tmp_path, name, overrides):

@@ -75,7 +75,7 @@ def _attention(cfg: ModelConfig, rngs: nnx.Rngs, *, cross: bool) -> MultiHeadAtt
         qk_norm_kind="layernorm" if cfg.norm == "layernorm" else cfg.norm, norm_eps=cfg.norm_eps,
         scale=cfg.scale, softcap=cfg.attn_softcap or None,
         rope=None if cross else _rope(cfg), implementation=cfg.attention_impl,
-        context_parallel=cfg.context_parallel,
+        context_parallel=cfg.context_parallel, zigzag=cfg.zigzag,
         dtype=dt, param_dtype=pdt, init_std=cfg.init_std,
         out_init_std=cfg.init_std / math.sqrt(2 * cfg.num_layers), rngs=rngs)
 

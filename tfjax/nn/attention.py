@@ -17,7 +17,9 @@ One module serves MHA (K = N), GQA (Ainslie et al. 2023, 1 < K < N) and MQA
   mesh axis of size > 1 (the trainer with `mesh.sequence > 1`), self-attention
   runs as `context_parallel` says: "ring" (ring attention, K/V circulate) or
   "all_gather" (each device gathers the whole K/V); see
-  `tfjax.parallel.ring_attention.context_parallel_attention`.
+  `tfjax.parallel.ring_attention.context_parallel_attention`. `zigzag` balances
+  the causal ring: "data" (inside the trainer's steps the batch is already in
+  zig-zag order, so no per-layer re-layout), "layer" or "none".
 - `project(...)` and `attend(...)` are separate so a KV cache can sit between
   them (the inference code stores k, v after RoPE).
 """
@@ -32,7 +34,8 @@ from tfjax.nn.norms import make_norm
 from tfjax.nn.positions import RotaryEmbedding
 from tfjax.ops import dot_product_attention
 from tfjax.ops.masks import Mask
-from tfjax.parallel.ring_attention import CONTEXT_PARALLEL_MODES, context_parallel_attention
+from tfjax.parallel.ring_attention import (CONTEXT_PARALLEL_MODES, ZIGZAG_MODES,
+                                           context_parallel_attention, zigzag_data_devices)
 from tfjax.parallel.sharding import shard, with_logical_axes
 from tfjax.typing import DType
 
@@ -48,7 +51,7 @@ class MultiHeadAttention(nnx.Module):
                  qk_norm_kind: str = "rmsnorm", norm_eps: float = 1e-6,
                  scale: float | None = None, softcap: float | None = None,
                  rope: RotaryEmbedding | None = None, implementation: str = "auto",
-                 context_parallel: str = "ring",
+                 context_parallel: str = "ring", zigzag: str = "data",
                  dtype: DType = jnp.float32, param_dtype: DType = jnp.float32,
                  init_std: float = 0.02, out_init_std: float | None = None, rngs: nnx.Rngs):
         K = num_kv_heads or num_heads
@@ -68,6 +71,10 @@ class MultiHeadAttention(nnx.Module):
             raise ValueError(f"context_parallel: got {context_parallel!r}; allowed: "
                              f"{', '.join(map(repr, CONTEXT_PARALLEL_MODES))}")
         self.context_parallel = context_parallel
+        if zigzag not in ZIGZAG_MODES:
+            raise ValueError(f"zigzag: got {zigzag!r}; allowed: "
+                             f"{', '.join(map(repr, ZIGZAG_MODES))}")
+        self.zigzag = zigzag
         normal = nnx.initializers.normal(init_std)
         out_normal = nnx.initializers.normal(init_std if out_init_std is None else out_init_std)
         zeros = nnx.initializers.zeros_init()
@@ -114,7 +121,13 @@ class MultiHeadAttention(nnx.Module):
         out = None
         if bias is None and _is_zero(q_offset) and _is_zero(kv_offset):
             out = context_parallel_attention(q, k, v, mask, mode=self.context_parallel,
-                                             scale=self.scale, softcap=self.softcap)
+                                             zigzag=self.zigzag, scale=self.scale,
+                                             softcap=self.softcap)
+        elif zigzag_data_devices():
+            # The tokens are in zig-zag order; a bias [B,N,T,S] or offsets would be
+            # read against the wrong positions by a mask in natural index order.
+            raise ValueError("attention with a bias (ALiBi / T5) or offsets cannot read a "
+                             "zig-zag ordered batch; use model.zigzag='layer'")
         if out is None:
             out = dot_product_attention(q, k, v, mask, bias=bias, scale=self.scale,
                                         softcap=self.softcap, implementation=self.implementation,

@@ -17,34 +17,56 @@ together with that shard's fp32 dK/dV accumulators; at each step a device adds
 the block's contribution from `blockwise_attention_backward` (probabilities
 recomputed per tile from the saved global lse, so there is no O(S^2) and no
 per-step forward to redo), dQ accumulates locally, and after n moves each dK/dV
-is back on its owner. Masked blocks are skipped as in the forward. On CPU, causal
-fwd+bwd, 1024 tokens/device, tiles 256, the per-device temporaries are
-9.2 / 11.9 / 11.4 / 11.4 MiB at n = 1 / 2 / 4 / 8 (flat), against 8.4 / 10.9 /
-16.7 / 30.8 MiB for single-device blockwise at the same total length
-(experiments/bench_ring.py). The ratio at n = 8 is 0.37 (0.26 at 4096 tokens per
-device), not the 1/6 the issue asked: besides fixed tile-sized temporaries, the
-ring holds about twice single-device blockwise's temporaries per local token
-(7.6 vs 3.6 KiB; not yet broken down, likely the fp32 dQ and dK/dV accumulators next to each block's fp32 gradients, fp32 forward
-accumulators, double-buffered K/V and dK/dV transfers).
+is back on its owner. Masked blocks are skipped as in the forward.
+
+Per-block attention (`implementation=`): `blockwise_attention` /
+`blockwise_attention_backward` (any backend), or the Pallas TPU kernels
+(`flash_attention_tpu(return_lse=True)` / `flash_attention_tpu_backward`: Mosaic on
+TPU, interpret mode on CPU); "auto" picks pallas on TPU meshes.
+
+Memory. The steps run as a while loop (one K/V block in flight) except on CPU
+meshes, where they are unrolled (`unroll=`; XLA's CPU runtime can deadlock a while
+loop holding collectives against other collectives, see `ring_attention`). Causal
+fwd+bwd, GQA 4/1, H=64, fp32, tiles 256, 1024 tokens per device, 8 devices
+(experiments/bench_ring.py): per-device temporaries 11.4 MiB as a while loop and
+15.0 MiB unrolled, against 30.8 MiB for single-device blockwise at the same total
+length (0.37x / 0.49x); flat in the device count as a while loop. The issue asked
+for <= 1/6, which this design cannot reach: per local token the backward must hold
+the output, its cotangent and the fp32 dQ accumulator (3 q-sized arrays, as
+single-device blockwise does) plus the K/V block being used and the next one and
+the fp32 dK/dV accumulator being updated and the one in transit (8 kv-sized fp32
+arrays), where single-device blockwise holds 3 q-sized + 2 kv-sized. With GQA 4/1
+that is 5 KiB against 3.5 KiB per token, so 8 devices give at best 5 / (8 x 3.5) =
+0.18x; with MHA 0.28x. Measured, the while loop holds 6.8 KiB per local token:
+the rest are per-call copies inside blockwise (the vmapped query/cotangent tiles,
+a zero dQ carry per call) that a tile-major layout kept across the ring's steps
+would remove.
 
 Load balancing (`load_balance="zigzag"`, for causal masks): the sequence is cut into
 2n chunks and device i holds chunks i and 2n-1-i, so every device does the same
 causal work. `zigzag` / `unzigzag` reorder a global array; `ring_attention` accepts
 natural order and undoes the reordering for the caller, inside the shard_map with
 half-chunk `ppermute`s (no gather); pass `natural_order=False` when the data
-pipeline already produced zig-zag order, which saves those two re-layouts.
+pipeline already produced zig-zag order, which saves those two re-layouts. Masks
+are evaluated on global natural positions in both cases (each chunk's global
+offset goes to the mask), so causal, sliding-window and segment masks stay exact.
 
 Also here: `all_gather_attention`, the simple baseline (each device gathers the
 whole K/V over the axis; O(S) per device), and `context_parallel_attention`, which
 `MultiHeadAttention` calls under an active mesh (`sharding.use_rules`, set by the
 trainer) whose rules split "length" over a mesh axis of size > 1: it runs ring
-(zig-zag balanced when the mask is causal-like and T % 2n == 0, with
-`natural_order=True`, so the data pipeline, positions and segment ids stay in
-natural order at the cost of four half-chunk ppermutes per layer) or all-gather
-attention, as `ModelConfig.context_parallel` says.
+or all-gather attention, as `ModelConfig.context_parallel` says. Ring is zig-zag
+balanced (mask given, T % 2n == 0) as `ModelConfig.zigzag` says: "data" (default;
+the trainer reorders each batch's tokens, positions, segment ids and loss weights
+once on the host and traces its steps under `zigzag_data(n)`, so every layer runs
+`natural_order=False`; sampling and other callers stay in natural order), "layer"
+(natural order, four half-chunk ppermutes per tensor per layer) or "none".
 """
 
 from __future__ import annotations
+
+import contextlib
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -55,9 +77,12 @@ from jax.sharding import PartitionSpec as P
 from tfjax.ops import masks as masks_lib
 from tfjax.ops.blockwise import (DEFAULT_BLOCK, blockwise_attention,
                                  blockwise_attention_backward)
+from tfjax.ops.pallas.common import mask_support
+from tfjax.ops.pallas.tpu import flash_attention_tpu, flash_attention_tpu_backward
 
-__all__ = ["CONTEXT_PARALLEL_MODES", "all_gather_attention", "context_parallel_attention",
-           "ring_attention", "unzigzag", "zigzag", "zigzag_order"]
+__all__ = ["CONTEXT_PARALLEL_MODES", "RING_IMPLEMENTATIONS", "ZIGZAG_MODES", "all_gather_attention",
+           "context_parallel_attention", "ring_attention", "unzigzag", "zigzag", "zigzag_data",
+           "zigzag_data_devices", "zigzag_order"]
 
 _Q_LEAF, _KV_LEAF = "q_segment_ids", "kv_segment_ids"
 
@@ -189,10 +214,35 @@ def _merge(o, lse, o_new, lse_new):
 # --------------------------------------------------------------------------- #
 
 
+RING_IMPLEMENTATIONS = ("auto", "blockwise", "pallas")
+
+
+def _ring_implementation(implementation: str, mask, backend: str) -> str:
+    """The per-block attention of the ring on `backend` (the platform of the mesh's
+    devices): "blockwise" or "pallas" (validated)."""
+    if implementation not in RING_IMPLEMENTATIONS:
+        raise ValueError(f"ring_attention: implementation must be one of "
+                         f"{', '.join(map(repr, RING_IMPLEMENTATIONS))}, got {implementation!r}")
+    if implementation == "auto":
+        return "pallas" if backend == "tpu" and mask_support(mask) is None else "blockwise"
+    if implementation == "pallas":
+        if backend == "gpu":
+            raise ValueError("ring_attention: implementation='pallas' runs the Pallas TPU "
+                             "kernels (Mosaic on TPU, interpret mode on CPU); on GPU use "
+                             "implementation='blockwise'")
+        reason = mask_support(mask)
+        if reason:
+            raise ValueError(f"ring_attention: implementation='pallas' cannot run this mask: "
+                             f"{reason}; use implementation='blockwise'")
+    return implementation
+
+
+
 def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axis: str = "sequence",
                    batch_axes=None, scale=None, softcap=None, load_balance: str = "none",
                    natural_order: bool = True, block_q: int = DEFAULT_BLOCK,
-                   block_kv: int = DEFAULT_BLOCK, skip_masked_blocks: bool = True):
+                   block_kv: int = DEFAULT_BLOCK, skip_masked_blocks: bool = True,
+                   implementation: str = "auto", block_sizes=None, unroll: bool | None = None):
     """q `[B,T,N,H]`, k/v `[B,S,K,H]` (global arrays) -> out `[B,T,N,H]`.
 
     Same semantics as `attention_reference(q, k, v, mask, scale=, softcap=)`; the
@@ -205,6 +255,19 @@ def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axi
     re-laid out on device (ppermutes of half chunks, no gather); with
     `natural_order=False` they are already in zig-zag order (including the segment
     ids of a `masks.segments` mask) and the output is too.
+
+    implementation: the per-block attention. "blockwise" (`tfjax.ops.blockwise`, any
+    backend; tiles `block_q` x `block_kv`), "pallas" (the Pallas TPU kernels of
+    `tfjax.ops.pallas.tpu`: Mosaic on TPU, interpret mode on CPU; tiles from
+    `block_sizes`), or "auto" (pallas on TPU, blockwise elsewhere).
+
+    unroll: unroll the ring's steps (`lax.scan(unroll=True)`) or run them as a while
+    loop. None: unrolled on CPU meshes only. XLA's CPU runtime may run a while loop that
+    holds collectives concurrently with other collectives (e.g. the data-parallel
+    gradient all-reduce), in a different order on each device, and deadlock;
+    unrolled, the collective-permutes are ordered like every other collective. The
+    while loop keeps one K/V block in flight; unrolled, XLA's CPU scheduler issues
+    the transfers early and holds more blocks (see the module docstring).
     """
     if load_balance not in ("none", "zigzag"):
         raise ValueError(f"ring_attention: load_balance must be 'none' or 'zigzag', got "
@@ -221,6 +284,13 @@ def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axi
         raise ValueError(f"ring_attention: T={T} and S={S} must be divisible by "
                          f"{n * pieces} ({n} devices on {seq_axis!r} x {pieces} chunks)")
     scale = float(H ** -0.5 if scale is None else scale)
+    # The mesh's platform, not the default backend: an AOT compile for a TPU topology
+    # runs on a CPU host.
+    platform = mesh.devices.flat[0].platform
+    impl = _ring_implementation(implementation, mask, platform)
+    interpret = platform == "cpu"
+    if unroll is None:
+        unroll = platform == "cpu"
 
     leaves, treedef, kinds = _split_mask(mask)
     # Natural order in and out under zigzag: re-laid out inside shard_map (ppermutes).
@@ -290,7 +360,7 @@ def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axi
             # all-reduce on a data x sequence mesh); unrolled, the collective-permutes
             # are ordered like every other collective, and the scheduler sees them all.
             (carry, blk), _ = lax.scan(body, (carry, blk), jnp.arange(n - 1, dtype=jnp.int32),
-                                       unroll=True)
+                                       unroll=unroll)
         return step(carry, blk, (i - (n - 1)) % n)
 
     def local_parts(q, mleaves):
@@ -311,10 +381,16 @@ def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axi
             ks, vs = cut(kb, ckv), cut(vb, ckv)
 
             def compute(acc, p, r, m, qo, ko):
-                o2, l2 = blockwise_attention(qs[p], ks[r], vs[r], m, scale=scale,
-                                             softcap=softcap, q_offset=qo, kv_offset=ko,
-                                             return_lse=True, block_q=block_q,
-                                             block_kv=block_kv)
+                if impl == "pallas":
+                    o2, l2 = flash_attention_tpu(qs[p], ks[r], vs[r], m, scale=scale,
+                                                 softcap=softcap, q_offset=qo, kv_offset=ko,
+                                                 return_lse=True, block_sizes=block_sizes,
+                                                 interpret=interpret)
+                else:
+                    o2, l2 = blockwise_attention(qs[p], ks[r], vs[r], m, scale=scale,
+                                                 softcap=softcap, q_offset=qo, kv_offset=ko,
+                                                 return_lse=True, block_q=block_q,
+                                                 block_kv=block_kv)
                 acc = list(acc)
                 acc[p] = _merge(*acc[p], o2, l2)
                 return tuple(acc)
@@ -341,10 +417,16 @@ def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axi
 
             def compute(state, p, r, m, qo, ko):
                 dq, dk, dv = (list(x) for x in state)
-                a, b, c = blockwise_attention_backward(
-                    qs[p], ks[r], vs[r], m, outs[p], lses[p], douts[p], scale=scale,
-                    softcap=softcap, q_offset=qo, kv_offset=ko, block_q=block_q,
-                    block_kv=block_kv)
+                if impl == "pallas":
+                    a, b, c = flash_attention_tpu_backward(
+                        qs[p], ks[r], vs[r], m, outs[p], lses[p], douts[p], scale=scale,
+                        softcap=softcap, q_offset=qo, kv_offset=ko, block_sizes=block_sizes,
+                        interpret=interpret)
+                else:
+                    a, b, c = blockwise_attention_backward(
+                        qs[p], ks[r], vs[r], m, outs[p], lses[p], douts[p], scale=scale,
+                        softcap=softcap, q_offset=qo, kv_offset=ko, block_q=block_q,
+                        block_kv=block_kv)
                 dq[p], dk[r], dv[r] = dq[p] + a, dk[r] + b, dv[r] + c
                 return tuple(dq), tuple(dk), tuple(dv)
 
@@ -375,7 +457,7 @@ def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axi
                 return (dq, blk, dkv), None
 
             (dq, blk, dkv), _ = lax.scan(body, (dq, blk, dkv), jnp.arange(n - 1, dtype=jnp.int32),
-                                       unroll=True)
+                                       unroll=unroll)
         dq, _, dkv = one(dq, blk, dkv, n - 1, True)
         return dq, dkv
 
@@ -443,39 +525,96 @@ def all_gather_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh,
 
 
 CONTEXT_PARALLEL_MODES = ("ring", "all_gather")
+# Zig-zag load balancing of ring attention (`ModelConfig.zigzag`): "data" (the trainer
+# puts each batch in zig-zag order once; layers run the ring with natural_order=False),
+# "layer" (natural-order data; each layer re-lays out q, k, v, segment ids and the
+# output with half-chunk ppermutes), "none" (contiguous chunks, unbalanced).
+ZIGZAG_MODES = ("data", "layer", "none")
+
+
+class _DataLayout(threading.local):
+    devices: int = 0  # > 0: the traced step's per-token arrays are in zig-zag order
+
+
+_DATA_LAYOUT = _DataLayout()
+
+
+@contextlib.contextmanager
+def zigzag_data(n: int):
+    """Declare, while tracing a step, that every per-token array of its batch (tokens,
+    targets, positions, segment ids, loss weights) was put in zig-zag order over the
+    n devices of the sequence axis (`zigzag(x, n, axis=1)`, done by the trainer on the
+    host). `context_parallel_attention` then runs the ring with `natural_order=False`
+    (no per-layer re-layout) and refuses any attention it cannot evaluate on global
+    natural positions. Only the trainer's train/eval steps activate it."""
+    saved = _DATA_LAYOUT.devices
+    _DATA_LAYOUT.devices = int(n)
+    try:
+        yield
+    finally:
+        _DATA_LAYOUT.devices = saved
+
+
+def zigzag_data_devices() -> int:
+    """n when tracing under `zigzag_data(n)`, else 0."""
+    return _DATA_LAYOUT.devices
 
 
 def context_parallel_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mode: str = "ring",
-                               scale=None, softcap=None):
+                               zigzag: str = "data", scale=None, softcap=None):
     """Attention for a layer under an active mesh (`sharding.use_rules`, as the trainer
     sets it) whose rules split the logical "length" axis over a mesh axis of size
-    n > 1: `ring_attention` (mode "ring"; zig-zag balanced with natural order in
-    and out when T is divisible by 2n, so positions, segment ids and the data stay
-    in natural order) or `all_gather_attention` (mode "all_gather"). Returns None
-    when no such mesh is active or the call is not sequence-parallel self-attention
-    (T != S, e.g. cross-attention): the caller then uses `dot_product_attention`.
+    n > 1: `ring_attention` (mode "ring") or `all_gather_attention` (mode
+    "all_gather"). Returns None when no such mesh is active or the call is not
+    sequence-parallel self-attention (T != S, e.g. cross-attention): the caller then
+    uses `dot_product_attention`.
+
+    Ring load balancing (`zigzag`, when T % 2n == 0 and there is a mask): under
+    `zigzag_data(n)` (the trainer's steps with `zigzag="data"`) q, k, v and the mask's
+    segment ids are already in zig-zag order, so the ring runs with
+    `natural_order=False` and the output stays in that order; otherwise ("data"
+    outside such a step, e.g. sampling, or "layer") the data is in natural order and
+    the ring re-lays it out in and out (four half-chunk ppermutes per tensor);
+    "none": contiguous chunks, no balancing. Masks are evaluated on global natural
+    positions either way (the ring passes each chunk's global offset).
     """
     from tfjax.parallel.sharding import active_mesh, logical_to_spec
 
     if mode not in CONTEXT_PARALLEL_MODES:
         raise ValueError(f"context_parallel: got {mode!r}; allowed: "
                          f"{', '.join(map(repr, CONTEXT_PARALLEL_MODES))}")
+    if zigzag not in ZIGZAG_MODES:
+        raise ValueError(f"zigzag: got {zigzag!r}; allowed: {', '.join(map(repr, ZIGZAG_MODES))}")
+    data_n = zigzag_data_devices()
+    if data_n and (zigzag != "data" or mode != "ring"):
+        raise ValueError(f"context_parallel: the batch is in zig-zag order (zigzag_data({data_n}))"
+                         f" but this layer has context_parallel={mode!r}, zigzag={zigzag!r}; "
+                         f"only context_parallel='ring' with zigzag='data' reads that order")
     mesh = active_mesh()
-    if mesh is None or q.shape[1] != k.shape[1]:
-        return None
-    batch_axes, seq_axes = tuple(logical_to_spec(("batch", "length")))
-    seq_axes = (seq_axes,) if isinstance(seq_axes, str) else tuple(seq_axes or ())
-    seq_axes = tuple(a for a in seq_axes if mesh.shape[a] > 1)
+    seq_axes = ()
+    if mesh is not None and q.shape[1] == k.shape[1]:
+        batch_axes, seq_axes = tuple(logical_to_spec(("batch", "length")))
+        seq_axes = (seq_axes,) if isinstance(seq_axes, str) else tuple(seq_axes or ())
+        seq_axes = tuple(a for a in seq_axes if mesh.shape[a] > 1)
     if not seq_axes:
+        if data_n:
+            raise ValueError(f"context_parallel: the batch is in zig-zag order over {data_n} "
+                             f"devices but this attention (q {q.shape}, k {k.shape}) is not "
+                             f"sequence-parallel self-attention, so it would read the tokens "
+                             f"out of order; use model.zigzag='layer'")
         return None
     if len(seq_axes) > 1:
         raise ValueError(f"context_parallel: the rules split 'length' over several mesh axes "
                          f"{seq_axes}; ring attention runs over one (map 'length' to one axis)")
     seq_axis, n, T = seq_axes[0], mesh.shape[seq_axes[0]], q.shape[1]
+    if data_n and (data_n != n or T % (2 * n)):
+        raise ValueError(f"context_parallel: the batch is in zig-zag order over {data_n} "
+                         f"devices, but {seq_axis!r} has {n} and T={T} (zig-zag needs "
+                         f"T % {2 * n} == 0)")
     if mode == "all_gather":
         return all_gather_attention(q, k, v, mask, mesh=mesh, seq_axis=seq_axis,
                                     batch_axes=batch_axes, scale=scale, softcap=softcap)
-    zz = mask is not None and T % (2 * n) == 0
+    zz = bool(data_n) or (zigzag != "none" and mask is not None and T % (2 * n) == 0)
     return ring_attention(q, k, v, mask, mesh=mesh, seq_axis=seq_axis, batch_axes=batch_axes,
                           scale=scale, softcap=softcap, load_balance="zigzag" if zz else "none",
-                          natural_order=True)
+                          natural_order=not data_n)

@@ -12,9 +12,14 @@ What happens, in order:
    materialised whole on one device.
 3. The pure step (`step.py`) is jitted with in/out shardings and donated state.
 4. Data (`tfjax.data`) is packed into rows; each process builds only the rows its
-   devices hold and they are assembled into one global array.
+   devices hold and they are assembled into one global array. With ring attention
+   over a sequence axis of n devices and `model.zigzag="data"`, every per-token
+   array of the batch is put in zig-zag order on the host first (`zigzag_devices`),
+   and the steps are traced under `ring_attention.zigzag_data(n)`.
 5. orbax saves state and data position every `checkpoint.every_steps` and at the
-   end; rerunning the same command resumes exactly; SIGTERM saves, then exits.
+   end; rerunning the same command resumes exactly. SIGTERM saves, then exits (the
+   CLI with 143); sent to any one process of a multi-process run, it stops every
+   process at the same step through JAX's preemption sync point (checked every step).
 6. Metrics go to the terminal (progress bar), WORKDIR/metrics.jsonl and TensorBoard.
 """
 
@@ -42,6 +47,7 @@ from tfjax.data.pipeline import BATCH_KEYS, PackedBatches
 from tfjax.data.sources import documents
 from tfjax.data.tokenizers import load_tokenizer
 from tfjax.parallel.mesh import make_mesh
+from tfjax.parallel.ring_attention import zigzag_data, zigzag_order
 from tfjax.parallel.rules import logical_rules, replicated, tree_shardings
 from tfjax.parallel.sharding import logical_to_spec, use_rules
 from tfjax.train.checkpoint import Checkpointer, abstract_with_shardings
@@ -50,7 +56,8 @@ from tfjax.train.metrics import MetricWriter, ProgressBar, flops_per_token, peak
 from tfjax.train.optim import lr_schedule, make_optimizer
 from tfjax.train.step import make_eval_step, make_train_step
 
-__all__ = ["Program", "Trainer", "build_program", "check_run", "compression_bits_per_byte"]
+__all__ = ["Program", "Trainer", "build_program", "check_run", "compression_bits_per_byte",
+           "zigzag_devices", "zigzag_rows"]
 
 
 def _axes_size(mesh, rules, name: str) -> tuple[int, tuple[str, ...]]:
@@ -90,6 +97,42 @@ def check_run(cfg: RunConfig, mesh, tokenizer) -> None:
                          f"{jax.process_count()} processes")
 
 
+def zigzag_devices(cfg: RunConfig, mesh, build_model=None) -> tuple[int, str | None]:
+    """(n, note): n > 0 when the trainer feeds batches in zig-zag order over the n
+    devices of the sequence axis (`model.zigzag="data"`, ring attention, seq_len % 2n
+    == 0, a `tfjax.models.build` model), else 0. `note` says why "data" fell back to
+    natural order: layers whose result depends on token order other than through
+    attention's position-aware mask (Mamba / linear-attention mixers, ALiBi / T5
+    biases, capacity-factor MoE, which fills expert slots in token order) would see
+    the tokens out of order, and a custom `build_model` (e.g. a test double) may
+    derive its mask or positions from the array index."""
+    m, t = cfg.model, cfg.train
+    axes = [a for a in (dict(logical_rules(cfg.mesh.rules)).get("length") or ())
+            if mesh.shape[a] > 1]
+    if m.zigzag != "data" or m.context_parallel != "ring" or len(axes) != 1:
+        return 0, None
+    n = mesh.shape[axes[0]]
+    why = [f"layer_pattern has {k!r} layers" for k in ("mamba", "linear") if k in m.layer_pattern]
+    if build_model is not None and build_model is not _default_builder():
+        why.append("a custom build_model, which may not read positions from the batch")
+    if m.position in ("alibi", "t5"):
+        why.append(f"position={m.position!r} adds a position bias")
+    if "moe" in m.ffn_pattern and m.capacity_factor > 0:
+        why.append("capacity_factor > 0 MoE fills expert slots in token order")
+    if t.seq_len % (2 * n):
+        why.append(f"train.seq_len={t.seq_len} is not divisible by 2 x {n} sequence devices")
+    if why:
+        return 0, (f"model.zigzag='data' not applied ({'; '.join(why)}): batches stay in "
+                   f"natural order; attention runs as with model.zigzag='layer'")
+    return n, None
+
+
+def zigzag_rows(x: np.ndarray, n: int) -> np.ndarray:
+    """`ring_attention.zigzag(x, n, axis=1)` in numpy, for a host batch `[B, T]`."""
+    B, T = x.shape
+    return x.reshape(B, 2 * n, T // (2 * n))[:, zigzag_order(n)].reshape(B, T)
+
+
 def compression_bits_per_byte(data: bytes) -> dict[str, float]:
     """Bits per byte of gzip -9 and xz -9e on `data` (the baselines to beat)."""
     n = max(len(data), 1)
@@ -121,6 +164,7 @@ class Program:
     init: Callable
     step: Callable
     eval: Callable
+    zigzag: int = 0  # > 0: batches must be in zig-zag order over this many devices
 
 
 def build_program(cfg: RunConfig, mesh, build_model) -> Program:
@@ -156,15 +200,29 @@ def build_program(cfg: RunConfig, mesh, build_model) -> Program:
     # activations to ("batch", "length") (sequence sharding).
     batch_sharding = NamedSharding(mesh, logical_to_spec(("batch", None), rules))
     rep = replicated(mesh)
+    zz, note = zigzag_devices(cfg, mesh, build_model)
+    if note:
+        notes.append(note)
+
+    def traced(f):  # the layers read the data layout while jit traces the step
+        if not zz:
+            return f
+
+        def g(*args):
+            with zigzag_data(zz):
+                return f(*args)
+        return g
+
     return Program(
         graphdef=graphdef, eval_graphdef=eval_graphdef, tx=tx, abstract_state=abstract_state,
         state_shardings=state_shardings, batch_sharding=batch_sharding, notes=notes,
         num_params=num_params,
         init=jax.jit(init, out_shardings=state_shardings),
-        step=jax.jit(make_train_step(graphdef, tx, t, mesh, rules),
+        zigzag=zz,
+        step=jax.jit(traced(make_train_step(graphdef, tx, t, mesh, rules)),
                      in_shardings=(state_shardings, batch_sharding),
                      out_shardings=(state_shardings, rep), donate_argnums=0),
-        eval=jax.jit(make_eval_step(eval_graphdef, mesh, rules),
+        eval=jax.jit(traced(make_eval_step(eval_graphdef, mesh, rules)),
                      in_shardings=(state_shardings, batch_sharding), out_shardings=rep))
 
 
@@ -191,11 +249,13 @@ class Trainer:
         self.abstract_state, self.state_shardings = p.abstract_state, p.state_shardings
         self.batch_sharding, self.notes, self.num_params = p.batch_sharding, p.notes, p.num_params
         self._init, self._step, self._eval = p.init, p.step, p.eval
+        self.zigzag = p.zigzag
         self.local_rows = self._local_rows(t.batch_size)
         self._lr = lr_schedule(t)
         self.checkpointer = Checkpointer(workdir, cfg.checkpoint)
         self.history: dict[int, float] = {}
-        self._stop = False
+        self._stop = False  # set by the Python SIGTERM handler (when one is installed)
+        self._preemption_sync: Callable[[int], bool] | None = None
 
     # ------------------------------------------------------------------ data
     def _local_rows(self, batch: int) -> list[int]:
@@ -219,8 +279,11 @@ class Trainer:
                              shuffle=False, repeat=False)
 
     def global_batch(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        """This process's rows -> global arrays sharded over the batch axes."""
+        """This process's rows -> global arrays sharded over the batch axes (in zig-zag
+        order along the sequence when `self.zigzag`, as the compiled steps expect)."""
         t = self.cfg.train
+        if self.zigzag:
+            local = {k: zigzag_rows(local[k], self.zigzag) for k in BATCH_KEYS}
         where = {r: i for i, r in enumerate(self.local_rows)}
 
         def one(x):
@@ -310,6 +373,20 @@ class Trainer:
     def _on_sigterm(self, signum, frame):
         self._stop = True
 
+    def _data_state(self, it: PackedBatches) -> dict:
+        """The iterator state to checkpoint (collective with several processes). A
+        process advances only the streams of its own rows, and orbax writes the JSON of
+        process 0 alone, so each row's cursor is gathered from a process that holds it."""
+        st = it.get_state()
+        if jax.process_count() == 1:
+            return st
+        from jax.experimental import multihost_utils
+
+        mine = np.full((len(st["cursors"]), 2), -1, np.int32)
+        mine[self.local_rows] = np.asarray(st["cursors"], np.int32)[self.local_rows]
+        every = np.asarray(multihost_utils.process_allgather(mine))  # [processes, B, 2]
+        return dict(st, cursors=every.max(0).tolist())  # a row's holders agree; others -1
+
     def train(self) -> dict[str, Any]:
         cfg, t = self.cfg, self.cfg.train
         log = self.log
@@ -335,10 +412,12 @@ class Trainer:
         tokens_per_step = t.batch_size * t.seq_len
         bar = ProgressBar(t.steps, enabled=t.progress)
         old_handler = None
-        try:
-            old_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
-        except ValueError:  # not the main thread
-            pass
+        self._preemption_sync = _preemption_sync_point(start)
+        if self._preemption_sync is None:  # with the sync manager, its C++ handler must stay
+            try:
+                old_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+            except ValueError:  # not the main thread
+                pass
         pending: list[tuple[int, dict]] = []
         last_t, last_step, compile_s = time.perf_counter(), start, None
         step = start
@@ -379,8 +458,12 @@ class Trainer:
                 if self._should_stop(step):
                     flush()
                     if cfg.checkpoint.enabled:
-                        self.checkpointer.save(step, state, it.get_state(), wait=True)
-                    log(f"\nSIGTERM: saved step {step}; rerun the same command to resume")
+                        self.checkpointer.save(step, state, self._data_state(it), wait=True)
+                    msg = f"SIGTERM: saved step {step}; rerun the same command to resume"
+                    if jax.process_count() > 1:  # every host's log says where it stopped
+                        print(f"\n[process {jax.process_index()}] {msg}", flush=True)
+                    else:
+                        log("\n" + msg)
                     preempted = True
                     break
                 batch = self.global_batch(next(it))
@@ -402,10 +485,10 @@ class Trainer:
                     last_t = time.perf_counter()
                 every = cfg.checkpoint.every_steps
                 if cfg.checkpoint.enabled and every and step % every == 0 and step < t.steps:
-                    self.checkpointer.save(step, state, it.get_state())
+                    self.checkpointer.save(step, state, self._data_state(it))
             bar.close()
             if not preempted and cfg.checkpoint.enabled:
-                self.checkpointer.save(step, state, it.get_state(), wait=True)
+                self.checkpointer.save(step, state, self._data_state(it), wait=True)
             if not preempted and t.eval_at_end:
                 ev = self.evaluate(state)
                 writer.write(step, val_loss=ev["val_loss"], val_bpb=ev["val_bpb"])
@@ -437,14 +520,56 @@ class Trainer:
         return summary
 
     def _should_stop(self, step: int) -> bool:
+        """Save and exit before `step`? Every process must answer the same at the same
+        step (a save is collective). Asked before every step."""
+        if jax.process_count() == 1 and self._stop:
+            return True
+        if self._preemption_sync is not None:
+            # JAX's preemption sync point: a mutex and a compare, so asked every step; it
+            # is True at the same step on every process once any one of them got SIGTERM.
+            return self._preemption_sync(step)
         if jax.process_count() == 1:
             return self._stop
-        # Every process must agree (a save is collective): ask them all, now and then.
+        # Fallback, several processes without the sync manager (jax without
+        # `reached_preemption_sync_point`, or `jax_enable_preemption_service=False`):
+        # our Python handler's flag, gathered from every process every `log_every`
+        # steps (a collective, so not every step); a SIGTERM acts within log_every steps.
         if step % max(self.cfg.train.log_every, 1):
             return False
         from jax.experimental import multihost_utils
         flags = multihost_utils.process_allgather(np.array(self._stop, np.int32))
         return bool(np.any(flags))
+
+
+def _preemption_sync_point(start: int) -> Callable[[int], bool] | None:
+    """`multihost_utils.reached_preemption_sync_point` when this process runs JAX's
+    preemption sync manager, else None (then the trainer installs a Python handler).
+
+    How it works (read in jax / xla sources for jax 0.10.2): `jax.distributed.initialize`
+    creates the coordination service's PreemptionSyncManager; its notifier installs a C++
+    SIGTERM handler (`std::signal`) that only sets a flag, polled once a second by a
+    listener thread. The process that got SIGTERM writes a notice into the coordination
+    service's key-value store; on every process a background thread then publishes the
+    last step passed to `reached_preemption_sync_point(step)` (and blocks further calls),
+    meets the others at a barrier and takes the largest + 1 as the sync step, where
+    `reached_preemption_sync_point` returns True on every process. It must be called with
+    every step, the same sequence on every process (orbax's save calls it with the saved
+    step too; its async finalize thread may do so a step late, a narrow race orbax-based
+    trainers share). A Python `signal.signal(SIGTERM, ...)` installed after
+    `initialize` replaces the C++ handler and the notifier never fires (`signal.getsignal`
+    does not even show it), so with the sync manager nothing here touches SIGTERM.
+    Known gap: a notice that arrives before a *resumed* run's first call sets the sync
+    step below `start`; that SIGTERM is not acted on (the previous checkpoint stands).
+    """
+    try:
+        from jax.experimental.multihost_utils import reached_preemption_sync_point
+
+        if not jax.distributed.is_initialized():
+            return None
+        reached_preemption_sync_point(start)  # RuntimeError: the sync manager is off
+    except (ImportError, AttributeError, RuntimeError):
+        return None
+    return reached_preemption_sync_point
 
 
 def _plain(x):

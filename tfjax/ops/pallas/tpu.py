@@ -48,7 +48,7 @@ from tfjax.ops.pallas.common import (
     tile_tables,
 )
 
-__all__ = ["DEFAULT_BLOCK_SIZES", "flash_attention_tpu"]
+__all__ = ["DEFAULT_BLOCK_SIZES", "flash_attention_tpu", "flash_attention_tpu_backward"]
 
 LANES = 128
 # Large tiles amortise the ~0.35us per grid step; [512, 512] fp32 logits are 1 MiB
@@ -76,6 +76,7 @@ class _Config:
     block_sizes: BlockSizes
     interpret: Any
     static_offsets: tuple[int, int] | None  # python-int offsets (tables built at trace time)
+    grad_dtype: Any = None  # dq/dk/dv dtype; None: the input dtypes
 
 
 def flash_attention_tpu(q, k, v, mask=None, *, bias=None, scale=None, softcap=None, q_offset=0,
@@ -96,6 +97,34 @@ def flash_attention_tpu(q, k, v, mask=None, *, bias=None, scale=None, softcap=No
     offs = jnp.stack([jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32)])
     out, lse = _flash(cfg, q, k, v, mask, bias, offs)
     return (out, lse) if return_lse else out
+
+
+def flash_attention_tpu_backward(q, k, v, mask, out, lse, dout, *, scale=None, softcap=None,
+                                 q_offset=0, kv_offset=0, block_sizes: BlockSizes | None = None,
+                                 interpret: Any = None, grad_dtype=jnp.float32):
+    """The dq and dk/dv kernels for one (q block, kv block) pair, given the *final*
+    output `out` `[B,T,N,H]` and logsumexp `lse` `[B,N,T]` of these queries (which
+    may span more keys than `k`/`v`: ring attention passes the result merged over
+    all blocks). Probabilities are recomputed per tile as `exp(logits - lse)`, so
+    the result is this block's exact contribution to the full gradient. No bias.
+    -> dq `[B,T,N,H]`, dk, dv `[B,S,K,H]` in `grad_dtype` (fp32 by default, for
+    accumulation across blocks)."""
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    H = q.shape[-1]
+    static = (q_offset, kv_offset) if all(isinstance(o, int) for o in (q_offset, kv_offset)) \
+        else None
+    cfg = _Config(scale=float(H ** -0.5 if scale is None else scale),
+                  softcap=float(softcap) if softcap else None,
+                  block_sizes=block_sizes or DEFAULT_BLOCK_SIZES, interpret=interpret,
+                  static_offsets=static, grad_dtype=grad_dtype)
+    offs = jnp.stack([jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32)])
+    do = dout.astype(q.dtype)
+    delta = jnp.einsum("BTNH,BTNH->BNT", do.astype(jnp.float32), out.astype(jnp.float32))
+    lse = jnp.where(lse == -jnp.inf, 0.0, lse.astype(jnp.float32))
+    dq = _backward_dq(cfg, q, k, v, mask, None, offs, do, lse, delta)
+    dk, dv, _ = _backward_dkv(cfg, q, k, v, mask, None, offs, do, lse, delta)
+    return dq, dk, dv
 
 
 # --------------------------------------------------------------------------- #
@@ -376,7 +405,7 @@ def _backward_dq(cfg, q, k, v, mask, bias, offs, do, lse, delta):
         scratch_shapes=[_vmem((bq, d.Hp), jnp.float32)])
     (dq,) = pl.pallas_call(
         kernel, grid_spec=grid_spec,
-        out_shape=[jax.ShapeDtypeStruct((d.B, d.N, d.Tp, d.Hp), q.dtype)],
+        out_shape=[jax.ShapeDtypeStruct((d.B, d.N, d.Tp, d.Hp), cfg.grad_dtype or q.dtype)],
         interpret=cfg.interpret, name="tfjax_flash_dq",
         compiler_params=_compiler_params("parallel", "parallel", "parallel", "arbitrary"),
     )(tab.order, tab.count, tab.code, offs, *mops.scalars, *operands)
@@ -481,8 +510,8 @@ def _backward_dkv(cfg, q, k, v, mask, bias, offs, do, lse, delta):
         operands.append(ks[:, :, None])
     out_specs = [pl.BlockSpec((None, None, bk, d.Hp), kv_row),
                  pl.BlockSpec((None, None, bk, d.Hp), kv_row)]
-    out_shape = [jax.ShapeDtypeStruct((d.B, d.K, d.Sp, d.Hp), k.dtype),
-                 jax.ShapeDtypeStruct((d.B, d.K, d.Sp, d.Hp), v.dtype)]
+    out_shape = [jax.ShapeDtypeStruct((d.B, d.K, d.Sp, d.Hp), cfg.grad_dtype or k.dtype),
+                 jax.ShapeDtypeStruct((d.B, d.K, d.Sp, d.Hp), cfg.grad_dtype or v.dtype)]
     if has_bias:
         out_specs.append(pl.BlockSpec(
             (None, None, bq, bk),
