@@ -34,7 +34,7 @@ def tpu_devices():
     return np.array(topo.devices).reshape(-1)
 
 
-def compile_ring(devices, n, tokens_per_device=TOKENS_PER_DEVICE):
+def compile_ring(devices, n, tokens_per_device=TOKENS_PER_DEVICE, load_balance="zigzag"):
     mesh = Mesh(devices[:n], ("sequence",))
     S = n * tokens_per_device
     seg = jax.ShapeDtypeStruct((1, S), jnp.int32, sharding=NamedSharding(mesh, P(None, "sequence")))
@@ -45,7 +45,7 @@ def compile_ring(devices, n, tokens_per_device=TOKENS_PER_DEVICE):
 
     def loss(q, k, v, ids):  # packed documents, causal, zig-zag order from the pipeline
         out = ring_attention(q, k, v, masks.causal() & masks.segments(ids), mesh=mesh,
-                             load_balance="zigzag", natural_order=False)
+                             load_balance=load_balance, natural_order=False)
         return out.astype(jnp.float32).sum()
 
     return jax.jit(jax.grad(loss, (0, 1, 2))).lower(*args).compile()

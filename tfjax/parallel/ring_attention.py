@@ -239,7 +239,7 @@ def _ring_implementation(implementation: str, mask, backend: str) -> str:
 
 
 def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axis: str = "sequence",
-                   batch_axes=None, scale=None, softcap=None, load_balance: str = "none",
+                   batch_axes=None, scale=None, softcap=None, load_balance: str = "zigzag",
                    natural_order: bool = True, block_q: int = DEFAULT_BLOCK,
                    block_kv: int = DEFAULT_BLOCK, skip_masked_blocks: bool = True,
                    implementation: str = "auto", block_sizes=None, unroll: bool | None = None):
@@ -249,8 +249,9 @@ def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axi
     sequence dims are split over `seq_axis` of `mesh` (and the batch over
     `batch_axes`, a mesh axis name or tuple of names, if given).
 
-    load_balance: "none" (device i holds positions [i*T/n, (i+1)*T/n)) or "zigzag"
-    (2n chunks, device i holds chunks i and 2n-1-i; needs T == S and T % 2n == 0).
+    load_balance: "zigzag" (the default: 2n chunks, device i holds chunks i and
+    2n-1-i, so causal work is even; needs T == S and T % 2n == 0) or "none" (device i
+    holds positions [i*T/n, (i+1)*T/n)).
     With "zigzag" and `natural_order=True` the inputs/outputs are in natural order and
     re-laid out on device (ppermutes of half chunks, no gather); with
     `natural_order=False` they are already in zig-zag order (including the segment
@@ -279,10 +280,12 @@ def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axi
         raise ValueError(f"ring_attention: {N} query heads are not a multiple of {K} kv heads")
     pieces = 2 if load_balance == "zigzag" else 1
     if load_balance == "zigzag" and T != S:
-        raise ValueError(f"ring_attention: zigzag needs T == S, got T={T}, S={S}")
+        raise ValueError(f"ring_attention: load_balance='zigzag' needs T == S, got T={T}, "
+                         f"S={S}; pass load_balance='none'")
     if T % (n * pieces) or S % (n * pieces):
+        hint = "; or pass load_balance='none' (T, S divisible by n)" if pieces == 2 else ""
         raise ValueError(f"ring_attention: T={T} and S={S} must be divisible by "
-                         f"{n * pieces} ({n} devices on {seq_axis!r} x {pieces} chunks)")
+                         f"{n * pieces} ({n} devices on {seq_axis!r} x {pieces} chunks){hint}")
     scale = float(H ** -0.5 if scale is None else scale)
     # The mesh's platform, not the default backend: an AOT compile for a TPU topology
     # runs on a CPU host.

@@ -79,12 +79,9 @@ class _Config:
     grad_dtype: Any = None  # dq/dk/dv dtype; None: the input dtypes
 
 
-def flash_attention_tpu(q, k, v, mask=None, *, bias=None, scale=None, softcap=None, q_offset=0,
-                        kv_offset=0, return_lse=False, block_sizes: BlockSizes | None = None,
-                        interpret: Any = None):
-    """q `[B,T,N,H]`, k/v `[B,S,K,H]` -> out `[B,T,N,H]` (and lse `[B,N,T]` fp32).
-
-    `interpret=None` interprets on CPU and compiles with Mosaic elsewhere."""
+def _config(q, scale, softcap, q_offset, kv_offset, block_sizes, interpret, grad_dtype=None):
+    """The kernels' static config and the `[2]` int32 offsets operand. `interpret=None`
+    interprets on CPU; python-int offsets build the tile tables at trace time."""
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     H = q.shape[-1]
@@ -93,8 +90,18 @@ def flash_attention_tpu(q, k, v, mask=None, *, bias=None, scale=None, softcap=No
     cfg = _Config(scale=float(H ** -0.5 if scale is None else scale),
                   softcap=float(softcap) if softcap else None,
                   block_sizes=block_sizes or DEFAULT_BLOCK_SIZES, interpret=interpret,
-                  static_offsets=static)
+                  static_offsets=static, grad_dtype=grad_dtype)
     offs = jnp.stack([jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32)])
+    return cfg, offs
+
+
+def flash_attention_tpu(q, k, v, mask=None, *, bias=None, scale=None, softcap=None, q_offset=0,
+                        kv_offset=0, return_lse=False, block_sizes: BlockSizes | None = None,
+                        interpret: Any = None):
+    """q `[B,T,N,H]`, k/v `[B,S,K,H]` -> out `[B,T,N,H]` (and lse `[B,N,T]` fp32).
+
+    `interpret=None` interprets on CPU and compiles with Mosaic elsewhere."""
+    cfg, offs = _config(q, scale, softcap, q_offset, kv_offset, block_sizes, interpret)
     out, lse = _flash(cfg, q, k, v, mask, bias, offs)
     return (out, lse) if return_lse else out
 
@@ -109,16 +116,8 @@ def flash_attention_tpu_backward(q, k, v, mask, out, lse, dout, *, scale=None, s
     the result is this block's exact contribution to the full gradient. No bias.
     -> dq `[B,T,N,H]`, dk, dv `[B,S,K,H]` in `grad_dtype` (fp32 by default, for
     accumulation across blocks)."""
-    if interpret is None:
-        interpret = jax.default_backend() == "cpu"
-    H = q.shape[-1]
-    static = (q_offset, kv_offset) if all(isinstance(o, int) for o in (q_offset, kv_offset)) \
-        else None
-    cfg = _Config(scale=float(H ** -0.5 if scale is None else scale),
-                  softcap=float(softcap) if softcap else None,
-                  block_sizes=block_sizes or DEFAULT_BLOCK_SIZES, interpret=interpret,
-                  static_offsets=static, grad_dtype=grad_dtype)
-    offs = jnp.stack([jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32)])
+    cfg, offs = _config(q, scale, softcap, q_offset, kv_offset, block_sizes, interpret,
+                        grad_dtype)
     do = dout.astype(q.dtype)
     delta = jnp.einsum("BTNH,BTNH->BNT", do.astype(jnp.float32), out.astype(jnp.float32))
     lse = jnp.where(lse == -jnp.inf, 0.0, lse.astype(jnp.float32))
