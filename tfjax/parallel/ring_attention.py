@@ -37,10 +37,11 @@ single-device blockwise does) plus the K/V block being used and the next one and
 the fp32 dK/dV accumulator being updated and the one in transit (8 kv-sized fp32
 arrays), where single-device blockwise holds 3 q-sized + 2 kv-sized. With GQA 4/1
 that is 5 KiB against 3.5 KiB per token, so 8 devices give at best 5 / (8 x 3.5) =
-0.18x; with MHA 0.28x. Measured, the while loop holds 6.8 KiB per local token:
-the rest are per-call copies inside blockwise (the vmapped query/cotangent tiles,
-a zero dQ carry per call) that a tile-major layout kept across the ring's steps
-would remove.
+0.18x; with MHA 0.28x. Measured, the while loop holds 6.8 KiB per local token. The
+extra 1.8 KiB is not attributed yet: it is not the zig-zag pieces (load_balance=
+"none" holds 7.0) nor blockwise's batch vmap (calling it without vmap at B=1 saved
+0.2); candidates are the per-call zero dQ carry and dq/dk/dv sums of
+`blockwise_attention_backward`, which could accumulate into the ring's buffers.
 
 Load balancing (`load_balance="zigzag"`, for causal masks): the sequence is cut into
 2n chunks and device i holds chunks i and 2n-1-i, so every device does the same
