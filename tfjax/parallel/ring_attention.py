@@ -40,8 +40,8 @@ that is 5 KiB against 3.5 KiB per token, so 8 devices give at best 5 / (8 x 3.5)
 0.18x; with MHA 0.28x. Measured, the while loop holds 6.8 KiB per local token. The
 extra 1.8 KiB is not attributed yet: it is not the zig-zag pieces (load_balance=
 "none" holds 7.0) nor blockwise's batch vmap (calling it without vmap at B=1 saved
-0.2); candidates are the per-call zero dQ carry and dq/dk/dv sums of
-`blockwise_attention_backward`, which could accumulate into the ring's buffers.
+0.2) nor the per-call zero dQ carry (accumulating into the ring's dQ buffer saved
+nothing); XLA's buffer assignment dump is the next place to look.
 
 Load balancing (`load_balance="zigzag"`, for causal masks): the sequence is cut into
 2n chunks and device i holds chunks i and 2n-1-i, so every device does the same
