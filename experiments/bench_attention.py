@@ -11,7 +11,8 @@ GQA 4/1, H=64, fp32, forward and forward+backward), and the growth factor per
 below --max-run-gib (compiling is enough to know the memory).
 
 gpu: forward, backward and forward+backward TFLOP/s (4*B*N*T*S*H FLOPs, halved
-when causal; backward counted as 2.5x forward) of "pallas" next to
+when causal; backward counted as 2.5x forward) of "pallas" (the Triton kernels,
+and on Hopper also the Mosaic GPU forward of `tfjax/ops/pallas/hopper.py`) next to
 jax.nn.dot_product_attention(implementation="cudnn" / "xla") and jax's own Pallas
 GPU attention, for H in {64, 128, 256}, S from 1k to 16k, causal and not, GQA
 32/8, sliding-window and segment masks (cuDNN given the explicit dense mask).
@@ -123,6 +124,9 @@ def _cudnn(mask, T, S, kind):
 
 
 def bench_gpu(args):
+    from tfjax.ops.pallas.gpu import _is_hopper, flash_attention_gpu
+
+    hopper = _is_hopper()
     B, N, K = 1, 32, 8
     dtype = jnp.bfloat16
     out = [(f"# GPU attention TFLOP/s ({jax.devices()[0].device_kind}, jax {jax.__version__}, "
@@ -154,8 +158,16 @@ def bench_gpu(args):
         q = jax.random.normal(ks[0], (B, T, N, H), dtype)
         k = jax.random.normal(ks[1], (B, S, K, H), dtype)
         v = jax.random.normal(ks[2], (B, S, K, H), dtype)
-        impls = {"pallas (tfjax)": lambda q, k, v, m=mask: dot_product_attention(
-            q, k, v, m, implementation="pallas")}
+        impls = {
+            # forward="auto" = the Hopper (Mosaic GPU) forward on sm_90, else Triton
+            "tfjax pallas (auto)": lambda q, k, v, m=mask: dot_product_attention(
+                q, k, v, m, implementation="pallas"),
+            "tfjax pallas (triton fwd)": lambda q, k, v, m=mask: flash_attention_gpu(
+                q, k, v, m, forward="triton"),
+        }
+        if hopper:
+            impls["tfjax pallas (hopper fwd)"] = lambda q, k, v, m=mask: flash_attention_gpu(
+                q, k, v, m, forward="hopper")
         if mask_name in ("none", "causal"):
             impls["cudnn"] = _cudnn(mask, T, S, "causal" if mask_name == "causal" else "none")
             impls["jax pallas gpu"] = _jax_pallas_gpu(mask_name == "causal")

@@ -12,7 +12,10 @@ head dims to a power of two (>= 16) as Triton requires.
 
 Layout `[B, T, N, H]` (no transposes). Runs in interpret mode on CPU
 (`interpret=True`), which is how the CPU tests exercise it; compiling it needs
-a GPU. Mosaic GPU (Hopper warpgroup) kernels are not written yet.
+a GPU. On Hopper the forward is `hopper.py`'s Mosaic GPU kernel (TMA + wgmma)
+where it supports the request (`forward="auto"`); the backward is always these
+Triton kernels (they take the forward's output and logsumexp, whichever kernel
+produced them).
 """
 
 from __future__ import annotations
@@ -73,18 +76,53 @@ class _Config:
     block_sizes: BlockSizes
     interpret: Any
     static_offsets: tuple[int, int] | None
+    forward: str = "triton"  # or "hopper"
+    hopper: Any = None  # hopper.HopperConfig
+
+
+_FORWARDS = ("auto", "triton", "hopper")
+
+
+def _is_hopper() -> bool:
+    try:
+        dev = jax.devices()[0]
+        return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9.")
+    except RuntimeError:  # pragma: no cover - no backend
+        return False
+
+
+def _pick_forward(forward, q, mask, bias, interpret) -> str:
+    from tfjax.ops.pallas import hopper
+
+    if forward not in _FORWARDS:
+        raise ValueError(f"flash_attention_gpu: forward must be one of {_FORWARDS}, got {forward!r}")
+    reason = hopper.supports(q.dtype, q.shape[-1], mask, bias is not None)
+    if forward == "hopper":
+        if reason:
+            raise ValueError(f"flash_attention_gpu(forward='hopper'): {reason}; pass "
+                             "forward='triton' (or 'auto') for this request")
+        return "hopper"
+    if forward == "auto" and not interpret and reason is None and _is_hopper():
+        return "hopper"
+    return "triton"
 
 
 def flash_attention_gpu(q, k, v, mask=None, *, bias=None, scale=None, softcap=None, q_offset=0,
                         kv_offset=0, return_lse=False, block_sizes: BlockSizes | None = None,
-                        interpret: Any = False):
-    """q `[B,T,N,H]`, k/v `[B,S,K,H]` -> out `[B,T,N,H]` (and lse `[B,N,T]` fp32)."""
+                        interpret: Any = False, forward: str = "auto", hopper_config=None):
+    """q `[B,T,N,H]`, k/v `[B,S,K,H]` -> out `[B,T,N,H]` (and lse `[B,N,T]` fp32).
+
+    `forward`: "auto" runs the Hopper (Mosaic GPU) forward on sm_90 GPUs when it
+    supports the request (16-bit, no bias, see `hopper.supports`), else the
+    Triton one; "hopper" insists (and runs it in GPU interpret mode when
+    `interpret`); "triton" never uses it. `hopper_config`: its tiles."""
     H = q.shape[-1]
     static = (q_offset, kv_offset) if all(isinstance(o, int) for o in (q_offset, kv_offset)) \
         else None
     bs = block_sizes or _default_block_sizes(H)
     cfg = _Config(float(H ** -0.5 if scale is None else scale), float(softcap) if softcap else None,
-                  bs, interpret, static)
+                  bs, interpret, static, _pick_forward(forward, q, mask, bias, interpret),
+                  hopper_config)
     offs = jnp.stack([jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32)])
     out, lse = _flash(cfg, q, k, v, mask, bias, offs)
     return (out, lse) if return_lse else out
@@ -417,13 +455,24 @@ def _dkv_call(cfg, q, k, v, mask, bias, offs, do, lse, delta):
 # --------------------------------------------------------------------------- #
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(cfg, q, k, v, mask, bias, offs):
+def _forward(cfg, q, k, v, mask, bias, offs):
+    if cfg.forward == "hopper":
+        from tfjax.ops.pallas.hopper import flash_forward_hopper
+
+        qo, ko = cfg.static_offsets if cfg.static_offsets is not None else (offs[0], offs[1])
+        return flash_forward_hopper(q, k, v, mask, scale=cfg.scale, softcap=cfg.softcap,
+                                    q_offset=qo, kv_offset=ko, config=cfg.hopper,
+                                    interpret=cfg.interpret)
     return _row_call(cfg, q, k, v, mask, bias, offs, backward=False)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(cfg, q, k, v, mask, bias, offs):
+    return _forward(cfg, q, k, v, mask, bias, offs)
+
+
 def _flash_fwd(cfg, q, k, v, mask, bias, offs):
-    out, lse = _row_call(cfg, q, k, v, mask, bias, offs, backward=False)
+    out, lse = _forward(cfg, q, k, v, mask, bias, offs)
     return (out, lse), (q, k, v, mask, bias, offs, out, lse)
 
 

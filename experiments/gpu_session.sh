@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The one prepared run for a session that is lent an NVIDIA GPU (H100/H200):
+# the accelerator tests of the GPU kernels (Triton, and the Mosaic GPU forward
+# on Hopper), then `bench_attention.py gpu`. About 8 minutes; results under $OUT.
+#
+# Prepare here, once (the device has no network and no ml-collections):
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#       --implementation cp --platform manylinux2014_x86_64 -d .whl ml_collections==1.1.0
+# Then, with the device tool:
+#   run(command="bash experiments/gpu_session.sh", carry=[".whl"], timeout_s=570)
+# and copy $OUT/attention_gpu_*.md into experiments/results/.
+set -o pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+OUT="${OUT:-/tmp/gpu_session}"
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site" || exit 1
+fi
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv 2>&1 | tee "$OUT/gpu.txt"
+python3 -c "import jax; print('jax', jax.__version__, jax.devices(), \
+getattr(jax.devices()[0], 'compute_capability', '?'))" 2>&1 | tee -a "$OUT/gpu.txt"
+timeout 150 python3 -m pytest -q -p no:cacheprovider -m accelerator \
+    tests/ops/test_pallas_gpu.py tests/ops/test_pallas_hopper.py 2>&1 | tee "$OUT/accelerator_tests.log"
+timeout 390 python3 experiments/bench_attention.py gpu --budget-s 300 2>&1 | tee "$OUT/bench.log"
+cp experiments/results/attention_gpu_*.md "$OUT/" 2>/dev/null
+echo "done"

@@ -1,0 +1,100 @@
+"""The Hopper (Mosaic GPU) forward: against the reference in Pallas' GPU interpret
+mode on CPU (with the Triton backward, also interpreted), lowered for the cuda
+platform without a GPU (the Pallas -> Mosaic GPU lowering, including its shared
+memory budget, runs in Python), its refusals, and on a Hopper GPU when there is
+one (accelerator-marked)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from attention_cases import check_against_reference, inputs, make_mask
+
+from tfjax.ops import masks as M
+from tfjax.ops.pallas import BlockSizes
+from tfjax.ops.pallas.gpu import flash_attention_gpu
+from tfjax.ops.pallas.hopper import HopperConfig, flash_forward_hopper, supports
+
+BS = BlockSizes(32, 64, 32, 64, 64, 32)  # the Triton backward's tiles (interpreted)
+
+
+@pytest.mark.parametrize("B,T,S,heads,H,mask_name,extras,C", [
+    (1, 100, 150, (4, 2), 80, "causal&segments", {"softcap": 20.0, "q_offset": 3}, 2),
+    (2, 128, 100, (4, 1), 64, "padding_fully_masked", {"kv_offset": 2}, 1),
+    (1, 130, 200, (2, 2), 128, "window_lr", {}, 2),
+], ids=["gqa-segments-softcap-offset-tails-h80", "mqa-fully-masked-rows-one-warpgroup",
+        "window-mha-h128"])
+def test_interpret_matches_reference(B, T, S, heads, H, mask_name, extras, C):
+    """C = 2: two consumer warpgroups and a producer (warp specialisation, the
+    default); C = 1: one warpgroup issues its own copies."""
+    q, k, v, _ = inputs(B, T, S, *heads, H, dtype=jnp.bfloat16)
+    impl = functools.partial(flash_attention_gpu, interpret=True, forward="hopper",
+                             hopper_config=HopperConfig(block_kv=64, compute_warpgroups=C))
+    check_against_reference(impl, q, k, v, make_mask(mask_name, B, T, S), block_sizes=BS,
+                            **extras)
+
+
+def _lower(mask, H, dtype, grad):
+    sds = jax.ShapeDtypeStruct
+    q, kv = sds((2, 1000, 8, H), dtype), sds((2, 1000, 2, H), dtype)
+
+    def f(q, k, v):
+        out = flash_attention_gpu(q, k, v, mask, forward="hopper")
+        return out.astype(jnp.float32).sum()
+
+    return jax.jit(jax.grad(f, (0, 1, 2)) if grad else f).trace(q, kv, kv).lower(
+        lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("mask_name,H,dtype,grad", [
+    ("causal", 128, jnp.bfloat16, True),
+    ("causal&segments", 64, jnp.float16, False),
+    ("window", 256, jnp.bfloat16, False),
+])
+def test_lowers_to_mosaic_gpu(mask_name, H, dtype, grad):
+    qs = ks = np.repeat(np.arange(4), 250)[None].repeat(2, 0)
+    mask = {"causal": M.causal(), "window": M.sliding_window(128),
+            "causal&segments": M.causal() & M.segments(qs, ks)}[mask_name]
+    try:
+        text = _lower(mask, H, dtype, grad)
+    except Exception as e:
+        if "cuda" in str(e).lower() and "platform" in str(e).lower():
+            pytest.skip(f"this jaxlib cannot lower for cuda: {str(e).splitlines()[0][:120]}")
+        raise
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == 1  # the forward
+    assert text.count("xla.gpu.triton") == (2 if grad else 0)  # the Triton dq and dk/dv
+
+
+def test_refusals_name_the_fix():
+    q = jnp.zeros((1, 64, 2, 64), jnp.float32)
+    with pytest.raises(ValueError, match="forward='triton'"):
+        flash_attention_gpu(q, q, q, forward="hopper")
+    qb = q.astype(jnp.bfloat16)
+    with pytest.raises(ValueError, match="bias"):
+        flash_attention_gpu(qb, qb, qb, bias=jnp.zeros((1, 1, 64, 64)), forward="hopper")
+    with pytest.raises(ValueError, match="forward must be one of"):
+        flash_attention_gpu(qb, qb, qb, forward="mosaic")
+    with pytest.raises(ValueError, match="lower block_kv or stages"):
+        flash_forward_hopper(jnp.zeros((1, 64, 2, 256), jnp.bfloat16),
+                             jnp.zeros((1, 64, 1, 256), jnp.bfloat16),
+                             jnp.zeros((1, 64, 1, 256), jnp.bfloat16), None, scale=1.0,
+                             softcap=None, config=HopperConfig(block_kv=128, stages=2))
+    assert "Longformer" in supports(jnp.bfloat16, 64, M.longformer(4, (0,)), False)
+    assert supports(jnp.bfloat16, 64, M.causal() & M.segments(np.zeros((1, 8))), False) is None
+    with pytest.raises(ValueError, match="block_kv"):
+        HopperConfig(block_kv=96)
+    with pytest.raises(ValueError, match="compute_warpgroups"):
+        HopperConfig(compute_warpgroups=3)
+
+
+@pytest.mark.accelerator
+def test_on_hopper_matches_reference():
+    dev = jax.devices()[0]
+    if dev.platform != "gpu" or not str(getattr(dev, "compute_capability", "")).startswith("9."):
+        pytest.skip("needs a Hopper GPU")
+    q, k, v, _ = inputs(2, 1000, 1000, 8, 2, 128, dtype=jnp.bfloat16)
+    mask = M.causal() & M.segments(np.repeat(np.arange(4), 250)[None].repeat(2, 0))
+    impl = functools.partial(flash_attention_gpu, forward="hopper")
+    check_against_reference(impl, q, k, v, mask, softcap=30.0)

@@ -1,0 +1,412 @@
+"""FlashAttention forward for Hopper GPUs in Pallas Mosaic GPU (TMA + wgmma).
+
+The Triton kernels of `gpu.py` run on every NVIDIA GPU; on Hopper (sm_90) this
+forward uses the hardware the Triton lowering of Pallas does not reach: tiles
+move from global to shared memory by TMA into a ring of `stages` slots tracked
+by mbarriers (the copy of kv tile j + stages is in flight while tile j is
+computed), and both matmuls are warpgroup MMAs (`wgmma`) reading shared memory
+with a 128-byte swizzle, accumulating in fp32 registers.
+
+One CTA per (query tile, head, batch row). By default it is warp-specialised
+like FlashAttention-3: two consumer warpgroups each own 64 query rows (the
+wgmma M) of a 128-row tile, and a producer warpgroup (registers handed to the
+consumers with `setmaxnreg`) issues the K/V copies into the ring, refilling a
+slot when both consumers have arrived on its "free" barrier, so copies overlap
+both warpgroups' matmuls and softmax. `compute_warpgroups=1` runs one
+warpgroup that issues its own copies. The CTA walks only the non-empty kv tiles
+of its row of the shared tile table (`common.tile_tables`), so causal, window,
+chunk and document (segment) masks do proportionally less work, and evaluates
+the mask only in PARTIAL tiles (`lax.cond`), with the same `MaskOperands`
+evaluator as the TPU and Triton kernels (positions from `broadcasted_iota` in
+the wgmma layout, segment ids copied next to K/V and read in the row/column
+layouts). Not done (yet): P stays in registers but the two matmuls of a step
+are not overlapped with the next step's softmax inside one warpgroup
+(FlashAttention-3's intra-warpgroup pipelining), no FP8.
+
+Native GQA: the CTA of query head h reads kv head h // G; K/V are never
+repeated. Tails: T and S are padded to the tiles and the padding masked; head
+dims are padded to a multiple of 64 (the swizzle width of 16-bit rows).
+
+Scope (what `supports` accepts; everything else stays on the Triton kernels,
+which compute the same function): 16-bit inputs (fp16/bf16; wgmma has no fp32
+operands), no additive bias, head dim <= 256, the positional/segment/padding/
+prefix masks. The backward runs the Triton dq and dk/dv kernels from this
+forward's output and logsumexp (the residuals are the same).
+
+Testing without a GPU: the kernel runs in Pallas' GPU interpret mode (which
+simulates shared memory, TMA and mbarriers) on CPU, and is lowered for the cuda
+platform (the Pallas -> Mosaic GPU lowering runs in Python; only ptxas needs
+the GPU). Not yet measured on a Hopper GPU: the first H200 session runs
+`experiments/bench_attention.py gpu`, which times it against the Triton kernels
+and cuDNN.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+from tfjax.ops import masks as M
+from tfjax.ops.pallas.common import MaskOperands, pad_axis, round_up, tile_tables
+
+__all__ = ["HopperConfig", "flash_forward_hopper", "supports"]
+
+_SMEM_BYTES = 227 * 1024  # per CTA on sm_90
+_ALLOWED_MASKS = (M.Causal, M.SlidingWindow, M.ChunkedCausal, M.Padding, M.PrefixLM, M.Segments)
+
+
+def _mask_reason(mask) -> str | None:
+    if mask is None or isinstance(mask, _ALLOWED_MASKS):
+        return None
+    if isinstance(mask, (M.And, M.Or)):
+        return _mask_reason(mask.a) or _mask_reason(mask.b)
+    return f"the Hopper kernel does not evaluate {type(mask).__name__} masks"
+
+
+def supports(q_dtype, H: int, mask, has_bias: bool) -> str | None:
+    """None when the Hopper forward computes this request, else why not."""
+    if jnp.dtype(q_dtype) not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
+        return f"the Hopper kernel takes float16/bfloat16 (wgmma operands), got {jnp.dtype(q_dtype)}"
+    if has_bias:
+        return "the Hopper kernel takes no additive bias"
+    if H > 256:
+        return f"the Hopper kernel takes head dims up to 256, got {H}"
+    return _mask_reason(mask)
+
+
+@dataclasses.dataclass(frozen=True)
+class HopperConfig:
+    """Tiles of the Hopper forward: `block_q` query rows per warpgroup (64, the
+    wgmma M), `block_kv` keys per step, `stages` K/V tiles in flight."""
+
+    block_q: int = 64
+    block_kv: int = 128
+    stages: int = 2
+    compute_warpgroups: int = 2
+
+    @classmethod
+    def default(cls, H: int) -> "HopperConfig":
+        """128-key tiles while double-buffered K/V fit shared memory beside the
+        query tile (head dims up to 128), else 64. Not tuned on hardware yet."""
+        return cls(block_kv=128 if round_up(H, 64) <= 128 else 64)
+
+    def smem_bytes(self, H: int, itemsize: int = 2) -> int:
+        Hp = round_up(H, 64)
+        C = self.compute_warpgroups
+        return (C * self.block_q * Hp + 2 * self.stages * self.block_kv * Hp) * itemsize \
+            + 4 * C * self.block_q
+
+    def __post_init__(self):
+        if self.block_q != 64:
+            raise ValueError(f"HopperConfig.block_q must be 64 (one wgmma M), got {self.block_q}")
+        if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
+            raise ValueError(f"HopperConfig.block_kv must be 64, 128, 192 or 256, got {self.block_kv}")
+        if self.stages < 1:
+            raise ValueError(f"HopperConfig.stages must be >= 1, got {self.stages}")
+        if self.compute_warpgroups not in (1, 2):
+            raise ValueError("HopperConfig.compute_warpgroups must be 1 (no warp specialisation) "
+                             f"or 2 (two consumers and a producer), got {self.compute_warpgroups}")
+
+
+def _interpret_params(interpret):
+    """Pallas' GPU interpret mode (shared memory, TMA and mbarriers simulated on
+    CPU) for `interpret=True`, extended where jax 0.10's interpreter stops short
+    of what this kernel uses (see `_extend_gpu_interpreter`)."""
+    if not interpret:
+        return None
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    _extend_gpu_interpreter()
+    return interpret if not isinstance(interpret, bool) else InterpretGPUParams()
+
+
+@functools.cache
+def _extend_gpu_interpreter():
+    """Three semantics the GPU interpreter of jax 0.10 lacks, each the plain
+    meaning of the operation: `layout_cast` (a register-layout annotation) is
+    the identity; a wgmma B operand under `transpose_ref` is the transposed tile;
+    a wgmma A operand may be a register array (the RS form) rather than a shared
+    memory ref. Installed once, only into the interpreter (real lowering is
+    untouched), and only where the interpreter does not handle them itself."""
+    from jax._src import callback
+    from jax._src.interpreters import mlir
+    from jax._src.pallas.mosaic.interpret import utils as iutils
+    from jax._src.pallas.mosaic_gpu import core as gpu_core
+    from jax._src.pallas.mosaic_gpu import primitives as gpu_prims
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks as cb
+    from jax._src.pallas.mosaic_gpu.interpret import jaxpr_interpret as ji
+    from jax._src.state import types as state_types
+
+    if gpu_core.layout_cast_p not in mlir._platform_specific_lowerings.get("cpu", {}):
+        mlir.register_lowering(gpu_core.layout_cast_p, lambda ctx, x, **_: [x], platform="cpu")
+
+    def wgmma(*, token, device_id, grid_point_coords, thread_id, acc_key, acc_transforms,
+              acc_dtype, a_key, a_value, a_transforms, b_key, b_transforms, b_transposed):
+        device_id, thread_id = int(device_id), int(thread_id)
+        mem = cb._get_shared_memory()
+        tid = mem.get_global_thread_id(device_id, thread_id)
+        info = iutils.GPULoggingInfo(device_id=device_id,
+                                     grid_point_coords=tuple(int(x) for x in grid_point_coords),
+                                     thread_id=thread_id, source_info=None)
+
+        def read(key, transforms):
+            rng = iutils.to_range(jax.tree.map(int, cb._remove_noop_transforms(transforms)))
+            val, _, _ = mem.get_buffer_content(cb.HostAllocationKey.from_array(key), rng, tid,
+                                               logging_info=info)
+            return val, rng
+
+        b, _ = read(b_key, b_transforms)
+        b = b.T if b_transposed else b
+        a = a_value if a_value is not None else read(a_key, a_transforms)[0]
+        acc, acc_rng = read(acc_key, acc_transforms)
+        res = acc + np.matmul(np.asarray(a), b, dtype=acc_dtype)
+        mem.store_buffer_content(cb.HostAllocationKey.from_array(acc_key), acc_rng, res, tid,
+                                 logging_info=info)
+        return token
+
+    def interpret_wgmma(self, eqn, token, get_invals):
+        assert eqn.primitive is gpu_prims.wgmma_ref_p
+        acc, a, b, *leaves = get_invals()
+        empty = jax.tree.structure([])
+        acc_t, a_t, b_t = jax.tree.unflatten(
+            jax.tree_util.treedef_tuple((eqn.params["acc_transforms_tree"] or empty,
+                                         eqn.params["a_transforms_tree"] or empty,
+                                         eqn.params["b_transforms_tree"] or empty)), leaves)
+        transposed = [t for t in b_t if isinstance(t, state_types.TransposeTransform)]
+        if transposed and (len(transposed) > 1 or b_t[-1] is not transposed[0]
+                           or tuple(transposed[0].permutation) != (1, 0)):
+            raise NotImplementedError("only a final (1, 0) transpose of a wgmma B operand")
+        b_t = tuple(t for t in b_t if not isinstance(t, state_types.TransposeTransform))
+        a_is_ref = isinstance(eqn.invars[1].aval, state_types.AbstractRef)
+        return callback.io_callback(
+            functools.partial(wgmma, acc_dtype=eqn.invars[0].aval.dtype,
+                              b_transposed=bool(transposed)),
+            cb.TOKEN_SHAPE_DTYPE, token=token, device_id=self.device_info.device_id,
+            grid_point_coords=self.grid_point_coords, thread_id=self.thread_id,
+            acc_key=acc, acc_transforms=acc_t, a_key=a if a_is_ref else None,
+            a_value=None if a_is_ref else a, a_transforms=a_t, b_key=b, b_transforms=b_t,
+            ordered=True), []
+
+    ji_cls = next(c for c in vars(ji).values()
+                  if isinstance(c, type) and hasattr(c, "_interpret_wgmma_ref_p"))
+    ji_cls._interpret_wgmma_ref_p = interpret_wgmma
+
+
+def flash_forward_hopper(q, k, v, mask, *, scale: float, softcap: float | None, q_offset=0,
+                         kv_offset=0, config: HopperConfig | None = None, interpret: Any = False):
+    """q `[B,T,N,H]`, k/v `[B,S,K,H]` (fp16/bf16) -> (out `[B,T,N,H]`, lse `[B,N,T]` fp32).
+    Fully masked rows give zeros and lse = -inf, like the other kernels."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    reason = supports(q.dtype, q.shape[-1], mask, False)
+    if reason:
+        raise ValueError(reason)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    cfg = config or HopperConfig.default(q.shape[-1])
+    if cfg.smem_bytes(q.shape[-1]) > _SMEM_BYTES:
+        raise ValueError(
+            f"HopperConfig(block_kv={cfg.block_kv}, stages={cfg.stages}) needs "
+            f"{cfg.smem_bytes(q.shape[-1]) // 1024} KiB of shared memory at head dim "
+            f"{q.shape[-1]} (Hopper has {_SMEM_BYTES // 1024} KiB): lower block_kv or stages")
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    G = N // K
+    C = cfg.compute_warpgroups
+    bq, bk = cfg.block_q, cfg.block_kv
+    bc = C * bq  # query rows of a CTA (its row of the tile table)
+    Tp, Sp, Hp = round_up(T, bc), round_up(S, bk), round_up(H, 64)
+    tab = tile_tables(mask, T, S, bc, bk, q_offset=q_offset, kv_offset=kv_offset)
+    offs = jnp.stack([jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32)])
+    mops = MaskOperands(mask, B, Tp, Sp, offs)
+    stages = max(1, min(cfg.stages, Sp // bk))
+    dtype = q.dtype
+    qp = pad_axis(pad_axis(q, 1, Tp), 3, Hp)
+    kp = pad_axis(pad_axis(k, 1, Sp), 3, Hp)
+    vp = pad_axis(pad_axis(v, 1, Sp), 3, Hp)
+    ns, nseg = len(mops.scalars), mops.num_segments
+    interp = _interpret_params(interpret)
+    wgmma_layout = plgpu.Layout.WGMMA
+    row_layout, col_layout = wgmma_layout.reduce(1), wgmma_layout.reduce(0)
+    log2e = math.log2(math.e)
+    producer = C > 1  # warp specialisation: a third warpgroup only issues the K/V copies
+
+    def _load(ref, layout):
+        # A ref read + layout cast: what `plgpu.load(ref, (), layout=)` lowers to.
+        # jax 0.10's GPU interpreter reads refs but has no rule for plgpu.load.
+        return plgpu.layout_cast(ref[...], layout)
+
+    def kernel(*refs):
+        it = iter(refs)
+        take = lambda n: [next(it) for _ in range(n)]
+        order, count, code, offs_ref = take(4)
+        sref = take(ns)
+        q_ref, k_ref, v_ref = take(3)
+        qseg_ref, kseg_ref = take(nseg), take(nseg)
+        out_ref, lse_ref = take(2)
+        b, i, h = lax.axis_index("batch"), lax.axis_index("q"), lax.axis_index("heads")
+        r = b if tab.batched else 0
+        kvh = lax.div(h, jnp.int32(G))
+        n = count[r, i]
+
+        def scoped(q_smem, k_smem, v_smem, lse_smem, qseg_smem, kseg_smem, q_bars, k_bars,
+                   v_bars, seg_bars, free_bars):
+            def fetch(j, slot):
+                kj = order[r, i, j]
+                src = (b, pl.ds(kj * bk, bk), kvh)
+                plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_bars.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot], v_bars.at[slot])
+                for x in range(nseg):
+                    plgpu.copy_gmem_to_smem(kseg_ref[x].at[b, pl.ds(kj * bk, bk)],
+                                            kseg_smem.at[x, slot], seg_bars.at[x * stages + slot])
+
+            def prologue():
+                for s in range(stages):
+                    pl.when(s < n)(functools.partial(fetch, s, s))
+
+            def compute(w):
+                row0 = i * bc + w * bq  # this warpgroup's first query row
+                qb = lambda x: q_bars.at[w * (1 + nseg) + x]
+                plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, bq), h], q_smem.at[w], qb(0))
+                for x in range(nseg):
+                    plgpu.copy_gmem_to_smem(qseg_ref[x].at[b, pl.ds(row0, bq)],
+                                            qseg_smem.at[w, x], qb(1 + x))
+                if not producer:
+                    prologue()
+                for x in range(1 + nseg):
+                    plgpu.barrier_wait(qb(x))
+                q_tile = q_smem.at[w]
+                q_seg = [lax.broadcast_in_dim(_load(qseg_smem.at[w, x], row_layout), (bq, bk), [0])
+                         for x in range(nseg)]
+                q_loc = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=wgmma_layout) + row0
+                kv_iota = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=wgmma_layout)
+
+                def masked(s, kj, slot):
+                    kv_loc = kv_iota + kj * bk
+                    ok = (q_loc < T) & (kv_loc < S)
+                    if mask is not None:
+                        kv_seg = [lax.broadcast_in_dim(_load(kseg_smem.at[x, slot], col_layout),
+                                                       (bq, bk), [1]) for x in range(nseg)]
+                        ok = ok & mops.evaluate(q_loc + offs_ref[0], kv_loc + offs_ref[1], b, sref,
+                                                q_seg, kv_seg)
+                    return jnp.where(ok, s, -jnp.inf)
+
+                def body(j, carry):
+                    acc, m_i, l_i = carry
+                    slot = lax.rem(j, jnp.int32(stages))
+                    kj = order[r, i, j]
+                    plgpu.barrier_wait(k_bars.at[slot])
+                    for x in range(nseg):
+                        plgpu.barrier_wait(seg_bars.at[x * stages + slot])
+
+                    def qk(acc_ref):
+                        plgpu.wgmma(acc_ref, q_tile, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                        return acc_ref[...]
+
+                    s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32)) * scale
+                    if softcap:
+                        s = softcap * jnp.tanh(s / softcap)
+                    s = lax.cond(code[r, i, j] == M.PARTIAL, masked, lambda s, kj, slot: s,
+                                 s, kj, slot)
+                    # Online softmax in base 2 (exp2 is the SFU instruction).
+                    m_new = jnp.maximum(m_i, s.max(axis=1) * log2e)
+                    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                    p = jnp.exp2(s * log2e - lax.broadcast_in_dim(m_safe, s.shape, [0]))
+                    alpha = jnp.exp2(m_i - m_safe)
+                    l_i = l_i * alpha + p.sum(axis=1)
+                    plgpu.barrier_wait(v_bars.at[slot])
+
+                    def pv(acc_ref):
+                        plgpu.wgmma(acc_ref, p.astype(dtype), v_smem.at[slot])
+                        return acc_ref[...]
+
+                    o = pl.run_scoped(pv, plgpu.ACC((bq, Hp), jnp.float32))
+                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + o
+                    # Both wgmmas of this slot have completed (their results were read).
+                    if producer:
+                        plgpu.barrier_arrive(free_bars.at[slot])
+                    else:
+                        pl.when(j + stages < n)(lambda: fetch(j + stages, slot))
+                    return acc, m_new, l_i
+
+                acc = plgpu.layout_cast(jnp.zeros((bq, Hp), jnp.float32), wgmma_layout)
+                m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row_layout)
+                l_i = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row_layout)
+                acc, m_i, l_i = lax.fori_loop(0, n, body, (acc, m_i, l_i))
+                has = l_i > 0
+                l_safe = jnp.where(has, l_i, 1.0)
+                out = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
+                q_tile[...] = out.astype(dtype)
+                lse_smem.at[w][...] = jnp.where(has, (m_i + jnp.log2(l_safe)) / log2e, -jnp.inf)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(q_tile, out_ref.at[b, pl.ds(row0, bq), h])
+                plgpu.copy_smem_to_gmem(lse_smem.at[w], lse_ref.at[b, h, pl.ds(row0, bq)])
+                plgpu.wait_smem_to_gmem(0)
+
+            if not producer:
+                compute(0)
+                return
+            w = lax.axis_index("wg")
+
+            @pl.when(w < C)
+            def _():
+                plgpu.set_max_registers(232, action="increase")
+                compute(w)
+
+            @pl.when(w == C)
+            def _():
+                plgpu.set_max_registers(40, action="decrease")
+                prologue()
+
+                @pl.loop(stages, jnp.maximum(n, stages))
+                def _(j):
+                    slot = lax.rem(j, jnp.int32(stages))
+                    plgpu.barrier_wait(free_bars.at[slot])  # every consumer is done with j - stages
+                    fetch(j, slot)
+
+                # Observe the last phases too (the GPU interpreter checks that every
+                # phase of a barrier a thread waits on is observed by it).
+                @pl.loop(jnp.maximum(n - stages, 0), n)
+                def _(t):
+                    plgpu.barrier_wait(free_bars.at[lax.rem(t, jnp.int32(stages))])
+
+        swz = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+        scratch = [
+            plgpu.SMEM((C, bq, Hp), dtype, transforms=swz),
+            plgpu.SMEM((stages, bk, Hp), dtype, transforms=swz),
+            plgpu.SMEM((stages, bk, Hp), dtype, transforms=swz),
+            plgpu.SMEM((C, bq), jnp.float32),
+            plgpu.SMEM((C, max(nseg, 1), bq), jnp.int32),
+            plgpu.SMEM((max(nseg, 1), stages, bk), jnp.int32),
+            plgpu.Barrier(num_barriers=C * (1 + nseg)),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=max(nseg, 1) * stages),
+            plgpu.Barrier(num_arrivals=C, num_barriers=stages),
+        ]
+        if producer:
+            pl.run_scoped(scoped, *scratch, collective_axes="wg")
+        else:
+            pl.run_scoped(scoped, *scratch)
+
+    operands = [tab.order, tab.count, tab.code, offs, *mops.scalars, qp, kp, vp,
+                *mops.q_segments, *mops.kv_segments]
+    out, lse = plgpu.kernel(
+        kernel,
+        out_type=[jax.ShapeDtypeStruct((B, Tp, N, Hp), dtype),
+                   jax.ShapeDtypeStruct((B, N, Tp), jnp.float32)],
+        grid=(N, Tp // bc, B),
+        grid_names=("heads", "q", "batch"),
+        **({"num_threads": C + 1, "thread_name": "wg"} if producer else {}),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interp if interp is not None else False,
+    )(*operands)
+    return out[:, :T, :, :H], lse[:, :, :T]
