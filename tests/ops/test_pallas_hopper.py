@@ -89,6 +89,24 @@ def test_refusals_name_the_fix():
         HopperConfig(compute_warpgroups=3)
 
 
+def test_auto_picks_hopper_only_on_sm90_for_what_it_supports(monkeypatch):
+    from tfjax.ops.pallas import gpu
+
+    bf, f32 = jnp.zeros((1, 8, 2, 64), jnp.bfloat16), jnp.zeros((1, 8, 2, 64), jnp.float32)
+    pick = lambda q, k, mask=None, bias=None, interpret=False: gpu._pick_forward(
+        "auto", q, k, k, mask, bias, interpret)
+    assert pick(bf, bf) == "triton"  # this CPU is no Hopper
+    monkeypatch.setattr(gpu, "_is_hopper", lambda: True)
+    assert pick(bf, bf, M.causal() & M.segments(np.zeros((1, 8)))) == "hopper"
+    assert pick(bf, bf, interpret=True) == "triton"  # interpret mode keeps Triton's
+    assert pick(f32, f32) == "triton"
+    assert pick(bf, f32) == "triton"
+    assert pick(bf, bf, bias=jnp.zeros((1, 1, 8, 8))) == "triton"
+    assert pick(bf, bf, M.bigbird(2, 1, 1, 4, seed=0, seq_len=8)) == "triton"
+    assert pick(jnp.zeros((1, 8, 2, 320), jnp.bfloat16), jnp.zeros((1, 8, 2, 320),
+                                                                   jnp.bfloat16)) == "triton"
+
+
 @pytest.mark.accelerator
 def test_on_hopper_matches_reference():
     dev = jax.devices()[0]

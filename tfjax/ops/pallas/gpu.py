@@ -91,12 +91,14 @@ def _is_hopper() -> bool:
         return False
 
 
-def _pick_forward(forward, q, mask, bias, interpret) -> str:
+def _pick_forward(forward, q, k, v, mask, bias, interpret) -> str:
     from tfjax.ops.pallas import hopper
 
     if forward not in _FORWARDS:
         raise ValueError(f"flash_attention_gpu: forward must be one of {_FORWARDS}, got {forward!r}")
     reason = hopper.supports(q.dtype, q.shape[-1], mask, bias is not None)
+    if reason is None and not q.dtype == k.dtype == v.dtype:
+        reason = f"the Hopper kernel takes one dtype for q, k, v, got {q.dtype}, {k.dtype}, {v.dtype}"
     if forward == "hopper":
         if reason:
             raise ValueError(f"flash_attention_gpu(forward='hopper'): {reason}; pass "
@@ -121,7 +123,7 @@ def flash_attention_gpu(q, k, v, mask=None, *, bias=None, scale=None, softcap=No
         else None
     bs = block_sizes or _default_block_sizes(H)
     cfg = _Config(float(H ** -0.5 if scale is None else scale), float(softcap) if softcap else None,
-                  bs, interpret, static, _pick_forward(forward, q, mask, bias, interpret),
+                  bs, interpret, static, _pick_forward(forward, q, k, v, mask, bias, interpret),
                   hopper_config)
     offs = jnp.stack([jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32)])
     out, lse = _flash(cfg, q, k, v, mask, bias, offs)
