@@ -125,6 +125,7 @@ def _cudnn(mask, T, S, kind):
 
 def bench_gpu(args):
     from tfjax.ops.pallas.gpu import _is_hopper, flash_attention_gpu
+    from tfjax.ops.pallas.hopper import HopperConfig
 
     hopper = _is_hopper()
     B, N, K = 1, 32, 8
@@ -168,6 +169,10 @@ def bench_gpu(args):
         if hopper:
             impls["tfjax pallas (hopper fwd)"] = lambda q, k, v, m=mask: flash_attention_gpu(
                 q, k, v, m, forward="hopper")
+            if H == 128:  # what the warpgroups' ping-pong schedule buys
+                impls["tfjax pallas (hopper fwd, no ping-pong)"] = \
+                    lambda q, k, v, m=mask: flash_attention_gpu(
+                        q, k, v, m, forward="hopper", hopper_config=HopperConfig(pingpong=False))
         if mask_name in ("none", "causal"):
             impls["cudnn"] = _cudnn(mask, T, S, "causal" if mask_name == "causal" else "none")
             impls["jax pallas gpu"] = _jax_pallas_gpu(mask_name == "causal")

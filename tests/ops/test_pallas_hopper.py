@@ -20,18 +20,20 @@ from tfjax.ops.pallas.hopper import HopperConfig, flash_forward_hopper, supports
 BS = BlockSizes(32, 64, 32, 64, 64, 32)  # the Triton backward's tiles (interpreted)
 
 
-@pytest.mark.parametrize("B,T,S,heads,H,mask_name,extras,C", [
-    (1, 100, 150, (4, 2), 80, "causal&segments", {"softcap": 20.0, "q_offset": 3}, 2),
-    (2, 128, 100, (4, 1), 64, "padding_fully_masked", {"kv_offset": 2}, 1),
-    (1, 130, 200, (2, 2), 128, "window_lr", {}, 2),
-], ids=["gqa-segments-softcap-offset-tails-h80", "mqa-fully-masked-rows-one-warpgroup",
-        "window-mha-h128"])
-def test_interpret_matches_reference(B, T, S, heads, H, mask_name, extras, C):
+@pytest.mark.parametrize("B,T,S,heads,H,mask_name,extras,C,pingpong", [
+    (1, 100, 150, (4, 2), 80, "causal&segments", {"softcap": 20.0, "q_offset": 3}, 2, None),
+    (2, 128, 100, (4, 1), 64, "padding_fully_masked", {"kv_offset": 2}, 1, None),
+    (1, 130, 200, (2, 2), 128, "window_lr", {}, 2, False),
+], ids=["gqa-segments-softcap-offset-tails-h80-pingpong", "mqa-fully-masked-rows-one-warpgroup",
+        "window-mha-h128-no-pingpong"])
+def test_interpret_matches_reference(B, T, S, heads, H, mask_name, extras, C, pingpong):
     """C = 2: two consumer warpgroups and a producer (warp specialisation, the
-    default); C = 1: one warpgroup issues its own copies."""
+    default), taking turns on the tensor cores unless pingpong=False; C = 1:
+    one warpgroup issues its own copies."""
     q, k, v, _ = inputs(B, T, S, *heads, H, dtype=jnp.bfloat16)
+    cfg = HopperConfig(block_kv=64, compute_warpgroups=C, pingpong=pingpong)
     impl = functools.partial(flash_attention_gpu, interpret=True, forward="hopper",
-                             hopper_config=HopperConfig(block_kv=64, compute_warpgroups=C))
+                             hopper_config=cfg)
     check_against_reference(impl, q, k, v, make_mask(mask_name, B, T, S), block_sizes=BS,
                             **extras)
 
@@ -87,6 +89,8 @@ def test_refusals_name_the_fix():
         HopperConfig(block_kv=96)
     with pytest.raises(ValueError, match="compute_warpgroups"):
         HopperConfig(compute_warpgroups=3)
+    with pytest.raises(ValueError, match="pingpong"):
+        HopperConfig(compute_warpgroups=1, pingpong=True)
 
 
 def test_auto_picks_hopper_only_on_sm90_for_what_it_supports(monkeypatch):

@@ -12,16 +12,18 @@ like FlashAttention-3: two consumer warpgroups each own 64 query rows (the
 wgmma M) of a 128-row tile, and a producer warpgroup (registers handed to the
 consumers with `setmaxnreg`) issues the K/V copies into the ring, refilling a
 slot when both consumers have arrived on its "free" barrier, so copies overlap
-both warpgroups' matmuls and softmax. `compute_warpgroups=1` runs one
-warpgroup that issues its own copies. The CTA walks only the non-empty kv tiles
+both warpgroups' matmuls and softmax, and the two consumers take turns on the
+tensor cores through a two-arrival "schedule" barrier (ping-pong: one's softmax
+runs during the other's matmuls), the protocol of jax's attention_mgpu.
+`compute_warpgroups=1` runs one warpgroup that issues its own copies. The CTA walks only the non-empty kv tiles
 of its row of the shared tile table (`common.tile_tables`), so causal, window,
 chunk and document (segment) masks do proportionally less work, and evaluates
 the mask only in PARTIAL tiles (`lax.cond`), with the same `MaskOperands`
 evaluator as the TPU and Triton kernels (positions from `broadcasted_iota` in
 the wgmma layout, segment ids copied next to K/V and read in the row/column
-layouts). Not done (yet): P stays in registers but the two matmuls of a step
-are not overlapped with the next step's softmax inside one warpgroup
-(FlashAttention-3's intra-warpgroup pipelining), no FP8.
+layouts). Not done (yet): the two matmuls of a step are not overlapped with the
+next step's softmax inside one warpgroup (FlashAttention-3's intra-warpgroup
+pipelining), no FP8.
 
 Native GQA: the CTA of query head h reads kv head h // G; K/V are never
 repeated. Tails: T and S are padded to the tiles and the padding masked; head
@@ -46,6 +48,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 from typing import Any
 
 import jax
@@ -85,12 +88,16 @@ def supports(q_dtype, H: int, mask, has_bias: bool) -> str | None:
 @dataclasses.dataclass(frozen=True)
 class HopperConfig:
     """Tiles of the Hopper forward: `block_q` query rows per warpgroup (64, the
-    wgmma M), `block_kv` keys per step, `stages` K/V tiles in flight."""
+    wgmma M), `block_kv` keys per step, `stages` K/V tiles in flight,
+    `compute_warpgroups` consumers (2 with a producer, or 1 alone) and
+    `pingpong`: the two consumers take turns on the tensor cores (one's softmax
+    overlaps the other's matmuls), FlashAttention-3's inter-warpgroup schedule."""
 
     block_q: int = 64
     block_kv: int = 128
     stages: int = 2
     compute_warpgroups: int = 2
+    pingpong: bool | None = None  # None: on with two consumer warpgroups
 
     @classmethod
     def default(cls, H: int) -> "HopperConfig":
@@ -111,6 +118,9 @@ class HopperConfig:
             raise ValueError(f"HopperConfig.block_kv must be 64, 128, 192 or 256, got {self.block_kv}")
         if self.stages < 1:
             raise ValueError(f"HopperConfig.stages must be >= 1, got {self.stages}")
+        if self.pingpong is True and self.compute_warpgroups != 2:
+            raise ValueError("HopperConfig.pingpong alternates two consumer warpgroups: it needs "
+                             f"compute_warpgroups=2, got {self.compute_warpgroups}")
         if self.compute_warpgroups not in (1, 2):
             raise ValueError("HopperConfig.compute_warpgroups must be 1 (no warp specialisation) "
                              f"or 2 (two consumers and a producer), got {self.compute_warpgroups}")
@@ -123,6 +133,14 @@ def _interpret_params(interpret):
     if not interpret:
         return None
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    if len(jax.devices("cpu")) < 4:
+        # Each warpgroup runs as a concurrent CPU computation whose barrier waits
+        # block runtime threads; seen here: the warp-specialised kernel hung with
+        # 1 CPU device and ran with 8.
+        warnings.warn("the Hopper kernel in GPU interpret mode can hang with fewer than 4 CPU "
+                      "devices; set XLA_FLAGS=--xla_force_host_platform_device_count=8 (as the "
+                      "tests do) or HopperConfig(compute_warpgroups=1)", stacklevel=3)
 
     _extend_gpu_interpreter()
     return interpret if not isinstance(interpret, bool) else InterpretGPUParams()
@@ -238,6 +256,7 @@ def flash_forward_hopper(q, k, v, mask, *, scale: float, softcap: float | None, 
     row_layout, col_layout = wgmma_layout.reduce(1), wgmma_layout.reduce(0)
     log2e = math.log2(math.e)
     producer = C > 1  # warp specialisation: a third warpgroup only issues the K/V copies
+    pingpong = C == 2 if cfg.pingpong is None else cfg.pingpong
 
     def _load(ref, layout):
         # A ref read + layout cast: what `plgpu.load(ref, (), layout=)` lowers to.
@@ -258,7 +277,7 @@ def flash_forward_hopper(q, k, v, mask, *, scale: float, softcap: float | None, 
         n = count[r, i]
 
         def scoped(q_smem, k_smem, v_smem, lse_smem, qseg_smem, kseg_smem, q_bars, k_bars,
-                   v_bars, seg_bars, free_bars):
+                   v_bars, seg_bars, free_bars, sched_bar):
             def fetch(j, slot):
                 kj = order[r, i, j]
                 src = (b, pl.ds(kj * bk, bk), kvh)
@@ -271,6 +290,10 @@ def flash_forward_hopper(q, k, v, mask, *, scale: float, softcap: float | None, 
             def prologue():
                 for s in range(stages):
                     pl.when(s < n)(functools.partial(fetch, s, s))
+
+            def sync():
+                plgpu.barrier_arrive(sched_bar)
+                plgpu.barrier_wait(sched_bar)
 
             def compute(w):
                 row0 = i * bc + w * bq  # this warpgroup's first query row
@@ -309,6 +332,8 @@ def flash_forward_hopper(q, k, v, mask, *, scale: float, softcap: float | None, 
 
                     def qk(acc_ref):
                         plgpu.wgmma(acc_ref, q_tile, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                        if pingpong:
+                            sync()  # the other warpgroup's softmax runs while this wgmma does
                         return acc_ref[...]
 
                     s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32)) * scale
@@ -322,7 +347,11 @@ def flash_forward_hopper(q, k, v, mask, *, scale: float, softcap: float | None, 
                     p = jnp.exp2(s * log2e - lax.broadcast_in_dim(m_safe, s.shape, [0]))
                     alpha = jnp.exp2(m_i - m_safe)
                     l_i = l_i * alpha + p.sum(axis=1)
+                    if pingpong:
+                        plgpu.barrier_arrive(sched_bar)  # softmax done
                     plgpu.barrier_wait(v_bars.at[slot])
+                    if pingpong:
+                        plgpu.barrier_wait(sched_bar)  # the tensor cores are free
 
                     def pv(acc_ref):
                         plgpu.wgmma(acc_ref, p.astype(dtype), v_smem.at[slot])
@@ -340,7 +369,11 @@ def flash_forward_hopper(q, k, v, mask, *, scale: float, softcap: float | None, 
                 acc = plgpu.layout_cast(jnp.zeros((bq, Hp), jnp.float32), wgmma_layout)
                 m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row_layout)
                 l_i = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row_layout)
+                if pingpong:
+                    pl.when(w == 1)(sync)  # warpgroup 0 issues its first matmul first
                 acc, m_i, l_i = lax.fori_loop(0, n, body, (acc, m_i, l_i))
+                if pingpong:
+                    pl.when(w == 0)(sync)
                 has = l_i > 0
                 l_safe = jnp.where(has, l_i, 1.0)
                 out = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
@@ -391,6 +424,7 @@ def flash_forward_hopper(q, k, v, mask, *, scale: float, softcap: float | None, 
             plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_barriers=max(nseg, 1) * stages),
             plgpu.Barrier(num_arrivals=C, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=C),
         ]
         if producer:
             pl.run_scoped(scoped, *scratch, collective_axes="wg")
