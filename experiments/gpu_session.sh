@@ -12,6 +12,8 @@
 # and copy $OUT/attention_gpu_*.md into experiments/results/.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# tests/conftest.py says JAX_PLATFORMS=cpu when it sees no /dev/nvidia0; insist on the GPU.
+export JAX_PLATFORMS="${JAX_PLATFORMS:-cuda}"
 OUT="${OUT:-/tmp/gpu_session}"
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
