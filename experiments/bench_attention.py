@@ -12,7 +12,8 @@ below --max-run-gib (compiling is enough to know the memory).
 
 gpu: forward, backward and forward+backward TFLOP/s (4*B*N*T*S*H FLOPs, halved
 when causal; backward counted as 2.5x forward) of "pallas" (the Triton kernels,
-and on Hopper also the Mosaic GPU forward of `tfjax/ops/pallas/hopper.py`) next to
+and on Hopper also the Mosaic GPU forward of `tfjax/ops/pallas/hopper.py` and
+backward of `hopper_backward.py`) next to
 jax.nn.dot_product_attention(implementation="cudnn" / "xla") and jax's own Pallas
 GPU attention, for H in {64, 128, 256}, S from 1k to 16k, causal and not, GQA
 32/8, sliding-window and segment masks (cuDNN given the explicit dense mask).
@@ -160,19 +161,21 @@ def bench_gpu(args):
         k = jax.random.normal(ks[1], (B, S, K, H), dtype)
         v = jax.random.normal(ks[2], (B, S, K, H), dtype)
         impls = {
-            # forward="auto" = the Hopper (Mosaic GPU) forward on sm_90, else Triton
+            # "auto" = on sm_90 the Hopper (Mosaic GPU) forward and, for H <= 128, the
+            # Hopper backward; else the Triton kernels
             "tfjax pallas (auto)": lambda q, k, v, m=mask: dot_product_attention(
                 q, k, v, m, implementation="pallas"),
-            "tfjax pallas (triton fwd)": lambda q, k, v, m=mask: flash_attention_gpu(
-                q, k, v, m, forward="triton"),
+            "tfjax pallas (triton)": lambda q, k, v, m=mask: flash_attention_gpu(
+                q, k, v, m, forward="triton", backward="triton"),
         }
-        if hopper:
-            impls["tfjax pallas (hopper fwd)"] = lambda q, k, v, m=mask: flash_attention_gpu(
-                q, k, v, m, forward="hopper")
-            if H == 128:  # what the warpgroups' ping-pong schedule buys
-                impls["tfjax pallas (hopper fwd, no ping-pong)"] = \
-                    lambda q, k, v, m=mask: flash_attention_gpu(
-                        q, k, v, m, forward="hopper", hopper_config=HopperConfig(pingpong=False))
+        if hopper and H <= 128:  # what the Hopper backward buys over Triton's
+            impls["tfjax pallas (hopper fwd, triton bwd)"] = \
+                lambda q, k, v, m=mask: flash_attention_gpu(q, k, v, m, forward="hopper",
+                                                            backward="triton")
+        if hopper and H == 128:  # what the warpgroups' ping-pong schedule buys
+            impls["tfjax pallas (hopper fwd, no ping-pong)"] = \
+                lambda q, k, v, m=mask: flash_attention_gpu(
+                    q, k, v, m, forward="hopper", hopper_config=HopperConfig(pingpong=False))
         if mask_name in ("none", "causal"):
             impls["cudnn"] = _cudnn(mask, T, S, "causal" if mask_name == "causal" else "none")
             impls["jax pallas gpu"] = _jax_pallas_gpu(mask_name == "causal")

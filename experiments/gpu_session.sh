@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one prepared run for a session that is lent an NVIDIA GPU (H100/H200):
 # the accelerator tests of the GPU kernels (Triton, and the Mosaic GPU forward
-# on Hopper), then `bench_attention.py gpu`. About 8 minutes; results under $OUT.
+# and backward on Hopper), then `bench_attention.py gpu`. About 8 minutes; results under $OUT.
 #
 # Prepare here, once (the device has no network and no ml-collections):
 #   echo /.whl/ >> .git/info/exclude

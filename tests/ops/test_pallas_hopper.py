@@ -16,57 +16,68 @@ from tfjax.ops import masks as M
 from tfjax.ops.pallas import BlockSizes
 from tfjax.ops.pallas.gpu import flash_attention_gpu
 from tfjax.ops.pallas.hopper import HopperConfig, flash_forward_hopper, supports
+from tfjax.ops.pallas.hopper_backward import HopperBackwardConfig, flash_backward_hopper
 
 BS = BlockSizes(32, 64, 32, 64, 64, 32)  # the Triton backward's tiles (interpreted)
 
 
-@pytest.mark.parametrize("B,T,S,heads,H,mask_name,extras,C,pingpong", [
-    (1, 100, 150, (4, 2), 80, "causal&segments", {"softcap": 20.0, "q_offset": 3}, 2, None),
-    (2, 128, 100, (4, 1), 64, "padding_fully_masked", {"kv_offset": 2}, 1, None),
-    (1, 130, 200, (2, 2), 128, "window_lr", {}, 2, False),
+@pytest.mark.parametrize("B,T,S,heads,H,mask_name,extras,C,pingpong,bwd", [
+    (1, 100, 150, (4, 2), 80, "causal&segments", {"softcap": 2.0, "q_offset": 3}, 2, None,
+     HopperBackwardConfig()),
+    (2, 128, 100, (4, 1), 64, "padding_fully_masked", {"kv_offset": 2}, 1, None,
+     HopperBackwardConfig(compute_warpgroups=1, stages=1)),
+    (1, 130, 200, (2, 2), 128, "window_lr", {}, 2, False, HopperBackwardConfig(128, 128)),
+    (1, 70, 90, (2, 1), 256, "prefix", {}, 2, None, None),
 ], ids=["gqa-segments-softcap-offset-tails-h80-pingpong", "mqa-fully-masked-rows-one-warpgroup",
-        "window-mha-h128-no-pingpong"])
-def test_interpret_matches_reference(B, T, S, heads, H, mask_name, extras, C, pingpong):
-    """C = 2: two consumer warpgroups and a producer (warp specialisation, the
-    default), taking turns on the tensor cores unless pingpong=False; C = 1:
-    one warpgroup issues its own copies."""
+        "window-mha-h128-no-pingpong-blocks128", "prefix-h256-triton-backward"])
+def test_interpret_matches_reference(B, T, S, heads, H, mask_name, extras, C, pingpong, bwd):
+    """The Hopper forward and (H <= 128) backward. C = 2: two consumer
+    warpgroups and a producer (warp specialisation, the default), taking turns on
+    the tensor cores unless pingpong=False; C = 1: one warpgroup issues its own
+    copies. `bwd` None: the Triton backward from the Hopper forward's residuals."""
     q, k, v, _ = inputs(B, T, S, *heads, H, dtype=jnp.bfloat16)
     cfg = HopperConfig(block_kv=64, compute_warpgroups=C, pingpong=pingpong)
     impl = functools.partial(flash_attention_gpu, interpret=True, forward="hopper",
-                             hopper_config=cfg)
+                             hopper_config=cfg, backward="triton" if bwd is None else "hopper",
+                             hopper_backward_config=bwd)
     check_against_reference(impl, q, k, v, make_mask(mask_name, B, T, S), block_sizes=BS,
                             **extras)
 
 
-def _lower(mask, H, dtype, grad):
+def _lower(mask, H, dtype, grad, backward):
     sds = jax.ShapeDtypeStruct
     q, kv = sds((2, 1000, 8, H), dtype), sds((2, 1000, 2, H), dtype)
 
     def f(q, k, v):
-        out = flash_attention_gpu(q, k, v, mask, forward="hopper")
+        out = flash_attention_gpu(q, k, v, mask, forward="hopper", backward=backward,
+                                  softcap=30.0 if backward == "hopper" else None)
         return out.astype(jnp.float32).sum()
 
     return jax.jit(jax.grad(f, (0, 1, 2)) if grad else f).trace(q, kv, kv).lower(
         lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("mask_name,H,dtype,grad", [
-    ("causal", 128, jnp.bfloat16, True),
-    ("causal&segments", 64, jnp.float16, False),
-    ("window", 256, jnp.bfloat16, False),
+@pytest.mark.parametrize("mask_name,H,dtype,grad,backward", [
+    ("causal", 128, jnp.bfloat16, True, "triton"),
+    ("causal&segments", 64, jnp.float16, True, "hopper"),
+    ("window", 256, jnp.bfloat16, False, "auto"),
 ])
-def test_lowers_to_mosaic_gpu(mask_name, H, dtype, grad):
+def test_lowers_to_mosaic_gpu(mask_name, H, dtype, grad, backward):
+    """Compiled-path code the interpreter does not run (the in-place wgmma
+    accumulation of the backward, `run_state`) is lowered here."""
     qs = ks = np.repeat(np.arange(4), 250)[None].repeat(2, 0)
     mask = {"causal": M.causal(), "window": M.sliding_window(128),
             "causal&segments": M.causal() & M.segments(qs, ks)}[mask_name]
     try:
-        text = _lower(mask, H, dtype, grad)
+        text = _lower(mask, H, dtype, grad, backward)
     except Exception as e:
         if "cuda" in str(e).lower() and "platform" in str(e).lower():
             pytest.skip(f"this jaxlib cannot lower for cuda: {str(e).splitlines()[0][:120]}")
         raise
-    assert text.count("stablehlo.custom_call @mosaic_gpu") == 1  # the forward
-    assert text.count("xla.gpu.triton") == (2 if grad else 0)  # the Triton dq and dk/dv
+    hopper_bwd = grad and backward == "hopper"
+    # the forward, and the Hopper dq and dk/dv, or the Triton ones
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == (3 if hopper_bwd else 1)
+    assert text.count("xla.gpu.triton") == (2 if grad and not hopper_bwd else 0)
 
 
 def test_refusals_name_the_fix():
@@ -91,6 +102,18 @@ def test_refusals_name_the_fix():
         HopperConfig(compute_warpgroups=3)
     with pytest.raises(ValueError, match="pingpong"):
         HopperConfig(compute_warpgroups=1, pingpong=True)
+    q256 = jnp.zeros((1, 64, 2, 256), jnp.bfloat16)
+    with pytest.raises(ValueError, match="backward='triton'"):  # the forward would take it
+        flash_attention_gpu(q256, q256, q256, forward="hopper", backward="hopper")
+    with pytest.raises(ValueError, match="lower the blocks or stages"):
+        q128 = jnp.zeros((1, 64, 2, 128), jnp.bfloat16)
+        flash_backward_hopper(q128, q128, q128, q128, jnp.zeros((1, 2, 64)),
+                              jnp.zeros((1, 2, 64)), None, scale=1.0, softcap=None,
+                              config=HopperBackwardConfig(128, 128, stages=4))
+    with pytest.raises(ValueError, match="block_q_dkv"):
+        HopperBackwardConfig(block_q_dkv=96)
+    with pytest.raises(ValueError, match="compute_warpgroups"):
+        HopperBackwardConfig(compute_warpgroups=0)
 
 
 def test_auto_picks_hopper_only_on_sm90_for_what_it_supports(monkeypatch):
@@ -109,6 +132,11 @@ def test_auto_picks_hopper_only_on_sm90_for_what_it_supports(monkeypatch):
     assert pick(bf, bf, M.bigbird(2, 1, 1, 4, seed=0, seq_len=8)) == "triton"
     assert pick(jnp.zeros((1, 8, 2, 320), jnp.bfloat16), jnp.zeros((1, 8, 2, 320),
                                                                    jnp.bfloat16)) == "triton"
+    bwd = lambda q, **kw: gpu._pick_forward("auto", q, q, q, None, None, False, which="backward")
+    h256 = jnp.zeros((1, 8, 2, 256), jnp.bfloat16)
+    assert bwd(bf) == "hopper" and pick(h256, h256) == "hopper"
+    assert bwd(h256) == "triton"  # dK, dV at H = 256 would not fit the registers
+    assert bwd(f32) == "triton"
 
 
 @pytest.mark.accelerator
@@ -118,5 +146,6 @@ def test_on_hopper_matches_reference():
         pytest.skip("needs a Hopper GPU")
     q, k, v, _ = inputs(2, 1000, 1000, 8, 2, 128, dtype=jnp.bfloat16)
     mask = M.causal() & M.segments(np.repeat(np.arange(4), 250)[None].repeat(2, 0))
-    impl = functools.partial(flash_attention_gpu, forward="hopper")
-    check_against_reference(impl, q, k, v, mask, softcap=30.0)
+    for backward in ("hopper", "triton"):
+        impl = functools.partial(flash_attention_gpu, forward="hopper", backward=backward)
+        check_against_reference(impl, q, k, v, mask, softcap=30.0)

@@ -13,9 +13,9 @@ head dims to a power of two (>= 16) as Triton requires.
 Layout `[B, T, N, H]` (no transposes). Runs in interpret mode on CPU
 (`interpret=True`), which is how the CPU tests exercise it; compiling it needs
 a GPU. On Hopper the forward is `hopper.py`'s Mosaic GPU kernel (TMA + wgmma)
-where it supports the request (`forward="auto"`); the backward is always these
-Triton kernels (they take the forward's output and logsumexp, whichever kernel
-produced them).
+where it supports the request (`forward="auto"`), and the backward
+`hopper_backward.py`'s (`backward="auto"`, head dims up to 128); each kernel
+takes the residuals (output and logsumexp) whichever forward produced them.
 """
 
 from __future__ import annotations
@@ -78,9 +78,11 @@ class _Config:
     static_offsets: tuple[int, int] | None
     forward: str = "triton"  # or "hopper"
     hopper: Any = None  # hopper.HopperConfig
+    backward: str = "triton"  # or "hopper"
+    hopper_backward: Any = None  # hopper_backward.HopperBackwardConfig
 
 
-_FORWARDS = ("auto", "triton", "hopper")
+_CHOICES = ("auto", "triton", "hopper")
 
 
 def _is_hopper() -> bool:
@@ -91,40 +93,47 @@ def _is_hopper() -> bool:
         return False
 
 
-def _pick_forward(forward, q, k, v, mask, bias, interpret) -> str:
-    from tfjax.ops.pallas import hopper
+def _pick_forward(choice, q, k, v, mask, bias, interpret, which="forward") -> str:
+    """"hopper" or "triton" for the forward (or, `which="backward"`, the backward)."""
+    from tfjax.ops.pallas import hopper, hopper_backward
 
-    if forward not in _FORWARDS:
-        raise ValueError(f"flash_attention_gpu: forward must be one of {_FORWARDS}, got {forward!r}")
-    reason = hopper.supports(q.dtype, q.shape[-1], mask, bias is not None)
+    if choice not in _CHOICES:
+        raise ValueError(f"flash_attention_gpu: {which} must be one of {_CHOICES}, got {choice!r}")
+    supports = hopper.supports if which == "forward" else hopper_backward.supports
+    reason = supports(q.dtype, q.shape[-1], mask, bias is not None)
     if reason is None and not q.dtype == k.dtype == v.dtype:
         reason = f"the Hopper kernel takes one dtype for q, k, v, got {q.dtype}, {k.dtype}, {v.dtype}"
-    if forward == "hopper":
+    if choice == "hopper":
         if reason:
-            raise ValueError(f"flash_attention_gpu(forward='hopper'): {reason}; pass "
-                             "forward='triton' (or 'auto') for this request")
+            raise ValueError(f"flash_attention_gpu({which}='hopper'): {reason}; pass "
+                             f"{which}='triton' (or 'auto') for this request")
         return "hopper"
-    if forward == "auto" and not interpret and reason is None and _is_hopper():
+    if choice == "auto" and not interpret and reason is None and _is_hopper():
         return "hopper"
     return "triton"
 
 
 def flash_attention_gpu(q, k, v, mask=None, *, bias=None, scale=None, softcap=None, q_offset=0,
                         kv_offset=0, return_lse=False, block_sizes: BlockSizes | None = None,
-                        interpret: Any = False, forward: str = "auto", hopper_config=None):
+                        interpret: Any = False, forward: str = "auto", hopper_config=None,
+                        backward: str = "auto", hopper_backward_config=None):
     """q `[B,T,N,H]`, k/v `[B,S,K,H]` -> out `[B,T,N,H]` (and lse `[B,N,T]` fp32).
 
     `forward`: "auto" runs the Hopper (Mosaic GPU) forward on sm_90 GPUs when it
     supports the request (16-bit, no bias, see `hopper.supports`), else the
     Triton one; "hopper" insists (and runs it in GPU interpret mode when
-    `interpret`); "triton" never uses it. `hopper_config`: its tiles."""
+    `interpret`); "triton" never uses it. `hopper_config`: its tiles.
+    `backward`, `hopper_backward_config`: the same choice for the dq and dk/dv
+    kernels (`hopper_backward.supports`: also head dims up to 128)."""
     H = q.shape[-1]
     static = (q_offset, kv_offset) if all(isinstance(o, int) for o in (q_offset, kv_offset)) \
         else None
     bs = block_sizes or _default_block_sizes(H)
     cfg = _Config(float(H ** -0.5 if scale is None else scale), float(softcap) if softcap else None,
                   bs, interpret, static, _pick_forward(forward, q, k, v, mask, bias, interpret),
-                  hopper_config)
+                  hopper_config,
+                  _pick_forward(backward, q, k, v, mask, bias, interpret, which="backward"),
+                  hopper_backward_config)
     offs = jnp.stack([jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32)])
     out, lse = _flash(cfg, q, k, v, mask, bias, offs)
     return (out, lse) if return_lse else out
@@ -485,6 +494,14 @@ def _flash_bwd(cfg, res, cts):
     delta = jnp.einsum("BTNH,BTNH->BNT", do.astype(jnp.float32), out.astype(jnp.float32))
     delta = delta - dlse.astype(jnp.float32)
     lse = jnp.where(lse == -jnp.inf, 0.0, lse)
+    if cfg.backward == "hopper":
+        from tfjax.ops.pallas.hopper_backward import flash_backward_hopper
+
+        qo, ko = cfg.static_offsets if cfg.static_offsets is not None else (offs[0], offs[1])
+        dq, dk, dv = flash_backward_hopper(q, k, v, do, lse, delta, mask, scale=cfg.scale,
+                                           softcap=cfg.softcap, q_offset=qo, kv_offset=ko,
+                                           config=cfg.hopper_backward, interpret=cfg.interpret)
+        return (dq, dk, dv, jax.tree.map(_zero_cotangent, mask), None, _zero_cotangent(offs))
     dq = _row_call(cfg, q, k, v, mask, bias, offs, backward=True, do=do, lse=lse, delta=delta)
     dk, dv, dbias = _dkv_call(cfg, q, k, v, mask, bias, offs, do, lse, delta)
     return (dq, dk, dv, jax.tree.map(_zero_cotangent, mask), dbias, _zero_cotangent(offs))

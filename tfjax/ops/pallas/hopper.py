@@ -32,8 +32,8 @@ dims are padded to a multiple of 64 (the swizzle width of 16-bit rows).
 Scope (what `supports` accepts; everything else stays on the Triton kernels,
 which compute the same function): 16-bit inputs (fp16/bf16; wgmma has no fp32
 operands), no additive bias, head dim <= 256, the positional/segment/padding/
-prefix masks. The backward runs the Triton dq and dk/dv kernels from this
-forward's output and logsumexp (the residuals are the same).
+prefix masks. The backward is `hopper_backward.py`'s (head dims up to 128) or
+the Triton dq and dk/dv kernels, from this forward's output and logsumexp.
 
 Testing without a GPU: the kernel runs in Pallas' GPU interpret mode (which
 simulates shared memory, TMA and mbarriers) on CPU, and is lowered for the cuda
@@ -218,6 +218,106 @@ def _extend_gpu_interpreter():
     ji_cls._interpret_wgmma_ref_p = interpret_wgmma
 
 
+def _pipelined(*, C, stages, n, fixed, ring, consume, extra=()):
+    """The warp-specialised pipeline of the forward and backward kernels, called
+    inside the kernel.
+
+    `fixed`: [(src(w) -> gmem view, SMEM spec with a leading C axis)], each
+    consumer's own tiles, copied once; `ring`: [(src(t) -> gmem view, SMEM spec
+    with a leading `stages` axis)], the tiles of loop step t; `n`: the number of
+    steps (traced); `extra`: more scratch (SMEM or barriers), handed to
+    `consume(w, fixed_refs, loop, *extra_refs)`, the consumer warpgroup w,
+    given its fixed tiles (already waited for) and `loop(body, carry)`, which
+    runs `body(t, slot, ring_refs, wait, carry)` for t < n (`wait(x)` waits for
+    ring buffer x of the slot; the body must wait for every buffer) and hands
+    each slot back when the body returns."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    producer = C > 1
+    nf, nr = len(fixed), len(ring)
+
+    def scoped(fixed_smem, ring_smem, fixed_bars, ring_bars, free_bars, *extra_refs):
+        def fetch(t, slot):
+            for x, (src, _) in enumerate(ring):
+                plgpu.copy_gmem_to_smem(src(t), ring_smem[x].at[slot],
+                                        ring_bars.at[x * stages + slot])
+
+        def prologue():
+            for s in range(stages):
+                pl.when(s < n)(functools.partial(fetch, s, s))
+
+        def compute(w):
+            for x, (src, _) in enumerate(fixed):
+                plgpu.copy_gmem_to_smem(src(w), fixed_smem[x].at[w], fixed_bars.at[w * nf + x])
+            if not producer:
+                prologue()
+            for x in range(nf):
+                plgpu.barrier_wait(fixed_bars.at[w * nf + x])
+
+            def loop(body, carry):
+                def step(t, carry):
+                    slot = lax.rem(t, jnp.int32(stages))
+                    wait = lambda x: plgpu.barrier_wait(ring_bars.at[x * stages + slot])
+                    carry = body(t, slot, ring_smem, wait, carry)
+                    # The body read its results: its wgmmas on this slot are done.
+                    if producer:
+                        plgpu.barrier_arrive(free_bars.at[slot])
+                    else:
+                        pl.when(t + stages < n)(lambda: fetch(t + stages, slot))
+                    return carry
+
+                return lax.fori_loop(0, n, step, carry)
+
+            consume(w, [r.at[w] for r in fixed_smem], loop, *extra_refs)
+
+        if not producer:
+            compute(0)
+            return
+        w = lax.axis_index("wg")
+
+        @pl.when(w < C)
+        def _():
+            plgpu.set_max_registers(232, action="increase")
+            compute(w)
+
+        @pl.when(w == C)
+        def _():
+            plgpu.set_max_registers(40, action="decrease")
+            prologue()
+
+            @pl.loop(stages, jnp.maximum(n, stages))
+            def _(t):
+                slot = lax.rem(t, jnp.int32(stages))
+                plgpu.barrier_wait(free_bars.at[slot])  # every consumer is done with t - stages
+                fetch(t, slot)
+
+            @pl.loop(jnp.maximum(n - stages, 0), n)  # observe the last phases (the interpreter
+            def _(t):                                 # checks every phase is observed)
+                plgpu.barrier_wait(free_bars.at[lax.rem(t, jnp.int32(stages))])
+
+    scratch = ([spec for _, spec in fixed], [spec for _, spec in ring],
+               plgpu.Barrier(num_barriers=C * max(nf, 1)),
+               plgpu.Barrier(num_barriers=max(nr, 1) * stages),
+               plgpu.Barrier(num_arrivals=C, num_barriers=stages), *extra)
+    if producer:
+        pl.run_scoped(scoped, *scratch, collective_axes="wg")
+    else:
+        pl.run_scoped(scoped, *scratch)
+
+
+def _store(*outs):
+    """Write register tiles to global memory through shared memory: each of
+    `outs` is (value, smem ref, gmem view)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    for value, smem, _ in outs:
+        smem[...] = value.astype(smem.dtype)
+    plgpu.commit_smem()
+    for _, smem, gmem in outs:
+        plgpu.copy_smem_to_gmem(smem, gmem)
+    plgpu.wait_smem_to_gmem(0)
+
+
 def flash_forward_hopper(q, k, v, mask, *, scale: float, softcap: float | None, q_offset=0,
                          kv_offset=0, config: HopperConfig | None = None, interpret: Any = False):
     """q `[B,T,N,H]`, k/v `[B,S,K,H]` (fp16/bf16) -> (out `[B,T,N,H]`, lse `[B,N,T]` fp32).
@@ -257,6 +357,7 @@ def flash_forward_hopper(q, k, v, mask, *, scale: float, softcap: float | None, 
     log2e = math.log2(math.e)
     producer = C > 1  # warp specialisation: a third warpgroup only issues the K/V copies
     pingpong = C == 2 if cfg.pingpong is None else cfg.pingpong
+    swz = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
     def _load(ref, layout):
         # A ref read + layout cast: what `plgpu.load(ref, (), layout=)` lowers to.
@@ -274,162 +375,95 @@ def flash_forward_hopper(q, k, v, mask, *, scale: float, softcap: float | None, 
         b, i, h = lax.axis_index("batch"), lax.axis_index("q"), lax.axis_index("heads")
         r = b if tab.batched else 0
         kvh = lax.div(h, jnp.int32(G))
-        n = count[r, i]
+        row0 = lambda w: i * bc + w * bq  # a warpgroup's first query row
+        rows = lambda w: pl.ds(row0(w), bq)
+        fixed = [(lambda w: q_ref.at[b, rows(w), h],
+                  plgpu.SMEM((C, bq, Hp), dtype, transforms=swz))]
+        fixed += [(lambda w, x=x: qseg_ref[x].at[b, rows(w)], plgpu.SMEM((C, bq), jnp.int32))
+                  for x in range(nseg)]
+        kv_tile = lambda t: pl.ds(order[r, i, t] * bk, bk)
+        kv_smem = plgpu.SMEM((stages, bk, Hp), dtype, transforms=swz)
+        ring = [(lambda t: k_ref.at[b, kv_tile(t), kvh], kv_smem),
+                (lambda t: v_ref.at[b, kv_tile(t), kvh], kv_smem)]
+        ring += [(lambda t, x=x: kseg_ref[x].at[b, kv_tile(t)],
+                  plgpu.SMEM((stages, bk), jnp.int32)) for x in range(nseg)]
 
-        def scoped(q_smem, k_smem, v_smem, lse_smem, qseg_smem, kseg_smem, q_bars, k_bars,
-                   v_bars, seg_bars, free_bars, sched_bar):
-            def fetch(j, slot):
-                kj = order[r, i, j]
-                src = (b, pl.ds(kj * bk, bk), kvh)
-                plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_bars.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot], v_bars.at[slot])
-                for x in range(nseg):
-                    plgpu.copy_gmem_to_smem(kseg_ref[x].at[b, pl.ds(kj * bk, bk)],
-                                            kseg_smem.at[x, slot], seg_bars.at[x * stages + slot])
-
-            def prologue():
-                for s in range(stages):
-                    pl.when(s < n)(functools.partial(fetch, s, s))
+        def consume(w, fixed_refs, loop, lse_smem, sched_bar):
+            q_tile, *qseg_s = fixed_refs
+            q_seg = [lax.broadcast_in_dim(_load(x, row_layout), (bq, bk), [0]) for x in qseg_s]
+            q_loc = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=wgmma_layout) + row0(w)
+            kv_iota = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=wgmma_layout)
 
             def sync():
                 plgpu.barrier_arrive(sched_bar)
                 plgpu.barrier_wait(sched_bar)
 
-            def compute(w):
-                row0 = i * bc + w * bq  # this warpgroup's first query row
-                qb = lambda x: q_bars.at[w * (1 + nseg) + x]
-                plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, bq), h], q_smem.at[w], qb(0))
+            def masked(s, kj, slot, ring_smem):
+                kv_loc = kv_iota + kj * bk
+                ok = (q_loc < T) & (kv_loc < S)
+                if mask is not None:
+                    kv_seg = [lax.broadcast_in_dim(_load(ring_smem[2 + x].at[slot], col_layout),
+                                                   (bq, bk), [1]) for x in range(nseg)]
+                    ok = ok & mops.evaluate(q_loc + offs_ref[0], kv_loc + offs_ref[1], b, sref,
+                                            q_seg, kv_seg)
+                return jnp.where(ok, s, -jnp.inf)
+
+            def body(j, slot, ring_smem, wait, carry):
+                acc, m_i, l_i = carry
+                kj = order[r, i, j]
+                k_s, v_s = ring_smem[0].at[slot], ring_smem[1].at[slot]
+                wait(0)
                 for x in range(nseg):
-                    plgpu.copy_gmem_to_smem(qseg_ref[x].at[b, pl.ds(row0, bq)],
-                                            qseg_smem.at[w, x], qb(1 + x))
-                if not producer:
-                    prologue()
-                for x in range(1 + nseg):
-                    plgpu.barrier_wait(qb(x))
-                q_tile = q_smem.at[w]
-                q_seg = [lax.broadcast_in_dim(_load(qseg_smem.at[w, x], row_layout), (bq, bk), [0])
-                         for x in range(nseg)]
-                q_loc = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=wgmma_layout) + row0
-                kv_iota = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=wgmma_layout)
+                    wait(2 + x)
 
-                def masked(s, kj, slot):
-                    kv_loc = kv_iota + kj * bk
-                    ok = (q_loc < T) & (kv_loc < S)
-                    if mask is not None:
-                        kv_seg = [lax.broadcast_in_dim(_load(kseg_smem.at[x, slot], col_layout),
-                                                       (bq, bk), [1]) for x in range(nseg)]
-                        ok = ok & mops.evaluate(q_loc + offs_ref[0], kv_loc + offs_ref[1], b, sref,
-                                                q_seg, kv_seg)
-                    return jnp.where(ok, s, -jnp.inf)
-
-                def body(j, carry):
-                    acc, m_i, l_i = carry
-                    slot = lax.rem(j, jnp.int32(stages))
-                    kj = order[r, i, j]
-                    plgpu.barrier_wait(k_bars.at[slot])
-                    for x in range(nseg):
-                        plgpu.barrier_wait(seg_bars.at[x * stages + slot])
-
-                    def qk(acc_ref):
-                        plgpu.wgmma(acc_ref, q_tile, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-                        if pingpong:
-                            sync()  # the other warpgroup's softmax runs while this wgmma does
-                        return acc_ref[...]
-
-                    s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32)) * scale
-                    if softcap:
-                        s = softcap * jnp.tanh(s / softcap)
-                    s = lax.cond(code[r, i, j] == M.PARTIAL, masked, lambda s, kj, slot: s,
-                                 s, kj, slot)
-                    # Online softmax in base 2 (exp2 is the SFU instruction).
-                    m_new = jnp.maximum(m_i, s.max(axis=1) * log2e)
-                    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-                    p = jnp.exp2(s * log2e - lax.broadcast_in_dim(m_safe, s.shape, [0]))
-                    alpha = jnp.exp2(m_i - m_safe)
-                    l_i = l_i * alpha + p.sum(axis=1)
+                def qk(acc_ref):
+                    plgpu.wgmma(acc_ref, q_tile, plgpu.transpose_ref(k_s, (1, 0)))
                     if pingpong:
-                        plgpu.barrier_arrive(sched_bar)  # softmax done
-                    plgpu.barrier_wait(v_bars.at[slot])
-                    if pingpong:
-                        plgpu.barrier_wait(sched_bar)  # the tensor cores are free
+                        sync()  # the other warpgroup's softmax runs while this wgmma does
+                    return acc_ref[...]
 
-                    def pv(acc_ref):
-                        plgpu.wgmma(acc_ref, p.astype(dtype), v_smem.at[slot])
-                        return acc_ref[...]
-
-                    o = pl.run_scoped(pv, plgpu.ACC((bq, Hp), jnp.float32))
-                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + o
-                    # Both wgmmas of this slot have completed (their results were read).
-                    if producer:
-                        plgpu.barrier_arrive(free_bars.at[slot])
-                    else:
-                        pl.when(j + stages < n)(lambda: fetch(j + stages, slot))
-                    return acc, m_new, l_i
-
-                acc = plgpu.layout_cast(jnp.zeros((bq, Hp), jnp.float32), wgmma_layout)
-                m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row_layout)
-                l_i = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row_layout)
+                s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32)) * scale
+                if softcap:
+                    s = softcap * jnp.tanh(s / softcap)
+                s = lax.cond(code[r, i, j] == M.PARTIAL,
+                             lambda s: masked(s, kj, slot, ring_smem), lambda s: s, s)
+                # Online softmax in base 2 (exp2 is the SFU instruction).
+                m_new = jnp.maximum(m_i, s.max(axis=1) * log2e)
+                m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                p = jnp.exp2(s * log2e - lax.broadcast_in_dim(m_safe, s.shape, [0]))
+                alpha = jnp.exp2(m_i - m_safe)
+                l_i = l_i * alpha + p.sum(axis=1)
                 if pingpong:
-                    pl.when(w == 1)(sync)  # warpgroup 0 issues its first matmul first
-                acc, m_i, l_i = lax.fori_loop(0, n, body, (acc, m_i, l_i))
+                    plgpu.barrier_arrive(sched_bar)  # softmax done
+                wait(1)
                 if pingpong:
-                    pl.when(w == 0)(sync)
-                has = l_i > 0
-                l_safe = jnp.where(has, l_i, 1.0)
-                out = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
-                q_tile[...] = out.astype(dtype)
-                lse_smem.at[w][...] = jnp.where(has, (m_i + jnp.log2(l_safe)) / log2e, -jnp.inf)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(q_tile, out_ref.at[b, pl.ds(row0, bq), h])
-                plgpu.copy_smem_to_gmem(lse_smem.at[w], lse_ref.at[b, h, pl.ds(row0, bq)])
-                plgpu.wait_smem_to_gmem(0)
+                    plgpu.barrier_wait(sched_bar)  # the tensor cores are free
 
-            if not producer:
-                compute(0)
-                return
-            w = lax.axis_index("wg")
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p.astype(dtype), v_s)
+                    return acc_ref[...]
 
-            @pl.when(w < C)
-            def _():
-                plgpu.set_max_registers(232, action="increase")
-                compute(w)
+                o = pl.run_scoped(pv, plgpu.ACC((bq, Hp), jnp.float32))
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + o
+                return acc, m_new, l_i
 
-            @pl.when(w == C)
-            def _():
-                plgpu.set_max_registers(40, action="decrease")
-                prologue()
+            acc = plgpu.layout_cast(jnp.zeros((bq, Hp), jnp.float32), wgmma_layout)
+            m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row_layout)
+            l_i = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row_layout)
+            if pingpong:
+                pl.when(w == 1)(sync)  # warpgroup 0 issues its first matmul first
+            acc, m_i, l_i = loop(body, (acc, m_i, l_i))
+            if pingpong:
+                pl.when(w == 0)(sync)
+            has = l_i > 0
+            l_safe = jnp.where(has, l_i, 1.0)
+            out = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
+            lse = jnp.where(has, (m_i + jnp.log2(l_safe)) / log2e, -jnp.inf)
+            _store((out, q_tile, out_ref.at[b, rows(w), h]),
+                   (lse, lse_smem.at[w], lse_ref.at[b, h, rows(w)]))
 
-                @pl.loop(stages, jnp.maximum(n, stages))
-                def _(j):
-                    slot = lax.rem(j, jnp.int32(stages))
-                    plgpu.barrier_wait(free_bars.at[slot])  # every consumer is done with j - stages
-                    fetch(j, slot)
-
-                # Observe the last phases too (the GPU interpreter checks that every
-                # phase of a barrier a thread waits on is observed by it).
-                @pl.loop(jnp.maximum(n - stages, 0), n)
-                def _(t):
-                    plgpu.barrier_wait(free_bars.at[lax.rem(t, jnp.int32(stages))])
-
-        swz = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-        scratch = [
-            plgpu.SMEM((C, bq, Hp), dtype, transforms=swz),
-            plgpu.SMEM((stages, bk, Hp), dtype, transforms=swz),
-            plgpu.SMEM((stages, bk, Hp), dtype, transforms=swz),
-            plgpu.SMEM((C, bq), jnp.float32),
-            plgpu.SMEM((C, max(nseg, 1), bq), jnp.int32),
-            plgpu.SMEM((max(nseg, 1), stages, bk), jnp.int32),
-            plgpu.Barrier(num_barriers=C * (1 + nseg)),
-            plgpu.Barrier(num_barriers=stages),
-            plgpu.Barrier(num_barriers=stages),
-            plgpu.Barrier(num_barriers=max(nseg, 1) * stages),
-            plgpu.Barrier(num_arrivals=C, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=C),
-        ]
-        if producer:
-            pl.run_scoped(scoped, *scratch, collective_axes="wg")
-        else:
-            pl.run_scoped(scoped, *scratch)
+        _pipelined(C=C, stages=stages, n=count[r, i], fixed=fixed, ring=ring, consume=consume,
+                   extra=(plgpu.SMEM((C, bq), jnp.float32), plgpu.Barrier(num_arrivals=C)))
 
     operands = [tab.order, tab.count, tab.code, offs, *mops.scalars, qp, kp, vp,
                 *mops.q_segments, *mops.kv_segments]

@@ -1,0 +1,345 @@
+"""FlashAttention backward for Hopper GPUs in Pallas Mosaic GPU (TMA + wgmma).
+
+Two kernels, like the Triton backward of `gpu.py` (no atomics):
+
+- dq: one CTA per (query tile, head, batch row), the grid of the forward. Each
+  consumer warpgroup keeps 64 query rows of Q and dO in shared memory and their
+  logsumexp and delta (rowsum(dO * O)) in registers, and walks the non-empty kv
+  tiles of its row of the tile table: S = Q K^T and dP = dO V^T (wgmma, K and V
+  read through `transpose_ref`), P = exp2(S log2e - lse log2e), dS = P (dP -
+  delta), dQ += dS K (dS from registers, the wgmma RS form).
+- dk/dv: one CTA per (kv tile, kv head, batch row). Each consumer warpgroup
+  keeps 64 rows of K and V and accumulates dK and dV in registers, walking the G
+  query heads of its kv head (native GQA: K/V are never repeated, dK/dV never
+  summed outside) times the non-empty query tiles of its column of the table:
+  S^T = K Q^T, P^T, dV += P^T dO, dP^T = V dO^T, dS^T, dK += dS^T Q.
+
+Both are warp-specialised by default (`compute_warpgroups=2`): a producer
+warpgroup streams the tiles of the loop (K/V for dq; Q, dO, lse, delta for
+dk/dv) by TMA into a ring of `stages` shared-memory slots and refills a slot
+when both consumers have arrived on its "free" barrier; `compute_warpgroups=1`
+runs one warpgroup that issues its own copies. Masks as in the forward: block
+skipping from `common.tile_tables`, the `MaskOperands` evaluator only in
+PARTIAL tiles, segment ids copied beside the tiles and read in the wgmma
+row/column layouts. Soft-cap: dS is multiplied by 1 - tanh^2.
+
+Scope (`supports`): the forward's (16-bit, no bias, the positional/segment/
+padding/prefix masks) and head dims up to 128: the dk/dv consumer holds two
+[64, H] fp32 accumulators in registers, which at H = 256 is 256 registers per
+thread on their own. Larger heads keep the Triton backward.
+
+Testing without a GPU: GPU interpret mode on CPU, and lowering for the cuda
+platform. jax 0.10's GPU interpreter has no rule for `pl.run_state`, which the
+compiled kernels use to accumulate wgmma results in place
+(`plgpu.ACC.init`); in interpret mode the same sum is formed as
+`acc + (a @ b)` from a fresh accumulator (`_mma`). Not yet timed on a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from tfjax.ops import masks as M
+from tfjax.ops.pallas import hopper
+from tfjax.ops.pallas.common import MaskOperands, pad_axis, round_up, tile_tables
+
+__all__ = ["HopperBackwardConfig", "flash_backward_hopper", "supports"]
+
+_ROWS = 64  # rows of a consumer warpgroup (the wgmma M)
+
+
+def supports(q_dtype, H: int, mask, has_bias: bool) -> str | None:
+    """None when the Hopper backward computes this request, else why not."""
+    reason = hopper.supports(q_dtype, H, mask, has_bias)
+    if reason is None and round_up(H, 64) > 128:
+        reason = ("the Hopper backward keeps dK and dV ([64, H] fp32 each) in registers: "
+                  f"head dims up to 128, got {H}")
+    return reason
+
+
+@dataclasses.dataclass(frozen=True)
+class HopperBackwardConfig:
+    """Tiles of the Hopper backward: `block_kv_dq` keys per step of the dq kernel,
+    `block_q_dkv` query rows per step of the dk/dv kernel (each consumer
+    warpgroup owns 64 rows of its CTA's tile in both), `stages` tiles in flight,
+    `compute_warpgroups` consumers (2 with a producer, or 1 alone). Not tuned on
+    hardware yet."""
+
+    block_kv_dq: int = 64
+    block_q_dkv: int = 64
+    stages: int = 2
+    compute_warpgroups: int = 2
+
+    def __post_init__(self):
+        for name in ("block_kv_dq", "block_q_dkv"):
+            n = getattr(self, name)
+            if n not in (64, 128):
+                raise ValueError(f"HopperBackwardConfig.{name} must be 64 or 128, got {n}")
+        if self.stages < 1:
+            raise ValueError(f"HopperBackwardConfig.stages must be >= 1, got {self.stages}")
+        if self.compute_warpgroups not in (1, 2):
+            raise ValueError("HopperBackwardConfig.compute_warpgroups must be 1 or 2, got "
+                             f"{self.compute_warpgroups}")
+
+    def smem_bytes(self, H: int, itemsize: int = 2) -> int:
+        """The larger of the two kernels' shared memory."""
+        Hp, C = round_up(H, 64), self.compute_warpgroups
+        dq = (2 * C * _ROWS * Hp + 2 * self.stages * self.block_kv_dq * Hp) * itemsize \
+            + 2 * C * _ROWS * 4
+        dkv = (2 * C * _ROWS * Hp + 2 * self.stages * self.block_q_dkv * Hp) * itemsize \
+            + 2 * self.stages * self.block_q_dkv * 4
+        return max(dq, dkv) + 4 * 4 * C * _ROWS  # + segment ids (a bound)
+
+
+def _mma(a, b, shape, acc=None, *, interpret=False):
+    """acc + a @ b on the tensor cores (a: shared memory or registers, b: shared
+    memory; fp32). Compiled, the accumulator is updated in place
+    (`run_state` + `ACC.init`); the GPU interpreter lacks run_state, so there
+    the product goes to a fresh accumulator and is added."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if acc is not None and not interpret:
+        def update(acc_ref):
+            plgpu.wgmma(acc_ref, a, b)
+
+        return pl.run_state(update)(plgpu.ACC.init(acc))
+
+    def fresh(acc_ref):
+        plgpu.wgmma(acc_ref, a, b)
+        return acc_ref[...]
+
+    out = pl.run_scoped(fresh, plgpu.ACC(shape, jnp.float32))
+    return out if acc is None else acc + out
+
+
+def flash_backward_hopper(q, k, v, do, lse, delta, mask, *, scale: float, softcap: float | None,
+                          q_offset=0, kv_offset=0, config: HopperBackwardConfig | None = None,
+                          interpret: Any = False):
+    """q/do `[B,T,N,H]`, k/v `[B,S,K,H]` (fp16/bf16), lse and delta `[B,N,T]` fp32
+    (lse of fully masked rows finite, e.g. 0; delta = rowsum(dO * O) - dlse) ->
+    (dq, dk, dv) in the dtypes of q, k, v."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    reason = supports(q.dtype, q.shape[-1], mask, False)
+    if reason:
+        raise ValueError(reason)
+    if not (q.dtype == k.dtype == v.dtype == do.dtype):
+        raise ValueError(f"q, k, v, do must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}, "
+                         f"{do.dtype}")
+    cfg = config or HopperBackwardConfig()
+    if cfg.smem_bytes(q.shape[-1]) > hopper._SMEM_BYTES:
+        raise ValueError(
+            f"HopperBackwardConfig(block_kv_dq={cfg.block_kv_dq}, block_q_dkv={cfg.block_q_dkv}, "
+            f"stages={cfg.stages}) needs up to {cfg.smem_bytes(q.shape[-1]) // 1024} KiB of "
+            f"shared memory at head dim {q.shape[-1]} (Hopper has {hopper._SMEM_BYTES // 1024} "
+            "KiB): lower the blocks or stages")
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    G = N // K
+    C = cfg.compute_warpgroups
+    bc = C * _ROWS  # rows of a CTA: query rows (dq), key rows (dk/dv)
+    bk, bq = cfg.block_kv_dq, cfg.block_q_dkv
+    Tp, Sp, Hp = round_up(T, math.lcm(bc, bq)), round_up(S, math.lcm(bc, bk)), round_up(H, 64)
+    offs = jnp.stack([jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32)])
+    mops = MaskOperands(mask, B, Tp, Sp, offs)
+    ns, nseg = len(mops.scalars), mops.num_segments
+    dtype = q.dtype
+    pad_qh = lambda x, n: pad_axis(pad_axis(x, 1, n), 3, Hp)
+    qp, dop, kp, vp = pad_qh(q, Tp), pad_qh(do, Tp), pad_qh(k, Sp), pad_qh(v, Sp)
+    lse2 = pad_axis(lse.astype(jnp.float32) * math.log2(math.e), 2, Tp)  # base 2
+    deltap = pad_axis(delta.astype(jnp.float32), 2, Tp)
+    interp = hopper._interpret_params(interpret)
+    log2e = math.log2(math.e)
+    wgmma_layout = plgpu.Layout.WGMMA
+    row_layout, col_layout = wgmma_layout.reduce(1), wgmma_layout.reduce(0)
+    swz = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    smem = lambda shape, dt=dtype, t=swz: plgpu.SMEM(shape, dt, transforms=t)
+    vec = lambda shape, dt=jnp.float32: plgpu.SMEM(shape, dt)
+    mma = functools.partial(_mma, interpret=interp is not None)
+    T_ = lambda ref: plgpu.transpose_ref(ref, (1, 0))
+    zeros = lambda shape: plgpu.layout_cast(jnp.zeros(shape, jnp.float32), wgmma_layout)
+
+    def load(ref, layout):
+        # A ref read + layout cast: what plgpu.load(ref, (), layout=) lowers to
+        # (jax 0.10's GPU interpreter has no rule for plgpu.load).
+        return plgpu.layout_cast(ref[...], layout)
+
+    def logits(a, b, shape, partial, masked):
+        """Scaled (soft-capped) a @ b, masked where the tile is PARTIAL; and tanh
+        of the soft-cap (its derivative's factor)."""
+        s, t = mma(a, b, shape) * scale, None
+        if softcap:
+            t = jnp.tanh(s / softcap)
+            s = softcap * t
+        return lax.cond(partial, masked, lambda s: s, s), t
+
+    def dlogits(p, dp, delta_b, t):
+        ds = p * (dp - delta_b)
+        return ds if t is None else ds * (1.0 - t * t)
+
+    def allowed(q_loc, kv_loc, b, offs_ref, sref, q_seg, kv_seg):
+        ok = (q_loc < T) & (kv_loc < S)
+        if mask is not None:
+            ok = ok & mops.evaluate(q_loc + offs_ref[0], kv_loc + offs_ref[1], b, sref, q_seg,
+                                    kv_seg)
+        return ok
+
+    def split_refs(refs, n_in):
+        it = iter(refs)
+        take = lambda n: [next(it) for _ in range(n)]
+        head = take(4)
+        return head, take(ns), take(n_in), take(nseg), take(nseg), list(it)
+
+    # ------------------------------------------------------------------ dq
+    tab = tile_tables(mask, T, S, bc, bk, q_offset=q_offset, kv_offset=kv_offset)
+
+    def dq_kernel(*refs):
+        (order, count, code, offs_ref), sref, ins, qseg_ref, kseg_ref, (dq_ref,) = \
+            split_refs(refs, 6)
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins
+        b, i, h = lax.axis_index("batch"), lax.axis_index("q"), lax.axis_index("heads")
+        r = b if tab.batched else 0
+        kvh = lax.div(h, jnp.int32(G))
+        row0 = lambda w: i * bc + w * _ROWS
+        rows = lambda w: pl.ds(row0(w), _ROWS)
+        fixed = [(lambda w: q_ref.at[b, rows(w), h], smem((C, _ROWS, Hp))),
+                 (lambda w: do_ref.at[b, rows(w), h], smem((C, _ROWS, Hp))),
+                 (lambda w: lse_ref.at[b, h, rows(w)], vec((C, _ROWS))),
+                 (lambda w: delta_ref.at[b, h, rows(w)], vec((C, _ROWS)))]
+        fixed += [(lambda w, x=x: qseg_ref[x].at[b, rows(w)], vec((C, _ROWS), jnp.int32))
+                  for x in range(nseg)]
+        kv_tile = lambda t: pl.ds(order[r, i, t] * bk, bk)
+        ring = [(lambda t: k_ref.at[b, kv_tile(t), kvh], smem((stages_dq, bk, Hp))),
+                (lambda t: v_ref.at[b, kv_tile(t), kvh], smem((stages_dq, bk, Hp)))]
+        ring += [(lambda t, x=x: kseg_ref[x].at[b, kv_tile(t)], vec((stages_dq, bk), jnp.int32))
+                 for x in range(nseg)]
+
+        def consume(w, fixed_refs, loop):
+            q_s, do_s, lse_s, delta_s, *qseg_s = fixed_refs
+            shape = (_ROWS, bk)
+            lse_b = lax.broadcast_in_dim(load(lse_s, row_layout), shape, [0])
+            delta_b = lax.broadcast_in_dim(load(delta_s, row_layout), shape, [0])
+            q_seg = [lax.broadcast_in_dim(load(x, row_layout), shape, [0]) for x in qseg_s]
+            q_loc = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=wgmma_layout) + row0(w)
+            kv_iota = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=wgmma_layout)
+
+            def masked(s, kj, slot, ring_smem):
+                kv_seg = [lax.broadcast_in_dim(load(ring_smem[2 + x].at[slot], col_layout),
+                                               shape, [1]) for x in range(nseg)]
+                ok = allowed(q_loc, kv_iota + kj * bk, b, offs_ref, sref, q_seg, kv_seg)
+                return jnp.where(ok, s, -jnp.inf)
+
+            def body(t, slot, ring_smem, wait, dq):
+                kj = order[r, i, t]
+                k_s, v_s = ring_smem[0].at[slot], ring_smem[1].at[slot]
+                wait(0)
+                for x in range(nseg):
+                    wait(2 + x)
+                s, tc = logits(q_s, T_(k_s), shape, code[r, i, t] == M.PARTIAL,
+                               lambda s: masked(s, kj, slot, ring_smem))
+                p = jnp.exp2(s * log2e - lse_b)
+                wait(1)
+                dp = mma(do_s, T_(v_s), shape)
+                ds = dlogits(p, dp, delta_b, tc)
+                return mma(ds.astype(dtype), k_s, (_ROWS, Hp), dq)
+
+            dq = loop(body, zeros((_ROWS, Hp)))
+            hopper._store((dq * scale, q_s, dq_ref.at[b, rows(w), h]))
+
+        hopper._pipelined(C=C, stages=stages_dq, n=count[r, i], fixed=fixed, ring=ring,
+                          consume=consume)
+
+    # ------------------------------------------------------------------ dk/dv
+    tab_t = tile_tables(mask, T, S, bq, bc, q_offset=q_offset, kv_offset=kv_offset,
+                        transpose=True)
+
+    def dkv_kernel(*refs):
+        (order, count, code, offs_ref), sref, ins, qseg_ref, kseg_ref, (dk_ref, dv_ref) = \
+            split_refs(refs, 6)
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins
+        b, i, kh = lax.axis_index("batch"), lax.axis_index("kv"), lax.axis_index("heads")
+        r = b if tab_t.batched else 0
+        nq = count[r, i]
+        row0 = lambda w: i * bc + w * _ROWS
+        rows = lambda w: pl.ds(row0(w), _ROWS)
+        fixed = [(lambda w: k_ref.at[b, rows(w), kh], smem((C, _ROWS, Hp))),
+                 (lambda w: v_ref.at[b, rows(w), kh], smem((C, _ROWS, Hp)))]
+        fixed += [(lambda w, x=x: kseg_ref[x].at[b, rows(w)], vec((C, _ROWS), jnp.int32))
+                  for x in range(nseg)]
+
+        def at(t):  # step t: query head kh * G + t // nq, query tile order[.., t % nq]
+            g, j = lax.div(t, nq), lax.rem(t, nq)
+            return kh * G + g, pl.ds(order[r, i, j] * bq, bq), j
+
+        ring = [(lambda t: q_ref.at[b, at(t)[1], at(t)[0]], smem((stages_dkv, bq, Hp))),
+                (lambda t: do_ref.at[b, at(t)[1], at(t)[0]], smem((stages_dkv, bq, Hp))),
+                (lambda t: lse_ref.at[b, at(t)[0], at(t)[1]], vec((stages_dkv, bq))),
+                (lambda t: delta_ref.at[b, at(t)[0], at(t)[1]], vec((stages_dkv, bq)))]
+        ring += [(lambda t, x=x: qseg_ref[x].at[b, at(t)[1]], vec((stages_dkv, bq), jnp.int32))
+                 for x in range(nseg)]
+
+        def consume(w, fixed_refs, loop):
+            k_s, v_s, *kseg_s = fixed_refs
+            shape = (_ROWS, bq)  # transposed tiles: key rows, query columns
+            kv_seg = [lax.broadcast_in_dim(load(x, row_layout), shape, [0]) for x in kseg_s]
+            kv_loc = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=wgmma_layout) + row0(w)
+            q_iota = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=wgmma_layout)
+            col = lambda ref: lax.broadcast_in_dim(load(ref, col_layout), shape, [1])
+
+            def masked(s, qi, slot, ring_smem):
+                q_seg = [col(ring_smem[4 + x].at[slot]) for x in range(nseg)]
+                ok = allowed(q_iota + qi * bq, kv_loc, b, offs_ref, sref, q_seg, kv_seg)
+                return jnp.where(ok, s, -jnp.inf)
+
+            def body(t, slot, ring_smem, wait, carry):
+                dk, dv = carry
+                _, _, j = at(t)
+                qi = order[r, i, j]
+                q_s, do_s, lse_s, delta_s = (ring_smem[x].at[slot] for x in range(4))
+                wait(0)
+                for x in range(nseg):
+                    wait(4 + x)
+                s, tc = logits(k_s, T_(q_s), shape, code[r, i, j] == M.PARTIAL,
+                               lambda s: masked(s, qi, slot, ring_smem))
+                wait(2)
+                p = jnp.exp2(s * log2e - col(lse_s))
+                wait(1)
+                dv = mma(p.astype(dtype), do_s, (_ROWS, Hp), dv)
+                dp = mma(v_s, T_(do_s), shape)
+                wait(3)
+                ds = dlogits(p, dp, col(delta_s), tc)
+                dk = mma(ds.astype(dtype), q_s, (_ROWS, Hp), dk)
+                return dk, dv
+
+            dk, dv = loop(body, (zeros((_ROWS, Hp)), zeros((_ROWS, Hp))))
+            hopper._store((dk * scale, k_s, dk_ref.at[b, rows(w), kh]),
+                          (dv, v_s, dv_ref.at[b, rows(w), kh]))
+
+        hopper._pipelined(C=C, stages=stages_dkv, n=G * nq, fixed=fixed, ring=ring,
+                          consume=consume)
+
+    stages_dq = max(1, min(cfg.stages, Sp // bk))
+    stages_dkv = max(1, min(cfg.stages, G * (Tp // bq)))
+    threads = {"num_threads": C + 1, "thread_name": "wg"} if C > 1 else {}
+    params = plgpu.CompilerParams(approx_math=True)
+    ins = [offs, *mops.scalars, qp, kp, vp, dop, lse2, deltap, *mops.q_segments,
+           *mops.kv_segments]
+    dq = plgpu.kernel(
+        dq_kernel, out_type=jax.ShapeDtypeStruct((B, Tp, N, Hp), dtype),
+        grid=(N, tab.order.shape[1], B), grid_names=("heads", "q", "batch"), **threads,
+        compiler_params=params, interpret=interp if interp is not None else False,
+    )(tab.order, tab.count, tab.code, *ins)
+    dk, dv = plgpu.kernel(
+        dkv_kernel, out_type=[jax.ShapeDtypeStruct((B, Sp, K, Hp), dtype)] * 2,
+        grid=(K, tab_t.order.shape[1], B), grid_names=("heads", "kv", "batch"), **threads,
+        compiler_params=params, interpret=interp if interp is not None else False,
+    )(tab_t.order, tab_t.count, tab_t.code, *ins)
+    return dq[:, :T, :, :H], dk[:, :S, :, :H], dv[:, :S, :, :H]
