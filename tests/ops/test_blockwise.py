@@ -27,6 +27,8 @@ CASES = [
     (384, 384, (4, 4), 32, "window&segments", {"softcap": 5.0, "bias": (2, 1)}),
     (128, 100, (8, 2), 32, "padding_fully_masked", {"bias": (2, 8)}),
     (384, 1000, (8, 2), 128, "prefix|window", {"q_offset": 3, "kv_offset": 7}),
+    # B = 1: the training forward and the backward call the example directly (no vmap)
+    (100, 300, (4, 2), 32, "causal&segments", {"bias": (1, 4), "B": 1, "softcap": 5.0}),
 ]
 
 
@@ -37,7 +39,7 @@ def _case_id(c):
 @pytest.mark.parametrize("T,S,heads,H,mask_name,extras", CASES, ids=[_case_id(c) for c in CASES])
 def test_matches_reference(T, S, heads, H, mask_name, extras):
     extras = dict(extras)
-    B = 2
+    B = extras.pop("B", 2)
     q, k, v, bias = inputs(B, T, S, *heads, H, bias=extras.pop("bias", None))
     mask = make_mask(mask_name, B, T, S)
     check_against_reference(blockwise_attention, q, k, v, mask, bias, block_q=128, block_kv=128,
