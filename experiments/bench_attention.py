@@ -2,6 +2,7 @@
 
     .venv/bin/python experiments/bench_attention.py cpu            # ~10 min on 2 cores
     .venv/bin/python experiments/bench_attention.py gpu            # < 8 min on one H100/H200
+    .venv/bin/python experiments/bench_attention.py tune --budget-s 80   # GPU kernel tiles
 
 cpu: compiled temporary memory (`memory_analysis().temp_size_in_bytes`) and wall
 time of reference / xla / blockwise at S = 1k, 4k, 16k (causal self-attention,
@@ -23,6 +24,7 @@ Writes a markdown table to experiments/results/attention_gpu_<date>.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import itertools
 import os
@@ -207,9 +209,90 @@ def bench_gpu(args):
     print(f"wrote {path}")
 
 
+def bench_tune(args, S=8192, N=32, K=8, head_dims=(128, 64)):
+    """Block sizes of the GPU kernels at one shape (causal, S = 8k, GQA 32/8, bf16,
+    H = 128 then 64): forward TFLOP/s of the Hopper forward and the Triton
+    forward per tile choice, backward TFLOP/s ((fwd+bwd) - fwd) of the Hopper and
+    Triton backward per tile choice. Rows print as they are measured (a killed
+    run keeps them); the defaults are marked *."""
+    from tfjax.ops.pallas.gpu import _default_block_sizes, _is_hopper, flash_attention_gpu
+    from tfjax.ops.pallas.hopper import _SMEM_BYTES, HopperConfig
+    from tfjax.ops.pallas.hopper_backward import HopperBackwardConfig
+
+    B = 1
+    mask = M.causal()
+    out = [(f"# GPU kernel tiles ({jax.devices()[0].device_kind}, jax {jax.__version__}, "
+            f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC)"), "",
+           f"B={B}, N={N}, K={K}, T=S={S}, causal, bf16; FLOPs 2*B*N*S*S*H (fwd), x2.5 (bwd).",
+           "", "| H | kernel | tiles | fwd TFLOP/s | bwd TFLOP/s |", "|---|---|---|---|---|"]
+    print("\n".join(out), flush=True)
+    deadline = time.time() + args.budget_s
+    hopper = _is_hopper()
+    for H in head_dims:
+        ks = jax.random.split(jax.random.key(0), 3)
+        q = jax.random.normal(ks[0], (B, S, N, H), jnp.bfloat16)
+        k = jax.random.normal(ks[1], (B, S, K, H), jnp.bfloat16)
+        v = jax.random.normal(ks[2], (B, S, K, H), jnp.bfloat16)
+        flops = 2 * B * N * S * S * H
+        rows = []  # (kernel, tiles, is default, forward kwargs, backward kwargs or None)
+        if hopper:
+            for bk, st in itertools.product((64, 128), (2, 3)):
+                c = HopperConfig(block_kv=bk, stages=st)
+                if c.smem_bytes(H) <= _SMEM_BYTES:
+                    rows.append(("hopper fwd", f"block_kv={bk} stages={st}",
+                                 c == HopperConfig.default(H),
+                                 dict(forward="hopper", hopper_config=c), None))
+            for bdq, bdkv in itertools.product((64, 128), (64, 128)):
+                c = HopperBackwardConfig(bdq, bdkv)
+                if c.smem_bytes(H) <= _SMEM_BYTES:
+                    rows.append(("hopper bwd", f"block_kv_dq={bdq} block_q_dkv={bdkv}",
+                                 c == HopperBackwardConfig(), dict(forward="hopper"),
+                                 dict(forward="hopper", backward="hopper",
+                                      hopper_backward_config=c)))
+        d = _default_block_sizes(H)
+        for bq, bk in itertools.product((64, 128), (32, 64, 128)):
+            bs = dataclasses.replace(d, block_q=bq, block_kv=bk)
+            rows.append(("triton fwd", f"block_q={bq} block_kv={bk}", bs == d,
+                         dict(forward="triton", block_sizes=bs), None))
+        for b in (32, 64, 128):
+            bs = dataclasses.replace(d, block_q_dq=b, block_kv_dq=b, block_q_dkv=b,
+                                     block_kv_dkv=b)
+            rows.append(("triton bwd", f"dq and dk/dv tiles {b}x{b}", bs == d,
+                         dict(forward="triton", block_sizes=d),
+                         dict(forward="triton", backward="triton", block_sizes=bs)))
+        for kernel, tiles, default, fwd_kw, bwd_kw in rows:
+            if time.time() > deadline:
+                out.append(f"| {H} | {kernel} | {tiles} | (time budget spent) | |")
+                print(out[-1], flush=True)
+                continue
+            try:
+                t_f = _time(jax.jit(lambda q, k, v, kw=fwd_kw: flash_attention_gpu(
+                    q, k, v, mask, **kw)), q, k, v, reps=3)
+                fwd = f"{flops / t_f / 1e12:.1f}"
+                bwd = ""
+                if bwd_kw is not None:
+                    loss = lambda q, k, v, kw=bwd_kw: flash_attention_gpu(
+                        q, k, v, mask, **kw).astype(jnp.float32).sum()
+                    t_fb = _time(jax.jit(jax.grad(loss, (0, 1, 2))), q, k, v, reps=3)
+                    bwd = f"{2.5 * flops / max(t_fb - t_f, 1e-9) / 1e12:.1f}"
+                    fwd = ""  # the forward of a backward row is the default's
+                row = f"| {H} | {kernel} | {tiles}{' *' if default else ''} | {fwd} | {bwd} |"
+            except Exception as e:  # noqa: BLE001 - a row says why a tile choice failed
+                row = (f"| {H} | {kernel} | {tiles} | failed: {type(e).__name__}: "
+                       f"{str(e).splitlines()[0][:80]} | |")
+            out.append(row)
+            print(row, flush=True)
+    os.makedirs(os.path.join(os.path.dirname(__file__), "results"), exist_ok=True)
+    path = os.path.join(os.path.dirname(__file__), "results",
+                        f"attention_gpu_tiles_{datetime.date.today():%Y%m%d}.md")
+    with open(path, "w") as fh:
+        fh.write("\n".join(out) + "\n")
+    print(f"wrote {path}")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("part", choices=["cpu", "gpu"])
+    p.add_argument("part", choices=["cpu", "gpu", "tune"])
     p.add_argument("--sizes", default="1024,4096,16384")
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--max-run-gib", type=float, default=3.0)
@@ -219,8 +302,9 @@ def main():
         bench_cpu(args)
     else:
         if jax.default_backend() != "gpu":
-            sys.exit(f"bench_attention.py gpu: needs a GPU, jax backend is {jax.default_backend()}")
-        bench_gpu(args)
+            sys.exit(f"bench_attention.py {args.part}: needs a GPU, jax backend is "
+                     f"{jax.default_backend()}")
+        (bench_gpu if args.part == "gpu" else bench_tune)(args)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one prepared run for a session that is lent an NVIDIA GPU (H100/H200):
 # the accelerator tests of the GPU kernels (Triton, and the Mosaic GPU forward
-# and backward on Hopper), then `bench_attention.py gpu`. About 8 minutes; results under $OUT.
+# and backward on Hopper), then `bench_attention.py gpu`, then `bench_attention.py
+# tune` (tile sizes) in the time left. About 9 minutes; results under $OUT.
 #
 # Prepare here, once (the device has no network and no ml-collections):
 #   echo /.whl/ >> .git/info/exclude
@@ -9,7 +10,7 @@
 #       --implementation cp --platform manylinux2014_x86_64 -d .whl ml_collections==1.1.0
 # Then, with the device tool:
 #   run(command="bash experiments/gpu_session.sh", carry=[".whl"], timeout_s=570)
-# and copy $OUT/attention_gpu_*.md into experiments/results/.
+# and copy $OUT/attention_gpu_*.md (the tiles table too) into experiments/results/.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # tests/conftest.py says JAX_PLATFORMS=cpu when it sees no /dev/nvidia0; insist on the GPU.
@@ -25,6 +26,13 @@ python3 -c "import jax; print('jax', jax.__version__, jax.devices(), \
 getattr(jax.devices()[0], 'compute_capability', '?'))" 2>&1 | tee -a "$OUT/gpu.txt"
 timeout 150 python3 -m pytest -q -p no:cacheprovider -m accelerator \
     tests/ops/test_pallas_gpu.py tests/ops/test_pallas_hopper.py 2>&1 | tee "$OUT/accelerator_tests.log"
-timeout 390 python3 experiments/bench_attention.py gpu --budget-s 300 2>&1 | tee "$OUT/bench.log"
+timeout 370 python3 experiments/bench_attention.py gpu --budget-s 280 2>&1 | tee "$OUT/bench.log"
 cp experiments/results/attention_gpu_*.md "$OUT/" 2>/dev/null
+# Then the kernels' tiles, in what is left of ~560 s (rows print as measured).
+left=$(( 560 - SECONDS ))
+if [ "$left" -gt 40 ]; then
+    timeout "$left" python3 experiments/bench_attention.py tune --budget-s $(( left - 30 )) 2>&1 \
+        | tee "$OUT/tune.log"
+    cp experiments/results/attention_gpu_tiles_*.md "$OUT/" 2>/dev/null
+fi
 echo "done"

@@ -33,6 +33,7 @@ from tfjax.ops import masks as M
 
 __all__ = [
     "BlockSizes",
+    "Dims",
     "MaskOperands",
     "TileTables",
     "cdiv",
@@ -40,6 +41,28 @@ __all__ = [
     "round_up",
     "tile_tables",
 ]
+
+
+@dataclasses.dataclass(frozen=True)
+class Dims:
+    """A kernel call's sizes: batch, lengths, heads, head dim (padded `Hp`),
+    tiles and padded lengths."""
+
+    B: int
+    T: int
+    S: int
+    N: int
+    K: int
+    H: int
+    Hp: int
+    bq: int
+    bk: int
+    Tp: int
+    Sp: int
+
+    @property
+    def G(self):
+        return self.N // self.K
 
 
 def cdiv(a: int, b: int) -> int:

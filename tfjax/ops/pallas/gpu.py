@@ -32,6 +32,7 @@ from jax.experimental import pallas as pl
 from tfjax.ops import masks as M
 from tfjax.ops.pallas.common import (
     BlockSizes,
+    Dims,
     MaskOperands,
     pad_axis,
     round_up,
@@ -139,31 +140,12 @@ def flash_attention_gpu(q, k, v, mask=None, *, bias=None, scale=None, softcap=No
     return (out, lse) if return_lse else out
 
 
-@dataclasses.dataclass(frozen=True)
-class _Dims:
-    B: int
-    T: int
-    S: int
-    N: int
-    K: int
-    H: int
-    Hp: int
-    bq: int
-    bk: int
-    Tp: int
-    Sp: int
-
-    @property
-    def G(self):
-        return self.N // self.K
-
-
 def _dims(q, k, block_q, block_kv):
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     bq = max(16, min(_pow2(block_q), _pow2(T)))
     bk = max(16, min(_pow2(block_kv), _pow2(S)))
-    return _Dims(B, T, S, N, K, H, max(16, _pow2(H)), bq, bk, round_up(T, bq), round_up(S, bk))
+    return Dims(B, T, S, N, K, H, max(16, _pow2(H)), bq, bk, round_up(T, bq), round_up(S, bk))
 
 
 def _pad_seq_head(x, n, Hp):

@@ -42,6 +42,7 @@ from jax.experimental.pallas import tpu as pltpu
 from tfjax.ops import masks as M
 from tfjax.ops.pallas.common import (
     BlockSizes,
+    Dims,
     MaskOperands,
     pad_axis,
     round_up,
@@ -131,31 +132,12 @@ def flash_attention_tpu_backward(q, k, v, mask, out, lse, dout, *, scale=None, s
 # --------------------------------------------------------------------------- #
 
 
-@dataclasses.dataclass(frozen=True)
-class _Dims:
-    B: int
-    T: int
-    S: int
-    N: int
-    K: int
-    H: int
-    Hp: int
-    bq: int
-    bk: int
-    Tp: int
-    Sp: int
-
-    @property
-    def G(self):
-        return self.N // self.K
-
-
-def _dims(q, k, block_q, block_kv) -> _Dims:
+def _dims(q, k, block_q, block_kv) -> Dims:
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     bq = min(block_q, round_up(T, 8))
     bk = min(block_kv, round_up(S, LANES))
-    return _Dims(B, T, S, N, K, H, round_up(H, LANES), bq, bk, round_up(T, bq), round_up(S, bk))
+    return Dims(B, T, S, N, K, H, round_up(H, LANES), bq, bk, round_up(T, bq), round_up(S, bk))
 
 
 def _heads_major(x, n, Hp):
