@@ -211,7 +211,8 @@ def bench_gpu(args):
 
 def bench_tune(args, S=8192, N=32, K=8, head_dims=(128, 64)):
     """Block sizes of the GPU kernels at one shape (causal, S = 8k, GQA 32/8, bf16,
-    H = 128 then 64): forward TFLOP/s of the Hopper forward and the Triton
+    H = 128 then 64): forward TFLOP/s of the Hopper forward (per tile choice, and
+    its schedules: ping-pong, none, intra-warpgroup overlap) and the Triton
     forward per tile choice, backward TFLOP/s ((fwd+bwd) - fwd) of the Hopper and
     Triton backward per tile choice. Rows print as they are measured (a killed
     run keeps them); the defaults are marked *."""
@@ -242,6 +243,12 @@ def bench_tune(args, S=8192, N=32, K=8, head_dims=(128, 64)):
                     rows.append(("hopper fwd", f"block_kv={bk} stages={st}",
                                  c == HopperConfig.default(H),
                                  dict(forward="hopper", hopper_config=c), None))
+            for name, c in (("no ping-pong", dataclasses.replace(HopperConfig.default(H),
+                                                                 pingpong=False)),
+                            ("overlap", dataclasses.replace(HopperConfig.default(H),
+                                                            overlap=True))):
+                rows.append(("hopper fwd", f"default tiles, {name}", False,
+                             dict(forward="hopper", hopper_config=c), None))
             for bdq, bdkv in itertools.product((64, 128), (64, 128)):
                 c = HopperBackwardConfig(bdq, bdkv)
                 if c.smem_bytes(H) <= _SMEM_BYTES:

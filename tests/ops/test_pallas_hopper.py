@@ -21,24 +21,29 @@ from tfjax.ops.pallas.hopper_backward import HopperBackwardConfig, flash_backwar
 BS = BlockSizes(32, 64, 32, 64, 64, 32)  # the Triton backward's tiles (interpreted)
 
 
-@pytest.mark.parametrize("B,T,S,heads,H,mask_name,extras,C,pingpong,bwd", [
-    (1, 100, 150, (4, 2), 80, "causal&segments", {"softcap": 2.0, "q_offset": 3}, 2, None,
-     HopperBackwardConfig()),
-    (2, 128, 100, (4, 1), 64, "padding_fully_masked", {"kv_offset": 2}, 1, None,
-     HopperBackwardConfig(compute_warpgroups=1, stages=1)),
-    (1, 130, 200, (2, 2), 128, "window_lr", {}, 2, False, HopperBackwardConfig(128, 128)),
-    (1, 70, 90, (2, 1), 256, "prefix", {}, 2, None, None),
-], ids=["gqa-segments-softcap-offset-tails-h80-pingpong", "mqa-fully-masked-rows-one-warpgroup",
-        "window-mha-h128-no-pingpong-blocks128", "prefix-h256-triton-backward"])
-def test_interpret_matches_reference(B, T, S, heads, H, mask_name, extras, C, pingpong, bwd):
-    """The Hopper forward and (H <= 128) backward. C = 2: two consumer
-    warpgroups and a producer (warp specialisation, the default), taking turns on
-    the tensor cores unless pingpong=False; C = 1: one warpgroup issues its own
-    copies. `bwd` None: the Triton backward from the Hopper forward's residuals."""
+HC, HB = HopperConfig, HopperBackwardConfig
+
+
+@pytest.mark.parametrize("B,T,S,heads,H,mask_name,extras,fwd,bwd", [
+    (1, 100, 150, (4, 2), 80, "causal&segments", {"softcap": 2.0, "q_offset": 3},
+     HC(block_kv=64), HB()),
+    (2, 128, 300, (4, 1), 64, "padding_fully_masked", {"kv_offset": 2},
+     HC(block_kv=64, compute_warpgroups=1, overlap=True), HB(compute_warpgroups=1, stages=1)),
+    (1, 130, 200, (2, 2), 128, "window_lr", {}, HC(block_kv=64, pingpong=False), HB(128, 128)),
+    (1, 70, 90, (2, 1), 256, "prefix", {}, HC(block_kv=64, overlap=True), None),
+], ids=["gqa-segments-softcap-offset-tails-h80-pingpong",
+        "mqa-fully-masked-rows-one-warpgroup-overlap", "window-mha-h128-no-pingpong-blocks128",
+        "prefix-h256-overlap-triton-backward"])
+def test_interpret_matches_reference(B, T, S, heads, H, mask_name, extras, fwd, bwd):
+    """The Hopper forward and (H <= 128) backward. Two consumer warpgroups and a
+    producer (warp specialisation, the default) take turns on the tensor cores
+    (ping-pong) unless pingpong=False or overlap=True (each overlaps its own
+    softmax with its P V matmul); compute_warpgroups=1: one warpgroup issues its
+    own copies. `bwd` None: the Triton backward from the Hopper forward's
+    residuals."""
     q, k, v, _ = inputs(B, T, S, *heads, H, dtype=jnp.bfloat16)
-    cfg = HopperConfig(block_kv=64, compute_warpgroups=C, pingpong=pingpong)
     impl = functools.partial(flash_attention_gpu, interpret=True, forward="hopper",
-                             hopper_config=cfg, backward="triton" if bwd is None else "hopper",
+                             hopper_config=fwd, backward="triton" if bwd is None else "hopper",
                              hopper_backward_config=bwd)
     check_against_reference(impl, q, k, v, make_mask(mask_name, B, T, S), block_sizes=BS,
                             **extras)
@@ -47,9 +52,13 @@ def test_interpret_matches_reference(B, T, S, heads, H, mask_name, extras, C, pi
 def _lower(mask, H, dtype, grad, backward):
     sds = jax.ShapeDtypeStruct
     q, kv = sds((2, 1000, 8, H), dtype), sds((2, 1000, 2, H), dtype)
+    cfg = HopperConfig.default(H)
+    if not grad:  # the intra-warpgroup overlap (wgmma_accumulator_load with wait_n=1)
+        cfg = HopperConfig(block_kv=cfg.block_kv, overlap=True)
 
     def f(q, k, v):
         out = flash_attention_gpu(q, k, v, mask, forward="hopper", backward=backward,
+                                  hopper_config=cfg,
                                   softcap=30.0 if backward == "hopper" else None)
         return out.astype(jnp.float32).sum()
 
@@ -102,6 +111,10 @@ def test_refusals_name_the_fix():
         HopperConfig(compute_warpgroups=3)
     with pytest.raises(ValueError, match="pingpong"):
         HopperConfig(compute_warpgroups=1, pingpong=True)
+    with pytest.raises(ValueError, match="stages >= 2"):
+        HopperConfig(overlap=True, stages=1)
+    with pytest.raises(ValueError, match="pingpong=None"):
+        HopperConfig(overlap=True, pingpong=True)
     q256 = jnp.zeros((1, 64, 2, 256), jnp.bfloat16)
     with pytest.raises(ValueError, match="backward='triton'"):  # the forward would take it
         flash_attention_gpu(q256, q256, q256, forward="hopper", backward="hopper")

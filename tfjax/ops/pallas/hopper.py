@@ -15,15 +15,19 @@ slot when both consumers have arrived on its "free" barrier, so copies overlap
 both warpgroups' matmuls and softmax, and the two consumers take turns on the
 tensor cores through a two-arrival "schedule" barrier (ping-pong: one's softmax
 runs during the other's matmuls), the protocol of jax's attention_mgpu.
-`compute_warpgroups=1` runs one warpgroup that issues its own copies. The CTA walks only the non-empty kv tiles
-of its row of the shared tile table (`common.tile_tables`), so causal, window,
+`compute_warpgroups=1` runs one warpgroup that issues its own copies. The
+producer/consumer ring (`_pipelined`) is shared with the backward kernels of
+`hopper_backward.py`. The CTA walks only the non-empty kv tiles of its row of
+the shared tile table (`common.tile_tables`), so causal, window,
 chunk and document (segment) masks do proportionally less work, and evaluates
 the mask only in PARTIAL tiles (`lax.cond`), with the same `MaskOperands`
 evaluator as the TPU and Triton kernels (positions from `broadcasted_iota` in
 the wgmma layout, segment ids copied next to K/V and read in the row/column
-layouts). Not done (yet): the two matmuls of a step are not overlapped with the
-next step's softmax inside one warpgroup (FlashAttention-3's intra-warpgroup
-pipelining), no FP8.
+layouts). `HopperConfig(overlap=True)` is FlashAttention-3's intra-warpgroup
+pipelining instead of ping-pong: each consumer issues step t's Q K^T and step
+t-1's P V back to back and computes step t's softmax while P V runs (the slot
+of step t-1 goes back one step later). Off by default until an H200 session
+times it (`experiments/bench_attention.py tune`). No FP8.
 
 Native GQA: the CTA of query head h reads kv head h // G; K/V are never
 repeated. Tails: T and S are padded to the tiles and the padding masked; head
@@ -91,13 +95,17 @@ class HopperConfig:
     wgmma M), `block_kv` keys per step, `stages` K/V tiles in flight,
     `compute_warpgroups` consumers (2 with a producer, or 1 alone) and
     `pingpong`: the two consumers take turns on the tensor cores (one's softmax
-    overlaps the other's matmuls), FlashAttention-3's inter-warpgroup schedule."""
+    overlaps the other's matmuls), FlashAttention-3's inter-warpgroup schedule;
+    `overlap`: each consumer issues step t's Q K^T and step t-1's P V together
+    and computes step t's softmax while P V runs, FlashAttention-3's
+    intra-warpgroup schedule (needs stages >= 2; replaces ping-pong here)."""
 
     block_q: int = 64
     block_kv: int = 128
     stages: int = 2
     compute_warpgroups: int = 2
-    pingpong: bool | None = None  # None: on with two consumer warpgroups
+    pingpong: bool | None = None  # None: on with two consumer warpgroups (and no overlap)
+    overlap: bool = False
 
     @classmethod
     def default(cls, H: int) -> "HopperConfig":
@@ -118,6 +126,12 @@ class HopperConfig:
             raise ValueError(f"HopperConfig.block_kv must be 64, 128, 192 or 256, got {self.block_kv}")
         if self.stages < 1:
             raise ValueError(f"HopperConfig.stages must be >= 1, got {self.stages}")
+        if self.overlap and self.stages < 2:
+            raise ValueError("HopperConfig.overlap keeps step t's K and step t-1's V in shared "
+                             f"memory at once: it needs stages >= 2, got {self.stages}")
+        if self.overlap and self.pingpong:
+            raise ValueError("HopperConfig.overlap and pingpong are two schedules of the matmuls; "
+                             "pass pingpong=None (or False) with overlap=True")
         if self.pingpong is True and self.compute_warpgroups != 2:
             raise ValueError("HopperConfig.pingpong alternates two consumer warpgroups: it needs "
                              f"compute_warpgroups=2, got {self.compute_warpgroups}")
@@ -218,6 +232,39 @@ def _extend_gpu_interpreter():
     ji_cls._interpret_wgmma_ref_p = interpret_wgmma
 
 
+class _Ring:
+    """A consumer's view of the ring of step tiles (see `_pipelined`): the slot
+    of step t holds its tiles; `wait(x, t)` waits for buffer x of step t,
+    `release(t)` hands the slot of step t back (once every wgmma reading it has
+    completed) for the tiles of step t + stages, and `loop(body, carry)` runs
+    `body(t, carry)` for t < n, releasing each step's slot when its body returns."""
+
+    def __init__(self, smem, bars, stages, n, release):
+        self.smem, self.bars, self.stages, self.n, self._release = smem, bars, stages, n, release
+
+    def slot(self, t):
+        return lax.rem(t, jnp.int32(self.stages))
+
+    def at(self, x, t):
+        return self.smem[x].at[self.slot(t)]
+
+    def wait(self, x, t):
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+
+        plgpu.barrier_wait(self.bars.at[x * self.stages + self.slot(t)])
+
+    def release(self, t):
+        self._release(t, self.slot(t))
+
+    def loop(self, body, carry):
+        def step(t, carry):
+            carry = body(t, carry)
+            self.release(t)  # the body read its results: its wgmmas are done
+            return carry
+
+        return lax.fori_loop(0, self.n, step, carry)
+
+
 def _pipelined(*, C, stages, n, fixed, ring, consume, extra=()):
     """The warp-specialised pipeline of the forward and backward kernels, called
     inside the kernel.
@@ -226,11 +273,9 @@ def _pipelined(*, C, stages, n, fixed, ring, consume, extra=()):
     consumer's own tiles, copied once; `ring`: [(src(t) -> gmem view, SMEM spec
     with a leading `stages` axis)], the tiles of loop step t; `n`: the number of
     steps (traced); `extra`: more scratch (SMEM or barriers), handed to
-    `consume(w, fixed_refs, loop, *extra_refs)`, the consumer warpgroup w,
-    given its fixed tiles (already waited for) and `loop(body, carry)`, which
-    runs `body(t, slot, ring_refs, wait, carry)` for t < n (`wait(x)` waits for
-    ring buffer x of the slot; the body must wait for every buffer) and hands
-    each slot back when the body returns."""
+    `consume(w, fixed_refs, ring, *extra_refs)`, the consumer warpgroup w,
+    given its fixed tiles (already waited for) and the `_Ring` of step tiles.
+    Every step's slot must be waited for (each buffer) and released once."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     producer = C > 1
@@ -254,21 +299,14 @@ def _pipelined(*, C, stages, n, fixed, ring, consume, extra=()):
             for x in range(nf):
                 plgpu.barrier_wait(fixed_bars.at[w * nf + x])
 
-            def loop(body, carry):
-                def step(t, carry):
-                    slot = lax.rem(t, jnp.int32(stages))
-                    wait = lambda x: plgpu.barrier_wait(ring_bars.at[x * stages + slot])
-                    carry = body(t, slot, ring_smem, wait, carry)
-                    # The body read its results: its wgmmas on this slot are done.
-                    if producer:
-                        plgpu.barrier_arrive(free_bars.at[slot])
-                    else:
-                        pl.when(t + stages < n)(lambda: fetch(t + stages, slot))
-                    return carry
+            def release(t, slot):
+                if producer:
+                    plgpu.barrier_arrive(free_bars.at[slot])
+                else:
+                    pl.when(t + stages < n)(lambda: fetch(t + stages, slot))
 
-                return lax.fori_loop(0, n, step, carry)
-
-            consume(w, [r.at[w] for r in fixed_smem], loop, *extra_refs)
+            ring_view = _Ring(ring_smem, ring_bars, stages, n, release)
+            consume(w, [r.at[w] for r in fixed_smem], ring_view, *extra_refs)
 
         if not producer:
             compute(0)
@@ -356,7 +394,7 @@ def flash_forward_hopper(q, k, v, mask, *, scale: float, softcap: float | None, 
     row_layout, col_layout = wgmma_layout.reduce(1), wgmma_layout.reduce(0)
     log2e = math.log2(math.e)
     producer = C > 1  # warp specialisation: a third warpgroup only issues the K/V copies
-    pingpong = C == 2 if cfg.pingpong is None else cfg.pingpong
+    pingpong = (C == 2 and not cfg.overlap) if cfg.pingpong is None else cfg.pingpong
     swz = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
     def _load(ref, layout):
@@ -388,7 +426,7 @@ def flash_forward_hopper(q, k, v, mask, *, scale: float, softcap: float | None, 
         ring += [(lambda t, x=x: kseg_ref[x].at[b, kv_tile(t)],
                   plgpu.SMEM((stages, bk), jnp.int32)) for x in range(nseg)]
 
-        def consume(w, fixed_refs, loop, lse_smem, sched_bar):
+        def consume(w, fixed_refs, ring, lse_smem, sched_bar):
             q_tile, *qseg_s = fixed_refs
             q_seg = [lax.broadcast_in_dim(_load(x, row_layout), (bq, bk), [0]) for x in qseg_s]
             q_loc = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=wgmma_layout) + row0(w)
@@ -398,23 +436,57 @@ def flash_forward_hopper(q, k, v, mask, *, scale: float, softcap: float | None, 
                 plgpu.barrier_arrive(sched_bar)
                 plgpu.barrier_wait(sched_bar)
 
-            def masked(s, kj, slot, ring_smem):
+            def masked(s, kj, t):
                 kv_loc = kv_iota + kj * bk
                 ok = (q_loc < T) & (kv_loc < S)
                 if mask is not None:
-                    kv_seg = [lax.broadcast_in_dim(_load(ring_smem[2 + x].at[slot], col_layout),
+                    kv_seg = [lax.broadcast_in_dim(_load(ring.at(2 + x, t), col_layout),
                                                    (bq, bk), [1]) for x in range(nseg)]
                     ok = ok & mops.evaluate(q_loc + offs_ref[0], kv_loc + offs_ref[1], b, sref,
                                             q_seg, kv_seg)
                 return jnp.where(ok, s, -jnp.inf)
 
-            def body(j, slot, ring_smem, wait, carry):
-                acc, m_i, l_i = carry
-                kj = order[r, i, j]
-                k_s, v_s = ring_smem[0].at[slot], ring_smem[1].at[slot]
-                wait(0)
+            def wait_k(t):
+                ring.wait(0, t)
                 for x in range(nseg):
-                    wait(2 + x)
+                    ring.wait(2 + x, t)
+
+            def scores(s, t):
+                """Scaled, soft-capped, masked (PARTIAL tiles) logits of step t."""
+                s = s * scale
+                if softcap:
+                    s = softcap * jnp.tanh(s / softcap)
+                kj = order[r, i, t]
+                return lax.cond(code[r, i, t] == M.PARTIAL, lambda s: masked(s, kj, t),
+                                lambda s: s, s)
+
+            def softmax(s, m_i, l_i):
+                """Online softmax in base 2 (exp2 is the SFU instruction)."""
+                m_new = jnp.maximum(m_i, s.max(axis=1) * log2e)
+                m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                p = jnp.exp2(s * log2e - lax.broadcast_in_dim(m_safe, s.shape, [0]))
+                alpha = jnp.exp2(m_i - m_safe)
+                return p, m_new, alpha, l_i * alpha + p.sum(axis=1)
+
+            def mm(a, b, shape):
+                def f(acc_ref):
+                    plgpu.wgmma(acc_ref, a, b)
+                    return acc_ref[...]
+
+                return pl.run_scoped(f, plgpu.ACC(shape, jnp.float32))
+
+            def finish(acc, m_i, l_i):
+                has = l_i > 0
+                l_safe = jnp.where(has, l_i, 1.0)
+                out = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
+                lse = jnp.where(has, (m_i + jnp.log2(l_safe)) / log2e, -jnp.inf)
+                _store((out, q_tile, out_ref.at[b, rows(w), h]),
+                       (lse, lse_smem.at[w], lse_ref.at[b, h, rows(w)]))
+
+            def body(t, carry):
+                acc, m_i, l_i = carry
+                k_s, v_s = ring.at(0, t), ring.at(1, t)
+                wait_k(t)
 
                 def qk(acc_ref):
                     plgpu.wgmma(acc_ref, q_tile, plgpu.transpose_ref(k_s, (1, 0)))
@@ -422,45 +494,68 @@ def flash_forward_hopper(q, k, v, mask, *, scale: float, softcap: float | None, 
                         sync()  # the other warpgroup's softmax runs while this wgmma does
                     return acc_ref[...]
 
-                s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32)) * scale
-                if softcap:
-                    s = softcap * jnp.tanh(s / softcap)
-                s = lax.cond(code[r, i, j] == M.PARTIAL,
-                             lambda s: masked(s, kj, slot, ring_smem), lambda s: s, s)
-                # Online softmax in base 2 (exp2 is the SFU instruction).
-                m_new = jnp.maximum(m_i, s.max(axis=1) * log2e)
-                m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-                p = jnp.exp2(s * log2e - lax.broadcast_in_dim(m_safe, s.shape, [0]))
-                alpha = jnp.exp2(m_i - m_safe)
-                l_i = l_i * alpha + p.sum(axis=1)
+                s = scores(pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32)), t)
+                p, m_new, alpha, l_i = softmax(s, m_i, l_i)
                 if pingpong:
                     plgpu.barrier_arrive(sched_bar)  # softmax done
-                wait(1)
+                ring.wait(1, t)
                 if pingpong:
                     plgpu.barrier_wait(sched_bar)  # the tensor cores are free
-
-                def pv(acc_ref):
-                    plgpu.wgmma(acc_ref, p.astype(dtype), v_s)
-                    return acc_ref[...]
-
-                o = pl.run_scoped(pv, plgpu.ACC((bq, Hp), jnp.float32))
+                o = mm(p.astype(dtype), v_s, (bq, Hp))
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + o
                 return acc, m_new, l_i
 
             acc = plgpu.layout_cast(jnp.zeros((bq, Hp), jnp.float32), wgmma_layout)
             m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row_layout)
             l_i = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row_layout)
-            if pingpong:
-                pl.when(w == 1)(sync)  # warpgroup 0 issues its first matmul first
-            acc, m_i, l_i = loop(body, (acc, m_i, l_i))
-            if pingpong:
-                pl.when(w == 0)(sync)
-            has = l_i > 0
-            l_safe = jnp.where(has, l_i, 1.0)
-            out = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
-            lse = jnp.where(has, (m_i + jnp.log2(l_safe)) / log2e, -jnp.inf)
-            _store((out, q_tile, out_ref.at[b, rows(w), h]),
-                   (lse, lse_smem.at[w], lse_ref.at[b, h, rows(w)]))
+            if not cfg.overlap:
+                if pingpong:
+                    pl.when(w == 1)(sync)  # warpgroup 0 issues its first matmul first
+                acc, m_i, l_i = ring.loop(body, (acc, m_i, l_i))
+                if pingpong:
+                    pl.when(w == 0)(sync)
+                finish(acc, m_i, l_i)
+                return
+
+            # FlashAttention-3's intra-warpgroup overlap: step t issues S_t = Q K_t^T
+            # and O_{t-1} = P_{t-1} V_{t-1} back to back and computes the softmax of
+            # S_t while the second matmul runs; the slot of step t - 1 goes back
+            # after it. `acc` holds O up to step t - 2, scaled to the running max of
+            # step t - 1.
+            def overlapped(t, carry):
+                acc, p_prev, m_i, l_i = carry
+                k_s, v_prev = ring.at(0, t), ring.at(1, t - 1)
+                wait_k(t)
+                ring.wait(1, t - 1)
+
+                def both(s_ref, o_ref):
+                    plgpu.wgmma(s_ref, q_tile, plgpu.transpose_ref(k_s, (1, 0)))
+                    plgpu.wgmma(o_ref, p_prev, v_prev)
+                    s = scores(plgpu.wgmma_accumulator_load(s_ref, wait_n=1), t)
+                    p, m_new, alpha, l_new = softmax(s, m_i, l_i)
+                    return p.astype(dtype), m_new, alpha, l_new, o_ref[...]
+
+                p, m_new, alpha, l_new, o = pl.run_scoped(
+                    both, plgpu.ACC((bq, bk), jnp.float32), plgpu.ACC((bq, Hp), jnp.float32))
+                ring.release(t - 1)
+                acc = (acc + o) * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                return acc, p, m_new, l_new
+
+            n = ring.n
+
+            @pl.when(n > 0)
+            def _():
+                wait_k(0)
+                s = scores(mm(q_tile, plgpu.transpose_ref(ring.at(0, 0), (1, 0)), (bq, bk)), 0)
+                p, m0, _, l0 = softmax(s, m_i, l_i)
+                acc_, p_last, m_last, l_last = lax.fori_loop(
+                    1, n, overlapped, (acc, p.astype(dtype), m0, l0))
+                ring.wait(1, n - 1)
+                o = mm(p_last, ring.at(1, n - 1), (bq, Hp))
+                ring.release(n - 1)
+                finish(acc_ + o, m_last, l_last)
+
+            pl.when(n == 0)(lambda: finish(acc, m_i, l_i))
 
         _pipelined(C=C, stages=stages, n=count[r, i], fixed=fixed, ring=ring, consume=consume,
                    extra=(plgpu.SMEM((C, bq), jnp.float32), plgpu.Barrier(num_arrivals=C)))

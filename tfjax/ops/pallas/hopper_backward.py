@@ -222,7 +222,7 @@ def flash_backward_hopper(q, k, v, do, lse, delta, mask, *, scale: float, softca
         ring += [(lambda t, x=x: kseg_ref[x].at[b, kv_tile(t)], vec((stages_dq, bk), jnp.int32))
                  for x in range(nseg)]
 
-        def consume(w, fixed_refs, loop):
+        def consume(w, fixed_refs, ring):
             q_s, do_s, lse_s, delta_s, *qseg_s = fixed_refs
             shape = (_ROWS, bk)
             lse_b = lax.broadcast_in_dim(load(lse_s, row_layout), shape, [0])
@@ -231,27 +231,27 @@ def flash_backward_hopper(q, k, v, do, lse, delta, mask, *, scale: float, softca
             q_loc = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=wgmma_layout) + row0(w)
             kv_iota = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=wgmma_layout)
 
-            def masked(s, kj, slot, ring_smem):
-                kv_seg = [lax.broadcast_in_dim(load(ring_smem[2 + x].at[slot], col_layout),
-                                               shape, [1]) for x in range(nseg)]
+            def masked(s, kj, t):
+                kv_seg = [lax.broadcast_in_dim(load(ring.at(2 + x, t), col_layout), shape, [1])
+                          for x in range(nseg)]
                 ok = allowed(q_loc, kv_iota + kj * bk, b, offs_ref, sref, q_seg, kv_seg)
                 return jnp.where(ok, s, -jnp.inf)
 
-            def body(t, slot, ring_smem, wait, dq):
+            def body(t, dq):
                 kj = order[r, i, t]
-                k_s, v_s = ring_smem[0].at[slot], ring_smem[1].at[slot]
-                wait(0)
+                k_s, v_s = ring.at(0, t), ring.at(1, t)
+                ring.wait(0, t)
                 for x in range(nseg):
-                    wait(2 + x)
+                    ring.wait(2 + x, t)
                 s, tc = logits(q_s, T_(k_s), shape, code[r, i, t] == M.PARTIAL,
-                               lambda s: masked(s, kj, slot, ring_smem))
+                               lambda s: masked(s, kj, t))
                 p = jnp.exp2(s * log2e - lse_b)
-                wait(1)
+                ring.wait(1, t)
                 dp = mma(do_s, T_(v_s), shape)
                 ds = dlogits(p, dp, delta_b, tc)
                 return mma(ds.astype(dtype), k_s, (_ROWS, Hp), dq)
 
-            dq = loop(body, zeros((_ROWS, Hp)))
+            dq = ring.loop(body, zeros((_ROWS, Hp)))
             hopper._store((dq * scale, q_s, dq_ref.at[b, rows(w), h]))
 
         hopper._pipelined(C=C, stages=stages_dq, n=count[r, i], fixed=fixed, ring=ring,
@@ -286,7 +286,7 @@ def flash_backward_hopper(q, k, v, do, lse, delta, mask, *, scale: float, softca
         ring += [(lambda t, x=x: qseg_ref[x].at[b, at(t)[1]], vec((stages_dkv, bq), jnp.int32))
                  for x in range(nseg)]
 
-        def consume(w, fixed_refs, loop):
+        def consume(w, fixed_refs, ring):
             k_s, v_s, *kseg_s = fixed_refs
             shape = (_ROWS, bq)  # transposed tiles: key rows, query columns
             kv_seg = [lax.broadcast_in_dim(load(x, row_layout), shape, [0]) for x in kseg_s]
@@ -294,32 +294,32 @@ def flash_backward_hopper(q, k, v, do, lse, delta, mask, *, scale: float, softca
             q_iota = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=wgmma_layout)
             col = lambda ref: lax.broadcast_in_dim(load(ref, col_layout), shape, [1])
 
-            def masked(s, qi, slot, ring_smem):
-                q_seg = [col(ring_smem[4 + x].at[slot]) for x in range(nseg)]
+            def masked(s, qi, t):
+                q_seg = [col(ring.at(4 + x, t)) for x in range(nseg)]
                 ok = allowed(q_iota + qi * bq, kv_loc, b, offs_ref, sref, q_seg, kv_seg)
                 return jnp.where(ok, s, -jnp.inf)
 
-            def body(t, slot, ring_smem, wait, carry):
+            def body(t, carry):
                 dk, dv = carry
                 _, _, j = at(t)
                 qi = order[r, i, j]
-                q_s, do_s, lse_s, delta_s = (ring_smem[x].at[slot] for x in range(4))
-                wait(0)
+                q_s, do_s, lse_s, delta_s = (ring.at(x, t) for x in range(4))
+                ring.wait(0, t)
                 for x in range(nseg):
-                    wait(4 + x)
+                    ring.wait(4 + x, t)
                 s, tc = logits(k_s, T_(q_s), shape, code[r, i, j] == M.PARTIAL,
-                               lambda s: masked(s, qi, slot, ring_smem))
-                wait(2)
+                               lambda s: masked(s, qi, t))
+                ring.wait(2, t)
                 p = jnp.exp2(s * log2e - col(lse_s))
-                wait(1)
+                ring.wait(1, t)
                 dv = mma(p.astype(dtype), do_s, (_ROWS, Hp), dv)
                 dp = mma(v_s, T_(do_s), shape)
-                wait(3)
+                ring.wait(3, t)
                 ds = dlogits(p, dp, col(delta_s), tc)
                 dk = mma(ds.astype(dtype), q_s, (_ROWS, Hp), dk)
                 return dk, dv
 
-            dk, dv = loop(body, (zeros((_ROWS, Hp)), zeros((_ROWS, Hp))))
+            dk, dv = ring.loop(body, (zeros((_ROWS, Hp)), zeros((_ROWS, Hp))))
             hopper._store((dk * scale, k_s, dk_ref.at[b, rows(w), kh]),
                           (dv, v_s, dv_ref.at[b, rows(w), kh]))
 
