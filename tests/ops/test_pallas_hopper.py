@@ -159,6 +159,8 @@ def test_on_hopper_matches_reference():
         pytest.skip("needs a Hopper GPU")
     q, k, v, _ = inputs(2, 1000, 1000, 8, 2, 128, dtype=jnp.bfloat16)
     mask = M.causal() & M.segments(np.repeat(np.arange(4), 250)[None].repeat(2, 0))
-    for backward in ("hopper", "triton"):
-        impl = functools.partial(flash_attention_gpu, forward="hopper", backward=backward)
+    for backward, cfg in (("hopper", None), ("triton", HopperConfig(overlap=True)),
+                          ("hopper", HopperConfig(compute_warpgroups=1, pingpong=False))):
+        impl = functools.partial(flash_attention_gpu, forward="hopper", backward=backward,
+                                 hopper_config=cfg)
         check_against_reference(impl, q, k, v, mask, softcap=30.0)
