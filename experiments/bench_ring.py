@@ -20,10 +20,11 @@ programs per n:
 1. Per-device memory from `jit(...).lower().compile().memory_analysis()`:
    temporaries (`temp_size_in_bytes`) at a fixed number of tokens per device.
 2. Longest trainable sequence for a fixed per-device budget (`--budget-mib`,
-   counting temporaries + arguments + outputs): memory is affine in the tokens
-   per device for a fixed n and tile size, so two compiles fit it, and the
-   predicted longest length (a multiple of 256 tokens per device) is checked by
-   a third compile (stepped down until it fits).
+   counting temporaries + arguments + outputs): memory is roughly affine in the
+   tokens per device for a fixed n and tile size, so two compiles give a guess;
+   a galloping walk and bisection over multiples of 256 tokens per device find
+   a fitting length whose next one fails, and two more above it are compiled
+   (compiled memory is not monotone in the length; see `longest`).
 3. Step time (fwd+bwd, fastest of --reps after a warm-up), ring (unrolled) vs all-gather.
    CPU CAVEAT: the "devices" are threads of one host sharing its cores (2 on the
    machine these numbers come from) and a collective-permute is a memcpy, so the
@@ -133,31 +134,56 @@ def memory(method, n, tpd, blk):
                                   + m.output_size_in_bytes)
 
 
-def longest(method, n, budget, blk, t1, t2, known=None):
-    """Largest tokens per device (a multiple of UNIT) whose total fits `budget` bytes:
-    an affine fit through t1 and t2 guesses it, then compiles step by UNIT until a
-    fitting t and a non-fitting t + UNIT bracket it. -> (t, bytes, bracketed)."""
+def longest(method, n, budget, blk, t1, t2, known=None, above=2, max_compiles=24):
+    """Largest tokens per device (a multiple of UNIT) whose total fits `budget` bytes.
+    An affine fit through t1 and t2 guesses it; from there a galloping walk (steps
+    of UNIT, doubling) finds a fitting and a failing length, bisection narrows them
+    to a fitting t and a failing t + UNIT, and `above` more lengths above that are
+    compiled too: compiled memory is not monotone in the length (XLA's buffer
+    assignment changes with the shapes: e.g. 6,144 tokens fit, 6,400 not, 6,656
+    again), so a fitting one there restarts the walk from it.
+    -> (t, bytes, bracketed): bracketed when t fits and t + UNIT ... t + (above + 1)
+    UNIT all fail within `max_compiles` compiles."""
     known = dict(known or {})
+    compiles = [0]
 
-    def total(t):
+    def fits(t):
         if t not in known:
+            compiles[0] += 1
             known[t] = memory(method, n, t, blk)[1]
-        return known[t]
+        return known[t] <= budget
 
-    slope = (total(t2) - total(t1)) / (t2 - t1)
+    fits(t1), fits(t2)
+    slope = (known[t2] - known[t1]) / (t2 - t1)
     base = known[t1] - slope * t1
     t = max(UNIT, int((budget - base) / slope) // UNIT * UNIT) if slope > 0 else t2
-    for _ in range(6):
-        if total(t) <= budget:
-            if total(t + UNIT) > budget:
-                return t, known[t], True
-            t += UNIT
-        elif t > UNIT:
-            t -= UNIT
-        else:
-            return 0, None, True
-    fits = [u for u, m in known.items() if m <= budget]
-    return (max(fits), known[max(fits)], False) if fits else (0, None, False)
+    # Gallop to a bracket lo (fits, or 0) < hi (fails).
+    if fits(t):
+        lo, step = t, UNIT
+        while compiles[0] < max_compiles and fits(lo + step):
+            lo, step = lo + step, 2 * step
+        hi = lo + step
+    else:
+        hi, step = t, UNIT
+        while hi - step >= UNIT and compiles[0] < max_compiles and not fits(hi - step):
+            hi, step = hi - step, 2 * step
+        lo = max(hi - step, 0)
+    while True:
+        while hi - lo > UNIT and compiles[0] < max_compiles:  # bisect on the UNIT grid
+            mid = (lo + hi) // 2 // UNIT * UNIT
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        higher = [u for u in range(hi + UNIT, hi + (above + 1) * UNIT, UNIT)
+                  if compiles[0] < max_compiles and fits(u)]
+        if not higher:
+            break
+        lo, step = max(higher), UNIT  # a dip: walk on from the fitting length above it
+        while compiles[0] < max_compiles and fits(lo + step):
+            lo, step = lo + step, 2 * step
+        hi = lo + step
+    checked = [lo + k * UNIT for k in range(1, above + 2)]
+    bracketed = (lo == 0 or known.get(lo, budget + 1) <= budget) and all(
+        known.get(u, 0) > budget for u in checked)
+    return lo, known.get(lo), bracketed
 
 
 def step_time(method, n, tpd, blk, reps):

@@ -29,8 +29,8 @@ meshes, where they are unrolled (`unroll=`; XLA's CPU runtime can deadlock a whi
 loop holding collectives against other collectives, see `ring_attention`). Causal
 fwd+bwd, GQA 4/1, H=64, fp32, tiles 256, 1024 tokens per device, 8 devices
 (experiments/bench_ring.py): per-device temporaries 11.4 MiB as a while loop and
-15.0 MiB unrolled, against 30.8 MiB for single-device blockwise at the same total
-length (0.37x / 0.49x); flat in the device count as a while loop. The issue asked
+15.0 MiB unrolled, against 26.8 MiB for single-device blockwise at the same total
+length (0.43x / 0.56x); flat in the device count as a while loop. The issue asked
 for <= 1/6, which this design cannot reach: per local token the backward must hold
 the output, its cotangent and the fp32 dQ accumulator (3 q-sized arrays, as
 single-device blockwise does) plus the K/V block being used and the next one and
