@@ -428,18 +428,20 @@ def flash_forward_hopper(q, k, v, mask, *, scale: float, softcap: float | None, 
 
         def consume(w, fixed_refs, ring, lse_smem, sched_bar):
             q_tile, *qseg_s = fixed_refs
-            q_seg = [lax.broadcast_in_dim(_load(x, row_layout), (bq, bk), [0]) for x in qseg_s]
-            q_loc = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=wgmma_layout) + row0(w)
-            kv_iota = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=wgmma_layout)
 
             def sync():
                 plgpu.barrier_arrive(sched_bar)
                 plgpu.barrier_wait(sched_bar)
 
             def masked(s, kj, t):
-                kv_loc = kv_iota + kj * bk
+                # Positions and segment ids are formed here, in PARTIAL tiles only,
+                # rather than held in registers across the loop.
+                iota = lambda d: plgpu.broadcasted_iota(jnp.int32, (bq, bk), d, layout=wgmma_layout)
+                q_loc, kv_loc = iota(0) + row0(w), iota(1) + kj * bk
                 ok = (q_loc < T) & (kv_loc < S)
                 if mask is not None:
+                    q_seg = [lax.broadcast_in_dim(_load(x, row_layout), (bq, bk), [0])
+                             for x in qseg_s]
                     kv_seg = [lax.broadcast_in_dim(_load(ring.at(2 + x, t), col_layout),
                                                    (bq, bk), [1]) for x in range(nseg)]
                     ok = ok & mops.evaluate(q_loc + offs_ref[0], kv_loc + offs_ref[1], b, sref,

@@ -166,6 +166,7 @@ def flash_backward_hopper(q, k, v, do, lse, delta, mask, *, scale: float, softca
     mma = functools.partial(_mma, interpret=interp is not None)
     T_ = lambda ref: plgpu.transpose_ref(ref, (1, 0))
     zeros = lambda shape: plgpu.layout_cast(jnp.zeros(shape, jnp.float32), wgmma_layout)
+    iota = lambda shape, d: plgpu.broadcasted_iota(jnp.int32, shape, d, layout=wgmma_layout)
 
     def load(ref, layout):
         # A ref read + layout cast: what plgpu.load(ref, (), layout=) lowers to
@@ -225,16 +226,15 @@ def flash_backward_hopper(q, k, v, do, lse, delta, mask, *, scale: float, softca
         def consume(w, fixed_refs, ring):
             q_s, do_s, lse_s, delta_s, *qseg_s = fixed_refs
             shape = (_ROWS, bk)
-            lse_b = lax.broadcast_in_dim(load(lse_s, row_layout), shape, [0])
-            delta_b = lax.broadcast_in_dim(load(delta_s, row_layout), shape, [0])
-            q_seg = [lax.broadcast_in_dim(load(x, row_layout), shape, [0]) for x in qseg_s]
-            q_loc = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=wgmma_layout) + row0(w)
-            kv_iota = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=wgmma_layout)
+            row = lambda v: lax.broadcast_in_dim(v, shape, [0])
+            lse_r, delta_r = load(lse_s, row_layout), load(delta_s, row_layout)
 
-            def masked(s, kj, t):
+            def masked(s, kj, t):  # positions and segment ids only in PARTIAL tiles
+                q_seg = [row(load(x, row_layout)) for x in qseg_s]
                 kv_seg = [lax.broadcast_in_dim(load(ring.at(2 + x, t), col_layout), shape, [1])
                           for x in range(nseg)]
-                ok = allowed(q_loc, kv_iota + kj * bk, b, offs_ref, sref, q_seg, kv_seg)
+                ok = allowed(iota(shape, 0) + row0(w), iota(shape, 1) + kj * bk, b, offs_ref,
+                             sref, q_seg, kv_seg)
                 return jnp.where(ok, s, -jnp.inf)
 
             def body(t, dq):
@@ -245,10 +245,10 @@ def flash_backward_hopper(q, k, v, do, lse, delta, mask, *, scale: float, softca
                     ring.wait(2 + x, t)
                 s, tc = logits(q_s, T_(k_s), shape, code[r, i, t] == M.PARTIAL,
                                lambda s: masked(s, kj, t))
-                p = jnp.exp2(s * log2e - lse_b)
+                p = jnp.exp2(s * log2e - row(lse_r))
                 ring.wait(1, t)
                 dp = mma(do_s, T_(v_s), shape)
-                ds = dlogits(p, dp, delta_b, tc)
+                ds = dlogits(p, dp, row(delta_r), tc)
                 return mma(ds.astype(dtype), k_s, (_ROWS, Hp), dq)
 
             dq = ring.loop(body, zeros((_ROWS, Hp)))
@@ -289,14 +289,13 @@ def flash_backward_hopper(q, k, v, do, lse, delta, mask, *, scale: float, softca
         def consume(w, fixed_refs, ring):
             k_s, v_s, *kseg_s = fixed_refs
             shape = (_ROWS, bq)  # transposed tiles: key rows, query columns
-            kv_seg = [lax.broadcast_in_dim(load(x, row_layout), shape, [0]) for x in kseg_s]
-            kv_loc = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=wgmma_layout) + row0(w)
-            q_iota = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=wgmma_layout)
             col = lambda ref: lax.broadcast_in_dim(load(ref, col_layout), shape, [1])
 
-            def masked(s, qi, t):
+            def masked(s, qi, t):  # positions and segment ids only in PARTIAL tiles
+                kv_seg = [lax.broadcast_in_dim(load(x, row_layout), shape, [0]) for x in kseg_s]
                 q_seg = [col(ring.at(4 + x, t)) for x in range(nseg)]
-                ok = allowed(q_iota + qi * bq, kv_loc, b, offs_ref, sref, q_seg, kv_seg)
+                ok = allowed(iota(shape, 1) + qi * bq, iota(shape, 0) + row0(w), b, offs_ref,
+                             sref, q_seg, kv_seg)
                 return jnp.where(ok, s, -jnp.inf)
 
             def body(t, carry):
