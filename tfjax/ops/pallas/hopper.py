@@ -232,6 +232,14 @@ def _extend_gpu_interpreter():
     ji_cls._interpret_wgmma_ref_p = interpret_wgmma
 
 
+def _load(ref, layout):
+    """A ref read + layout cast: what `plgpu.load(ref, (), layout=)` lowers to
+    (jax 0.10's GPU interpreter reads refs but has no rule for plgpu.load)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return plgpu.layout_cast(ref[...], layout)
+
+
 class _Ring:
     """A consumer's view of the ring of step tiles (see `_pipelined`): the slot
     of step t holds its tiles; `wait(x, t)` waits for buffer x of step t,
@@ -396,11 +404,6 @@ def flash_forward_hopper(q, k, v, mask, *, scale: float, softcap: float | None, 
     producer = C > 1  # warp specialisation: a third warpgroup only issues the K/V copies
     pingpong = (C == 2 and not cfg.overlap) if cfg.pingpong is None else cfg.pingpong
     swz = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-
-    def _load(ref, layout):
-        # A ref read + layout cast: what `plgpu.load(ref, (), layout=)` lowers to.
-        # jax 0.10's GPU interpreter reads refs but has no rule for plgpu.load.
-        return plgpu.layout_cast(ref[...], layout)
 
     def kernel(*refs):
         it = iter(refs)

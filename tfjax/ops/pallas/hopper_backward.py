@@ -167,11 +167,7 @@ def flash_backward_hopper(q, k, v, do, lse, delta, mask, *, scale: float, softca
     T_ = lambda ref: plgpu.transpose_ref(ref, (1, 0))
     zeros = lambda shape: plgpu.layout_cast(jnp.zeros(shape, jnp.float32), wgmma_layout)
     iota = lambda shape, d: plgpu.broadcasted_iota(jnp.int32, shape, d, layout=wgmma_layout)
-
-    def load(ref, layout):
-        # A ref read + layout cast: what plgpu.load(ref, (), layout=) lowers to
-        # (jax 0.10's GPU interpreter has no rule for plgpu.load).
-        return plgpu.layout_cast(ref[...], layout)
+    load = hopper._load
 
     def logits(a, b, shape, partial, masked):
         """Scaled (soft-capped) a @ b, masked where the tile is PARTIAL; and tanh
