@@ -126,6 +126,16 @@ def _cudnn(mask, T, S, kind):
     return f
 
 
+def _write_results(lines, stem):
+    """experiments/results/<stem>_<date>.md"""
+    os.makedirs(os.path.join(os.path.dirname(__file__), "results"), exist_ok=True)
+    path = os.path.join(os.path.dirname(__file__), "results",
+                        f"{stem}_{datetime.date.today():%Y%m%d}.md")
+    with open(path, "w") as fh:
+        fh.write("\n".join(lines) + "\n")
+    print(f"wrote {path}")
+
+
 def bench_gpu(args):
     from tfjax.ops.pallas.gpu import _is_hopper, flash_attention_gpu
     from tfjax.ops.pallas.hopper import HopperConfig
@@ -201,12 +211,7 @@ def bench_gpu(args):
                       f"{str(e).splitlines()[0][:80]} | | |"
             out.append(row)
             print(row, flush=True)
-    os.makedirs(os.path.join(os.path.dirname(__file__), "results"), exist_ok=True)
-    path = os.path.join(os.path.dirname(__file__), "results",
-                        f"attention_gpu_{datetime.date.today():%Y%m%d}.md")
-    with open(path, "w") as fh:
-        fh.write("\n".join(out) + "\n")
-    print(f"wrote {path}")
+    _write_results(out, "attention_gpu")
 
 
 def bench_tune(args, S=8192, N=32, K=8, head_dims=(128, 64)):
@@ -289,12 +294,7 @@ def bench_tune(args, S=8192, N=32, K=8, head_dims=(128, 64)):
                        f"{str(e).splitlines()[0][:80]} | |")
             out.append(row)
             print(row, flush=True)
-    os.makedirs(os.path.join(os.path.dirname(__file__), "results"), exist_ok=True)
-    path = os.path.join(os.path.dirname(__file__), "results",
-                        f"attention_gpu_tiles_{datetime.date.today():%Y%m%d}.md")
-    with open(path, "w") as fh:
-        fh.write("\n".join(out) + "\n")
-    print(f"wrote {path}")
+    _write_results(out, "attention_gpu_tiles")
 
 
 def main():
