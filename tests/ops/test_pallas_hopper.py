@@ -29,7 +29,7 @@ HC, HB = HopperConfig, HopperBackwardConfig
      HC(block_kv=64), HB()),
     (2, 128, 300, (4, 1), 64, "padding_fully_masked", {"kv_offset": 2},
      HC(block_kv=64, compute_warpgroups=1, overlap=True), HB(compute_warpgroups=1, stages=1)),
-    (1, 130, 200, (2, 2), 128, "window_lr", {}, HC(block_kv=64, pingpong=False), HB(128, 128)),
+    (1, 70, 200, (2, 2), 128, "window_lr", {}, HC(block_kv=64, pingpong=False), HB(128, 128)),
     (1, 70, 90, (2, 1), 256, "prefix", {}, HC(block_kv=64, overlap=True), None),
 ], ids=["gqa-segments-softcap-offset-tails-h80-pingpong",
         "mqa-fully-masked-rows-one-warpgroup-overlap", "window-mha-h128-no-pingpong-blocks128",
