@@ -93,6 +93,39 @@ def test_packed_documents_equal_separate_documents():
     np.testing.assert_allclose(out[:, 5:], run(model, b), atol=1e-5)
 
 
+def test_alibi_in_kernel_equals_the_materialised_bias(monkeypatch):
+    """ALiBi reaches attention as a `tfjax.ops.Alibi` (slopes + positions, evaluated
+    per tile): on a packed batch (positions restart per document) the logits and
+    gradients equal those of the materialised `[B,N,T,S]` `alibi_bias`."""
+    from tfjax.models import stack
+    from tfjax.nn import positions as pos_lib
+
+    cfg = tiny(position="alibi", num_kv_heads=2, num_layers=1)
+    model = models.build(cfg)
+    x = tokens(2, 11, seed=4)
+    seg = jnp.array([[1] * 4 + [2] * 7, [1] * 11])
+    # positions in steps of 2 in places, so the distances differ from the index ones
+    pos = jnp.array([list(range(4)) + list(range(0, 14, 2)), list(range(0, 22, 2))])
+
+    def loss_and_logits(m):
+        logits = m(x, positions=pos, segment_ids=seg)
+        return jnp.mean(jax.nn.log_softmax(logits)[..., 0]), logits
+
+    f = lambda: nnx.jit(nnx.value_and_grad(loss_and_logits, has_aux=True))(model)
+    (_, kernel_logits), kernel_grads = f()
+    assert isinstance(stack.position_bias(cfg, None, pos, pos), stack.ops_lib.Alibi)
+
+    def materialised(cfg, rel_bias, q_positions, kv_positions):
+        return pos_lib.alibi_bias(q_positions, kv_positions, pos_lib.alibi_slopes(cfg.num_heads))
+
+    monkeypatch.setattr(stack, "position_bias", materialised)
+    monkeypatch.setattr("tfjax.models.decoder.position_bias", materialised)
+    (_, dense_logits), dense_grads = f()
+    np.testing.assert_allclose(kernel_logits, dense_logits, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(kernel_grads), jax.tree.leaves(dense_grads)):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
 def test_prefix_lm():
     cfg = tiny(prefix_lm=True)
     model = models.build(cfg)

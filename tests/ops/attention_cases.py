@@ -85,18 +85,38 @@ def dense_lse(q, k, mask, bias, scale, softcap, q_offset, kv_offset):
     return jax.nn.logsumexp(s, axis=-1).reshape(B, N, T)
 
 
+def alibi_as_bias(slopes, positions, B, T, S, q_offset, kv_offset):
+    """ALiBi as an explicit `[B, N, T, S]` bias, built by the layer-level
+    `tfjax.nn.alibi_bias` from position arrays (independent of the ops' per-tile
+    arithmetic): `positions` (q `[B, T]`, kv `[B, S]`) or the global indices."""
+    from tfjax.nn.positions import alibi_bias
+    if positions is None:
+        positions = (jnp.arange(T) + jnp.asarray(q_offset), jnp.arange(S) + jnp.asarray(kv_offset))
+    qp = jnp.broadcast_to(positions[0], (B, T))
+    kp = jnp.broadcast_to(positions[1], (B, S))
+    slopes = jnp.broadcast_to(jnp.asarray(slopes, jnp.float32), (B, jnp.shape(slopes)[-1]))
+    return jax.vmap(lambda a, b, s: alibi_bias(a[None], b[None], s)[0])(qp, kp, slopes)
+
+
 def run(impl, q, k, v, mask, bias, *, softcap=None, q_offset=0, kv_offset=0, scale=None,
-        ref=False, **kw):
-    """(out, lse, grads) of `_loss`, jitted; grads w.r.t. q, k, v (and bias)."""
-    H = q.shape[-1]
+        alibi_slopes=None, alibi_positions=None, ref=False, **kw):
+    """(out, lse, grads) of `_loss`, jitted; grads w.r.t. q, k, v (and bias). The
+    reference takes ALiBi as an explicit bias (`alibi_as_bias`)."""
+    B, T, _, H = q.shape
     scale_v = H ** -0.5 if scale is None else scale
 
     def f(q, k, v, bias):
         if ref:  # out from the reference, lse from the dense logsumexp
+            if alibi_slopes is not None:
+                a = alibi_as_bias(alibi_slopes, alibi_positions, B, T, k.shape[1], q_offset,
+                                  kv_offset)
+                bias = a if bias is None else bias + a
             out = attention_reference(q, k, v, mask, bias=bias, scale=scale, softcap=softcap,
                                       q_offset=q_offset, kv_offset=kv_offset)
             lse = dense_lse(q, k, mask, bias, scale_v, softcap, q_offset, kv_offset)
         else:
+            if alibi_slopes is not None:
+                kw.update(alibi_slopes=alibi_slopes, alibi_positions=alibi_positions)
             out, lse = impl(q, k, v, mask, bias=bias, scale=scale, softcap=softcap,
                             q_offset=q_offset, kv_offset=kv_offset, return_lse=True, **kw)
         return _loss(out, lse), (out, lse)
@@ -118,7 +138,27 @@ def assert_close(got, want, dtype, what, kind):
         assert err < tol, f"{what}: relative error {err:.3g} >= {tol}"
 
 
-def check_against_reference(impl, q, k, v, mask, bias=None, **kw):
+def alibi_for(kind, B, T, S, N):
+    """ALiBi arguments of a test case: "N" the paper's per-head slopes `[N]`, "BN" a
+    different set per example `[B, N]` (steeper on odd examples), "pos" the
+    slopes with explicit positions (random, unordered: `[B, T]`, `[1, S]`)."""
+    from tfjax.nn.positions import alibi_slopes
+    s = jnp.asarray(alibi_slopes(N))
+    if kind == "N":
+        return dict(alibi_slopes=s)
+    if kind == "BN":
+        return dict(alibi_slopes=s[None] * (1.0 + jnp.arange(B, dtype=jnp.float32) % 2)[:, None])
+    assert kind == "pos", kind
+    # distances up to 48: at |logits| in the hundreds fp32 rounding alone exceeds 1e-5
+    rng = np.random.default_rng(7)
+    return dict(alibi_slopes=s, alibi_positions=(rng.integers(0, 48, (B, T)).astype(np.int32),
+                                                 rng.integers(0, 48, (1, S)).astype(np.int32)))
+
+
+def check_against_reference(impl, q, k, v, mask, bias=None, alibi=None, **kw):
+    """`alibi`: None, "N", "BN" or "pos" (`alibi_for`)."""
+    if alibi is not None:
+        kw.update(alibi_for(alibi, q.shape[0], q.shape[1], k.shape[1], q.shape[2]))
     impl_kw = {key: kw.pop(key) for key in list(kw) if key in ("block_q", "block_kv",
                                                                "block_sizes", "interpret")}
     out, lse, grads = run(impl, q, k, v, mask, bias, **kw, **impl_kw)

@@ -1,6 +1,8 @@
 """dot_product_attention: the reference against a numpy loop, "xla" against the
 reference (forward and gradients), fully masked rows, dispatch errors."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -158,3 +160,76 @@ def test_reference_lse_gradient_is_the_softmax():
     g_dense = jax.grad(lambda q, k: jnp.sum(w * lse_dense(q, k)), argnums=(0, 1))(q, k)
     for a, b in zip(g_ref, g_dense):
         np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_alibi_slopes_equal_the_explicit_alibi_bias():
+    """`alibi_slopes` is ALiBi at global index positions (offsets included) or at
+    `alibi_positions`, the same as the layer-level `alibi_bias` passed as a bias;
+    "reference" and "xla" agree, forward and gradients; the slopes take no
+    gradient. (The tiled implementations are checked against the same explicit
+    bias in their own tests.)"""
+    from tfjax.nn.positions import alibi_bias, alibi_slopes
+
+    q, k, v = rand((2, 5, 4, 8), 30), rand((2, 7, 2, 8), 31), rand((2, 7, 2, 8), 32)
+    slopes = jnp.asarray(alibi_slopes(4))
+    per_example = jnp.stack([slopes, 3.0 * slopes])  # [B, N]
+    qo, ko = 4, 1
+    index = (jnp.broadcast_to(jnp.arange(5) + qo, (2, 5)), jnp.broadcast_to(jnp.arange(7) + ko,
+                                                                             (2, 7)))
+    packed = (jnp.array([[0, 1, 2, 0, 1], [3, 4, 5, 6, 7]]), jnp.array([[0, 1, 2, 0, 1, 2, 3]]))
+
+    @jax.jit
+    def explicit(sl, pos):  # the layer's bias from position arrays, through `bias=`
+        qp, kp = jnp.broadcast_to(pos[0], (2, 5)), jnp.broadcast_to(pos[1], (2, 7))
+        sl = jnp.broadcast_to(sl, (2, 4))
+        bias = jax.vmap(lambda a, b, s: alibi_bias(a[None], b[None], s)[0])(qp, kp, sl)
+        return attention_reference(q, k, v, M.causal(), bias=bias, q_offset=qo, kv_offset=ko)
+
+    def loss(impl, q, k, sl, pos):
+        out = dot_product_attention(q, k, v, M.causal(), alibi_slopes=sl, alibi_positions=pos,
+                                    q_offset=qo, kv_offset=ko, implementation=impl)
+        return jnp.sum(out * jnp.cos(out)), out
+
+    vg = jax.jit(jax.value_and_grad(loss, (1, 2, 3), has_aux=True), static_argnums=0)
+    for sl, pos in ((slopes, None), (per_example, None), (per_example, packed)):
+        want = explicit(sl, index if pos is None else pos)
+        grads = {}
+        for impl in ("reference", "xla"):
+            (_, out), g = vg(impl, q, k, sl, pos)
+            np.testing.assert_allclose(out, want, atol=1e-5, err_msg=impl)
+            assert not np.asarray(g[2]).any()  # fixed slopes: no gradient
+            grads[impl] = g
+        for a, b in zip(grads["xla"][:2], grads["reference"][:2]):
+            np.testing.assert_allclose(a, b, atol=1e-4)
+    # the cases differ from each other and from no ALiBi (the checks above can fail)
+    outs = [explicit(s, p) for s, p in ((0 * slopes, index), (slopes, index),
+                                         (per_example, index), (per_example, packed))]
+    for x, y in zip(outs, outs[1:]):
+        assert np.abs(np.asarray(x - y)).max() > 1e-2
+
+
+def test_alibi_slopes_shape_error_and_cudnn_declines():
+    from tfjax.ops import select_implementation
+    from tfjax.ops.attention import AttentionRequest
+
+    q, k = rand((2, 4, 4, 8), 0), rand((2, 4, 2, 8), 1)
+    with pytest.raises(ValueError, match=r"alibi_slopes must be \[N\] or \[B\|1, N\]"):
+        dot_product_attention(q, k, k, alibi_slopes=jnp.ones((2,)))
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        dot_product_attention(q, k, k, alibi_slopes=jnp.ones((3, 4)))
+    with pytest.raises(ValueError, match="without alibi_slopes"):
+        dot_product_attention(q, k, k, alibi_positions=(jnp.zeros((2, 4), int),) * 2)
+    with pytest.raises(ValueError, match=r"kv_positions must be \[B\|1, 4\]"):
+        dot_product_attention(q, k, k, alibi_slopes=jnp.ones(4),
+                              alibi_positions=(jnp.zeros((2, 4), int), jnp.zeros((2, 5), int)))
+    with pytest.raises(ValueError, match="q_positions must be integers"):
+        dot_product_attention(q, k, k, alibi_slopes=jnp.ones(4),
+                              alibi_positions=(jnp.zeros((2, 4)), jnp.zeros((2, 4), int)))
+    r = AttentionRequest(q_shape=(1, 8, 4, 64), k_shape=(1, 8, 4, 64), dtype="bfloat16",
+                         backend="gpu", mask=M.causal(), has_bias=False, softcap=None,
+                         offsets=False, return_lse=False, has_alibi=True)
+    with pytest.raises(ValueError, match="cuDNN attention takes no ALiBi"):
+        select_implementation(r, "cudnn")
+    assert select_implementation(r) == "pallas"  # auto passes cuDNN over for ALiBi
+    cpu = dataclasses.replace(r, backend="cpu", dtype="float32")
+    assert select_implementation(cpu) == "blockwise"

@@ -22,11 +22,11 @@ BS = BlockSizes(block_q=64, block_kv=128, block_q_dq=64, block_kv_dq=128, block_
 
 CASES = [
     (1, 1, (4, 4), 32, "none", {}),
-    (100, 200, (8, 2), 80, "causal&segments", {"softcap": 20.0, "q_offset": 3}),
-    (384, 128, (8, 1), 64, "window_lr", {"bias": (1, 8)}),
+    (100, 200, (8, 2), 80, "causal&segments", {"softcap": 20.0, "q_offset": 3, "alibi": "BN"}),
+    (384, 128, (8, 1), 64, "window_lr", {"bias": (1, 8), "alibi": "pos"}),
     (128, 100, (4, 4), 128, "padding_fully_masked", {"bias": (2, 1)}),
     (1000, 1000, (4, 4), 32, "chunked", {}),
-    (100, 384, (8, 2), 32, "prefix|window", {"kv_offset": 5}),
+    (100, 384, (8, 2), 32, "prefix|window", {"kv_offset": 5, "alibi": "N"}),
     (200, 300, (8, 2), 64, "bigbird", {"kv_offset": 5}),
     (130, 130, (4, 1), 32, "longformer&causal", {"q_offset": 3, "softcap": 30.0}),
 ]

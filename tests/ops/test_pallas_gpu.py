@@ -19,9 +19,12 @@ BS = BlockSizes(32, 64, 32, 64, 64, 32)
 
 
 @pytest.mark.parametrize("T,S,heads,H,mask_name,extras", [
-    (100, 200, (8, 2), 80, "causal&segments", {"softcap": 20.0, "q_offset": 3, "bias": (1, 8)}),
-    (128, 100, (4, 1), 32, "padding_fully_masked", {"kv_offset": 2}),
-], ids=["gqa-segments-softcap-bias-tails", "mqa-fully-masked-rows"])
+    (100, 200, (8, 2), 80, "causal&segments", {"softcap": 20.0, "q_offset": 3, "bias": (1, 8),
+                                               "alibi": "N"}),
+    (128, 100, (4, 1), 32, "padding_fully_masked", {"kv_offset": 2, "alibi": "BN"}),
+    (100, 130, (4, 2), 32, "causal&segments", {"alibi": "pos"}),
+], ids=["gqa-segments-softcap-bias-alibi-tails", "mqa-fully-masked-rows-alibi",
+        "alibi-positions-segments"])
 def test_interpret_matches_reference(T, S, heads, H, mask_name, extras):
     extras = dict(extras)
     q, k, v, bias = inputs(2, T, S, *heads, H, bias=extras.pop("bias", None))
@@ -30,7 +33,7 @@ def test_interpret_matches_reference(T, S, heads, H, mask_name, extras):
                             **extras)
 
 
-def _lower_for_cuda(mask_name, H, dtype, bias):
+def _lower_for_cuda(mask_name, H, dtype, bias, alibi=False):
     B, T, S, N, K = 2, 300, 500, 8, 2
     sds = jax.ShapeDtypeStruct
 
@@ -38,8 +41,9 @@ def _lower_for_cuda(mask_name, H, dtype, bias):
         mask = {"causal": M.causal(), "window": M.sliding_window(128),
                 "causal&segments": M.causal() & M.segments(qs, ks),
                 "prefix|padding": M.prefix_lm(qs[:, 0]) | M.padding(ks[:, 0])}[mask_name]
+        slopes = jnp.linspace(0.5, 0.01, N) if alibi else None
         loss = lambda q, k, v, b: flash_attention_gpu(
-            q, k, v, mask, bias=b, softcap=30.0).astype(jnp.float32).sum()
+            q, k, v, mask, bias=b, softcap=30.0, alibi_slopes=slopes).astype(jnp.float32).sum()
         return jax.grad(loss, (0, 1, 2, 3) if bias else (0, 1, 2))(q, k, v, b)
 
     args = (sds((B, T, N, H), dtype), sds((B, S, K, H), dtype), sds((B, S, K, H), dtype),
@@ -48,15 +52,15 @@ def _lower_for_cuda(mask_name, H, dtype, bias):
     return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("mask_name,H,dtype,bias", [
-    ("causal", 128, jnp.bfloat16, False),
-    ("causal&segments", 64, jnp.float16, True),
-    ("window", 256, jnp.bfloat16, False),
-    ("prefix|padding", 80, jnp.float32, False),
+@pytest.mark.parametrize("mask_name,H,dtype,bias,alibi", [
+    ("causal", 128, jnp.bfloat16, False, False),
+    ("causal&segments", 64, jnp.float16, True, False),
+    ("window", 256, jnp.bfloat16, False, True),
+    ("prefix|padding", 80, jnp.float32, False, False),
 ])
-def test_kernels_lower_to_triton(mask_name, H, dtype, bias):
+def test_kernels_lower_to_triton(mask_name, H, dtype, bias, alibi):
     try:
-        text = _lower_for_cuda(mask_name, H, dtype, bias)
+        text = _lower_for_cuda(mask_name, H, dtype, bias, alibi)
     except Exception as e:
         if "cuda" in str(e).lower() and "platform" in str(e).lower():
             pytest.skip(f"this jaxlib cannot lower for cuda: {str(e).splitlines()[0][:120]}")

@@ -150,6 +150,12 @@ def test_auto_picks_hopper_only_on_sm90_for_what_it_supports(monkeypatch):
     assert bwd(bf) == "hopper" and pick(h256, h256) == "hopper"
     assert bwd(h256) == "triton"  # dK, dV at H = 256 would not fit the registers
     assert bwd(f32) == "triton"
+    slopes = jnp.ones((1, 2))  # ALiBi: the Triton kernels (Hopper's take no slopes yet)
+    assert gpu._pick_forward("auto", bf, bf, bf, None, None, False, alibi=slopes) == "triton"
+    assert gpu._pick_forward("auto", bf, bf, bf, None, None, False, which="backward",
+                             alibi=slopes) == "triton"
+    with pytest.raises(ValueError, match="ALiBi.*backward='triton'"):
+        gpu._pick_forward("hopper", bf, bf, bf, None, None, False, which="backward", alibi=slopes)
 
 
 @pytest.mark.accelerator

@@ -43,7 +43,7 @@ def _shard_map(f, mesh, in_specs, out_specs):
 
 
 def compile_attention(topology, *, T, S, N, K, H, dtype, mask_name, softcap=None, bias=False,
-                      grad=True, block_sizes=None):
+                      alibi=False, grad=True, block_sizes=None):
     mesh = _mesh(topology)
     D = mesh.devices.size
     B = D  # one example per device
@@ -58,9 +58,11 @@ def compile_attention(topology, *, T, S, N, K, H, dtype, mask_name, softcap=None
                 "longformer&causal": M.causal() & M.longformer(128, (0, 1, 500)),
                 "bigbird": M.bigbird(64, 2, 2, 128, seed=3, seq_len=max(T, S))}[mask_name]
 
+        slopes = 2.0 ** -jnp.arange(1, N + 1, dtype=jnp.float32) if alibi else None
+
         def f(q, k, v, b):
             return flash_attention_tpu(q, k, v, mask, bias=b, softcap=softcap, interpret=False,
-                                       block_sizes=block_sizes)
+                                       alibi_slopes=slopes, block_sizes=block_sizes)
 
         if not grad:
             return f(q, k, v, b)
@@ -82,7 +84,7 @@ CASES = [  # (topology, mask, (N, K), H, dtype, extras)
     ("v5e:2x2", "causal&segments", (4, 4), 64, jnp.float32, {}),
     ("v5e:2x2", "window", (8, 1), 256, jnp.bfloat16, {"softcap": 30.0}),
     ("v5e:2x2", "padding", (4, 2), 80, jnp.float32, {"bias": True}),
-    ("v5p:2x2x1", "causal", (8, 2), 128, jnp.bfloat16, {}),
+    ("v5p:2x2x1", "causal", (8, 2), 128, jnp.bfloat16, {"alibi": True}),  # slopes in SMEM
     ("v5e:2x2", "bigbird", (8, 2), 128, jnp.bfloat16, {}),
     ("v5p:2x2x1", "longformer&causal", (4, 4), 64, jnp.float32, {}),
 ]

@@ -107,9 +107,12 @@ def test_zigzag_plan_and_host_reorder():
     assert n == 0 and "custom build_model" in note  # e.g. tests/train/tiny_decoder.py
     for kw in (dict(model=dict(zigzag="layer")), dict(cp="all_gather")):
         assert zigzag_devices(_config(data=2, sequence=4, **kw), mesh) == (0, None)
+    # ALiBi reaches the ring as slopes + the batch's (reordered) positions
+    alibi = _config(data=2, sequence=4, model=dict(position="alibi"))
+    assert zigzag_devices(alibi, mesh) == (4, None)
     # Order-dependent layers / biases / lengths: fall back to natural order, with a note.
     for kw, why in ((dict(model=dict(layer_pattern=("global", "linear"))), "'linear'"),
-                    (dict(model=dict(position="alibi")), "alibi"),
+                    (dict(model=dict(position="t5")), "t5"),
                     (dict(seq_len=36), "seq_len=36")):
         n, note = zigzag_devices(_config(data=2, sequence=4, **kw), mesh)
         assert n == 0 and why in note and "model.zigzag='layer'" in note

@@ -64,24 +64,42 @@ MASKS = {
 }
 
 
+def _alibi(positions: bool, per_example: bool = False) -> dict:
+    """ALiBi arguments: slopes `[N]` (or `[B, N]`), and with `positions` the packed
+    documents' positions (restarting at each segment of `_segment_ids`), in steps
+    of 3 so that, even within a document, they differ from the index positions."""
+    slopes = 2.0 ** -jnp.arange(1, N + 1, dtype=jnp.float32)
+    if per_example:
+        slopes = jnp.stack([slopes, 0.5 * slopes])
+    kw = dict(alibi_slopes=slopes)
+    if positions:
+        ids = np.asarray(_segment_ids())
+        starts = np.maximum.accumulate(np.where(
+            np.diff(ids, prepend=-1, axis=1) != 0, np.arange(T)[None], 0), axis=1)
+        pos = jnp.asarray(3 * (np.arange(T)[None] - starts), jnp.int32)
+        kw["alibi_positions"] = (pos, pos)
+    return kw
+
+
 def _out_and_grads(attn, q, k, v, ct):
     out, vjp = jax.vjp(attn, q, k, v)
     return (out,) + vjp(ct)
 
 
 def _compare(mask, mesh, load_balance, batch_axes=None, kv_heads=K, softcap=None, scale=None,
-             **kwargs):
+             alibi=None, **kwargs):
     q, k, v, ct = _inputs(kv_heads=kv_heads)
+    alibi = alibi or {}
 
     def ring(q, k, v):
         return ring_attention(q, k, v, mask, mesh=mesh, batch_axes=batch_axes,
                               load_balance=load_balance, block_q=8, block_kv=8,
-                              softcap=softcap, scale=scale, **kwargs)
+                              softcap=softcap, scale=scale, **alibi, **kwargs)
 
     got = jax.jit(lambda *a: _out_and_grads(ring, *a))(q, k, v, ct)
     want = jax.jit(lambda *a: _out_and_grads(
-        lambda q, k, v: attention_reference(q, k, v, mask, softcap=softcap, scale=scale),
-        *a))(q, k, v, ct)
+        lambda q, k, v: attention_reference(q, k, v, mask, softcap=softcap, scale=scale,
+                                            **alibi), *a))(q, k, v, ct)
     np.testing.assert_allclose(got[0], want[0], atol=1e-5, rtol=1e-5)
     for name, g, w in zip("qkv", got[1:], want[1:]):
         np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4, err_msg=f"d{name}")
@@ -100,28 +118,36 @@ def test_matches_reference(mesh4, mask_name, load_balance):
 
 
 def test_batch_sharded_zigzag_segments_causal(mesh2x4):
-    _compare(MASKS["segments_causal"](), mesh2x4, "zigzag", batch_axes="data")
+    # with ALiBi: per-example slopes (batch-sharded) and the packed documents'
+    # positions, re-laid out in zig-zag order and rotated with K/V like segment ids
+    _compare(MASKS["segments_causal"](), mesh2x4, "zigzag", batch_axes="data",
+             alibi=_alibi(positions=True, per_example=True))
 
 
 @pytest.mark.parametrize("mask_name,unroll", [("segments_causal", False), ("window", None)])
 def test_zigzag_ordered_inputs(mesh4, mask_name, unroll):
-    """natural_order=False: inputs (and segment ids) already in zig-zag order, as the
-    trainer's data pipeline gives them; the output and gradients come back in that
-    order and, undone, equal the reference on the natural-order sequence. The first
-    case runs the ring's steps as a while loop (unroll=False, the default off CPU)."""
+    """natural_order=False: inputs (and segment ids, and ALiBi's positions) already in
+    zig-zag order, as the trainer's data pipeline gives them; the output and
+    gradients come back in that order and, undone, equal the reference on the
+    natural-order sequence. The first case runs the ring's steps as a while loop
+    (unroll=False, the default off CPU) with ALiBi at the packed positions."""
     q, k, v, ct = _inputs()
     n = 4
     zz = lambda x: zigzag(x, n, axis=1)
     ids = _segment_ids()
     make = {"segments_causal": lambda i: masks.segments(i) & masks.causal(),
             "window": lambda i: masks.sliding_window(9)}[mask_name]
+    alibi = _alibi(positions=True) if mask_name == "segments_causal" else {}
+    alibi_zz = {k: (tuple(map(zz, a)) if k == "alibi_positions" else a) for k, a in alibi.items()}
 
     def ring(q, k, v):
         return ring_attention(q, k, v, make(zz(ids)), mesh=mesh4, load_balance="zigzag",
-                              natural_order=False, block_q=8, block_kv=8, unroll=unroll)
+                              natural_order=False, block_q=8, block_kv=8, unroll=unroll,
+                              **alibi_zz)
 
     got = jax.jit(lambda *a: _out_and_grads(ring, *a))(zz(q), zz(k), zz(v), zz(ct))
-    want = _out_and_grads(lambda q, k, v: attention_reference(q, k, v, make(ids)), q, k, v, ct)
+    want = _out_and_grads(lambda q, k, v: attention_reference(q, k, v, make(ids), **alibi),
+                          q, k, v, ct)
     for name, g, w in zip(["out", "dq", "dk", "dv"], got, want):
         np.testing.assert_allclose(unzigzag(g, n, axis=1), w, atol=1e-4, rtol=1e-4,
                                    err_msg=name)
@@ -130,21 +156,24 @@ def test_zigzag_ordered_inputs(mesh4, mask_name, unroll):
 def test_pallas_kernels_inside_the_ring(mesh4):
     # The Pallas TPU kernels (interpret mode on CPU) as the per-block attention, fwd+bwd:
     # packed documents, causal, zig-zag (traced per-chunk offsets), GQA 8/2.
+    # With ALiBi at index positions: each chunk's global offset reaches the kernels.
     _compare(MASKS["segments_causal"](), mesh4, "zigzag", implementation="pallas",
-             block_sizes=BlockSizes(8, 128, 8, 128, 8, 128))
+             block_sizes=BlockSizes(8, 128, 8, 128, 8, 128), alibi=_alibi(positions=False))
 
 
 def test_all_gather_attention_matches_reference(mesh2x4):
     mask = MASKS["segments_causal"]()
     q, k, v, ct = _inputs()
 
+    alibi = _alibi(positions=True)  # kv positions are gathered with K/V
+
     def gathered(q, k, v):
         return all_gather_attention(q, k, v, mask, mesh=mesh2x4, batch_axes="data",
-                                    block_q=8, block_kv=8)
+                                    block_q=8, block_kv=8, **alibi)
 
     got = jax.jit(lambda *a: _out_and_grads(gathered, *a))(q, k, v, ct)
     want = jax.jit(lambda *a: _out_and_grads(
-        lambda q, k, v: attention_reference(q, k, v, mask), *a))(q, k, v, ct)
+        lambda q, k, v: attention_reference(q, k, v, mask, **alibi), *a))(q, k, v, ct)
     np.testing.assert_allclose(got[0], want[0], atol=1e-5, rtol=1e-5)
     for name, g, w in zip("qkv", got[1:], want[1:]):
         np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4, err_msg=f"d{name}")

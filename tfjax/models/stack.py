@@ -27,6 +27,7 @@ from tfjax.nn.linear_attention import LinearAttention
 from tfjax.nn.moe import MoE
 from tfjax.nn.ssm import Mamba
 from tfjax.nn.norms import make_norm
+from tfjax import ops as ops_lib
 from tfjax.ops import masks as masks_lib
 from tfjax.parallel.sharding import shard, with_logical_axes
 from tfjax.registry import Registry
@@ -245,10 +246,14 @@ def relative_bias(cfg: ModelConfig, rngs: nnx.Rngs, *, bidirectional: bool):
 
 
 def position_bias(cfg: ModelConfig, rel_bias, q_positions, kv_positions):
-    """Additive attention bias `[B,N,T,S]` of ALiBi / T5 encodings, else None."""
+    """The attention bias of ALiBi / T5 encodings, else None: T5's additive
+    `[B,N,T,S]` array; ALiBi as a `tfjax.ops.Alibi` (slopes and the positions),
+    which the tiled attention implementations evaluate per tile (the same
+    values as `nn.positions.alibi_bias`, never materialised)."""
     if cfg.position == "alibi":
-        slopes = jnp.asarray(pos_lib.alibi_slopes(cfg.num_heads))
-        return pos_lib.alibi_bias(q_positions, kv_positions, slopes)
+        slopes = pos_lib.alibi_slopes(cfg.num_heads)
+        (B, T), S = q_positions.shape, kv_positions.shape[-1]
+        return ops_lib.make_alibi(slopes, (q_positions, kv_positions), B, cfg.num_heads, T, S)
     if cfg.position == "t5":
         return rel_bias(q_positions, kv_positions)
     return None

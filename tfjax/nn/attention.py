@@ -32,7 +32,7 @@ from flax import nnx
 
 from tfjax.nn.norms import make_norm
 from tfjax.nn.positions import RotaryEmbedding
-from tfjax.ops import dot_product_attention
+from tfjax.ops import Alibi, dot_product_attention
 from tfjax.ops.masks import Mask
 from tfjax.parallel.ring_attention import (CONTEXT_PARALLEL_MODES, ZIGZAG_MODES,
                                            context_parallel_attention, zigzag_data_devices)
@@ -118,20 +118,26 @@ class MultiHeadAttention(nnx.Module):
         return q, k, v
 
     def attend(self, q, k, v, mask: Mask | None = None, bias=None, *, q_offset=0, kv_offset=0):
+        """`bias`: None, an additive `[B|1, N|1, T, S]` array, or a `tfjax.ops.Alibi`
+        (evaluated per tile by the tiled implementations)."""
         out = None
-        if bias is None and _is_zero(q_offset) and _is_zero(kv_offset):
+        is_alibi = isinstance(bias, Alibi)
+        if (bias is None or is_alibi) and _is_zero(q_offset) and _is_zero(kv_offset):
             out = context_parallel_attention(q, k, v, mask, mode=self.context_parallel,
                                              zigzag=self.zigzag, scale=self.scale,
-                                             softcap=self.softcap)
+                                             softcap=self.softcap,
+                                             alibi=bias if is_alibi else None)
         elif zigzag_data_devices():
             # The tokens are in zig-zag order; a bias [B,N,T,S] or offsets would be
             # read against the wrong positions by a mask in natural index order.
-            raise ValueError("attention with a bias (ALiBi / T5) or offsets cannot read a "
+            raise ValueError("attention with a bias (T5) or offsets cannot read a "
                              "zig-zag ordered batch; use model.zigzag='layer'")
         if out is None:
-            out = dot_product_attention(q, k, v, mask, bias=bias, scale=self.scale,
-                                        softcap=self.softcap, implementation=self.implementation,
-                                        q_offset=q_offset, kv_offset=kv_offset)  # [B, T, N, H]
+            alibi = Alibi.kwargs(bias) if is_alibi else {}
+            out = dot_product_attention(q, k, v, mask, bias=None if alibi else bias,
+                                        scale=self.scale, softcap=self.softcap,
+                                        implementation=self.implementation, q_offset=q_offset,
+                                        kv_offset=kv_offset, **alibi)  # [B, T, N, H]
         return shard(self.o(out), ("batch", "length", "embed"))
 
     def project_query(self, x, *, positions=None):

@@ -14,16 +14,18 @@ from tfjax.ops.attention import (
     select_implementation,
 )
 from tfjax.ops.blockwise import blockwise_attention  # registers "blockwise"
-from tfjax.ops.reference import attention_reference
+from tfjax.ops.reference import Alibi, attention_reference, make_alibi
 
 __all__ = [
     "AUTO_ORDER",
+    "Alibi",
     "IMPLEMENTATIONS",
     "AttentionRequest",
     "attention_reference",
     "blockwise_attention",
     "cudnn",
     "dot_product_attention",
+    "make_alibi",
     "masks",
     "pallas",
     "register_implementation",

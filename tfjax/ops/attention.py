@@ -1,10 +1,15 @@
 """`dot_product_attention`: one API, many implementations.
 
     out = dot_product_attention(q, k, v, mask, bias=None, scale=None, softcap=None,
+                                alibi_slopes=None, alibi_positions=None,
                                 implementation="auto")
 
 q `[B,T,N,H]`, k/v `[B,S,K,H]` with N % K == 0 (GQA / MQA without repeating K/V),
-`mask` a lazy `tfjax.ops.masks.Mask` (or None), `bias` additive `[B|1, N|1, T, S]`.
+`mask` a lazy `tfjax.ops.masks.Mask` (or None), `bias` additive `[B|1, N|1, T, S]`,
+`alibi_slopes` `[N]` or `[B, N]`: ALiBi's bias `-slope * |q_pos - kv_pos|` at the
+positions `alibi_positions = (q [B,T], kv [B,S])` or, without them, the global
+indices (`q_offset + i`, `kv_offset + j`); the tiled implementations evaluate it
+per tile instead of reading a materialised `[B, N, T, S]` bias.
 
 Implementations register themselves in `IMPLEMENTATIONS` with a `supports`
 predicate that returns None or the reason it cannot serve a request. An explicit
@@ -22,11 +27,11 @@ import jax
 import jax.numpy as jnp
 
 from tfjax.ops import masks as masks_lib
-from tfjax.ops.reference import attention_reference
+from tfjax.ops.reference import Alibi, attention_reference, make_alibi
 from tfjax.registry import Registry
 
-__all__ = ["dot_product_attention", "AttentionRequest", "Implementation", "IMPLEMENTATIONS",
-           "AUTO_ORDER", "register_implementation"]
+__all__ = ["dot_product_attention", "Alibi", "AttentionRequest", "Implementation",
+           "IMPLEMENTATIONS", "AUTO_ORDER", "register_implementation"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,11 +47,13 @@ class AttentionRequest:
     softcap: float | None
     offsets: bool  # non-zero q/kv offsets
     return_lse: bool
+    has_alibi: bool = False  # alibi_slopes given (bias computed from positions)
 
 
 @dataclasses.dataclass(frozen=True)
 class Implementation:
-    fn: Callable  # fn(q, k, v, mask, *, bias, scale, softcap, q_offset, kv_offset, return_lse)
+    fn: Callable  # fn(q, k, v, mask, *, bias, alibi, scale, softcap, q_offset, kv_offset,
+    #                   return_lse); alibi: None or a checked `Alibi`
     supports: Callable[[AttentionRequest], str | None]  # None if it can, else the reason
 
 
@@ -93,13 +100,24 @@ def _check_shapes(q, k, v, bias) -> None:
 
 
 def dot_product_attention(q, k, v, mask: masks_lib.Mask | None = None, *, bias=None, scale=None,
-                          softcap=None, implementation: str = "auto", q_offset=0, kv_offset=0,
+                          softcap=None, alibi_slopes=None, alibi_positions=None,
+                          implementation: str = "auto", q_offset=0, kv_offset=0,
                           return_lse: bool = False):
     """Scaled dot-product attention (Vaswani et al. 2017) with GQA, lazy masks,
-    additive bias and logit soft-capping (Gemma 2). Returns `[B,T,N,H]` in q's dtype,
-    and the fp32 logsumexp `[B,N,T]` when `return_lse` (for merging partial results).
-    Fully masked query rows return zeros."""
+    additive bias, ALiBi (Press et al. 2022) from per-head slopes, and logit
+    soft-capping (Gemma 2). Returns `[B,T,N,H]` in q's dtype, and the fp32
+    logsumexp `[B,N,T]` when `return_lse` (for merging partial results). Fully
+    masked query rows return zeros.
+
+    logits = softcap * tanh(scale * q.k / softcap) + bias - slope * |q_pos - kv_pos|
+    (`alibi_slopes` `[N]` / `[B|1, N]`, no gradient; `alibi_positions` see the
+    module docstring and `tfjax.ops.reference.make_alibi`)."""
     _check_shapes(q, k, v, bias)
+    B, T, N, _ = q.shape
+    try:
+        alibi = make_alibi(alibi_slopes, alibi_positions, B, N, T, k.shape[1])
+    except ValueError as e:
+        raise ValueError(f"dot_product_attention: {e}") from None
     if mask is not None and not isinstance(mask, masks_lib.Mask):
         raise TypeError(f"dot_product_attention: mask must be a tfjax.ops.masks.Mask or None, got "
                         f"{type(mask).__name__}; build one with tfjax.ops.masks (causal(), ...)")
@@ -112,11 +130,11 @@ def dot_product_attention(q, k, v, mask: masks_lib.Mask | None = None, *, bias=N
         backend=jax.default_backend(), mask=mask, has_bias=bias is not None, softcap=softcap,
         offsets=not (isinstance(q_offset, int) and isinstance(kv_offset, int)
                      and q_offset == 0 and kv_offset == 0),
-        return_lse=return_lse)
+        return_lse=return_lse, has_alibi=alibi is not None)
     name = select_implementation(request, implementation)
     impl = IMPLEMENTATIONS.get(name)
-    return impl.fn(q, k, v, mask, bias=bias, scale=scale, softcap=softcap, q_offset=q_offset,
-                   kv_offset=kv_offset, return_lse=return_lse)
+    return impl.fn(q, k, v, mask, bias=bias, alibi=alibi, scale=scale, softcap=softcap,
+                   q_offset=q_offset, kv_offset=kv_offset, return_lse=return_lse)
 
 
 def select_implementation(request: AttentionRequest, implementation: str = "auto") -> str:
@@ -143,9 +161,13 @@ def select_implementation(request: AttentionRequest, implementation: str = "auto
 # --------------------------------------------------------------------------- #
 
 
-def _xla_attention(q, k, v, mask, *, bias, scale, softcap, q_offset, kv_offset, return_lse):
+def _xla_attention(q, k, v, mask, *, bias, alibi, scale, softcap, q_offset, kv_offset,
+                   return_lse):
     del softcap, return_lse  # refused by _xla_supports
     T, S = q.shape[1], k.shape[1]
+    if alibi is not None:  # materialised, like any bias jax.nn takes
+        a = alibi.dense(T, S, q_offset, kv_offset)
+        bias = a if bias is None else bias.astype(jnp.float32) + a
     allowed = None
     if mask is not None:
         allowed = mask.dense(T, S, q_offset=q_offset, kv_offset=kv_offset)[:, None]  # [B|1,1,T,S]
@@ -165,5 +187,9 @@ def _xla_supports(r: AttentionRequest) -> str | None:
     return None
 
 
-register_implementation("reference", attention_reference)
+def _reference(q, k, v, mask, *, alibi, **kw):
+    return attention_reference(q, k, v, mask, **kw, **Alibi.kwargs(alibi))
+
+
+register_implementation("reference", _reference)
 register_implementation("xla", _xla_attention, _xla_supports)

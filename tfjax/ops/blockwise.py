@@ -14,6 +14,9 @@ never builds the `T x S` logits:
   dk/dv in the carry and adds each tile's dq into an O(T*H) buffer. Residuals
   are q, k, v, out and lse: activation memory is O(T*H), not O(T*S).
 - GQA is native: query heads are grouped `[K, G]` and K/V are never repeated.
+- ALiBi (`alibi_slopes`, optional `alibi_positions`) is computed per tile from
+  the tile's positions, so an ALiBi model keeps O(T*H) memory (a materialised
+  bias is O(T*S)).
 - The batch is `vmap`ped; a mask whose data varies per example (segments,
   padding) is sliced per example, so its loop runs to the longest row of the
   batch; positional masks skip tiles exactly.
@@ -31,6 +34,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from tfjax.ops import masks as masks_lib
+from tfjax.ops.reference import Alibi, make_alibi
 
 __all__ = ["DEFAULT_BLOCK", "blockwise_attention", "blockwise_attention_backward"]
 
@@ -54,13 +58,14 @@ def _round_up(a: int, b: int) -> int:
 
 
 def blockwise_attention(q, k, v, mask: masks_lib.Mask | None = None, *, bias=None, scale=None,
-                        softcap=None, q_offset=0, kv_offset=0, return_lse: bool = False,
-                        block_q: int = DEFAULT_BLOCK, block_kv: int = DEFAULT_BLOCK):
+                        softcap=None, alibi_slopes=None, alibi_positions=None, q_offset=0,
+                        kv_offset=0, return_lse: bool = False, block_q: int = DEFAULT_BLOCK,
+                        block_kv: int = DEFAULT_BLOCK):
     """q `[B,T,N,H]`, k/v `[B,S,K,H]` -> out `[B,T,N,H]` (and lse `[B,N,T]` fp32).
 
     Same semantics as `attention_reference`; `block_q` / `block_kv` are the tile
     sizes (clamped to the sequence lengths, rounded up to 8)."""
-    _, T, _, H = q.shape
+    B, T, N, H = q.shape
     S = k.shape[1]
     cfg = _Config(scale=float(H ** -0.5 if scale is None else scale),
                   softcap=float(softcap) if softcap else None,
@@ -68,7 +73,8 @@ def blockwise_attention(q, k, v, mask: masks_lib.Mask | None = None, *, bias=Non
                   block_kv=min(int(block_kv), _round_up(S, 8)))
     q_offset = jnp.asarray(q_offset, jnp.int32)
     kv_offset = jnp.asarray(kv_offset, jnp.int32)
-    out, lse = _attention(cfg, q, k, v, mask, bias, q_offset, kv_offset)
+    alibi = make_alibi(alibi_slopes, alibi_positions, B, N, T, S)
+    out, lse = _attention(cfg, q, k, v, mask, bias, alibi, q_offset, kv_offset)
     return (out, lse) if return_lse else out
 
 
@@ -93,23 +99,33 @@ def _bias_axes(bias, B):
     return 0, bias
 
 
-def _vmap_batch(fn, q, k, v, mask, bias, *rest_batched, direct_b1=False):
+def _alibi_axes(alibi: Alibi | None, B):
+    """vmap axes of an `Alibi` (slopes `[B|1, N]`, positions `[B, L]` or None)."""
+    if alibi is None:
+        return None, None
+    s_axis, slopes = _bias_axes(alibi.slopes, B)
+    pos_axis = None if alibi.q_positions is None else 0
+    return Alibi(s_axis, pos_axis, pos_axis), Alibi(slopes, alibi.q_positions, alibi.kv_positions)
+
+
+def _vmap_batch(fn, q, k, v, mask, bias, alibi, *rest_batched, direct_b1=False):
     """fn of one example, over the batch. `direct_b1`: at B = 1 call fn on the
     example itself rather than vmap it (the layouts XLA then picks for the
     training forward save memory; see `_attention_fwd`)."""
     B = q.shape[0]
     if direct_b1 and B == 1:
-        first = lambda x: None if x is None else x[0]
-        outs = fn(q[0], k[0], v[0], mask, first(bias), *map(first, rest_batched))
+        first = lambda tree: jax.tree.map(lambda x: x[0], tree)  # None stays None
+        outs = fn(q[0], k[0], v[0], mask, first(bias), first(alibi), *map(first, rest_batched))
         return jax.tree.map(lambda x: x[None], outs)
     mask_axis, unbatch = _mask_axes(mask)
     bias_axis, bias = _bias_axes(bias, B)
+    alibi_axis, alibi = _alibi_axes(alibi, B)
 
-    def one(q, k, v, mask, bias, *rest):
-        return fn(q, k, v, unbatch(mask), bias, *rest)
+    def one(q, k, v, mask, bias, alibi, *rest):
+        return fn(q, k, v, unbatch(mask), bias, alibi, *rest)
 
-    in_axes = (0, 0, 0, mask_axis, bias_axis) + (0,) * len(rest_batched)
-    return jax.vmap(one, in_axes=in_axes)(q, k, v, mask, bias, *rest_batched)
+    in_axes = (0, 0, 0, mask_axis, bias_axis, alibi_axis) + (0,) * len(rest_batched)
+    return jax.vmap(one, in_axes=in_axes)(q, k, v, mask, bias, alibi, *rest_batched)
 
 
 # --------------------------------------------------------------------------- #
@@ -151,7 +167,28 @@ def _tile_allowed(cfg, mask, code, qi, kj, T, S, qo, ko) -> jax.Array:
     return allowed & valid
 
 
-def _logits(cfg, qt, kt, bias_t):
+def _alibi_example(alibi, K, G, Tp, Sp):
+    """One example's `Alibi` (slopes `[N]`, positions `[T]`/`[S]` or None) with the
+    slopes as `[K, G]` and the positions padded to the tiled lengths."""
+    if alibi is None:
+        return None
+    qp = None if alibi.q_positions is None else _pad_to(alibi.q_positions, 0, Tp)
+    kp = None if alibi.kv_positions is None else _pad_to(alibi.kv_positions, 0, Sp)
+    return Alibi(alibi.slopes.reshape(K, G), qp, kp)
+
+
+def _alibi_tile(alibi, qi, kj, bq, bk, qo, ko):
+    """(slopes `[K,G]`, query positions `[bq]`, kv positions `[bk]`) of a tile, or None."""
+    if alibi is None:
+        return None
+    if alibi.q_positions is not None:
+        return (alibi.slopes, lax.dynamic_slice_in_dim(alibi.q_positions, qi * bq, bq),
+                lax.dynamic_slice_in_dim(alibi.kv_positions, kj * bk, bk))
+    return (alibi.slopes, qo + qi * bq + jnp.arange(bq, dtype=jnp.int32),
+            ko + kj * bk + jnp.arange(bk, dtype=jnp.int32))
+
+
+def _logits(cfg, qt, kt, bias_t, alibi_t=None):
     """fp32 logits `[K,G,bq,bk]` (and tanh of the soft-cap, for the backward)."""
     s = jnp.einsum("QKGH,SKH->KGQS", qt, kt, preferred_element_type=jnp.float32) * cfg.scale
     t = None
@@ -162,6 +199,10 @@ def _logits(cfg, qt, kt, bias_t):
         K, G = s.shape[:2]
         shape = (K, G) if bias_t.shape[0] != 1 else (1, 1)
         s = s + bias_t.astype(jnp.float32).reshape(*shape, *bias_t.shape[1:])
+    if alibi_t is not None:  # -slope * |q_pos - kv_pos|, slopes [K, G]
+        slopes, qpos, kpos = alibi_t
+        dist = jnp.abs(qpos[:, None] - kpos[None, :]).astype(jnp.float32)
+        s = s - slopes[:, :, None, None] * dist
     return s, t
 
 
@@ -202,12 +243,13 @@ def _bias_tile(bias, qi, kj, bq, bk):
 # --------------------------------------------------------------------------- #
 
 
-def _forward_one(cfg, q, k, v, mask, bias, qo, ko):
+def _forward_one(cfg, q, k, v, mask, bias, alibi, qo, ko):
     T, N, H = q.shape
     S, K, _ = k.shape
     G = N // K
     bq, bk = cfg.block_q, cfg.block_kv
     nq, nk = _cdiv(T, bq), _cdiv(S, bk)
+    alibi = _alibi_example(alibi, K, G, nq * bq, nk * bk)
     qp = _pad_to(q, 0, nq * bq).reshape(nq, bq, K, G, H)
     kp = _pad_to(k, 0, nk * bk)
     vp = _pad_to(v, 0, nk * bk)
@@ -224,7 +266,8 @@ def _forward_one(cfg, q, k, v, mask, bias, qo, ko):
             kj = order[qi, j]
             kt = lax.dynamic_slice_in_dim(kp, kj * bk, bk)
             vt = lax.dynamic_slice_in_dim(vp, kj * bk, bk)
-            s, _ = _logits(cfg, qt, kt, _bias_tile(bias, qi, kj, bq, bk))
+            s, _ = _logits(cfg, qt, kt, _bias_tile(bias, qi, kj, bq, bk),
+                           _alibi_tile(alibi, qi, kj, bq, bk, qo, ko))
             allowed = _tile_allowed(cfg, mask, codes[qi, kj], qi, kj, T, S, qo, ko)
             s = jnp.where(allowed, s, -jnp.inf)
             m_new = jnp.maximum(m, s.max(-1))
@@ -250,9 +293,9 @@ def _forward_one(cfg, q, k, v, mask, bias, qo, ko):
     return out, lse
 
 
-def _forward(cfg, q, k, v, mask, bias, qo, ko, direct_b1=False):
-    fn = lambda q, k, v, mask, bias: _forward_one(cfg, q, k, v, mask, bias, qo, ko)
-    return _vmap_batch(fn, q, k, v, mask, bias, direct_b1=direct_b1)
+def _forward(cfg, q, k, v, mask, bias, alibi, qo, ko, direct_b1=False):
+    fn = lambda q, k, v, mask, bias, alibi: _forward_one(cfg, q, k, v, mask, bias, alibi, qo, ko)
+    return _vmap_batch(fn, q, k, v, mask, bias, alibi, direct_b1=direct_b1)
 
 
 # --------------------------------------------------------------------------- #
@@ -260,12 +303,14 @@ def _forward(cfg, q, k, v, mask, bias, qo, ko, direct_b1=False):
 # --------------------------------------------------------------------------- #
 
 
-def _backward_one(cfg, q, k, v, mask, bias, qo, ko, out, lse, dout, dlse, grad_dtype=None):
+def _backward_one(cfg, q, k, v, mask, bias, alibi, qo, ko, out, lse, dout, dlse,
+                  grad_dtype=None):
     T, N, H = q.shape
     S, K, _ = k.shape
     G = N // K
     bq, bk = cfg.block_q, cfg.block_kv
     nq, nk = _cdiv(T, bq), _cdiv(S, bk)
+    alibi = _alibi_example(alibi, K, G, nq * bq, nk * bk)
     # D_i = sum_h dO*O - dlse_i: the softmax backward's row term (dlse enters here).
     delta = jnp.einsum("TNH,TNH->NT", dout.astype(jnp.float32), out.astype(jnp.float32)) - dlse
     qp = _pad_to(q, 0, nq * bq).reshape(nq, bq, K, G, H)
@@ -289,7 +334,8 @@ def _backward_one(cfg, q, k, v, mask, bias, qo, ko, out, lse, dout, dlse, grad_d
             i, dq, dbias, dk, dv = c
             qi = order_t[kj, i]
             qt, dot = qp[qi], dop[qi]
-            s, t = _logits(cfg, qt, kt, _bias_tile(bias, qi, kj, bq, bk))
+            s, t = _logits(cfg, qt, kt, _bias_tile(bias, qi, kj, bq, bk),
+                           _alibi_tile(alibi, qi, kj, bq, bk, qo, ko))
             allowed = _tile_allowed(cfg, mask, codes[qi, kj], qi, kj, T, S, qo, ko)
             p = jnp.where(allowed, jnp.exp(s - lsep[qi][..., None]), 0.0)  # [K,G,bq,bk]
             dv = dv + jnp.einsum("KGQS,QKGH->SKH", p.astype(dout.dtype), dot,
@@ -333,41 +379,44 @@ def _backward_one(cfg, q, k, v, mask, bias, qo, ko, out, lse, dout, dlse, grad_d
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(cfg, q, k, v, mask, bias, qo, ko):
-    return _forward(cfg, q, k, v, mask, bias, qo, ko)
+def _attention(cfg, q, k, v, mask, bias, alibi, qo, ko):
+    return _forward(cfg, q, k, v, mask, bias, alibi, qo, ko)
 
 
-def _attention_fwd(cfg, q, k, v, mask, bias, qo, ko):
+def _attention_fwd(cfg, q, k, v, mask, bias, alibi, qo, ko):
     # Training at B = 1 (this rule and the backward run only under
     # differentiation) calls the example directly rather than vmap it: on CPU
     # (experiments/bench_attention.py cpu, causal GQA 4/1, H=64, fp32) the
     # forward+backward's compiled temporaries at S = 16k go 65.7 -> 62.4 MiB
     # (1k-8k unchanged). The primal (inference) forward keeps vmap: called
     # directly its temporaries grew (25.4 -> 33.4 MiB at 16k).
-    out, lse = _forward(cfg, q, k, v, mask, bias, qo, ko, direct_b1=True)
-    return (out, lse), (q, k, v, mask, bias, qo, ko, out, lse)
+    out, lse = _forward(cfg, q, k, v, mask, bias, alibi, qo, ko, direct_b1=True)
+    return (out, lse), (q, k, v, mask, bias, alibi, qo, ko, out, lse)
 
 
 def _attention_bwd(cfg, res, cts):
-    q, k, v, mask, bias, qo, ko, out, lse = res
+    q, k, v, mask, bias, alibi, qo, ko, out, lse = res
     dout, dlse = cts
     B = q.shape[0]
 
-    def fn(q, k, v, mask, bias, out, lse, dout, dlse):
-        return _backward_one(cfg, q, k, v, mask, bias, qo, ko, out, lse, dout, dlse)
+    def fn(q, k, v, mask, bias, alibi, out, lse, dout, dlse):
+        return _backward_one(cfg, q, k, v, mask, bias, alibi, qo, ko, out, lse, dout, dlse)
 
-    dq, dk, dv, dbias = _vmap_batch(fn, q, k, v, mask, bias, out, lse, dout.astype(out.dtype),
+    dq, dk, dv, dbias = _vmap_batch(fn, q, k, v, mask, bias, alibi, out, lse,
+                                    dout.astype(out.dtype),
                                     dlse.astype(jnp.float32), direct_b1=True)
     if dbias is not None:
         if bias.shape[0] == 1 and B != 1:
             dbias = dbias.sum(0, keepdims=True)
         dbias = dbias.astype(bias.dtype)
     mask_ct = jax.tree.map(_zero_cotangent, mask)
-    return dq, dk, dv, mask_ct, dbias, _zero_cotangent(qo), _zero_cotangent(ko)
+    alibi_ct = jax.tree.map(_zero_cotangent, alibi)  # slopes are constants
+    return dq, dk, dv, mask_ct, dbias, alibi_ct, _zero_cotangent(qo), _zero_cotangent(ko)
 
 
 def blockwise_attention_backward(q, k, v, mask, out, lse, dout, *, scale=None, softcap=None,
-                                 q_offset=0, kv_offset=0, block_q: int = DEFAULT_BLOCK,
+                                 alibi_slopes=None, alibi_positions=None, q_offset=0,
+                                 kv_offset=0, block_q: int = DEFAULT_BLOCK,
                                  block_kv: int = DEFAULT_BLOCK, grad_dtype=jnp.float32):
     """The backward of one (q block, kv block) pair: -> dq `[B,T,N,H]`, dk, dv `[B,S,K,H]`.
 
@@ -376,24 +425,26 @@ def blockwise_attention_backward(q, k, v, mask, out, lse, dout, *, scale=None, s
     attention passes the merged result over all blocks): probabilities are
     recomputed per tile as `exp(logits - lse)`, so the returned gradients are this
     block's exact contribution, and summing them over the blocks gives the full
-    gradient. No bias; gradients in `grad_dtype` (fp32 by default, for accumulation).
+    gradient. No bias (ALiBi slopes, a function of positions, are taken); gradients
+    in `grad_dtype` (fp32 by default, for accumulation).
     """
-    _, T, _, H = q.shape
+    B, T, N, H = q.shape
     S = k.shape[1]
     cfg = _Config(scale=float(H ** -0.5 if scale is None else scale),
                   softcap=float(softcap) if softcap else None,
                   block_q=min(int(block_q), _round_up(T, 8)),
                   block_kv=min(int(block_kv), _round_up(S, 8)))
+    alibi = make_alibi(alibi_slopes, alibi_positions, B, N, T, S)
     qo = jnp.asarray(q_offset, jnp.int32)
     ko = jnp.asarray(kv_offset, jnp.int32)
 
-    def fn(q, k, v, mask, bias, out, lse, dout):
+    def fn(q, k, v, mask, bias, alibi, out, lse, dout):
         dlse = jnp.zeros(lse.shape, jnp.float32)
-        return _backward_one(cfg, q, k, v, mask, None, qo, ko, out, lse, dout, dlse,
+        return _backward_one(cfg, q, k, v, mask, None, alibi, qo, ko, out, lse, dout, dlse,
                              grad_dtype)[:3]
 
-    return _vmap_batch(fn, q, k, v, mask, None, out, lse.astype(jnp.float32),
-                       dout.astype(out.dtype))
+    return _vmap_batch(fn, q, k, v, mask, None, alibi, out,
+                       lse.astype(jnp.float32), dout.astype(out.dtype))
 
 
 def _zero_cotangent(x):
@@ -411,9 +462,10 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 # --------------------------------------------------------------------------- #
 
 
-def _impl(q, k, v, mask, *, bias, scale, softcap, q_offset, kv_offset, return_lse):
+def _impl(q, k, v, mask, *, bias, alibi, scale, softcap, q_offset, kv_offset, return_lse):
     return blockwise_attention(q, k, v, mask, bias=bias, scale=scale, softcap=softcap,
-                               q_offset=q_offset, kv_offset=kv_offset, return_lse=return_lse)
+                               q_offset=q_offset, kv_offset=kv_offset, return_lse=return_lse,
+                               **Alibi.kwargs(alibi))
 
 
 def _register():

@@ -30,6 +30,8 @@ def supports(r: AttentionRequest) -> str | None:
         return "cuDNN attention has no logit soft-cap"
     if r.has_bias:
         return "this wrapper passes no bias to cuDNN"
+    if r.has_alibi:
+        return "jax's cuDNN attention takes no ALiBi slopes"
     if r.offsets:
         return "cuDNN attention has no q/kv position offsets"
     if r.return_lse:
@@ -40,8 +42,9 @@ def supports(r: AttentionRequest) -> str | None:
     return None
 
 
-def cudnn_attention(q, k, v, mask, *, bias, scale, softcap, q_offset, kv_offset, return_lse):
-    del bias, softcap, q_offset, kv_offset, return_lse  # refused by `supports`
+def cudnn_attention(q, k, v, mask, *, bias, alibi, scale, softcap, q_offset, kv_offset,
+                    return_lse):
+    del bias, alibi, softcap, q_offset, kv_offset, return_lse  # refused by `supports`
     return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=mask is not None,
                                         implementation="cudnn")
 

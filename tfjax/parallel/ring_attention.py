@@ -80,12 +80,14 @@ from tfjax.ops.blockwise import (DEFAULT_BLOCK, blockwise_attention,
                                  blockwise_attention_backward)
 from tfjax.ops.pallas.common import mask_support
 from tfjax.ops.pallas.tpu import flash_attention_tpu, flash_attention_tpu_backward
+from tfjax.ops.reference import Alibi, make_alibi
 
 __all__ = ["CONTEXT_PARALLEL_MODES", "RING_IMPLEMENTATIONS", "ZIGZAG_MODES", "all_gather_attention",
            "context_parallel_attention", "ring_attention", "unzigzag", "zigzag", "zigzag_data",
            "zigzag_data_devices", "zigzag_order"]
 
-_Q_LEAF, _KV_LEAF = "q_segment_ids", "kv_segment_ids"
+# Per-token leaves of the mask / ALiBi pytree: sharded like the tokens; kv ones rotate.
+_Q_LEAVES, _KV_LEAVES = ("q_segment_ids", "q_positions"), ("kv_segment_ids", "kv_positions")
 
 
 def _shard_map(f, *, mesh, in_specs, out_specs):
@@ -164,17 +166,19 @@ def _relayout_local(x, n: int, axis_name, src: str, dst: str):
 
 def _leaf_kind(path) -> str:
     name = getattr(path[-1], "name", None) if path else None
-    if name == _Q_LEAF:
+    if name in _Q_LEAVES:
         return "q"
-    if name == _KV_LEAF:
+    if name in _KV_LEAVES:
         return "kv"
     return "other"
 
 
-def _split_mask(mask):
-    if mask is None:
+def _split_mask(mask, alibi=None):
+    """Leaves, treedef and leaf kinds of the pytree `(mask, alibi)` (a treedef of
+    None when both are None)."""
+    if mask is None and alibi is None:
         return [], None, []
-    leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(mask)
+    leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path((mask, alibi))
     kinds = [_leaf_kind(p) for p, _ in leaves_with_path]
     return [leaf for _, leaf in leaves_with_path], treedef, kinds
 
@@ -243,12 +247,15 @@ def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axi
                    batch_axes=None, scale=None, softcap=None, load_balance: str = "zigzag",
                    natural_order: bool = True, block_q: int = DEFAULT_BLOCK,
                    block_kv: int = DEFAULT_BLOCK, skip_masked_blocks: bool = True,
-                   implementation: str = "auto", block_sizes=None, unroll: bool | None = None):
+                   implementation: str = "auto", block_sizes=None, unroll: bool | None = None,
+                   alibi_slopes=None, alibi_positions=None):
     """q `[B,T,N,H]`, k/v `[B,S,K,H]` (global arrays) -> out `[B,T,N,H]`.
 
-    Same semantics as `attention_reference(q, k, v, mask, scale=, softcap=)`; the
-    sequence dims are split over `seq_axis` of `mesh` (and the batch over
-    `batch_axes`, a mesh axis name or tuple of names, if given).
+    Same semantics as `attention_reference(q, k, v, mask, scale=, softcap=,
+    alibi_slopes=, alibi_positions=)`; the sequence dims are split over `seq_axis`
+    of `mesh` (and the batch over `batch_axes`, a mesh axis name or tuple of
+    names, if given). ALiBi's explicit positions travel like segment ids (the kv
+    ones rotate with K/V); index positions come from each chunk's global offset.
 
     load_balance: "zigzag" (the default: 2n chunks, device i holds chunks i and
     2n-1-i, so causal work is even; needs T == S and T % 2n == 0) or "none" (device i
@@ -296,7 +303,8 @@ def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axi
     if unroll is None:
         unroll = platform == "cpu"
 
-    leaves, treedef, kinds = _split_mask(mask)
+    alibi = make_alibi(alibi_slopes, alibi_positions, q.shape[0], N, T, S)
+    leaves, treedef, kinds = _split_mask(mask, alibi)
     # Natural order in and out under zigzag: re-laid out inside shard_map (ppermutes).
     reorder = load_balance == "zigzag" and natural_order and n > 1
 
@@ -318,8 +326,9 @@ def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axi
         return by["q"], by["kv"], by["other"]
 
     def build_mask(qseg, kvseg, other):
+        """(mask, alibi) of a block from its leaves."""
         if treedef is None:
-            return None
+            return None, None
         it_q, it_kv, it_o = iter(qseg), iter(kvseg), iter(other)
         out = [next(it_q) if kd == "q" else next(it_kv) if kd == "kv" else next(it_o)
                for kd in kinds]
@@ -329,17 +338,18 @@ def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axi
         return [lax.slice_in_dim(x, p * c, (p + 1) * c, axis=axis) for p in range(pieces)]
 
     def visit(state, blk_kv_leaves, src, q_seg, other, compute):
-        """Run `compute(state, p, r, mask, q_off, kv_off)` for every (q piece p, kv
-        piece r) pair of this step, skipping (lax.cond) the pairs whose whole
+        """Run `compute(state, p, r, mask, q_off, kv_off, alibi_kw)` for every (q piece
+        p, kv piece r) pair of this step, skipping (lax.cond) the pairs whose whole
         block is masked; `state` is threaded through."""
         i = lax.axis_index(seq_axis)
         q_offs, kv_offs = piece_offsets(i, cq), piece_offsets(src, ckv)
         kv_seg = [cut(x, ckv) for x in blk_kv_leaves]
         for p in range(pieces):
             for r in range(pieces):
-                m = build_mask(q_seg[p], [x[r] for x in kv_seg], other)
+                m, a = build_mask(q_seg[p], [x[r] for x in kv_seg], other)
                 qo, ko = q_offs[p], kv_offs[r]
-                f = lambda st, p=p, r=r, m=m, qo=qo, ko=ko: compute(st, p, r, m, qo, ko)
+                f = lambda st, p=p, r=r, m=m, qo=qo, ko=ko, a=Alibi.kwargs(a): compute(
+                    st, p, r, m, qo, ko, a)
                 if m is None or not skip_masked_blocks:
                     state = f(state)
                 else:
@@ -384,17 +394,17 @@ def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axi
             kb, vb, kvl = blk
             ks, vs = cut(kb, ckv), cut(vb, ckv)
 
-            def compute(acc, p, r, m, qo, ko):
+            def compute(acc, p, r, m, qo, ko, alibi_kw):
                 if impl == "pallas":
                     o2, l2 = flash_attention_tpu(qs[p], ks[r], vs[r], m, scale=scale,
                                                  softcap=softcap, q_offset=qo, kv_offset=ko,
                                                  return_lse=True, block_sizes=block_sizes,
-                                                 interpret=interpret)
+                                                 interpret=interpret, **alibi_kw)
                 else:
                     o2, l2 = blockwise_attention(qs[p], ks[r], vs[r], m, scale=scale,
                                                  softcap=softcap, q_offset=qo, kv_offset=ko,
                                                  return_lse=True, block_q=block_q,
-                                                 block_kv=block_kv)
+                                                 block_kv=block_kv, **alibi_kw)
                 acc = list(acc)
                 acc[p] = _merge(*acc[p], o2, l2)
                 return tuple(acc)
@@ -419,18 +429,18 @@ def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axi
             ks, vs = cut(kb, ckv), cut(vb, ckv)
             state = (dq, tuple(cut(dk, ckv)), tuple(cut(dv, ckv)))
 
-            def compute(state, p, r, m, qo, ko):
+            def compute(state, p, r, m, qo, ko, alibi_kw):
                 dq, dk, dv = (list(x) for x in state)
                 if impl == "pallas":
                     a, b, c = flash_attention_tpu_backward(
                         qs[p], ks[r], vs[r], m, outs[p], lses[p], douts[p], scale=scale,
                         softcap=softcap, q_offset=qo, kv_offset=ko, block_sizes=block_sizes,
-                        interpret=interpret)
+                        interpret=interpret, **alibi_kw)
                 else:
                     a, b, c = blockwise_attention_backward(
                         qs[p], ks[r], vs[r], m, outs[p], lses[p], douts[p], scale=scale,
                         softcap=softcap, q_offset=qo, kv_offset=ko, block_q=block_q,
-                        block_kv=block_kv)
+                        block_kv=block_kv, **alibi_kw)
                 dq[p], dk[r], dv[r] = dq[p] + a, dk[r] + b, dv[r] + c
                 return tuple(dq), tuple(dk), tuple(dv)
 
@@ -501,7 +511,8 @@ def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axi
 
 def all_gather_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh,
                          seq_axis: str = "sequence", batch_axes=None, scale=None, softcap=None,
-                         block_q: int = DEFAULT_BLOCK, block_kv: int = DEFAULT_BLOCK):
+                         block_q: int = DEFAULT_BLOCK, block_kv: int = DEFAULT_BLOCK,
+                         alibi_slopes=None, alibi_positions=None):
     """The simple context-parallel baseline: same arguments and result as
     `ring_attention` (natural order), but each device all-gathers the whole K/V
     (and kv segment ids) over `seq_axis` and attends its own queries to it with
@@ -512,17 +523,18 @@ def all_gather_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh,
     if T % n or S % n:
         raise ValueError(f"all_gather_attention: T={T} and S={S} must be divisible by the {n} "
                          f"devices on {seq_axis!r}")
-    leaves, treedef, kinds = _split_mask(mask)
+    alibi = make_alibi(alibi_slopes, alibi_positions, q.shape[0], q.shape[2], T, S)
+    leaves, treedef, kinds = _split_mask(mask, alibi)
     tok, leaf_specs = _specs(leaves, kinds, batch_axes, seq_axis)
 
     def local(q, k, v, *mleaves):
         gather = lambda x: lax.all_gather(x, seq_axis, axis=1, tiled=True)
         k, v = gather(k), gather(v)
         mleaves = [gather(x) if kd == "kv" else x for x, kd in zip(mleaves, kinds)]
-        m = None if treedef is None else jax.tree_util.tree_unflatten(treedef, mleaves)
+        m, a = (None, None) if treedef is None else jax.tree_util.tree_unflatten(treedef, mleaves)
         qo = lax.axis_index(seq_axis) * q.shape[1]
         return blockwise_attention(q, k, v, m, scale=scale, softcap=softcap, q_offset=qo,
-                                   block_q=block_q, block_kv=block_kv)
+                                   block_q=block_q, block_kv=block_kv, **Alibi.kwargs(a))
 
     fn = _shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, *leaf_specs), out_specs=tok)
     return fn(q, k, v, *leaves)
@@ -565,7 +577,8 @@ def zigzag_data_devices() -> int:
 
 
 def context_parallel_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mode: str = "ring",
-                               zigzag: str = "data", scale=None, softcap=None):
+                               zigzag: str = "data", scale=None, softcap=None,
+                               alibi: Alibi | None = None):
     """Attention for a layer under an active mesh (`sharding.use_rules`, as the trainer
     sets it) whose rules split the logical "length" axis over a mesh axis of size
     n > 1: `ring_attention` (mode "ring") or `all_gather_attention` (mode
@@ -580,7 +593,9 @@ def context_parallel_attention(q, k, v, mask: masks_lib.Mask | None = None, *, m
     outside such a step, e.g. sampling, or "layer") the data is in natural order and
     the ring re-lays it out in and out (four half-chunk ppermutes per tensor);
     "none": contiguous chunks, no balancing. Masks are evaluated on global natural
-    positions either way (the ring passes each chunk's global offset).
+    positions either way (the ring passes each chunk's global offset). `alibi`: a
+    `tfjax.ops.Alibi` (its explicit positions are per-token arrays, laid out like
+    the segment ids).
     """
     from tfjax.parallel.sharding import active_mesh, logical_to_spec
 
@@ -617,8 +632,9 @@ def context_parallel_attention(q, k, v, mask: masks_lib.Mask | None = None, *, m
                          f"T % {2 * n} == 0)")
     if mode == "all_gather":
         return all_gather_attention(q, k, v, mask, mesh=mesh, seq_axis=seq_axis,
-                                    batch_axes=batch_axes, scale=scale, softcap=softcap)
+                                    batch_axes=batch_axes, scale=scale, softcap=softcap,
+                                    **Alibi.kwargs(alibi))
     zz = bool(data_n) or (zigzag != "none" and mask is not None and T % (2 * n) == 0)
     return ring_attention(q, k, v, mask, mesh=mesh, seq_axis=seq_axis, batch_axes=batch_axes,
                           scale=scale, softcap=softcap, load_balance="zigzag" if zz else "none",
-                          natural_order=not data_n)
+                          natural_order=not data_n, **Alibi.kwargs(alibi))

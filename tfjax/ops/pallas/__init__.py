@@ -10,23 +10,28 @@ import jax
 
 from tfjax.ops.attention import AUTO_ORDER, AttentionRequest, register_implementation
 from tfjax.ops.pallas.common import BlockSizes, mask_support
+from tfjax.ops.reference import Alibi
 from tfjax.ops.pallas.tpu import flash_attention_tpu
 
 __all__ = ["BlockSizes", "flash_attention", "flash_attention_tpu", "supports"]
 
 
-def flash_attention(q, k, v, mask=None, *, bias=None, scale=None, softcap=None, q_offset=0,
-                    kv_offset=0, return_lse=False, block_sizes: BlockSizes | None = None,
-                    interpret=None):
+def flash_attention(q, k, v, mask=None, *, bias=None, scale=None, softcap=None,
+                    alibi_slopes=None, alibi_positions=None, q_offset=0, kv_offset=0,
+                    return_lse=False, block_sizes: BlockSizes | None = None, interpret=None):
     """Pallas FlashAttention; same semantics as `attention_reference`."""
     if jax.default_backend() == "gpu" and not interpret:
         from tfjax.ops.pallas.gpu import flash_attention_gpu
         return flash_attention_gpu(q, k, v, mask, bias=bias, scale=scale, softcap=softcap,
-                                   q_offset=q_offset, kv_offset=kv_offset, return_lse=return_lse,
+                                   alibi_slopes=alibi_slopes, alibi_positions=alibi_positions,
+                                   q_offset=q_offset,
+                                   kv_offset=kv_offset, return_lse=return_lse,
                                    block_sizes=block_sizes)
     return flash_attention_tpu(q, k, v, mask, bias=bias, scale=scale, softcap=softcap,
-                               q_offset=q_offset, kv_offset=kv_offset, return_lse=return_lse,
-                               block_sizes=block_sizes, interpret=interpret)
+                               alibi_slopes=alibi_slopes, alibi_positions=alibi_positions,
+                               q_offset=q_offset, kv_offset=kv_offset,
+                               return_lse=return_lse, block_sizes=block_sizes,
+                               interpret=interpret)
 
 
 def supports(r: AttentionRequest) -> str | None:
@@ -41,9 +46,10 @@ def supports(r: AttentionRequest) -> str | None:
     return None
 
 
-def _impl(q, k, v, mask, *, bias, scale, softcap, q_offset, kv_offset, return_lse):
+def _impl(q, k, v, mask, *, bias, alibi, scale, softcap, q_offset, kv_offset, return_lse):
     return flash_attention(q, k, v, mask, bias=bias, scale=scale, softcap=softcap,
-                           q_offset=q_offset, kv_offset=kv_offset, return_lse=return_lse)
+                           q_offset=q_offset, kv_offset=kv_offset, return_lse=return_lse,
+                           **Alibi.kwargs(alibi))
 
 
 # On GPU, cuDNN (plain causal requests) comes first whichever module registers first.

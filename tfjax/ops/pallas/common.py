@@ -178,9 +178,11 @@ def mask_support(mask) -> str | None:
 class MaskOperands:
     """The mask flattened into kernel operands: per-example scalars (`[B]` int32,
     scalar prefetch) and padded segment ids (`[B, Tp]`, `[B, Sp]` int32; each
-    kernel gives them the 3-D layout its tiles need)."""
+    kernel gives them the 3-D layout its tiles need). ALiBi's explicit positions
+    (`alibi.q_positions` / `kv_positions`) travel the same way, in the slot
+    `alibi_slot` (None when ALiBi uses index positions or is absent)."""
 
-    def __init__(self, mask, B: int, Tp: int, Sp: int, offsets=None):
+    def __init__(self, mask, B: int, Tp: int, Sp: int, offsets=None, alibi=None):
         self.mask = mask
         self.scalars: list[jax.Array] = []
         self.q_segments: list[jax.Array] = []
@@ -188,6 +190,11 @@ class MaskOperands:
         self._slot: dict[int, int] = {}
         self._offsets = (0, 0) if offsets is None else (offsets[0], offsets[1])
         self._collect(mask, B, Tp, Sp)
+        self.alibi_slot = None
+        if alibi is not None and alibi.q_positions is not None:
+            self.alibi_slot = len(self.q_segments)
+            self.q_segments.append(pad_axis(alibi.q_positions, 1, Tp))
+            self.kv_segments.append(pad_axis(alibi.kv_positions, 1, Sp))
 
     def _collect(self, m, B, Tp, Sp):
         if m is None or isinstance(m, _POSITIONAL + (M.RandomBlocks,)):

@@ -10,6 +10,10 @@ head (native GQA, K/V never repeated) and over its column of the table; dq has
 its own kernel (no atomics). Tails are padded (and masked) to the tile size,
 head dims to a power of two (>= 16) as Triton requires.
 
+ALiBi (`alibi_slopes`): the head's slope is read once per program and
+`-slope * |q_pos - kv_pos|` formed in each visited tile from index positions or
+the tiles of `alibi_positions` (loaded like segment ids); no `[T, S]` bias.
+
 Layout `[B, T, N, H]` (no transposes). Runs in interpret mode on CPU
 (`interpret=True`), which is how the CPU tests exercise it; compiling it needs
 a GPU. On Hopper the forward is `hopper.py`'s Mosaic GPU kernel (TMA + wgmma)
@@ -30,6 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from tfjax.ops import masks as M
+from tfjax.ops.reference import make_alibi
 from tfjax.ops.pallas.common import (
     BlockSizes,
     Dims,
@@ -94,7 +99,7 @@ def _is_hopper() -> bool:
         return False
 
 
-def _pick_forward(choice, q, k, v, mask, bias, interpret, which="forward") -> str:
+def _pick_forward(choice, q, k, v, mask, bias, interpret, which="forward", alibi=None) -> str:
     """"hopper" or "triton" for the forward (or, `which="backward"`, the backward)."""
     from tfjax.ops.pallas import hopper, hopper_backward
 
@@ -102,6 +107,8 @@ def _pick_forward(choice, q, k, v, mask, bias, interpret, which="forward") -> st
         raise ValueError(f"flash_attention_gpu: {which} must be one of {_CHOICES}, got {choice!r}")
     supports = hopper.supports if which == "forward" else hopper_backward.supports
     reason = supports(q.dtype, q.shape[-1], mask, bias is not None)
+    if reason is None and alibi is not None:
+        reason = "the Hopper kernels take no ALiBi slopes yet (the Triton kernels do)"
     if reason is None and not q.dtype == k.dtype == v.dtype:
         reason = f"the Hopper kernel takes one dtype for q, k, v, got {q.dtype}, {k.dtype}, {v.dtype}"
     if choice == "hopper":
@@ -114,8 +121,9 @@ def _pick_forward(choice, q, k, v, mask, bias, interpret, which="forward") -> st
     return "triton"
 
 
-def flash_attention_gpu(q, k, v, mask=None, *, bias=None, scale=None, softcap=None, q_offset=0,
-                        kv_offset=0, return_lse=False, block_sizes: BlockSizes | None = None,
+def flash_attention_gpu(q, k, v, mask=None, *, bias=None, scale=None, softcap=None,
+                        alibi_slopes=None, alibi_positions=None, q_offset=0, kv_offset=0,
+                        return_lse=False, block_sizes: BlockSizes | None = None,
                         interpret: Any = False, forward: str = "auto", hopper_config=None,
                         backward: str = "auto", hopper_backward_config=None):
     """q `[B,T,N,H]`, k/v `[B,S,K,H]` -> out `[B,T,N,H]` (and lse `[B,N,T]` fp32).
@@ -130,13 +138,17 @@ def flash_attention_gpu(q, k, v, mask=None, *, bias=None, scale=None, softcap=No
     static = (q_offset, kv_offset) if all(isinstance(o, int) for o in (q_offset, kv_offset)) \
         else None
     bs = block_sizes or _default_block_sizes(H)
+    alibi = make_alibi(alibi_slopes, alibi_positions, q.shape[0], q.shape[2], q.shape[1],
+                       k.shape[1])
     cfg = _Config(float(H ** -0.5 if scale is None else scale), float(softcap) if softcap else None,
-                  bs, interpret, static, _pick_forward(forward, q, k, v, mask, bias, interpret),
+                  bs, interpret, static,
+                  _pick_forward(forward, q, k, v, mask, bias, interpret, alibi=alibi),
                   hopper_config,
-                  _pick_forward(backward, q, k, v, mask, bias, interpret, which="backward"),
+                  _pick_forward(backward, q, k, v, mask, bias, interpret, which="backward",
+                                alibi=alibi),
                   hopper_backward_config)
     offs = jnp.stack([jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32)])
-    out, lse = _flash(cfg, q, k, v, mask, bias, offs)
+    out, lse = _flash(cfg, q, k, v, mask, bias, alibi, offs)
     return (out, lse) if return_lse else out
 
 
@@ -172,7 +184,9 @@ def _dot_tn(a, b):  # a^T @ b
                            preferred_element_type=jnp.float32)
 
 
-def _logits(cfg, s, bias_tile):
+def _logits(cfg, s, bias_tile, alibi=None):
+    """Scale, soft-cap, bias; `alibi`: None or (slope, q positions [bq, 1], kv
+    positions [1, bk]) -> `- slope * |q_pos - kv_pos|`."""
     s = s * cfg.scale
     t = None
     if cfg.softcap:
@@ -180,6 +194,9 @@ def _logits(cfg, s, bias_tile):
         s = cfg.softcap * t
     if bias_tile is not None:
         s = s + bias_tile.astype(jnp.float32)
+    if alibi is not None:
+        slope, qp, kp = alibi
+        s = s - slope * jnp.abs(qp - kp).astype(jnp.float32)
     return s, t
 
 
@@ -197,8 +214,25 @@ def _allowed(d, mask, mops, code, q_loc, kv_loc, offs_ref, b, sref, qseg, kseg):
     return ok
 
 
-def _common_operands(mask, bias, d, q, k, v, offs):
-    mops = MaskOperands(mask, d.B, d.Tp, d.Sp, offs)
+def _alibi_slope(alibi_ref, d, b, h):
+    """The slope of head `h` of example `b` from the flat `[B|1 * N]` slopes, or None."""
+    if alibi_ref is None:
+        return None
+    return alibi_ref[(b if alibi_ref.shape[0] > d.N else 0) * d.N + h]
+
+
+def _alibi_tile(slope, mops, q_loc, kv_loc, qseg_v, kseg_v, offs_ref):
+    """`_logits`' ALiBi argument: the positions' tiles (`alibi_positions`, in the
+    segment slot `mops.alibi_slot`) or the global index positions."""
+    if slope is None:
+        return None
+    if mops.alibi_slot is not None:
+        return slope, qseg_v[mops.alibi_slot], kseg_v[mops.alibi_slot]
+    return slope, q_loc + offs_ref[0], kv_loc + offs_ref[1]
+
+
+def _common_operands(mask, bias, alibi, d, q, k, v, offs):
+    mops = MaskOperands(mask, d.B, d.Tp, d.Sp, offs, alibi)
     bias_op = None if bias is None else pad_axis(pad_axis(bias, 2, d.Tp), 3, d.Sp)
     return mops, bias_op, _pad_seq_head(q, d.Tp, d.Hp), _pad_seq_head(k, d.Sp, d.Hp), \
         _pad_seq_head(v, d.Sp, d.Hp)
@@ -209,7 +243,7 @@ def _common_operands(mask, bias, d, q, k, v, offs):
 # --------------------------------------------------------------------------- #
 
 
-def _row_kernel(cfg, d, mask, mops, tab, has_bias, backward, *refs):
+def _row_kernel(cfg, d, mask, mops, tab, has_bias, has_alibi, backward, *refs):
     ns, nseg = len(mops.scalars), mops.num_segments
     it = iter(refs)
     take = lambda n: [next(it) for _ in range(n)]
@@ -217,15 +251,17 @@ def _row_kernel(cfg, d, mask, mops, tab, has_bias, backward, *refs):
     sref = take(ns)
     q_ref, k_ref, v_ref = take(3)
     bias_ref = next(it) if has_bias else None
+    alibi_ref = next(it) if has_alibi else None
     if backward:
         do_ref, lse_ref, delta_ref = take(3)
     qseg, kseg = take(nseg), take(nseg)
     outs = list(it)
-    i, b = pl.program_id(0), pl.program_id(1)
+    i, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     r = b if tab.batched else 0
     bq, bk = d.bq, d.bk
     q = q_ref[...]
     q_loc = (i * bq + jnp.arange(bq, dtype=jnp.int32))[:, None]
+    slope = _alibi_slope(alibi_ref, d, b, h)
     qseg_v = [x[...][:, None] for x in qseg]
     if backward:
         do = do_ref[...]
@@ -235,11 +271,13 @@ def _row_kernel(cfg, d, mask, mops, tab, has_bias, backward, *refs):
     def tile(j):
         kj = order[r, i, j]
         sl = pl.ds(kj * bk, bk)
-        s, t = _logits(cfg, _dot_nt(q, k_ref[sl, :]),
-                       bias_ref[pl.ds(i * bq, bq), sl] if has_bias else None)
         kv_loc = (kj * bk + jnp.arange(bk, dtype=jnp.int32))[None, :]
+        kseg_v = [x[sl][None, :] for x in kseg]
+        s, t = _logits(cfg, _dot_nt(q, k_ref[sl, :]),
+                       bias_ref[pl.ds(i * bq, bq), sl] if has_bias else None,
+                       _alibi_tile(slope, mops, q_loc, kv_loc, qseg_v, kseg_v, offs_ref))
         ok = _allowed(d, mask, mops, code[r, i, j], q_loc, kv_loc, offs_ref, b, sref, qseg_v,
-                      [x[sl][None, :] for x in kseg])
+                      kseg_v)
         return kj, sl, jnp.where(ok, s, -jnp.inf), t
 
     if not backward:
@@ -279,12 +317,12 @@ def _row_kernel(cfg, d, mask, mops, tab, has_bias, backward, *refs):
     dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
-def _row_call(cfg, q, k, v, mask, bias, offs, backward, do=None, lse=None, delta=None):
+def _row_call(cfg, q, k, v, mask, bias, alibi, offs, backward, do=None, lse=None, delta=None):
     bs = cfg.block_sizes
     d = _dims(q, k, *((bs.block_q_dq, bs.block_kv_dq) if backward else (bs.block_q, bs.block_kv)))
     G, bq = d.G, d.bq
     tab = _tables(cfg, mask, d, offs)
-    mops, bias_op, qp, kp, vp = _common_operands(mask, bias, d, q, k, v, offs)
+    mops, bias_op, qp, kp, vp = _common_operands(mask, bias, alibi, d, q, k, v, offs)
     has_bias = bias is not None
     full = pl.no_block_spec  # whole array in the kernel (tables, per-example scalars)
     in_specs = [full] * (4 + len(mops.scalars))
@@ -298,6 +336,9 @@ def _row_call(cfg, q, k, v, mask, bias, offs, backward, do=None, lse=None, delta
         in_specs.append(pl.BlockSpec((None, None, d.Tp, d.Sp), lambda i, b, h: (
             b if Bb > 1 else 0, h if Nb > 1 else 0, 0, 0)))
         operands.append(bias_op)
+    if alibi is not None:
+        in_specs.append(full)
+        operands.append(alibi.slopes.reshape(-1))
     if backward:
         in_specs += [pl.BlockSpec((None, bq, None, d.Hp), lambda i, b, h: (b, i, h, 0)),
                      pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)),
@@ -317,7 +358,8 @@ def _row_call(cfg, q, k, v, mask, bias, offs, backward, do=None, lse=None, delta
         out_specs = [row, pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))]
         out_shape = [jax.ShapeDtypeStruct((d.B, d.Tp, d.N, d.Hp), q.dtype),
                      jax.ShapeDtypeStruct((d.B, d.N, d.Tp), jnp.float32)]
-    kernel = functools.partial(_row_kernel, cfg, d, mask, mops, tab, has_bias, backward)
+    kernel = functools.partial(_row_kernel, cfg, d, mask, mops, tab, has_bias, alibi is not None,
+                               backward)
     outs = pl.pallas_call(
         kernel, grid=(d.Tp // bq, d.B, d.N), in_specs=in_specs, out_specs=out_specs,
         out_shape=out_shape, interpret=cfg.interpret,
@@ -334,7 +376,7 @@ def _row_call(cfg, q, k, v, mask, bias, offs, backward, do=None, lse=None, delta
 # --------------------------------------------------------------------------- #
 
 
-def _dkv_kernel(cfg, d, mask, mops, tab, has_bias, *refs):
+def _dkv_kernel(cfg, d, mask, mops, tab, has_bias, has_alibi, *refs):
     ns, nseg = len(mops.scalars), mops.num_segments
     it = iter(refs)
     take = lambda n: [next(it) for _ in range(n)]
@@ -342,6 +384,7 @@ def _dkv_kernel(cfg, d, mask, mops, tab, has_bias, *refs):
     sref = take(ns)
     q_ref, k_ref, v_ref = take(3)
     bias_ref = next(it) if has_bias else None
+    alibi_ref = next(it) if has_alibi else None
     do_ref, lse_ref, delta_ref = take(3)
     if has_bias:
         next(it)  # the zeros aliased to dbias
@@ -359,6 +402,7 @@ def _dkv_kernel(cfg, d, mask, mops, tab, has_bias, *refs):
 
     def head(g, carry):
         h = kh * G + g
+        slope = _alibi_slope(alibi_ref, d, b, h)
 
         def body(j, carry):
             dk, dv = carry
@@ -368,10 +412,12 @@ def _dkv_kernel(cfg, d, mask, mops, tab, has_bias, *refs):
             bias_t = None
             if has_bias:
                 bias_t = bias_ref[b if Bb > 1 else 0, h if Nb > 1 else 0, sl, pl.ds(kj * bk, bk)]
-            s, t = _logits(cfg, _dot_nt(q, kk), bias_t)
             q_loc = (qi * bq + jnp.arange(bq, dtype=jnp.int32))[:, None]
+            qseg_v = [x[sl][:, None] for x in qseg]
+            s, t = _logits(cfg, _dot_nt(q, kk), bias_t,
+                           _alibi_tile(slope, mops, q_loc, kv_loc, qseg_v, kseg_v, offs_ref))
             ok = _allowed(d, mask, mops, code[r, kj, j], q_loc, kv_loc, offs_ref, b, sref,
-                          [x[sl][:, None] for x in qseg], kseg_v)
+                          qseg_v, kseg_v)
             p = jnp.where(ok, jnp.exp(s - lse_ref[h, sl][:, None]), 0.0)  # [bq, bk]
             dv = dv + _dot_tn(p.astype(do.dtype), do)
             ds = p * (_dot_nt(do, vv) - delta_ref[h, sl][:, None])
@@ -390,12 +436,12 @@ def _dkv_kernel(cfg, d, mask, mops, tab, has_bias, *refs):
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _dkv_call(cfg, q, k, v, mask, bias, offs, do, lse, delta):
+def _dkv_call(cfg, q, k, v, mask, bias, alibi, offs, do, lse, delta):
     bs = cfg.block_sizes
     d = _dims(q, k, bs.block_q_dkv, bs.block_kv_dkv)
     bk = d.bk
     tab = _tables(cfg, mask, d, offs, transpose=True)
-    mops, bias_op, qp, kp, vp = _common_operands(mask, bias, d, q, k, v, offs)
+    mops, bias_op, qp, kp, vp = _common_operands(mask, bias, alibi, d, q, k, v, offs)
     has_bias = bias is not None
     full = pl.no_block_spec
     in_specs = [full] * (4 + len(mops.scalars))
@@ -407,6 +453,9 @@ def _dkv_call(cfg, q, k, v, mask, bias, offs, do, lse, delta):
     if has_bias:
         in_specs.append(full)
         operands.append(bias_op)
+    if alibi is not None:
+        in_specs.append(full)
+        operands.append(alibi.slopes.reshape(-1))
     stats = pl.BlockSpec((None, d.N, d.Tp), lambda j, b, kh: (b, 0, 0))
     in_specs += [all_q, stats, stats]
     operands += [_pad_seq_head(do, d.Tp, d.Hp), pad_axis(lse, 2, d.Tp), pad_axis(delta, 2, d.Tp)]
@@ -427,7 +476,7 @@ def _dkv_call(cfg, q, k, v, mask, bias, offs, do, lse, delta):
     if has_bias:
         out_specs.append(full)
         out_shape.append(jax.ShapeDtypeStruct((d.B, d.N, d.Tp, d.Sp), jnp.float32))
-    kernel = functools.partial(_dkv_kernel, cfg, d, mask, mops, tab, has_bias)
+    kernel = functools.partial(_dkv_kernel, cfg, d, mask, mops, tab, has_bias, alibi is not None)
     outs = pl.pallas_call(
         kernel, grid=(d.Sp // bk, d.B, d.K), in_specs=in_specs, out_specs=out_specs,
         out_shape=out_shape, interpret=cfg.interpret, input_output_aliases=aliases,
@@ -448,7 +497,7 @@ def _dkv_call(cfg, q, k, v, mask, bias, offs, do, lse, delta):
 # --------------------------------------------------------------------------- #
 
 
-def _forward(cfg, q, k, v, mask, bias, offs):
+def _forward(cfg, q, k, v, mask, bias, alibi, offs):
     if cfg.forward == "hopper":
         from tfjax.ops.pallas.hopper import flash_forward_hopper
 
@@ -456,21 +505,22 @@ def _forward(cfg, q, k, v, mask, bias, offs):
         return flash_forward_hopper(q, k, v, mask, scale=cfg.scale, softcap=cfg.softcap,
                                     q_offset=qo, kv_offset=ko, config=cfg.hopper,
                                     interpret=cfg.interpret)
-    return _row_call(cfg, q, k, v, mask, bias, offs, backward=False)
+    return _row_call(cfg, q, k, v, mask, bias, alibi, offs, backward=False)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(cfg, q, k, v, mask, bias, offs):
-    return _forward(cfg, q, k, v, mask, bias, offs)
+def _flash(cfg, q, k, v, mask, bias, alibi, offs):
+    return _forward(cfg, q, k, v, mask, bias, alibi, offs)
 
 
-def _flash_fwd(cfg, q, k, v, mask, bias, offs):
-    out, lse = _forward(cfg, q, k, v, mask, bias, offs)
-    return (out, lse), (q, k, v, mask, bias, offs, out, lse)
+def _flash_fwd(cfg, q, k, v, mask, bias, alibi, offs):
+    out, lse = _forward(cfg, q, k, v, mask, bias, alibi, offs)
+    return (out, lse), (q, k, v, mask, bias, alibi, offs, out, lse)
 
 
 def _flash_bwd(cfg, res, cts):
-    q, k, v, mask, bias, offs, out, lse = res
+    q, k, v, mask, bias, alibi, offs, out, lse = res
+    alibi_ct = jax.tree.map(_zero_cotangent, alibi)  # slopes are constants
     do, dlse = cts
     do = do.astype(q.dtype)
     delta = jnp.einsum("BTNH,BTNH->BNT", do.astype(jnp.float32), out.astype(jnp.float32))
@@ -483,10 +533,13 @@ def _flash_bwd(cfg, res, cts):
         dq, dk, dv = flash_backward_hopper(q, k, v, do, lse, delta, mask, scale=cfg.scale,
                                            softcap=cfg.softcap, q_offset=qo, kv_offset=ko,
                                            config=cfg.hopper_backward, interpret=cfg.interpret)
-        return (dq, dk, dv, jax.tree.map(_zero_cotangent, mask), None, _zero_cotangent(offs))
-    dq = _row_call(cfg, q, k, v, mask, bias, offs, backward=True, do=do, lse=lse, delta=delta)
-    dk, dv, dbias = _dkv_call(cfg, q, k, v, mask, bias, offs, do, lse, delta)
-    return (dq, dk, dv, jax.tree.map(_zero_cotangent, mask), dbias, _zero_cotangent(offs))
+        return (dq, dk, dv, jax.tree.map(_zero_cotangent, mask), None, alibi_ct,
+                _zero_cotangent(offs))
+    dq = _row_call(cfg, q, k, v, mask, bias, alibi, offs, backward=True, do=do, lse=lse,
+                   delta=delta)
+    dk, dv, dbias = _dkv_call(cfg, q, k, v, mask, bias, alibi, offs, do, lse, delta)
+    return (dq, dk, dv, jax.tree.map(_zero_cotangent, mask), dbias, alibi_ct,
+            _zero_cotangent(offs))
 
 
 def _zero_cotangent(x):

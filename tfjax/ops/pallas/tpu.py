@@ -21,6 +21,10 @@ Design choices:
   multiple of 128 lanes (zeros change no dot product).
 - Layout `[B, N, T, H]`; the logsumexp travels as `[B, N, T, 1]` (forward, dq)
   and `[B, N, 1, T]` (dk/dv, where query positions run along lanes).
+- ALiBi (`alibi_slopes` `[B|1, N]`, fp32 in SMEM): `-slope * |q_pos - kv_pos|` is
+  formed in every visited tile from iotas (index positions) or from the
+  positions' tiles (`alibi_positions`, blocked like segment ids), never read
+  from HBM as a `[T, S]` bias.
 - Fully masked rows: output 0, lse -inf. dbias is written tile by tile into a
   zero-initialised aliased buffer (EMPTY tiles stay 0).
 - On CPU the same kernels run in interpret mode (`interpret=True`, or pass
@@ -40,6 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from tfjax.ops import masks as M
+from tfjax.ops.reference import Alibi, make_alibi
 from tfjax.ops.pallas.common import (
     BlockSizes,
     Dims,
@@ -96,25 +101,30 @@ def _config(q, scale, softcap, q_offset, kv_offset, block_sizes, interpret, grad
     return cfg, offs
 
 
-def flash_attention_tpu(q, k, v, mask=None, *, bias=None, scale=None, softcap=None, q_offset=0,
-                        kv_offset=0, return_lse=False, block_sizes: BlockSizes | None = None,
+def flash_attention_tpu(q, k, v, mask=None, *, bias=None, scale=None, softcap=None,
+                        alibi_slopes=None, alibi_positions=None, q_offset=0, kv_offset=0,
+                        return_lse=False, block_sizes: BlockSizes | None = None,
                         interpret: Any = None):
     """q `[B,T,N,H]`, k/v `[B,S,K,H]` -> out `[B,T,N,H]` (and lse `[B,N,T]` fp32).
 
     `interpret=None` interprets on CPU and compiles with Mosaic elsewhere."""
     cfg, offs = _config(q, scale, softcap, q_offset, kv_offset, block_sizes, interpret)
-    out, lse = _flash(cfg, q, k, v, mask, bias, offs)
+    alibi = make_alibi(alibi_slopes, alibi_positions, q.shape[0], q.shape[2], q.shape[1],
+                       k.shape[1])
+    out, lse = _flash(cfg, q, k, v, mask, bias, alibi, offs)
     return (out, lse) if return_lse else out
 
 
 def flash_attention_tpu_backward(q, k, v, mask, out, lse, dout, *, scale=None, softcap=None,
-                                 q_offset=0, kv_offset=0, block_sizes: BlockSizes | None = None,
+                                 alibi_slopes=None, alibi_positions=None, q_offset=0,
+                                 kv_offset=0, block_sizes: BlockSizes | None = None,
                                  interpret: Any = None, grad_dtype=jnp.float32):
     """The dq and dk/dv kernels for one (q block, kv block) pair, given the *final*
     output `out` `[B,T,N,H]` and logsumexp `lse` `[B,N,T]` of these queries (which
     may span more keys than `k`/`v`: ring attention passes the result merged over
     all blocks). Probabilities are recomputed per tile as `exp(logits - lse)`, so
-    the result is this block's exact contribution to the full gradient. No bias.
+    the result is this block's exact contribution to the full gradient. No bias
+    (ALiBi slopes are taken).
     -> dq `[B,T,N,H]`, dk, dv `[B,S,K,H]` in `grad_dtype` (fp32 by default, for
     accumulation across blocks)."""
     cfg, offs = _config(q, scale, softcap, q_offset, kv_offset, block_sizes, interpret,
@@ -122,8 +132,10 @@ def flash_attention_tpu_backward(q, k, v, mask, out, lse, dout, *, scale=None, s
     do = dout.astype(q.dtype)
     delta = jnp.einsum("BTNH,BTNH->BNT", do.astype(jnp.float32), out.astype(jnp.float32))
     lse = jnp.where(lse == -jnp.inf, 0.0, lse.astype(jnp.float32))
-    dq = _backward_dq(cfg, q, k, v, mask, None, offs, do, lse, delta)
-    dk, dv, _ = _backward_dkv(cfg, q, k, v, mask, None, offs, do, lse, delta)
+    alibi = make_alibi(alibi_slopes, alibi_positions, q.shape[0], q.shape[2], q.shape[1],
+                       k.shape[1])
+    dq = _backward_dq(cfg, q, k, v, mask, None, alibi, offs, do, lse, delta)
+    dk, dv, _ = _backward_dkv(cfg, q, k, v, mask, None, alibi, offs, do, lse, delta)
     return dq, dk, dv
 
 
@@ -156,8 +168,9 @@ def _bias_operand(bias, d):
     return pad_axis(pad_axis(bias, 2, d.Tp), 3, d.Sp)
 
 
-def _logits(cfg, s, bias_tile):
-    """Scale, soft-cap (keeping tanh for the backward) and bias an fp32 tile."""
+def _logits(cfg, s, bias_tile, alibi=None):
+    """Scale, soft-cap (keeping tanh for the backward), bias and ALiBi an fp32 tile;
+    `alibi`: None or (slope, global q positions, global kv positions)."""
     s = s * cfg.scale
     t = None
     if cfg.softcap:
@@ -165,6 +178,9 @@ def _logits(cfg, s, bias_tile):
         s = cfg.softcap * t
     if bias_tile is not None:
         s = s + bias_tile.astype(jnp.float32)
+    if alibi is not None:
+        slope, qp, kp = alibi
+        s = s - slope * jnp.abs(qp - kp).astype(jnp.float32)
     return s, t
 
 
@@ -172,19 +188,44 @@ def _iota(shape, dim):
     return lax.broadcasted_iota(jnp.int32, shape, dim)
 
 
-def _split_refs(refs, n_scalars, has_bias, n_seg, n_extra_in, n_out, n_scratch):
+def _local(q_tile, kv_tile, d, kv_major=False):
+    """In-sequence positions of a tile's rows and columns, `[bq, bk]` int32 each
+    (`[bk, bq]` when `kv_major`, the dk/dv kernel's layout)."""
+    shape, qdim = ((d.bk, d.bq), 1) if kv_major else ((d.bq, d.bk), 0)
+    return q_tile * d.bq + _iota(shape, qdim), kv_tile * d.bk + _iota(shape, 1 - qdim)
+
+
+def _alibi(alibi_ref, b, head, q_tile, kv_tile, d, offs_ref, mops, qseg, kseg, kv_major=False):
+    """The `_logits` ALiBi argument of a tile (slope, q positions, kv positions,
+    broadcastable to the tile), or None without slopes."""
+    if alibi_ref is None:
+        return None
+    slope = alibi_ref[(b if alibi_ref.shape[0] > d.N else 0) * d.N + head]
+    if mops.alibi_slot is not None:  # explicit positions: their tiles, like segment ids
+        return slope, qseg[mops.alibi_slot][...], kseg[mops.alibi_slot][...]
+    q_loc, kv_loc = _local(q_tile, kv_tile, d, kv_major)
+    return slope, q_loc + offs_ref[0], kv_loc + offs_ref[1]
+
+
+def _alibi_operand(alibi: Alibi):
+    """The slopes `[B|1, N]` as a flat fp32 SMEM operand, and its spec."""
+    return alibi.slopes.reshape(-1), pl.BlockSpec(memory_space=pltpu.SMEM)
+
+
+def _split_refs(refs, n_scalars, has_bias, has_alibi, n_seg, n_extra_in, n_out, n_scratch):
     it = iter(refs)
     take = lambda n: [next(it) for _ in range(n)]
     order, count, code, offs = take(4)
     sref = take(n_scalars)
     q_ref, k_ref, v_ref = take(3)
     bias_ref = next(it) if has_bias else None
+    alibi_ref = next(it) if has_alibi else None
     extra = take(n_extra_in)
     qseg, kseg = take(n_seg), take(n_seg)
     outs = take(n_out)
     scratch = take(n_scratch)
-    return (order, count, code, offs, sref, q_ref, k_ref, v_ref, bias_ref, extra, qseg, kseg,
-            outs, scratch)
+    return (order, count, code, offs, sref, q_ref, k_ref, v_ref, (bias_ref, alibi_ref), extra,
+            qseg, kseg, outs, scratch)
 
 
 def _precision(a, b):
@@ -207,9 +248,7 @@ def _dot(a, b):  # [m,k] @ [k,n] fp32
 def _masked(s, q_tile, kv_tile, d, mask, mops, offs_ref, b, sref, qseg, kseg, *, kv_major=False):
     """Tile `s` with the disallowed entries at -inf: sequence tails and, when there is
     a mask, the mask at global positions. `kv_major`: `s` is [bk, bq] (dk/dv kernel)."""
-    shape, qdim = ((d.bk, d.bq), 1) if kv_major else ((d.bq, d.bk), 0)
-    q_loc = q_tile * d.bq + _iota(shape, qdim)
-    kv_loc = kv_tile * d.bk + _iota(shape, 1 - qdim)
+    q_loc, kv_loc = _local(q_tile, kv_tile, d, kv_major)
     ok = (q_loc < d.T) & (kv_loc < d.S)
     if mask is not None:
         ok = ok & mops.evaluate(q_loc + offs_ref[0], kv_loc + offs_ref[1], b, sref,
@@ -222,20 +261,24 @@ def _masked(s, q_tile, kv_tile, d, mask, mops, offs_ref, b, sref, qseg, kseg, *,
 # --------------------------------------------------------------------------- #
 
 
-def _forward(cfg, q, k, v, mask, bias, offs):
+def _forward(cfg, q, k, v, mask, bias, alibi, offs):
     bs = cfg.block_sizes
     d = _dims(q, k, bs.block_q, bs.block_kv)
     G, bq, bk = d.G, d.bq, d.bk
     tab = _tables(cfg, mask, d, offs)
-    mops = MaskOperands(mask, d.B, d.Tp, d.Sp, offs)
+    mops = MaskOperands(mask, d.B, d.Tp, d.Sp, offs, alibi)
     ns, nseg, has_bias = len(mops.scalars), mops.num_segments, bias is not None
+    has_alibi = alibi is not None
     bias_op = _bias_operand(bias, d)
     rb = (lambda b: b) if tab.batched else (lambda b: 0)
+    if has_alibi:
+        alibi_op, alibi_spec = _alibi_operand(alibi)
 
     def kernel(*refs):
-        (order, count, code, offs_ref, sref, q_ref, k_ref, v_ref, bias_ref, _, qseg, kseg,
-         (o_ref, lse_ref), (m_sc, l_sc, acc_sc)) = _split_refs(refs, ns, has_bias, nseg, 0, 2, 3)
-        b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+        (order, count, code, offs_ref, sref, q_ref, k_ref, v_ref, (bias_ref, alibi_ref), _, qseg,
+         kseg, (o_ref, lse_ref), (m_sc, l_sc, acc_sc)) = _split_refs(
+            refs, ns, has_bias, has_alibi, nseg, 0, 2, 3)
+        b, h, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
         r = rb(b)
 
         @pl.when(j == 0)
@@ -248,7 +291,8 @@ def _forward(cfg, q, k, v, mask, bias, offs):
         def _step():
             kj = order[r, i, j]
             s, _ = _logits(cfg, _dot_nt(q_ref[...], k_ref[...]),
-                           bias_ref[...] if has_bias else None)
+                           bias_ref[...] if has_bias else None,
+                           _alibi(alibi_ref, b, h, i, kj, d, offs_ref, mops, qseg, kseg))
 
             def apply_mask(s):
                 return _masked(s, i, kj, d, mask, mops, offs_ref, b, sref, qseg, kseg)
@@ -284,6 +328,9 @@ def _forward(cfg, q, k, v, mask, bias, offs):
             lambda b, h, i, j, order, *_: (b if Bb > 1 else 0, h if Nb > 1 else 0, i,
                                            order[rb(b), i, j])))
         operands.append(bias_op)
+    if has_alibi:
+        in_specs.append(alibi_spec)
+        operands.append(alibi_op)
     for qs in mops.q_segments:
         in_specs.append(pl.BlockSpec((None, bq, 1), lambda b, h, i, j, *_: (b, i, 0)))
         operands.append(qs[:, :, None])
@@ -314,20 +361,23 @@ def _forward(cfg, q, k, v, mask, bias, offs):
 # --------------------------------------------------------------------------- #
 
 
-def _backward_dq(cfg, q, k, v, mask, bias, offs, do, lse, delta):
+def _backward_dq(cfg, q, k, v, mask, bias, alibi, offs, do, lse, delta):
     bs = cfg.block_sizes
     d = _dims(q, k, bs.block_q_dq, bs.block_kv_dq)
     G, bq, bk = d.G, d.bq, d.bk
     tab = _tables(cfg, mask, d, offs)
-    mops = MaskOperands(mask, d.B, d.Tp, d.Sp, offs)
+    mops = MaskOperands(mask, d.B, d.Tp, d.Sp, offs, alibi)
     ns, nseg, has_bias = len(mops.scalars), mops.num_segments, bias is not None
+    has_alibi = alibi is not None
     rb = (lambda b: b) if tab.batched else (lambda b: 0)
+    if has_alibi:
+        alibi_op, alibi_spec = _alibi_operand(alibi)
 
     def kernel(*refs):
-        (order, count, code, offs_ref, sref, q_ref, k_ref, v_ref, bias_ref,
+        (order, count, code, offs_ref, sref, q_ref, k_ref, v_ref, (bias_ref, alibi_ref),
          (do_ref, lse_ref, delta_ref), qseg, kseg, (dq_ref,), (acc_sc,)) = _split_refs(
-            refs, ns, has_bias, nseg, 3, 1, 1)
-        b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+            refs, ns, has_bias, has_alibi, nseg, 3, 1, 1)
+        b, h, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
         r = rb(b)
 
         @pl.when(j == 0)
@@ -338,7 +388,8 @@ def _backward_dq(cfg, q, k, v, mask, bias, offs, do, lse, delta):
         def _step():
             kj = order[r, i, j]
             kk = k_ref[...]
-            s, t = _logits(cfg, _dot_nt(q_ref[...], kk), bias_ref[...] if has_bias else None)
+            s, t = _logits(cfg, _dot_nt(q_ref[...], kk), bias_ref[...] if has_bias else None,
+                           _alibi(alibi_ref, b, h, i, kj, d, offs_ref, mops, qseg, kseg))
 
             def apply_mask(s):
                 return _masked(s, i, kj, d, mask, mops, offs_ref, b, sref, qseg, kseg)
@@ -369,6 +420,9 @@ def _backward_dq(cfg, q, k, v, mask, bias, offs, do, lse, delta):
             lambda b, h, i, j, order, *_: (b if Bb > 1 else 0, h if Nb > 1 else 0, i,
                                            order[rb(b), i, j])))
         operands.append(_bias_operand(bias, d))
+    if has_alibi:
+        in_specs.append(alibi_spec)
+        operands.append(alibi_op)
     in_specs += [pl.BlockSpec((None, None, bq, d.Hp), row),
                  pl.BlockSpec((None, None, bq, 1), row), pl.BlockSpec((None, None, bq, 1), row)]
     operands += [_heads_major(do, d.Tp, d.Hp), pad_axis(lse, 2, d.Tp)[..., None],
@@ -398,26 +452,30 @@ def _backward_dq(cfg, q, k, v, mask, bias, offs, do, lse, delta):
 # --------------------------------------------------------------------------- #
 
 
-def _backward_dkv(cfg, q, k, v, mask, bias, offs, do, lse, delta):
+def _backward_dkv(cfg, q, k, v, mask, bias, alibi, offs, do, lse, delta):
     bs = cfg.block_sizes
     T = q.shape[1]
     # query positions run along lanes here: the query tile is a multiple of 128
     d = _dims(q, k, min(bs.block_q_dkv, round_up(T, LANES)), bs.block_kv_dkv)
     G, bq, bk = d.G, d.bq, d.bk
     tab = _tables(cfg, mask, d, offs, transpose=True)
-    mops = MaskOperands(mask, d.B, d.Tp, d.Sp, offs)
+    mops = MaskOperands(mask, d.B, d.Tp, d.Sp, offs, alibi)
     ns, nseg, has_bias = len(mops.scalars), mops.num_segments, bias is not None
     rb = (lambda b: b) if tab.batched else (lambda b: 0)
     n_out = 3 if has_bias else 2
+    has_alibi = alibi is not None
+    if has_alibi:
+        alibi_op, alibi_spec = _alibi_operand(alibi)
 
     def kernel(*refs):
-        (order, count, code, offs_ref, sref, q_ref, k_ref, v_ref, bias_ref, extra, qseg, kseg,
-         outs, (dk_sc, dv_sc)) = _split_refs(refs, ns, has_bias, nseg,
-                                             4 if has_bias else 3, n_out, 2)
+        (order, count, code, offs_ref, sref, q_ref, k_ref, v_ref, (bias_ref, alibi_ref), extra,
+         qseg, kseg, outs, (dk_sc, dv_sc)) = _split_refs(refs, ns, has_bias, has_alibi, nseg,
+                                                         4 if has_bias else 3, n_out, 2)
         do_ref, lse_ref, delta_ref = extra[:3]
         dk_ref, dv_ref = outs[:2]
         dbias_ref = outs[2] if has_bias else None
-        b, kj, g, j = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
+        b, kh, kj = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+        g, j = pl.program_id(3), pl.program_id(4)
         r = rb(b)
 
         @pl.when((g == 0) & (j == 0))
@@ -435,7 +493,9 @@ def _backward_dkv(cfg, q, k, v, mask, bias, offs, do, lse, delta):
             qi = order[r, kj, j]
             qq, kk, vv, dd = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
             s, t = _logits(cfg, _dot_nt(kk, qq),
-                           bias_ref[...].T if has_bias else None)  # [bk, bq]
+                           bias_ref[...].T if has_bias else None,  # [bk, bq]
+                           _alibi(alibi_ref, b, kh * G + g, qi, kj, d, offs_ref, mops, qseg,
+                                  kseg, kv_major=True))
 
             def apply_mask(s):
                 return _masked(s, qi, kj, d, mask, mops, offs_ref, b, sref, qseg, kseg,
@@ -472,6 +532,9 @@ def _backward_dkv(cfg, q, k, v, mask, bias, offs, do, lse, delta):
             lambda b, kh, kj, g, j, order, *_: (b if Bb > 1 else 0, kh * G + g if Nb > 1 else 0,
                                                 order[rb(b), kj, j], kj)))
         operands.append(_bias_operand(bias, d))
+    if has_alibi:
+        in_specs.append(alibi_spec)
+        operands.append(alibi_op)
     in_specs += [pl.BlockSpec((None, None, bq, d.Hp), q_idx),
                  pl.BlockSpec((None, None, 1, bq), lse_idx),
                  pl.BlockSpec((None, None, 1, bq), lse_idx)]
@@ -525,25 +588,27 @@ def _backward_dkv(cfg, q, k, v, mask, bias, offs, do, lse, delta):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(cfg, q, k, v, mask, bias, offs):
-    return _forward(cfg, q, k, v, mask, bias, offs)
+def _flash(cfg, q, k, v, mask, bias, alibi, offs):
+    return _forward(cfg, q, k, v, mask, bias, alibi, offs)
 
 
-def _flash_fwd(cfg, q, k, v, mask, bias, offs):
-    out, lse = _forward(cfg, q, k, v, mask, bias, offs)
-    return (out, lse), (q, k, v, mask, bias, offs, out, lse)
+def _flash_fwd(cfg, q, k, v, mask, bias, alibi, offs):
+    out, lse = _forward(cfg, q, k, v, mask, bias, alibi, offs)
+    return (out, lse), (q, k, v, mask, bias, alibi, offs, out, lse)
 
 
 def _flash_bwd(cfg, res, cts):
-    q, k, v, mask, bias, offs, out, lse = res
+    q, k, v, mask, bias, alibi, offs, out, lse = res
     do, dlse = cts
     do = do.astype(q.dtype)
     delta = jnp.einsum("BTNH,BTNH->BNT", do.astype(jnp.float32), out.astype(jnp.float32))
     delta = delta - dlse.astype(jnp.float32)
     lse = jnp.where(lse == -jnp.inf, 0.0, lse)  # fully masked rows: p is 0 anyway
-    dq = _backward_dq(cfg, q, k, v, mask, bias, offs, do, lse, delta)
-    dk, dv, dbias = _backward_dkv(cfg, q, k, v, mask, bias, offs, do, lse, delta)
-    return (dq, dk, dv, jax.tree.map(_zero_cotangent, mask), dbias, _zero_cotangent(offs))
+    dq = _backward_dq(cfg, q, k, v, mask, bias, alibi, offs, do, lse, delta)
+    dk, dv, dbias = _backward_dkv(cfg, q, k, v, mask, bias, alibi, offs, do, lse, delta)
+    alibi_ct = jax.tree.map(_zero_cotangent, alibi)  # slopes are constants
+    return (dq, dk, dv, jax.tree.map(_zero_cotangent, mask), dbias, alibi_ct,
+            _zero_cotangent(offs))
 
 
 def _zero_cotangent(x):
