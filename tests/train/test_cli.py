@@ -23,6 +23,11 @@ TINY = ["--config.model.d_model=32", "--config.model.d_ff=64", "--config.model.n
 def cli(*args, devices=1, timeout=300):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = ROOT
+    # These tests check the CLI's plumbing (flags, eval, sampling, checkpoints, signals,
+    # gloo collectives), not XLA's optimizer: compiling without most XLA optimizations
+    # halves each process's compile time (the tiny model's init and train step), and
+    # every process of a comparison is compiled the same way.
+    env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
     return subprocess.Popen([sys.executable, "-m", "tfjax.train", "--config",
                              os.path.join(ROOT, "configs/default.py"), f"--cpu_devices={devices}",
                              *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
@@ -78,6 +83,8 @@ def test_two_processes_train_like_one_and_survive_sigterm(tmp_path, monkeypatch)
     decided during the compile, whatever the machine's speed (mid-loop, a fast machine
     could finish 3 steps before the ~1 s SIGTERM poll of the sync manager)."""
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax_cache"))  # rerun
+    # every program, however quick to compile, so the resumed run compiles nothing
+    monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
