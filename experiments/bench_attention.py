@@ -4,6 +4,7 @@
     .venv/bin/python experiments/bench_attention.py gpu            # < 8 min on one H100/H200
     .venv/bin/python experiments/bench_attention.py tune --budget-s 80   # GPU kernel tiles
     .venv/bin/python experiments/bench_attention.py alibi          # ~5 min on 2 cores
+    .venv/bin/python experiments/bench_attention.py t5             # ~5 min on 2 cores
 
 cpu: compiled temporary memory (`memory_analysis().temp_size_in_bytes`) and wall
 time of reference / xla / blockwise at S = 1k, 4k, 16k (causal self-attention,
@@ -18,6 +19,11 @@ fp32, packed-style explicit positions): ALiBi as a materialised `[B,N,T,S]` bias
 `alibi_slopes` + `alibi_positions` evaluated per tile, for "blockwise" (and
 "xla", which always materialises). The claim: the bias alone makes tiled
 attention O(T*S) again; computed per tile it stays O(T*H).
+
+t5: the same for T5's learned bucketed bias (unidirectional, 32 buckets, max
+distance 128): the table gathered into a `[B,N,T,S]` bias (what a T5 model did
+before `relative_bias`) next to `relative_bias=RelativeBias(...)` evaluated per
+tile; fwd+bwd also differentiates the table (per tile: dlogits summed per bucket).
 
 gpu: forward, backward and forward+backward TFLOP/s (4*B*N*T*S*H FLOPs, halved
 when causal; backward counted as 2.5x forward) of "pallas" (the Triton kernels,
@@ -43,6 +49,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from tfjax.ops import dot_product_attention
 from tfjax.ops import masks as M
@@ -108,42 +115,58 @@ def bench_cpu(args):
                   f"{', '.join(tim)} |")
 
 
-def bench_alibi(args):
-    from tfjax.nn.positions import alibi_bias, alibi_slopes
+def bench_position_bias(args):
+    """ALiBi (`args.part == "alibi"`) or T5's bucketed bias ("t5"): materialised as a
+    `[B,N,T,S]` bias next to evaluated per tile."""
+    from tfjax.nn.positions import T5RelativeBias, alibi_bias, alibi_slopes
+    from tfjax.ops import RelativeBias
 
     B, N, K, H = 1, 4, 1, 64
     slopes = jnp.asarray(alibi_slopes(N))
+    t5 = args.part == "t5"
+    table0 = jnp.asarray(T5RelativeBias(N, bidirectional=False, rngs=nnx.Rngs(0)).embedding[...])
+    name = "T5 bias (32 buckets, max distance 128)" if t5 else "ALiBi"
     sizes = [int(s) for s in args.sizes.split(",")]
-    print(f"# CPU ALiBi attention: B={B} N={N} K={K} H={H} fp32 causal; jax {jax.__version__}, "
+    print(f"# CPU {name} attention: B={B} N={N} K={K} H={H} fp32 causal; jax {jax.__version__}, "
           f"{jax.devices()[0].device_kind}, {os.cpu_count()} cores; "
           f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC", flush=True)
-    print("| impl | ALiBi as | pass | S | temp memory | time (s) |\n|---|---|---|---|---|---|",
-          flush=True)
-    cases = [("xla", "bias [B,N,T,S]"), ("blockwise", "bias [B,N,T,S]"),
-             ("blockwise", "in-kernel slopes")]
+    print(f"| impl | {'bias' if t5 else 'ALiBi'} as | pass | S | temp memory | time (s) |\n"
+          "|---|---|---|---|---|---|", flush=True)
+    per_tile = "per-tile table" if t5 else "in-kernel slopes"
+    cases = [("xla", "bias [B,N,T,S]"), ("blockwise", "bias [B,N,T,S]"), ("blockwise", per_tile)]
     rows = []
     for (impl, how), grad in itertools.product(cases, (False, True)):
         for S in sizes:
-            def fwd(q, k, v, pos, impl=impl, how=how):
-                kw = (dict(bias=alibi_bias(pos, pos, slopes)) if how.startswith("bias") else
-                      dict(alibi_slopes=slopes, alibi_positions=(pos, pos)))
+            def fwd(q, k, v, table, pos, impl=impl, how=how):
+                if t5:
+                    rb = RelativeBias(table, bidirectional=False, q_positions=pos,
+                                      kv_positions=pos)
+                    kw = (dict(bias=rb.dense(S, S)) if how.startswith("bias") else
+                          dict(relative_bias=rb))
+                else:
+                    kw = (dict(bias=alibi_bias(pos, pos, slopes)) if how.startswith("bias") else
+                          dict(alibi_slopes=slopes, alibi_positions=(pos, pos)))
                 return dot_product_attention(q, k, v, M.causal(), implementation=impl, **kw)
 
+            # T5's table is learned: fwd+bwd differentiates it too
             f = jax.jit(fwd if not grad else jax.grad(
-                lambda q, k, v, p: fwd(q, k, v, p).sum(), (0, 1, 2)))
+                lambda q, k, v, t, p: fwd(q, k, v, t, p).sum(), (0, 1, 2, 3) if t5 else (0, 1, 2)))
             q = jax.ShapeDtypeStruct((B, S, N, H), jnp.float32)
             kv = jax.ShapeDtypeStruct((B, S, K, H), jnp.float32)
             pos = jax.ShapeDtypeStruct((B, S), jnp.int32)
-            temp = f.lower(q, kv, kv, pos).compile().memory_analysis().temp_size_in_bytes
+            table = jax.ShapeDtypeStruct(table0.shape, table0.dtype)
+            temp = f.lower(q, kv, kv, table, pos).compile().memory_analysis().temp_size_in_bytes
             t = None
             if temp < args.max_run_gib * GIB:
                 ks = jax.random.split(jax.random.key(0), 3)
                 x = [jax.random.normal(kk, s.shape, s.dtype) for kk, s in zip(ks, (q, kv, kv))]
-                t = _time(f, *x, jnp.arange(S, dtype=jnp.int32)[None] % 1000, reps=args.reps)
+                t = _time(f, *x, table0, jnp.arange(S, dtype=jnp.int32)[None] % 1000,
+                          reps=args.reps)
             rows.append((impl, how, grad, S, temp, t))
             print(f"| {impl} | {how} | {'fwd+bwd' if grad else 'fwd'} | {S} | "
                   f"{temp / 2**20:,.1f} MiB | {'-' if t is None else f'{t:.3f}'} |", flush=True)
-    print("\n| impl | ALiBi as | pass | memory growth per 4x S |\n|---|---|---|---|")
+    print(f"\n| impl | {'bias' if t5 else 'ALiBi'} as | pass | memory growth per 4x S |\n"
+          "|---|---|---|---|")
     for (impl, how), grad in itertools.product(cases, (False, True)):
         sel = [r for r in rows if r[:3] == (impl, how, grad)]
         mem = [f"{b[4] / max(a[4], 1):.1f}x" for a, b in itertools.pairwise(sel)]
@@ -349,14 +372,14 @@ def bench_tune(args, S=8192, N=32, K=8, head_dims=(128, 64)):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("part", choices=["cpu", "alibi", "gpu", "tune"])
+    p.add_argument("part", choices=["cpu", "alibi", "t5", "gpu", "tune"])
     p.add_argument("--sizes", default="1024,4096,16384")
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--max-run-gib", type=float, default=3.0)
     p.add_argument("--budget-s", type=float, default=420.0)
     args = p.parse_args()
-    if args.part in ("cpu", "alibi"):
-        (bench_cpu if args.part == "cpu" else bench_alibi)(args)
+    if args.part in ("cpu", "alibi", "t5"):
+        (bench_cpu if args.part == "cpu" else bench_position_bias)(args)
     else:
         if jax.default_backend() != "gpu":
             sys.exit(f"bench_attention.py {args.part}: needs a GPU, jax backend is "

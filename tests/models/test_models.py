@@ -93,14 +93,18 @@ def test_packed_documents_equal_separate_documents():
     np.testing.assert_allclose(out[:, 5:], run(model, b), atol=1e-5)
 
 
-def test_alibi_in_kernel_equals_the_materialised_bias(monkeypatch):
-    """ALiBi reaches attention as a `tfjax.ops.Alibi` (slopes + positions, evaluated
-    per tile): on a packed batch (positions restart per document) the logits and
-    gradients equal those of the materialised `[B,N,T,S]` `alibi_bias`."""
+@pytest.mark.parametrize("position", ["alibi", "t5"])
+def test_position_bias_in_kernel_equals_the_materialised_bias(monkeypatch, position):
+    """ALiBi and T5's bias reach attention as a `tfjax.ops.Alibi` / `RelativeBias`
+    (evaluated per tile): on a packed batch (positions restart per document) the
+    logits and gradients (T5's table included) equal those of the materialised
+    `[B,N,T,S]` bias (`alibi_bias`; T5's table gathered at the bucketed
+    relative positions)."""
     from tfjax.models import stack
     from tfjax.nn import positions as pos_lib
 
-    cfg = tiny(position="alibi", num_kv_heads=2, num_layers=1)
+    extra = dict(t5_num_buckets=8, t5_max_distance=16) if position == "t5" else {}
+    cfg = tiny(position=position, num_kv_heads=2, num_layers=1, **extra)
     model = models.build(cfg)
     x = tokens(2, 11, seed=4)
     seg = jnp.array([[1] * 4 + [2] * 7, [1] * 11])
@@ -113,17 +117,27 @@ def test_alibi_in_kernel_equals_the_materialised_bias(monkeypatch):
 
     f = lambda: nnx.jit(nnx.value_and_grad(loss_and_logits, has_aux=True))(model)
     (_, kernel_logits), kernel_grads = f()
-    assert isinstance(stack.position_bias(cfg, None, pos, pos), stack.ops_lib.Alibi)
+    spec = stack.position_bias(cfg, model.rel_bias, pos, pos)
+    assert isinstance(spec, stack.ops_lib.Alibi if position == "alibi" else
+                      stack.ops_lib.RelativeBias)
 
     def materialised(cfg, rel_bias, q_positions, kv_positions):
+        if position == "t5":  # bucketed [B,T,S] relative positions, gathered
+            buckets = pos_lib.relative_position_bucket(
+                kv_positions[:, None, :] - q_positions[:, :, None], bidirectional=False,
+                num_buckets=8, max_distance=16)
+            return jnp.moveaxis(rel_bias.embedding[...][buckets], -1, 1)
         return pos_lib.alibi_bias(q_positions, kv_positions, pos_lib.alibi_slopes(cfg.num_heads))
 
     monkeypatch.setattr(stack, "position_bias", materialised)
     monkeypatch.setattr("tfjax.models.decoder.position_bias", materialised)
     (_, dense_logits), dense_grads = f()
     np.testing.assert_allclose(kernel_logits, dense_logits, atol=1e-5)
-    for a, b in zip(jax.tree.leaves(kernel_grads), jax.tree.leaves(dense_grads)):
+    leaves = jax.tree.leaves(kernel_grads)
+    for a, b in zip(leaves, jax.tree.leaves(dense_grads)):
         np.testing.assert_allclose(a, b, atol=1e-5)
+    if position == "t5":  # the table is learned: its gradient is there and not zero
+        assert np.abs(np.asarray(kernel_grads.rel_bias.embedding[...])).max() > 1e-4
 
 
 def test_prefix_lm():

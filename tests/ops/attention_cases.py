@@ -98,31 +98,77 @@ def alibi_as_bias(slopes, positions, B, T, S, q_offset, kv_offset):
     return jax.vmap(lambda a, b, s: alibi_bias(a[None], b[None], s)[0])(qp, kp, slopes)
 
 
+def relative_as_bias(rel, B, T, S, q_offset, kv_offset):
+    """T5's bias (`relative_for`'s dict) as an explicit `[B, N, T, S]` bias: the
+    layer-level bucketing of the whole `[T, S]` relative-position matrix and a
+    gather from the table (no tiles, offsets or padding involved)."""
+    from tfjax.nn.positions import relative_position_bucket
+    positions = rel["positions"]
+    if positions is None:
+        positions = (jnp.arange(T) + jnp.asarray(q_offset), jnp.arange(S) + jnp.asarray(kv_offset))
+    qp = jnp.broadcast_to(positions[0], (B, T))
+    kp = jnp.broadcast_to(positions[1], (B, S))
+    buckets = relative_position_bucket(kp[:, None, :] - qp[:, :, None],
+                                       bidirectional=rel["bidirectional"],
+                                       num_buckets=rel["table"].shape[0],
+                                       max_distance=rel["max_distance"])
+    return jnp.moveaxis(rel["table"][buckets], -1, 1)  # [B, T, S, N] -> [B, N, T, S]
+
+
+def relative_for(kind, B, T, S, N, seed=5):
+    """T5 bias of a test case (16 buckets, max distance 24, a random table):
+    "causal" unidirectional at index positions, "bidir" bidirectional at index
+    positions, "pos" bidirectional at explicit random positions (`[B, T]`, `[1, S]`,
+    distances beyond max_distance included)."""
+    rng = np.random.default_rng(seed)
+    table = jnp.asarray(rng.normal(size=(16, N)), jnp.float32)
+    positions = None
+    if kind == "pos":
+        positions = (rng.integers(0, 60, (B, T)).astype(np.int32),
+                     rng.integers(0, 60, (1, S)).astype(np.int32))
+    assert kind in ("causal", "bidir", "pos"), kind
+    return dict(table=table, bidirectional=kind != "causal", max_distance=24,
+                positions=positions)
+
+
 def run(impl, q, k, v, mask, bias, *, softcap=None, q_offset=0, kv_offset=0, scale=None,
-        alibi_slopes=None, alibi_positions=None, ref=False, **kw):
-    """(out, lse, grads) of `_loss`, jitted; grads w.r.t. q, k, v (and bias). The
-    reference takes ALiBi as an explicit bias (`alibi_as_bias`)."""
+        alibi_slopes=None, alibi_positions=None, relative=None, ref=False, **kw):
+    """(out, lse, grads) of `_loss`, jitted; grads w.r.t. q, k, v (and bias, and the
+    T5 table of `relative`). The reference takes ALiBi and T5's bias as explicit
+    biases (`alibi_as_bias`, `relative_as_bias`)."""
+    from tfjax.ops import RelativeBias
     B, T, _, H = q.shape
     scale_v = H ** -0.5 if scale is None else scale
 
-    def f(q, k, v, bias):
+    def f(q, k, v, bias, table):
+        rel = None if relative is None else {**relative, "table": table}
         if ref:  # out from the reference, lse from the dense logsumexp
             if alibi_slopes is not None:
                 a = alibi_as_bias(alibi_slopes, alibi_positions, B, T, k.shape[1], q_offset,
                                   kv_offset)
                 bias = a if bias is None else bias + a
+            if rel is not None:
+                r = relative_as_bias(rel, B, T, k.shape[1], q_offset, kv_offset)
+                bias = r if bias is None else bias + r
             out = attention_reference(q, k, v, mask, bias=bias, scale=scale, softcap=softcap,
                                       q_offset=q_offset, kv_offset=kv_offset)
             lse = dense_lse(q, k, mask, bias, scale_v, softcap, q_offset, kv_offset)
         else:
             if alibi_slopes is not None:
                 kw.update(alibi_slopes=alibi_slopes, alibi_positions=alibi_positions)
+            if rel is not None:
+                pos = rel["positions"] or (None, None)
+                kw["relative_bias"] = RelativeBias(
+                    table, bidirectional=rel["bidirectional"], max_distance=rel["max_distance"],
+                    q_positions=pos[0], kv_positions=pos[1])
             out, lse = impl(q, k, v, mask, bias=bias, scale=scale, softcap=softcap,
                             q_offset=q_offset, kv_offset=kv_offset, return_lse=True, **kw)
         return _loss(out, lse), (out, lse)
 
-    argnums = (0, 1, 2, 3) if bias is not None else (0, 1, 2)
-    (_, (out, lse)), grads = jax.jit(jax.value_and_grad(f, argnums, has_aux=True))(q, k, v, bias)
+    argnums = (0, 1, 2) + ((3,) if bias is not None else ()) + ((4,) if relative else ())
+    table = None if relative is None else relative["table"]
+    (_, (out, lse)), grads = jax.jit(jax.value_and_grad(f, argnums, has_aux=True))(
+        q, k, v, bias, table)
     return out, lse, grads
 
 
@@ -155,10 +201,13 @@ def alibi_for(kind, B, T, S, N):
                                                  rng.integers(0, 48, (1, S)).astype(np.int32)))
 
 
-def check_against_reference(impl, q, k, v, mask, bias=None, alibi=None, **kw):
-    """`alibi`: None, "N", "BN" or "pos" (`alibi_for`)."""
+def check_against_reference(impl, q, k, v, mask, bias=None, alibi=None, relative=None, **kw):
+    """`alibi`: None, "N", "BN" or "pos" (`alibi_for`); `relative` (T5's bias): None,
+    "causal", "bidir" or "pos" (`relative_for`)."""
     if alibi is not None:
         kw.update(alibi_for(alibi, q.shape[0], q.shape[1], k.shape[1], q.shape[2]))
+    if relative is not None:
+        kw["relative"] = relative_for(relative, q.shape[0], q.shape[1], k.shape[1], q.shape[2])
     impl_kw = {key: kw.pop(key) for key in list(kw) if key in ("block_q", "block_kv",
                                                                "block_sizes", "interpret")}
     out, lse, grads = run(impl, q, k, v, mask, bias, **kw, **impl_kw)
@@ -170,6 +219,9 @@ def check_against_reference(impl, q, k, v, mask, bias=None, alibi=None, **kw):
     np.testing.assert_array_equal(np.isinf(lse), np.isinf(r_lse), err_msg="lse -inf rows")
     assert_close(jnp.where(jnp.isinf(r_lse), 0, lse), jnp.where(jnp.isinf(r_lse), 0, r_lse),
                  dtype, "lse", "fwd")
-    for name, g, rg in zip(("dq", "dk", "dv", "dbias"), grads, r_grads):
+    names = ("dq", "dk", "dv") + (("dbias",) if bias is not None else ()) + \
+        (("dtable",) if relative is not None else ())
+    assert len(grads) == len(r_grads) == len(names)
+    for name, g, rg in zip(names, grads, r_grads):
         assert_close(g, rg, dtype, name, "grad")
     return out, lse, grads

@@ -233,3 +233,87 @@ def test_alibi_slopes_shape_error_and_cudnn_declines():
     assert select_implementation(r) == "pallas"  # auto passes cuDNN over for ALiBi
     cpu = dataclasses.replace(r, backend="cpu", dtype="float32")
     assert select_implementation(cpu) == "blockwise"
+
+
+def test_relative_bias_equals_the_explicit_t5_bias():
+    """`relative_bias` (T5's bucketed bias) at index positions (offsets included) or
+    explicit ones equals the table gathered at the bucketed relative positions,
+    passed as `bias=`: "reference" and "xla" (materialised by the dispatch) and
+    "blockwise" (per tile, tiny tiles) agree, forward and gradients, the table's
+    included. (blockwise's awkward shapes: tests/ops/test_blockwise.py.)"""
+    from tfjax.nn.positions import relative_position_bucket
+    from tfjax.ops import RelativeBias
+
+    q, k, v = rand((2, 5, 4, 8), 40), rand((2, 7, 2, 8), 41), rand((2, 7, 2, 8), 42)
+    table = rand((8, 4), 43)
+    qo, ko = 4, 1
+    index = (jnp.arange(5)[None] + qo, jnp.arange(7)[None] + ko)
+    packed = (jnp.array([[0, 1, 2, 0, 1], [3, 5, 7, 9, 11]]), jnp.array([[0, 2, 4, 0, 3, 6, 9]]))
+
+    def explicit(table, pos, bidirectional):  # [B, N, T, S], gathered from the whole matrix
+        qp, kp = jnp.broadcast_to(pos[0], (2, 5)), jnp.broadcast_to(pos[1], (2, 7))
+        rel = kp[:, None, :] - qp[:, :, None]
+        b = relative_position_bucket(rel, bidirectional=bidirectional, num_buckets=8,
+                                     max_distance=10)
+        return jnp.moveaxis(table[b], -1, 1)
+
+    def loss(impl, q, k, table, pos, bidirectional):
+        if impl == "explicit":
+            out = attention_reference(q, k, v, M.causal(), q_offset=qo, kv_offset=ko,
+                                      bias=explicit(table, index if pos is None else pos,
+                                                    bidirectional))
+        else:
+            rb = RelativeBias(table, bidirectional=bidirectional, max_distance=10,
+                              q_positions=None if pos is None else pos[0],
+                              kv_positions=None if pos is None else pos[1])
+            if impl == "attention_reference":
+                out = attention_reference(q, k, v, M.causal(), relative_bias=rb, q_offset=qo,
+                                          kv_offset=ko)
+            else:
+                out = dot_product_attention(q, k, v, M.causal(), relative_bias=rb, q_offset=qo,
+                                            kv_offset=ko, implementation=impl)
+        return jnp.sum(out * jnp.cos(out)), out
+
+    vg = jax.jit(jax.value_and_grad(loss, (1, 2, 3), has_aux=True), static_argnums=(0, 5))
+    outs = []
+    for pos, bidirectional in ((None, False), (None, True), (packed, True)):
+        (_, want), g_want = vg("explicit", q, k, table, pos, bidirectional)
+        assert np.abs(np.asarray(g_want[2])).max() > 1e-3  # the table is learned
+        for impl in ("reference", "xla", "blockwise", "attention_reference"):
+            (_, out), g = vg(impl, q, k, table, pos, bidirectional)
+            np.testing.assert_allclose(out, want, atol=1e-5, err_msg=impl)
+            for a, b in zip(g, g_want):
+                np.testing.assert_allclose(a, b, atol=1e-4, err_msg=impl)
+        outs.append(want)
+    # the cases differ from each other and from no bias (the checks above can fail)
+    outs.append(attention_reference(q, k, v, M.causal(), q_offset=qo, kv_offset=ko))
+    for x, y in zip(outs, outs[1:]):
+        assert np.abs(np.asarray(x - y)).max() > 1e-2
+
+
+def test_relative_bias_errors_and_dispatch():
+    from tfjax.ops import IMPLEMENTATIONS, RelativeBias, select_implementation
+    from tfjax.ops.attention import AttentionRequest
+
+    q, k = rand((2, 4, 4, 8), 0), rand((2, 4, 2, 8), 1)
+    rb = lambda table, **kw: RelativeBias(table, bidirectional=True, max_distance=8, **kw)
+    with pytest.raises(ValueError, match=r"relative_bias.table must be \[num_buckets, N\]"):
+        dot_product_attention(q, k, k, relative_bias=rb(jnp.ones((8, 2))))
+    with pytest.raises(ValueError, match="num_buckets=2 is too small"):
+        dot_product_attention(q, k, k, relative_bias=rb(jnp.ones((2, 4))))
+    with pytest.raises(ValueError, match="give both q_positions and kv_positions"):
+        dot_product_attention(q, k, k, relative_bias=rb(jnp.ones((8, 4)),
+                                                        q_positions=jnp.zeros((2, 4), int)))
+    with pytest.raises(ValueError, match=r"kv_positions must be \[B\|1, 4\]"):
+        dot_product_attention(q, k, k, relative_bias=rb(
+            jnp.ones((8, 4)), q_positions=jnp.zeros((2, 4), int),
+            kv_positions=jnp.zeros((2, 5), int)))
+    with pytest.raises(TypeError, match="an additive array goes to bias="):
+        dot_product_attention(q, k, k, relative_bias=jnp.ones((2, 4, 4, 4)))
+    # blockwise takes it per tile; the others get it materialised as a bias
+    assert IMPLEMENTATIONS.get("blockwise").relative_bias
+    assert not any(IMPLEMENTATIONS.get(n).relative_bias for n in ("reference", "xla", "pallas"))
+    r = AttentionRequest(q_shape=(2, 4, 4, 8), k_shape=(2, 4, 2, 8), dtype="float32",
+                         backend="cpu", mask=None, has_bias=True, softcap=None, offsets=False,
+                         return_lse=False, has_relative_bias=True)
+    assert select_implementation(r) == "blockwise"

@@ -19,17 +19,17 @@ from tfjax.ops.attention import AttentionRequest
 CASES = [
     (1, 1, (4, 4), 32, "none", {}),
     (1, 1000, (8, 1), 64, "causal", {"q_offset": 999}),  # decoding the last token
-    (100, 100, (8, 2), 80, "causal", {"softcap": 20.0}),
-    (384, 128, (4, 4), 128, "chunked", {"q_offset": 60}),
+    (100, 100, (8, 2), 80, "causal", {"softcap": 20.0, "relative": "causal"}),
+    (384, 128, (4, 4), 128, "chunked", {"q_offset": 60, "relative": "bidir"}),
     (1000, 1000, (8, 2), 32, "causal&segments", {"alibi": "N"}),
-    (100, 1000, (8, 1), 64, "prefix", {"bias": (1, 8)}),
+    (100, 1000, (8, 1), 64, "prefix", {"bias": (1, 8), "relative": "pos"}),
     (384, 384, (4, 4), 32, "window&segments", {"softcap": 5.0, "bias": (2, 1)}),
-    (128, 100, (8, 2), 32, "padding_fully_masked", {"bias": (2, 8)}),
+    (128, 100, (8, 2), 32, "padding_fully_masked", {"bias": (2, 8), "relative": "bidir"}),
     (384, 1000, (8, 2), 128, "prefix|window", {"q_offset": 3, "kv_offset": 7, "alibi": "BN"}),
     (128, 384, (8, 1), 64, "window_lr", {"alibi": "pos"}),
     # B = 1: the training forward and the backward call the example directly (no vmap)
     (100, 300, (4, 2), 32, "causal&segments", {"bias": (1, 4), "B": 1, "softcap": 5.0,
-                                                "alibi": "N"}),
+                                                "alibi": "N", "relative": "pos"}),
 ]
 
 

@@ -246,16 +246,17 @@ def relative_bias(cfg: ModelConfig, rngs: nnx.Rngs, *, bidirectional: bool):
 
 
 def position_bias(cfg: ModelConfig, rel_bias, q_positions, kv_positions):
-    """The attention bias of ALiBi / T5 encodings, else None: T5's additive
-    `[B,N,T,S]` array; ALiBi as a `tfjax.ops.Alibi` (slopes and the positions),
-    which the tiled attention implementations evaluate per tile (the same
-    values as `nn.positions.alibi_bias`, never materialised)."""
+    """The attention bias of ALiBi / T5 encodings, else None: ALiBi as a
+    `tfjax.ops.Alibi` (slopes and the positions), T5's as a
+    `tfjax.ops.RelativeBias` (its learned table and the positions), which the
+    tiled attention implementations evaluate per tile (the same values as
+    `nn.positions.alibi_bias` / `T5RelativeBias.__call__`, never materialised)."""
     if cfg.position == "alibi":
         slopes = pos_lib.alibi_slopes(cfg.num_heads)
         (B, T), S = q_positions.shape, kv_positions.shape[-1]
         return ops_lib.make_alibi(slopes, (q_positions, kv_positions), B, cfg.num_heads, T, S)
     if cfg.position == "t5":
-        return rel_bias(q_positions, kv_positions)
+        return rel_bias.spec(q_positions, kv_positions)
     return None
 
 

@@ -32,7 +32,7 @@ from flax import nnx
 
 from tfjax.nn.norms import make_norm
 from tfjax.nn.positions import RotaryEmbedding
-from tfjax.ops import Alibi, dot_product_attention
+from tfjax.ops import Alibi, RelativeBias, dot_product_attention
 from tfjax.ops.masks import Mask
 from tfjax.parallel.ring_attention import (CONTEXT_PARALLEL_MODES, ZIGZAG_MODES,
                                            context_parallel_attention, zigzag_data_devices)
@@ -118,8 +118,9 @@ class MultiHeadAttention(nnx.Module):
         return q, k, v
 
     def attend(self, q, k, v, mask: Mask | None = None, bias=None, *, q_offset=0, kv_offset=0):
-        """`bias`: None, an additive `[B|1, N|1, T, S]` array, or a `tfjax.ops.Alibi`
-        (evaluated per tile by the tiled implementations)."""
+        """`bias`: None, an additive `[B|1, N|1, T, S]` array, a `tfjax.ops.Alibi` or
+        a `tfjax.ops.RelativeBias` (T5; both evaluated per tile by the tiled
+        implementations)."""
         out = None
         is_alibi = isinstance(bias, Alibi)
         if (bias is None or is_alibi) and _is_zero(q_offset) and _is_zero(kv_offset):
@@ -133,11 +134,15 @@ class MultiHeadAttention(nnx.Module):
             raise ValueError("attention with a bias (T5) or offsets cannot read a "
                              "zig-zag ordered batch; use model.zigzag='layer'")
         if out is None:
-            alibi = Alibi.kwargs(bias) if is_alibi else {}
-            out = dot_product_attention(q, k, v, mask, bias=None if alibi else bias,
-                                        scale=self.scale, softcap=self.softcap,
+            extra = {}  # a position bias evaluated per tile
+            if is_alibi:
+                extra, bias = Alibi.kwargs(bias), None
+            elif isinstance(bias, RelativeBias):
+                extra, bias = dict(relative_bias=bias), None
+            out = dot_product_attention(q, k, v, mask, bias=bias, scale=self.scale,
+                                        softcap=self.softcap,
                                         implementation=self.implementation, q_offset=q_offset,
-                                        kv_offset=kv_offset, **alibi)  # [B, T, N, H]
+                                        kv_offset=kv_offset, **extra)  # [B, T, N, H]
         return shard(self.o(out), ("batch", "length", "embed"))
 
     def project_query(self, x, *, positions=None):

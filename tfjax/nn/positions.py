@@ -37,6 +37,8 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from tfjax.ops.reference import RelativeBias, relative_position_bucket
+from tfjax.ops.reference import check_buckets as _check_buckets
 from tfjax.parallel.sharding import with_logical_axes
 from tfjax.registry import Registry
 
@@ -354,50 +356,6 @@ def alibi_bias(
 # ----------------------------------------------------------------------------- T5
 
 
-def _check_buckets(num_buckets: int, max_distance: int, bidirectional: bool) -> None:
-    half = num_buckets // 2 if bidirectional else num_buckets
-    if half // 2 < 1:
-        raise ValueError(f"num_buckets={num_buckets} is too small: need >= "
-                         f"{4 if bidirectional else 2} (bidirectional={bidirectional})")
-    if max_distance <= half // 2:
-        raise ValueError(f"max_distance={max_distance} must exceed the {half // 2} exact "
-                         f"buckets (num_buckets={num_buckets}, bidirectional={bidirectional})")
-
-
-def relative_position_bucket(
-    relative_position: Int[Array, "..."],
-    *,
-    bidirectional: bool,
-    num_buckets: int = 32,
-    max_distance: int = 128,
-) -> Int[Array, "..."]:
-    """T5's bucket of relative_position = key_pos - query_pos (mesh-tensorflow formula).
-
-    Bidirectional: keys after the query use the upper half of the buckets. Within a
-    half, distances below half/2 get their own bucket, larger ones log-spaced buckets
-    up to max_distance, beyond which they share the last bucket. Unidirectional: keys
-    after the query (never seen causally) all land in bucket 0.
-    """
-    _check_buckets(num_buckets, max_distance, bidirectional)
-    n = -jnp.asarray(relative_position, jnp.int32)  # distance into the past
-    ret = jnp.zeros_like(n)
-    if bidirectional:
-        num_buckets //= 2
-        ret = ret + (n < 0).astype(jnp.int32) * num_buckets
-        n = jnp.abs(n)
-    else:
-        n = jnp.maximum(n, 0)
-    max_exact = num_buckets // 2
-    is_small = n < max_exact
-    # float32 and this order of operations, as mesh-tensorflow and HF, so bucket edges
-    # agree with trained checkpoints; max() keeps log() finite on the unused branch.
-    n_large = jnp.maximum(n, max_exact).astype(jnp.float32)
-    log_ratio = jnp.log(n_large / max_exact) / math.log(max_distance / max_exact)
-    val_if_large = max_exact + (log_ratio * (num_buckets - max_exact)).astype(jnp.int32)
-    val_if_large = jnp.minimum(val_if_large, num_buckets - 1)
-    return ret + jnp.where(is_small, n, val_if_large)
-
-
 class T5RelativeBias(nnx.Module):
     """A learned scalar per (relative-position bucket, head), added to the logits."""
 
@@ -425,9 +383,15 @@ class T5RelativeBias(nnx.Module):
     def __call__(
         self, q_positions: Int[Array, "B T"], kv_positions: Int[Array, "B S"]
     ) -> Float[Array, "B N T S"]:
-        rel = kv_positions[:, None, :] - q_positions[:, :, None]  # [B, T, S]
-        buckets = relative_position_bucket(
-            rel, bidirectional=self.bidirectional, num_buckets=self.num_buckets,
-            max_distance=self.max_distance)
-        values = jnp.take(self.embedding[...], buckets, axis=0)  # [B, T, S, N]
-        return jnp.transpose(values, (0, 3, 1, 2))
+        """The materialised bias `[B, N, T, S]`."""
+        T, S = q_positions.shape[-1], kv_positions.shape[-1]
+        return self.spec(q_positions, kv_positions).dense(T, S)
+
+    def spec(self, q_positions: Int[Array, "B T"], kv_positions: Int[Array, "B S"]
+             ) -> RelativeBias:
+        """The bias as `dot_product_attention(relative_bias=...)` takes it: the
+        table and the positions, evaluated per tile by the tiled implementations."""
+        return RelativeBias(self.embedding[...], bidirectional=self.bidirectional,
+                            max_distance=self.max_distance,
+                            q_positions=jnp.asarray(q_positions, jnp.int32),
+                            kv_positions=jnp.asarray(kv_positions, jnp.int32))

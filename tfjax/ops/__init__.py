@@ -14,12 +14,13 @@ from tfjax.ops.attention import (
     select_implementation,
 )
 from tfjax.ops.blockwise import blockwise_attention  # registers "blockwise"
-from tfjax.ops.reference import Alibi, attention_reference, make_alibi
+from tfjax.ops.reference import Alibi, RelativeBias, attention_reference, make_alibi
 
 __all__ = [
     "AUTO_ORDER",
     "Alibi",
     "IMPLEMENTATIONS",
+    "RelativeBias",
     "AttentionRequest",
     "attention_reference",
     "blockwise_attention",

@@ -2,14 +2,18 @@
 
     out = dot_product_attention(q, k, v, mask, bias=None, scale=None, softcap=None,
                                 alibi_slopes=None, alibi_positions=None,
-                                implementation="auto")
+                                relative_bias=None, implementation="auto")
 
 q `[B,T,N,H]`, k/v `[B,S,K,H]` with N % K == 0 (GQA / MQA without repeating K/V),
 `mask` a lazy `tfjax.ops.masks.Mask` (or None), `bias` additive `[B|1, N|1, T, S]`,
 `alibi_slopes` `[N]` or `[B, N]`: ALiBi's bias `-slope * |q_pos - kv_pos|` at the
 positions `alibi_positions = (q [B,T], kv [B,S])` or, without them, the global
 indices (`q_offset + i`, `kv_offset + j`); the tiled implementations evaluate it
-per tile instead of reading a materialised `[B, N, T, S]` bias.
+per tile instead of reading a materialised `[B, N, T, S]` bias. `relative_bias`
+a `tfjax.ops.RelativeBias`: T5's learned bias `table[bucket(kv_pos - q_pos), n]`,
+evaluated per tile by the implementations registered with `relative_bias=True`
+("blockwise": its table gradient is summed per bucket) and materialised into
+`bias` for the others (the same values and gradients, O(T*S) memory).
 
 Implementations register themselves in `IMPLEMENTATIONS` with a `supports`
 predicate that returns None or the reason it cannot serve a request. An explicit
@@ -27,10 +31,16 @@ import jax
 import jax.numpy as jnp
 
 from tfjax.ops import masks as masks_lib
-from tfjax.ops.reference import Alibi, attention_reference, make_alibi
+from tfjax.ops.reference import (
+    Alibi,
+    RelativeBias,
+    attention_reference,
+    check_relative_bias,
+    make_alibi,
+)
 from tfjax.registry import Registry
 
-__all__ = ["dot_product_attention", "Alibi", "AttentionRequest", "Implementation",
+__all__ = ["dot_product_attention", "Alibi", "RelativeBias", "AttentionRequest", "Implementation",
            "IMPLEMENTATIONS", "AUTO_ORDER", "register_implementation"]
 
 
@@ -48,6 +58,7 @@ class AttentionRequest:
     offsets: bool  # non-zero q/kv offsets
     return_lse: bool
     has_alibi: bool = False  # alibi_slopes given (bias computed from positions)
+    has_relative_bias: bool = False  # a T5 RelativeBias (has_bias too: see below)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +66,9 @@ class Implementation:
     fn: Callable  # fn(q, k, v, mask, *, bias, alibi, scale, softcap, q_offset, kv_offset,
     #                   return_lse); alibi: None or a checked `Alibi`
     supports: Callable[[AttentionRequest], str | None]  # None if it can, else the reason
+    # fn takes relative_bias= (a checked RelativeBias) itself; else the dispatch
+    # materialises it into bias (so has_bias is set for a request with one)
+    relative_bias: bool = False
 
 
 IMPLEMENTATIONS: Registry[Implementation] = Registry("attention implementation")
@@ -69,9 +83,11 @@ AUTO_ORDER: dict[str, list[str]] = {
 
 def register_implementation(name: str, fn: Callable,
                             supports: Callable[[AttentionRequest], str | None] = lambda r: None,
-                            *, auto: dict[str, int] | None = None) -> None:
-    """Register `name`; `auto={"tpu": 0}` also inserts it at that rank of AUTO_ORDER."""
-    IMPLEMENTATIONS.register(name, Implementation(fn, supports))
+                            *, auto: dict[str, int] | None = None,
+                            relative_bias: bool = False) -> None:
+    """Register `name`; `auto={"tpu": 0}` also inserts it at that rank of AUTO_ORDER.
+    `relative_bias=True`: fn takes `relative_bias=` (else it gets it as `bias`)."""
+    IMPLEMENTATIONS.register(name, Implementation(fn, supports, relative_bias))
     for backend, rank in (auto or {}).items():
         AUTO_ORDER.setdefault(backend, []).insert(rank, name)
 
@@ -101,6 +117,7 @@ def _check_shapes(q, k, v, bias) -> None:
 
 def dot_product_attention(q, k, v, mask: masks_lib.Mask | None = None, *, bias=None, scale=None,
                           softcap=None, alibi_slopes=None, alibi_positions=None,
+                          relative_bias: RelativeBias | None = None,
                           implementation: str = "auto", q_offset=0, kv_offset=0,
                           return_lse: bool = False):
     """Scaled dot-product attention (Vaswani et al. 2017) with GQA, lazy masks,
@@ -110,12 +127,15 @@ def dot_product_attention(q, k, v, mask: masks_lib.Mask | None = None, *, bias=N
     masked query rows return zeros.
 
     logits = softcap * tanh(scale * q.k / softcap) + bias - slope * |q_pos - kv_pos|
+             + relative_bias.table[bucket(kv_pos - q_pos)]
     (`alibi_slopes` `[N]` / `[B|1, N]`, no gradient; `alibi_positions` see the
-    module docstring and `tfjax.ops.reference.make_alibi`)."""
+    module docstring and `tfjax.ops.reference.make_alibi`; `relative_bias` a
+    `tfjax.ops.RelativeBias`, T5's bucketed bias, its table differentiable)."""
     _check_shapes(q, k, v, bias)
     B, T, N, _ = q.shape
     try:
         alibi = make_alibi(alibi_slopes, alibi_positions, B, N, T, k.shape[1])
+        relative = check_relative_bias(relative_bias, B, N, T, k.shape[1])
     except ValueError as e:
         raise ValueError(f"dot_product_attention: {e}") from None
     if mask is not None and not isinstance(mask, masks_lib.Mask):
@@ -127,14 +147,22 @@ def dot_product_attention(q, k, v, mask: masks_lib.Mask | None = None, *, bias=N
     softcap = float(softcap) if softcap else None
     request = AttentionRequest(
         q_shape=tuple(q.shape), k_shape=tuple(k.shape), dtype=str(q.dtype),
-        backend=jax.default_backend(), mask=mask, has_bias=bias is not None, softcap=softcap,
+        backend=jax.default_backend(), mask=mask,
+        has_bias=bias is not None or relative is not None, softcap=softcap,
         offsets=not (isinstance(q_offset, int) and isinstance(kv_offset, int)
                      and q_offset == 0 and kv_offset == 0),
-        return_lse=return_lse, has_alibi=alibi is not None)
+        return_lse=return_lse, has_alibi=alibi is not None,
+        has_relative_bias=relative is not None)
     name = select_implementation(request, implementation)
     impl = IMPLEMENTATIONS.get(name)
+    kw = {}
+    if impl.relative_bias:
+        kw["relative_bias"] = relative
+    elif relative is not None:  # materialised: [B|1, N, T, S], differentiable in the table
+        dense = relative.dense(T, k.shape[1], q_offset, kv_offset)
+        bias = dense if bias is None else bias + dense
     return impl.fn(q, k, v, mask, bias=bias, alibi=alibi, scale=scale, softcap=softcap,
-                   q_offset=q_offset, kv_offset=kv_offset, return_lse=return_lse)
+                   q_offset=q_offset, kv_offset=kv_offset, return_lse=return_lse, **kw)
 
 
 def select_implementation(request: AttentionRequest, implementation: str = "auto") -> str:

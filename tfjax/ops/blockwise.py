@@ -14,9 +14,11 @@ never builds the `T x S` logits:
   dk/dv in the carry and adds each tile's dq into an O(T*H) buffer. Residuals
   are q, k, v, out and lse: activation memory is O(T*H), not O(T*S).
 - GQA is native: query heads are grouped `[K, G]` and K/V are never repeated.
-- ALiBi (`alibi_slopes`, optional `alibi_positions`) is computed per tile from
-  the tile's positions, so an ALiBi model keeps O(T*H) memory (a materialised
-  bias is O(T*S)).
+- ALiBi (`alibi_slopes`, optional `alibi_positions`) and T5's bucketed bias
+  (`relative_bias`) are computed per tile from the tile's positions, so ALiBi and
+  T5 models keep O(T*H) memory (a materialised bias is O(T*S), and its gradient
+  another O(T*S)): the T5 table's gradient is each tile's dlogits summed per
+  bucket, accumulated in the backward's carry.
 - The batch is `vmap`ped; a mask whose data varies per example (segments,
   padding) is sliced per example, so its loop runs to the longest row of the
   batch; positional masks skip tiles exactly.
@@ -34,7 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from tfjax.ops import masks as masks_lib
-from tfjax.ops.reference import Alibi, make_alibi
+from tfjax.ops.reference import Alibi, RelativeBias, check_relative_bias, make_alibi
 
 __all__ = ["DEFAULT_BLOCK", "blockwise_attention", "blockwise_attention_backward"]
 
@@ -58,7 +60,8 @@ def _round_up(a: int, b: int) -> int:
 
 
 def blockwise_attention(q, k, v, mask: masks_lib.Mask | None = None, *, bias=None, scale=None,
-                        softcap=None, alibi_slopes=None, alibi_positions=None, q_offset=0,
+                        softcap=None, alibi_slopes=None, alibi_positions=None,
+                        relative_bias: RelativeBias | None = None, q_offset=0,
                         kv_offset=0, return_lse: bool = False, block_q: int = DEFAULT_BLOCK,
                         block_kv: int = DEFAULT_BLOCK):
     """q `[B,T,N,H]`, k/v `[B,S,K,H]` -> out `[B,T,N,H]` (and lse `[B,N,T]` fp32).
@@ -74,7 +77,8 @@ def blockwise_attention(q, k, v, mask: masks_lib.Mask | None = None, *, bias=Non
     q_offset = jnp.asarray(q_offset, jnp.int32)
     kv_offset = jnp.asarray(kv_offset, jnp.int32)
     alibi = make_alibi(alibi_slopes, alibi_positions, B, N, T, S)
-    out, lse = _attention(cfg, q, k, v, mask, bias, alibi, q_offset, kv_offset)
+    rel = check_relative_bias(relative_bias, B, N, T, S)
+    out, lse = _attention(cfg, q, k, v, mask, bias, alibi, rel, q_offset, kv_offset)
     return (out, lse) if return_lse else out
 
 
@@ -108,24 +112,37 @@ def _alibi_axes(alibi: Alibi | None, B):
     return Alibi(s_axis, pos_axis, pos_axis), Alibi(slopes, alibi.q_positions, alibi.kv_positions)
 
 
-def _vmap_batch(fn, q, k, v, mask, bias, alibi, *rest_batched, direct_b1=False):
+def _rel_axes(rel: RelativeBias | None):
+    """vmap axes of a `RelativeBias` (the table is shared, positions `[B, L]`)."""
+    if rel is None:
+        return None
+    pos_axis = None if rel.q_positions is None else 0
+    return dataclasses.replace(rel, table=None, q_positions=pos_axis, kv_positions=pos_axis)
+
+
+def _vmap_batch(fn, q, k, v, mask, bias, alibi, rel, *rest_batched, direct_b1=False):
     """fn of one example, over the batch. `direct_b1`: at B = 1 call fn on the
     example itself rather than vmap it (the layouts XLA then picks for the
     training forward save memory; see `_attention_fwd`)."""
     B = q.shape[0]
     if direct_b1 and B == 1:
         first = lambda tree: jax.tree.map(lambda x: x[0], tree)  # None stays None
-        outs = fn(q[0], k[0], v[0], mask, first(bias), first(alibi), *map(first, rest_batched))
+        if rel is not None and rel.q_positions is not None:
+            rel = dataclasses.replace(rel, q_positions=rel.q_positions[0],
+                                      kv_positions=rel.kv_positions[0])
+        outs = fn(q[0], k[0], v[0], mask, first(bias), first(alibi), rel,
+                  *map(first, rest_batched))
         return jax.tree.map(lambda x: x[None], outs)
     mask_axis, unbatch = _mask_axes(mask)
     bias_axis, bias = _bias_axes(bias, B)
     alibi_axis, alibi = _alibi_axes(alibi, B)
 
-    def one(q, k, v, mask, bias, alibi, *rest):
-        return fn(q, k, v, unbatch(mask), bias, alibi, *rest)
+    def one(q, k, v, mask, bias, alibi, rel, *rest):
+        return fn(q, k, v, unbatch(mask), bias, alibi, rel, *rest)
 
-    in_axes = (0, 0, 0, mask_axis, bias_axis, alibi_axis) + (0,) * len(rest_batched)
-    return jax.vmap(one, in_axes=in_axes)(q, k, v, mask, bias, alibi, *rest_batched)
+    in_axes = (0, 0, 0, mask_axis, bias_axis, alibi_axis, _rel_axes(rel)) + \
+        (0,) * len(rest_batched)
+    return jax.vmap(one, in_axes=in_axes)(q, k, v, mask, bias, alibi, rel, *rest_batched)
 
 
 # --------------------------------------------------------------------------- #
@@ -177,18 +194,47 @@ def _alibi_example(alibi, K, G, Tp, Sp):
     return Alibi(alibi.slopes.reshape(K, G), qp, kp)
 
 
+def _tile_positions(q_positions, kv_positions, qi, kj, bq, bk, qo, ko):
+    """Query positions `[bq]` and kv positions `[bk]` of a tile: slices of the
+    (padded) explicit positions, or the global indices."""
+    if q_positions is not None:
+        return (lax.dynamic_slice_in_dim(q_positions, qi * bq, bq),
+                lax.dynamic_slice_in_dim(kv_positions, kj * bk, bk))
+    return (qo + qi * bq + jnp.arange(bq, dtype=jnp.int32),
+            ko + kj * bk + jnp.arange(bk, dtype=jnp.int32))
+
+
 def _alibi_tile(alibi, qi, kj, bq, bk, qo, ko):
     """(slopes `[K,G]`, query positions `[bq]`, kv positions `[bk]`) of a tile, or None."""
     if alibi is None:
         return None
-    if alibi.q_positions is not None:
-        return (alibi.slopes, lax.dynamic_slice_in_dim(alibi.q_positions, qi * bq, bq),
-                lax.dynamic_slice_in_dim(alibi.kv_positions, kj * bk, bk))
-    return (alibi.slopes, qo + qi * bq + jnp.arange(bq, dtype=jnp.int32),
-            ko + kj * bk + jnp.arange(bk, dtype=jnp.int32))
+    return (alibi.slopes, *_tile_positions(alibi.q_positions, alibi.kv_positions,
+                                           qi, kj, bq, bk, qo, ko))
 
 
-def _logits(cfg, qt, kt, bias_t, alibi_t=None):
+def _rel_example(rel, Tp, Sp):
+    """One example's `RelativeBias` with its positions padded to the tiled lengths."""
+    if rel is None or rel.q_positions is None:
+        return rel
+    return dataclasses.replace(rel, q_positions=_pad_to(rel.q_positions, 0, Tp),
+                               kv_positions=_pad_to(rel.kv_positions, 0, Sp))
+
+
+def _rel_tile(rel, qi, kj, bq, bk, qo, ko):
+    """(table `[nb, N]`, buckets `[bq, bk]` int32) of a tile, or None."""
+    if rel is None:
+        return None
+    return rel.table, rel.buckets(*_tile_positions(rel.q_positions, rel.kv_positions,
+                                                   qi, kj, bq, bk, qo, ko))
+
+
+def _rel_table_grad(ds, buckets, nb):
+    """d table `[nb, N]` of a tile: dlogits `[K,G,bq,bk]` summed per bucket."""
+    N = ds.shape[0] * ds.shape[1]
+    return jax.ops.segment_sum(ds.reshape(N, -1).T, buckets.reshape(-1), num_segments=nb)
+
+
+def _logits(cfg, qt, kt, bias_t, alibi_t=None, rel_t=None):
     """fp32 logits `[K,G,bq,bk]` (and tanh of the soft-cap, for the backward)."""
     s = jnp.einsum("QKGH,SKH->KGQS", qt, kt, preferred_element_type=jnp.float32) * cfg.scale
     t = None
@@ -203,6 +249,11 @@ def _logits(cfg, qt, kt, bias_t, alibi_t=None):
         slopes, qpos, kpos = alibi_t
         dist = jnp.abs(qpos[:, None] - kpos[None, :]).astype(jnp.float32)
         s = s - slopes[:, :, None, None] * dist
+    if rel_t is not None:  # table[bucket, n], the table [nb, N]
+        table, buckets = rel_t
+        K, G = s.shape[:2]
+        vals = jnp.take(table.astype(jnp.float32), buckets, axis=0)  # [bq, bk, N]
+        s = s + jnp.moveaxis(vals, -1, 0).reshape(K, G, *buckets.shape)
     return s, t
 
 
@@ -243,13 +294,14 @@ def _bias_tile(bias, qi, kj, bq, bk):
 # --------------------------------------------------------------------------- #
 
 
-def _forward_one(cfg, q, k, v, mask, bias, alibi, qo, ko):
+def _forward_one(cfg, q, k, v, mask, bias, alibi, rel, qo, ko):
     T, N, H = q.shape
     S, K, _ = k.shape
     G = N // K
     bq, bk = cfg.block_q, cfg.block_kv
     nq, nk = _cdiv(T, bq), _cdiv(S, bk)
     alibi = _alibi_example(alibi, K, G, nq * bq, nk * bk)
+    rel = _rel_example(rel, nq * bq, nk * bk)
     qp = _pad_to(q, 0, nq * bq).reshape(nq, bq, K, G, H)
     kp = _pad_to(k, 0, nk * bk)
     vp = _pad_to(v, 0, nk * bk)
@@ -267,7 +319,8 @@ def _forward_one(cfg, q, k, v, mask, bias, alibi, qo, ko):
             kt = lax.dynamic_slice_in_dim(kp, kj * bk, bk)
             vt = lax.dynamic_slice_in_dim(vp, kj * bk, bk)
             s, _ = _logits(cfg, qt, kt, _bias_tile(bias, qi, kj, bq, bk),
-                           _alibi_tile(alibi, qi, kj, bq, bk, qo, ko))
+                           _alibi_tile(alibi, qi, kj, bq, bk, qo, ko),
+                           _rel_tile(rel, qi, kj, bq, bk, qo, ko))
             allowed = _tile_allowed(cfg, mask, codes[qi, kj], qi, kj, T, S, qo, ko)
             s = jnp.where(allowed, s, -jnp.inf)
             m_new = jnp.maximum(m, s.max(-1))
@@ -293,9 +346,10 @@ def _forward_one(cfg, q, k, v, mask, bias, alibi, qo, ko):
     return out, lse
 
 
-def _forward(cfg, q, k, v, mask, bias, alibi, qo, ko, direct_b1=False):
-    fn = lambda q, k, v, mask, bias, alibi: _forward_one(cfg, q, k, v, mask, bias, alibi, qo, ko)
-    return _vmap_batch(fn, q, k, v, mask, bias, alibi, direct_b1=direct_b1)
+def _forward(cfg, q, k, v, mask, bias, alibi, rel, qo, ko, direct_b1=False):
+    fn = lambda q, k, v, mask, bias, alibi, rel: _forward_one(cfg, q, k, v, mask, bias, alibi,
+                                                              rel, qo, ko)
+    return _vmap_batch(fn, q, k, v, mask, bias, alibi, rel, direct_b1=direct_b1)
 
 
 # --------------------------------------------------------------------------- #
@@ -303,7 +357,7 @@ def _forward(cfg, q, k, v, mask, bias, alibi, qo, ko, direct_b1=False):
 # --------------------------------------------------------------------------- #
 
 
-def _backward_one(cfg, q, k, v, mask, bias, alibi, qo, ko, out, lse, dout, dlse,
+def _backward_one(cfg, q, k, v, mask, bias, alibi, rel, qo, ko, out, lse, dout, dlse,
                   grad_dtype=None):
     T, N, H = q.shape
     S, K, _ = k.shape
@@ -311,6 +365,7 @@ def _backward_one(cfg, q, k, v, mask, bias, alibi, qo, ko, out, lse, dout, dlse,
     bq, bk = cfg.block_q, cfg.block_kv
     nq, nk = _cdiv(T, bq), _cdiv(S, bk)
     alibi = _alibi_example(alibi, K, G, nq * bq, nk * bk)
+    rel = _rel_example(rel, nq * bq, nk * bk)
     # D_i = sum_h dO*O - dlse_i: the softmax backward's row term (dlse enters here).
     delta = jnp.einsum("TNH,TNH->NT", dout.astype(jnp.float32), out.astype(jnp.float32)) - dlse
     qp = _pad_to(q, 0, nq * bq).reshape(nq, bq, K, G, H)
@@ -327,15 +382,16 @@ def _backward_one(cfg, q, k, v, mask, bias, alibi, qo, ko, out, lse, dout, dlse,
     order_t, counts_t = _compact(codes.T)
 
     def kv_tile(carry, xs):
-        dq, dbias = carry
+        dq, dbias, dtable = carry
         kj, kt, vt = xs
 
         def body(c):
-            i, dq, dbias, dk, dv = c
+            i, dq, dbias, dtable, dk, dv = c
             qi = order_t[kj, i]
             qt, dot = qp[qi], dop[qi]
+            rel_t = _rel_tile(rel, qi, kj, bq, bk, qo, ko)
             s, t = _logits(cfg, qt, kt, _bias_tile(bias, qi, kj, bq, bk),
-                           _alibi_tile(alibi, qi, kj, bq, bk, qo, ko))
+                           _alibi_tile(alibi, qi, kj, bq, bk, qo, ko), rel_t)
             allowed = _tile_allowed(cfg, mask, codes[qi, kj], qi, kj, T, S, qo, ko)
             p = jnp.where(allowed, jnp.exp(s - lsep[qi][..., None]), 0.0)  # [K,G,bq,bk]
             dv = dv + jnp.einsum("KGQS,QKGH->SKH", p.astype(dout.dtype), dot,
@@ -347,6 +403,8 @@ def _backward_one(cfg, q, k, v, mask, bias, alibi, qo, ko, out, lse, dout, dlse,
                 db = db if Nb == N else db.sum(0, keepdims=True)
                 cur = lax.dynamic_slice(dbias, (0, qi * bq, kj * bk), (Nb, bq, bk))
                 dbias = lax.dynamic_update_slice(dbias, cur + db, (0, qi * bq, kj * bk))
+            if dtable is not None:
+                dtable = dtable + _rel_table_grad(ds, rel_t[1], dtable.shape[0])
             if t is not None:
                 ds = ds * (1.0 - t * t)
             ds = ds * cfg.scale
@@ -354,23 +412,24 @@ def _backward_one(cfg, q, k, v, mask, bias, alibi, qo, ko, out, lse, dout, dlse,
                                           preferred_element_type=jnp.float32))
             dk = dk + jnp.einsum("KGQS,QKGH->SKH", ds.astype(q.dtype), qt,
                                  preferred_element_type=jnp.float32)
-            return i + 1, dq, dbias, dk, dv
+            return i + 1, dq, dbias, dtable, dk, dv
 
         zeros = jnp.zeros((bk, K, H), jnp.float32)
-        _, dq, dbias, dk, dv = _loop(lambda c: c[0] < counts_t[kj], body,
-                                       (jnp.int32(0), dq, dbias, zeros, zeros), nq)
-        return (dq, dbias), (dk, dv)
+        _, dq, dbias, dtable, dk, dv = _loop(lambda c: c[0] < counts_t[kj], body,
+                                             (jnp.int32(0), dq, dbias, dtable, zeros, zeros), nq)
+        return (dq, dbias, dtable), (dk, dv)
 
     dq0 = jnp.zeros((nq, bq, K, G, H), jnp.float32)
     db0 = None if bias is None else jnp.zeros(bias.shape, jnp.float32)
-    (dq, dbias), (dk, dv) = _scan(kv_tile, (dq0, db0),
-                                  (jnp.arange(nk, dtype=jnp.int32), kp, vp))
+    dt0 = None if rel is None else jnp.zeros(rel.table.shape, jnp.float32)
+    (dq, dbias, dtable), (dk, dv) = _scan(kv_tile, (dq0, db0, dt0),
+                                          (jnp.arange(nk, dtype=jnp.int32), kp, vp))
     dq = dq.reshape(nq * bq, N, H)[:T].astype(grad_dtype or q.dtype)
     dk = dk.reshape(nk * bk, K, H)[:S].astype(grad_dtype or k.dtype)
     dv = dv.reshape(nk * bk, K, H)[:S].astype(grad_dtype or v.dtype)
     if dbias is not None:
         dbias = dbias[:, :T, :S]
-    return dq, dk, dv, dbias
+    return dq, dk, dv, dbias, dtable
 
 
 # --------------------------------------------------------------------------- #
@@ -379,39 +438,45 @@ def _backward_one(cfg, q, k, v, mask, bias, alibi, qo, ko, out, lse, dout, dlse,
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(cfg, q, k, v, mask, bias, alibi, qo, ko):
-    return _forward(cfg, q, k, v, mask, bias, alibi, qo, ko)
+def _attention(cfg, q, k, v, mask, bias, alibi, rel, qo, ko):
+    return _forward(cfg, q, k, v, mask, bias, alibi, rel, qo, ko)
 
 
-def _attention_fwd(cfg, q, k, v, mask, bias, alibi, qo, ko):
+def _attention_fwd(cfg, q, k, v, mask, bias, alibi, rel, qo, ko):
     # Training at B = 1 (this rule and the backward run only under
     # differentiation) calls the example directly rather than vmap it: on CPU
     # (experiments/bench_attention.py cpu, causal GQA 4/1, H=64, fp32) the
     # forward+backward's compiled temporaries at S = 16k go 65.7 -> 62.4 MiB
     # (1k-8k unchanged). The primal (inference) forward keeps vmap: called
     # directly its temporaries grew (25.4 -> 33.4 MiB at 16k).
-    out, lse = _forward(cfg, q, k, v, mask, bias, alibi, qo, ko, direct_b1=True)
-    return (out, lse), (q, k, v, mask, bias, alibi, qo, ko, out, lse)
+    out, lse = _forward(cfg, q, k, v, mask, bias, alibi, rel, qo, ko, direct_b1=True)
+    return (out, lse), (q, k, v, mask, bias, alibi, rel, qo, ko, out, lse)
 
 
 def _attention_bwd(cfg, res, cts):
-    q, k, v, mask, bias, alibi, qo, ko, out, lse = res
+    q, k, v, mask, bias, alibi, rel, qo, ko, out, lse = res
     dout, dlse = cts
     B = q.shape[0]
 
-    def fn(q, k, v, mask, bias, alibi, out, lse, dout, dlse):
-        return _backward_one(cfg, q, k, v, mask, bias, alibi, qo, ko, out, lse, dout, dlse)
+    def fn(q, k, v, mask, bias, alibi, rel, out, lse, dout, dlse):
+        return _backward_one(cfg, q, k, v, mask, bias, alibi, rel, qo, ko, out, lse, dout,
+                             dlse)
 
-    dq, dk, dv, dbias = _vmap_batch(fn, q, k, v, mask, bias, alibi, out, lse,
-                                    dout.astype(out.dtype),
-                                    dlse.astype(jnp.float32), direct_b1=True)
+    dq, dk, dv, dbias, dtable = _vmap_batch(fn, q, k, v, mask, bias, alibi, rel, out, lse,
+                                            dout.astype(out.dtype),
+                                            dlse.astype(jnp.float32), direct_b1=True)
     if dbias is not None:
         if bias.shape[0] == 1 and B != 1:
             dbias = dbias.sum(0, keepdims=True)
         dbias = dbias.astype(bias.dtype)
     mask_ct = jax.tree.map(_zero_cotangent, mask)
     alibi_ct = jax.tree.map(_zero_cotangent, alibi)  # slopes are constants
-    return dq, dk, dv, mask_ct, dbias, alibi_ct, _zero_cotangent(qo), _zero_cotangent(ko)
+    rel_ct = None
+    if rel is not None:  # per-example table grads [B, nb, N] summed over the batch
+        rel_ct = dataclasses.replace(jax.tree.map(_zero_cotangent, rel),
+                                     table=dtable.sum(0).astype(rel.table.dtype))
+    return (dq, dk, dv, mask_ct, dbias, alibi_ct, rel_ct, _zero_cotangent(qo),
+            _zero_cotangent(ko))
 
 
 def blockwise_attention_backward(q, k, v, mask, out, lse, dout, *, scale=None, softcap=None,
@@ -438,12 +503,12 @@ def blockwise_attention_backward(q, k, v, mask, out, lse, dout, *, scale=None, s
     qo = jnp.asarray(q_offset, jnp.int32)
     ko = jnp.asarray(kv_offset, jnp.int32)
 
-    def fn(q, k, v, mask, bias, alibi, out, lse, dout):
+    def fn(q, k, v, mask, bias, alibi, rel, out, lse, dout):
         dlse = jnp.zeros(lse.shape, jnp.float32)
-        return _backward_one(cfg, q, k, v, mask, None, alibi, qo, ko, out, lse, dout, dlse,
-                             grad_dtype)[:3]
+        return _backward_one(cfg, q, k, v, mask, None, alibi, None, qo, ko, out, lse, dout,
+                             dlse, grad_dtype)[:3]
 
-    return _vmap_batch(fn, q, k, v, mask, None, alibi, out,
+    return _vmap_batch(fn, q, k, v, mask, None, alibi, None, out,
                        lse.astype(jnp.float32), dout.astype(out.dtype))
 
 
@@ -462,10 +527,11 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 # --------------------------------------------------------------------------- #
 
 
-def _impl(q, k, v, mask, *, bias, alibi, scale, softcap, q_offset, kv_offset, return_lse):
+def _impl(q, k, v, mask, *, bias, alibi, scale, softcap, q_offset, kv_offset, return_lse,
+          relative_bias=None):
     return blockwise_attention(q, k, v, mask, bias=bias, scale=scale, softcap=softcap,
                                q_offset=q_offset, kv_offset=kv_offset, return_lse=return_lse,
-                               **Alibi.kwargs(alibi))
+                               relative_bias=relative_bias, **Alibi.kwargs(alibi))
 
 
 def _register():
@@ -475,7 +541,7 @@ def _register():
         order = AUTO_ORDER.get(backend, [])
         return order.index("reference") if "reference" in order else len(order)
 
-    register_implementation("blockwise", _impl, auto={
+    register_implementation("blockwise", _impl, relative_bias=True, auto={
         "cpu": 0, "gpu": before_reference("gpu"), "tpu": before_reference("tpu")})
 
 

@@ -9,22 +9,26 @@ explicit treatment of fully masked rows (output 0, logsumexp -inf).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 
 import jax
 import jax.numpy as jnp
 
 from tfjax.ops import masks as masks_lib
 
-__all__ = ["Alibi", "attention_reference", "make_alibi"]
+__all__ = ["Alibi", "RelativeBias", "attention_reference", "check_relative_bias", "make_alibi",
+           "relative_position_bucket"]
 
 
 def attention_reference(q, k, v, mask=None, *, bias=None, scale=None, softcap=None,
-                        alibi_slopes=None, alibi_positions=None, q_offset=0, kv_offset=0,
-                        return_lse=False):
+                        alibi_slopes=None, alibi_positions=None, relative_bias=None,
+                        q_offset=0, kv_offset=0, return_lse=False):
     """q `[B,T,N,H]`, k/v `[B,S,K,H]` -> out `[B,T,N,H]` (and lse `[B,N,T]` fp32).
 
-    logits = softcap * tanh(scale * q.k / softcap) + bias - slope * |q_pos - kv_pos|,
-    masked, softmax over keys (ALiBi: see `make_alibi`).
+    logits = softcap * tanh(scale * q.k / softcap) + bias - slope * |q_pos - kv_pos|
+    + table[bucket(kv_pos - q_pos)], masked, softmax over keys (ALiBi: see
+    `make_alibi`; the T5 bias: `RelativeBias`).
     """
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
@@ -42,6 +46,10 @@ def attention_reference(q, k, v, mask=None, *, bias=None, scale=None, softcap=No
     if alibi is not None:
         a = alibi.dense(T, S, q_offset, kv_offset)
         logits = logits + a.reshape(a.shape[0], K, G, T, S)
+    relative_bias = check_relative_bias(relative_bias, B, N, T, S)
+    if relative_bias is not None:
+        r = relative_bias.dense(T, S, q_offset, kv_offset).astype(jnp.float32)
+        logits = logits + r.reshape(r.shape[0], K, G, T, S)
     allowed = masks_lib.dense(mask, T, S, q_offset=q_offset, kv_offset=kv_offset)  # [B|1, T, S]
     allowed = allowed[:, None, None]
     logits = jnp.where(allowed, logits, -jnp.inf)
@@ -79,11 +87,7 @@ class Alibi:
 
     def positions(self, T: int, S: int, q_offset=0, kv_offset=0):
         """(`[B|1, T]`, `[B|1, S]`) int32 query and key positions."""
-        if self.q_positions is not None:
-            return self.q_positions, self.kv_positions
-        qp = jnp.arange(T, dtype=jnp.int32) + jnp.asarray(q_offset, jnp.int32)
-        kp = jnp.arange(S, dtype=jnp.int32) + jnp.asarray(kv_offset, jnp.int32)
-        return qp[None], kp[None]
+        return _positions(self.q_positions, self.kv_positions, T, S, q_offset, kv_offset)
 
     @staticmethod
     def kwargs(alibi: "Alibi | None") -> dict:
@@ -118,17 +122,146 @@ def make_alibi(alibi_slopes, alibi_positions, B: int, N: int, T: int, S: int) ->
     slopes = slopes[None] if slopes.ndim == 1 else slopes
     if alibi_positions is None:
         return Alibi(slopes)
+    qp, kp = _check_positions("alibi_positions", alibi_positions, B, T, S)
+    return Alibi(slopes, qp, kp)
+
+
+def _positions(q_positions, kv_positions, T, S, q_offset, kv_offset):
+    """The explicit positions, or the global indices `offset + i` as `[1, T]`, `[1, S]`."""
+    if q_positions is not None:
+        return q_positions, kv_positions
+    qp = jnp.arange(T, dtype=jnp.int32) + jnp.asarray(q_offset, jnp.int32)
+    kp = jnp.arange(S, dtype=jnp.int32) + jnp.asarray(kv_offset, jnp.int32)
+    return qp[None], kp[None]
+
+
+def _check_positions(what: str, positions, B: int, T: int, S: int):
+    """`positions` = (q `[B|1, T]`, kv `[B|1, S]`) integers -> int32 `[B, T]`, `[B, S]`;
+    a ValueError naming `what` otherwise."""
     try:
-        qp, kp = alibi_positions
+        qp, kp = positions
     except (TypeError, ValueError):
-        raise ValueError("alibi_positions must be a pair (q_positions [B|1, T], kv_positions "
+        raise ValueError(f"{what} must be a pair (q_positions [B|1, T], kv_positions "
                          "[B|1, S])") from None
     for name, x, L in (("q_positions", qp, T), ("kv_positions", kp, S)):
         if jnp.ndim(x) != 2 or jnp.shape(x)[0] not in (1, B) or jnp.shape(x)[1] != L:
-            raise ValueError(f"alibi_positions: {name} must be [B|1, {L}] = [{B}|1, {L}], got "
+            raise ValueError(f"{what}: {name} must be [B|1, {L}] = [{B}|1, {L}], got "
                              f"{tuple(jnp.shape(x))}")
         if not jnp.issubdtype(jnp.asarray(x).dtype, jnp.integer):
-            raise ValueError(f"alibi_positions: {name} must be integers, got "
-                             f"{jnp.asarray(x).dtype}")
-    return Alibi(slopes, jnp.broadcast_to(jnp.asarray(qp, jnp.int32), (B, T)),
-                 jnp.broadcast_to(jnp.asarray(kp, jnp.int32), (B, S)))
+            raise ValueError(f"{what}: {name} must be integers, got {jnp.asarray(x).dtype}")
+    return (jnp.broadcast_to(jnp.asarray(qp, jnp.int32), (B, T)),
+            jnp.broadcast_to(jnp.asarray(kp, jnp.int32), (B, S)))
+
+
+# --------------------------------------------------------------------------- #
+# T5's bucketed relative position bias.
+# --------------------------------------------------------------------------- #
+
+
+def check_buckets(num_buckets: int, max_distance: int, bidirectional: bool) -> None:
+    """ValueError unless T5's bucketing is well defined for these settings."""
+    half = num_buckets // 2 if bidirectional else num_buckets
+    if half // 2 < 1:
+        raise ValueError(f"num_buckets={num_buckets} is too small: need >= "
+                         f"{4 if bidirectional else 2} (bidirectional={bidirectional})")
+    if max_distance <= half // 2:
+        raise ValueError(f"max_distance={max_distance} must exceed the {half // 2} exact "
+                         f"buckets (num_buckets={num_buckets}, bidirectional={bidirectional})")
+
+
+def relative_position_bucket(relative_position, *, bidirectional: bool, num_buckets: int = 32,
+                             max_distance: int = 128):
+    """T5's bucket of relative_position = key_pos - query_pos (mesh-tensorflow formula).
+
+    Bidirectional: keys after the query use the upper half of the buckets. Within a
+    half, distances below half/2 get their own bucket, larger ones log-spaced buckets
+    up to max_distance, beyond which they share the last bucket. Unidirectional: keys
+    after the query (never seen causally) all land in bucket 0.
+    """
+    check_buckets(num_buckets, max_distance, bidirectional)
+    n = -jnp.asarray(relative_position, jnp.int32)  # distance into the past
+    ret = jnp.zeros_like(n)
+    if bidirectional:
+        num_buckets //= 2
+        ret = ret + (n < 0).astype(jnp.int32) * num_buckets
+        n = jnp.abs(n)
+    else:
+        n = jnp.maximum(n, 0)
+    max_exact = num_buckets // 2
+    is_small = n < max_exact
+    # float32 and this order of operations, as mesh-tensorflow and HF, so bucket edges
+    # agree with trained checkpoints; max() keeps log() finite on the unused branch.
+    n_large = jnp.maximum(n, max_exact).astype(jnp.float32)
+    log_ratio = jnp.log(n_large / max_exact) / math.log(max_distance / max_exact)
+    val_if_large = max_exact + (log_ratio * (num_buckets - max_exact)).astype(jnp.int32)
+    val_if_large = jnp.minimum(val_if_large, num_buckets - 1)
+    return ret + jnp.where(is_small, n, val_if_large)
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["table", "q_positions", "kv_positions"],
+                   meta_fields=["bidirectional", "max_distance"])
+@dataclasses.dataclass(frozen=True)
+class RelativeBias:
+    """T5's relative position bias (Raffel et al. 2020) as the attention ops take it:
+    `table[bucket(kv_pos - q_pos), n]` added to head n's logits, evaluated per tile
+    by "blockwise" (never a materialised `[B, N, T, S]` array; its gradient is
+    accumulated per bucket) and materialised for the other implementations.
+
+    table: `[num_buckets, N]` (the layout of T5 / HF checkpoints), differentiable.
+    bidirectional / max_distance: the bucketing (`relative_position_bucket`).
+    Positions: int32 `[B|1, T]` and `[B|1, S]` (packed documents restart them), or
+    None for the global index positions `q_offset + i` and `kv_offset + j`."""
+
+    table: jax.Array
+    bidirectional: bool
+    max_distance: int = 128
+    q_positions: jax.Array | None = None
+    kv_positions: jax.Array | None = None
+
+    @property
+    def num_buckets(self) -> int:
+        return self.table.shape[0]
+
+    def positions(self, T: int, S: int, q_offset=0, kv_offset=0):
+        """(`[B|1, T]`, `[B|1, S]`) int32 query and key positions."""
+        return _positions(self.q_positions, self.kv_positions, T, S, q_offset, kv_offset)
+
+    def buckets(self, q_positions, kv_positions):
+        """int32 buckets `[..., T, S]` of positions `[..., T]` and `[..., S]`."""
+        rel = kv_positions[..., None, :] - q_positions[..., :, None]
+        return relative_position_bucket(rel, bidirectional=self.bidirectional,
+                                        num_buckets=self.num_buckets,
+                                        max_distance=self.max_distance)
+
+    def dense(self, T: int, S: int, q_offset=0, kv_offset=0):
+        """The materialised bias `[B|1, N, T, S]` in the table's dtype (differentiable
+        in the table: the implementations without per-tile support take this)."""
+        b = self.buckets(*self.positions(T, S, q_offset, kv_offset))  # [B|1, T, S]
+        return jnp.transpose(jnp.take(self.table, b, axis=0), (0, 3, 1, 2))
+
+
+def check_relative_bias(relative_bias, B: int, N: int, T: int, S: int) -> RelativeBias | None:
+    """Check the `relative_bias` argument of an attention call (None passes) and
+    return it with its positions as int32 `[B, T]` / `[B, S]`."""
+    if relative_bias is None:
+        return None
+    if not isinstance(relative_bias, RelativeBias):
+        raise TypeError(f"relative_bias must be a tfjax.ops.RelativeBias, got "
+                        f"{type(relative_bias).__name__}; an additive array goes to bias=")
+    table = relative_bias.table
+    if jnp.ndim(table) != 2 or jnp.shape(table)[1] != N:
+        raise ValueError(f"relative_bias.table must be [num_buckets, N] = [num_buckets, {N}] "
+                         f"(one column per query head), got {tuple(jnp.shape(table))}")
+    if not jnp.issubdtype(jnp.asarray(table).dtype, jnp.floating):
+        raise ValueError(f"relative_bias.table must be floating point, got "
+                         f"{jnp.asarray(table).dtype}")
+    check_buckets(jnp.shape(table)[0], relative_bias.max_distance, relative_bias.bidirectional)
+    if (relative_bias.q_positions is None) != (relative_bias.kv_positions is None):
+        raise ValueError("relative_bias: give both q_positions and kv_positions, or neither "
+                         "(the index positions q_offset + i, kv_offset + j)")
+    if relative_bias.q_positions is None:
+        return relative_bias
+    qp, kp = _check_positions("relative_bias", (relative_bias.q_positions,
+                                                relative_bias.kv_positions), B, T, S)
+    return dataclasses.replace(relative_bias, q_positions=qp, kv_positions=kp)
