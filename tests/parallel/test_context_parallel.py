@@ -107,12 +107,13 @@ def test_zigzag_plan_and_host_reorder():
     assert n == 0 and "custom build_model" in note  # e.g. tests/train/tiny_decoder.py
     for kw in (dict(model=dict(zigzag="layer")), dict(cp="all_gather")):
         assert zigzag_devices(_config(data=2, sequence=4, **kw), mesh) == (0, None)
-    # ALiBi reaches the ring as slopes + the batch's (reordered) positions
-    alibi = _config(data=2, sequence=4, model=dict(position="alibi"))
-    assert zigzag_devices(alibi, mesh) == (4, None)
-    # Order-dependent layers / biases / lengths: fall back to natural order, with a note.
+    # ALiBi / T5's bias reach the ring as slopes / the table + the batch's (reordered)
+    # positions
+    for position in ("alibi", "t5"):
+        cfg = _config(data=2, sequence=4, model=dict(position=position))
+        assert zigzag_devices(cfg, mesh) == (4, None)
+    # Order-dependent layers / lengths: fall back to natural order, with a note.
     for kw, why in ((dict(model=dict(layer_pattern=("global", "linear"))), "'linear'"),
-                    (dict(model=dict(position="t5")), "t5"),
                     (dict(seq_len=36), "seq_len=36")):
         n, note = zigzag_devices(_config(data=2, sequence=4, **kw), mesh)
         assert n == 0 and why in note and "model.zigzag='layer'" in note
@@ -121,8 +122,8 @@ def test_zigzag_plan_and_host_reorder():
 
 
 def test_zigzag_data_refuses_what_it_cannot_read():
-    # Under the trainer's zig-zag layout a biased attention (ALiBi / T5) would read
-    # the tokens against natural-order positions: an error, not a wrong answer.
+    # Under the trainer's zig-zag layout a bias array would be read against
+    # natural-order positions: an error, not a wrong answer.
     cfg = _config(data=2, sequence=4)
     mesh = make_mesh(cfg.mesh, jax.devices()[:8])
     attn = nnx.eval_shape(lambda: MultiHeadAttention(32, 4, rngs=nnx.Rngs(0)))

@@ -12,6 +12,7 @@ from jax import lax
 from jax.sharding import AxisType
 
 from tfjax.ops import masks
+from tfjax.ops import RelativeBias
 from tfjax.ops.reference import attention_reference
 from tfjax.ops.pallas import BlockSizes
 from tfjax.parallel.ring_attention import all_gather_attention, ring_attention, unzigzag, zigzag
@@ -81,28 +82,51 @@ def _alibi(positions: bool, per_example: bool = False) -> dict:
     return kw
 
 
-def _out_and_grads(attn, q, k, v, ct):
-    out, vjp = jax.vjp(attn, q, k, v)
+def _relative(positions: bool) -> dict:
+    """T5 bias arguments (`RelativeBias` fields): a random table, bidirectional,
+    max distance 10; with `positions` the packed positions of `_alibi`."""
+    kw = dict(table=jax.random.normal(jax.random.key(9), (8, N)), bidirectional=True,
+              max_distance=10)
+    if positions:
+        kw["q_positions"] = kw["kv_positions"] = _alibi(True)["alibi_positions"][0]
+    return kw
+
+
+def _rb(relative, table):
+    if relative is None:
+        return None
+    return RelativeBias(**{**relative, "table": table})
+
+
+def _out_and_grads(attn, *args_and_ct):
+    """(out, d args...) of `attn(*args)` for the output cotangent (the last value)."""
+    *args, ct = args_and_ct
+    out, vjp = jax.vjp(attn, *args)
     return (out,) + vjp(ct)
 
 
 def _compare(mask, mesh, load_balance, batch_axes=None, kv_heads=K, softcap=None, scale=None,
-             alibi=None, **kwargs):
+             alibi=None, relative=None, **kwargs):
+    """ring_attention against the reference: out, dq, dk, dv (and T5's dtable)."""
     q, k, v, ct = _inputs(kv_heads=kv_heads)
     alibi = alibi or {}
+    table = None if relative is None else relative["table"]
 
-    def ring(q, k, v):
+    def ring(q, k, v, t):
         return ring_attention(q, k, v, mask, mesh=mesh, batch_axes=batch_axes,
                               load_balance=load_balance, block_q=8, block_kv=8,
-                              softcap=softcap, scale=scale, **alibi, **kwargs)
+                              softcap=softcap, scale=scale, relative_bias=_rb(relative, t),
+                              **alibi, **kwargs)
 
-    got = jax.jit(lambda *a: _out_and_grads(ring, *a))(q, k, v, ct)
+    got = jax.jit(lambda *a: _out_and_grads(ring, *a))(q, k, v, table, ct)
     want = jax.jit(lambda *a: _out_and_grads(
-        lambda q, k, v: attention_reference(q, k, v, mask, softcap=softcap, scale=scale,
-                                            **alibi), *a))(q, k, v, ct)
+        lambda q, k, v, t: attention_reference(q, k, v, mask, softcap=softcap, scale=scale,
+                                               relative_bias=_rb(relative, t), **alibi),
+        *a))(q, k, v, table, ct)
     np.testing.assert_allclose(got[0], want[0], atol=1e-5, rtol=1e-5)
-    for name, g, w in zip("qkv", got[1:], want[1:]):
-        np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4, err_msg=f"d{name}")
+    for name, g, w in zip(["q", "k", "v", "table"], got[1:], want[1:]):
+        if w is not None:
+            np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4, err_msg=f"d{name}")
 
 
 @pytest.mark.parametrize("mask_name,load_balance", [
@@ -114,14 +138,17 @@ def _compare(mask, mesh, load_balance, batch_axes=None, kv_heads=K, softcap=None
     ("prefix_lm", "zigzag"),
 ])
 def test_matches_reference(mesh4, mask_name, load_balance):
-    _compare(MASKS[mask_name](), mesh4, load_balance)
+    # causal zig-zag with T5's bias at index positions (each chunk's global offsets)
+    relative = _relative(False) if (mask_name, load_balance) == ("causal", "zigzag") else None
+    _compare(MASKS[mask_name](), mesh4, load_balance, relative=relative)
 
 
 def test_batch_sharded_zigzag_segments_causal(mesh2x4):
     # with ALiBi: per-example slopes (batch-sharded) and the packed documents'
-    # positions, re-laid out in zig-zag order and rotated with K/V like segment ids
+    # positions, re-laid out in zig-zag order and rotated with K/V like segment ids;
+    # T5's bias at the same positions (its table's gradient summed over 8 devices)
     _compare(MASKS["segments_causal"](), mesh2x4, "zigzag", batch_axes="data",
-             alibi=_alibi(positions=True, per_example=True))
+             alibi=_alibi(positions=True, per_example=True), relative=_relative(True))
 
 
 @pytest.mark.parametrize("mask_name,unroll", [("segments_causal", False), ("window", None)])
@@ -139,18 +166,23 @@ def test_zigzag_ordered_inputs(mesh4, mask_name, unroll):
             "window": lambda i: masks.sliding_window(9)}[mask_name]
     alibi = _alibi(positions=True) if mask_name == "segments_causal" else {}
     alibi_zz = {k: (tuple(map(zz, a)) if k == "alibi_positions" else a) for k, a in alibi.items()}
+    rel = _relative(True) if mask_name == "segments_causal" else None  # T5 too
+    rel_zz = rel and {k: zz(a) if k.endswith("positions") else a for k, a in rel.items()}
+    table = rel and rel["table"]
 
-    def ring(q, k, v):
+    def ring(q, k, v, t):
         return ring_attention(q, k, v, make(zz(ids)), mesh=mesh4, load_balance="zigzag",
                               natural_order=False, block_q=8, block_kv=8, unroll=unroll,
-                              **alibi_zz)
+                              relative_bias=_rb(rel_zz, t), **alibi_zz)
 
-    got = jax.jit(lambda *a: _out_and_grads(ring, *a))(zz(q), zz(k), zz(v), zz(ct))
-    want = _out_and_grads(lambda q, k, v: attention_reference(q, k, v, make(ids), **alibi),
-                          q, k, v, ct)
+    got = jax.jit(lambda *a: _out_and_grads(ring, *a))(zz(q), zz(k), zz(v), table, zz(ct))
+    want = _out_and_grads(lambda q, k, v, t: attention_reference(
+        q, k, v, make(ids), relative_bias=_rb(rel, t), **alibi), q, k, v, table, ct)
     for name, g, w in zip(["out", "dq", "dk", "dv"], got, want):
         np.testing.assert_allclose(unzigzag(g, n, axis=1), w, atol=1e-4, rtol=1e-4,
                                    err_msg=name)
+    if rel is not None:
+        np.testing.assert_allclose(got[4], want[4], atol=1e-4, rtol=1e-4, err_msg="dtable")
 
 
 def test_pallas_kernels_inside_the_ring(mesh4):
@@ -166,16 +198,18 @@ def test_all_gather_attention_matches_reference(mesh2x4):
     q, k, v, ct = _inputs()
 
     alibi = _alibi(positions=True)  # kv positions are gathered with K/V
+    rel = _relative(True)  # and T5's, its table's gradient summed over the devices
 
-    def gathered(q, k, v):
+    def gathered(q, k, v, t=rel["table"]):
         return all_gather_attention(q, k, v, mask, mesh=mesh2x4, batch_axes="data",
-                                    block_q=8, block_kv=8, **alibi)
+                                    block_q=8, block_kv=8, relative_bias=_rb(rel, t), **alibi)
 
-    got = jax.jit(lambda *a: _out_and_grads(gathered, *a))(q, k, v, ct)
+    got = jax.jit(lambda *a: _out_and_grads(gathered, *a))(q, k, v, rel["table"], ct)
     want = jax.jit(lambda *a: _out_and_grads(
-        lambda q, k, v: attention_reference(q, k, v, mask, **alibi), *a))(q, k, v, ct)
+        lambda q, k, v, t: attention_reference(q, k, v, mask, relative_bias=_rb(rel, t),
+                                               **alibi), *a))(q, k, v, rel["table"], ct)
     np.testing.assert_allclose(got[0], want[0], atol=1e-5, rtol=1e-5)
-    for name, g, w in zip("qkv", got[1:], want[1:]):
+    for name, g, w in zip(["q", "k", "v", "table"], got[1:], want[1:]):
         np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4, err_msg=f"d{name}")
     hlo = jax.jit(gathered).lower(q, k, v).compile().as_text()
     assert "all-gather" in hlo and "collective-permute" not in hlo
@@ -250,6 +284,9 @@ def test_bad_arguments(mesh4):
         ring_attention(q, k, v, mesh=mesh4, load_balance="striped")
     with pytest.raises(ValueError, match="implementation must be one of"):
         ring_attention(q, k, v, mesh=mesh4, implementation="cudnn")
+    with pytest.raises(ValueError, match="takes no relative_bias"):  # T5: blockwise only
+        ring_attention(q, k, v, mesh=mesh4, implementation="pallas",
+                       relative_bias=_rb(_relative(False), jnp.ones((8, N))))
 
     with pytest.raises(ValueError, match="divisible"):
         ring_attention(q[:, :62], k[:, :62], v[:, :62], mesh=mesh4)

@@ -122,22 +122,24 @@ class MultiHeadAttention(nnx.Module):
         a `tfjax.ops.RelativeBias` (T5; both evaluated per tile by the tiled
         implementations)."""
         out = None
-        is_alibi = isinstance(bias, Alibi)
-        if (bias is None or is_alibi) and _is_zero(q_offset) and _is_zero(kv_offset):
+        is_alibi, is_relative = isinstance(bias, Alibi), isinstance(bias, RelativeBias)
+        per_tile = bias is None or is_alibi or is_relative  # not an array
+        if per_tile and _is_zero(q_offset) and _is_zero(kv_offset):
             out = context_parallel_attention(q, k, v, mask, mode=self.context_parallel,
                                              zigzag=self.zigzag, scale=self.scale,
                                              softcap=self.softcap,
-                                             alibi=bias if is_alibi else None)
+                                             alibi=bias if is_alibi else None,
+                                             relative_bias=bias if is_relative else None)
         elif zigzag_data_devices():
             # The tokens are in zig-zag order; a bias [B,N,T,S] or offsets would be
             # read against the wrong positions by a mask in natural index order.
-            raise ValueError("attention with a bias (T5) or offsets cannot read a "
+            raise ValueError("attention with a bias array or offsets cannot read a "
                              "zig-zag ordered batch; use model.zigzag='layer'")
         if out is None:
             extra = {}  # a position bias evaluated per tile
             if is_alibi:
                 extra, bias = Alibi.kwargs(bias), None
-            elif isinstance(bias, RelativeBias):
+            elif is_relative:
                 extra, bias = dict(relative_bias=bias), None
             out = dot_product_attention(q, k, v, mask, bias=bias, scale=self.scale,
                                         softcap=self.softcap,

@@ -480,18 +480,20 @@ def _attention_bwd(cfg, res, cts):
 
 
 def blockwise_attention_backward(q, k, v, mask, out, lse, dout, *, scale=None, softcap=None,
-                                 alibi_slopes=None, alibi_positions=None, q_offset=0,
+                                 alibi_slopes=None, alibi_positions=None,
+                                 relative_bias: RelativeBias | None = None, q_offset=0,
                                  kv_offset=0, block_q: int = DEFAULT_BLOCK,
                                  block_kv: int = DEFAULT_BLOCK, grad_dtype=jnp.float32):
-    """The backward of one (q block, kv block) pair: -> dq `[B,T,N,H]`, dk, dv `[B,S,K,H]`.
+    """The backward of one (q block, kv block) pair: -> dq `[B,T,N,H]`, dk, dv `[B,S,K,H]`
+    (and, with `relative_bias`, the fp32 gradient of its table `[num_buckets, N]`).
 
     `out` `[B,T,N,H]` and `lse` `[B,N,T]` (fp32) are the *final* attention output
     and logsumexp of these queries, which may span more keys than `k`/`v` (ring
     attention passes the merged result over all blocks): probabilities are
     recomputed per tile as `exp(logits - lse)`, so the returned gradients are this
     block's exact contribution, and summing them over the blocks gives the full
-    gradient. No bias (ALiBi slopes, a function of positions, are taken); gradients
-    in `grad_dtype` (fp32 by default, for accumulation).
+    gradient. No bias array (ALiBi slopes and T5's table, functions of positions,
+    are taken); gradients in `grad_dtype` (fp32 by default, for accumulation).
     """
     B, T, N, H = q.shape
     S = k.shape[1]
@@ -500,16 +502,19 @@ def blockwise_attention_backward(q, k, v, mask, out, lse, dout, *, scale=None, s
                   block_q=min(int(block_q), _round_up(T, 8)),
                   block_kv=min(int(block_kv), _round_up(S, 8)))
     alibi = make_alibi(alibi_slopes, alibi_positions, B, N, T, S)
+    rel = check_relative_bias(relative_bias, B, N, T, S)
     qo = jnp.asarray(q_offset, jnp.int32)
     ko = jnp.asarray(kv_offset, jnp.int32)
 
     def fn(q, k, v, mask, bias, alibi, rel, out, lse, dout):
         dlse = jnp.zeros(lse.shape, jnp.float32)
-        return _backward_one(cfg, q, k, v, mask, None, alibi, None, qo, ko, out, lse, dout,
-                             dlse, grad_dtype)[:3]
+        dq, dk, dv, _, dtable = _backward_one(cfg, q, k, v, mask, None, alibi, rel, qo, ko, out,
+                                              lse, dout, dlse, grad_dtype)
+        return dq, dk, dv, dtable
 
-    return _vmap_batch(fn, q, k, v, mask, None, alibi, None, out,
-                       lse.astype(jnp.float32), dout.astype(out.dtype))
+    dq, dk, dv, dtable = _vmap_batch(fn, q, k, v, mask, None, alibi, rel, out,
+                                     lse.astype(jnp.float32), dout.astype(out.dtype))
+    return (dq, dk, dv) if rel is None else (dq, dk, dv, dtable.sum(0))
 
 
 def _zero_cotangent(x):

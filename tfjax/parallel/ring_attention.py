@@ -22,7 +22,10 @@ is back on its owner. Masked blocks are skipped as in the forward.
 Per-block attention (`implementation=`): `blockwise_attention` /
 `blockwise_attention_backward` (any backend), or the Pallas TPU kernels
 (`flash_attention_tpu(return_lse=True)` / `flash_attention_tpu_backward`: Mosaic on
-TPU, interpret mode on CPU); "auto" picks pallas on TPU meshes.
+TPU, interpret mode on CPU); "auto" picks pallas on TPU meshes, blockwise for T5's
+bias (`relative_bias`: every device holds a copy of the table; the backward
+returns each device's partial table gradient, summed over the devices by the
+copies' transpose outside shard_map).
 
 Memory. The steps run as a while loop (one K/V block in flight) except on CPU
 meshes, where they are unrolled (`unroll=`; XLA's CPU runtime can deadlock a while
@@ -80,14 +83,16 @@ from tfjax.ops.blockwise import (DEFAULT_BLOCK, blockwise_attention,
                                  blockwise_attention_backward)
 from tfjax.ops.pallas.common import mask_support
 from tfjax.ops.pallas.tpu import flash_attention_tpu, flash_attention_tpu_backward
-from tfjax.ops.reference import Alibi, make_alibi
+from tfjax.ops.reference import Alibi, RelativeBias, check_relative_bias, make_alibi
 
 __all__ = ["CONTEXT_PARALLEL_MODES", "RING_IMPLEMENTATIONS", "ZIGZAG_MODES", "all_gather_attention",
            "context_parallel_attention", "ring_attention", "unzigzag", "zigzag", "zigzag_data",
            "zigzag_data_devices", "zigzag_order"]
 
-# Per-token leaves of the mask / ALiBi pytree: sharded like the tokens; kv ones rotate.
+# Per-token leaves of the mask / ALiBi / T5-bias pytree: sharded like the tokens; kv
+# ones rotate. T5's table is one copy per device (its gradient is a per-device sum).
 _Q_LEAVES, _KV_LEAVES = ("q_segment_ids", "q_positions"), ("kv_segment_ids", "kv_positions")
+_TABLE_LEAVES = ("table",)
 
 
 def _shard_map(f, *, mesh, in_specs, out_specs):
@@ -170,17 +175,40 @@ def _leaf_kind(path) -> str:
         return "q"
     if name in _KV_LEAVES:
         return "kv"
+    if name in _TABLE_LEAVES:
+        return "table"
     return "other"
 
 
-def _split_mask(mask, alibi=None):
-    """Leaves, treedef and leaf kinds of the pytree `(mask, alibi)` (a treedef of
-    None when both are None)."""
-    if mask is None and alibi is None:
+def _split_mask(mask, alibi=None, rel=None):
+    """Leaves, treedef and leaf kinds of the pytree `(mask, alibi, rel)` (a treedef of
+    None when all are None)."""
+    if mask is None and alibi is None and rel is None:
         return [], None, []
-    leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path((mask, alibi))
+    leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path((mask, alibi, rel))
     kinds = [_leaf_kind(p) for p, _ in leaves_with_path]
     return [leaf for _, leaf in leaves_with_path], treedef, kinds
+
+
+def _bias_kwargs(alibi, rel) -> dict:
+    """The ALiBi / T5-bias keyword arguments of the per-block attention."""
+    return {**Alibi.kwargs(alibi), **({} if rel is None else dict(relative_bias=rel))}
+
+
+def _device_axes(batch_axes, seq_axis) -> tuple:
+    """The mesh axes the tokens are split over (batch axes, then seq_axis)."""
+    b = () if batch_axes is None else (batch_axes,) if isinstance(batch_axes, str) else \
+        tuple(batch_axes)
+    return (*b, seq_axis)
+
+
+def _copy_tables(leaves, kinds, mesh, axes):
+    """T5's table as one copy per device of `axes` (`[D, nb, N]`, split over them):
+    each device's copy receives that device's partial gradient, summed outside
+    shard_map by the broadcast's transpose."""
+    D = int(np.prod([mesh.shape[a] for a in axes]))
+    return [jnp.broadcast_to(x[None], (D, *x.shape)) if kd == "table" else x
+            for x, kd in zip(leaves, kinds)]
 
 
 def _zero_cotangent(x):
@@ -192,8 +220,11 @@ def _zero_cotangent(x):
 
 def _specs(leaves, kinds, batch_axes, seq_axis):
     """shard_map specs: q/k/v `[B,T,.,.]` and the mask leaves (segment ids `[B,T]`
-    split like the tokens; per-example leaves over the batch axes only)."""
+    split like the tokens; per-example leaves over the batch axes only; T5's
+    per-device table copies over the batch axes and seq_axis)."""
     def leaf_spec(x, kind):
+        if kind == "table":
+            return P(_device_axes(batch_axes, seq_axis))
         b = batch_axes if x.shape[0] != 1 else None
         return P(b, seq_axis) if kind != "other" else P(*([b] + [None] * (x.ndim - 1)))
 
@@ -222,14 +253,20 @@ def _merge(o, lse, o_new, lse_new):
 RING_IMPLEMENTATIONS = ("auto", "blockwise", "pallas")
 
 
-def _ring_implementation(implementation: str, mask, backend: str) -> str:
+def _ring_implementation(implementation: str, mask, backend: str, relative: bool = False) -> str:
     """The per-block attention of the ring on `backend` (the platform of the mesh's
-    devices): "blockwise" or "pallas" (validated)."""
+    devices): "blockwise" or "pallas" (validated). T5's bias (`relative`) only
+    blockwise evaluates per tile."""
     if implementation not in RING_IMPLEMENTATIONS:
         raise ValueError(f"ring_attention: implementation must be one of "
                          f"{', '.join(map(repr, RING_IMPLEMENTATIONS))}, got {implementation!r}")
     if implementation == "auto":
-        return "pallas" if backend == "tpu" and mask_support(mask) is None else "blockwise"
+        return ("pallas" if backend == "tpu" and mask_support(mask) is None and not relative
+                else "blockwise")
+    if implementation == "pallas" and relative:
+        raise ValueError("ring_attention: implementation='pallas' takes no relative_bias (T5's "
+                         "bias is evaluated per tile by 'blockwise'); use "
+                         "implementation='blockwise'")
     if implementation == "pallas":
         if backend == "gpu":
             raise ValueError("ring_attention: implementation='pallas' runs the Pallas TPU "
@@ -248,14 +285,17 @@ def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axi
                    natural_order: bool = True, block_q: int = DEFAULT_BLOCK,
                    block_kv: int = DEFAULT_BLOCK, skip_masked_blocks: bool = True,
                    implementation: str = "auto", block_sizes=None, unroll: bool | None = None,
-                   alibi_slopes=None, alibi_positions=None):
+                   alibi_slopes=None, alibi_positions=None,
+                   relative_bias: RelativeBias | None = None):
     """q `[B,T,N,H]`, k/v `[B,S,K,H]` (global arrays) -> out `[B,T,N,H]`.
 
     Same semantics as `attention_reference(q, k, v, mask, scale=, softcap=,
-    alibi_slopes=, alibi_positions=)`; the sequence dims are split over `seq_axis`
-    of `mesh` (and the batch over `batch_axes`, a mesh axis name or tuple of
-    names, if given). ALiBi's explicit positions travel like segment ids (the kv
-    ones rotate with K/V); index positions come from each chunk's global offset.
+    alibi_slopes=, alibi_positions=, relative_bias=)`; the sequence dims are split
+    over `seq_axis` of `mesh` (and the batch over `batch_axes`, a mesh axis name or
+    tuple of names, if given). ALiBi's and T5's explicit positions travel like
+    segment ids (the kv ones rotate with K/V); index positions come from each
+    chunk's global offset. T5's table (`relative_bias`, blockwise only): every
+    device gets a copy and returns its partial gradient, summed over the devices.
 
     load_balance: "zigzag" (the default: 2n chunks, device i holds chunks i and
     2n-1-i, so causal work is even; needs T == S and T % 2n == 0) or "none" (device i
@@ -298,13 +338,16 @@ def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axi
     # The mesh's platform, not the default backend: an AOT compile for a TPU topology
     # runs on a CPU host.
     platform = mesh.devices.flat[0].platform
-    impl = _ring_implementation(implementation, mask, platform)
+    rel = check_relative_bias(relative_bias, q.shape[0], N, T, S)
+    impl = _ring_implementation(implementation, mask, platform, rel is not None)
     interpret = platform == "cpu"
     if unroll is None:
         unroll = platform == "cpu"
 
     alibi = make_alibi(alibi_slopes, alibi_positions, q.shape[0], N, T, S)
-    leaves, treedef, kinds = _split_mask(mask, alibi)
+    leaves, treedef, kinds = _split_mask(mask, alibi, rel)
+    leaves = _copy_tables(leaves, kinds, mesh, _device_axes(batch_axes, seq_axis))
+    ti = kinds.index("table") if "table" in kinds else None  # the table's leaf
     # Natural order in and out under zigzag: re-laid out inside shard_map (ppermutes).
     reorder = load_balance == "zigzag" and natural_order and n > 1
 
@@ -322,13 +365,14 @@ def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axi
     def split_leaves(mleaves):
         by = {"q": [], "kv": [], "other": []}
         for x, kd in zip(mleaves, kinds):
-            by[kd].append(x)
+            by[kd if kd != "table" else "other"].append(x)
         return by["q"], by["kv"], by["other"]
 
     def build_mask(qseg, kvseg, other):
-        """(mask, alibi) of a block from its leaves."""
+        """(mask, alibi, relative bias) of a block from its leaves (the table is an
+        "other" leaf)."""
         if treedef is None:
-            return None, None
+            return None, None, None
         it_q, it_kv, it_o = iter(qseg), iter(kvseg), iter(other)
         out = [next(it_q) if kd == "q" else next(it_kv) if kd == "kv" else next(it_o)
                for kd in kinds]
@@ -346,9 +390,9 @@ def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axi
         kv_seg = [cut(x, ckv) for x in blk_kv_leaves]
         for p in range(pieces):
             for r in range(pieces):
-                m, a = build_mask(q_seg[p], [x[r] for x in kv_seg], other)
+                m, a, rl = build_mask(q_seg[p], [x[r] for x in kv_seg], other)
                 qo, ko = q_offs[p], kv_offs[r]
-                f = lambda st, p=p, r=r, m=m, qo=qo, ko=ko, a=Alibi.kwargs(a): compute(
+                f = lambda st, p=p, r=r, m=m, qo=qo, ko=ko, a=_bias_kwargs(a, rl): compute(
                     st, p, r, m, qo, ko, a)
                 if m is None or not skip_masked_blocks:
                     state = f(state)
@@ -377,14 +421,16 @@ def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axi
                                        unroll=unroll)
         return step(carry, blk, (i - (n - 1)) % n)
 
-    def local_parts(q, mleaves):
+    def local_parts(q, mleaves, table):
+        if ti is not None:  # the (differentiable) table back in its leaf's place
+            mleaves = [table if j == ti else x for j, x in enumerate(mleaves)]
         q_leaves, kv_leaves, other = split_leaves(mleaves)
         q_seg = [[x[p] for x in [cut(y, cq) for y in q_leaves]] for p in range(pieces)]
         return q_seg, kv_leaves, other
 
     # ---- forward: saves only q, k, v, out and the fp32 lse --------------------- #
-    def fwd_impl(q, k, v, mleaves):
-        q_seg, kv_leaves, other = local_parts(q, mleaves)
+    def fwd_impl(q, k, v, table, mleaves):
+        q_seg, kv_leaves, other = local_parts(q, mleaves, table)
         qs = cut(q, cq)
         b = q.shape[0]
         acc = tuple((jnp.zeros((b, cq, N, H), jnp.float32),
@@ -395,7 +441,7 @@ def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axi
             ks, vs = cut(kb, ckv), cut(vb, ckv)
 
             def compute(acc, p, r, m, qo, ko, alibi_kw):
-                if impl == "pallas":
+                if impl == "pallas":  # (no relative_bias: see _ring_implementation)
                     o2, l2 = flash_attention_tpu(qs[p], ks[r], vs[r], m, scale=scale,
                                                  softcap=softcap, q_offset=qo, kv_offset=ko,
                                                  return_lse=True, block_sizes=block_sizes,
@@ -417,39 +463,47 @@ def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axi
         return out, lse
 
     # ---- backward: a second ring; dK/dV ride with K/V back to their owners ---- #
-    def bwd_impl(q, k, v, mleaves, out, lse, dout):
-        q_seg, kv_leaves, other = local_parts(q, mleaves)
+    def bwd_impl(q, k, v, table, mleaves, out, lse, dout):
+        q_seg, kv_leaves, other = local_parts(q, mleaves, table)
         qs, outs, douts = cut(q, cq), cut(out, cq), cut(dout.astype(q.dtype), cq)
         lses = cut(lse, cq, axis=2)
         dq0 = tuple(jnp.zeros((q.shape[0], cq, N, H), jnp.float32) for _ in range(pieces))
+        # T5's table: this device's partial gradient, threaded with dQ
+        dt0 = None if table is None else jnp.zeros(table.shape, jnp.float32)
         zkv = jnp.zeros(k.shape, jnp.float32)
 
-        def step(dq, blk, src):
+        def step(carry, blk, src):
+            dq, dtable = carry
             kb, vb, kvl, dk, dv = blk
             ks, vs = cut(kb, ckv), cut(vb, ckv)
-            state = (dq, tuple(cut(dk, ckv)), tuple(cut(dv, ckv)))
+            state = (dq, tuple(cut(dk, ckv)), tuple(cut(dv, ckv)), dtable)
 
             def compute(state, p, r, m, qo, ko, alibi_kw):
-                dq, dk, dv = (list(x) for x in state)
+                dq, dk, dv = (list(x) for x in state[:3])
+                dtable = state[3]
                 if impl == "pallas":
                     a, b, c = flash_attention_tpu_backward(
                         qs[p], ks[r], vs[r], m, outs[p], lses[p], douts[p], scale=scale,
                         softcap=softcap, q_offset=qo, kv_offset=ko, block_sizes=block_sizes,
                         interpret=interpret, **alibi_kw)
                 else:
-                    a, b, c = blockwise_attention_backward(
+                    a, b, c, *dt = blockwise_attention_backward(
                         qs[p], ks[r], vs[r], m, outs[p], lses[p], douts[p], scale=scale,
                         softcap=softcap, q_offset=qo, kv_offset=ko, block_q=block_q,
                         block_kv=block_kv, **alibi_kw)
+                    if dt:
+                        dtable = dtable + dt[0]
                 dq[p], dk[r], dv[r] = dq[p] + a, dk[r] + b, dv[r] + c
-                return tuple(dq), tuple(dk), tuple(dv)
+                return tuple(dq), tuple(dk), tuple(dv), dtable
 
-            dq, dks, dvs = visit(state, kvl, src, q_seg, other, compute)
-            return dq, (jnp.concatenate(dks, axis=1), jnp.concatenate(dvs, axis=1))
+            dq, dks, dvs, dtable = visit(state, kvl, src, q_seg, other, compute)
+            return (dq, dtable), (jnp.concatenate(dks, axis=1), jnp.concatenate(dvs, axis=1))
 
-        dq, dkv = ring_backward_loop(dq0, (zkv, zkv), (k, v, list(kv_leaves)), step)
+        (dq, dtable), dkv = ring_backward_loop((dq0, dt0), (zkv, zkv), (k, v, list(kv_leaves)),
+                                               step)
         dq = jnp.concatenate(dq, axis=1).astype(q.dtype)
-        return dq, dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)
+        dtable = None if table is None else dtable.astype(table.dtype)
+        return dq, dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), dtable
 
     def ring_backward_loop(dq, dkv, blk, step):
         """The backward's n steps: K/V (and kv ids) move before each compute as in
@@ -476,17 +530,17 @@ def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axi
         return dq, dkv
 
     @jax.custom_vjp
-    def core(q, k, v, mleaves):
-        return fwd_impl(q, k, v, mleaves)[0]
+    def core(q, k, v, table, mleaves):
+        return fwd_impl(q, k, v, table, mleaves)[0]
 
-    def core_fwd(q, k, v, mleaves):
-        out, lse = fwd_impl(q, k, v, mleaves)
-        return out, (q, k, v, mleaves, out, lse)
+    def core_fwd(q, k, v, table, mleaves):
+        out, lse = fwd_impl(q, k, v, table, mleaves)
+        return out, (q, k, v, table, mleaves, out, lse)
 
     def core_bwd(res, dout):
-        q, k, v, mleaves, out, lse = res
-        dq, dk, dv = bwd_impl(q, k, v, mleaves, out, lse, dout)
-        return dq, dk, dv, [_zero_cotangent(x) for x in mleaves]
+        q, k, v, table, mleaves, out, lse = res
+        dq, dk, dv, dtable = bwd_impl(q, k, v, table, mleaves, out, lse, dout)
+        return dq, dk, dv, dtable, [None if x is None else _zero_cotangent(x) for x in mleaves]
 
     core.defvjp(core_fwd, core_bwd)
 
@@ -494,8 +548,12 @@ def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axi
         if reorder:
             to_zz = lambda x: _relayout_local(x, n, seq_axis, "natural", "zigzag")
             q, k, v = to_zz(q), to_zz(k), to_zz(v)
-            mleaves = [to_zz(x) if kd != "other" else x for x, kd in zip(mleaves, kinds)]
-        out = core(q, k, v, list(mleaves))
+            mleaves = [to_zz(x) if kd in ("q", "kv") else x for x, kd in zip(mleaves, kinds)]
+        table = None
+        if ti is not None:  # this device's copy; its leaf slot is filled in local_parts
+            table, mleaves = mleaves[ti][0], [None if j == ti else x
+                                              for j, x in enumerate(mleaves)]
+        out = core(q, k, v, table, list(mleaves))
         if reorder:
             out = _relayout_local(out, n, seq_axis, "zigzag", "natural")
         return out
@@ -512,7 +570,8 @@ def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axi
 def all_gather_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh,
                          seq_axis: str = "sequence", batch_axes=None, scale=None, softcap=None,
                          block_q: int = DEFAULT_BLOCK, block_kv: int = DEFAULT_BLOCK,
-                         alibi_slopes=None, alibi_positions=None):
+                         alibi_slopes=None, alibi_positions=None,
+                         relative_bias: RelativeBias | None = None):
     """The simple context-parallel baseline: same arguments and result as
     `ring_attention` (natural order), but each device all-gathers the whole K/V
     (and kv segment ids) over `seq_axis` and attends its own queries to it with
@@ -524,17 +583,21 @@ def all_gather_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh,
         raise ValueError(f"all_gather_attention: T={T} and S={S} must be divisible by the {n} "
                          f"devices on {seq_axis!r}")
     alibi = make_alibi(alibi_slopes, alibi_positions, q.shape[0], q.shape[2], T, S)
-    leaves, treedef, kinds = _split_mask(mask, alibi)
+    rel = check_relative_bias(relative_bias, q.shape[0], q.shape[2], T, S)
+    leaves, treedef, kinds = _split_mask(mask, alibi, rel)
+    leaves = _copy_tables(leaves, kinds, mesh, _device_axes(batch_axes, seq_axis))
     tok, leaf_specs = _specs(leaves, kinds, batch_axes, seq_axis)
 
     def local(q, k, v, *mleaves):
         gather = lambda x: lax.all_gather(x, seq_axis, axis=1, tiled=True)
         k, v = gather(k), gather(v)
-        mleaves = [gather(x) if kd == "kv" else x for x, kd in zip(mleaves, kinds)]
-        m, a = (None, None) if treedef is None else jax.tree_util.tree_unflatten(treedef, mleaves)
+        mleaves = [gather(x) if kd == "kv" else x[0] if kd == "table" else x
+                   for x, kd in zip(mleaves, kinds)]
+        m, a, rl = ((None, None, None) if treedef is None else
+                    jax.tree_util.tree_unflatten(treedef, mleaves))
         qo = lax.axis_index(seq_axis) * q.shape[1]
         return blockwise_attention(q, k, v, m, scale=scale, softcap=softcap, q_offset=qo,
-                                   block_q=block_q, block_kv=block_kv, **Alibi.kwargs(a))
+                                   block_q=block_q, block_kv=block_kv, **_bias_kwargs(a, rl))
 
     fn = _shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, *leaf_specs), out_specs=tok)
     return fn(q, k, v, *leaves)
@@ -578,7 +641,8 @@ def zigzag_data_devices() -> int:
 
 def context_parallel_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mode: str = "ring",
                                zigzag: str = "data", scale=None, softcap=None,
-                               alibi: Alibi | None = None):
+                               alibi: Alibi | None = None,
+                               relative_bias: RelativeBias | None = None):
     """Attention for a layer under an active mesh (`sharding.use_rules`, as the trainer
     sets it) whose rules split the logical "length" axis over a mesh axis of size
     n > 1: `ring_attention` (mode "ring") or `all_gather_attention` (mode
@@ -594,8 +658,8 @@ def context_parallel_attention(q, k, v, mask: masks_lib.Mask | None = None, *, m
     the ring re-lays it out in and out (four half-chunk ppermutes per tensor);
     "none": contiguous chunks, no balancing. Masks are evaluated on global natural
     positions either way (the ring passes each chunk's global offset). `alibi`: a
-    `tfjax.ops.Alibi` (its explicit positions are per-token arrays, laid out like
-    the segment ids).
+    `tfjax.ops.Alibi`, `relative_bias` a `tfjax.ops.RelativeBias` (T5; their explicit
+    positions are per-token arrays, laid out like the segment ids).
     """
     from tfjax.parallel.sharding import active_mesh, logical_to_spec
 
@@ -633,8 +697,9 @@ def context_parallel_attention(q, k, v, mask: masks_lib.Mask | None = None, *, m
     if mode == "all_gather":
         return all_gather_attention(q, k, v, mask, mesh=mesh, seq_axis=seq_axis,
                                     batch_axes=batch_axes, scale=scale, softcap=softcap,
-                                    **Alibi.kwargs(alibi))
+                                    relative_bias=relative_bias, **Alibi.kwargs(alibi))
     zz = bool(data_n) or (zigzag != "none" and mask is not None and T % (2 * n) == 0)
     return ring_attention(q, k, v, mask, mesh=mesh, seq_axis=seq_axis, batch_axes=batch_axes,
                           scale=scale, softcap=softcap, load_balance="zigzag" if zz else "none",
-                          natural_order=not data_n, **Alibi.kwargs(alibi))
+                          natural_order=not data_n, relative_bias=relative_bias,
+                          **Alibi.kwargs(alibi))

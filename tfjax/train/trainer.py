@@ -102,9 +102,10 @@ def zigzag_devices(cfg: RunConfig, mesh, build_model=None) -> tuple[int, str | N
     devices of the sequence axis (`model.zigzag="data"`, ring attention, seq_len % 2n
     == 0, a `tfjax.models.build` model), else 0. `note` says why "data" fell back to
     natural order: layers whose result depends on token order other than through
-    attention's position-aware mask (Mamba / linear-attention mixers, T5's bias
-    array, capacity-factor MoE, which fills expert slots in token order) would see
-    the tokens out of order, and a custom `build_model` (e.g. a test double) may
+    attention's position-aware mask and position biases (Mamba / linear-attention
+    mixers, capacity-factor MoE, which fills expert slots in token order) would see
+    the tokens out of order (ALiBi and T5's bias read the reordered positions in the
+    ring itself), and a custom `build_model` (e.g. a test double) may
     derive its mask or positions from the array index."""
     m, t = cfg.model, cfg.train
     axes = [a for a in (dict(logical_rules(cfg.mesh.rules)).get("length") or ())
@@ -115,8 +116,6 @@ def zigzag_devices(cfg: RunConfig, mesh, build_model=None) -> tuple[int, str | N
     why = [f"layer_pattern has {k!r} layers" for k in ("mamba", "linear") if k in m.layer_pattern]
     if build_model is not None and build_model is not _default_builder():
         why.append("a custom build_model, which may not read positions from the batch")
-    if m.position == "t5":  # ALiBi reads the (reordered) positions in the ring itself
-        why.append(f"position={m.position!r} adds a position bias array")
     if "moe" in m.ffn_pattern and m.capacity_factor > 0:
         why.append("capacity_factor > 0 MoE fills expert slots in token order")
     if t.seq_len % (2 * n):
