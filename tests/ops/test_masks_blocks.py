@@ -106,6 +106,7 @@ def test_block_view_under_jit_with_traced_offsets():
                                   mask.blocks(20, 24, 4, 8, q_offset=8, kv_offset=3))
 
 
+@pytest.mark.xla_optimized  # compiled memory
 def test_block_view_is_cheap_at_128k():
     T = 128 * 1024
     mask = M.causal() & M.sliding_window(4096)

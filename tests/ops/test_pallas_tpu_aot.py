@@ -22,6 +22,9 @@ from jax.sharding import PartitionSpec as P
 from tfjax.ops import masks as M
 from tfjax.ops.pallas import BlockSizes, flash_attention_tpu
 
+# Real XLA:TPU / Mosaic compilation and its memory: XLA's full pipeline, as production.
+pytestmark = pytest.mark.xla_optimized
+
 _TOPOLOGIES = {}
 
 

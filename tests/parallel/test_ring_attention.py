@@ -193,6 +193,7 @@ def test_pallas_kernels_inside_the_ring(mesh4):
              block_sizes=BlockSizes(8, 128, 8, 128, 8, 128), alibi=_alibi(positions=False))
 
 
+@pytest.mark.xla_optimized  # the compiled HLO is checked too
 def test_all_gather_attention_matches_reference(mesh2x4):
     mask = MASKS["segments_causal"]()
     q, k, v, ct = _inputs()
@@ -262,6 +263,7 @@ def test_zigzag_roundtrip_and_layout():
     np.testing.assert_array_equal(unzigzag(z, 4, axis=1), x)
 
 
+@pytest.mark.xla_optimized  # compiled HLO
 @pytest.mark.parametrize("load_balance,natural_order", [("none", True), ("zigzag", True)])
 def test_hlo_ring_has_no_all_gather(mesh4, load_balance, natural_order):
     """Forward and backward: K/V move only by collective-permutes, also when
@@ -292,6 +294,7 @@ def test_bad_arguments(mesh4):
         ring_attention(q[:, :62], k[:, :62], v[:, :62], mesh=mesh4)
 
 
+@pytest.mark.xla_optimized  # compiled memory
 def test_per_device_memory_is_flat_and_below_single_device():
     """Compiled per-device temporaries of causal fwd+bwd (zig-zag, while loop) at 256
     tokens per device: flat from 4 to 8 devices, and at 8 devices well under

@@ -19,6 +19,9 @@ from jax.sharding import PartitionSpec as P
 from tfjax.ops import masks
 from tfjax.parallel.ring_attention import ring_attention
 
+# Real XLA:TPU / Mosaic compilation and its memory: XLA's full pipeline, as production.
+pytestmark = pytest.mark.xla_optimized
+
 TOPOLOGY = "v5p:2x2x2"  # 8 chips
 TOKENS_PER_DEVICE, N, K, H = 1024, 8, 2, 128
 

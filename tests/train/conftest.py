@@ -37,19 +37,3 @@ def _compilation_cache(_cache_dir):
     yield
     for n, v in saved.items():
         jax.config.update(n, v)
-
-
-@pytest.fixture
-def fast_xla_compile():
-    """XLA without most of its optimisation passes (what experiments/ --quick uses): the
-    real model's init and train step compile in about half the time, for tests whose
-    checks are about the trainer and the model (losses against a reference run or
-    falling, dtypes, shardings), not about XLA's optimiser. The same HLO runs; only
-    the requesting test's programs, restored afterwards (it is part of the persistent
-    cache's key: no program is shared with an optimised compilation)."""
-    import jax
-
-    saved = jax.config.values["jax_disable_most_optimizations"]
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", saved)

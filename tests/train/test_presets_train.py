@@ -29,7 +29,7 @@ def preset(name, arg="tiny"):
     ("mamba", {}),
     ("llama", {"model": dict(dropout_rate=0.1)}),
 ])
-def test_preset_trains_with_falling_loss(tmp_path, name, overrides, fast_xla_compile):
+def test_preset_trains_with_falling_loss(tmp_path, name, overrides):
     cd = preset(name)
     cd.train.update(dict(steps=6, batch_size=8, seq_len=32, warmup_steps=1, lr=1e-2,
                          log_every=1, eval_batches=1, eval_at_end=False, sample_tokens=0,

@@ -170,7 +170,7 @@ def test_empty_corpus(tmp_path):
                 log=lambda s: None)
 
 
-def test_bf16_compute_tracks_fp32(tmp_path, fast_xla_compile):
+def test_bf16_compute_tracks_fp32(tmp_path):
     """model.dtype=bfloat16 (compute) with fp32 parameters and optimizer state, on a
     data=2 x fsdp=2 x tensor=2 mesh: the losses follow the fp32 run on one device
     within bf16 precision, and nothing is stored in bf16."""
