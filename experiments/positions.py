@@ -5,8 +5,9 @@
 
 Tiny byte-level decoders of the same size (d_model 64, 2 layers, 4 heads, d_ff 256,
 RMSNorm, GELU) are trained on the stdlib corpus at length 128 with position =
-sinusoidal, learned, rope, alibi and none (max_len 1024, so the learned table has
-rows past 128 that never receive a gradient). Validation bits per byte is then
+sinusoidal, learned, rope, alibi, t5 (T5's learned bucketed bias: 32 buckets, max
+distance 128, evaluated per tile by the blockwise attention) and none (max_len
+1024, so the learned table has rows past 128 that never receive a gradient). Validation bits per byte is then
 measured at lengths 128, 256, 512 and 1024 over the same validation bytes.
 
 The RoPE model is then evaluated, unchanged weights, with the context-extension
@@ -15,7 +16,9 @@ yarn at factor 8 (original_max_len 128, so 1024 = 8 x 128), and again after a sh
 fine-tune at length 512 with each scaling (and with none, as the baseline).
 
 The seed's claim (its positions table): ALiBi extrapolates "excellently",
-sinusoidal and learned "poorly", RoPE "moderately", better with scaling.
+sinusoidal and learned "poorly", RoPE "moderately", better with scaling. Press et
+al. (2022) also found T5's bias to extrapolate well (distances past max_distance
+share one bucket).
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ def main(argv=None):
     train_data = corpus("train", 100_000 if q else 4_000_000)
     val = corpus("validation", eval_tokens + lengths[-1] + 1)
     size = dict(d_model=32, num_layers=1, d_ff=64) if q else {}
-    positions = ("rope",) if q else ("sinusoidal", "learned", "rope", "alibi", "none")
+    positions = ("rope",) if q else ("sinusoidal", "learned", "rope", "alibi", "t5", "none")
     scalings = ("yarn",) if q else ("none", "linear", "ntk", "dynamic_ntk", "yarn")
     tuned = () if q else scalings  # quick: no fine-tune (one more compile)
     exp.text(f"Training length {train_len}, {steps} steps of batch {batch}, lr 3e-3 (AdamW, "
