@@ -12,7 +12,9 @@ head dims to a power of two (>= 16) as Triton requires.
 
 ALiBi (`alibi_slopes`): the head's slope is read once per program and
 `-slope * |q_pos - kv_pos|` formed in each visited tile from index positions or
-the tiles of `alibi_positions` (loaded like segment ids); no `[T, S]` bias.
+the tiles of `alibi_positions` (loaded like segment ids); no `[T, S]` bias. The
+Hopper forward does the same; the Hopper backward does not take ALiBi yet, so
+its backward runs on the Triton kernels.
 
 Layout `[B, T, N, H]` (no transposes). Runs in interpret mode on CPU
 (`interpret=True`), which is how the CPU tests exercise it; compiling it needs
@@ -107,8 +109,9 @@ def _pick_forward(choice, q, k, v, mask, bias, interpret, which="forward", alibi
         raise ValueError(f"flash_attention_gpu: {which} must be one of {_CHOICES}, got {choice!r}")
     supports = hopper.supports if which == "forward" else hopper_backward.supports
     reason = supports(q.dtype, q.shape[-1], mask, bias is not None)
-    if reason is None and alibi is not None:
-        reason = "the Hopper kernels take no ALiBi slopes yet (the Triton kernels do)"
+    if reason is None and alibi is not None and which == "backward":
+        reason = "the Hopper backward takes no ALiBi slopes yet (the Hopper forward and " \
+                 "the Triton kernels do)"
     if reason is None and not q.dtype == k.dtype == v.dtype:
         reason = f"the Hopper kernel takes one dtype for q, k, v, got {q.dtype}, {k.dtype}, {v.dtype}"
     if choice == "hopper":
@@ -504,7 +507,7 @@ def _forward(cfg, q, k, v, mask, bias, alibi, offs):
         qo, ko = cfg.static_offsets if cfg.static_offsets is not None else (offs[0], offs[1])
         return flash_forward_hopper(q, k, v, mask, scale=cfg.scale, softcap=cfg.softcap,
                                     q_offset=qo, kv_offset=ko, config=cfg.hopper,
-                                    interpret=cfg.interpret)
+                                    interpret=cfg.interpret, alibi=alibi)
     return _row_call(cfg, q, k, v, mask, bias, alibi, offs, backward=False)
 
 

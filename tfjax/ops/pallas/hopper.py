@@ -35,8 +35,8 @@ dims are padded to a multiple of 64 (the swizzle width of 16-bit rows).
 
 Scope (what `supports` accepts; everything else stays on the Triton kernels,
 which compute the same function): 16-bit inputs (fp16/bf16; wgmma has no fp32
-operands), no additive bias, head dim <= 256, the positional/segment/padding/
-prefix masks. The backward is `hopper_backward.py`'s (head dims up to 128) or
+operands), no additive bias (ALiBi's slopes are taken: the term is formed per
+tile), head dim <= 256, the positional/segment/padding/prefix masks. The backward is `hopper_backward.py`'s (head dims up to 128) or
 the Triton dq and dk/dv kernels, from this forward's output and logsumexp.
 
 Testing without a GPU: the kernel runs in Pallas' GPU interpret mode (which
@@ -365,9 +365,13 @@ def _store(*outs):
 
 
 def flash_forward_hopper(q, k, v, mask, *, scale: float, softcap: float | None, q_offset=0,
-                         kv_offset=0, config: HopperConfig | None = None, interpret: Any = False):
+                         kv_offset=0, config: HopperConfig | None = None, interpret: Any = False,
+                         alibi=None):
     """q `[B,T,N,H]`, k/v `[B,S,K,H]` (fp16/bf16) -> (out `[B,T,N,H]`, lse `[B,N,T]` fp32).
-    Fully masked rows give zeros and lse = -inf, like the other kernels."""
+    Fully masked rows give zeros and lse = -inf, like the other kernels. `alibi`: None
+    or a checked `tfjax.ops.Alibi` (`make_alibi`): `-slope * |q_pos - kv_pos|` is
+    added in every visited tile, from the wgmma-layout iota plus the offsets or from
+    the explicit positions, copied like segment ids."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     reason = supports(q.dtype, q.shape[-1], mask, False)
@@ -390,7 +394,7 @@ def flash_forward_hopper(q, k, v, mask, *, scale: float, softcap: float | None, 
     Tp, Sp, Hp = round_up(T, bc), round_up(S, bk), round_up(H, 64)
     tab = tile_tables(mask, T, S, bc, bk, q_offset=q_offset, kv_offset=kv_offset)
     offs = jnp.stack([jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32)])
-    mops = MaskOperands(mask, B, Tp, Sp, offs)
+    mops = MaskOperands(mask, B, Tp, Sp, offs, alibi)
     stages = max(1, min(cfg.stages, Sp // bk))
     dtype = q.dtype
     qp = pad_axis(pad_axis(q, 1, Tp), 3, Hp)
@@ -412,6 +416,7 @@ def flash_forward_hopper(q, k, v, mask, *, scale: float, softcap: float | None, 
         sref = take(ns)
         q_ref, k_ref, v_ref = take(3)
         qseg_ref, kseg_ref = take(nseg), take(nseg)
+        slopes_ref = next(it) if alibi is not None else None  # flat [B|1 * N] fp32
         out_ref, lse_ref = take(2)
         b, i, h = lax.axis_index("batch"), lax.axis_index("q"), lax.axis_index("heads")
         r = b if tab.batched else 0
@@ -456,12 +461,31 @@ def flash_forward_hopper(q, k, v, mask, *, scale: float, softcap: float | None, 
                 for x in range(nseg):
                     ring.wait(2 + x, t)
 
+            def alibi_term(kj, t):
+                """-slope * |q_pos - kv_pos| of step t's tile (every tile)."""
+                sb = b if alibi.slopes.shape[0] > 1 else 0
+                slope = slopes_ref[sb * N + h]
+                if mops.alibi_slot is not None:  # explicit positions, copied like segments
+                    x = mops.alibi_slot
+                    q_pos = lax.broadcast_in_dim(_load(qseg_s[x], row_layout), (bq, bk), [0])
+                    kv_pos = lax.broadcast_in_dim(_load(ring.at(2 + x, t), col_layout),
+                                                  (bq, bk), [1])
+                else:
+                    iota = lambda d: plgpu.broadcasted_iota(jnp.int32, (bq, bk), d,
+                                                            layout=wgmma_layout)
+                    q_pos = iota(0) + row0(w) + offs_ref[0]
+                    kv_pos = iota(1) + kj * bk + offs_ref[1]
+                return -slope * jnp.abs(q_pos - kv_pos).astype(jnp.float32)
+
             def scores(s, t):
-                """Scaled, soft-capped, masked (PARTIAL tiles) logits of step t."""
+                """Scaled, soft-capped, ALiBi-biased, masked (PARTIAL tiles) logits of
+                step t."""
                 s = s * scale
                 if softcap:
                     s = softcap * jnp.tanh(s / softcap)
                 kj = order[r, i, t]
+                if alibi is not None:
+                    s = s + alibi_term(kj, t)
                 return lax.cond(code[r, i, t] == M.PARTIAL, lambda s: masked(s, kj, t),
                                 lambda s: s, s)
 
@@ -567,6 +591,8 @@ def flash_forward_hopper(q, k, v, mask, *, scale: float, softcap: float | None, 
 
     operands = [tab.order, tab.count, tab.code, offs, *mops.scalars, qp, kp, vp,
                 *mops.q_segments, *mops.kv_segments]
+    if alibi is not None:
+        operands.append(alibi.slopes.astype(jnp.float32).reshape(-1))
     out, lse = plgpu.kernel(
         kernel,
         out_type=[jax.ShapeDtypeStruct((B, Tp, N, Hp), dtype),
