@@ -31,7 +31,9 @@ and on Hopper also the Mosaic GPU forward of `tfjax/ops/pallas/hopper.py` and
 backward of `hopper_backward.py`) next to
 jax.nn.dot_product_attention(implementation="cudnn" / "xla") and jax's own Pallas
 GPU attention, for H in {64, 128, 256}, S from 1k to 16k, causal and not, GQA
-32/8, sliding-window and segment masks (cuDNN given the explicit dense mask).
+32/8, sliding-window and segment masks (cuDNN given the explicit dense mask),
+and causal with T5's bias at S = 4k, 8k (the Triton kernels per tile vs the same
+kernels and xla reading it as a materialised `[B,N,T,S]` bias).
 Writes a markdown table to experiments/results/attention_gpu_<date>.md.
 """
 
@@ -51,7 +53,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tfjax.ops import dot_product_attention
+from tfjax.ops import RelativeBias, dot_product_attention
 from tfjax.ops import masks as M
 
 GIB = 1024 ** 3
@@ -119,7 +121,6 @@ def bench_position_bias(args):
     """ALiBi (`args.part == "alibi"`) or T5's bucketed bias ("t5"): materialised as a
     `[B,N,T,S]` bias next to evaluated per tile."""
     from tfjax.nn.positions import T5RelativeBias, alibi_bias, alibi_slopes
-    from tfjax.ops import RelativeBias
 
     B, N, K, H = 1, 4, 1, 64
     slopes = jnp.asarray(alibi_slopes(N))
@@ -231,15 +232,17 @@ def bench_gpu(args):
                 configs.append((H, S, mask_name))
     for S in (4096, 16384):
         configs += [(128, S, "window1k"), (128, S, "segments4")]
+    configs += [(128, 4096, "causal+t5"), (128, 8192, "causal+t5")]  # T5's bias
     for H, S, mask_name in configs:
         if time.time() > deadline:
             out.append(f"| {H} | {S} | {mask_name} | (time budget spent) | | | |")
             continue
         T = S
         mask = {"none": None, "causal": M.causal(), "window1k": M.sliding_window(1024),
-                "segments4": M.segments(jnp.repeat(jnp.arange(4), S // 4)[None])}[mask_name]
+                "segments4": M.segments(jnp.repeat(jnp.arange(4), S // 4)[None]),
+                "causal+t5": M.causal()}[mask_name]
         frac = {"none": 1.0, "causal": 0.5, "window1k": min(1.0, 1025 / S),
-                "segments4": 0.25}[mask_name]
+                "segments4": 0.25, "causal+t5": 0.5}[mask_name]
         flops = 4 * B * N * T * S * H * frac
         ks = jax.random.split(jax.random.key(0), 3)
         q = jax.random.normal(ks[0], (B, T, N, H), dtype)
@@ -261,7 +264,18 @@ def bench_gpu(args):
             impls["tfjax pallas (hopper fwd, no ping-pong)"] = \
                 lambda q, k, v, m=mask: flash_attention_gpu(
                     q, k, v, m, forward="hopper", hopper_config=HopperConfig(pingpong=False))
-        if mask_name in ("none", "causal"):
+        if mask_name == "causal+t5":  # 32 buckets; the table is a constant here, so XLA
+            # drops the dense bias's gradient while the kernels' dq still sums the table's
+            rb = RelativeBias(jax.random.normal(ks[0], (32, N)), bidirectional=False)
+            impls = {
+                "tfjax pallas (T5 per tile)": lambda q, k, v, m=mask, rb=rb: flash_attention_gpu(
+                    q, k, v, m, relative_bias=rb),
+                "tfjax pallas (T5 as a [B,N,T,S] bias)": lambda q, k, v, m=mask, rb=rb:
+                    flash_attention_gpu(q, k, v, m, bias=rb.dense(T, S)),
+                "xla (T5 as a [B,N,T,S] bias)": lambda q, k, v, m=mask, rb=rb:
+                    dot_product_attention(q, k, v, m, relative_bias=rb, implementation="xla"),
+            }
+        elif mask_name in ("none", "causal"):
             impls["cudnn"] = _cudnn(mask, T, S, "causal" if mask_name == "causal" else "none")
             impls["jax pallas gpu"] = _jax_pallas_gpu(mask_name == "causal")
             if S <= 8192:

@@ -93,18 +93,19 @@ def test_packed_documents_equal_separate_documents():
     np.testing.assert_allclose(out[:, 5:], run(model, b), atol=1e-5)
 
 
-@pytest.mark.parametrize("position", ["alibi", "t5"])
-def test_position_bias_in_kernel_equals_the_materialised_bias(monkeypatch, position):
+@pytest.mark.parametrize("position,impl", [("alibi", "auto"), ("t5", "auto"), ("t5", "pallas")])
+def test_position_bias_in_kernel_equals_the_materialised_bias(monkeypatch, position, impl):
     """ALiBi and T5's bias reach attention as a `tfjax.ops.Alibi` / `RelativeBias`
     (evaluated per tile): on a packed batch (positions restart per document) the
     logits and gradients (T5's table included) equal those of the materialised
     `[B,N,T,S]` bias (`alibi_bias`; T5's table gathered at the bucketed
-    relative positions)."""
+    relative positions). `impl`: the attention implementation ("auto": blockwise
+    on CPU; "pallas": the TPU kernels, interpreted)."""
     from tfjax.models import stack
     from tfjax.nn import positions as pos_lib
 
     extra = dict(t5_num_buckets=8, t5_max_distance=16) if position == "t5" else {}
-    cfg = tiny(position=position, num_kv_heads=2, num_layers=1, **extra)
+    cfg = tiny(position=position, num_kv_heads=2, num_layers=1, attention_impl=impl, **extra)
     model = models.build(cfg)
     x = tokens(2, 11, seed=4)
     seg = jnp.array([[1] * 4 + [2] * 7, [1] * 11])

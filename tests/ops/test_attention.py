@@ -238,9 +238,10 @@ def test_alibi_slopes_shape_error_and_cudnn_declines():
 def test_relative_bias_equals_the_explicit_t5_bias():
     """`relative_bias` (T5's bucketed bias) at index positions (offsets included) or
     explicit ones equals the table gathered at the bucketed relative positions,
-    passed as `bias=`: "reference" and "xla" (materialised by the dispatch) and
-    "blockwise" (per tile, tiny tiles) agree, forward and gradients, the table's
-    included. (blockwise's awkward shapes: tests/ops/test_blockwise.py.)"""
+    passed as `bias=`: "reference" and "xla" (materialised by the dispatch),
+    "blockwise" (per tile, tiny tiles) and "pallas" (per tile in the TPU kernels,
+    interpreted) agree, forward and gradients, the table's included. (Awkward
+    shapes: tests/ops/test_blockwise.py, tests/ops/test_pallas.py.)"""
     from tfjax.nn.positions import relative_position_bucket
     from tfjax.ops import RelativeBias
 
@@ -279,7 +280,7 @@ def test_relative_bias_equals_the_explicit_t5_bias():
     for pos, bidirectional in ((None, False), (None, True), (packed, True)):
         (_, want), g_want = vg("explicit", q, k, table, pos, bidirectional)
         assert np.abs(np.asarray(g_want[2])).max() > 1e-3  # the table is learned
-        for impl in ("reference", "xla", "blockwise", "attention_reference"):
+        for impl in ("reference", "xla", "blockwise", "pallas", "attention_reference"):
             (_, out), g = vg(impl, q, k, table, pos, bidirectional)
             np.testing.assert_allclose(out, want, atol=1e-5, err_msg=impl)
             for a, b in zip(g, g_want):
@@ -312,7 +313,8 @@ def test_relative_bias_errors_and_dispatch():
         dot_product_attention(q, k, k, relative_bias=jnp.ones((2, 4, 4, 4)))
     # blockwise takes it per tile; the others get it materialised as a bias
     assert IMPLEMENTATIONS.get("blockwise").relative_bias
-    assert not any(IMPLEMENTATIONS.get(n).relative_bias for n in ("reference", "xla", "pallas"))
+    assert IMPLEMENTATIONS.get("pallas").relative_bias  # per tile on TPU; dense for Triton
+    assert not any(IMPLEMENTATIONS.get(n).relative_bias for n in ("reference", "xla"))
     r = AttentionRequest(q_shape=(2, 4, 4, 8), k_shape=(2, 4, 2, 8), dtype="float32",
                          backend="cpu", mask=None, has_bias=True, softcap=None, offsets=False,
                          return_lse=False, has_relative_bias=True)

@@ -1,7 +1,8 @@
 """implementation="pallas" (the TPU kernels, in interpret mode on CPU) against the
 reference: forward, lse, dq/dk/dv and dbias on a covering set of issue 4's sizes,
 every mask kind in a kernel (iota masks, segment tiles, per-example scalars),
-tails, GQA/MQA, head dims padded to 128 lanes, soft-cap, bias, offsets (static:
+tails, GQA/MQA, head dims padded to 128 lanes, soft-cap, bias, ALiBi, T5's bias
+(index and explicit positions, its table gradient), offsets (static:
 tables at trace time; traced: tables in the graph), fully masked rows, bf16; one
 case under the TPU-semantics interpreter; determinism; dispatch."""
 
@@ -19,14 +20,18 @@ from tfjax.ops.pallas import BlockSizes, flash_attention
 
 BS = BlockSizes(block_q=64, block_kv=128, block_q_dq=64, block_kv_dq=128, block_q_dkv=128,
                 block_kv_dkv=128)
+# dq's kv tile spans 256 lanes (T5's per-bucket sums fold two lane tiles)
+BS_WIDE_DQ = BlockSizes(block_q=64, block_kv=128, block_q_dq=64, block_kv_dq=256,
+                        block_q_dkv=128, block_kv_dkv=128)
 
 CASES = [
     (1, 1, (4, 4), 32, "none", {}),
-    (100, 200, (8, 2), 80, "causal&segments", {"softcap": 20.0, "q_offset": 3, "alibi": "BN"}),
-    (384, 128, (8, 1), 64, "window_lr", {"bias": (1, 8), "alibi": "pos"}),
-    (128, 100, (4, 4), 128, "padding_fully_masked", {"bias": (2, 1)}),
-    (1000, 1000, (4, 4), 32, "chunked", {}),
-    (100, 384, (8, 2), 32, "prefix|window", {"kv_offset": 5, "alibi": "N"}),
+    (100, 200, (8, 2), 80, "causal&segments", {"softcap": 20.0, "q_offset": 3, "alibi": "BN",
+                                               "relative": "causal"}),
+    (384, 128, (8, 1), 64, "window_lr", {"bias": (1, 8), "alibi": "pos", "relative": "pos"}),
+    (128, 100, (4, 4), 128, "padding_fully_masked", {"bias": (2, 1), "relative": "bidir"}),
+    (1000, 1000, (4, 4), 32, "chunked", {"relative": "causal", "block_sizes": BS_WIDE_DQ}),
+    (100, 384, (8, 2), 32, "prefix|window", {"kv_offset": 5, "alibi": "N", "relative": "bidir"}),
     (200, 300, (8, 2), 64, "bigbird", {"kv_offset": 5}),
     (130, 130, (4, 1), 32, "longformer&causal", {"q_offset": 3, "softcap": 30.0}),
 ]
@@ -42,7 +47,7 @@ def test_matches_reference(T, S, heads, H, mask_name, extras):
     B = 1 if T * S > 500_000 else 2  # interpret mode walks every grid step
     q, k, v, bias = inputs(B, T, S, *heads, H, bias=extras.pop("bias", None))
     check_against_reference(flash_attention, q, k, v, make_mask(mask_name, B, T, S), bias,
-                            block_sizes=BS, **extras)
+                            block_sizes=extras.pop("block_sizes", BS), **extras)
 
 
 def test_bf16_within_2e2():
@@ -74,6 +79,31 @@ def test_tpu_semantics_interpreter_small_case():
     check_against_reference(flash_attention, q, k, v, mask, q_offset=96, softcap=10.0,
                             block_sizes=BlockSizes(16, 128, 16, 128, 128, 128),
                             interpret=pltpu.InterpretParams())
+
+
+def test_relative_bias_with_more_than_128_buckets():
+    """T5's table row spans two 128-lane pieces in the kernels' lane gather: buckets
+    up to 151 (bidirectional, 160 buckets), forward and the q / table gradients."""
+    from tfjax.ops import RelativeBias
+    from tfjax.ops.reference import attention_reference
+
+    q, k, v, _ = inputs(1, 200, 200, 2, 1, 32)
+    table = jnp.asarray(np.random.default_rng(3).normal(size=(160, 2)), jnp.float32)
+
+    def loss(impl, q, table):
+        rb = RelativeBias(table, bidirectional=True, max_distance=300)
+        out = impl(q, k, v, M.causal() | M.sliding_window(0, 199), relative_bias=rb)
+        return jnp.sum(out * jnp.cos(out)), out
+
+    got = jax.jit(jax.value_and_grad(lambda *a: loss(
+        lambda *x, **kw: flash_attention(*x, **kw, block_sizes=BS), *a), (0, 1),
+        has_aux=True))(q, table)
+    want = jax.jit(jax.value_and_grad(lambda *a: loss(attention_reference, *a), (0, 1),
+                                      has_aux=True))(q, table)
+    np.testing.assert_allclose(got[0][1], want[0][1], atol=1e-5)
+    for g, w in zip(got[1], want[1]):
+        np.testing.assert_allclose(g, w, atol=1e-4)
+    assert np.abs(np.asarray(want[1][1][128:])).max() > 1e-3  # buckets past 128 are used
 
 
 def test_two_runs_bitwise_equal():

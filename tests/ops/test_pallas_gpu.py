@@ -20,11 +20,12 @@ BS = BlockSizes(32, 64, 32, 64, 64, 32)
 
 @pytest.mark.parametrize("T,S,heads,H,mask_name,extras", [
     (100, 200, (8, 2), 80, "causal&segments", {"softcap": 20.0, "q_offset": 3, "bias": (1, 8),
-                                               "alibi": "N"}),
-    (128, 100, (4, 1), 32, "padding_fully_masked", {"kv_offset": 2, "alibi": "BN"}),
-    (100, 130, (4, 2), 32, "causal&segments", {"alibi": "pos"}),
-], ids=["gqa-segments-softcap-bias-alibi-tails", "mqa-fully-masked-rows-alibi",
-        "alibi-positions-segments"])
+                                               "alibi": "N", "relative": "causal"}),
+    (128, 100, (4, 1), 32, "padding_fully_masked", {"kv_offset": 2, "alibi": "BN",
+                                                    "relative": "bidir"}),
+    (100, 130, (4, 2), 32, "causal&segments", {"alibi": "pos", "relative": "pos"}),
+], ids=["gqa-segments-softcap-bias-alibi-t5-tails", "mqa-fully-masked-rows-alibi-t5",
+        "alibi-t5-positions-segments"])
 def test_interpret_matches_reference(T, S, heads, H, mask_name, extras):
     extras = dict(extras)
     q, k, v, bias = inputs(2, T, S, *heads, H, bias=extras.pop("bias", None))
@@ -33,7 +34,35 @@ def test_interpret_matches_reference(T, S, heads, H, mask_name, extras):
                             **extras)
 
 
-def _lower_for_cuda(mask_name, H, dtype, bias, alibi=False):
+def test_relative_bias_reaches_the_gpu_kernels_per_tile(monkeypatch):
+    """On GPU `dot_product_attention(implementation="pallas")` hands T5's bias to the
+    Triton kernels as the `RelativeBias` itself (no `[B, N, T, S]` bias): run on CPU
+    with the backend reported as "gpu" and the Triton kernels interpreted."""
+    import tfjax.ops.pallas.gpu as gpu_lib
+    from tfjax.ops import RelativeBias, dot_product_attention
+
+    calls = []
+
+    def interpreted(*a, bias=None, relative_bias=None, **kw):
+        calls.append((bias, type(relative_bias).__name__))
+        return flash_attention_gpu(*a, bias=bias, relative_bias=relative_bias, **kw,
+                                   interpret=True)
+
+    q, k, v, _ = inputs(1, 40, 50, 4, 2, 32)
+    rb = RelativeBias(jnp.linspace(-1.0, 1.0, 32).reshape(8, 4), bidirectional=True,
+                      max_distance=16)
+    want = dot_product_attention(q, k, v, M.causal(), relative_bias=rb, implementation="xla")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(gpu_lib, "flash_attention_gpu", interpreted)
+    got = dot_product_attention(q, k, v, M.causal(), relative_bias=rb, implementation="pallas")
+    assert calls == [(None, "RelativeBias")], calls
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def _lower_for_cuda(mask_name, H, dtype, bias, alibi=False, relative=None):
+    """`relative`: T5's bias at the index positions ("index") or at the segment-id
+    operands as positions ("pos")."""
+    from tfjax.ops import RelativeBias
     B, T, S, N, K = 2, 300, 500, 8, 2
     sds = jax.ShapeDtypeStruct
 
@@ -42,8 +71,14 @@ def _lower_for_cuda(mask_name, H, dtype, bias, alibi=False):
                 "causal&segments": M.causal() & M.segments(qs, ks),
                 "prefix|padding": M.prefix_lm(qs[:, 0]) | M.padding(ks[:, 0])}[mask_name]
         slopes = jnp.linspace(0.5, 0.01, N) if alibi else None
+        rel = None
+        if relative:
+            pos = (qs, ks) if relative == "pos" else (None, None)
+            rel = RelativeBias(jnp.ones((32, N)), bidirectional=relative == "pos",
+                               q_positions=pos[0], kv_positions=pos[1])
         loss = lambda q, k, v, b: flash_attention_gpu(
-            q, k, v, mask, bias=b, softcap=30.0, alibi_slopes=slopes).astype(jnp.float32).sum()
+            q, k, v, mask, bias=b, softcap=30.0, alibi_slopes=slopes,
+            relative_bias=rel).astype(jnp.float32).sum()
         return jax.grad(loss, (0, 1, 2, 3) if bias else (0, 1, 2))(q, k, v, b)
 
     args = (sds((B, T, N, H), dtype), sds((B, S, K, H), dtype), sds((B, S, K, H), dtype),
@@ -52,15 +87,15 @@ def _lower_for_cuda(mask_name, H, dtype, bias, alibi=False):
     return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("mask_name,H,dtype,bias,alibi", [
-    ("causal", 128, jnp.bfloat16, False, False),
-    ("causal&segments", 64, jnp.float16, True, False),
-    ("window", 256, jnp.bfloat16, False, True),
-    ("prefix|padding", 80, jnp.float32, False, False),
+@pytest.mark.parametrize("mask_name,H,dtype,bias,alibi,relative", [
+    ("causal", 128, jnp.bfloat16, False, False, None),
+    ("causal&segments", 64, jnp.float16, True, False, "pos"),
+    ("window", 256, jnp.bfloat16, False, True, None),
+    ("prefix|padding", 80, jnp.float32, False, False, "index"),
 ])
-def test_kernels_lower_to_triton(mask_name, H, dtype, bias, alibi):
+def test_kernels_lower_to_triton(mask_name, H, dtype, bias, alibi, relative):
     try:
-        text = _lower_for_cuda(mask_name, H, dtype, bias, alibi)
+        text = _lower_for_cuda(mask_name, H, dtype, bias, alibi, relative)
     except Exception as e:
         if "cuda" in str(e).lower() and "platform" in str(e).lower():
             pytest.skip(f"this jaxlib cannot lower for cuda: {str(e).splitlines()[0][:120]}")
@@ -75,3 +110,14 @@ def test_on_gpu_matches_reference():
     q, k, v, bias = inputs(2, 1000, 1000, 8, 2, 128, dtype=jnp.bfloat16, bias=(1, 1))
     mask = M.causal() & M.segments(np.repeat(np.arange(4), 250)[None].repeat(2, 0))
     check_against_reference(flash_attention_gpu, q, k, v, mask, bias, softcap=30.0)
+
+
+@pytest.mark.accelerator
+def test_on_gpu_t5_bias_matches_reference():
+    """T5's bias per tile in the compiled Triton kernels (the table's gather and the
+    dq kernel's per-bucket sums), bf16, packed positions."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    q, k, v, _ = inputs(2, 1000, 1000, 8, 2, 128, dtype=jnp.bfloat16)
+    mask = M.causal() & M.segments(np.repeat(np.arange(4), 250)[None].repeat(2, 0))
+    check_against_reference(flash_attention_gpu, q, k, v, mask, relative="pos")

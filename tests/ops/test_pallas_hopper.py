@@ -163,6 +163,12 @@ def test_auto_picks_hopper_only_on_sm90_for_what_it_supports(monkeypatch):
                              alibi=slopes) == "triton"
     with pytest.raises(ValueError, match="ALiBi.*backward='triton'"):
         gpu._pick_forward("hopper", bf, bf, bf, None, None, False, which="backward", alibi=slopes)
+    for which in ("forward", "backward"):  # T5's bias: the Triton kernels only
+        assert gpu._pick_forward("auto", bf, bf, bf, None, None, False, which=which,
+                                 relative=True) == "triton"
+        with pytest.raises(ValueError, match=f"relative_bias.*{which}='triton'"):
+            gpu._pick_forward("hopper", bf, bf, bf, None, None, False, which=which,
+                              relative=True)
 
 
 @pytest.mark.accelerator

@@ -46,12 +46,16 @@ def _shard_map(f, mesh, in_specs, out_specs):
 
 
 def compile_attention(topology, *, T, S, N, K, H, dtype, mask_name, softcap=None, bias=False,
-                      alibi=False, grad=True, block_sizes=None):
+                      alibi=False, relative=None, grad=True, block_sizes=None):
+    """`relative`: T5's bias, "index" (causal buckets at the index positions) or "pos"
+    (bidirectional, the segment-id operands as explicit positions); its table, an
+    argument, is differentiated too."""
+    from tfjax.ops import RelativeBias
     mesh = _mesh(topology)
     D = mesh.devices.size
     B = D  # one example per device
 
-    def local(q, k, v, q_seg, kv_seg, b):
+    def local(q, k, v, q_seg, kv_seg, b, table):
         mask = {"none": None, "causal": M.causal(), "window": M.sliding_window(256, 32),
                 "chunked": M.chunked_causal(512), "prefix": M.prefix_lm(q_seg[:, 0] * 0 + 100),
                 "segments": M.segments(q_seg, kv_seg),
@@ -63,22 +67,33 @@ def compile_attention(topology, *, T, S, N, K, H, dtype, mask_name, softcap=None
 
         slopes = 2.0 ** -jnp.arange(1, N + 1, dtype=jnp.float32) if alibi else None
 
-        def f(q, k, v, b):
+        def f(q, k, v, b, table):
+            rel = None
+            if relative:
+                pos = (q_seg, kv_seg) if relative == "pos" else (None, None)
+                rel = RelativeBias(table, bidirectional=relative == "pos", max_distance=128,
+                                   q_positions=pos[0], kv_positions=pos[1])
             return flash_attention_tpu(q, k, v, mask, bias=b, softcap=softcap, interpret=False,
-                                       alibi_slopes=slopes, block_sizes=block_sizes)
+                                       alibi_slopes=slopes, relative_bias=rel,
+                                       block_sizes=block_sizes)
 
         if not grad:
-            return f(q, k, v, b)
+            return f(q, k, v, b, table)
         loss = lambda *a: f(*a).astype(jnp.float32).sum()
-        return jax.grad(loss, (0, 1, 2, 3) if bias else (0, 1, 2))(q, k, v, b)
+        argnums = (0, 1, 2) + ((3,) if bias else ()) + ((4,) if relative else ())
+        return jax.grad(loss, argnums)(q, k, v, b, table)
 
     spec = P("data")
-    sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, spec))
+    sds = lambda shape, dt, s=spec: jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, s))
     args = (sds((B, T, N, H), dtype), sds((B, S, K, H), dtype), sds((B, S, K, H), dtype),
             sds((B, T), jnp.int32), sds((B, S), jnp.int32),
-            sds((B, N, T, S), jnp.float32) if bias else None)
-    in_specs = (spec,) * 5 + ((spec,) if bias else (None,))
-    fn = jax.jit(_shard_map(local, mesh, in_specs, spec))
+            sds((B, N, T, S), jnp.float32) if bias else None,
+            sds((32, N), jnp.float32, P()) if relative else None)
+    in_specs = (spec,) * 5 + ((spec,) if bias else (None,)) + ((P(),) if relative else (None,))
+    out_specs = spec
+    if grad and relative:  # the table's gradient: one partial sum per device
+        out_specs = (spec,) * (3 + bool(bias)) + (P(),)
+    fn = jax.jit(_shard_map(local, mesh, in_specs, out_specs))
     return fn.lower(*args).compile()
 
 
@@ -90,23 +105,29 @@ CASES = [  # (topology, mask, (N, K), H, dtype, extras)
     ("v5p:2x2x1", "causal", (8, 2), 128, jnp.bfloat16, {"alibi": True}),  # slopes in SMEM
     ("v5e:2x2", "bigbird", (8, 2), 128, jnp.bfloat16, {}),
     ("v5p:2x2x1", "longformer&causal", (4, 4), 64, jnp.float32, {}),
+    # T5's bias: table in SMEM, buckets per tile, the dq kernel's per-bucket sums
+    ("v5e:2x2", "causal", (8, 2), 128, jnp.bfloat16, {"relative": "index"}),
+    ("v5p:2x2x1", "causal&segments", (4, 4), 64, jnp.float32, {"relative": "pos"}),
 ]
 
 
 @pytest.mark.parametrize("topology,mask_name,heads,H,dtype,extras", CASES,
                          ids=[f"{c[0]}-{c[1]}-NK{c[2][0]}x{c[2][1]}-H{c[3]}-"
-                              f"{jnp.dtype(c[4]).name}" for c in CASES])
+                              f"{jnp.dtype(c[4]).name}" + ("-t5" if "relative" in c[5] else "")
+                              for c in CASES])
 def test_tpu_kernels_compile(topology, mask_name, heads, H, dtype, extras):
     compiled = compile_attention(topology, T=1000, S=1000, N=heads[0], K=heads[1], H=H,
                                  dtype=dtype, mask_name=mask_name, **extras)
     assert compiled.memory_analysis() is not None
 
 
-def test_compiled_memory_is_linear_in_T():
+@pytest.mark.parametrize("relative", [None, "index"], ids=["plain", "t5"])
+def test_compiled_memory_is_linear_in_T(relative):
     temps = []
     for T in (2048, 8192):
         c = compile_attention("v5e:2x2", T=T, S=T, N=8, K=2, H=128, dtype=jnp.bfloat16,
-                              mask_name="causal", block_sizes=BlockSizes(*(512,) * 6))
+                              mask_name="causal", relative=relative,
+                              block_sizes=BlockSizes(*(512,) * 6))
         m = c.memory_analysis()
         temps.append(m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes)
     assert temps[1] < 6 * temps[0], temps  # O(T*S) would be 16x

@@ -188,9 +188,12 @@ def test_zigzag_ordered_inputs(mesh4, mask_name, unroll):
 def test_pallas_kernels_inside_the_ring(mesh4):
     # The Pallas TPU kernels (interpret mode on CPU) as the per-block attention, fwd+bwd:
     # packed documents, causal, zig-zag (traced per-chunk offsets), GQA 8/2.
-    # With ALiBi at index positions: each chunk's global offset reaches the kernels.
+    # With ALiBi at index positions: each chunk's global offset reaches the kernels;
+    # T5's bias at the packed positions (rotating with K/V), its table's gradient
+    # summed over the blocks and the devices.
     _compare(MASKS["segments_causal"](), mesh4, "zigzag", implementation="pallas",
-             block_sizes=BlockSizes(8, 128, 8, 128, 8, 128), alibi=_alibi(positions=False))
+             block_sizes=BlockSizes(8, 128, 8, 128, 8, 128), alibi=_alibi(positions=False),
+             relative=_relative(True))
 
 
 @pytest.mark.xla_optimized  # the compiled HLO is checked too
@@ -286,9 +289,6 @@ def test_bad_arguments(mesh4):
         ring_attention(q, k, v, mesh=mesh4, load_balance="striped")
     with pytest.raises(ValueError, match="implementation must be one of"):
         ring_attention(q, k, v, mesh=mesh4, implementation="cudnn")
-    with pytest.raises(ValueError, match="takes no relative_bias"):  # T5: blockwise only
-        ring_attention(q, k, v, mesh=mesh4, implementation="pallas",
-                       relative_bias=_rb(_relative(False), jnp.ones((8, N))))
 
     with pytest.raises(ValueError, match="divisible"):
         ring_attention(q[:, :62], k[:, :62], v[:, :62], mesh=mesh4)

@@ -37,27 +37,36 @@ def tpu_devices():
     return np.array(topo.devices).reshape(-1)
 
 
-def compile_ring(devices, n, tokens_per_device=TOKENS_PER_DEVICE, load_balance="zigzag"):
+def compile_ring(devices, n, tokens_per_device=TOKENS_PER_DEVICE, load_balance="zigzag",
+                 relative=False):
+    """The ring's gradient; `relative`: with T5's bias at index positions (its
+    table differentiated too)."""
+    from tfjax.ops import RelativeBias
     mesh = Mesh(devices[:n], ("sequence",))
     S = n * tokens_per_device
     seg = jax.ShapeDtypeStruct((1, S), jnp.int32, sharding=NamedSharding(mesh, P(None, "sequence")))
     sh = NamedSharding(mesh, P(None, "sequence"))
     args = (jax.ShapeDtypeStruct((1, S, N, H), jnp.bfloat16, sharding=sh),
             jax.ShapeDtypeStruct((1, S, K, H), jnp.bfloat16, sharding=sh),
-            jax.ShapeDtypeStruct((1, S, K, H), jnp.bfloat16, sharding=sh), seg)
+            jax.ShapeDtypeStruct((1, S, K, H), jnp.bfloat16, sharding=sh), seg,
+            jax.ShapeDtypeStruct((32, N), jnp.float32, sharding=NamedSharding(mesh, P())))
 
-    def loss(q, k, v, ids):  # packed documents, causal, zig-zag order from the pipeline
+    def loss(q, k, v, ids, table):  # packed documents, causal, zig-zag order
+        rel = RelativeBias(table, bidirectional=False) if relative else None
         out = ring_attention(q, k, v, masks.causal() & masks.segments(ids), mesh=mesh,
-                             load_balance=load_balance, natural_order=False)
+                             load_balance=load_balance, natural_order=False,
+                             relative_bias=rel)
         return out.astype(jnp.float32).sum()
 
-    return jax.jit(jax.grad(loss, (0, 1, 2))).lower(*args).compile()
+    argnums = (0, 1, 2, 4) if relative else (0, 1, 2)
+    return jax.jit(jax.grad(loss, argnums)).lower(*args).compile()
 
 
-def test_ring_with_pallas_compiles_for_v5p_and_memory_is_flat(tpu_devices):
+@pytest.mark.parametrize("relative", [False, True], ids=["plain", "t5"])
+def test_ring_with_pallas_compiles_for_v5p_and_memory_is_flat(tpu_devices, relative):
     temps = {}
     for n in (4, 8):
-        compiled = compile_ring(tpu_devices, n)
+        compiled = compile_ring(tpu_devices, n, relative=relative)
         hlo = compiled.as_text()
         assert "collective-permute" in hlo and "all-gather" not in hlo
         assert "tpu_custom_call" in hlo  # the Mosaic kernels, not an XLA fallback

@@ -12,8 +12,9 @@ indices (`q_offset + i`, `kv_offset + j`); the tiled implementations evaluate it
 per tile instead of reading a materialised `[B, N, T, S]` bias. `relative_bias`
 a `tfjax.ops.RelativeBias`: T5's learned bias `table[bucket(kv_pos - q_pos), n]`,
 evaluated per tile by the implementations registered with `relative_bias=True`
-("blockwise": its table gradient is summed per bucket) and materialised into
-`bias` for the others (the same values and gradients, O(T*S) memory).
+("blockwise" and "pallas": the table gradient is summed per bucket) and
+materialised into `bias` for the others (the same values and gradients, O(T*S)
+memory).
 
 Implementations register themselves in `IMPLEMENTATIONS` with a `supports`
 predicate that returns None or the reason it cannot serve a request. An explicit

@@ -205,8 +205,9 @@ def relative_position_bucket(relative_position, *, bidirectional: bool, num_buck
 class RelativeBias:
     """T5's relative position bias (Raffel et al. 2020) as the attention ops take it:
     `table[bucket(kv_pos - q_pos), n]` added to head n's logits, evaluated per tile
-    by "blockwise" (never a materialised `[B, N, T, S]` array; its gradient is
-    accumulated per bucket) and materialised for the other implementations.
+    by "blockwise" and the Pallas TPU / Triton kernels (never a materialised
+    `[B, N, T, S]` array; its gradient is accumulated per bucket) and materialised
+    for the other implementations.
 
     table: `[num_buckets, N]` (the layout of T5 / HF checkpoints), differentiable.
     bidirectional / max_distance: the bucketing (`relative_position_bucket`).

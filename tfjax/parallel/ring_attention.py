@@ -22,10 +22,10 @@ is back on its owner. Masked blocks are skipped as in the forward.
 Per-block attention (`implementation=`): `blockwise_attention` /
 `blockwise_attention_backward` (any backend), or the Pallas TPU kernels
 (`flash_attention_tpu(return_lse=True)` / `flash_attention_tpu_backward`: Mosaic on
-TPU, interpret mode on CPU); "auto" picks pallas on TPU meshes, blockwise for T5's
-bias (`relative_bias`: every device holds a copy of the table; the backward
-returns each device's partial table gradient, summed over the devices by the
-copies' transpose outside shard_map).
+TPU, interpret mode on CPU); "auto" picks pallas on TPU meshes. Both take T5's
+bias per tile (`relative_bias`: every device holds a copy of the table; the
+backward returns each device's partial table gradient, summed over the devices by
+the copies' transpose outside shard_map).
 
 Memory. The steps run as a while loop (one K/V block in flight) except on CPU
 meshes, where they are unrolled (`unroll=`; XLA's CPU runtime can deadlock a while
@@ -253,20 +253,14 @@ def _merge(o, lse, o_new, lse_new):
 RING_IMPLEMENTATIONS = ("auto", "blockwise", "pallas")
 
 
-def _ring_implementation(implementation: str, mask, backend: str, relative: bool = False) -> str:
+def _ring_implementation(implementation: str, mask, backend: str) -> str:
     """The per-block attention of the ring on `backend` (the platform of the mesh's
-    devices): "blockwise" or "pallas" (validated). T5's bias (`relative`) only
-    blockwise evaluates per tile."""
+    devices): "blockwise" or "pallas" (validated)."""
     if implementation not in RING_IMPLEMENTATIONS:
         raise ValueError(f"ring_attention: implementation must be one of "
                          f"{', '.join(map(repr, RING_IMPLEMENTATIONS))}, got {implementation!r}")
     if implementation == "auto":
-        return ("pallas" if backend == "tpu" and mask_support(mask) is None and not relative
-                else "blockwise")
-    if implementation == "pallas" and relative:
-        raise ValueError("ring_attention: implementation='pallas' takes no relative_bias (T5's "
-                         "bias is evaluated per tile by 'blockwise'); use "
-                         "implementation='blockwise'")
+        return "pallas" if backend == "tpu" and mask_support(mask) is None else "blockwise"
     if implementation == "pallas":
         if backend == "gpu":
             raise ValueError("ring_attention: implementation='pallas' runs the Pallas TPU "
@@ -294,8 +288,7 @@ def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axi
     over `seq_axis` of `mesh` (and the batch over `batch_axes`, a mesh axis name or
     tuple of names, if given). ALiBi's and T5's explicit positions travel like
     segment ids (the kv ones rotate with K/V); index positions come from each
-    chunk's global offset. T5's table (`relative_bias`, blockwise only): every
-    device gets a copy and returns its partial gradient, summed over the devices.
+    chunk's global offset. T5's table (`relative_bias`): every device gets a copy and returns its partial gradient, summed over the devices.
 
     load_balance: "zigzag" (the default: 2n chunks, device i holds chunks i and
     2n-1-i, so causal work is even; needs T == S and T % 2n == 0) or "none" (device i
@@ -339,7 +332,7 @@ def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axi
     # runs on a CPU host.
     platform = mesh.devices.flat[0].platform
     rel = check_relative_bias(relative_bias, q.shape[0], N, T, S)
-    impl = _ring_implementation(implementation, mask, platform, rel is not None)
+    impl = _ring_implementation(implementation, mask, platform)
     interpret = platform == "cpu"
     if unroll is None:
         unroll = platform == "cpu"
@@ -441,7 +434,7 @@ def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axi
             ks, vs = cut(kb, ckv), cut(vb, ckv)
 
             def compute(acc, p, r, m, qo, ko, alibi_kw):
-                if impl == "pallas":  # (no relative_bias: see _ring_implementation)
+                if impl == "pallas":
                     o2, l2 = flash_attention_tpu(qs[p], ks[r], vs[r], m, scale=scale,
                                                  softcap=softcap, q_offset=qo, kv_offset=ko,
                                                  return_lse=True, block_sizes=block_sizes,
@@ -482,7 +475,7 @@ def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axi
                 dq, dk, dv = (list(x) for x in state[:3])
                 dtable = state[3]
                 if impl == "pallas":
-                    a, b, c = flash_attention_tpu_backward(
+                    a, b, c, *dt = flash_attention_tpu_backward(
                         qs[p], ks[r], vs[r], m, outs[p], lses[p], douts[p], scale=scale,
                         softcap=softcap, q_offset=qo, kv_offset=ko, block_sizes=block_sizes,
                         interpret=interpret, **alibi_kw)
@@ -491,8 +484,8 @@ def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axi
                         qs[p], ks[r], vs[r], m, outs[p], lses[p], douts[p], scale=scale,
                         softcap=softcap, q_offset=qo, kv_offset=ko, block_q=block_q,
                         block_kv=block_kv, **alibi_kw)
-                    if dt:
-                        dtable = dtable + dt[0]
+                if dt:
+                    dtable = dtable + dt[0]
                 dq[p], dk[r], dv[r] = dq[p] + a, dk[r] + b, dv[r] + c
                 return tuple(dq), tuple(dk), tuple(dv), dtable
 

@@ -1,7 +1,8 @@
 """Pallas attention kernels (`implementation="pallas"`).
 
 `flash_attention(q, k, v, mask, ...)` dispatches to the TPU (Mosaic) kernels on
-TPU and on CPU (interpret mode), and to the GPU (Triton) kernels on GPU.
+TPU and on CPU (interpret mode), and to the GPU (Triton) kernels on GPU; both
+evaluate T5's `relative_bias` per tile.
 """
 
 from __future__ import annotations
@@ -10,26 +11,28 @@ import jax
 
 from tfjax.ops.attention import AUTO_ORDER, AttentionRequest, register_implementation
 from tfjax.ops.pallas.common import BlockSizes, mask_support
-from tfjax.ops.reference import Alibi
+from tfjax.ops.reference import Alibi, RelativeBias
 from tfjax.ops.pallas.tpu import flash_attention_tpu
 
 __all__ = ["BlockSizes", "flash_attention", "flash_attention_tpu", "supports"]
 
 
 def flash_attention(q, k, v, mask=None, *, bias=None, scale=None, softcap=None,
-                    alibi_slopes=None, alibi_positions=None, q_offset=0, kv_offset=0,
+                    alibi_slopes=None, alibi_positions=None,
+                    relative_bias: RelativeBias | None = None, q_offset=0, kv_offset=0,
                     return_lse=False, block_sizes: BlockSizes | None = None, interpret=None):
     """Pallas FlashAttention; same semantics as `attention_reference`."""
     if jax.default_backend() == "gpu" and not interpret:
         from tfjax.ops.pallas.gpu import flash_attention_gpu
         return flash_attention_gpu(q, k, v, mask, bias=bias, scale=scale, softcap=softcap,
                                    alibi_slopes=alibi_slopes, alibi_positions=alibi_positions,
+                                   relative_bias=relative_bias,
                                    q_offset=q_offset,
                                    kv_offset=kv_offset, return_lse=return_lse,
                                    block_sizes=block_sizes)
     return flash_attention_tpu(q, k, v, mask, bias=bias, scale=scale, softcap=softcap,
                                alibi_slopes=alibi_slopes, alibi_positions=alibi_positions,
-                               q_offset=q_offset, kv_offset=kv_offset,
+                               relative_bias=relative_bias, q_offset=q_offset, kv_offset=kv_offset,
                                return_lse=return_lse, block_sizes=block_sizes,
                                interpret=interpret)
 
@@ -46,12 +49,14 @@ def supports(r: AttentionRequest) -> str | None:
     return None
 
 
-def _impl(q, k, v, mask, *, bias, alibi, scale, softcap, q_offset, kv_offset, return_lse):
+def _impl(q, k, v, mask, *, bias, alibi, relative_bias, scale, softcap, q_offset, kv_offset,
+          return_lse):
     return flash_attention(q, k, v, mask, bias=bias, scale=scale, softcap=softcap,
-                           q_offset=q_offset, kv_offset=kv_offset, return_lse=return_lse,
-                           **Alibi.kwargs(alibi))
+                           relative_bias=relative_bias, q_offset=q_offset, kv_offset=kv_offset,
+                           return_lse=return_lse, **Alibi.kwargs(alibi))
 
 
 # On GPU, cuDNN (plain causal requests) comes first whichever module registers first.
 _GPU_RANK = 1 if "cudnn" in AUTO_ORDER.get("gpu", []) else 0
-register_implementation("pallas", _impl, supports, auto={"tpu": 0, "gpu": _GPU_RANK})
+register_implementation("pallas", _impl, supports, auto={"tpu": 0, "gpu": _GPU_RANK},
+                        relative_bias=True)

@@ -180,9 +180,11 @@ class MaskOperands:
     scalar prefetch) and padded segment ids (`[B, Tp]`, `[B, Sp]` int32; each
     kernel gives them the 3-D layout its tiles need). ALiBi's explicit positions
     (`alibi.q_positions` / `kv_positions`) travel the same way, in the slot
-    `alibi_slot` (None when ALiBi uses index positions or is absent)."""
+    `alibi_slot` (None when ALiBi uses index positions or is absent), and so do
+    those of T5's bias (`relative`, a `RelativeBias`) in `relative_slot`."""
 
-    def __init__(self, mask, B: int, Tp: int, Sp: int, offsets=None, alibi=None):
+    def __init__(self, mask, B: int, Tp: int, Sp: int, offsets=None, alibi=None,
+                 relative=None):
         self.mask = mask
         self.scalars: list[jax.Array] = []
         self.q_segments: list[jax.Array] = []
@@ -190,11 +192,16 @@ class MaskOperands:
         self._slot: dict[int, int] = {}
         self._offsets = (0, 0) if offsets is None else (offsets[0], offsets[1])
         self._collect(mask, B, Tp, Sp)
-        self.alibi_slot = None
-        if alibi is not None and alibi.q_positions is not None:
-            self.alibi_slot = len(self.q_segments)
-            self.q_segments.append(pad_axis(alibi.q_positions, 1, Tp))
-            self.kv_segments.append(pad_axis(alibi.kv_positions, 1, Sp))
+        self.alibi_slot = self._positions(alibi, Tp, Sp)
+        self.relative_slot = self._positions(relative, Tp, Sp)
+
+    def _positions(self, spec, Tp, Sp):
+        """The slot of `spec`'s explicit positions (an Alibi / RelativeBias), or None."""
+        if spec is None or spec.q_positions is None:
+            return None
+        self.q_segments.append(pad_axis(spec.q_positions, 1, Tp))
+        self.kv_segments.append(pad_axis(spec.kv_positions, 1, Sp))
+        return len(self.q_segments) - 1
 
     def _collect(self, m, B, Tp, Sp):
         if m is None or isinstance(m, _POSITIONAL + (M.RandomBlocks,)):

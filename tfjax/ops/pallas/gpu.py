@@ -14,7 +14,11 @@ ALiBi (`alibi_slopes`): the head's slope is read once per program and
 `-slope * |q_pos - kv_pos|` formed in each visited tile from index positions or
 the tiles of `alibi_positions` (loaded like segment ids); no `[T, S]` bias. The
 Hopper forward does the same; the Hopper backward does not take ALiBi yet, so
-its backward runs on the Triton kernels.
+its backward runs on the Triton kernels. T5's bias (`relative_bias`): each
+visited tile buckets its relative positions and gathers the head's entries from
+the flat `[nb * N]` table (a pointer gather, cached; no `[T, S]` bias); the dq
+program sums dS per bucket (its `[nb]` partial sums per query tile are added up
+outside). The Hopper kernels decline it.
 
 Layout `[B, T, N, H]` (no transposes). Runs in interpret mode on CPU
 (`interpret=True`), which is how the CPU tests exercise it; compiling it needs
@@ -36,7 +40,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from tfjax.ops import masks as M
-from tfjax.ops.reference import make_alibi
+from tfjax.ops.reference import (
+    RelativeBias,
+    check_relative_bias,
+    make_alibi,
+    relative_position_bucket,
+)
 from tfjax.ops.pallas.common import (
     BlockSizes,
     Dims,
@@ -101,7 +110,8 @@ def _is_hopper() -> bool:
         return False
 
 
-def _pick_forward(choice, q, k, v, mask, bias, interpret, which="forward", alibi=None) -> str:
+def _pick_forward(choice, q, k, v, mask, bias, interpret, which="forward", alibi=None,
+                  relative=False) -> str:
     """"hopper" or "triton" for the forward (or, `which="backward"`, the backward)."""
     from tfjax.ops.pallas import hopper, hopper_backward
 
@@ -112,6 +122,8 @@ def _pick_forward(choice, q, k, v, mask, bias, interpret, which="forward", alibi
     if reason is None and alibi is not None and which == "backward":
         reason = "the Hopper backward takes no ALiBi slopes yet (the Hopper forward and " \
                  "the Triton kernels do)"
+    if reason is None and relative:
+        reason = "the Hopper kernels take no relative_bias (T5's bias; the Triton kernels do)"
     if reason is None and not q.dtype == k.dtype == v.dtype:
         reason = f"the Hopper kernel takes one dtype for q, k, v, got {q.dtype}, {k.dtype}, {v.dtype}"
     if choice == "hopper":
@@ -125,11 +137,13 @@ def _pick_forward(choice, q, k, v, mask, bias, interpret, which="forward", alibi
 
 
 def flash_attention_gpu(q, k, v, mask=None, *, bias=None, scale=None, softcap=None,
-                        alibi_slopes=None, alibi_positions=None, q_offset=0, kv_offset=0,
+                        alibi_slopes=None, alibi_positions=None,
+                        relative_bias: RelativeBias | None = None, q_offset=0, kv_offset=0,
                         return_lse=False, block_sizes: BlockSizes | None = None,
                         interpret: Any = False, forward: str = "auto", hopper_config=None,
                         backward: str = "auto", hopper_backward_config=None):
     """q `[B,T,N,H]`, k/v `[B,S,K,H]` -> out `[B,T,N,H]` (and lse `[B,N,T]` fp32).
+    `relative_bias`: T5's bias per tile (its table differentiable; Triton only).
 
     `forward`: "auto" runs the Hopper (Mosaic GPU) forward on sm_90 GPUs when it
     supports the request (16-bit, no bias, see `hopper.supports`), else the
@@ -141,17 +155,19 @@ def flash_attention_gpu(q, k, v, mask=None, *, bias=None, scale=None, softcap=No
     static = (q_offset, kv_offset) if all(isinstance(o, int) for o in (q_offset, kv_offset)) \
         else None
     bs = block_sizes or _default_block_sizes(H)
-    alibi = make_alibi(alibi_slopes, alibi_positions, q.shape[0], q.shape[2], q.shape[1],
-                       k.shape[1])
+    B, T, N = q.shape[:3]
+    alibi = make_alibi(alibi_slopes, alibi_positions, B, N, T, k.shape[1])
+    rel = check_relative_bias(relative_bias, B, N, T, k.shape[1])
     cfg = _Config(float(H ** -0.5 if scale is None else scale), float(softcap) if softcap else None,
                   bs, interpret, static,
-                  _pick_forward(forward, q, k, v, mask, bias, interpret, alibi=alibi),
+                  _pick_forward(forward, q, k, v, mask, bias, interpret, alibi=alibi,
+                                relative=rel is not None),
                   hopper_config,
                   _pick_forward(backward, q, k, v, mask, bias, interpret, which="backward",
-                                alibi=alibi),
+                                alibi=alibi, relative=rel is not None),
                   hopper_backward_config)
     offs = jnp.stack([jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32)])
-    out, lse = _flash(cfg, q, k, v, mask, bias, alibi, offs)
+    out, lse = _flash(cfg, q, k, v, mask, bias, alibi, rel, offs)
     return (out, lse) if return_lse else out
 
 
@@ -187,9 +203,9 @@ def _dot_tn(a, b):  # a^T @ b
                            preferred_element_type=jnp.float32)
 
 
-def _logits(cfg, s, bias_tile, alibi=None):
-    """Scale, soft-cap, bias; `alibi`: None or (slope, q positions [bq, 1], kv
-    positions [1, bk]) -> `- slope * |q_pos - kv_pos|`."""
+def _logits(cfg, s, bias_tile, alibi=None, rel_tile=None):
+    """Scale, soft-cap, bias, T5's bias tile; `alibi`: None or (slope, q positions
+    [bq, 1], kv positions [1, bk]) -> `- slope * |q_pos - kv_pos|`."""
     s = s * cfg.scale
     t = None
     if cfg.softcap:
@@ -200,6 +216,8 @@ def _logits(cfg, s, bias_tile, alibi=None):
     if alibi is not None:
         slope, qp, kp = alibi
         s = s - slope * jnp.abs(qp - kp).astype(jnp.float32)
+    if rel_tile is not None:
+        s = s + rel_tile
     return s, t
 
 
@@ -234,8 +252,25 @@ def _alibi_tile(slope, mops, q_loc, kv_loc, qseg_v, kseg_v, offs_ref):
     return slope, q_loc + offs_ref[0], kv_loc + offs_ref[1]
 
 
-def _common_operands(mask, bias, alibi, d, q, k, v, offs):
-    mops = MaskOperands(mask, d.B, d.Tp, d.Sp, offs, alibi)
+def _relative_tile(rel, rel_ref, d, h, mops, q_loc, kv_loc, qseg_v, kseg_v, offs_ref):
+    """T5's bias `[bq, bk]` fp32 of head `h` and its int32 buckets, or (None, None):
+    the buckets of the positions' tiles (slot `mops.relative_slot`) or of the
+    global index positions, gathered from the flat `[nb * N]` table `rel_ref`."""
+    if rel is None:
+        return None, None
+    if mops.relative_slot is not None:
+        qp, kp = qseg_v[mops.relative_slot], kseg_v[mops.relative_slot]
+    else:
+        qp, kp = q_loc + offs_ref[0], kv_loc + offs_ref[1]
+    buckets = relative_position_bucket(kp - qp, bidirectional=rel.bidirectional,
+                                       num_buckets=rel.num_buckets,
+                                       max_distance=rel.max_distance)
+    buckets = jnp.broadcast_to(buckets, (d.bq, d.bk))
+    return rel_ref[buckets * d.N + h], buckets
+
+
+def _common_operands(mask, bias, alibi, rel, d, q, k, v, offs):
+    mops = MaskOperands(mask, d.B, d.Tp, d.Sp, offs, alibi, rel)
     bias_op = None if bias is None else pad_axis(pad_axis(bias, 2, d.Tp), 3, d.Sp)
     return mops, bias_op, _pad_seq_head(q, d.Tp, d.Hp), _pad_seq_head(k, d.Sp, d.Hp), \
         _pad_seq_head(v, d.Sp, d.Hp)
@@ -246,7 +281,7 @@ def _common_operands(mask, bias, alibi, d, q, k, v, offs):
 # --------------------------------------------------------------------------- #
 
 
-def _row_kernel(cfg, d, mask, mops, tab, has_bias, has_alibi, backward, *refs):
+def _row_kernel(cfg, d, mask, mops, tab, has_bias, has_alibi, rel, backward, *refs):
     ns, nseg = len(mops.scalars), mops.num_segments
     it = iter(refs)
     take = lambda n: [next(it) for _ in range(n)]
@@ -255,6 +290,7 @@ def _row_kernel(cfg, d, mask, mops, tab, has_bias, has_alibi, backward, *refs):
     q_ref, k_ref, v_ref = take(3)
     bias_ref = next(it) if has_bias else None
     alibi_ref = next(it) if has_alibi else None
+    rel_ref = next(it) if rel is not None else None
     if backward:
         do_ref, lse_ref, delta_ref = take(3)
     qseg, kseg = take(nseg), take(nseg)
@@ -276,17 +312,19 @@ def _row_kernel(cfg, d, mask, mops, tab, has_bias, has_alibi, backward, *refs):
         sl = pl.ds(kj * bk, bk)
         kv_loc = (kj * bk + jnp.arange(bk, dtype=jnp.int32))[None, :]
         kseg_v = [x[sl][None, :] for x in kseg]
+        rel_t, buckets = _relative_tile(rel, rel_ref, d, h, mops, q_loc, kv_loc, qseg_v, kseg_v,
+                                        offs_ref)
         s, t = _logits(cfg, _dot_nt(q, k_ref[sl, :]),
                        bias_ref[pl.ds(i * bq, bq), sl] if has_bias else None,
-                       _alibi_tile(slope, mops, q_loc, kv_loc, qseg_v, kseg_v, offs_ref))
+                       _alibi_tile(slope, mops, q_loc, kv_loc, qseg_v, kseg_v, offs_ref), rel_t)
         ok = _allowed(d, mask, mops, code[r, i, j], q_loc, kv_loc, offs_ref, b, sref, qseg_v,
                       kseg_v)
-        return kj, sl, jnp.where(ok, s, -jnp.inf), t
+        return kj, sl, jnp.where(ok, s, -jnp.inf), t, buckets
 
     if not backward:
         def body(j, carry):
             acc, m, l = carry
-            _, sl, s, _ = tile(j)
+            _, sl, s, _, _ = tile(j)
             m_new = jnp.maximum(m, s.max(axis=-1))
             m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
             p = jnp.exp(s - m_safe[:, None])
@@ -305,27 +343,37 @@ def _row_kernel(cfg, d, mask, mops, tab, has_bias, has_alibi, backward, *refs):
         lse_out[...] = jnp.where(has, m + jnp.log(l_safe), -jnp.inf)
         return
 
-    def body(j, dq):
-        _, sl, s, t = tile(j)
+    def body(j, carry):
+        dq, dtable = carry
+        _, sl, s, t, buckets = tile(j)
         p = jnp.exp(s - lse)
         v = v_ref[sl, :]
         ds = p * (_dot_nt(do, v) - delta)
+        if rel is not None:  # dL/dlogits (after the soft-cap) summed per bucket
+            ids = jnp.arange(dtable.shape[0], dtype=jnp.int32)
+            for n in range(rel.num_buckets):
+                total = jnp.where(buckets == n, ds, 0.0).sum()
+                dtable = dtable + jnp.where(ids == n, total, 0.0)
         if t is not None:
             ds = ds * (1.0 - t * t)
         kk = k_ref[sl, :]
-        return dq + _dot((ds * cfg.scale).astype(kk.dtype), kk)
+        return dq + _dot((ds * cfg.scale).astype(kk.dtype), kk), dtable
 
-    dq = lax.fori_loop(0, count[r, i], body, jnp.zeros((bq, d.Hp), jnp.float32))
-    (dq_ref,) = outs
-    dq_ref[...] = dq.astype(dq_ref.dtype)
+    nbp = 16 if rel is None else max(16, _pow2(rel.num_buckets))
+    dq, dtable = lax.fori_loop(0, count[r, i], body, (jnp.zeros((bq, d.Hp), jnp.float32),
+                                                      jnp.zeros((nbp,), jnp.float32)))
+    outs[0][...] = dq.astype(outs[0].dtype)
+    if rel is not None:
+        outs[1][...] = dtable
 
 
-def _row_call(cfg, q, k, v, mask, bias, alibi, offs, backward, do=None, lse=None, delta=None):
+def _row_call(cfg, q, k, v, mask, bias, alibi, rel, offs, backward, do=None, lse=None,
+              delta=None):
     bs = cfg.block_sizes
     d = _dims(q, k, *((bs.block_q_dq, bs.block_kv_dq) if backward else (bs.block_q, bs.block_kv)))
     G, bq = d.G, d.bq
     tab = _tables(cfg, mask, d, offs)
-    mops, bias_op, qp, kp, vp = _common_operands(mask, bias, alibi, d, q, k, v, offs)
+    mops, bias_op, qp, kp, vp = _common_operands(mask, bias, alibi, rel, d, q, k, v, offs)
     has_bias = bias is not None
     full = pl.no_block_spec  # whole array in the kernel (tables, per-example scalars)
     in_specs = [full] * (4 + len(mops.scalars))
@@ -342,6 +390,9 @@ def _row_call(cfg, q, k, v, mask, bias, alibi, offs, backward, do=None, lse=None
     if alibi is not None:
         in_specs.append(full)
         operands.append(alibi.slopes.reshape(-1))
+    if rel is not None:
+        in_specs.append(full)
+        operands.append(rel.table.astype(jnp.float32).reshape(-1))
     if backward:
         in_specs += [pl.BlockSpec((None, bq, None, d.Hp), lambda i, b, h: (b, i, h, 0)),
                      pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)),
@@ -357,20 +408,25 @@ def _row_call(cfg, q, k, v, mask, bias, alibi, offs, backward, do=None, lse=None
     row = pl.BlockSpec((None, bq, None, d.Hp), lambda i, b, h: (b, i, h, 0))
     if backward:
         out_specs, out_shape = [row], [jax.ShapeDtypeStruct((d.B, d.Tp, d.N, d.Hp), q.dtype)]
+        if rel is not None:  # per query tile: [nbp] partial sums
+            nbp = max(16, _pow2(rel.num_buckets))
+            out_specs.append(pl.BlockSpec((None, None, None, nbp), lambda i, b, h: (b, h, i, 0)))
+            out_shape.append(jax.ShapeDtypeStruct((d.B, d.N, d.Tp // bq, nbp), jnp.float32))
     else:
         out_specs = [row, pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))]
         out_shape = [jax.ShapeDtypeStruct((d.B, d.Tp, d.N, d.Hp), q.dtype),
                      jax.ShapeDtypeStruct((d.B, d.N, d.Tp), jnp.float32)]
     kernel = functools.partial(_row_kernel, cfg, d, mask, mops, tab, has_bias, alibi is not None,
-                               backward)
+                               rel, backward)
     outs = pl.pallas_call(
         kernel, grid=(d.Tp // bq, d.B, d.N), in_specs=in_specs, out_specs=out_specs,
         out_shape=out_shape, interpret=cfg.interpret,
         compiler_params=_triton_params(4, 2 if backward else 3),
         name="tfjax_flash_dq_gpu" if backward else "tfjax_flash_fwd_gpu",
     )(*operands)
-    if backward:
-        return outs[0][:, :d.T, :, :d.H]
+    if backward:  # dq, and T5's table gradient [nb, N]
+        dtable = None if rel is None else outs[1].sum(axis=(0, 2))[:, :rel.num_buckets].T
+        return outs[0][:, :d.T, :, :d.H], dtable
     return outs[0][:, :d.T, :, :d.H], outs[1][:, :, :d.T]
 
 
@@ -379,7 +435,7 @@ def _row_call(cfg, q, k, v, mask, bias, alibi, offs, backward, do=None, lse=None
 # --------------------------------------------------------------------------- #
 
 
-def _dkv_kernel(cfg, d, mask, mops, tab, has_bias, has_alibi, *refs):
+def _dkv_kernel(cfg, d, mask, mops, tab, has_bias, has_alibi, rel, *refs):
     ns, nseg = len(mops.scalars), mops.num_segments
     it = iter(refs)
     take = lambda n: [next(it) for _ in range(n)]
@@ -388,6 +444,7 @@ def _dkv_kernel(cfg, d, mask, mops, tab, has_bias, has_alibi, *refs):
     q_ref, k_ref, v_ref = take(3)
     bias_ref = next(it) if has_bias else None
     alibi_ref = next(it) if has_alibi else None
+    rel_ref = next(it) if rel is not None else None
     do_ref, lse_ref, delta_ref = take(3)
     if has_bias:
         next(it)  # the zeros aliased to dbias
@@ -417,8 +474,11 @@ def _dkv_kernel(cfg, d, mask, mops, tab, has_bias, has_alibi, *refs):
                 bias_t = bias_ref[b if Bb > 1 else 0, h if Nb > 1 else 0, sl, pl.ds(kj * bk, bk)]
             q_loc = (qi * bq + jnp.arange(bq, dtype=jnp.int32))[:, None]
             qseg_v = [x[sl][:, None] for x in qseg]
+            rel_t, _ = _relative_tile(rel, rel_ref, d, h, mops, q_loc, kv_loc, qseg_v, kseg_v,
+                                      offs_ref)
             s, t = _logits(cfg, _dot_nt(q, kk), bias_t,
-                           _alibi_tile(slope, mops, q_loc, kv_loc, qseg_v, kseg_v, offs_ref))
+                           _alibi_tile(slope, mops, q_loc, kv_loc, qseg_v, kseg_v, offs_ref),
+                           rel_t)
             ok = _allowed(d, mask, mops, code[r, kj, j], q_loc, kv_loc, offs_ref, b, sref,
                           qseg_v, kseg_v)
             p = jnp.where(ok, jnp.exp(s - lse_ref[h, sl][:, None]), 0.0)  # [bq, bk]
@@ -439,12 +499,12 @@ def _dkv_kernel(cfg, d, mask, mops, tab, has_bias, has_alibi, *refs):
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _dkv_call(cfg, q, k, v, mask, bias, alibi, offs, do, lse, delta):
+def _dkv_call(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta):
     bs = cfg.block_sizes
     d = _dims(q, k, bs.block_q_dkv, bs.block_kv_dkv)
     bk = d.bk
     tab = _tables(cfg, mask, d, offs, transpose=True)
-    mops, bias_op, qp, kp, vp = _common_operands(mask, bias, alibi, d, q, k, v, offs)
+    mops, bias_op, qp, kp, vp = _common_operands(mask, bias, alibi, rel, d, q, k, v, offs)
     has_bias = bias is not None
     full = pl.no_block_spec
     in_specs = [full] * (4 + len(mops.scalars))
@@ -459,6 +519,9 @@ def _dkv_call(cfg, q, k, v, mask, bias, alibi, offs, do, lse, delta):
     if alibi is not None:
         in_specs.append(full)
         operands.append(alibi.slopes.reshape(-1))
+    if rel is not None:
+        in_specs.append(full)
+        operands.append(rel.table.astype(jnp.float32).reshape(-1))
     stats = pl.BlockSpec((None, d.N, d.Tp), lambda j, b, kh: (b, 0, 0))
     in_specs += [all_q, stats, stats]
     operands += [_pad_seq_head(do, d.Tp, d.Hp), pad_axis(lse, 2, d.Tp), pad_axis(delta, 2, d.Tp)]
@@ -479,7 +542,8 @@ def _dkv_call(cfg, q, k, v, mask, bias, alibi, offs, do, lse, delta):
     if has_bias:
         out_specs.append(full)
         out_shape.append(jax.ShapeDtypeStruct((d.B, d.N, d.Tp, d.Sp), jnp.float32))
-    kernel = functools.partial(_dkv_kernel, cfg, d, mask, mops, tab, has_bias, alibi is not None)
+    kernel = functools.partial(_dkv_kernel, cfg, d, mask, mops, tab, has_bias, alibi is not None,
+                               rel)
     outs = pl.pallas_call(
         kernel, grid=(d.Sp // bk, d.B, d.K), in_specs=in_specs, out_specs=out_specs,
         out_shape=out_shape, interpret=cfg.interpret, input_output_aliases=aliases,
@@ -500,7 +564,7 @@ def _dkv_call(cfg, q, k, v, mask, bias, alibi, offs, do, lse, delta):
 # --------------------------------------------------------------------------- #
 
 
-def _forward(cfg, q, k, v, mask, bias, alibi, offs):
+def _forward(cfg, q, k, v, mask, bias, alibi, rel, offs):
     if cfg.forward == "hopper":
         from tfjax.ops.pallas.hopper import flash_forward_hopper
 
@@ -508,21 +572,21 @@ def _forward(cfg, q, k, v, mask, bias, alibi, offs):
         return flash_forward_hopper(q, k, v, mask, scale=cfg.scale, softcap=cfg.softcap,
                                     q_offset=qo, kv_offset=ko, config=cfg.hopper,
                                     interpret=cfg.interpret, alibi=alibi)
-    return _row_call(cfg, q, k, v, mask, bias, alibi, offs, backward=False)
+    return _row_call(cfg, q, k, v, mask, bias, alibi, rel, offs, backward=False)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(cfg, q, k, v, mask, bias, alibi, offs):
-    return _forward(cfg, q, k, v, mask, bias, alibi, offs)
+def _flash(cfg, q, k, v, mask, bias, alibi, rel, offs):
+    return _forward(cfg, q, k, v, mask, bias, alibi, rel, offs)
 
 
-def _flash_fwd(cfg, q, k, v, mask, bias, alibi, offs):
-    out, lse = _forward(cfg, q, k, v, mask, bias, alibi, offs)
-    return (out, lse), (q, k, v, mask, bias, alibi, offs, out, lse)
+def _flash_fwd(cfg, q, k, v, mask, bias, alibi, rel, offs):
+    out, lse = _forward(cfg, q, k, v, mask, bias, alibi, rel, offs)
+    return (out, lse), (q, k, v, mask, bias, alibi, rel, offs, out, lse)
 
 
 def _flash_bwd(cfg, res, cts):
-    q, k, v, mask, bias, alibi, offs, out, lse = res
+    q, k, v, mask, bias, alibi, rel, offs, out, lse = res
     alibi_ct = jax.tree.map(_zero_cotangent, alibi)  # slopes are constants
     do, dlse = cts
     do = do.astype(q.dtype)
@@ -536,12 +600,16 @@ def _flash_bwd(cfg, res, cts):
         dq, dk, dv = flash_backward_hopper(q, k, v, do, lse, delta, mask, scale=cfg.scale,
                                            softcap=cfg.softcap, q_offset=qo, kv_offset=ko,
                                            config=cfg.hopper_backward, interpret=cfg.interpret)
-        return (dq, dk, dv, jax.tree.map(_zero_cotangent, mask), None, alibi_ct,
+        return (dq, dk, dv, jax.tree.map(_zero_cotangent, mask), None, alibi_ct, None,
                 _zero_cotangent(offs))
-    dq = _row_call(cfg, q, k, v, mask, bias, alibi, offs, backward=True, do=do, lse=lse,
-                   delta=delta)
-    dk, dv, dbias = _dkv_call(cfg, q, k, v, mask, bias, alibi, offs, do, lse, delta)
-    return (dq, dk, dv, jax.tree.map(_zero_cotangent, mask), dbias, alibi_ct,
+    dq, dtable = _row_call(cfg, q, k, v, mask, bias, alibi, rel, offs, backward=True, do=do,
+                           lse=lse, delta=delta)
+    dk, dv, dbias = _dkv_call(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta)
+    rel_ct = None
+    if rel is not None:  # the table's gradient; positions are integers
+        rel_ct = dataclasses.replace(jax.tree.map(_zero_cotangent, rel),
+                                     table=dtable.astype(rel.table.dtype))
+    return (dq, dk, dv, jax.tree.map(_zero_cotangent, mask), dbias, alibi_ct, rel_ct,
             _zero_cotangent(offs))
 
 

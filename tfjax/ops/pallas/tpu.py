@@ -25,6 +25,12 @@ Design choices:
   formed in every visited tile from iotas (index positions) or from the
   positions' tiles (`alibi_positions`, blocked like segment ids), never read
   from HBM as a `[T, S]` bias.
+- T5's bias (`relative_bias`, a `tfjax.ops.RelativeBias`): the head's table row
+  (`[1, nb]` padded to 128 lanes) sits in VMEM; every visited tile buckets its
+  relative positions (iotas + offsets or the positions' tiles) and gathers the row
+  at the buckets (a lane gather, never a `[T, S]` array); the dq kernel sums dS
+  per bucket (nb selects and sublane sums per logit) into a `[B, N, nb, 128]`
+  accumulator (its query-tile axis is then sequential).
 - Fully masked rows: output 0, lse -inf. dbias is written tile by tile into a
   zero-initialised aliased buffer (EMPTY tiles stay 0).
 - On CPU the same kernels run in interpret mode (`interpret=True`, or pass
@@ -44,7 +50,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from tfjax.ops import masks as M
-from tfjax.ops.reference import Alibi, make_alibi
+from tfjax.ops.reference import (
+    Alibi,
+    RelativeBias,
+    check_relative_bias,
+    make_alibi,
+    relative_position_bucket,
+)
 from tfjax.ops.pallas.common import (
     BlockSizes,
     Dims,
@@ -102,21 +114,25 @@ def _config(q, scale, softcap, q_offset, kv_offset, block_sizes, interpret, grad
 
 
 def flash_attention_tpu(q, k, v, mask=None, *, bias=None, scale=None, softcap=None,
-                        alibi_slopes=None, alibi_positions=None, q_offset=0, kv_offset=0,
+                        alibi_slopes=None, alibi_positions=None,
+                        relative_bias: RelativeBias | None = None, q_offset=0, kv_offset=0,
                         return_lse=False, block_sizes: BlockSizes | None = None,
                         interpret: Any = None):
     """q `[B,T,N,H]`, k/v `[B,S,K,H]` -> out `[B,T,N,H]` (and lse `[B,N,T]` fp32).
+    `relative_bias`: T5's bias per tile (its table differentiable).
 
     `interpret=None` interprets on CPU and compiles with Mosaic elsewhere."""
     cfg, offs = _config(q, scale, softcap, q_offset, kv_offset, block_sizes, interpret)
-    alibi = make_alibi(alibi_slopes, alibi_positions, q.shape[0], q.shape[2], q.shape[1],
-                       k.shape[1])
-    out, lse = _flash(cfg, q, k, v, mask, bias, alibi, offs)
+    B, T, N = q.shape[:3]
+    alibi = make_alibi(alibi_slopes, alibi_positions, B, N, T, k.shape[1])
+    rel = check_relative_bias(relative_bias, B, N, T, k.shape[1])
+    out, lse = _flash(cfg, q, k, v, mask, bias, alibi, rel, offs)
     return (out, lse) if return_lse else out
 
 
 def flash_attention_tpu_backward(q, k, v, mask, out, lse, dout, *, scale=None, softcap=None,
-                                 alibi_slopes=None, alibi_positions=None, q_offset=0,
+                                 alibi_slopes=None, alibi_positions=None,
+                                 relative_bias: RelativeBias | None = None, q_offset=0,
                                  kv_offset=0, block_sizes: BlockSizes | None = None,
                                  interpret: Any = None, grad_dtype=jnp.float32):
     """The dq and dk/dv kernels for one (q block, kv block) pair, given the *final*
@@ -124,19 +140,21 @@ def flash_attention_tpu_backward(q, k, v, mask, out, lse, dout, *, scale=None, s
     may span more keys than `k`/`v`: ring attention passes the result merged over
     all blocks). Probabilities are recomputed per tile as `exp(logits - lse)`, so
     the result is this block's exact contribution to the full gradient. No bias
-    (ALiBi slopes are taken).
+    (ALiBi slopes and T5's `relative_bias` are taken).
     -> dq `[B,T,N,H]`, dk, dv `[B,S,K,H]` in `grad_dtype` (fp32 by default, for
-    accumulation across blocks)."""
+    accumulation across blocks), and with `relative_bias` the table's gradient
+    `[nb, N]` fp32 (this block's contribution)."""
     cfg, offs = _config(q, scale, softcap, q_offset, kv_offset, block_sizes, interpret,
                         grad_dtype)
     do = dout.astype(q.dtype)
     delta = jnp.einsum("BTNH,BTNH->BNT", do.astype(jnp.float32), out.astype(jnp.float32))
     lse = jnp.where(lse == -jnp.inf, 0.0, lse.astype(jnp.float32))
-    alibi = make_alibi(alibi_slopes, alibi_positions, q.shape[0], q.shape[2], q.shape[1],
-                       k.shape[1])
-    dq = _backward_dq(cfg, q, k, v, mask, None, alibi, offs, do, lse, delta)
-    dk, dv, _ = _backward_dkv(cfg, q, k, v, mask, None, alibi, offs, do, lse, delta)
-    return dq, dk, dv
+    B, T, N = q.shape[:3]
+    alibi = make_alibi(alibi_slopes, alibi_positions, B, N, T, k.shape[1])
+    rel = check_relative_bias(relative_bias, B, N, T, k.shape[1])
+    dq, dtable = _backward_dq(cfg, q, k, v, mask, None, alibi, rel, offs, do, lse, delta)
+    dk, dv, _ = _backward_dkv(cfg, q, k, v, mask, None, alibi, rel, offs, do, lse, delta)
+    return (dq, dk, dv) if rel is None else (dq, dk, dv, dtable)
 
 
 # --------------------------------------------------------------------------- #
@@ -168,9 +186,9 @@ def _bias_operand(bias, d):
     return pad_axis(pad_axis(bias, 2, d.Tp), 3, d.Sp)
 
 
-def _logits(cfg, s, bias_tile, alibi=None):
-    """Scale, soft-cap (keeping tanh for the backward), bias and ALiBi an fp32 tile;
-    `alibi`: None or (slope, global q positions, global kv positions)."""
+def _logits(cfg, s, bias_tile, alibi=None, rel_tile=None):
+    """Scale, soft-cap (keeping tanh for the backward), bias, ALiBi and T5's bias an
+    fp32 tile; `alibi`: None or (slope, global q positions, global kv positions)."""
     s = s * cfg.scale
     t = None
     if cfg.softcap:
@@ -181,6 +199,8 @@ def _logits(cfg, s, bias_tile, alibi=None):
     if alibi is not None:
         slope, qp, kp = alibi
         s = s - slope * jnp.abs(qp - kp).astype(jnp.float32)
+    if rel_tile is not None:
+        s = s + rel_tile
     return s, t
 
 
@@ -207,12 +227,69 @@ def _alibi(alibi_ref, b, head, q_tile, kv_tile, d, offs_ref, mops, qseg, kseg, k
     return slope, q_loc + offs_ref[0], kv_loc + offs_ref[1]
 
 
+def _relative(rel_ref, rel, q_tile, kv_tile, d, offs_ref, mops, qseg, kseg, kv_major=False):
+    """T5's bias of a tile, fp32, and its int32 buckets (both `[bq, bk]`, or
+    `[bk, bq]` when `kv_major`), or (None, None) without it. `rel`: the static
+    `RelativeBias` (bucketing); `rel_ref`: the head's table row `[1, nbp]`."""
+    if rel_ref is None:
+        return None, None
+    if mops.relative_slot is not None:  # explicit positions: their tiles
+        qp, kp = qseg[mops.relative_slot][...], kseg[mops.relative_slot][...]
+    else:
+        q_loc, kv_loc = _local(q_tile, kv_tile, d, kv_major)
+        qp, kp = q_loc + offs_ref[0], kv_loc + offs_ref[1]
+    buckets = relative_position_bucket(kp - qp, bidirectional=rel.bidirectional,
+                                       num_buckets=rel.num_buckets,
+                                       max_distance=rel.max_distance)
+    buckets = jnp.broadcast_to(buckets, (d.bk, d.bq) if kv_major else (d.bq, d.bk))
+    return _gather_lanes(rel_ref[...], buckets, rel.num_buckets), buckets
+
+
+def _gather_lanes(row, idx, n_valid):
+    """`row[0, idx]`: row `[1, nbp]` fp32 (nbp a multiple of 128), idx `[r, c]` int32
+    in [0, n_valid): a lane gather (`take_along_axis`, Mosaic's dynamic gather) per
+    128-lane piece of the row and of idx. A tile narrower than 128 lanes or not a
+    multiple (the dk/dv kernel's query tile of a short sequence) selects per entry."""
+    if idx.shape[1] % LANES:
+        out = jnp.broadcast_to(row[:, :1], idx.shape)
+        for n in range(1, n_valid):
+            out = jnp.where(idx == n, row[:, n:n + 1], out)
+        return out
+    out = None
+    for t in range(row.shape[1] // LANES):
+        src = jnp.broadcast_to(row[:, t * LANES:(t + 1) * LANES], (idx.shape[0], LANES))
+        local = idx if row.shape[1] == LANES else jnp.clip(idx - t * LANES, 0, LANES - 1)
+        got = jnp.concatenate(
+            [jnp.take_along_axis(src, local[:, c * LANES:(c + 1) * LANES], axis=1,
+                                 mode="promise_in_bounds")
+             for c in range(idx.shape[1] // LANES)], axis=1)
+        out = got if out is None else jnp.where(idx >= t * LANES, got, out)
+    return out
+
+
+def _relative_operand(rel: RelativeBias, head_of):
+    """The table `[nb, N]` as `[N, 1, nbp]` fp32 rows (nbp: nb rounded up to 128
+    lanes) and their spec (the row of head `head_of(*grid indices)`)."""
+    nbp = round_up(rel.num_buckets, LANES)
+    rows = pad_axis(rel.table.astype(jnp.float32).T, 1, nbp)[:, None, :]
+    return rows, pl.BlockSpec((None, 1, nbp), lambda *ix: (head_of(*ix), 0, 0))
+
+
+def _fold_lanes(x):
+    """`[r, c]` with c a multiple of 128 -> `[r, 128]`, the sum of its lane tiles."""
+    out = x[:, :LANES]
+    for c in range(1, x.shape[1] // LANES):
+        out = out + x[:, c * LANES:(c + 1) * LANES]
+    return out
+
+
 def _alibi_operand(alibi: Alibi):
     """The slopes `[B|1, N]` as a flat fp32 SMEM operand, and its spec."""
     return alibi.slopes.reshape(-1), pl.BlockSpec(memory_space=pltpu.SMEM)
 
 
-def _split_refs(refs, n_scalars, has_bias, has_alibi, n_seg, n_extra_in, n_out, n_scratch):
+def _split_refs(refs, n_scalars, has_bias, has_alibi, has_rel, n_seg, n_extra_in, n_out,
+                n_scratch):
     it = iter(refs)
     take = lambda n: [next(it) for _ in range(n)]
     order, count, code, offs = take(4)
@@ -220,12 +297,13 @@ def _split_refs(refs, n_scalars, has_bias, has_alibi, n_seg, n_extra_in, n_out, 
     q_ref, k_ref, v_ref = take(3)
     bias_ref = next(it) if has_bias else None
     alibi_ref = next(it) if has_alibi else None
+    rel_ref = next(it) if has_rel else None
     extra = take(n_extra_in)
     qseg, kseg = take(n_seg), take(n_seg)
     outs = take(n_out)
     scratch = take(n_scratch)
-    return (order, count, code, offs, sref, q_ref, k_ref, v_ref, (bias_ref, alibi_ref), extra,
-            qseg, kseg, outs, scratch)
+    return (order, count, code, offs, sref, q_ref, k_ref, v_ref, (bias_ref, alibi_ref, rel_ref),
+            extra, qseg, kseg, outs, scratch)
 
 
 def _precision(a, b):
@@ -261,23 +339,25 @@ def _masked(s, q_tile, kv_tile, d, mask, mops, offs_ref, b, sref, qseg, kseg, *,
 # --------------------------------------------------------------------------- #
 
 
-def _forward(cfg, q, k, v, mask, bias, alibi, offs):
+def _forward(cfg, q, k, v, mask, bias, alibi, rel, offs):
     bs = cfg.block_sizes
     d = _dims(q, k, bs.block_q, bs.block_kv)
     G, bq, bk = d.G, d.bq, d.bk
     tab = _tables(cfg, mask, d, offs)
-    mops = MaskOperands(mask, d.B, d.Tp, d.Sp, offs, alibi)
+    mops = MaskOperands(mask, d.B, d.Tp, d.Sp, offs, alibi, rel)
     ns, nseg, has_bias = len(mops.scalars), mops.num_segments, bias is not None
-    has_alibi = alibi is not None
+    has_alibi, has_rel = alibi is not None, rel is not None
     bias_op = _bias_operand(bias, d)
     rb = (lambda b: b) if tab.batched else (lambda b: 0)
     if has_alibi:
         alibi_op, alibi_spec = _alibi_operand(alibi)
+    if has_rel:
+        rel_op, rel_spec = _relative_operand(rel, lambda b, h, *_: h)
 
     def kernel(*refs):
-        (order, count, code, offs_ref, sref, q_ref, k_ref, v_ref, (bias_ref, alibi_ref), _, qseg,
-         kseg, (o_ref, lse_ref), (m_sc, l_sc, acc_sc)) = _split_refs(
-            refs, ns, has_bias, has_alibi, nseg, 0, 2, 3)
+        (order, count, code, offs_ref, sref, q_ref, k_ref, v_ref, (bias_ref, alibi_ref, rel_ref),
+         _, qseg, kseg, (o_ref, lse_ref), (m_sc, l_sc, acc_sc)) = _split_refs(
+            refs, ns, has_bias, has_alibi, has_rel, nseg, 0, 2, 3)
         b, h, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
         r = rb(b)
 
@@ -290,9 +370,11 @@ def _forward(cfg, q, k, v, mask, bias, alibi, offs):
         @pl.when(j < count[r, i])
         def _step():
             kj = order[r, i, j]
+            rel_tile, _ = _relative(rel_ref, rel, i, kj, d, offs_ref, mops, qseg, kseg)
             s, _ = _logits(cfg, _dot_nt(q_ref[...], k_ref[...]),
                            bias_ref[...] if has_bias else None,
-                           _alibi(alibi_ref, b, h, i, kj, d, offs_ref, mops, qseg, kseg))
+                           _alibi(alibi_ref, b, h, i, kj, d, offs_ref, mops, qseg, kseg),
+                           rel_tile)
 
             def apply_mask(s):
                 return _masked(s, i, kj, d, mask, mops, offs_ref, b, sref, qseg, kseg)
@@ -331,6 +413,9 @@ def _forward(cfg, q, k, v, mask, bias, alibi, offs):
     if has_alibi:
         in_specs.append(alibi_spec)
         operands.append(alibi_op)
+    if has_rel:
+        in_specs.append(rel_spec)
+        operands.append(rel_op)
     for qs in mops.q_segments:
         in_specs.append(pl.BlockSpec((None, bq, 1), lambda b, h, i, j, *_: (b, i, 0)))
         operands.append(qs[:, :, None])
@@ -361,22 +446,27 @@ def _forward(cfg, q, k, v, mask, bias, alibi, offs):
 # --------------------------------------------------------------------------- #
 
 
-def _backward_dq(cfg, q, k, v, mask, bias, alibi, offs, do, lse, delta):
+def _backward_dq(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta):
+    """dq, and T5's table gradient `[nb, N]` fp32 (None without `rel`)."""
     bs = cfg.block_sizes
     d = _dims(q, k, bs.block_q_dq, bs.block_kv_dq)
     G, bq, bk = d.G, d.bq, d.bk
     tab = _tables(cfg, mask, d, offs)
-    mops = MaskOperands(mask, d.B, d.Tp, d.Sp, offs, alibi)
+    mops = MaskOperands(mask, d.B, d.Tp, d.Sp, offs, alibi, rel)
     ns, nseg, has_bias = len(mops.scalars), mops.num_segments, bias is not None
-    has_alibi = alibi is not None
+    has_alibi, has_rel = alibi is not None, rel is not None
     rb = (lambda b: b) if tab.batched else (lambda b: 0)
     if has_alibi:
         alibi_op, alibi_spec = _alibi_operand(alibi)
+    if has_rel:
+        rel_op, rel_spec = _relative_operand(rel, lambda b, h, *_: h)
+        nbp = round_up(rel.num_buckets, 8)
 
     def kernel(*refs):
-        (order, count, code, offs_ref, sref, q_ref, k_ref, v_ref, (bias_ref, alibi_ref),
-         (do_ref, lse_ref, delta_ref), qseg, kseg, (dq_ref,), (acc_sc,)) = _split_refs(
-            refs, ns, has_bias, has_alibi, nseg, 3, 1, 1)
+        (order, count, code, offs_ref, sref, q_ref, k_ref, v_ref, (bias_ref, alibi_ref, rel_ref),
+         (do_ref, lse_ref, delta_ref), qseg, kseg, outs, (acc_sc,)) = _split_refs(
+            refs, ns, has_bias, has_alibi, has_rel, nseg, 3, 2 if has_rel else 1, 1)
+        dq_ref = outs[0]
         b, h, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
         r = rb(b)
 
@@ -384,12 +474,21 @@ def _backward_dq(cfg, q, k, v, mask, bias, alibi, offs, do, lse, delta):
         def _init():
             acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
 
+        if has_rel:  # one [nbp, 128] accumulator per (b, h), over all tiles of the head
+            dtable_ref = outs[1]
+
+            @pl.when((i == 0) & (j == 0))
+            def _init_table():
+                dtable_ref[...] = jnp.zeros(dtable_ref.shape, jnp.float32)
+
         @pl.when(j < count[r, i])
         def _step():
             kj = order[r, i, j]
             kk = k_ref[...]
+            rel_tile, buckets = _relative(rel_ref, rel, i, kj, d, offs_ref, mops, qseg, kseg)
             s, t = _logits(cfg, _dot_nt(q_ref[...], kk), bias_ref[...] if has_bias else None,
-                           _alibi(alibi_ref, b, h, i, kj, d, offs_ref, mops, qseg, kseg))
+                           _alibi(alibi_ref, b, h, i, kj, d, offs_ref, mops, qseg, kseg),
+                           rel_tile)
 
             def apply_mask(s):
                 return _masked(s, i, kj, d, mask, mops, offs_ref, b, sref, qseg, kseg)
@@ -398,6 +497,10 @@ def _backward_dq(cfg, q, k, v, mask, bias, alibi, offs, do, lse, delta):
             p = jnp.exp(s - lse_ref[...])  # [bq, bk]; lse of fully masked rows is 0 here
             dp = _dot_nt(do_ref[...], v_ref[...])
             ds = p * (dp - delta_ref[...])
+            if has_rel:  # dL/dlogits (after the soft-cap) summed per bucket
+                for n in range(rel.num_buckets):
+                    col = jnp.where(buckets == n, ds, 0.0).sum(axis=0, keepdims=True)
+                    dtable_ref[n:n + 1, :] += _fold_lanes(col)
             if t is not None:
                 ds = ds * (1.0 - t * t)
             acc_sc[...] += _dot((ds * cfg.scale).astype(kk.dtype), kk)
@@ -423,6 +526,9 @@ def _backward_dq(cfg, q, k, v, mask, bias, alibi, offs, do, lse, delta):
     if has_alibi:
         in_specs.append(alibi_spec)
         operands.append(alibi_op)
+    if has_rel:
+        in_specs.append(rel_spec)
+        operands.append(rel_op)
     in_specs += [pl.BlockSpec((None, None, bq, d.Hp), row),
                  pl.BlockSpec((None, None, bq, 1), row), pl.BlockSpec((None, None, bq, 1), row)]
     operands += [_heads_major(do, d.Tp, d.Hp), pad_axis(lse, 2, d.Tp)[..., None],
@@ -434,17 +540,27 @@ def _backward_dq(cfg, q, k, v, mask, bias, alibi, offs, do, lse, delta):
         in_specs.append(pl.BlockSpec((None, 1, bk),
                                      lambda b, h, i, j, order, *_: (b, 0, order[rb(b), i, j])))
         operands.append(ks[:, None, :])
+    out_specs = [pl.BlockSpec((None, None, bq, d.Hp), row)]
+    out_shape = [jax.ShapeDtypeStruct((d.B, d.N, d.Tp, d.Hp), cfg.grad_dtype or q.dtype)]
+    if has_rel:  # accumulated over the query tiles too, which then run in order
+        out_specs.append(pl.BlockSpec((None, None, nbp, LANES),
+                                      lambda b, h, i, j, *_: (b, h, 0, 0)))
+        out_shape.append(jax.ShapeDtypeStruct((d.B, d.N, nbp, LANES), jnp.float32))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=4 + ns, grid=(d.B, d.N, d.Tp // bq, tab.steps),
-        in_specs=in_specs, out_specs=[pl.BlockSpec((None, None, bq, d.Hp), row)],
+        in_specs=in_specs, out_specs=out_specs,
         scratch_shapes=[_vmem((bq, d.Hp), jnp.float32)])
-    (dq,) = pl.pallas_call(
-        kernel, grid_spec=grid_spec,
-        out_shape=[jax.ShapeDtypeStruct((d.B, d.N, d.Tp, d.Hp), cfg.grad_dtype or q.dtype)],
+    outs = pl.pallas_call(
+        kernel, grid_spec=grid_spec, out_shape=out_shape,
         interpret=cfg.interpret, name="tfjax_flash_dq",
-        compiler_params=_compiler_params("parallel", "parallel", "parallel", "arbitrary"),
+        compiler_params=_compiler_params("parallel", "parallel",
+                                         "arbitrary" if has_rel else "parallel", "arbitrary"),
     )(tab.order, tab.count, tab.code, offs, *mops.scalars, *operands)
-    return dq[:, :, :d.T, :d.H].transpose(0, 2, 1, 3)
+    dq = outs[0][:, :, :d.T, :d.H].transpose(0, 2, 1, 3)
+    dtable = None
+    if has_rel:  # [B, N, nbp, 128] -> [nb, N]
+        dtable = outs[1][:, :, :rel.num_buckets].sum(axis=(0, 3)).T
+    return dq, dtable
 
 
 # --------------------------------------------------------------------------- #
@@ -452,25 +568,27 @@ def _backward_dq(cfg, q, k, v, mask, bias, alibi, offs, do, lse, delta):
 # --------------------------------------------------------------------------- #
 
 
-def _backward_dkv(cfg, q, k, v, mask, bias, alibi, offs, do, lse, delta):
+def _backward_dkv(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta):
     bs = cfg.block_sizes
     T = q.shape[1]
     # query positions run along lanes here: the query tile is a multiple of 128
     d = _dims(q, k, min(bs.block_q_dkv, round_up(T, LANES)), bs.block_kv_dkv)
     G, bq, bk = d.G, d.bq, d.bk
     tab = _tables(cfg, mask, d, offs, transpose=True)
-    mops = MaskOperands(mask, d.B, d.Tp, d.Sp, offs, alibi)
+    mops = MaskOperands(mask, d.B, d.Tp, d.Sp, offs, alibi, rel)
     ns, nseg, has_bias = len(mops.scalars), mops.num_segments, bias is not None
     rb = (lambda b: b) if tab.batched else (lambda b: 0)
     n_out = 3 if has_bias else 2
-    has_alibi = alibi is not None
+    has_alibi, has_rel = alibi is not None, rel is not None
     if has_alibi:
         alibi_op, alibi_spec = _alibi_operand(alibi)
+    if has_rel:
+        rel_op, rel_spec = _relative_operand(rel, lambda b, kh, kj, g, *_: kh * G + g)
 
     def kernel(*refs):
-        (order, count, code, offs_ref, sref, q_ref, k_ref, v_ref, (bias_ref, alibi_ref), extra,
-         qseg, kseg, outs, (dk_sc, dv_sc)) = _split_refs(refs, ns, has_bias, has_alibi, nseg,
-                                                         4 if has_bias else 3, n_out, 2)
+        (order, count, code, offs_ref, sref, q_ref, k_ref, v_ref, (bias_ref, alibi_ref, rel_ref),
+         extra, qseg, kseg, outs, (dk_sc, dv_sc)) = _split_refs(
+            refs, ns, has_bias, has_alibi, has_rel, nseg, 4 if has_bias else 3, n_out, 2)
         do_ref, lse_ref, delta_ref = extra[:3]
         dk_ref, dv_ref = outs[:2]
         dbias_ref = outs[2] if has_bias else None
@@ -492,10 +610,12 @@ def _backward_dkv(cfg, q, k, v, mask, bias, alibi, offs, do, lse, delta):
         def _step():
             qi = order[r, kj, j]
             qq, kk, vv, dd = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
+            rel_tile, _ = _relative(rel_ref, rel, qi, kj, d, offs_ref, mops, qseg, kseg,
+                                    kv_major=True)
             s, t = _logits(cfg, _dot_nt(kk, qq),
                            bias_ref[...].T if has_bias else None,  # [bk, bq]
                            _alibi(alibi_ref, b, kh * G + g, qi, kj, d, offs_ref, mops, qseg,
-                                  kseg, kv_major=True))
+                                  kseg, kv_major=True), rel_tile)
 
             def apply_mask(s):
                 return _masked(s, qi, kj, d, mask, mops, offs_ref, b, sref, qseg, kseg,
@@ -535,6 +655,9 @@ def _backward_dkv(cfg, q, k, v, mask, bias, alibi, offs, do, lse, delta):
     if has_alibi:
         in_specs.append(alibi_spec)
         operands.append(alibi_op)
+    if has_rel:
+        in_specs.append(rel_spec)
+        operands.append(rel_op)
     in_specs += [pl.BlockSpec((None, None, bq, d.Hp), q_idx),
                  pl.BlockSpec((None, None, 1, bq), lse_idx),
                  pl.BlockSpec((None, None, 1, bq), lse_idx)]
@@ -588,26 +711,30 @@ def _backward_dkv(cfg, q, k, v, mask, bias, alibi, offs, do, lse, delta):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(cfg, q, k, v, mask, bias, alibi, offs):
-    return _forward(cfg, q, k, v, mask, bias, alibi, offs)
+def _flash(cfg, q, k, v, mask, bias, alibi, rel, offs):
+    return _forward(cfg, q, k, v, mask, bias, alibi, rel, offs)
 
 
-def _flash_fwd(cfg, q, k, v, mask, bias, alibi, offs):
-    out, lse = _forward(cfg, q, k, v, mask, bias, alibi, offs)
-    return (out, lse), (q, k, v, mask, bias, alibi, offs, out, lse)
+def _flash_fwd(cfg, q, k, v, mask, bias, alibi, rel, offs):
+    out, lse = _forward(cfg, q, k, v, mask, bias, alibi, rel, offs)
+    return (out, lse), (q, k, v, mask, bias, alibi, rel, offs, out, lse)
 
 
 def _flash_bwd(cfg, res, cts):
-    q, k, v, mask, bias, alibi, offs, out, lse = res
+    q, k, v, mask, bias, alibi, rel, offs, out, lse = res
     do, dlse = cts
     do = do.astype(q.dtype)
     delta = jnp.einsum("BTNH,BTNH->BNT", do.astype(jnp.float32), out.astype(jnp.float32))
     delta = delta - dlse.astype(jnp.float32)
     lse = jnp.where(lse == -jnp.inf, 0.0, lse)  # fully masked rows: p is 0 anyway
-    dq = _backward_dq(cfg, q, k, v, mask, bias, alibi, offs, do, lse, delta)
-    dk, dv, dbias = _backward_dkv(cfg, q, k, v, mask, bias, alibi, offs, do, lse, delta)
+    dq, dtable = _backward_dq(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta)
+    dk, dv, dbias = _backward_dkv(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta)
     alibi_ct = jax.tree.map(_zero_cotangent, alibi)  # slopes are constants
-    return (dq, dk, dv, jax.tree.map(_zero_cotangent, mask), dbias, alibi_ct,
+    rel_ct = None
+    if rel is not None:  # the table's gradient; positions are integers
+        rel_ct = dataclasses.replace(jax.tree.map(_zero_cotangent, rel),
+                                     table=dtable.astype(rel.table.dtype))
+    return (dq, dk, dv, jax.tree.map(_zero_cotangent, mask), dbias, alibi_ct, rel_ct,
             _zero_cotangent(offs))
 
 
