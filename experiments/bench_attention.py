@@ -32,8 +32,10 @@ backward of `hopper_backward.py`) next to
 jax.nn.dot_product_attention(implementation="cudnn" / "xla") and jax's own Pallas
 GPU attention, for H in {64, 128, 256}, S from 1k to 16k, causal and not, GQA
 32/8, sliding-window and segment masks (cuDNN given the explicit dense mask),
-and causal with T5's bias at S = 4k, 8k (the Triton kernels per tile vs the same
-kernels and xla reading it as a materialised `[B,N,T,S]` bias).
+causal with ALiBi at S = 8k ("auto": on Hopper its Mosaic GPU forward and
+backward; the Triton kernels; xla with the materialised bias), and causal with
+T5's bias at S = 4k, 8k (the Triton kernels per tile vs the same kernels and xla
+reading it as a materialised `[B,N,T,S]` bias).
 Writes a markdown table to experiments/results/attention_gpu_<date>.md.
 """
 
@@ -232,7 +234,7 @@ def bench_gpu(args):
                 configs.append((H, S, mask_name))
     for S in (4096, 16384):
         configs += [(128, S, "window1k"), (128, S, "segments4")]
-    configs += [(128, 4096, "causal+t5"), (128, 8192, "causal+t5")]  # T5's bias
+    configs += [(128, 8192, "causal+alibi"), (128, 4096, "causal+t5"), (128, 8192, "causal+t5")]
     for H, S, mask_name in configs:
         if time.time() > deadline:
             out.append(f"| {H} | {S} | {mask_name} | (time budget spent) | | | |")
@@ -240,9 +242,9 @@ def bench_gpu(args):
         T = S
         mask = {"none": None, "causal": M.causal(), "window1k": M.sliding_window(1024),
                 "segments4": M.segments(jnp.repeat(jnp.arange(4), S // 4)[None]),
-                "causal+t5": M.causal()}[mask_name]
+                "causal+t5": M.causal(), "causal+alibi": M.causal()}[mask_name]
         frac = {"none": 1.0, "causal": 0.5, "window1k": min(1.0, 1025 / S),
-                "segments4": 0.25, "causal+t5": 0.5}[mask_name]
+                "segments4": 0.25, "causal+t5": 0.5, "causal+alibi": 0.5}[mask_name]
         flops = 4 * B * N * T * S * H * frac
         ks = jax.random.split(jax.random.key(0), 3)
         q = jax.random.normal(ks[0], (B, T, N, H), dtype)
@@ -264,7 +266,17 @@ def bench_gpu(args):
             impls["tfjax pallas (hopper fwd, no ping-pong)"] = \
                 lambda q, k, v, m=mask: flash_attention_gpu(
                     q, k, v, m, forward="hopper", hopper_config=HopperConfig(pingpong=False))
-        if mask_name == "causal+t5":  # 32 buckets; the table is a constant here, so XLA
+        if mask_name == "causal+alibi":  # slopes per head, the term formed per tile
+            sl = 2.0 ** -jnp.arange(1, N + 1, dtype=jnp.float32)
+            impls = {
+                "tfjax pallas (auto, ALiBi)": lambda q, k, v, m=mask, sl=sl: dot_product_attention(
+                    q, k, v, m, alibi_slopes=sl, implementation="pallas"),
+                "tfjax pallas (triton, ALiBi)": lambda q, k, v, m=mask, sl=sl: flash_attention_gpu(
+                    q, k, v, m, alibi_slopes=sl, forward="triton", backward="triton"),
+                "xla (ALiBi as a [B,N,T,S] bias)": lambda q, k, v, m=mask, sl=sl:
+                    dot_product_attention(q, k, v, m, alibi_slopes=sl, implementation="xla"),
+            }
+        elif mask_name == "causal+t5":  # 32 buckets; the table is a constant here, so XLA
             # drops the dense bias's gradient while the kernels' dq still sums the table's
             rb = RelativeBias(jax.random.normal(ks[0], (32, N)), bidirectional=False)
             impls = {

@@ -27,25 +27,27 @@ HC, HB = HopperConfig, HopperBackwardConfig
 @pytest.mark.parametrize("B,T,S,heads,H,mask_name,extras,fwd,bwd", [
     (1, 100, 150, (4, 2), 80, "causal&segments", {"softcap": 2.0, "q_offset": 3},
      HC(block_kv=64), HB()),
-    (2, 128, 300, (4, 1), 64, "padding_fully_masked", {"kv_offset": 2},
+    (2, 128, 300, (4, 1), 64, "padding_fully_masked", {"kv_offset": 2, "alibi": "pos"},
      HC(block_kv=64, compute_warpgroups=1, overlap=True), HB(compute_warpgroups=1, stages=1)),
     (1, 70, 200, (2, 2), 128, "window_lr", {}, HC(block_kv=64, pingpong=False), HB(128, 128)),
     (1, 70, 90, (2, 1), 256, "prefix", {"alibi": "pos"}, HC(block_kv=64, overlap=True), None),
     (2, 100, 130, (4, 2), 64, "causal", {"alibi": "BN", "q_offset": 30, "kv_offset": 5},
-     HC(block_kv=64), None),
+     HC(block_kv=64), HB()),
 ], ids=["gqa-segments-softcap-offset-tails-h80-pingpong",
-        "mqa-fully-masked-rows-one-warpgroup-overlap", "window-mha-h128-no-pingpong-blocks128",
+        "mqa-fully-masked-rows-alibi-positions-one-warpgroup-overlap",
+        "window-mha-h128-no-pingpong-blocks128",
         "prefix-h256-overlap-alibi-positions-triton-backward",
-        "causal-alibi-offsets-pingpong-triton-backward"])
+        "causal-alibi-offsets-pingpong"])
 def test_interpret_matches_reference(B, T, S, heads, H, mask_name, extras, fwd, bwd):
     """The Hopper forward and (H <= 128) backward. Two consumer warpgroups and a
     producer (warp specialisation, the default) take turns on the tensor cores
     (ping-pong) unless pingpong=False or overlap=True (each overlaps its own
     softmax with its P V matmul); compute_warpgroups=1: one warpgroup issues its
     own copies. `bwd` None: the Triton backward from the Hopper forward's
-    residuals (the Hopper backward takes no ALiBi). ALiBi in the forward: explicit
-    positions (copied like segment ids) under the overlap schedule; index positions
-    with per-example slopes and offsets under ping-pong."""
+    residuals (head dim 256). ALiBi: explicit positions (copied like segment ids)
+    under the overlap schedule and a one-warpgroup backward, and with the Triton
+    backward; index positions with per-example slopes and offsets under ping-pong
+    and the default backward."""
     q, k, v, _ = inputs(B, T, S, *heads, H, dtype=jnp.bfloat16)
     impl = functools.partial(flash_attention_gpu, interpret=True, forward="hopper",
                              hopper_config=fwd, backward="triton" if bwd is None else "hopper",
@@ -62,8 +64,10 @@ def _lower(mask, H, dtype, grad, backward):
         cfg = HopperConfig(block_kv=cfg.block_kv, overlap=True)
 
     def f(q, k, v):
-        # the forward-only case with ALiBi (index positions: the wgmma-layout iota)
-        alibi = dict(alibi_slopes=jnp.linspace(0.5, 0.01, 8)) if not grad else {}
+        # ALiBi (index positions: the wgmma-layout iota) in the forward-only case and
+        # in the Hopper backward's
+        alibi = dict(alibi_slopes=jnp.linspace(0.5, 0.01, 8)) \
+            if not grad or backward == "hopper" else {}
         out = flash_attention_gpu(q, k, v, mask, forward="hopper", backward=backward,
                                   hopper_config=cfg,
                                   softcap=30.0 if backward == "hopper" else None, **alibi)
@@ -157,12 +161,10 @@ def test_auto_picks_hopper_only_on_sm90_for_what_it_supports(monkeypatch):
     assert bwd(bf) == "hopper" and pick(h256, h256) == "hopper"
     assert bwd(h256) == "triton"  # dK, dV at H = 256 would not fit the registers
     assert bwd(f32) == "triton"
-    slopes = jnp.ones((1, 2))  # ALiBi: the Hopper forward, the Triton backward
-    assert gpu._pick_forward("auto", bf, bf, bf, None, None, False, alibi=slopes) == "hopper"
-    assert gpu._pick_forward("auto", bf, bf, bf, None, None, False, which="backward",
-                             alibi=slopes) == "triton"
-    with pytest.raises(ValueError, match="ALiBi.*backward='triton'"):
-        gpu._pick_forward("hopper", bf, bf, bf, None, None, False, which="backward", alibi=slopes)
+    slopes = jnp.ones((1, 2))  # ALiBi: the Hopper forward and backward
+    for which in ("forward", "backward"):
+        assert gpu._pick_forward("auto", bf, bf, bf, None, None, False, which=which,
+                                 alibi=slopes) == "hopper"
     for which in ("forward", "backward"):  # T5's bias: the Triton kernels only
         assert gpu._pick_forward("auto", bf, bf, bf, None, None, False, which=which,
                                  relative=True) == "triton"

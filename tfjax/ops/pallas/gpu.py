@@ -13,8 +13,7 @@ head dims to a power of two (>= 16) as Triton requires.
 ALiBi (`alibi_slopes`): the head's slope is read once per program and
 `-slope * |q_pos - kv_pos|` formed in each visited tile from index positions or
 the tiles of `alibi_positions` (loaded like segment ids); no `[T, S]` bias. The
-Hopper forward does the same; the Hopper backward does not take ALiBi yet, so
-its backward runs on the Triton kernels. T5's bias (`relative_bias`): each
+Hopper forward and backward do the same. T5's bias (`relative_bias`): each
 visited tile buckets its relative positions and gathers the head's entries from
 the flat `[nb * N]` table (a pointer gather, cached; no `[T, S]` bias); the dq
 program sums dS per bucket (its `[nb]` partial sums per query tile are added up
@@ -119,9 +118,6 @@ def _pick_forward(choice, q, k, v, mask, bias, interpret, which="forward", alibi
         raise ValueError(f"flash_attention_gpu: {which} must be one of {_CHOICES}, got {choice!r}")
     supports = hopper.supports if which == "forward" else hopper_backward.supports
     reason = supports(q.dtype, q.shape[-1], mask, bias is not None)
-    if reason is None and alibi is not None and which == "backward":
-        reason = "the Hopper backward takes no ALiBi slopes yet (the Hopper forward and " \
-                 "the Triton kernels do)"
     if reason is None and relative:
         reason = "the Hopper kernels take no relative_bias (T5's bias; the Triton kernels do)"
     if reason is None and not q.dtype == k.dtype == v.dtype:
@@ -599,7 +595,8 @@ def _flash_bwd(cfg, res, cts):
         qo, ko = cfg.static_offsets if cfg.static_offsets is not None else (offs[0], offs[1])
         dq, dk, dv = flash_backward_hopper(q, k, v, do, lse, delta, mask, scale=cfg.scale,
                                            softcap=cfg.softcap, q_offset=qo, kv_offset=ko,
-                                           config=cfg.hopper_backward, interpret=cfg.interpret)
+                                           config=cfg.hopper_backward, interpret=cfg.interpret,
+                                           alibi=alibi)
         return (dq, dk, dv, jax.tree.map(_zero_cotangent, mask), None, alibi_ct, None,
                 _zero_cotangent(offs))
     dq, dtable = _row_call(cfg, q, k, v, mask, bias, alibi, rel, offs, backward=True, do=do,

@@ -21,7 +21,11 @@ when both consumers have arrived on its "free" barrier; `compute_warpgroups=1`
 runs one warpgroup that issues its own copies. Masks as in the forward: block
 skipping from `common.tile_tables`, the `MaskOperands` evaluator only in
 PARTIAL tiles, segment ids copied beside the tiles and read in the wgmma
-row/column layouts. Soft-cap: dS is multiplied by 1 - tanh^2.
+row/column layouts. Soft-cap: dS is multiplied by 1 - tanh^2. ALiBi (`alibi`,
+as the forward takes it): `-slope * |q_pos - kv_pos|` added in every visited
+tile from the wgmma-layout iota plus the tile's rows/columns and the offsets, or
+from the explicit positions, copied like segment ids (the dk/dv kernel's tiles
+are transposed: key rows, query columns).
 
 Scope (`supports`): the forward's (16-bit, no bias, the positional/segment/
 padding/prefix masks) and head dims up to 128: the dk/dv consumer holds two
@@ -122,10 +126,11 @@ def _mma(a, b, shape, acc=None, *, interpret=False):
 
 def flash_backward_hopper(q, k, v, do, lse, delta, mask, *, scale: float, softcap: float | None,
                           q_offset=0, kv_offset=0, config: HopperBackwardConfig | None = None,
-                          interpret: Any = False):
+                          interpret: Any = False, alibi=None):
     """q/do `[B,T,N,H]`, k/v `[B,S,K,H]` (fp16/bf16), lse and delta `[B,N,T]` fp32
     (lse of fully masked rows finite, e.g. 0; delta = rowsum(dO * O) - dlse) ->
-    (dq, dk, dv) in the dtypes of q, k, v."""
+    (dq, dk, dv) in the dtypes of q, k, v. `alibi`: None or a checked
+    `tfjax.ops.Alibi` (the forward's)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     reason = supports(q.dtype, q.shape[-1], mask, False)
@@ -149,7 +154,7 @@ def flash_backward_hopper(q, k, v, do, lse, delta, mask, *, scale: float, softca
     bk, bq = cfg.block_kv_dq, cfg.block_q_dkv
     Tp, Sp, Hp = round_up(T, math.lcm(bc, bq)), round_up(S, math.lcm(bc, bk)), round_up(H, 64)
     offs = jnp.stack([jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32)])
-    mops = MaskOperands(mask, B, Tp, Sp, offs)
+    mops = MaskOperands(mask, B, Tp, Sp, offs, alibi)
     ns, nseg = len(mops.scalars), mops.num_segments
     dtype = q.dtype
     pad_qh = lambda x, n: pad_axis(pad_axis(x, 1, n), 3, Hp)
@@ -190,16 +195,24 @@ def flash_backward_hopper(q, k, v, do, lse, delta, mask, *, scale: float, softca
         return ok
 
     def split_refs(refs, n_in):
+        """(tables + offsets, scalars, inputs, q segments, kv segments, ALiBi's flat
+        slopes or None, outputs)."""
         it = iter(refs)
         take = lambda n: [next(it) for _ in range(n)]
         head = take(4)
-        return head, take(ns), take(n_in), take(nseg), take(nseg), list(it)
+        return (head, take(ns), take(n_in), take(nseg), take(nseg),
+                next(it) if alibi is not None else None, list(it))
+
+    def alibi_term(slopes_ref, b, head, q_pos, kv_pos):
+        """-slope * |q_pos - kv_pos| (positions broadcast to the tile)."""
+        slope = slopes_ref[(b if alibi.slopes.shape[0] > 1 else 0) * N + head]
+        return -slope * jnp.abs(q_pos - kv_pos).astype(jnp.float32)
 
     # ------------------------------------------------------------------ dq
     tab = tile_tables(mask, T, S, bc, bk, q_offset=q_offset, kv_offset=kv_offset)
 
     def dq_kernel(*refs):
-        (order, count, code, offs_ref), sref, ins, qseg_ref, kseg_ref, (dq_ref,) = \
+        (order, count, code, offs_ref), sref, ins, qseg_ref, kseg_ref, slopes_ref, (dq_ref,) = \
             split_refs(refs, 6)
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins
         b, i, h = lax.axis_index("batch"), lax.axis_index("q"), lax.axis_index("heads")
@@ -241,6 +254,16 @@ def flash_backward_hopper(q, k, v, do, lse, delta, mask, *, scale: float, softca
                     ring.wait(2 + x, t)
                 s, tc = logits(q_s, T_(k_s), shape, code[r, i, t] == M.PARTIAL,
                                lambda s: masked(s, kj, t))
+                if alibi is not None:  # every tile (masked entries stay -inf)
+                    if mops.alibi_slot is not None:  # explicit positions, like segment ids
+                        x = mops.alibi_slot
+                        q_pos = row(load(qseg_s[x], row_layout))
+                        kv_pos = lax.broadcast_in_dim(load(ring.at(2 + x, t), col_layout),
+                                                      shape, [1])
+                    else:
+                        q_pos = iota(shape, 0) + row0(w) + offs_ref[0]
+                        kv_pos = iota(shape, 1) + kj * bk + offs_ref[1]
+                    s = s + alibi_term(slopes_ref, b, h, q_pos, kv_pos)
                 p = jnp.exp2(s * log2e - row(lse_r))
                 ring.wait(1, t)
                 dp = mma(do_s, T_(v_s), shape)
@@ -258,8 +281,8 @@ def flash_backward_hopper(q, k, v, do, lse, delta, mask, *, scale: float, softca
                         transpose=True)
 
     def dkv_kernel(*refs):
-        (order, count, code, offs_ref), sref, ins, qseg_ref, kseg_ref, (dk_ref, dv_ref) = \
-            split_refs(refs, 6)
+        (order, count, code, offs_ref), sref, ins, qseg_ref, kseg_ref, slopes_ref, \
+            (dk_ref, dv_ref) = split_refs(refs, 6)
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins
         b, i, kh = lax.axis_index("batch"), lax.axis_index("kv"), lax.axis_index("heads")
         r = b if tab_t.batched else 0
@@ -296,7 +319,7 @@ def flash_backward_hopper(q, k, v, do, lse, delta, mask, *, scale: float, softca
 
             def body(t, carry):
                 dk, dv = carry
-                _, _, j = at(t)
+                head, _, j = at(t)
                 qi = order[r, i, j]
                 q_s, do_s, lse_s, delta_s = (ring.at(x, t) for x in range(4))
                 ring.wait(0, t)
@@ -304,6 +327,15 @@ def flash_backward_hopper(q, k, v, do, lse, delta, mask, *, scale: float, softca
                     ring.wait(4 + x, t)
                 s, tc = logits(k_s, T_(q_s), shape, code[r, i, j] == M.PARTIAL,
                                lambda s: masked(s, qi, t))
+                if alibi is not None:  # transposed: key rows, query columns
+                    if mops.alibi_slot is not None:
+                        x = mops.alibi_slot
+                        kv_pos = lax.broadcast_in_dim(load(kseg_s[x], row_layout), shape, [0])
+                        q_pos = col(ring.at(4 + x, t))
+                    else:
+                        kv_pos = iota(shape, 0) + row0(w) + offs_ref[1]
+                        q_pos = iota(shape, 1) + qi * bq + offs_ref[0]
+                    s = s + alibi_term(slopes_ref, b, head, q_pos, kv_pos)
                 ring.wait(2, t)
                 p = jnp.exp2(s * log2e - col(lse_s))
                 ring.wait(1, t)
@@ -327,6 +359,8 @@ def flash_backward_hopper(q, k, v, do, lse, delta, mask, *, scale: float, softca
     params = plgpu.CompilerParams(approx_math=True)
     ins = [offs, *mops.scalars, qp, kp, vp, dop, lse2, deltap, *mops.q_segments,
            *mops.kv_segments]
+    if alibi is not None:
+        ins.append(alibi.slopes.astype(jnp.float32).reshape(-1))
     dq = plgpu.kernel(
         dq_kernel, out_type=jax.ShapeDtypeStruct((B, Tp, N, Hp), dtype),
         grid=(N, tab.order.shape[1], B), grid_names=("heads", "q", "batch"), **threads,
