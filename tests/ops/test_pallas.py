@@ -31,6 +31,10 @@ CASES = [
     (384, 128, (8, 1), 64, "window_lr", {"bias": (1, 8), "alibi": "pos", "relative": "pos"}),
     (128, 100, (4, 4), 128, "padding_fully_masked", {"bias": (2, 1), "relative": "bidir"}),
     (1000, 1000, (4, 4), 32, "chunked", {"relative": "causal", "block_sizes": BS_WIDE_DQ}),
+    # T5's bias (max distance 24) on whole 384 x 384 grids: tiles far from the diagonal
+    # share one bucket (past and future, bidirectional; past and bucket 0 unidirectional)
+    (384, 384, (4, 2), 32, "none", {"relative": "bidir", "q_offset": 5}),
+    (384, 384, (4, 1), 32, "none", {"relative": "causal", "kv_offset": 9}),
     (100, 384, (8, 2), 32, "prefix|window", {"kv_offset": 5, "alibi": "N", "relative": "bidir"}),
     (200, 300, (8, 2), 64, "bigbird", {"kv_offset": 5}),
     (130, 130, (4, 1), 32, "longformer&causal", {"q_offset": 3, "softcap": 30.0}),
@@ -79,6 +83,45 @@ def test_tpu_semantics_interpreter_small_case():
     check_against_reference(flash_attention, q, k, v, mask, q_offset=96, softcap=10.0,
                             block_sizes=BlockSizes(16, 128, 16, 128, 128, 128),
                             interpret=pltpu.InterpretParams())
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_constant_bucket_tiles_hold_one_bucket(bidirectional):
+    """`constant_bucket` (the kernels skip bucketing a tile it names): every entry of
+    such a tile has that bucket, at index positions with offsets and at explicit
+    positions (their per-tile ranges); and far tiles are found."""
+    from tfjax.ops import RelativeBias
+    from tfjax.ops.pallas.common import constant_bucket, relative_tile_ranges
+    from tfjax.ops.reference import relative_position_bucket
+
+    rng = np.random.default_rng(0)
+    B, T, S, bq, bk, md = 2, 200, 300, 16, 32, 20
+    Tp, Sp = 208, 320
+    explicit = (np.sort(rng.integers(0, 400, (B, T)), axis=1).astype(np.int32),
+                np.sort(rng.integers(0, 400, (B, S)), axis=1).astype(np.int32))
+    found = 0
+    for positions, offs in ((None, (7, 90)), (explicit, (0, 0))):
+        rel = RelativeBias(jnp.zeros((8, 2)), bidirectional=bidirectional, max_distance=md,
+                           q_positions=None if positions is None else jnp.asarray(positions[0]),
+                           kv_positions=None if positions is None else jnp.asarray(positions[1]))
+        ranges = relative_tile_ranges(rel, bq, bk, Tp, Sp)
+        if positions is None:
+            qp = np.broadcast_to(np.arange(T) + offs[0], (B, T))
+            kp = np.broadcast_to(np.arange(S) + offs[1], (B, S))
+        else:
+            qp, kp = positions
+        buckets = np.asarray(relative_position_bucket(
+            kp[:, None, :] - qp[:, :, None], bidirectional=bidirectional, num_buckets=8,
+            max_distance=md))
+        for b in range(B):
+            for i in range(Tp // bq):
+                for j in range(Sp // bk):
+                    c = int(constant_bucket(rel, bq, bk, b, i, j, offs, ranges))
+                    tile = buckets[b, i * bq:(i + 1) * bq, j * bk:(j + 1) * bk]
+                    if c >= 0 and tile.size:
+                        found += 1
+                        assert (tile == c).all(), (b, i, j, c, np.unique(tile))
+    assert found > 50, found
 
 
 def test_relative_bias_with_more_than_128_buckets():

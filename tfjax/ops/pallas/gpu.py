@@ -17,7 +17,8 @@ Hopper forward and backward do the same. T5's bias (`relative_bias`): each
 visited tile buckets its relative positions and gathers the head's entries from
 the flat `[nb * N]` table (a pointer gather, cached; no `[T, S]` bias); the dq
 program sums dS per bucket (its `[nb]` partial sums per query tile are added up
-outside). The Hopper kernels decline it.
+outside). Tiles far from the diagonal hold one bucket (`common.constant_bucket`)
+and skip both. The Hopper kernels decline it.
 
 Layout `[B, T, N, H]` (no transposes). Runs in interpret mode on CPU
 (`interpret=True`), which is how the CPU tests exercise it; compiling it needs
@@ -49,7 +50,9 @@ from tfjax.ops.pallas.common import (
     BlockSizes,
     Dims,
     MaskOperands,
+    constant_bucket,
     pad_axis,
+    relative_tile_ranges,
     round_up,
     tile_tables,
 )
@@ -248,21 +251,33 @@ def _alibi_tile(slope, mops, q_loc, kv_loc, qseg_v, kseg_v, offs_ref):
     return slope, q_loc + offs_ref[0], kv_loc + offs_ref[1]
 
 
-def _relative_tile(rel, rel_ref, d, h, mops, q_loc, kv_loc, qseg_v, kseg_v, offs_ref):
-    """T5's bias `[bq, bk]` fp32 of head `h` and its int32 buckets, or (None, None):
-    the buckets of the positions' tiles (slot `mops.relative_slot`) or of the
-    global index positions, gathered from the flat `[nb * N]` table `rel_ref`."""
+def _relative_tile(rel, rel_ref, d, b, h, q_tile, kv_tile, ranges, mops, q_loc, kv_loc, qseg_v,
+                   kseg_v, offs_ref):
+    """T5's bias `[bq, bk]` fp32 of head `h`, its int32 buckets and the bucket they
+    all share or -1 (`constant_bucket`: then no entry is bucketed), or (None, None,
+    None): the buckets of the positions' tiles (slot `mops.relative_slot`) or of
+    the global index positions, gathered from the flat `[nb * N]` table `rel_ref`.
+    `ranges`: `relative_tile_ranges`' refs (explicit positions)."""
     if rel is None:
-        return None, None
-    if mops.relative_slot is not None:
-        qp, kp = qseg_v[mops.relative_slot], kseg_v[mops.relative_slot]
-    else:
-        qp, kp = q_loc + offs_ref[0], kv_loc + offs_ref[1]
-    buckets = relative_position_bucket(kp - qp, bidirectional=rel.bidirectional,
-                                       num_buckets=rel.num_buckets,
-                                       max_distance=rel.max_distance)
-    buckets = jnp.broadcast_to(buckets, (d.bq, d.bk))
-    return rel_ref[buckets * d.N + h], buckets
+        return None, None, None
+    const = constant_bucket(rel, d.bq, d.bk, b, q_tile, kv_tile, offs_ref, ranges)
+
+    def varying():
+        if mops.relative_slot is not None:
+            qp, kp = qseg_v[mops.relative_slot], kseg_v[mops.relative_slot]
+        else:
+            qp, kp = q_loc + offs_ref[0], kv_loc + offs_ref[1]
+        buckets = relative_position_bucket(kp - qp, bidirectional=rel.bidirectional,
+                                           num_buckets=rel.num_buckets,
+                                           max_distance=rel.max_distance)
+        return jnp.broadcast_to(buckets, (d.bq, d.bk))
+
+    buckets = lax.cond(const >= 0, lambda: jnp.full((d.bq, d.bk), const, jnp.int32), varying)
+    return rel_ref[buckets * d.N + h], buckets, const
+
+
+def _n_ranges(rel) -> int:
+    return 4 if rel is not None and rel.q_positions is not None else 0
 
 
 def _common_operands(mask, bias, alibi, rel, d, q, k, v, offs):
@@ -283,6 +298,7 @@ def _row_kernel(cfg, d, mask, mops, tab, has_bias, has_alibi, rel, backward, *re
     take = lambda n: [next(it) for _ in range(n)]
     order, count, code, offs_ref = take(4)
     sref = take(ns)
+    ranges = take(_n_ranges(rel))
     q_ref, k_ref, v_ref = take(3)
     bias_ref = next(it) if has_bias else None
     alibi_ref = next(it) if has_alibi else None
@@ -308,14 +324,14 @@ def _row_kernel(cfg, d, mask, mops, tab, has_bias, has_alibi, rel, backward, *re
         sl = pl.ds(kj * bk, bk)
         kv_loc = (kj * bk + jnp.arange(bk, dtype=jnp.int32))[None, :]
         kseg_v = [x[sl][None, :] for x in kseg]
-        rel_t, buckets = _relative_tile(rel, rel_ref, d, h, mops, q_loc, kv_loc, qseg_v, kseg_v,
-                                        offs_ref)
+        rel_t, buckets, const = _relative_tile(rel, rel_ref, d, b, h, i, kj, ranges, mops, q_loc,
+                                               kv_loc, qseg_v, kseg_v, offs_ref)
         s, t = _logits(cfg, _dot_nt(q, k_ref[sl, :]),
                        bias_ref[pl.ds(i * bq, bq), sl] if has_bias else None,
                        _alibi_tile(slope, mops, q_loc, kv_loc, qseg_v, kseg_v, offs_ref), rel_t)
         ok = _allowed(d, mask, mops, code[r, i, j], q_loc, kv_loc, offs_ref, b, sref, qseg_v,
                       kseg_v)
-        return kj, sl, jnp.where(ok, s, -jnp.inf), t, buckets
+        return kj, sl, jnp.where(ok, s, -jnp.inf), t, (buckets, const)
 
     if not backward:
         def body(j, carry):
@@ -341,15 +357,22 @@ def _row_kernel(cfg, d, mask, mops, tab, has_bias, has_alibi, rel, backward, *re
 
     def body(j, carry):
         dq, dtable = carry
-        _, sl, s, t, buckets = tile(j)
+        _, sl, s, t, (buckets, const) = tile(j)
         p = jnp.exp(s - lse)
         v = v_ref[sl, :]
         ds = p * (_dot_nt(do, v) - delta)
         if rel is not None:  # dL/dlogits (after the soft-cap) summed per bucket
             ids = jnp.arange(dtable.shape[0], dtype=jnp.int32)
-            for n in range(rel.num_buckets):
-                total = jnp.where(buckets == n, ds, 0.0).sum()
-                dtable = dtable + jnp.where(ids == n, total, 0.0)
+
+            def every_bucket(dtable):
+                for n in range(rel.num_buckets):
+                    total = jnp.where(buckets == n, ds, 0.0).sum()
+                    dtable = dtable + jnp.where(ids == n, total, 0.0)
+                return dtable
+
+            # a tile far from the diagonal: one sum
+            dtable = lax.cond(const >= 0, lambda x: x + jnp.where(ids == const, ds.sum(), 0.0),
+                              every_bucket, dtable)
         if t is not None:
             ds = ds * (1.0 - t * t)
         kk = k_ref[sl, :]
@@ -372,8 +395,9 @@ def _row_call(cfg, q, k, v, mask, bias, alibi, rel, offs, backward, do=None, lse
     mops, bias_op, qp, kp, vp = _common_operands(mask, bias, alibi, rel, d, q, k, v, offs)
     has_bias = bias is not None
     full = pl.no_block_spec  # whole array in the kernel (tables, per-example scalars)
-    in_specs = [full] * (4 + len(mops.scalars))
-    operands = [tab.order, tab.count, tab.code, offs, *mops.scalars]
+    ranges = relative_tile_ranges(rel, d.bq, d.bk, d.Tp, d.Sp)
+    in_specs = [full] * (4 + len(mops.scalars) + len(ranges))
+    operands = [tab.order, tab.count, tab.code, offs, *mops.scalars, *ranges]
     in_specs += [pl.BlockSpec((None, bq, None, d.Hp), lambda i, b, h: (b, i, h, 0)),
                  pl.BlockSpec((None, d.Sp, None, d.Hp), lambda i, b, h: (b, 0, h // G, 0)),
                  pl.BlockSpec((None, d.Sp, None, d.Hp), lambda i, b, h: (b, 0, h // G, 0))]
@@ -437,6 +461,7 @@ def _dkv_kernel(cfg, d, mask, mops, tab, has_bias, has_alibi, rel, *refs):
     take = lambda n: [next(it) for _ in range(n)]
     order, count, code, offs_ref = take(4)
     sref = take(ns)
+    ranges = take(_n_ranges(rel))
     q_ref, k_ref, v_ref = take(3)
     bias_ref = next(it) if has_bias else None
     alibi_ref = next(it) if has_alibi else None
@@ -470,8 +495,8 @@ def _dkv_kernel(cfg, d, mask, mops, tab, has_bias, has_alibi, rel, *refs):
                 bias_t = bias_ref[b if Bb > 1 else 0, h if Nb > 1 else 0, sl, pl.ds(kj * bk, bk)]
             q_loc = (qi * bq + jnp.arange(bq, dtype=jnp.int32))[:, None]
             qseg_v = [x[sl][:, None] for x in qseg]
-            rel_t, _ = _relative_tile(rel, rel_ref, d, h, mops, q_loc, kv_loc, qseg_v, kseg_v,
-                                      offs_ref)
+            rel_t, _, _ = _relative_tile(rel, rel_ref, d, b, h, qi, kj, ranges, mops, q_loc,
+                                         kv_loc, qseg_v, kseg_v, offs_ref)
             s, t = _logits(cfg, _dot_nt(q, kk), bias_t,
                            _alibi_tile(slope, mops, q_loc, kv_loc, qseg_v, kseg_v, offs_ref),
                            rel_t)
@@ -503,8 +528,9 @@ def _dkv_call(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta):
     mops, bias_op, qp, kp, vp = _common_operands(mask, bias, alibi, rel, d, q, k, v, offs)
     has_bias = bias is not None
     full = pl.no_block_spec
-    in_specs = [full] * (4 + len(mops.scalars))
-    operands = [tab.order, tab.count, tab.code, offs, *mops.scalars]
+    ranges = relative_tile_ranges(rel, d.bq, d.bk, d.Tp, d.Sp)
+    in_specs = [full] * (4 + len(mops.scalars) + len(ranges))
+    operands = [tab.order, tab.count, tab.code, offs, *mops.scalars, *ranges]
     kv_blk = pl.BlockSpec((None, bk, None, d.Hp), lambda j, b, kh: (b, j, kh, 0))
     all_q = pl.BlockSpec((None, d.Tp, d.N, d.Hp), lambda j, b, kh: (b, 0, 0, 0))
     in_specs += [all_q, kv_blk, kv_blk]

@@ -30,7 +30,11 @@ Design choices:
   relative positions (iotas + offsets or the positions' tiles) and gathers the row
   at the buckets (a lane gather, never a `[T, S]` array); the dq kernel sums dS
   per bucket (nb selects and sublane sums per logit) into a `[B, N, nb, 128]`
-  accumulator (its query-tile axis is then sequential).
+  accumulator (its query-tile axis is then sequential). A tile whose relative
+  positions all lie beyond max_distance on one side (or, unidirectional, at or
+  after the query) holds one bucket (`common.constant_bucket`, scalar arithmetic
+  on the tile's position ranges): it skips the bucketing, and its gradient is one
+  sum; at long lengths that is almost every tile.
 - Fully masked rows: output 0, lse -inf. dbias is written tile by tile into a
   zero-initialised aliased buffer (EMPTY tiles stay 0).
 - On CPU the same kernels run in interpret mode (`interpret=True`, or pass
@@ -61,7 +65,9 @@ from tfjax.ops.pallas.common import (
     BlockSizes,
     Dims,
     MaskOperands,
+    constant_bucket,
     pad_axis,
+    relative_tile_ranges,
     round_up,
     tile_tables,
 )
@@ -227,22 +233,31 @@ def _alibi(alibi_ref, b, head, q_tile, kv_tile, d, offs_ref, mops, qseg, kseg, k
     return slope, q_loc + offs_ref[0], kv_loc + offs_ref[1]
 
 
-def _relative(rel_ref, rel, q_tile, kv_tile, d, offs_ref, mops, qseg, kseg, kv_major=False):
-    """T5's bias of a tile, fp32, and its int32 buckets (both `[bq, bk]`, or
-    `[bk, bq]` when `kv_major`), or (None, None) without it. `rel`: the static
-    `RelativeBias` (bucketing); `rel_ref`: the head's table row `[1, nbp]`."""
+def _relative(rel_ref, rel, b, q_tile, kv_tile, d, offs_ref, mops, qseg, kseg, ranges,
+              kv_major=False):
+    """T5's bias of a tile, fp32, its int32 buckets (both `[bq, bk]`, or `[bk, bq]`
+    when `kv_major`) and the bucket they all share or -1 (`constant_bucket`: then
+    no entry is bucketed), or (None, None, None) without it. `rel`: the static
+    `RelativeBias` (bucketing); `rel_ref`: the head's table row `[1, nbp]`;
+    `ranges`: the scalar refs of `relative_tile_ranges` (explicit positions)."""
     if rel_ref is None:
-        return None, None
-    if mops.relative_slot is not None:  # explicit positions: their tiles
-        qp, kp = qseg[mops.relative_slot][...], kseg[mops.relative_slot][...]
-    else:
-        q_loc, kv_loc = _local(q_tile, kv_tile, d, kv_major)
-        qp, kp = q_loc + offs_ref[0], kv_loc + offs_ref[1]
-    buckets = relative_position_bucket(kp - qp, bidirectional=rel.bidirectional,
-                                       num_buckets=rel.num_buckets,
-                                       max_distance=rel.max_distance)
-    buckets = jnp.broadcast_to(buckets, (d.bk, d.bq) if kv_major else (d.bq, d.bk))
-    return _gather_lanes(rel_ref[...], buckets, rel.num_buckets), buckets
+        return None, None, None
+    shape = (d.bk, d.bq) if kv_major else (d.bq, d.bk)
+    const = constant_bucket(rel, d.bq, d.bk, b, q_tile, kv_tile, offs_ref, ranges)
+
+    def varying():
+        if mops.relative_slot is not None:  # explicit positions: their tiles
+            qp, kp = qseg[mops.relative_slot][...], kseg[mops.relative_slot][...]
+        else:
+            q_loc, kv_loc = _local(q_tile, kv_tile, d, kv_major)
+            qp, kp = q_loc + offs_ref[0], kv_loc + offs_ref[1]
+        buckets = relative_position_bucket(kp - qp, bidirectional=rel.bidirectional,
+                                           num_buckets=rel.num_buckets,
+                                           max_distance=rel.max_distance)
+        return jnp.broadcast_to(buckets, shape)
+
+    buckets = lax.cond(const >= 0, lambda: jnp.full(shape, const, jnp.int32), varying)
+    return _gather_lanes(rel_ref[...], buckets, rel.num_buckets), buckets, const
 
 
 def _gather_lanes(row, idx, n_valid):
@@ -345,7 +360,8 @@ def _forward(cfg, q, k, v, mask, bias, alibi, rel, offs):
     G, bq, bk = d.G, d.bq, d.bk
     tab = _tables(cfg, mask, d, offs)
     mops = MaskOperands(mask, d.B, d.Tp, d.Sp, offs, alibi, rel)
-    ns, nseg, has_bias = len(mops.scalars), mops.num_segments, bias is not None
+    ranges = relative_tile_ranges(rel, bq, bk, d.Tp, d.Sp)  # scalars after the mask's
+    ns, nseg, has_bias = len(mops.scalars) + len(ranges), mops.num_segments, bias is not None
     has_alibi, has_rel = alibi is not None, rel is not None
     bias_op = _bias_operand(bias, d)
     rb = (lambda b: b) if tab.batched else (lambda b: 0)
@@ -370,7 +386,8 @@ def _forward(cfg, q, k, v, mask, bias, alibi, rel, offs):
         @pl.when(j < count[r, i])
         def _step():
             kj = order[r, i, j]
-            rel_tile, _ = _relative(rel_ref, rel, i, kj, d, offs_ref, mops, qseg, kseg)
+            rel_tile, _, _ = _relative(rel_ref, rel, b, i, kj, d, offs_ref, mops, qseg, kseg,
+                                       sref[len(mops.scalars):])
             s, _ = _logits(cfg, _dot_nt(q_ref[...], k_ref[...]),
                            bias_ref[...] if has_bias else None,
                            _alibi(alibi_ref, b, h, i, kj, d, offs_ref, mops, qseg, kseg),
@@ -436,7 +453,7 @@ def _forward(cfg, q, k, v, mask, bias, alibi, rel, offs):
         kernel, grid_spec=grid_spec, out_shape=out_shape, interpret=cfg.interpret,
         compiler_params=_compiler_params("parallel", "parallel", "parallel", "arbitrary"),
         name="tfjax_flash_fwd",
-    )(tab.order, tab.count, tab.code, offs, *mops.scalars, *operands)
+    )(tab.order, tab.count, tab.code, offs, *mops.scalars, *ranges, *operands)
     out = out[:, :, :d.T, :d.H].transpose(0, 2, 1, 3)
     return out, lse[:, :, :d.T, 0]
 
@@ -453,7 +470,8 @@ def _backward_dq(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta):
     G, bq, bk = d.G, d.bq, d.bk
     tab = _tables(cfg, mask, d, offs)
     mops = MaskOperands(mask, d.B, d.Tp, d.Sp, offs, alibi, rel)
-    ns, nseg, has_bias = len(mops.scalars), mops.num_segments, bias is not None
+    ranges = relative_tile_ranges(rel, bq, bk, d.Tp, d.Sp)  # scalars after the mask's
+    ns, nseg, has_bias = len(mops.scalars) + len(ranges), mops.num_segments, bias is not None
     has_alibi, has_rel = alibi is not None, rel is not None
     rb = (lambda b: b) if tab.batched else (lambda b: 0)
     if has_alibi:
@@ -485,7 +503,8 @@ def _backward_dq(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta):
         def _step():
             kj = order[r, i, j]
             kk = k_ref[...]
-            rel_tile, buckets = _relative(rel_ref, rel, i, kj, d, offs_ref, mops, qseg, kseg)
+            rel_tile, buckets, const = _relative(rel_ref, rel, b, i, kj, d, offs_ref, mops, qseg,
+                                                 kseg, sref[len(mops.scalars):])
             s, t = _logits(cfg, _dot_nt(q_ref[...], kk), bias_ref[...] if has_bias else None,
                            _alibi(alibi_ref, b, h, i, kj, d, offs_ref, mops, qseg, kseg),
                            rel_tile)
@@ -498,9 +517,16 @@ def _backward_dq(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta):
             dp = _dot_nt(do_ref[...], v_ref[...])
             ds = p * (dp - delta_ref[...])
             if has_rel:  # dL/dlogits (after the soft-cap) summed per bucket
-                for n in range(rel.num_buckets):
-                    col = jnp.where(buckets == n, ds, 0.0).sum(axis=0, keepdims=True)
-                    dtable_ref[n:n + 1, :] += _fold_lanes(col)
+                @pl.when(const >= 0)
+                def _one_bucket():  # a tile far from the diagonal: one sum
+                    total = _fold_lanes(ds.sum(axis=0, keepdims=True))
+                    dtable_ref[...] += jnp.where(_iota(dtable_ref.shape, 0) == const, total, 0.0)
+
+                @pl.when(const < 0)
+                def _every_bucket():
+                    for n in range(rel.num_buckets):
+                        col = jnp.where(buckets == n, ds, 0.0).sum(axis=0, keepdims=True)
+                        dtable_ref[n:n + 1, :] += _fold_lanes(col)
             if t is not None:
                 ds = ds * (1.0 - t * t)
             acc_sc[...] += _dot((ds * cfg.scale).astype(kk.dtype), kk)
@@ -555,7 +581,7 @@ def _backward_dq(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta):
         interpret=cfg.interpret, name="tfjax_flash_dq",
         compiler_params=_compiler_params("parallel", "parallel",
                                          "arbitrary" if has_rel else "parallel", "arbitrary"),
-    )(tab.order, tab.count, tab.code, offs, *mops.scalars, *operands)
+    )(tab.order, tab.count, tab.code, offs, *mops.scalars, *ranges, *operands)
     dq = outs[0][:, :, :d.T, :d.H].transpose(0, 2, 1, 3)
     dtable = None
     if has_rel:  # [B, N, nbp, 128] -> [nb, N]
@@ -576,7 +602,8 @@ def _backward_dkv(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta):
     G, bq, bk = d.G, d.bq, d.bk
     tab = _tables(cfg, mask, d, offs, transpose=True)
     mops = MaskOperands(mask, d.B, d.Tp, d.Sp, offs, alibi, rel)
-    ns, nseg, has_bias = len(mops.scalars), mops.num_segments, bias is not None
+    ranges = relative_tile_ranges(rel, bq, bk, d.Tp, d.Sp)  # scalars after the mask's
+    ns, nseg, has_bias = len(mops.scalars) + len(ranges), mops.num_segments, bias is not None
     rb = (lambda b: b) if tab.batched else (lambda b: 0)
     n_out = 3 if has_bias else 2
     has_alibi, has_rel = alibi is not None, rel is not None
@@ -610,8 +637,8 @@ def _backward_dkv(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta):
         def _step():
             qi = order[r, kj, j]
             qq, kk, vv, dd = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
-            rel_tile, _ = _relative(rel_ref, rel, qi, kj, d, offs_ref, mops, qseg, kseg,
-                                    kv_major=True)
+            rel_tile, _, _ = _relative(rel_ref, rel, b, qi, kj, d, offs_ref, mops, qseg, kseg,
+                                       sref[len(mops.scalars):], kv_major=True)
             s, t = _logits(cfg, _dot_nt(kk, qq),
                            bias_ref[...].T if has_bias else None,  # [bk, bq]
                            _alibi(alibi_ref, b, kh * G + g, qi, kj, d, offs_ref, mops, qseg,
@@ -693,7 +720,7 @@ def _backward_dkv(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta):
         input_output_aliases=io_aliases, name="tfjax_flash_dkv",
         compiler_params=_compiler_params("parallel", "parallel", "parallel", "arbitrary",
                                          "arbitrary"),
-    )(tab.order, tab.count, tab.code, offs, *mops.scalars, *operands)
+    )(tab.order, tab.count, tab.code, offs, *mops.scalars, *ranges, *operands)
     dk = outs[0][:, :, :d.S, :d.H].transpose(0, 2, 1, 3)
     dv = outs[1][:, :, :d.S, :d.H].transpose(0, 2, 1, 3)
     dbias = None
