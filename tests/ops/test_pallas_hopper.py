@@ -31,7 +31,7 @@ HC, HB = HopperConfig, HopperBackwardConfig
      HC(block_kv=64, compute_warpgroups=1, overlap=True), HB(compute_warpgroups=1, stages=1)),
     (1, 70, 200, (2, 2), 128, "window_lr", {}, HC(block_kv=64, pingpong=False), HB(128, 128)),
     (1, 70, 90, (2, 1), 256, "prefix", {"alibi": "pos"}, HC(block_kv=64, overlap=True), None),
-    (2, 100, 130, (4, 2), 64, "causal", {"alibi": "BN", "q_offset": 30, "kv_offset": 5},
+    (2, 64, 100, (2, 1), 64, "causal", {"alibi": "BN", "q_offset": 30, "kv_offset": 5},
      HC(block_kv=64), HB()),
 ], ids=["gqa-segments-softcap-offset-tails-h80-pingpong",
         "mqa-fully-masked-rows-alibi-positions-one-warpgroup-overlap",
