@@ -119,14 +119,19 @@ def relative_for(kind, B, T, S, N, seed=5):
     """T5 bias of a test case (16 buckets, max distance 24, a random table):
     "causal" unidirectional at index positions, "bidir" bidirectional at index
     positions, "pos" bidirectional at explicit random positions (`[B, T]`, `[1, S]`,
-    distances beyond max_distance included)."""
+    distances beyond max_distance included), "coarse" bidirectional at explicit
+    positions index // 12 (`[B, T]`, `[1, S]`: far fewer tiles hold one bucket
+    than the index positions would say)."""
     rng = np.random.default_rng(seed)
     table = jnp.asarray(rng.normal(size=(16, N)), jnp.float32)
     positions = None
     if kind == "pos":
         positions = (rng.integers(0, 60, (B, T)).astype(np.int32),
                      rng.integers(0, 60, (1, S)).astype(np.int32))
-    assert kind in ("causal", "bidir", "pos"), kind
+    if kind == "coarse":
+        positions = (np.broadcast_to(np.arange(T, dtype=np.int32) // 12, (B, T)),
+                     np.arange(S, dtype=np.int32)[None] // 12)
+    assert kind in ("causal", "bidir", "pos", "coarse"), kind
     return dict(table=table, bidirectional=kind != "causal", max_distance=24,
                 positions=positions)
 

@@ -31,9 +31,10 @@ CASES = [
     (384, 128, (8, 1), 64, "window_lr", {"bias": (1, 8), "alibi": "pos", "relative": "pos"}),
     (128, 100, (4, 4), 128, "padding_fully_masked", {"bias": (2, 1), "relative": "bidir"}),
     (1000, 1000, (4, 4), 32, "chunked", {"relative": "causal", "block_sizes": BS_WIDE_DQ}),
-    # T5's bias (max distance 24) on whole 384 x 384 grids: tiles far from the diagonal
-    # share one bucket (past and future, bidirectional; past and bucket 0 unidirectional)
-    (384, 384, (4, 2), 32, "none", {"relative": "bidir", "q_offset": 5}),
+    # T5's bias (max distance 24) on whole 384 x 384 grids: at explicit positions
+    # index // 12 (bidirectional) tiles far in index hold several buckets; at index
+    # positions (unidirectional) far tiles hold one (the past's last, or 0)
+    (384, 384, (4, 2), 32, "none", {"relative": "coarse"}),  # explicit positions
     (384, 384, (4, 1), 32, "none", {"relative": "causal", "kv_offset": 9}),
     (100, 384, (8, 2), 32, "prefix|window", {"kv_offset": 5, "alibi": "N", "relative": "bidir"}),
     (200, 300, (8, 2), 64, "bigbird", {"kv_offset": 5}),
@@ -91,8 +92,8 @@ def test_constant_bucket_tiles_hold_one_bucket(bidirectional):
     such a tile has that bucket, at index positions with offsets and at explicit
     positions (their per-tile ranges); and far tiles are found."""
     from tfjax.ops import RelativeBias
-    from tfjax.ops.pallas.common import constant_bucket, relative_tile_ranges
-    from tfjax.ops.reference import relative_position_bucket
+    from tfjax.ops.reference import (constant_bucket, relative_position_bucket,
+                                     relative_tile_ranges)
 
     rng = np.random.default_rng(0)
     B, T, S, bq, bk, md = 2, 200, 300, 16, 32, 20

@@ -20,9 +20,9 @@ BS = BlockSizes(32, 64, 32, 64, 64, 32)
 
 @pytest.mark.parametrize("T,S,heads,H,mask_name,extras", [
     (100, 200, (8, 2), 80, "causal&segments", {"softcap": 20.0, "q_offset": 3, "bias": (1, 8),
-                                               "alibi": "N", "relative": "causal"}),
+                                               "alibi": "N", "relative": "causal"}),  # far tiles
     (128, 100, (4, 1), 32, "padding_fully_masked", {"kv_offset": 2, "alibi": "BN",
-                                                    "relative": "bidir"}),
+                                                    "relative": "coarse"}),
     (100, 130, (4, 2), 32, "causal&segments", {"alibi": "pos", "relative": "pos"}),
 ], ids=["gqa-segments-softcap-bias-alibi-t5-tails", "mqa-fully-masked-rows-alibi-t5",
         "alibi-t5-positions-segments"])

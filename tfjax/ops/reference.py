@@ -266,3 +266,48 @@ def check_relative_bias(relative_bias, B: int, N: int, T: int, S: int) -> Relati
     qp, kp = _check_positions("relative_bias", (relative_bias.q_positions,
                                                 relative_bias.kv_positions), B, T, S)
     return dataclasses.replace(relative_bias, q_positions=qp, kv_positions=kp)
+
+
+# --------------------------------------------------------------------------- #
+# T5's bias: tiles whose entries all share one bucket.
+# --------------------------------------------------------------------------- #
+
+
+def relative_tile_ranges(rel, bq: int, bk: int, Tp: int, Sp: int) -> list[jax.Array]:
+    """For T5's bias at explicit positions, `[min, max]` of the positions of every
+    query tile (`[B, Tp / bq]` int32 each) and kv tile (`[B, Sp / bk]`): 4 arrays
+    the kernels read as scalars (`constant_bucket`). [] at index positions (or
+    without `rel`). The tails repeat the last real position."""
+    if rel is None or rel.q_positions is None:
+        return []
+    out = []
+    for pos, n, Lp in ((rel.q_positions, bq, Tp), (rel.kv_positions, bk, Sp)):
+        p = jnp.pad(pos, ((0, 0), (0, Lp - pos.shape[1])), mode="edge")
+        p = p.reshape(pos.shape[0], Lp // n, n)
+        out += [p.min(axis=-1), p.max(axis=-1)]
+    return out
+
+
+def constant_bucket(rel, bq: int, bk: int, b, q_tile, kv_tile, offs, ranges):
+    """The bucket every entry of tile (`q_tile`, `kv_tile`) falls in, or -1 (int32
+    scalar arithmetic, per tile): when all its relative positions lie at or beyond
+    max_distance on one side (the last bucket of that side), or, unidirectional, at
+    or after the query (bucket 0). A tile far from the diagonal then needs no
+    per-entry bucketing, and its table gradient is one sum. `offs`: the global q/kv
+    offsets (index positions); `ranges`: `relative_tile_ranges`' arrays (or refs)
+    for explicit positions."""
+    if ranges:
+        q_min, q_max = ranges[0][b, q_tile], ranges[1][b, q_tile]
+        kv_min, kv_max = ranges[2][b, kv_tile], ranges[3][b, kv_tile]
+    else:
+        q_min = offs[0] + q_tile * bq
+        q_max = q_min + (bq - 1)
+        kv_min = offs[1] + kv_tile * bk
+        kv_max = kv_min + (bk - 1)
+    d_min, d_max = kv_min - q_max, kv_max - q_min  # relative position kv - q
+    md, nb = rel.max_distance, rel.num_buckets
+    i32 = jnp.int32  # typed constants: Triton lowers a select of weak-typed ones as i1
+    if rel.bidirectional:
+        return jnp.where(d_max <= -md, i32(nb // 2 - 1),
+                         jnp.where(d_min >= md, i32(nb - 1), i32(-1)))
+    return jnp.where(d_max <= -md, i32(nb - 1), jnp.where(d_min >= 0, i32(0), i32(-1)))

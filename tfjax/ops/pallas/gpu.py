@@ -17,7 +17,7 @@ Hopper forward and backward do the same. T5's bias (`relative_bias`): each
 visited tile buckets its relative positions and gathers the head's entries from
 the flat `[nb * N]` table (a pointer gather, cached; no `[T, S]` bias); the dq
 program sums dS per bucket (its `[nb]` partial sums per query tile are added up
-outside). Tiles far from the diagonal hold one bucket (`common.constant_bucket`)
+outside). Tiles far from the diagonal hold one bucket (`reference.constant_bucket`)
 and skip both. The Hopper kernels decline it.
 
 Layout `[B, T, N, H]` (no transposes). Runs in interpret mode on CPU
@@ -43,16 +43,16 @@ from tfjax.ops import masks as M
 from tfjax.ops.reference import (
     RelativeBias,
     check_relative_bias,
+    constant_bucket,
     make_alibi,
     relative_position_bucket,
+    relative_tile_ranges,
 )
 from tfjax.ops.pallas.common import (
     BlockSizes,
     Dims,
     MaskOperands,
-    constant_bucket,
     pad_axis,
-    relative_tile_ranges,
     round_up,
     tile_tables,
 )

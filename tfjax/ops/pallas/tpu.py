@@ -32,7 +32,7 @@ Design choices:
   per bucket (nb selects and sublane sums per logit) into a `[B, N, nb, 128]`
   accumulator (its query-tile axis is then sequential). A tile whose relative
   positions all lie beyond max_distance on one side (or, unidirectional, at or
-  after the query) holds one bucket (`common.constant_bucket`, scalar arithmetic
+  after the query) holds one bucket (`reference.constant_bucket`, scalar arithmetic
   on the tile's position ranges): it skips the bucketing, and its gradient is one
   sum; at long lengths that is almost every tile.
 - Fully masked rows: output 0, lse -inf. dbias is written tile by tile into a
@@ -58,16 +58,16 @@ from tfjax.ops.reference import (
     Alibi,
     RelativeBias,
     check_relative_bias,
+    constant_bucket,
     make_alibi,
     relative_position_bucket,
+    relative_tile_ranges,
 )
 from tfjax.ops.pallas.common import (
     BlockSizes,
     Dims,
     MaskOperands,
-    constant_bucket,
     pad_axis,
-    relative_tile_ranges,
     round_up,
     tile_tables,
 )
