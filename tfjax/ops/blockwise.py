@@ -36,14 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from tfjax.ops import masks as masks_lib
-from tfjax.ops.reference import (
-    Alibi,
-    RelativeBias,
-    check_relative_bias,
-    constant_bucket,
-    make_alibi,
-    relative_tile_ranges,
-)
+from tfjax.ops.reference import Alibi, RelativeBias, check_relative_bias, make_alibi
 
 __all__ = ["DEFAULT_BLOCK", "blockwise_attention", "blockwise_attention_backward"]
 
@@ -219,51 +212,26 @@ def _alibi_tile(alibi, qi, kj, bq, bk, qo, ko):
                                            qi, kj, bq, bk, qo, ko))
 
 
-def _rel_example(rel, bq, bk, Tp, Sp):
-    """One example's `RelativeBias` with its positions padded to the tiled lengths,
-    and its positions' per-tile ranges (`relative_tile_ranges`; [] at index
-    positions); (None, []) without it."""
+def _rel_example(rel, Tp, Sp):
+    """One example's `RelativeBias` with its positions padded to the tiled lengths."""
     if rel is None or rel.q_positions is None:
-        return rel, []
-    ranges = relative_tile_ranges(
-        dataclasses.replace(rel, q_positions=rel.q_positions[None],
-                            kv_positions=rel.kv_positions[None]), bq, bk, Tp, Sp)
+        return rel
     return dataclasses.replace(rel, q_positions=_pad_to(rel.q_positions, 0, Tp),
-                               kv_positions=_pad_to(rel.kv_positions, 0, Sp)), ranges
+                               kv_positions=_pad_to(rel.kv_positions, 0, Sp))
 
 
-def _rel_tile(rel, ranges, qi, kj, bq, bk, qo, ko):
-    """(table `[nb, N]`, buckets `[bq, bk]` int32, the bucket they all share or -1)
-    of a tile, or None. A tile far from the diagonal (`constant_bucket`) is not
-    bucketed entry by entry."""
+def _rel_tile(rel, qi, kj, bq, bk, qo, ko):
+    """(table `[nb, N]`, buckets `[bq, bk]` int32) of a tile, or None."""
     if rel is None:
         return None
-    const = constant_bucket(rel, bq, bk, 0, qi, kj, (qo, ko), ranges)
-    buckets = lax.cond(
-        const >= 0, lambda: jnp.full((bq, bk), const, jnp.int32),
-        lambda: rel.buckets(*_tile_positions(rel.q_positions, rel.kv_positions, qi, kj, bq, bk,
-                                             qo, ko)))
-    return rel.table, buckets, const
+    return rel.table, rel.buckets(*_tile_positions(rel.q_positions, rel.kv_positions,
+                                                   qi, kj, bq, bk, qo, ko))
 
 
-def _rel_values(table, buckets, const):
-    """table[buckets] `[bq, bk, N]` fp32 (a broadcast row for a one-bucket tile)."""
-    table = table.astype(jnp.float32)
-    return lax.cond(const >= 0,
-                    lambda: jnp.broadcast_to(table[jnp.maximum(const, 0)],
-                                             (*buckets.shape, table.shape[1])),
-                    lambda: jnp.take(table, buckets, axis=0))
-
-
-def _rel_table_grad(ds, buckets, const, nb):
-    """d table `[nb, N]` of a tile: dlogits `[K,G,bq,bk]` summed per bucket (one sum
-    for a one-bucket tile)."""
+def _rel_table_grad(ds, buckets, nb):
+    """d table `[nb, N]` of a tile: dlogits `[K,G,bq,bk]` summed per bucket."""
     N = ds.shape[0] * ds.shape[1]
-    flat = ds.reshape(N, -1)
-    return lax.cond(
-        const >= 0,
-        lambda: jnp.zeros((nb, N), flat.dtype).at[jnp.maximum(const, 0)].set(flat.sum(1)),
-        lambda: jax.ops.segment_sum(flat.T, buckets.reshape(-1), num_segments=nb))
+    return jax.ops.segment_sum(ds.reshape(N, -1).T, buckets.reshape(-1), num_segments=nb)
 
 
 def _logits(cfg, qt, kt, bias_t, alibi_t=None, rel_t=None):
@@ -282,9 +250,9 @@ def _logits(cfg, qt, kt, bias_t, alibi_t=None, rel_t=None):
         dist = jnp.abs(qpos[:, None] - kpos[None, :]).astype(jnp.float32)
         s = s - slopes[:, :, None, None] * dist
     if rel_t is not None:  # table[bucket, n], the table [nb, N]
-        table, buckets, const = rel_t
+        table, buckets = rel_t
         K, G = s.shape[:2]
-        vals = _rel_values(table, buckets, const)  # [bq, bk, N]
+        vals = jnp.take(table.astype(jnp.float32), buckets, axis=0)  # [bq, bk, N]
         s = s + jnp.moveaxis(vals, -1, 0).reshape(K, G, *buckets.shape)
     return s, t
 
@@ -333,7 +301,7 @@ def _forward_one(cfg, q, k, v, mask, bias, alibi, rel, qo, ko):
     bq, bk = cfg.block_q, cfg.block_kv
     nq, nk = _cdiv(T, bq), _cdiv(S, bk)
     alibi = _alibi_example(alibi, K, G, nq * bq, nk * bk)
-    rel, ranges = _rel_example(rel, bq, bk, nq * bq, nk * bk)
+    rel = _rel_example(rel, nq * bq, nk * bk)
     qp = _pad_to(q, 0, nq * bq).reshape(nq, bq, K, G, H)
     kp = _pad_to(k, 0, nk * bk)
     vp = _pad_to(v, 0, nk * bk)
@@ -352,7 +320,7 @@ def _forward_one(cfg, q, k, v, mask, bias, alibi, rel, qo, ko):
             vt = lax.dynamic_slice_in_dim(vp, kj * bk, bk)
             s, _ = _logits(cfg, qt, kt, _bias_tile(bias, qi, kj, bq, bk),
                            _alibi_tile(alibi, qi, kj, bq, bk, qo, ko),
-                           _rel_tile(rel, ranges, qi, kj, bq, bk, qo, ko))
+                           _rel_tile(rel, qi, kj, bq, bk, qo, ko))
             allowed = _tile_allowed(cfg, mask, codes[qi, kj], qi, kj, T, S, qo, ko)
             s = jnp.where(allowed, s, -jnp.inf)
             m_new = jnp.maximum(m, s.max(-1))
@@ -397,7 +365,7 @@ def _backward_one(cfg, q, k, v, mask, bias, alibi, rel, qo, ko, out, lse, dout, 
     bq, bk = cfg.block_q, cfg.block_kv
     nq, nk = _cdiv(T, bq), _cdiv(S, bk)
     alibi = _alibi_example(alibi, K, G, nq * bq, nk * bk)
-    rel, ranges = _rel_example(rel, bq, bk, nq * bq, nk * bk)
+    rel = _rel_example(rel, nq * bq, nk * bk)
     # D_i = sum_h dO*O - dlse_i: the softmax backward's row term (dlse enters here).
     delta = jnp.einsum("TNH,TNH->NT", dout.astype(jnp.float32), out.astype(jnp.float32)) - dlse
     qp = _pad_to(q, 0, nq * bq).reshape(nq, bq, K, G, H)
@@ -421,7 +389,7 @@ def _backward_one(cfg, q, k, v, mask, bias, alibi, rel, qo, ko, out, lse, dout, 
             i, dq, dbias, dtable, dk, dv = c
             qi = order_t[kj, i]
             qt, dot = qp[qi], dop[qi]
-            rel_t = _rel_tile(rel, ranges, qi, kj, bq, bk, qo, ko)
+            rel_t = _rel_tile(rel, qi, kj, bq, bk, qo, ko)
             s, t = _logits(cfg, qt, kt, _bias_tile(bias, qi, kj, bq, bk),
                            _alibi_tile(alibi, qi, kj, bq, bk, qo, ko), rel_t)
             allowed = _tile_allowed(cfg, mask, codes[qi, kj], qi, kj, T, S, qo, ko)
@@ -436,7 +404,7 @@ def _backward_one(cfg, q, k, v, mask, bias, alibi, rel, qo, ko, out, lse, dout, 
                 cur = lax.dynamic_slice(dbias, (0, qi * bq, kj * bk), (Nb, bq, bk))
                 dbias = lax.dynamic_update_slice(dbias, cur + db, (0, qi * bq, kj * bk))
             if dtable is not None:
-                dtable = dtable + _rel_table_grad(ds, rel_t[1], rel_t[2], dtable.shape[0])
+                dtable = dtable + _rel_table_grad(ds, rel_t[1], dtable.shape[0])
             if t is not None:
                 ds = ds * (1.0 - t * t)
             ds = ds * cfg.scale
