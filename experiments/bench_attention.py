@@ -5,6 +5,7 @@
     .venv/bin/python experiments/bench_attention.py tune --budget-s 80   # GPU kernel tiles
     .venv/bin/python experiments/bench_attention.py alibi          # ~5 min on 2 cores
     .venv/bin/python experiments/bench_attention.py t5             # ~5 min on 2 cores
+    .venv/bin/python experiments/bench_attention.py t5-tpu-aot --sizes 2048,8192  # libtpu
 
 cpu: compiled temporary memory (`memory_analysis().temp_size_in_bytes`) and wall
 time of reference / xla / blockwise at S = 1k, 4k, 16k (causal self-attention,
@@ -24,6 +25,11 @@ t5: the same for T5's learned bucketed bias (unidirectional, 32 buckets, max
 distance 128): the table gathered into a `[B,N,T,S]` bias (what a T5 model did
 before `relative_bias`) next to `relative_bias=RelativeBias(...)` evaluated per
 tile; fwd+bwd also differentiates the table (per tile: dlogits summed per bucket).
+
+t5-tpu-aot: per-device compiled memory of the Pallas TPU kernels' fwd+bwd for a
+v5e:2x2 topology (real XLA:TPU / Mosaic compilation on this CPU, libtpu needed):
+no bias, T5's bias per tile at index and explicit positions, and T5's bias
+materialised as a `[B,N,T,S]` fp32 bias.
 
 gpu: forward, backward and forward+backward TFLOP/s (4*B*N*T*S*H FLOPs, halved
 when causal; backward counted as 2.5x forward) of "pallas" (the Triton kernels,
@@ -396,9 +402,62 @@ def bench_tune(args, S=8192, N=32, K=8, head_dims=(128, 64)):
     _write_results(out, "attention_gpu_tiles")
 
 
+def bench_t5_tpu_aot(args, topology="v5e:2x2", N=8, K=2, H=128):
+    """Per-device compiled memory of the Pallas TPU kernels' fwd+bwd (causal, bf16,
+    512 tiles), compiled by the real XLA:TPU / Mosaic compilers on this CPU (libtpu
+    topologies): no bias, T5's bias per tile (index / explicit positions, the table
+    differentiated), and a materialised `[B,N,T,S]` fp32 bias (its gradient too)."""
+    import numpy as np
+    from jax.experimental import topologies
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from tfjax.ops.pallas import BlockSizes, flash_attention_tpu
+
+    topo = topologies.get_topology_desc(platform="tpu", topology_name=topology)
+    mesh = Mesh(np.array(topo.devices).reshape(-1), ("data",))
+    D, bs = mesh.devices.size, BlockSizes(*(512,) * 6)
+    out = [f"# Pallas TPU kernels, fwd+bwd compiled per-device memory ({topology}, one example "
+           f"per chip, N={N} K={K} H={H} bf16 causal, 512 tiles; jax {jax.__version__}, "
+           f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC)", "",
+           "| bias | T=S | temp MiB | arguments MiB | outputs MiB |", "|---|---|---|---|---|"]
+    print("\n".join(out), flush=True)
+    for how in ("none", "t5 index positions", "t5 explicit positions", "[B,N,T,S] fp32 bias"):
+        for T in (int(s) for s in args.sizes.split(",")):
+            def local(q, k, v, pos, table, bias, how=how):
+                def loss(q, k, v, table, bias):
+                    rel = None
+                    if how.startswith("t5"):
+                        p = pos if how.endswith("explicit positions") else None
+                        rel = RelativeBias(table, bidirectional=False, q_positions=p,
+                                           kv_positions=p)
+                    o = flash_attention_tpu(q, k, v, M.causal(), bias=bias, relative_bias=rel,
+                                            interpret=False, block_sizes=bs)
+                    return o.astype(jnp.float32).sum()
+                return jax.grad(loss, (0, 1, 2, 3, 4) if bias is not None else (0, 1, 2, 3))(
+                    q, k, v, table, bias)
+
+            sh = lambda s: NamedSharding(mesh, s)
+            sds = lambda shape, dt, s=P("data"): jax.ShapeDtypeStruct(shape, dt, sharding=sh(s))
+            dense = how.startswith("[B")
+            a = (sds((D, T, N, H), jnp.bfloat16), sds((D, T, K, H), jnp.bfloat16),
+                 sds((D, T, K, H), jnp.bfloat16), sds((D, T), jnp.int32),
+                 sds((32, N), jnp.float32, P()), sds((D, N, T, T), jnp.float32) if dense else None)
+            specs = (P("data"),) * 4 + (P(),) + ((P("data"),) if dense else (None,))
+            outs = (P("data"),) * 3 + (P(),) + ((P("data"),) if dense else ())
+            f = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=outs, check_vma=False)
+            m = jax.jit(f).lower(*a).compile().memory_analysis()
+            row = (f"| {how} | {T} | {m.temp_size_in_bytes / 2**20:,.1f} | "
+                   f"{m.argument_size_in_bytes / 2**20:,.1f} | "
+                   f"{m.output_size_in_bytes / 2**20:,.1f} |")
+            out.append(row)
+            print(row, flush=True)
+    _write_results(out, "attention_t5_tpu_aot")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("part", choices=["cpu", "alibi", "t5", "gpu", "tune"])
+    p.add_argument("part", choices=["cpu", "alibi", "t5", "t5-tpu-aot", "gpu", "tune"])
     p.add_argument("--sizes", default="1024,4096,16384")
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--max-run-gib", type=float, default=3.0)
@@ -406,6 +465,8 @@ def main():
     args = p.parse_args()
     if args.part in ("cpu", "alibi", "t5"):
         (bench_cpu if args.part == "cpu" else bench_position_bias)(args)
+    elif args.part == "t5-tpu-aot":
+        bench_t5_tpu_aot(args)
     else:
         if jax.default_backend() != "gpu":
             sys.exit(f"bench_attention.py {args.part}: needs a GPU, jax backend is "
