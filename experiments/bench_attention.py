@@ -3,6 +3,7 @@
     .venv/bin/python experiments/bench_attention.py cpu            # ~10 min on 2 cores
     .venv/bin/python experiments/bench_attention.py gpu            # < 8 min on one H100/H200
     .venv/bin/python experiments/bench_attention.py tune --budget-s 80   # GPU kernel tiles
+    .venv/bin/python experiments/bench_attention.py gpu --lower-only     # preflight, no GPU
     .venv/bin/python experiments/bench_attention.py alibi          # ~5 min on 2 cores
     .venv/bin/python experiments/bench_attention.py t5             # ~5 min on 2 cores
     .venv/bin/python experiments/bench_attention.py t5-tpu-aot --sizes 2048,8192  # libtpu
@@ -43,11 +44,20 @@ backward; the Triton kernels; xla with the materialised bias), and causal with
 T5's bias at S = 4k, 8k (the Triton kernels per tile vs the same kernels and xla
 reading it as a materialised `[B,N,T,S]` bias).
 Writes a markdown table to experiments/results/attention_gpu_<date>.md.
+
+--lower-only (gpu, tune): on a machine without a GPU, every row's forward and
+fwd+bwd is traced and lowered for the cuda platform as for an H200
+(`gpu_lowering_target`: the Triton and Mosaic GPU kernels are lowered in Python,
+the Hopper ones chosen as on sm_90), each row saying "lowered" or why it failed,
+so a session lent the GPU does not spend it on a row that cannot lower. cuDNN
+rows are not lowered (its lowering asks the local GPU's cuDNN). Nothing is timed
+or written to results/.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import itertools
@@ -65,6 +75,17 @@ from tfjax.ops import RelativeBias, dot_product_attention
 from tfjax.ops import masks as M
 
 GIB = 1024 ** 3
+
+
+def _time_or_lower(f, q, k, v, args):
+    """Seconds per call of the jitted `f` (best of 3), or, with --lower-only, `f`
+    traced and lowered for cuda (shapes only; the caller is under
+    `gpu_lowering_target`) and 1.0."""
+    if not args.lower_only:
+        return _time(f, q, k, v, reps=3)
+    f.trace(*(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))).lower(
+        lowering_platforms=("cuda",))
+    return 1.0
 
 
 def _time(f, *args, reps=2):
@@ -218,6 +239,29 @@ def _write_results(lines, stem):
     print(f"wrote {path}")
 
 
+def _inputs(keys, q_shape, kv_shape, dtype, args):
+    """Random q, k, v; shapes only with --lower-only."""
+    if args.lower_only:
+        return tuple(jax.ShapeDtypeStruct(s, dtype) for s in (q_shape, kv_shape, kv_shape))
+    return tuple(jax.random.normal(key, s, dtype)
+                 for key, s in zip(keys, (q_shape, kv_shape, kv_shape)))
+
+
+@contextlib.contextmanager
+def _as_if_on_gpu(gpu="H200"):
+    """--lower-only: jax's default backend reads "gpu" (the dispatch of
+    implementation="pallas" follows it) and the kernels lower for `gpu`."""
+    from tfjax.ops.pallas.gpu import gpu_lowering_target
+
+    default_backend = jax.default_backend
+    jax.default_backend = lambda: "gpu"
+    try:
+        with gpu_lowering_target(gpu):
+            yield
+    finally:
+        jax.default_backend = default_backend
+
+
 def bench_gpu(args):
     from tfjax.ops.pallas.gpu import _is_hopper, flash_attention_gpu
     from tfjax.ops.pallas.hopper import HopperConfig
@@ -253,9 +297,7 @@ def bench_gpu(args):
                 "segments4": 0.25, "causal+t5": 0.5, "causal+alibi": 0.5}[mask_name]
         flops = 4 * B * N * T * S * H * frac
         ks = jax.random.split(jax.random.key(0), 3)
-        q = jax.random.normal(ks[0], (B, T, N, H), dtype)
-        k = jax.random.normal(ks[1], (B, S, K, H), dtype)
-        v = jax.random.normal(ks[2], (B, S, K, H), dtype)
+        q, k, v = _inputs(ks, (B, T, N, H), (B, S, K, H), dtype, args)
         impls = {
             # "auto" = on sm_90 the Hopper (Mosaic GPU) forward and, for H <= 128, the
             # Hopper backward; else the Triton kernels
@@ -302,21 +344,26 @@ def bench_gpu(args):
         else:
             impls["cudnn (explicit mask)"] = _cudnn(mask, T, S, "explicit")
         for name, f in impls.items():
+            if args.lower_only and name.startswith("cudnn"):
+                continue
             try:
                 fwd = jax.jit(f)
                 fb = jax.jit(jax.grad(lambda q, k, v, f=f: f(q, k, v).astype(jnp.float32).sum(),
                                       (0, 1, 2)))
-                t_f = _time(fwd, q, k, v, reps=3)
-                t_fb = _time(fb, q, k, v, reps=3)
+                t_f = _time_or_lower(fwd, q, k, v, args)
+                t_fb = _time_or_lower(fb, q, k, v, args)
                 t_b = max(t_fb - t_f, 1e-9)
                 row = (f"| {H} | {S} | {mask_name} | {name} | {flops / t_f / 1e12:.1f} | "
                        f"{2.5 * flops / t_b / 1e12:.1f} | {3.5 * flops / t_fb / 1e12:.1f} |")
+                if args.lower_only:
+                    row = f"| {H} | {S} | {mask_name} | {name} | lowered | | lowered |"
             except Exception as e:  # noqa: BLE001 - a row says why an implementation failed
                 row = f"| {H} | {S} | {mask_name} | {name} | failed: {type(e).__name__}: " \
                       f"{str(e).splitlines()[0][:80]} | | |"
             out.append(row)
             print(row, flush=True)
-    _write_results(out, "attention_gpu")
+    if not args.lower_only:
+        _write_results(out, "attention_gpu")
 
 
 def bench_tune(args, S=8192, N=32, K=8, head_dims=(128, 64)):
@@ -341,9 +388,7 @@ def bench_tune(args, S=8192, N=32, K=8, head_dims=(128, 64)):
     hopper = _is_hopper()
     for H in head_dims:
         ks = jax.random.split(jax.random.key(0), 3)
-        q = jax.random.normal(ks[0], (B, S, N, H), jnp.bfloat16)
-        k = jax.random.normal(ks[1], (B, S, K, H), jnp.bfloat16)
-        v = jax.random.normal(ks[2], (B, S, K, H), jnp.bfloat16)
+        q, k, v = _inputs(ks, (B, S, N, H), (B, S, K, H), jnp.bfloat16, args)
         flops = 2 * B * N * S * S * H
         rows = []  # (kernel, tiles, is default, forward kwargs, backward kwargs or None)
         if hopper:
@@ -383,15 +428,16 @@ def bench_tune(args, S=8192, N=32, K=8, head_dims=(128, 64)):
                 print(out[-1], flush=True)
                 continue
             try:
-                t_f = _time(jax.jit(lambda q, k, v, kw=fwd_kw: flash_attention_gpu(
-                    q, k, v, mask, **kw)), q, k, v, reps=3)
-                fwd = f"{flops / t_f / 1e12:.1f}"
+                t_f = _time_or_lower(jax.jit(lambda q, k, v, kw=fwd_kw: flash_attention_gpu(
+                    q, k, v, mask, **kw)), q, k, v, args)
+                fwd = "lowered" if args.lower_only else f"{flops / t_f / 1e12:.1f}"
                 bwd = ""
                 if bwd_kw is not None:
                     loss = lambda q, k, v, kw=bwd_kw: flash_attention_gpu(
                         q, k, v, mask, **kw).astype(jnp.float32).sum()
-                    t_fb = _time(jax.jit(jax.grad(loss, (0, 1, 2))), q, k, v, reps=3)
-                    bwd = f"{2.5 * flops / max(t_fb - t_f, 1e-9) / 1e12:.1f}"
+                    t_fb = _time_or_lower(jax.jit(jax.grad(loss, (0, 1, 2))), q, k, v, args)
+                    bwd = "lowered" if args.lower_only else \
+                        f"{2.5 * flops / max(t_fb - t_f, 1e-9) / 1e12:.1f}"
                     fwd = ""  # the forward of a backward row is the default's
                 row = f"| {H} | {kernel} | {tiles}{' *' if default else ''} | {fwd} | {bwd} |"
             except Exception as e:  # noqa: BLE001 - a row says why a tile choice failed
@@ -399,7 +445,8 @@ def bench_tune(args, S=8192, N=32, K=8, head_dims=(128, 64)):
                        f"{str(e).splitlines()[0][:80]} | |")
             out.append(row)
             print(row, flush=True)
-    _write_results(out, "attention_gpu_tiles")
+    if not args.lower_only:
+        _write_results(out, "attention_gpu_tiles")
 
 
 def bench_t5_tpu_aot(args, topology="v5e:2x2", N=8, K=2, H=128):
@@ -462,15 +509,20 @@ def main():
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--max-run-gib", type=float, default=3.0)
     p.add_argument("--budget-s", type=float, default=420.0)
+    p.add_argument("--lower-only", action="store_true",
+                   help="gpu, tune: lower every row for cuda as for an H200, on any machine")
     args = p.parse_args()
     if args.part in ("cpu", "alibi", "t5"):
         (bench_cpu if args.part == "cpu" else bench_position_bias)(args)
     elif args.part == "t5-tpu-aot":
         bench_t5_tpu_aot(args)
+    elif args.lower_only:
+        with _as_if_on_gpu():
+            (bench_gpu if args.part == "gpu" else bench_tune)(args)
     else:
         if jax.default_backend() != "gpu":
             sys.exit(f"bench_attention.py {args.part}: needs a GPU, jax backend is "
-                     f"{jax.default_backend()}")
+                     f"{jax.default_backend()} (--lower-only lowers its rows without one)")
         (bench_gpu if args.part == "gpu" else bench_tune)(args)
 
 

@@ -8,6 +8,11 @@
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #       --implementation cp --platform manylinux2014_x86_64 -d .whl ml_collections==1.1.0
+# Check first, here, that every row lowers for an H200 (no GPU needed; ~4 min):
+#   .venv/bin/python experiments/bench_attention.py gpu --lower-only --budget-s 900
+#   .venv/bin/python experiments/bench_attention.py tune --lower-only --budget-s 900
+# (the device runs jax 0.11.x on Python 3.12: a python3.12 venv with that jax runs the
+# same check and the test suite as the device will see them).
 # Then, with the device tool:
 #   run(command="bash experiments/gpu_session.sh", carry=[".whl"], timeout_s=570)
 # and copy $OUT/attention_gpu_*.md (the tiles table too) into experiments/results/.

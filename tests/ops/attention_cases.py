@@ -28,6 +28,15 @@ def inputs(B, T, S, N, K, H, dtype=jnp.float32, seed=0, bias=None):
     return q, k, v, b
 
 
+def lower_for_cuda(f, *args, gpu="H200"):
+    """`jax.jit(f)` traced and lowered for the cuda platform as for `gpu`, on this
+    machine without one (`gpu_lowering_target`); the lowered module's text."""
+    from tfjax.ops.pallas.gpu import gpu_lowering_target
+
+    with gpu_lowering_target(gpu):
+        return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
 def segment_ids(B, L, seed, n=3):
     """Sorted random segment ids: packed sequences of random lengths."""
     rng = np.random.default_rng(seed)

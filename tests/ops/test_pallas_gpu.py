@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from attention_cases import check_against_reference, inputs, make_mask
+from attention_cases import check_against_reference, inputs, lower_for_cuda, make_mask
 
 from tfjax.ops import masks as M
 from tfjax.ops.pallas import BlockSizes
@@ -77,14 +77,14 @@ def _lower_for_cuda(mask_name, H, dtype, bias, alibi=False, relative=None):
             rel = RelativeBias(jnp.ones((32, N)), bidirectional=relative == "pos",
                                q_positions=pos[0], kv_positions=pos[1])
         loss = lambda q, k, v, b: flash_attention_gpu(
-            q, k, v, mask, bias=b, softcap=30.0, alibi_slopes=slopes,
-            relative_bias=rel).astype(jnp.float32).sum()
+            q, k, v, mask, bias=b, softcap=30.0, alibi_slopes=slopes, relative_bias=rel,
+            forward="triton", backward="triton").astype(jnp.float32).sum()
         return jax.grad(loss, (0, 1, 2, 3) if bias else (0, 1, 2))(q, k, v, b)
 
     args = (sds((B, T, N, H), dtype), sds((B, S, K, H), dtype), sds((B, S, K, H), dtype),
             sds((B, T), jnp.int32), sds((B, S), jnp.int32),
             sds((1, N, T, S), jnp.float32) if bias else None)
-    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    return lower_for_cuda(f, *args)
 
 
 @pytest.mark.parametrize("mask_name,H,dtype,bias,alibi,relative", [

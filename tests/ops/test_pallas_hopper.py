@@ -10,11 +10,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from attention_cases import check_against_reference, inputs, make_mask
+from attention_cases import check_against_reference, inputs, lower_for_cuda, make_mask
 
 from tfjax.ops import masks as M
 from tfjax.ops.pallas import BlockSizes
-from tfjax.ops.pallas.gpu import flash_attention_gpu
+from tfjax.ops import RelativeBias
+from tfjax.ops.pallas.gpu import flash_attention_gpu, gpu_lowering_target
 from tfjax.ops.pallas.hopper import HopperConfig, flash_forward_hopper, supports
 from tfjax.ops.pallas.hopper_backward import HopperBackwardConfig, flash_backward_hopper
 
@@ -73,8 +74,7 @@ def _lower(mask, H, dtype, grad, backward):
                                   softcap=30.0 if backward == "hopper" else None, **alibi)
         return out.astype(jnp.float32).sum()
 
-    return jax.jit(jax.grad(f, (0, 1, 2)) if grad else f).trace(q, kv, kv).lower(
-        lowering_platforms=("cuda",)).as_text()
+    return lower_for_cuda(jax.grad(f, (0, 1, 2)) if grad else f, q, kv, kv)
 
 
 @pytest.mark.parametrize("mask_name,H,dtype,grad,backward", [
@@ -99,6 +99,72 @@ def test_lowers_to_mosaic_gpu(mask_name, H, dtype, grad, backward):
     assert text.count("stablehlo.custom_call @mosaic_gpu") == (3 if hopper_bwd else 1)
     assert text.count("xla.gpu.triton") == (2 if grad and not hopper_bwd else 0)
 
+
+@pytest.mark.parametrize("gpu,kernels", [("H200", (3, 0)), ("A100", (0, 3))])
+def test_auto_lowers_what_the_target_gpu_runs(gpu, kernels):
+    """`gpu_lowering_target` lowers as the named GPU would run: `forward="auto"` and
+    `backward="auto"` take the Hopper (Mosaic GPU) forward, dq and dk/dv kernels for
+    an H200 (sm_90) and the Triton ones for an A100; T5's bias, which the Hopper
+    kernels decline, takes Triton on both."""
+    sds = jax.ShapeDtypeStruct
+    q, kv = sds((1, 256, 4, 128), jnp.bfloat16), sds((1, 256, 2, 128), jnp.bfloat16)
+
+    def grads(relative):
+        rb = RelativeBias(jnp.ones((32, 4)), bidirectional=False) if relative else None
+        loss = lambda q, k, v: flash_attention_gpu(
+            q, k, v, M.causal(), relative_bias=rb).astype(jnp.float32).sum()
+        return jax.grad(loss, (0, 1, 2))
+
+    text = lower_for_cuda(grads(False), q, kv, kv, gpu=gpu)
+    assert (text.count("stablehlo.custom_call @mosaic_gpu"), text.count("xla.gpu.triton")) \
+        == kernels
+    text = lower_for_cuda(grads(True), q, kv, kv, gpu=gpu)
+    assert (text.count("stablehlo.custom_call @mosaic_gpu"), text.count("xla.gpu.triton")) \
+        == (0, 3)
+    with pytest.raises(ValueError, match="unknown gpu 'V100'"):
+        with gpu_lowering_target("V100"):
+            pass
+
+def test_shared_memory_estimates_are_mosaics_count(monkeypatch):
+    """`HopperConfig.smem_bytes` / `HopperBackwardConfig.smem_bytes` (each buffer
+    rounded to 1 KiB, mbarriers, segment/position slots) equal what Mosaic GPU
+    allocates, read from its own count while lowering; so the kernels refuse a
+    config that does not fit, with the fix, before Mosaic does. 128-key tiles in 3
+    stages at H=128 fit only without segment operands (within 2 KiB of the limit:
+    the forward reserves no cross-warp reduction scratch)."""
+    mosaic = pytest.importorskip("jax.experimental.mosaic.gpu.core")
+    if not hasattr(mosaic, "_smem_tree_size"):
+        pytest.skip("this jax counts Mosaic GPU's shared memory elsewhere")
+    counted = []
+    count = mosaic._smem_tree_size
+    monkeypatch.setattr(mosaic, "_smem_tree_size", lambda t: counted.append(count(t)) or count(t))
+    sds = jax.ShapeDtypeStruct
+    T = 1024
+    segs = M.causal() & M.segments(np.repeat(np.arange(4), T // 4)[None])
+
+    def lower(H, fwd, bwd=None, mask=M.causal(), **kw):
+        counted.clear()
+        q, kv = sds((1, T, 4, H), jnp.bfloat16), sds((1, T, 2, H), jnp.bfloat16)
+        f = lambda q, k, v: flash_attention_gpu(
+            q, k, v, mask, forward="hopper", hopper_config=fwd,
+            backward="hopper" if bwd else "triton", hopper_backward_config=bwd,
+            **kw).astype(jnp.float32).sum()
+        lower_for_cuda(jax.grad(f, (0, 1, 2)) if bwd else f, q, kv, kv)
+        return counted[0], max(counted[1:], default=None)
+
+    big = HC(block_kv=128, stages=3)
+    assert big.smem_bytes(128) > 225 * 1024
+    assert lower(128, big)[0] == big.smem_bytes(128)
+    one = HC(block_kv=64, compute_warpgroups=1, pingpong=False)
+    slopes = jnp.linspace(0.5, 0.1, 4)
+    pos = (np.arange(T)[None], np.arange(T)[None])
+    bwd = HB(64, 128)
+    fwd_bytes, bwd_bytes = lower(80, one, bwd, mask=segs, alibi_slopes=slopes, alibi_positions=pos)
+    assert fwd_bytes == one.smem_bytes(80, slots=2)
+    assert bwd_bytes == bwd.smem_bytes(80, slots=2)
+    assert lower(128, HC(block_kv=64), HB())[1] == HB().smem_bytes(128)
+    with pytest.raises(ValueError, match="with 1 segment/position operand.*lower block_kv"):
+        lower(128, big, mask=segs)
 
 def test_refusals_name_the_fix():
     q = jnp.zeros((1, 64, 2, 64), jnp.float32)

@@ -30,6 +30,7 @@ takes the residuals (output and logsumexp) whichever forward produced them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Any
@@ -57,7 +58,7 @@ from tfjax.ops.pallas.common import (
     tile_tables,
 )
 
-__all__ = ["flash_attention_gpu", "supports"]
+__all__ = ["flash_attention_gpu", "gpu_lowering_target", "supports"]
 
 
 def _triton_params(num_warps, num_stages):
@@ -104,7 +105,47 @@ class _Config:
 _CHOICES = ("auto", "triton", "hopper")
 
 
+_TARGETS: list[int] = []  # compute capabilities named by active `gpu_lowering_target`s
+
+# Compute capability (major * 10 + minor) by GPU name, for `gpu_lowering_target`.
+_COMPUTE_CAPABILITY = {"A100": 80, "L4": 89, "H100": 90, "H200": 90, "GH200": 90,
+                       "B200": 100, "GB200": 100}
+
+
+@contextlib.contextmanager
+def gpu_lowering_target(gpu: str = "H200"):
+    """Lower the GPU kernels for `gpu` on a machine without one: inside this
+    context `jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))` emits
+    what that GPU would run (Triton and Mosaic GPU kernels are lowered in Python;
+    compiling them needs the GPU). The kernels' own choices follow the named GPU
+    (`forward="auto"` picks the Hopper kernels on sm_90), and jax >= 0.11's Triton
+    lowering, which asks the local device for its compute capability and raises
+    when there is no GPU, is told the named one (through jax's private
+    `gpu_info` hook; jax 0.10 asks nothing). `gpu`: A100, L4, H100, H200, GH200,
+    B200 or GB200."""
+    if gpu not in _COMPUTE_CAPABILITY:
+        raise ValueError(f"gpu_lowering_target: unknown gpu {gpu!r}; pass one of "
+                         f"{sorted(_COMPUTE_CAPABILITY)}")
+    try:
+        from jax._src.pallas.triton import gpu_info
+    except ImportError:  # jax 0.10
+        gpu_info = None
+    original = gpu_info and gpu_info.get_gpu_info
+    if gpu_info is not None:
+        target = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion[gpu])
+        gpu_info.get_gpu_info = lambda: target
+    _TARGETS.append(_COMPUTE_CAPABILITY[gpu])
+    try:
+        yield
+    finally:
+        _TARGETS.pop()
+        if gpu_info is not None:
+            gpu_info.get_gpu_info = original
+
+
 def _is_hopper() -> bool:
+    if _TARGETS:
+        return _TARGETS[-1] // 10 == 9
     try:
         dev = jax.devices()[0]
         return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9.")

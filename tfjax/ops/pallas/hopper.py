@@ -67,6 +67,19 @@ from tfjax.ops.pallas.common import MaskOperands, pad_axis, round_up, tile_table
 __all__ = ["HopperConfig", "flash_forward_hopper", "supports"]
 
 _SMEM_BYTES = 227 * 1024  # per CTA on sm_90
+_SMEM_ALIGN = 1024  # Mosaic GPU starts each shared-memory scratch buffer at a 1 KiB boundary
+_MBARRIER_BYTES = 8
+
+
+def pipeline_smem(C: int, stages: int, fixed, ring, extra=(), barriers: int = 0) -> int:
+    """Bytes of shared memory a `_pipelined` kernel gets from Mosaic GPU: each
+    buffer (byte sizes: `fixed` with their C axis, `ring` with their stages axis,
+    `extra` scratch) rounded up to 1 KiB, plus its mbarriers (the pipeline's and
+    `barriers` more). Checked against Mosaic GPU's own count in the tests; the
+    kernels raise with it before lowering rather than fail inside Mosaic."""
+    n_barriers = C * max(len(fixed), 1) + max(len(ring), 1) * stages + stages + barriers
+    return sum(round_up(n, _SMEM_ALIGN) for n in (*fixed, *ring, *extra)) \
+        + _MBARRIER_BYTES * n_barriers
 _ALLOWED_MASKS = (M.Causal, M.SlidingWindow, M.ChunkedCausal, M.Padding, M.PrefixLM, M.Segments)
 
 
@@ -113,11 +126,16 @@ class HopperConfig:
         query tile (head dims up to 128), else 64. Not tuned on hardware yet."""
         return cls(block_kv=128 if round_up(H, 64) <= 128 else 64)
 
-    def smem_bytes(self, H: int, itemsize: int = 2) -> int:
-        Hp = round_up(H, 64)
-        C = self.compute_warpgroups
-        return (C * self.block_q * Hp + 2 * self.stages * self.block_kv * Hp) * itemsize \
-            + 4 * C * self.block_q
+    def smem_bytes(self, H: int, itemsize: int = 2, slots: int = 0) -> int:
+        """Shared memory of the forward kernel as Mosaic GPU allocates it (see
+        `pipeline_smem`): the consumers' query tiles, `stages` K and V tiles,
+        the logsumexp staging; `slots`: per-position int32 operands (segment ids,
+        explicit ALiBi positions), a fixed query tile and a ring of kv tiles each."""
+        Hp, C, bq, bk, st = round_up(H, 64), self.compute_warpgroups, self.block_q, \
+            self.block_kv, self.stages
+        return pipeline_smem(C, st, fixed=[C * bq * Hp * itemsize] + [C * bq * 4] * slots,
+                             ring=[st * bk * Hp * itemsize] * 2 + [st * bk * 4] * slots,
+                             extra=[C * bq * 4], barriers=1)
 
     def __post_init__(self):
         if self.block_q != 64:
@@ -162,23 +180,87 @@ def _interpret_params(interpret):
 
 @functools.cache
 def _extend_gpu_interpreter():
-    """Three semantics the GPU interpreter of jax 0.10 lacks, each the plain
-    meaning of the operation: `layout_cast` (a register-layout annotation) is
-    the identity; a wgmma B operand under `transpose_ref` is the transposed tile;
-    a wgmma A operand may be a register array (the RS form) rather than a shared
-    memory ref. Installed once, only into the interpreter (real lowering is
-    untouched), and only where the interpreter does not handle them itself."""
-    from jax._src import callback
+    """Semantics the GPU interpreter lacks, each the plain meaning of the
+    operation: `layout_cast` (a register-layout annotation) is the identity; a
+    wgmma B operand under `transpose_ref` is the transposed tile (jax 0.10; jax
+    0.11 reads transposed refs itself); a wgmma A operand may be a register array
+    (the RS form) rather than a shared memory ref (jax 0.10 and 0.11). Installed
+    once, only into the interpreter (real lowering is untouched), and only where
+    the interpreter does not handle them itself. The interpreter's internals
+    changed between 0.10 and 0.11 (a thread's location: `grid_point_coords` +
+    `thread_id`, then a `mesh_location` + `thread`); both are handled."""
     from jax._src.interpreters import mlir
-    from jax._src.pallas.mosaic.interpret import utils as iutils
     from jax._src.pallas.mosaic_gpu import core as gpu_core
-    from jax._src.pallas.mosaic_gpu import primitives as gpu_prims
-    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks as cb
     from jax._src.pallas.mosaic_gpu.interpret import jaxpr_interpret as ji
-    from jax._src.state import types as state_types
 
     if gpu_core.layout_cast_p not in mlir._platform_specific_lowerings.get("cpu", {}):
         mlir.register_lowering(gpu_core.layout_cast_p, lambda ctx, x, **_: [x], platform="cpu")
+    ji_cls = next(c for c in vars(ji).values()
+                  if isinstance(c, type) and hasattr(c, "_interpret_wgmma_ref_p"))
+    if "mesh_location" in getattr(ji_cls, "__annotations__", {}):
+        _extend_wgmma_0_11(ji, ji_cls)
+    else:
+        _extend_wgmma_0_10(ji_cls)
+
+
+def _wgmma_operands(eqn, get_invals):
+    """The wgmma_ref equation's operands and their transform pytrees."""
+    import jax.tree_util as jtu
+
+    acc, a, b, *leaves = get_invals()
+    empty = jax.tree.structure([])
+    trees = [eqn.params[f"{x}_transforms_tree"] or empty for x in ("acc", "a", "b")]
+    acc_t, a_t, b_t = jax.tree.unflatten(jtu.treedef_tuple(trees), leaves)
+    return (acc, acc_t), (a, a_t), (b, b_t)
+
+
+def _extend_wgmma_0_11(ji, ji_cls):
+    """jax >= 0.11: the interpreter's own wgmma serves shared-memory A operands
+    (transposed B included); the RS form (A a register array) gets the same
+    computation with A's value passed to the callback."""
+    from jax._src import callback
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks as cb
+    from jax._src.pallas.mosaic_gpu.interpret import shared_memory as memory
+    from jax._src.state import types as state_types
+
+    own = ji_cls._interpret_wgmma_ref_p
+
+    def wgmma_rs(*, token, mesh_location, thread, acc_key, acc_transforms, a_value,
+                 b_key, b_transforms):
+        mem = cb._get_shared_memory()
+        info = memory.GPULoggingInfo(mesh_location, thread, None)
+
+        def access(key, transforms):
+            key = cb.HostAllocationKey.from_array(key)
+            return key, mem.access(key, jax.tree.map(int, cb._remove_noop_transforms(transforms)))
+
+        (bk, b_access), (ak, acc_access) = access(b_key, b_transforms), access(acc_key, acc_transforms)
+        b, _, _ = mem.get_buffer_content(bk, b_access, thread, logging_info=info)
+        acc, _, _ = mem.get_buffer_content(ak, acc_access, thread, logging_info=info)
+        res = acc + np.matmul(np.asarray(a_value), b, dtype=acc.dtype)
+        mem.store_buffer_content(ak, acc_access, res, thread, logging_info=info)
+        return token
+
+    def interpret_wgmma(self, eqn, token, get_invals):
+        if isinstance(eqn.invars[1].aval, state_types.AbstractRef):
+            return own(self, eqn, token, get_invals)
+        (acc, acc_t), (a, _), (b, b_t) = _wgmma_operands(eqn, get_invals)
+        acc, acc_t = ji.resolve_ref(eqn.invars[0].aval, acc, acc_t)
+        b, b_t = ji.resolve_ref(eqn.invars[2].aval, b, b_t)
+        return callback.io_callback(
+            wgmma_rs, cb.TOKEN_SHAPE_DTYPE, token=token, mesh_location=self.mesh_location,
+            thread=self.thread, acc_key=acc, acc_transforms=acc_t, a_value=a, b_key=b,
+            b_transforms=b_t, ordered=True), []
+
+    ji_cls._interpret_wgmma_ref_p = interpret_wgmma
+
+
+def _extend_wgmma_0_10(ji_cls):
+    """jax 0.10: wgmma with a transposed B tile and with a register A operand."""
+    from jax._src import callback
+    from jax._src.pallas.mosaic.interpret import utils as iutils
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks as cb
+    from jax._src.state import types as state_types
 
     def wgmma(*, token, device_id, grid_point_coords, thread_id, acc_key, acc_transforms,
               acc_dtype, a_key, a_value, a_transforms, b_key, b_transforms, b_transposed):
@@ -205,13 +287,7 @@ def _extend_gpu_interpreter():
         return token
 
     def interpret_wgmma(self, eqn, token, get_invals):
-        assert eqn.primitive is gpu_prims.wgmma_ref_p
-        acc, a, b, *leaves = get_invals()
-        empty = jax.tree.structure([])
-        acc_t, a_t, b_t = jax.tree.unflatten(
-            jax.tree_util.treedef_tuple((eqn.params["acc_transforms_tree"] or empty,
-                                         eqn.params["a_transforms_tree"] or empty,
-                                         eqn.params["b_transforms_tree"] or empty)), leaves)
+        (acc, acc_t), (a, a_t), (b, b_t) = _wgmma_operands(eqn, get_invals)
         transposed = [t for t in b_t if isinstance(t, state_types.TransposeTransform)]
         if transposed and (len(transposed) > 1 or b_t[-1] is not transposed[0]
                            or tuple(transposed[0].permutation) != (1, 0)):
@@ -227,8 +303,6 @@ def _extend_gpu_interpreter():
             a_value=None if a_is_ref else a, a_transforms=a_t, b_key=b, b_transforms=b_t,
             ordered=True), []
 
-    ji_cls = next(c for c in vars(ji).values()
-                  if isinstance(c, type) and hasattr(c, "_interpret_wgmma_ref_p"))
     ji_cls._interpret_wgmma_ref_p = interpret_wgmma
 
 
@@ -380,11 +454,6 @@ def flash_forward_hopper(q, k, v, mask, *, scale: float, softcap: float | None, 
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     cfg = config or HopperConfig.default(q.shape[-1])
-    if cfg.smem_bytes(q.shape[-1]) > _SMEM_BYTES:
-        raise ValueError(
-            f"HopperConfig(block_kv={cfg.block_kv}, stages={cfg.stages}) needs "
-            f"{cfg.smem_bytes(q.shape[-1]) // 1024} KiB of shared memory at head dim "
-            f"{q.shape[-1]} (Hopper has {_SMEM_BYTES // 1024} KiB): lower block_kv or stages")
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     G = N // K
@@ -395,6 +464,13 @@ def flash_forward_hopper(q, k, v, mask, *, scale: float, softcap: float | None, 
     tab = tile_tables(mask, T, S, bc, bk, q_offset=q_offset, kv_offset=kv_offset)
     offs = jnp.stack([jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32)])
     mops = MaskOperands(mask, B, Tp, Sp, offs, alibi)
+    smem = cfg.smem_bytes(H, q.dtype.itemsize, slots=mops.num_segments)
+    if smem > _SMEM_BYTES:
+        raise ValueError(
+            f"HopperConfig(block_kv={cfg.block_kv}, stages={cfg.stages}) needs "
+            f"{smem / 1024:.1f} KiB of shared memory at head dim {H}"
+            + (f" with {mops.num_segments} segment/position operand(s)" if mops.num_segments
+               else "") + f" (Hopper has {_SMEM_BYTES // 1024} KiB): lower block_kv or stages")
     stages = max(1, min(cfg.stages, Sp // bk))
     dtype = q.dtype
     qp = pad_axis(pad_axis(q, 1, Tp), 3, Hp)
@@ -600,7 +676,10 @@ def flash_forward_hopper(q, k, v, mask, *, scale: float, softcap: float | None, 
         grid=(N, Tp // bc, B),
         grid_names=("heads", "q", "batch"),
         **({"num_threads": C + 1, "thread_name": "wg"} if producer else {}),
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        # The softmax's row reductions stay inside each warp (the wgmma layout
+        # splits rows across warps), so none needs the 2 KiB of cross-warp scratch
+        # Mosaic GPU reserves per kernel by default.
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
         interpret=interp if interp is not None else False,
     )(*operands)
     return out[:, :T, :, :H], lse[:, :, :T]

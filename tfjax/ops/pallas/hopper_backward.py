@@ -93,14 +93,21 @@ class HopperBackwardConfig:
             raise ValueError("HopperBackwardConfig.compute_warpgroups must be 1 or 2, got "
                              f"{self.compute_warpgroups}")
 
-    def smem_bytes(self, H: int, itemsize: int = 2) -> int:
-        """The larger of the two kernels' shared memory."""
-        Hp, C = round_up(H, 64), self.compute_warpgroups
-        dq = (2 * C * _ROWS * Hp + 2 * self.stages * self.block_kv_dq * Hp) * itemsize \
-            + 2 * C * _ROWS * 4
-        dkv = (2 * C * _ROWS * Hp + 2 * self.stages * self.block_q_dkv * Hp) * itemsize \
-            + 2 * self.stages * self.block_q_dkv * 4
-        return max(dq, dkv) + 4 * 4 * C * _ROWS  # + segment ids (a bound)
+    def smem_bytes(self, H: int, itemsize: int = 2, slots: int = 0) -> int:
+        """The larger of the two kernels' shared memory as Mosaic GPU allocates it
+        (`hopper.pipeline_smem`). dq: fixed q, dO tiles and their logsumexp and
+        delta rows, a ring of K and V tiles; dk/dv: fixed K and V tiles, a ring of
+        q, dO tiles and their rows. `slots`: per-position int32 operands (segment
+        ids, explicit ALiBi positions), fixed and in the ring."""
+        Hp, C, st = round_up(H, 64), self.compute_warpgroups, self.stages
+        tile, row = C * _ROWS * Hp * itemsize, C * _ROWS * 4
+        bk, bq = self.block_kv_dq, self.block_q_dkv
+        dq = hopper.pipeline_smem(C, st, fixed=[tile, tile, row, row] + [row] * slots,
+                                  ring=[st * bk * Hp * itemsize] * 2 + [st * bk * 4] * slots)
+        dkv = hopper.pipeline_smem(C, st, fixed=[tile, tile] + [row] * slots,
+                                   ring=[st * bq * Hp * itemsize] * 2 + [st * bq * 4] * 2
+                                   + [st * bq * 4] * slots)
+        return max(dq, dkv)
 
 
 def _mma(a, b, shape, acc=None, *, interpret=False):
@@ -140,12 +147,6 @@ def flash_backward_hopper(q, k, v, do, lse, delta, mask, *, scale: float, softca
         raise ValueError(f"q, k, v, do must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}, "
                          f"{do.dtype}")
     cfg = config or HopperBackwardConfig()
-    if cfg.smem_bytes(q.shape[-1]) > hopper._SMEM_BYTES:
-        raise ValueError(
-            f"HopperBackwardConfig(block_kv_dq={cfg.block_kv_dq}, block_q_dkv={cfg.block_q_dkv}, "
-            f"stages={cfg.stages}) needs up to {cfg.smem_bytes(q.shape[-1]) // 1024} KiB of "
-            f"shared memory at head dim {q.shape[-1]} (Hopper has {hopper._SMEM_BYTES // 1024} "
-            "KiB): lower the blocks or stages")
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     G = N // K
@@ -156,6 +157,13 @@ def flash_backward_hopper(q, k, v, do, lse, delta, mask, *, scale: float, softca
     offs = jnp.stack([jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32)])
     mops = MaskOperands(mask, B, Tp, Sp, offs, alibi)
     ns, nseg = len(mops.scalars), mops.num_segments
+    smem = cfg.smem_bytes(H, q.dtype.itemsize, slots=nseg)
+    if smem > hopper._SMEM_BYTES:
+        raise ValueError(
+            f"HopperBackwardConfig(block_kv_dq={cfg.block_kv_dq}, block_q_dkv={cfg.block_q_dkv}, "
+            f"stages={cfg.stages}) needs up to {smem / 1024:.1f} KiB of shared memory at head "
+            f"dim {H}" + (f" with {nseg} segment/position operand(s)" if nseg else "")
+            + f" (Hopper has {hopper._SMEM_BYTES // 1024} KiB): lower the blocks or stages")
     dtype = q.dtype
     pad_qh = lambda x, n: pad_axis(pad_axis(x, 1, n), 3, Hp)
     qp, dop, kp, vp = pad_qh(q, Tp), pad_qh(do, Tp), pad_qh(k, Sp), pad_qh(v, Sp)
