@@ -4,6 +4,7 @@
     .venv/bin/python experiments/bench_attention.py gpu            # < 8 min on one H100/H200
     .venv/bin/python experiments/bench_attention.py tune --budget-s 80   # GPU kernel tiles
     .venv/bin/python experiments/bench_attention.py gpu --lower-only     # preflight, no GPU
+    python experiments/bench_attention.py gpu --compile-only  # XLA:GPU for an H200, no GPU
     .venv/bin/python experiments/bench_attention.py alibi          # ~5 min on 2 cores
     .venv/bin/python experiments/bench_attention.py t5             # ~5 min on 2 cores
     .venv/bin/python experiments/bench_attention.py t5-tpu-aot --sizes 2048,8192  # libtpu
@@ -52,6 +53,15 @@ the Hopper ones chosen as on sm_90), each row saying "lowered" or why it failed,
 so a session lent the GPU does not spend it on a row that cannot lower. cuDNN
 rows are not lowered (its lowering asks the local GPU's cuDNN). Nothing is timed
 or written to results/.
+
+--compile-only (gpu, tune): every row compiled by XLA:GPU for a deviceless H200
+topology (`jax.experimental.topologies` with an XLA target config; needs jax's
+CUDA plugin, `pip install "jax[cuda13]"`, no GPU or driver): the Triton kernels
+go through Triton and ptxas (a tile that overflows shared memory fails here), cuDNN
+and XLA's fusions compile too; each cell gives XLA's compiled temporary memory.
+The Mosaic GPU kernels stay custom calls that Mosaic compiles when a GPU runs
+them: here they are checked to the end of their Python lowering passes. Writes attention_gpu_aot_<date>.md /
+attention_gpu_tiles_aot_<date>.md.
 """
 
 from __future__ import annotations
@@ -77,15 +87,18 @@ from tfjax.ops import masks as M
 GIB = 1024 ** 3
 
 
-def _time_or_lower(f, q, k, v, args):
-    """Seconds per call of the jitted `f` (best of 3), or, with --lower-only, `f`
-    traced and lowered for cuda (shapes only; the caller is under
-    `gpu_lowering_target`) and 1.0."""
-    if not args.lower_only:
-        return _time(f, q, k, v, reps=3)
-    f.trace(*(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))).lower(
-        lowering_platforms=("cuda",))
-    return 1.0
+def _aot(f, q, k, v, args) -> str:
+    """--lower-only: the jitted `f` traced and lowered for cuda; --compile-only:
+    compiled by XLA:GPU for the deviceless H200 of `args.gpu_sharding` (Triton
+    kernels through Triton and ptxas). The caller is under `_as_if_on_gpu`.
+    A table cell: "lowered", or "compiled" and the compiled temporaries."""
+    shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=args.gpu_sharding)
+              for x in (q, k, v)]
+    if args.aot == "lower":
+        f.trace(*shapes).lower(lowering_platforms=("cuda",))
+        return "lowered"
+    mem = f.lower(*shapes).compile().memory_analysis()
+    return f"compiled, {mem.temp_size_in_bytes / 2**20:,.1f} MiB temp"
 
 
 def _time(f, *args, reps=2):
@@ -240,19 +253,49 @@ def _write_results(lines, stem):
 
 
 def _inputs(keys, q_shape, kv_shape, dtype, args):
-    """Random q, k, v; shapes only with --lower-only."""
-    if args.lower_only:
+    """Random q, k, v; shapes only with --lower-only / --compile-only."""
+    if args.aot:
         return tuple(jax.ShapeDtypeStruct(s, dtype) for s in (q_shape, kv_shape, kv_shape))
     return tuple(jax.random.normal(key, s, dtype)
                  for key, s in zip(keys, (q_shape, kv_shape, kv_shape)))
 
 
+# XLA's description of an H200 (sm_90, 132 SMs, 227 KiB of shared memory per block)
+# for compiling without one; the fields of XLA's gpu_specs (GpuTargetConfigProto).
+H200_TARGET_CONFIG = """
+gpu_device_info {
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
+  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132
+  fpus_per_core: 128 block_dim_limit_x: 2147483647 block_dim_limit_y: 65535
+  block_dim_limit_z: 65535 memory_bandwidth: 4800000000000 l2_cache_size: 62914560
+  clock_rate_ghz: 1.98 device_memory_size: 150754820096
+  shared_memory_per_block_optin: 232448 cuda_compute_capability { major: 9 }
+  registers_per_core_limit: 65536 registers_per_block_limit: 65536
+}
+platform_name: "CUDA"
+dnn_version_info { major: 9 minor: 28 }
+runtime_version { major: 13 minor: 0 }
+device_description_str: "NVIDIA H200"
+"""
+
+
 @contextlib.contextmanager
-def _as_if_on_gpu(gpu="H200"):
-    """--lower-only: jax's default backend reads "gpu" (the dispatch of
-    implementation="pallas" follows it) and the kernels lower for `gpu`."""
+def _as_if_on_gpu(args, gpu="H200"):
+    """--lower-only / --compile-only: jax's default backend reads "gpu" (the
+    dispatch of implementation="pallas" follows it), the kernels lower for `gpu`,
+    and (--compile-only) `args.gpu_sharding` places arrays on a deviceless H200
+    topology, which needs jax's CUDA plugin installed (`pip install
+    "jax[cuda13]"`; no GPU or driver needed)."""
     from tfjax.ops.pallas.gpu import gpu_lowering_target
 
+    args.gpu_sharding = None
+    if args.aot == "compile":
+        from jax.experimental import topologies
+
+        topo = topologies.get_topology_desc(platform="cuda", target_config=H200_TARGET_CONFIG,
+                                            topology="1x1x1")
+        mesh = topologies.make_mesh(topo, (1,), ("x",))
+        args.gpu_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     default_backend = jax.default_backend
     jax.default_backend = lambda: "gpu"
     try:
@@ -262,6 +305,14 @@ def _as_if_on_gpu(gpu="H200"):
         jax.default_backend = default_backend
 
 
+def _device_kind(args) -> str:
+    if getattr(args, "aot", None) == "compile":
+        return f"{args.gpu_sharding.mesh.devices.flat[0].device_kind}, compiled without one"
+    if getattr(args, "aot", None) == "lower":
+        return "lowered for an NVIDIA H200 without one"
+    return jax.devices()[0].device_kind
+
+
 def bench_gpu(args):
     from tfjax.ops.pallas.gpu import _is_hopper, flash_attention_gpu
     from tfjax.ops.pallas.hopper import HopperConfig
@@ -269,22 +320,31 @@ def bench_gpu(args):
     hopper = _is_hopper()
     B, N, K = 1, 32, 8
     dtype = jnp.bfloat16
-    out = [(f"# GPU attention TFLOP/s ({jax.devices()[0].device_kind}, jax {jax.__version__}, "
+    what = "TFLOP/s" if not args.aot else "per-row compilation"
+    out = [(f"# GPU attention {what} ({_device_kind(args)}, jax {jax.__version__}, "
             f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC)"), "",
            (f"B={B}, N={N}, K={K} (GQA), bf16. FLOPs 4*B*N*T*S*H (x0.5 causal), "
-            "backward = 2.5x forward."), "",
-           "| H | S | mask | impl | fwd TFLOP/s | bwd TFLOP/s | fwd+bwd TFLOP/s |",
+            "backward = 2.5x forward." if not args.aot else
+            f"B={B}, N={N}, K={K} (GQA), bf16. Cells: lowered / compiled and XLA's compiled "
+            "temporary memory (memory_analysis) of the forward and of fwd+bwd."), "",
+           "| H | S | mask | impl | fwd TFLOP/s | bwd TFLOP/s | fwd+bwd TFLOP/s |" if not args.aot
+           else "| H | S | mask | impl | fwd | | fwd+bwd |",
            "|---|---|---|---|---|---|---|"]
     print("\n".join(out), flush=True)
     deadline = time.time() + args.budget_s
-    configs = []
+    # The rows the issue's targets need first (a lent GPU's budget runs out: every
+    # row compiles its kernels there): forward vs cuDNN at H=128 S=8k, causal vs
+    # non-causal, window and segment masks vs cuDNN with the explicit mask. Then the
+    # sweep over H and S, then ALiBi and T5.
+    configs = [(128, 8192, "none"), (128, 8192, "causal"), (128, 16384, "window1k"),
+               (128, 16384, "segments4")]
     for H in (64, 128, 256):
         for S in (1024, 4096, 8192, 16384):
             for mask_name in ("none", "causal"):
                 configs.append((H, S, mask_name))
-    for S in (4096, 16384):
-        configs += [(128, S, "window1k"), (128, S, "segments4")]
+    configs += [(128, 4096, "window1k"), (128, 4096, "segments4")]
     configs += [(128, 8192, "causal+alibi"), (128, 4096, "causal+t5"), (128, 8192, "causal+t5")]
+    configs = list(dict.fromkeys(configs))  # the first four are not repeated in the sweep
     for H, S, mask_name in configs:
         if time.time() > deadline:
             out.append(f"| {H} | {S} | {mask_name} | (time budget spent) | | | |")
@@ -344,25 +404,28 @@ def bench_gpu(args):
         else:
             impls["cudnn (explicit mask)"] = _cudnn(mask, T, S, "explicit")
         for name, f in impls.items():
-            if args.lower_only and name.startswith("cudnn"):
-                continue
+            if args.aot == "lower" and name.startswith("cudnn"):
+                continue  # its lowering asks the local GPU's cuDNN
             try:
                 fwd = jax.jit(f)
                 fb = jax.jit(jax.grad(lambda q, k, v, f=f: f(q, k, v).astype(jnp.float32).sum(),
                                       (0, 1, 2)))
-                t_f = _time_or_lower(fwd, q, k, v, args)
-                t_fb = _time_or_lower(fb, q, k, v, args)
-                t_b = max(t_fb - t_f, 1e-9)
-                row = (f"| {H} | {S} | {mask_name} | {name} | {flops / t_f / 1e12:.1f} | "
-                       f"{2.5 * flops / t_b / 1e12:.1f} | {3.5 * flops / t_fb / 1e12:.1f} |")
-                if args.lower_only:
-                    row = f"| {H} | {S} | {mask_name} | {name} | lowered | | lowered |"
+                if args.aot:
+                    row = (f"| {H} | {S} | {mask_name} | {name} | {_aot(fwd, q, k, v, args)} | | "
+                           f"{_aot(fb, q, k, v, args)} |")
+                else:
+                    t_f, t_fb = _time(fwd, q, k, v, reps=3), _time(fb, q, k, v, reps=3)
+                    t_b = max(t_fb - t_f, 1e-9)
+                    row = (f"| {H} | {S} | {mask_name} | {name} | {flops / t_f / 1e12:.1f} | "
+                           f"{2.5 * flops / t_b / 1e12:.1f} | {3.5 * flops / t_fb / 1e12:.1f} |")
             except Exception as e:  # noqa: BLE001 - a row says why an implementation failed
                 row = f"| {H} | {S} | {mask_name} | {name} | failed: {type(e).__name__}: " \
                       f"{str(e).splitlines()[0][:80]} | | |"
             out.append(row)
             print(row, flush=True)
-    if not args.lower_only:
+    if args.aot == "compile":
+        _write_results(out, "attention_gpu_aot")
+    elif not args.aot:
         _write_results(out, "attention_gpu")
 
 
@@ -379,10 +442,11 @@ def bench_tune(args, S=8192, N=32, K=8, head_dims=(128, 64)):
 
     B = 1
     mask = M.causal()
-    out = [(f"# GPU kernel tiles ({jax.devices()[0].device_kind}, jax {jax.__version__}, "
+    out = [(f"# GPU kernel tiles ({_device_kind(args)}, jax {jax.__version__}, "
             f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC)"), "",
            f"B={B}, N={N}, K={K}, T=S={S}, causal, bf16; FLOPs 2*B*N*S*S*H (fwd), x2.5 (bwd).",
-           "", "| H | kernel | tiles | fwd TFLOP/s | bwd TFLOP/s |", "|---|---|---|---|---|"]
+           "", "| H | kernel | tiles | fwd TFLOP/s | bwd TFLOP/s |" if not args.aot else
+           "| H | kernel | tiles | fwd | fwd+bwd |", "|---|---|---|---|---|"]
     print("\n".join(out), flush=True)
     deadline = time.time() + args.budget_s
     hopper = _is_hopper()
@@ -428,24 +492,31 @@ def bench_tune(args, S=8192, N=32, K=8, head_dims=(128, 64)):
                 print(out[-1], flush=True)
                 continue
             try:
-                t_f = _time_or_lower(jax.jit(lambda q, k, v, kw=fwd_kw: flash_attention_gpu(
-                    q, k, v, mask, **kw)), q, k, v, args)
-                fwd = "lowered" if args.lower_only else f"{flops / t_f / 1e12:.1f}"
-                bwd = ""
+                f_fwd = jax.jit(lambda q, k, v, kw=fwd_kw: flash_attention_gpu(q, k, v, mask, **kw))
+                f_fb = None
                 if bwd_kw is not None:
                     loss = lambda q, k, v, kw=bwd_kw: flash_attention_gpu(
                         q, k, v, mask, **kw).astype(jnp.float32).sum()
-                    t_fb = _time_or_lower(jax.jit(jax.grad(loss, (0, 1, 2))), q, k, v, args)
-                    bwd = "lowered" if args.lower_only else \
-                        f"{2.5 * flops / max(t_fb - t_f, 1e-9) / 1e12:.1f}"
-                    fwd = ""  # the forward of a backward row is the default's
+                    f_fb = jax.jit(jax.grad(loss, (0, 1, 2)))
+                if args.aot:  # a backward row: the default forward's fwd+bwd
+                    fwd, bwd = ("", _aot(f_fb, q, k, v, args)) if f_fb else \
+                        (_aot(f_fwd, q, k, v, args), "")
+                else:
+                    t_f = _time(f_fwd, q, k, v, reps=3)
+                    fwd, bwd = f"{flops / t_f / 1e12:.1f}", ""
+                    if f_fb is not None:
+                        t_fb = _time(f_fb, q, k, v, reps=3)
+                        bwd = f"{2.5 * flops / max(t_fb - t_f, 1e-9) / 1e12:.1f}"
+                        fwd = ""  # the forward of a backward row is the default's
                 row = f"| {H} | {kernel} | {tiles}{' *' if default else ''} | {fwd} | {bwd} |"
             except Exception as e:  # noqa: BLE001 - a row says why a tile choice failed
                 row = (f"| {H} | {kernel} | {tiles} | failed: {type(e).__name__}: "
                        f"{str(e).splitlines()[0][:80]} | |")
             out.append(row)
             print(row, flush=True)
-    if not args.lower_only:
+    if args.aot == "compile":
+        _write_results(out, "attention_gpu_tiles_aot")
+    elif not args.aot:
         _write_results(out, "attention_gpu_tiles")
 
 
@@ -509,15 +580,18 @@ def main():
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--max-run-gib", type=float, default=3.0)
     p.add_argument("--budget-s", type=float, default=420.0)
-    p.add_argument("--lower-only", action="store_true",
+    p.add_argument("--lower-only", dest="aot", action="store_const", const="lower",
                    help="gpu, tune: lower every row for cuda as for an H200, on any machine")
+    p.add_argument("--compile-only", dest="aot", action="store_const", const="compile",
+                   help="gpu, tune: compile every row with XLA:GPU for a deviceless H200 "
+                        "(needs jax's CUDA plugin, no GPU); compiled temporaries per row")
     args = p.parse_args()
     if args.part in ("cpu", "alibi", "t5"):
         (bench_cpu if args.part == "cpu" else bench_position_bias)(args)
     elif args.part == "t5-tpu-aot":
         bench_t5_tpu_aot(args)
-    elif args.lower_only:
-        with _as_if_on_gpu():
+    elif args.aot:
+        with _as_if_on_gpu(args):
             (bench_gpu if args.part == "gpu" else bench_tune)(args)
     else:
         if jax.default_backend() != "gpu":

@@ -11,8 +11,12 @@
 # Check first, here, that every row lowers for an H200 (no GPU needed; ~4 min):
 #   .venv/bin/python experiments/bench_attention.py gpu --lower-only --budget-s 900
 #   .venv/bin/python experiments/bench_attention.py tune --lower-only --budget-s 900
-# (the device runs jax 0.11.x on Python 3.12: a python3.12 venv with that jax runs the
-# same check and the test suite as the device will see them).
+# and, better, compiles: the device runs jax 0.11.2 (CUDA 13) on Python 3.12, and a
+# python3.12 venv with `pip install "jax[cuda13]==0.11.2" -e .` compiles every row with
+# XLA:GPU for a deviceless H200 (Triton kernels through ptxas; ~25 min on 2 cores):
+#   python experiments/bench_attention.py gpu --compile-only --budget-s 3000
+# (experiments/results/attention_gpu_aot_20261130.md: every tfjax row compiled; cuDNN
+# refuses H=256 and jax's Pallas attention overflows shared memory there).
 # Then, with the device tool:
 #   run(command="bash experiments/gpu_session.sh", carry=[".whl"], timeout_s=570)
 # and copy $OUT/attention_gpu_*.md (the tiles table too) into experiments/results/.

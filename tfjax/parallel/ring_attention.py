@@ -33,7 +33,11 @@ loop holding collectives against other collectives, see `ring_attention`). Causa
 fwd+bwd, GQA 4/1, H=64, fp32, tiles 256, 1024 tokens per device, 8 devices
 (experiments/bench_ring.py): per-device temporaries 11.4 MiB as a while loop and
 15.0 MiB unrolled, against 26.8 MiB for single-device blockwise at the same total
-length (0.43x / 0.56x); flat in the device count as a while loop. The issue asked
+length (0.43x / 0.56x); flat in the device count as a while loop. With jax 0.12 the
+same while-loop program holds 10.2 MiB against 11.8 MiB (0.86x): its XLA keeps
+single-device blockwise in less than half of what 0.10 / 0.11 did, the ring's loop
+about as before (a dO input instead of the sum's constant cotangent: 10.7 against
+18.1 MiB, 0.59x; 0.10: 11.9 against 36.1, 0.33x). The issue asked
 for <= 1/6, which this design cannot reach: per local token the backward must hold
 the output, its cotangent and the fp32 dQ accumulator (3 q-sized arrays, as
 single-device blockwise does) plus the K/V block being used and the next one and

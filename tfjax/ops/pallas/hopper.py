@@ -160,8 +160,8 @@ class HopperConfig:
 
 def _interpret_params(interpret):
     """Pallas' GPU interpret mode (shared memory, TMA and mbarriers simulated on
-    CPU) for `interpret=True`, extended where jax 0.10's interpreter stops short
-    of what this kernel uses (see `_extend_gpu_interpreter`)."""
+    CPU) for `interpret=True`, extended where the interpreter (jax 0.10 to 0.12)
+    stops short of what this kernel uses (see `_extend_gpu_interpreter`)."""
     if not interpret:
         return None
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
