@@ -55,7 +55,7 @@ rows are not lowered (its lowering asks the local GPU's cuDNN). Nothing is timed
 or written to results/.
 
 --compile-only (gpu, tune): every row compiled by XLA:GPU for a deviceless H200
-topology (`jax.experimental.topologies` with an XLA target config; needs jax's
+topology (`jax.experimental.topologies` with `tfjax.train.aot.GPU_TARGET_CONFIGS`; needs jax's
 CUDA plugin, `pip install "jax[cuda13]"`, no GPU or driver): the Triton kernels
 go through Triton and ptxas (a tile that overflows shared memory fails here), cuDNN
 and XLA's fusions compile too; each cell gives XLA's compiled temporary memory.
@@ -260,25 +260,6 @@ def _inputs(keys, q_shape, kv_shape, dtype, args):
                  for key, s in zip(keys, (q_shape, kv_shape, kv_shape)))
 
 
-# XLA's description of an H200 (sm_90, 132 SMs, 227 KiB of shared memory per block)
-# for compiling without one; the fields of XLA's gpu_specs (GpuTargetConfigProto).
-H200_TARGET_CONFIG = """
-gpu_device_info {
-  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
-  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132
-  fpus_per_core: 128 block_dim_limit_x: 2147483647 block_dim_limit_y: 65535
-  block_dim_limit_z: 65535 memory_bandwidth: 4800000000000 l2_cache_size: 62914560
-  clock_rate_ghz: 1.98 device_memory_size: 150754820096
-  shared_memory_per_block_optin: 232448 cuda_compute_capability { major: 9 }
-  registers_per_core_limit: 65536 registers_per_block_limit: 65536
-}
-platform_name: "CUDA"
-dnn_version_info { major: 9 minor: 28 }
-runtime_version { major: 13 minor: 0 }
-device_description_str: "NVIDIA H200"
-"""
-
-
 @contextlib.contextmanager
 def _as_if_on_gpu(args, gpu="H200"):
     """--lower-only / --compile-only: jax's default backend reads "gpu" (the
@@ -292,8 +273,10 @@ def _as_if_on_gpu(args, gpu="H200"):
     if args.aot == "compile":
         from jax.experimental import topologies
 
-        topo = topologies.get_topology_desc(platform="cuda", target_config=H200_TARGET_CONFIG,
-                                            topology="1x1x1")
+        from tfjax.train.aot import GPU_TARGET_CONFIGS
+
+        topo = topologies.get_topology_desc(platform="cuda", topology="1x1x1",
+                                            target_config=GPU_TARGET_CONFIGS[gpu.lower()])
         mesh = topologies.make_mesh(topo, (1,), ("x",))
         args.gpu_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     default_backend = jax.default_backend

@@ -329,3 +329,72 @@ def test_per_device_memory_is_flat_and_below_single_device():
     ring4_same_length = temp(4, tpd=512)
     assert ring8 <= 0.7 * ring4_same_length, (ring8, ring4_same_length)
     assert ring8 <= 0.9 * single, (ring8, single)
+
+
+def test_pallas_under_a_mesh_runs_per_device_on_its_own_examples(monkeypatch):
+    """dot_product_attention(implementation="pallas") under an active mesh (as the
+    trainer traces its step): the kernels are custom calls XLA cannot partition, so
+    the dispatch runs them in shard_map over the batch axes (`batch_sharded_attention`)
+    instead of letting XLA gather the global batch onto every device. Same values and
+    gradients (q, k, v, T5's table) as without a mesh, with segments, ALiBi at
+    explicit positions, T5's bias, a traced q offset and the logsumexp; no all-gather
+    in the compiled program; nothing to split (B not divisible) runs unwrapped.
+    Heads split too where "heads" maps to a mesh axis dividing the query and kv heads
+    (ALiBi's slopes and T5's table split with them)."""
+    import tfjax.ops.pallas as pallas_lib
+    from tfjax.ops import dot_product_attention
+    from tfjax.parallel.sharding import use_rules
+
+    seen = []  # (examples, query heads, kv heads) of each kernel call
+    kernel = pallas_lib.flash_attention
+    monkeypatch.setattr(pallas_lib, "flash_attention", lambda q, k, *a, **kw: seen.append(
+        (q.shape[0], q.shape[2], k.shape[2])) or kernel(q, k, *a, **kw))
+
+    mesh = _mesh((4, 2), ("data", "tensor"))
+    Bm, Tm = 4, 40
+    ks = jax.random.split(jax.random.key(3), 5)
+    q = jax.random.normal(ks[0], (Bm, Tm, N, H), jnp.float32)
+    k, v = (jax.random.normal(x, (Bm, Tm, K, H), jnp.float32) for x in ks[1:3])
+    seg = np.sort(np.random.default_rng(0).integers(0, 3, (Bm, Tm)), axis=1).astype(np.int32)
+    pos = np.tile(np.arange(Tm, dtype=np.int32) * 2, (Bm, 1))
+    table = jax.random.normal(ks[3], (32, N))
+    slopes = jnp.linspace(0.5, 0.05, N)
+    def run(q, k, v, table, qo):
+        rb = RelativeBias(table, bidirectional=False, q_positions=pos, kv_positions=pos)
+        out, lse = dot_product_attention(
+            q, k, v, masks.causal() & masks.segments(seg), relative_bias=rb,
+            alibi_slopes=slopes, alibi_positions=(pos, pos), q_offset=qo,
+            implementation="pallas", return_lse=True)
+        return (out.sum() + jnp.where(jnp.isfinite(lse), lse, 0).sum()), out
+
+    grad = jax.grad(run, (0, 1, 2, 3), has_aux=True)
+    want_g, want = jax.jit(grad)(q, k, v, table, jnp.int32(2))
+    assert set(seen) == {(Bm, N, K)}
+    seen.clear()
+
+    def under_mesh(*a):
+        with use_rules(mesh, [("batch", "data"), ("heads", "tensor")]):
+            return grad(*a)
+
+    f = jax.jit(under_mesh)
+    got_g, got = f(q, k, v, table, jnp.int32(2))
+    # one example per device of "data", half the heads (whole GQA groups) per "tensor"
+    assert set(seen) == {(Bm // 4, N // 2, K // 2)}, seen
+    np.testing.assert_allclose(got, want, atol=2e-5)
+    for g, w in zip(got_g, want_g):
+        np.testing.assert_allclose(g, w, atol=1e-4)
+    hlo = f.lower(q, k, v, table, jnp.int32(2)).compile().as_text()
+    assert "all-gather" not in hlo
+    # a bias array [1, N, T, S] (per head, shared by the examples) splits by heads
+    bias = jax.random.normal(ks[4], (1, N, Tm, Tm))
+    attn = lambda q, k, v, bias: dot_product_attention(q, k, v, masks.causal(), bias=bias,
+                                                       implementation="pallas")
+
+    def biased(*a):
+        with use_rules(mesh, [("batch", "data"), ("heads", "tensor")]):
+            return attn(*a)
+
+    np.testing.assert_allclose(jax.jit(biased)(q, k, v, bias), attn(q, k, v, bias), atol=2e-5)
+    with use_rules(mesh, [("batch", "data")]):
+        assert ring_lib.batch_sharded_attention(lambda *a, **k: 0, q[:3], k[:3], v[:3],
+                                                None) is None

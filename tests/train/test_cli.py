@@ -143,3 +143,23 @@ def test_compile_only_for_a_tpu_slice(tmp_path):
                             "PYTHONPATH": ROOT})
     assert p.returncode == 0, p.stdout + p.stderr
     assert "compiled train step for v5e:2x2" in p.stdout and "FITS" in p.stdout
+
+
+def test_gpu_topologies_parse_and_name_the_plugin():
+    """`--topology h200:8` (a host of GPUs compiled for without one): malformed or
+    unknown names say the format; without jax's CUDA plugin (this project's CI) the
+    error names the package to install; with it, eight deviceless H200s."""
+    from tfjax.train.aot import GPU_HBM_BYTES, gpu_devices, topology_devices
+
+    for bad in ("h200", "h200:x", "h200:0", "a100:8"):
+        with pytest.raises(ValueError, match="expected <gpu>:<count>"):
+            gpu_devices(bad)
+    with pytest.raises(ValueError, match="unknown chip 'v9'"):
+        topology_devices("v9:2x2")
+    try:
+        devices, hbm = topology_devices("h200:8")
+    except ValueError as e:
+        assert "jax[cuda13]" in str(e)
+    else:
+        assert len(devices) == 8 and devices[0].device_kind == "NVIDIA H200"
+        assert hbm == GPU_HBM_BYTES["h200"]

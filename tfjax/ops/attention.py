@@ -70,6 +70,9 @@ class Implementation:
     # fn takes relative_bias= (a checked RelativeBias) itself; else the dispatch
     # materialises it into bias (so has_bias is set for a request with one)
     relative_bias: bool = False
+    # False: fn is a custom call XLA's SPMD partitioner cannot split (the Pallas
+    # kernels); under an active mesh the dispatch runs it per device in shard_map
+    partitionable: bool = True
 
 
 IMPLEMENTATIONS: Registry[Implementation] = Registry("attention implementation")
@@ -85,10 +88,13 @@ AUTO_ORDER: dict[str, list[str]] = {
 def register_implementation(name: str, fn: Callable,
                             supports: Callable[[AttentionRequest], str | None] = lambda r: None,
                             *, auto: dict[str, int] | None = None,
-                            relative_bias: bool = False) -> None:
+                            relative_bias: bool = False, partitionable: bool = True) -> None:
     """Register `name`; `auto={"tpu": 0}` also inserts it at that rank of AUTO_ORDER.
-    `relative_bias=True`: fn takes `relative_bias=` (else it gets it as `bias`)."""
-    IMPLEMENTATIONS.register(name, Implementation(fn, supports, relative_bias))
+    `relative_bias=True`: fn takes `relative_bias=` (else it gets it as `bias`).
+    `partitionable=False`: fn is a custom call XLA cannot partition (a Pallas kernel);
+    under an active mesh (`tfjax.parallel.sharding.use_rules`) it runs per device
+    under shard_map over the batch axes (`batch_sharded_attention`)."""
+    IMPLEMENTATIONS.register(name, Implementation(fn, supports, relative_bias, partitionable))
     for backend, rank in (auto or {}).items():
         AUTO_ORDER.setdefault(backend, []).insert(rank, name)
 
@@ -132,6 +138,8 @@ def dot_product_attention(q, k, v, mask: masks_lib.Mask | None = None, *, bias=N
     (`alibi_slopes` `[N]` / `[B|1, N]`, no gradient; `alibi_positions` see the
     module docstring and `tfjax.ops.reference.make_alibi`; `relative_bias` a
     `tfjax.ops.RelativeBias`, T5's bucketed bias, its table differentiable)."""
+    from tfjax.parallel.sharding import target_platform
+
     _check_shapes(q, k, v, bias)
     B, T, N, _ = q.shape
     try:
@@ -148,7 +156,7 @@ def dot_product_attention(q, k, v, mask: masks_lib.Mask | None = None, *, bias=N
     softcap = float(softcap) if softcap else None
     request = AttentionRequest(
         q_shape=tuple(q.shape), k_shape=tuple(k.shape), dtype=str(q.dtype),
-        backend=jax.default_backend(), mask=mask,
+        backend=target_platform(), mask=mask,
         has_bias=bias is not None or relative is not None, softcap=softcap,
         offsets=not (isinstance(q_offset, int) and isinstance(kv_offset, int)
                      and q_offset == 0 and kv_offset == 0),
@@ -162,6 +170,14 @@ def dot_product_attention(q, k, v, mask: masks_lib.Mask | None = None, *, bias=N
     elif relative is not None:  # materialised: [B|1, N, T, S], differentiable in the table
         dense = relative.dense(T, k.shape[1], q_offset, kv_offset)
         bias = dense if bias is None else bias + dense
+    if not impl.partitionable:
+        from tfjax.parallel.ring_attention import batch_sharded_attention
+
+        out = batch_sharded_attention(impl.fn, q, k, v, mask, bias=bias, alibi=alibi,
+                                      scale=scale, softcap=softcap, q_offset=q_offset,
+                                      kv_offset=kv_offset, return_lse=return_lse, **kw)
+        if out is not None:
+            return out
     return impl.fn(q, k, v, mask, bias=bias, alibi=alibi, scale=scale, softcap=softcap,
                    q_offset=q_offset, kv_offset=kv_offset, return_lse=return_lse, **kw)
 

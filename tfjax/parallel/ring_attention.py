@@ -74,6 +74,7 @@ once on the host and traces its steps under `zigzag_data(n)`, so every layer run
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 
 import jax
@@ -598,6 +599,80 @@ def all_gather_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh,
 
     fn = _shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, *leaf_specs), out_specs=tok)
     return fn(q, k, v, *leaves)
+
+
+_ABSENT = object()
+
+
+def batch_sharded_attention(fn, q, k, v, mask, *, bias=None, alibi=None,
+                            relative_bias=_ABSENT, **kw):
+    """`fn(q, k, v, mask, bias=, alibi=, [relative_bias=], **kw)`, one attention
+    implementation (`Implementation.fn`), run per device under shard_map over the
+    active mesh (`sharding.use_rules`): examples split over the mesh axes the rules
+    give "batch", and heads over those they give "heads" when they divide both the
+    query and the kv heads (GQA groups stay whole; ALiBi slopes, T5's table and a
+    bias array follow their head axis); tokens and every other axis replicated. For
+    kernels XLA cannot partition (Pallas custom calls), which its SPMD partitioner
+    would otherwise run on the gathered global batch on every device. None (the
+    caller runs `fn` as is) when no mesh is active, the call is already inside
+    shard_map, or nothing splits."""
+    from tfjax.parallel.sharding import active_mesh, logical_to_spec
+
+    mesh = active_mesh()
+    if mesh is None or jax.sharding.get_abstract_mesh().manual_axes:
+        return None
+
+    def axes_of(name, size):
+        axes = logical_to_spec((name,))[0]
+        axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        axes = tuple(a for a in axes if mesh.shape[a] > 1)
+        n = int(np.prod([mesh.shape[a] for a in axes]))
+        return (axes, n) if axes and size % n == 0 else ((), 1)
+
+    N, K = q.shape[2], k.shape[2]
+    b_axes, D = axes_of("batch", q.shape[0])
+    h_axes, Dh = axes_of("heads", math.gcd(N, K))
+    h_axes = tuple(a for a in h_axes if a not in b_axes)
+    if not b_axes and not h_axes:
+        return None
+    b, h = b_axes or None, h_axes or None
+    takes_relative = relative_bias is not _ABSENT  # fn's signature has relative_bias=
+    rel = None if relative_bias is _ABSENT else relative_bias
+    leaves, treedef, kinds = _split_mask(mask, alibi, rel)
+    slopes = None if alibi is None else alibi.slopes
+    leaves = [jnp.broadcast_to(x[None], (D, *x.shape)) if kd == "table" else x
+              for x, kd in zip(leaves, kinds)]  # one table copy per batch device (its grad)
+
+    def leaf_spec(x, kind):
+        if kind == "table":  # [D, nb, N]
+            return P(b, None, h)
+        bx = b if x.shape[0] != 1 else None
+        if x is slopes:  # [B|1, N]
+            return P(bx, h)
+        return P(*([bx] + [None] * (x.ndim - 1)))
+
+    tok = P(b, None, h, None)
+    bias_spec = None if bias is None else P(b if bias.shape[0] != 1 else None,
+                                            h if bias.shape[1] != 1 else None, None, None)
+    offsets = [kw.get("q_offset", 0), kw.get("kv_offset", 0)]
+    static = [isinstance(o, int) for o in offsets]
+    dynamic = [jnp.asarray(o) for o, st in zip(offsets, static) if not st]
+    args = [q, k, v, bias, *dynamic, *leaves]
+    specs = [tok, tok, tok, bias_spec, *[P() for _ in dynamic],
+             *[leaf_spec(x, kd) for x, kd in zip(leaves, kinds)]]
+
+    def local(q, k, v, bias, *rest):
+        it = iter(rest[:len(dynamic)])
+        offs = [o if st else next(it) for o, st in zip(offsets, static)]
+        mleaves = [x[0] if kd == "table" else x for x, kd in zip(rest[len(dynamic):], kinds)]
+        m, a, rl = ((None, None, None) if treedef is None else
+                    jax.tree_util.tree_unflatten(treedef, mleaves))
+        extra = dict(relative_bias=rl) if takes_relative else {}
+        return fn(q, k, v, m, bias=bias, alibi=a, **{**kw, "q_offset": offs[0],
+                                                      "kv_offset": offs[1]}, **extra)
+
+    out_specs = (tok, P(b, h, None)) if kw.get("return_lse") else tok
+    return _shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=out_specs)(*args)
 
 
 CONTEXT_PARALLEL_MODES = ("ring", "all_gather")

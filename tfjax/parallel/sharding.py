@@ -42,6 +42,19 @@ def active_mesh() -> Mesh | None:
     return _ACTIVE.mesh
 
 
+def target_platform() -> str:
+    """The platform what is being traced will run on: that of the active mesh's
+    devices (`use_rules`, as the trainer and its AOT compiles set it; a TPU or GPU
+    topology compiled on a CPU machine is "tpu" / "gpu"), else jax's default
+    backend. Attention dispatch (`implementation="auto"`) and the Pallas kernels'
+    interpret default follow it, so an AOT compile builds what the target runs."""
+    mesh = _ACTIVE.mesh
+    if mesh is not None and mesh.devices.size:
+        platform = mesh.devices.flat[0].platform
+        return "gpu" if platform in ("cuda", "rocm") else platform
+    return jax.default_backend()
+
+
 def logical_to_spec(names: Sequence[str | None], rules: LogicalRules | None = None) -> PartitionSpec:
     """Logical names -> PartitionSpec; a name absent from the rules is replicated,
     and a mesh axis already used by an earlier dimension is not reused."""

@@ -28,7 +28,8 @@ flags.DEFINE_integer("num_processes", None, "number of processes (multi-process)
 flags.DEFINE_integer("process_id", None, "this process's index (multi-process)")
 flags.DEFINE_bool("distributed", False, "call jax.distributed.initialize() with auto-detection")
 flags.DEFINE_bool("compile_only", False, "AOT-compile the train step and print memory; no training")
-flags.DEFINE_string("topology", None, "with --compile_only: a TPU slice such as v5p:4x4x4")
+flags.DEFINE_string("topology", None, "with --compile_only: a TPU slice such as v5p:4x4x4, "
+                    "or a host of GPUs such as h200:8 (jax's CUDA plugin, no GPU)")
 
 
 def main(argv):

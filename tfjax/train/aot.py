@@ -1,11 +1,17 @@
 """`--compile_only --topology v5p:4x4x4`: AOT-compile the real sharded train step for a
 TPU slice on a CPU-only machine (libtpu's topology descriptions, the `tpu` extra) and
 print per-device memory: parameters, optimizer state, temporaries, and whether it
-fits the chip's HBM. Without --topology it compiles for the local devices.
+fits the chip's HBM. `--topology h200:8` does the same for one host of NVIDIA GPUs
+(XLA:GPU compiling for a deviceless topology from an XLA target config; needs jax's
+CUDA plugin, `pip install "jax[cuda13]"`, not a GPU). Without --topology it compiles
+for the local devices. The step is traced under the topology's mesh, so attention
+dispatch and the Pallas kernels build what that platform runs (the Mosaic TPU
+kernels; on Hopper the Mosaic GPU ones), not the CPU's choices.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -16,12 +22,34 @@ import jax.numpy as jnp
 from tfjax.config import RunConfig, model_config
 from tfjax.parallel.mesh import make_mesh
 
-__all__ = ["HBM_BYTES", "compile_only", "tpu_devices"]
+__all__ = ["GPU_TARGET_CONFIGS", "HBM_BYTES", "compile_only", "gpu_devices", "tpu_devices"]
 
 GiB = 1024 ** 3
 # HBM per chip.
 HBM_BYTES = {"v4": 32 * GiB, "v5e": 16 * GiB, "v5litepod": 16 * GiB, "v5p": 95 * GiB,
              "v6e": 32 * GiB}
+
+_HOPPER_INFO = """
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
+  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132
+  fpus_per_core: 128 block_dim_limit_x: 2147483647 block_dim_limit_y: 65535
+  block_dim_limit_z: 65535 shared_memory_per_block_optin: 232448
+  cuda_compute_capability { major: 9 } registers_per_core_limit: 65536
+  registers_per_block_limit: 65536 clock_rate_ghz: 1.98"""
+# XLA's description of a GPU (GpuTargetConfigProto text, the fields of XLA's
+# gpu_specs) for compiling without one: SXM H100 (80 GB) and H200 (141 GB).
+GPU_TARGET_CONFIGS = {
+    name: f"""gpu_device_info {{{_HOPPER_INFO}
+  memory_bandwidth: {bw} l2_cache_size: 52428800 device_memory_size: {mem}
+}}
+platform_name: "CUDA"
+dnn_version_info {{ major: 9 minor: 8 }}
+runtime_version {{ major: 12 minor: 8 }}
+device_description_str: "NVIDIA {name.upper()}"
+"""
+    for name, bw, mem in (("h100", 3352320000000, 85520809984),
+                          ("h200", 4800000000000, 150754820096))}
+GPU_HBM_BYTES = {"h100": 85520809984, "h200": 150754820096}
 
 
 def tpu_devices(topology: str):
@@ -50,6 +78,33 @@ def tpu_devices(topology: str):
     return list(topo.devices), HBM_BYTES[chip]
 
 
+def gpu_devices(topology: str):
+    """Compile-only devices of one host of NVIDIA GPUs, e.g. "h200:8": XLA:GPU compiles
+    for them from `GPU_TARGET_CONFIGS` with no GPU present (jax's CUDA plugin needed)."""
+    from jax.experimental import topologies
+
+    chip, _, count = topology.partition(":")
+    if chip not in GPU_TARGET_CONFIGS or not count.isdigit() or int(count) < 1:
+        raise ValueError(f"--topology: expected <gpu>:<count> with gpu one of "
+                         f"{', '.join(GPU_TARGET_CONFIGS)}, such as h200:8; got {topology!r}")
+    try:
+        topo = topologies.get_topology_desc(platform="cuda", topology=f"1x1x{count}",
+                                            target_config=GPU_TARGET_CONFIGS[chip])
+    except Exception as e:
+        raise ValueError(f"--topology {topology}: jax could not describe these GPUs ({e}); "
+                         "install jax's CUDA plugin (no GPU needed): pip install "
+                         "'jax[cuda13]'") from e
+    return list(topo.devices), GPU_HBM_BYTES[chip]
+
+
+def topology_devices(topology: str):
+    """(devices, HBM bytes per device) of a TPU slice ("v5p:2x2x1") or a host of
+    GPUs ("h200:8")."""
+    if topology.split(":", 1)[0] in GPU_TARGET_CONFIGS:
+        return gpu_devices(topology)
+    return tpu_devices(topology)
+
+
 def _fmt(n: float) -> str:
     return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / 1024 ** 2:.1f} MiB"
 
@@ -67,7 +122,7 @@ def compile_only(cfg: RunConfig, topology: str | None, build_model=None, out=sys
 
     model_config(cfg.model)
     if topology:
-        devices, hbm = tpu_devices(topology)
+        devices, hbm = topology_devices(topology)
     else:
         devices, hbm = jax.devices(), None
     mesh = make_mesh(cfg.mesh, devices)
@@ -78,7 +133,8 @@ def compile_only(cfg: RunConfig, topology: str | None, build_model=None, out=sys
                                   p.abstract_state, p.state_shardings)
     batch = {k: jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jnp.int32, sharding=p.batch_sharding)
              for k in ("inputs", "targets", "positions", "segment_ids", "mask", "target_bytes")}
-    compiled = p.step.lower(abstract_state, batch).compile()
+    with _lowering_for(devices[0]):
+        compiled = p.step.lower(abstract_state, batch).compile()
     mem = compiled.memory_analysis()
     params = _per_device_bytes(p.abstract_state["params"], p.state_shardings["params"])
     opt = _per_device_bytes(p.abstract_state["opt"], p.state_shardings["opt"])
@@ -98,3 +154,17 @@ def compile_only(cfg: RunConfig, topology: str | None, build_model=None, out=sys
                      f"{'FITS' if total <= hbm else 'DOES NOT FIT'} ({100 * total / hbm:.0f}%)")
     print("\n".join(lines), file=out)
     return 0 if (hbm is None or total <= hbm) else 1
+
+
+def _lowering_for(device):
+    """Lowering for a compile-only GPU: the Pallas GPU kernels are told which GPU
+    (`gpu_lowering_target`; jax's Triton lowering would ask the local device)."""
+    kind = getattr(device, "device_kind", "")
+    if device.platform not in ("gpu", "cuda") or jax.default_backend() == "gpu":
+        return contextlib.nullcontext()
+    from tfjax.ops.pallas.gpu import gpu_lowering_target
+
+    name = next((n for n in ("GH200", "H200", "H100") if n in kind), None)
+    if name is None:
+        raise ValueError(f"compile_only: no GPU lowering target for device kind {kind!r}")
+    return gpu_lowering_target(name)

@@ -7,8 +7,6 @@ evaluate T5's `relative_bias` per tile.
 
 from __future__ import annotations
 
-import jax
-
 from tfjax.ops.attention import AUTO_ORDER, AttentionRequest, register_implementation
 from tfjax.ops.pallas.common import BlockSizes, mask_support
 from tfjax.ops.reference import Alibi, RelativeBias
@@ -22,7 +20,9 @@ def flash_attention(q, k, v, mask=None, *, bias=None, scale=None, softcap=None,
                     relative_bias: RelativeBias | None = None, q_offset=0, kv_offset=0,
                     return_lse=False, block_sizes: BlockSizes | None = None, interpret=None):
     """Pallas FlashAttention; same semantics as `attention_reference`."""
-    if jax.default_backend() == "gpu" and not interpret:
+    from tfjax.parallel.sharding import target_platform
+
+    if target_platform() == "gpu" and not interpret:
         from tfjax.ops.pallas.gpu import flash_attention_gpu
         return flash_attention_gpu(q, k, v, mask, bias=bias, scale=scale, softcap=softcap,
                                    alibi_slopes=alibi_slopes, alibi_positions=alibi_positions,
@@ -59,4 +59,4 @@ def _impl(q, k, v, mask, *, bias, alibi, relative_bias, scale, softcap, q_offset
 # On GPU, cuDNN (plain causal requests) comes first whichever module registers first.
 _GPU_RANK = 1 if "cudnn" in AUTO_ORDER.get("gpu", []) else 0
 register_implementation("pallas", _impl, supports, auto={"tpu": 0, "gpu": _GPU_RANK},
-                        relative_bias=True)
+                        relative_bias=True, partitionable=False)

@@ -106,8 +106,10 @@ class _Config:
 def _config(q, scale, softcap, q_offset, kv_offset, block_sizes, interpret, grad_dtype=None):
     """The kernels' static config and the `[2]` int32 offsets operand. `interpret=None`
     interprets on CPU; python-int offsets build the tile tables at trace time."""
-    if interpret is None:
-        interpret = jax.default_backend() == "cpu"
+    if interpret is None:  # the platform of the active mesh (an AOT compile's target)
+        from tfjax.parallel.sharding import target_platform
+
+        interpret = target_platform() == "cpu"
     H = q.shape[-1]
     static = (q_offset, kv_offset) if all(isinstance(o, int) for o in (q_offset, kv_offset)) \
         else None
