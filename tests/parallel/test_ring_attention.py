@@ -398,3 +398,46 @@ def test_pallas_under_a_mesh_runs_per_device_on_its_own_examples(monkeypatch):
     with use_rules(mesh, [("batch", "data")]):
         assert ring_lib.batch_sharded_attention(lambda *a, **k: 0, q[:3], k[:3], v[:3],
                                                 None) is None
+
+
+def test_a_model_with_pallas_attention_on_a_data_tensor_mesh_equals_one_device(monkeypatch):
+    """The decoder with attention_impl="pallas" (interpret kernels) on a data=2 x
+    tensor=2 mesh under the default rules: each kernel call gets its device's 2
+    examples, 2 of 4 query heads and 1 of 2 kv heads, and the loss and every
+    parameter gradient equal one device's."""
+    from flax import nnx
+
+    import tfjax.ops.pallas as pallas_lib
+    from tfjax import models
+    from tfjax.config import DEFAULT_RULES, MeshConfig, model_config
+    from tfjax.parallel.mesh import make_mesh
+    from tfjax.parallel.rules import logical_rules, tree_shardings
+    from tfjax.parallel.sharding import use_rules
+
+    seen = []
+    kernel = pallas_lib.flash_attention
+    monkeypatch.setattr(pallas_lib, "flash_attention", lambda q, k, *a, **kw: seen.append(
+        (q.shape[0], q.shape[2], k.shape[2])) or kernel(q, k, *a, **kw))
+    cfg = model_config(dict(vocab_size=61, d_model=32, num_layers=2, num_heads=4,
+                            num_kv_heads=2, d_ff=48, max_len=64, init_std=1.0,
+                            attention_impl="pallas"))
+    model = models.build(cfg, rngs=nnx.Rngs(3))
+    x = jax.random.randint(jax.random.key(0), (4, 24), 0, 61)
+    loss = lambda m, x: m(x).astype(jnp.float32).mean()
+    want_l, want_g = nnx.value_and_grad(loss)(model, x)
+    mesh = make_mesh(MeshConfig(data=2, tensor=2), jax.devices()[:4])
+    rules = logical_rules(DEFAULT_RULES)
+    state = nnx.state(model)
+    nnx.update(model, jax.device_put(state, tree_shardings(state, mesh, rules)))
+    seen.clear()
+
+    @nnx.jit
+    def sharded(m, x):
+        with use_rules(mesh, rules):
+            return nnx.value_and_grad(loss)(m, x)
+
+    got_l, got_g = sharded(model, x)
+    assert set(seen) == {(2, 2, 1)}, seen
+    np.testing.assert_allclose(got_l, want_l, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5),
+                 nnx.state(got_g), nnx.state(want_g))
