@@ -400,6 +400,46 @@ def test_pallas_under_a_mesh_runs_per_device_on_its_own_examples(monkeypatch):
                                                 None) is None
 
 
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_pallas_heads_split_when_the_tensor_axis_does_not_divide_the_kv_heads(
+        monkeypatch, kv_heads):
+    """MQA (1 kv head) and GQA 8/2 on data=2 x tensor=4: the tensor axis divides the 8
+    query heads but not the kv heads, so `batch_sharded_attention` repeats each kv
+    head until every device holds the one its 2 query heads read (instead of running
+    all 8 heads on every tensor device). Values and q/k/v gradients (the copies'
+    gradients summed back) equal the unmeshed call, with ALiBi splitting by heads."""
+    import tfjax.ops.pallas as pallas_lib
+    from tfjax.ops import dot_product_attention
+    from tfjax.parallel.sharding import use_rules
+
+    seen = []
+    kernel = pallas_lib.flash_attention
+    monkeypatch.setattr(pallas_lib, "flash_attention", lambda q, k, *a, **kw: seen.append(
+        (q.shape[0], q.shape[2], k.shape[2])) or kernel(q, k, *a, **kw))
+    mesh = _mesh((2, 4), ("data", "tensor"))
+    ks = jax.random.split(jax.random.key(5), 4)
+    q = jax.random.normal(ks[0], (2, 24, N, H), jnp.float32)
+    k, v = (jax.random.normal(x, (2, 24, kv_heads, H), jnp.float32) for x in ks[1:3])
+    w = jax.random.normal(ks[3], q.shape)
+    slopes = jnp.linspace(0.5, 0.05, N)
+    loss = lambda q, k, v: (w * dot_product_attention(
+        q, k, v, masks.causal(), alibi_slopes=slopes, implementation="pallas")).sum()
+    grad = jax.value_and_grad(loss, (0, 1, 2))
+    want_l, want_g = grad(q, k, v)
+
+    def under_mesh(*a):
+        with use_rules(mesh, [("batch", "data"), ("heads", "tensor"),
+                              ("kv_heads", "tensor")]):
+            return grad(*a)
+
+    seen.clear()
+    got_l, got_g = jax.jit(under_mesh)(q, k, v)
+    assert set(seen) == {(1, N // 4, 1)}, seen
+    np.testing.assert_allclose(got_l, want_l, rtol=1e-5)
+    for g, want in zip(got_g, want_g):
+        np.testing.assert_allclose(g, want, atol=1e-4)
+
+
 def test_a_model_with_pallas_attention_on_a_data_tensor_mesh_equals_one_device(monkeypatch):
     """The decoder with attention_impl="pallas" (interpret kernels) on a data=2 x
     tensor=2 mesh under the default rules: each kernel call gets its device's 2

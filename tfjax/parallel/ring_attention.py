@@ -609,9 +609,11 @@ def batch_sharded_attention(fn, q, k, v, mask, *, bias=None, alibi=None,
     """`fn(q, k, v, mask, bias=, alibi=, [relative_bias=], **kw)`, one attention
     implementation (`Implementation.fn`), run per device under shard_map over the
     active mesh (`sharding.use_rules`): examples split over the mesh axes the rules
-    give "batch", and heads over those they give "heads" when they divide both the
-    query and the kv heads (GQA groups stay whole; ALiBi slopes, T5's table and a
-    bias array follow their head axis); tokens and every other axis replicated. For
+    give "batch", and heads over those they give "heads" when they divide the query
+    heads (each device gets whole GQA groups; where the axes do not divide the kv
+    heads, as MQA's one kv head on tensor=4, each kv head is repeated so every device
+    holds those of its query heads; ALiBi slopes, T5's table and a bias array follow
+    their head axis); tokens and every other axis replicated. For
     kernels XLA cannot partition (Pallas custom calls), which its SPMD partitioner
     would otherwise run on the gathered global batch on every device. None (the
     caller runs `fn` as is) when no mesh is active, the call is already inside
@@ -631,10 +633,19 @@ def batch_sharded_attention(fn, q, k, v, mask, *, bias=None, alibi=None,
 
     N, K = q.shape[2], k.shape[2]
     b_axes, D = axes_of("batch", q.shape[0])
-    h_axes, Dh = axes_of("heads", math.gcd(N, K))
+    h_axes, _ = axes_of("heads", N)
     h_axes = tuple(a for a in h_axes if a not in b_axes)
     if not b_axes and not h_axes:
         return None
+    Dh = int(np.prod([mesh.shape[a] for a in h_axes]))
+    if K % Dh:
+        # The head axes split the query heads but not the kv heads (MQA, or GQA with
+        # fewer kv heads than devices): each kv head is repeated r times, so that every
+        # device holds the kv heads of its own query heads (K*r = lcm(K, Dh) divides N,
+        # so query head n still reads copy n // (N / (K*r)) of kv head n // G). The
+        # repeat's transpose sums the copies' gradients.
+        r = Dh // math.gcd(K, Dh)
+        k, v = jnp.repeat(k, r, axis=2), jnp.repeat(v, r, axis=2)
     b, h = b_axes or None, h_axes or None
     takes_relative = relative_bias is not _ABSENT  # fn's signature has relative_bias=
     rel = None if relative_bias is _ABSENT else relative_bias
