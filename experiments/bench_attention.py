@@ -250,6 +250,7 @@ def _write_results(lines, stem):
     with open(path, "w") as fh:
         fh.write("\n".join(lines) + "\n")
     print(f"wrote {path}")
+    return path
 
 
 def _inputs(keys, q_shape, kv_shape, dtype, args):
@@ -417,9 +418,16 @@ def bench_tune(args, S=8192, N=32, K=8, head_dims=(128, 64)):
     H = 128 then 64): forward TFLOP/s of the Hopper forward (per tile choice, and
     its schedules: ping-pong, none, intra-warpgroup overlap) and the Triton
     forward per tile choice, backward TFLOP/s ((fwd+bwd) - fwd) of the Hopper and
-    Triton backward per tile choice. Rows print as they are measured (a killed
+    Triton backward per tile choice; the Triton kernels at their default tiles also
+    with 4 warps everywhere (their launch before `triton_launch` chose warps and
+    stages from ptxas's register report). Rows print as they are measured (a killed
     run keeps them); the defaults are marked *."""
-    from tfjax.ops.pallas.gpu import _default_block_sizes, _is_hopper, flash_attention_gpu
+    from tfjax.ops.pallas.gpu import (
+        TritonConfig,
+        _default_block_sizes,
+        _is_hopper,
+        flash_attention_gpu,
+    )
     from tfjax.ops.pallas.hopper import _SMEM_BYTES, HopperConfig
     from tfjax.ops.pallas.hopper_backward import HopperBackwardConfig
 
@@ -469,6 +477,15 @@ def bench_tune(args, S=8192, N=32, K=8, head_dims=(128, 64)):
             rows.append(("triton bwd", f"dq and dk/dv tiles {b}x{b}", bs == d,
                          dict(forward="triton", block_sizes=d),
                          dict(forward="triton", backward="triton", block_sizes=bs)))
+        # the default tiles at the fixed launch the kernels had before `triton_launch`
+        # (4 warps everywhere): does ptxas's no-spill choice pay?
+        fixed = TritonConfig()
+        rows.append(("triton fwd", "default tiles, 4 warps 3 stages", False,
+                     dict(forward="triton", block_sizes=d, triton_config=fixed), None))
+        rows.append(("triton bwd", "default tiles, 4 warps", False,
+                     dict(forward="triton", block_sizes=d),
+                     dict(forward="triton", backward="triton", block_sizes=d,
+                          triton_config=fixed)))
         for kernel, tiles, default, fwd_kw, bwd_kw in rows:
             if time.time() > deadline:
                 out.append(f"| {H} | {kernel} | {tiles} | (time budget spent) | |")

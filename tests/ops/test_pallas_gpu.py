@@ -121,3 +121,97 @@ def test_on_gpu_t5_bias_matches_reference():
     q, k, v, _ = inputs(2, 1000, 1000, 8, 2, 128, dtype=jnp.bfloat16)
     mask = M.causal() & M.segments(np.repeat(np.arange(4), 250)[None].repeat(2, 0))
     check_against_reference(flash_attention_gpu, q, k, v, mask, relative="pos")
+
+
+def _ptxas_table():
+    import importlib.util
+    import os
+    import sys
+
+    here = os.path.join(os.path.dirname(__file__), "..", "..", "experiments")
+    sys.path.insert(0, here)
+    try:
+        spec = importlib.util.spec_from_file_location(
+            "experiments_gpu_registers", os.path.join(here, "gpu_registers.py"))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(here)
+    return module, module.read_table(os.path.join(here, "results",
+                                                  "attention_gpu_ptxas_20261130.md"))
+
+
+def test_triton_launches_are_the_ptxas_tables_choice():
+    """`gpu._LAUNCH` is the documented rule applied to the committed ptxas table
+    (experiments/gpu_registers.py for an H200, no GPU): re-measuring and forgetting
+    to update the launches, or editing one by hand, fails here. At every head dim
+    the default tiles launch at a measured configuration without spills."""
+    from tfjax.ops.pallas import gpu
+
+    registers, rows = _ptxas_table()
+    assert len(rows) > 100
+    assert gpu._LAUNCH == registers.choose(rows)
+    measured = {(r["kernel"], r["H"], r["bq"], r["bk"], r["warps"], r["stages"]): r
+                for r in rows}
+    for H in (64, 128, 256):
+        bs = gpu._default_block_sizes(H)
+        for kern, tiles in (("fwd", (bs.block_q, bs.block_kv)),
+                            ("dq", (bs.block_q_dq, bs.block_kv_dq)),
+                            ("dkv", (bs.block_q_dkv, bs.block_kv_dkv))):
+            launch = gpu.triton_launch(kern, H, *tiles)
+            row = measured.get((kern, H, *tiles, *launch))
+            assert row is not None and row["spill"] == 0, (H, kern, tiles, launch, row)
+
+
+@pytest.mark.parametrize("H,override", [(128, None), (256, None), (32, None), (128, "config")])
+def test_kernels_lower_with_the_chosen_warps_and_stages(H, override):
+    """The lowered Triton calls carry `triton_launch`'s (warps, stages) for the tiles
+    each kernel really runs (clamped to the sequence; head dims padded), or a
+    `TritonConfig`'s when one is passed."""
+    import re
+
+    from tfjax.ops.pallas.gpu import TritonConfig, _default_block_sizes, triton_launch
+
+    T, S = 100, 512  # query tiles clamp to 128, key tiles stay
+    tc = TritonConfig(num_warps=2, num_stages=4, num_warps_dq=16, num_stages_dq=1,
+                      num_warps_dkv=1, num_stages_dkv=3) if override else None
+
+    def f(q, k, v):
+        loss = lambda q, k, v: flash_attention_gpu(
+            q, k, v, M.causal(), forward="triton", backward="triton",
+            triton_config=tc).astype(jnp.float32).sum()
+        return jax.grad(loss, (0, 1, 2))(q, k, v)
+
+    sds = jax.ShapeDtypeStruct
+    try:
+        text = lower_for_cuda(f, sds((1, T, 8, H), jnp.bfloat16), sds((1, S, 2, H), jnp.bfloat16),
+                              sds((1, S, 2, H), jnp.bfloat16))
+    except Exception as e:
+        if "cuda" in str(e).lower() and "platform" in str(e).lower():
+            pytest.skip(f"this jaxlib cannot lower for cuda: {str(e).splitlines()[0][:120]}")
+        raise
+    got = {}
+    for name, stages, warps in re.findall(r'name = "tfjax_flash_(\w+)_gpu".*?num_stages = (\d+)'
+                                          r'.*?num_warps = (\d+)', text, re.S):
+        got[name] = (int(warps), int(stages))
+    if override:
+        want = {k: tc.launch(k) for k in ("fwd", "dq", "dkv")}
+    else:
+        bs, Hp = _default_block_sizes(H), max(16, 1 << (H - 1).bit_length())
+        clamp = lambda b, n: max(16, min(b, 1 << (n - 1).bit_length()))
+        want = {"fwd": triton_launch("fwd", Hp, clamp(bs.block_q, T), clamp(bs.block_kv, S)),
+                "dq": triton_launch("dq", Hp, clamp(bs.block_q_dq, T), clamp(bs.block_kv_dq, S)),
+                "dkv": triton_launch("dkv", Hp, clamp(bs.block_q_dkv, T),
+                                     clamp(bs.block_kv_dkv, S))}
+    assert got == want, (got, want)
+    if H == 128 and not override:  # the measured choices, not the old fixed 4 warps
+        assert got == {"fwd": (4, 2), "dq": (4, 2), "dkv": (8, 2)}
+
+
+def test_triton_config_names_a_bad_field():
+    from tfjax.ops.pallas.gpu import TritonConfig
+
+    with pytest.raises(ValueError, match="TritonConfig.num_warps_dkv must be 1, 2, 4, 8 or 16"):
+        TritonConfig(num_warps_dkv=3)
+    with pytest.raises(ValueError, match="TritonConfig.num_stages must be 1 to 8"):
+        TritonConfig(num_stages=0)

@@ -20,6 +20,10 @@ program sums dS per bucket (its `[nb]` partial sums per query tile are added up
 outside). Tiles far from the diagonal hold one bucket (`reference.constant_bucket`)
 and skip both. The Hopper kernels decline it.
 
+Launch: each kernel's warps and pipeline stages follow its tiles and head dim
+(`triton_launch`: measured from ptxas's register report for an H200, so that no
+tile spills registers; `TritonConfig` overrides).
+
 Layout `[B, T, N, H]` (no transposes). Runs in interpret mode on CPU
 (`interpret=True`), which is how the CPU tests exercise it; compiling it needs
 a GPU. On Hopper the forward is `hopper.py`'s Mosaic GPU kernel (TMA + wgmma)
@@ -58,7 +62,8 @@ from tfjax.ops.pallas.common import (
     tile_tables,
 )
 
-__all__ = ["flash_attention_gpu", "gpu_lowering_target", "supports"]
+__all__ = ["TritonConfig", "flash_attention_gpu", "gpu_lowering_target", "supports",
+           "triton_launch"]
 
 
 def _triton_params(num_warps, num_stages):
@@ -67,6 +72,13 @@ def _triton_params(num_warps, num_stages):
         return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     except (ImportError, AttributeError):  # pragma: no cover - older jax
         return None
+
+
+def _launch(cfg, kernel: str, d):
+    """Triton compiler params of `kernel` at the tiles it really runs (`Dims`)."""
+    launch = cfg.triton.launch(kernel) if cfg.triton is not None else \
+        triton_launch(kernel, d.Hp, d.bq, d.bk)
+    return _triton_params(*launch)
 
 
 def _pow2(n: int) -> int:
@@ -82,11 +94,112 @@ def supports(r) -> str | None:
 
 def _default_block_sizes(H: int) -> BlockSizes:
     """FlashAttention-2's Triton choices: 128 x 64 forward tiles while a [128, H]
-    query tile fits shared memory beside double-buffered K/V, else 64 x 64.
-    Not tuned on hardware yet (no GPU in the sessions so far)."""
-    bq = 128 if _pow2(H) <= 128 else 64
-    return BlockSizes(block_q=bq, block_kv=64, block_q_dq=64, block_kv_dq=64, block_q_dkv=64,
-                      block_kv_dkv=64)
+    query tile fits shared memory beside double-buffered K/V, else 64 x 64; 64 x 64
+    dq and dk/dv tiles, except dk/dv at head dims above 128: 32 x 32, the only
+    tiles at which ptxas keeps its dK/dV accumulators in registers (64 x 64 spills
+    at 4 and 8 warps: experiments/results/attention_gpu_ptxas_20261130.md). Not
+    timed on hardware yet (no GPU in the sessions so far)."""
+    wide = _pow2(H) > 128
+    bq, bkv_dkv = (64, 32) if wide else (128, 64)
+    return BlockSizes(block_q=bq, block_kv=64, block_q_dq=64, block_kv_dq=64,
+                      block_q_dkv=bkv_dkv, block_kv_dkv=bkv_dkv)
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonConfig:
+    """Launch parameters of the Triton kernels, to override `triton_launch`'s
+    choice: warps per program (`num_warps`, 32 threads each; a power of 2) and
+    software-pipelining stages of the kv loop (`num_stages`), for the forward, dq
+    (`*_dq`) and dk/dv (`*_dkv`) kernels."""
+
+    num_warps: int = 4
+    num_stages: int = 3
+    num_warps_dq: int = 4
+    num_stages_dq: int = 2
+    num_warps_dkv: int = 4
+    num_stages_dkv: int = 2
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            ok = v in (1, 2, 4, 8, 16) if f.name.startswith("num_warps") else \
+                isinstance(v, int) and 1 <= v <= 8
+            if not ok:
+                allowed = "1, 2, 4, 8 or 16" if f.name.startswith("num_warps") else "1 to 8"
+                raise ValueError(f"TritonConfig.{f.name} must be {allowed}, got {v!r}")
+
+    def launch(self, kernel: str) -> tuple[int, int]:
+        return {"fwd": (self.num_warps, self.num_stages),
+                "dq": (self.num_warps_dq, self.num_stages_dq),
+                "dkv": (self.num_warps_dkv, self.num_stages_dkv)}[kernel]
+
+
+# (kernel, padded head dim, query tile, key tile) -> (warps, stages). From ptxas's
+# report for an H200 (sm_90a), compiled without a GPU: `experiments/gpu_registers.py`,
+# experiments/results/attention_gpu_ptxas_20261130.md. The rule: among the launches
+# at which ptxas spills no registers, the most resident programs per SM, then fewer
+# warps, then more stages; where every launch spills, the fewest spilled bytes.
+# Registers, not time: the tiles' timing on a GPU (`bench_attention.py tune`) has
+# not been run yet.
+_LAUNCH: dict[tuple[str, int, int, int], tuple[int, int]] = {
+    ('dkv', 64, 32, 32): (4, 2),
+    ('dkv', 64, 32, 64): (4, 2),
+    ('dkv', 64, 32, 128): (8, 2),
+    ('dkv', 64, 64, 64): (4, 2),
+    ('dkv', 64, 64, 128): (8, 2),
+    ('dkv', 64, 128, 128): (8, 2),
+    ('dkv', 128, 32, 32): (4, 2),
+    ('dkv', 128, 32, 64): (8, 2),
+    ('dkv', 128, 32, 128): (8, 2),
+    ('dkv', 128, 64, 64): (8, 2),
+    ('dkv', 128, 64, 128): (8, 2),
+    ('dkv', 128, 128, 128): (8, 2),
+    ('dkv', 256, 32, 32): (8, 2),
+    ('dkv', 256, 32, 64): (8, 2),
+    ('dkv', 256, 32, 128): (8, 2),
+    ('dkv', 256, 64, 64): (8, 2),
+    ('dq', 64, 32, 32): (4, 2),
+    ('dq', 64, 64, 32): (4, 2),
+    ('dq', 64, 64, 64): (4, 2),
+    ('dq', 64, 128, 32): (4, 2),
+    ('dq', 64, 128, 64): (4, 2),
+    ('dq', 64, 128, 128): (8, 2),
+    ('dq', 128, 32, 32): (4, 2),
+    ('dq', 128, 64, 32): (4, 2),
+    ('dq', 128, 64, 64): (4, 2),
+    ('dq', 128, 128, 32): (8, 2),
+    ('dq', 128, 128, 64): (8, 2),
+    ('dq', 128, 128, 128): (8, 2),
+    ('dq', 256, 32, 32): (4, 2),
+    ('dq', 256, 64, 32): (4, 2),
+    ('dq', 256, 64, 64): (8, 2),
+    ('dq', 256, 128, 32): (8, 2),
+    ('fwd', 64, 64, 32): (4, 3),
+    ('fwd', 64, 64, 64): (4, 2),
+    ('fwd', 64, 64, 128): (4, 2),
+    ('fwd', 64, 128, 32): (4, 3),
+    ('fwd', 64, 128, 64): (4, 3),
+    ('fwd', 64, 128, 128): (4, 2),
+    ('fwd', 128, 64, 32): (4, 2),
+    ('fwd', 128, 64, 64): (4, 3),
+    ('fwd', 128, 64, 128): (4, 3),
+    ('fwd', 128, 128, 32): (4, 3),
+    ('fwd', 128, 128, 64): (4, 2),
+    ('fwd', 128, 128, 128): (8, 3),
+    ('fwd', 256, 64, 32): (4, 2),
+    ('fwd', 256, 64, 64): (4, 3),
+    ('fwd', 256, 128, 32): (8, 3),
+    ('fwd', 256, 128, 64): (8, 2),
+}
+
+
+def triton_launch(kernel: str, Hp: int, bq: int, bk: int) -> tuple[int, int]:
+    """(warps, stages) of Triton kernel "fwd", "dq" or "dkv" at padded head dim `Hp`
+    with `bq` x `bk` tiles: the measured choice (`_LAUNCH`; head dims below 64 and
+    tiles below 32 take those of 64 and 32, which need no more registers), else
+    Triton's usual 4 warps with 3 (forward) or 2 stages."""
+    key = (kernel, max(64, Hp), max(32, bq), max(32, bk))
+    return _LAUNCH.get(key, (4, 3 if kernel == "fwd" else 2))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +213,7 @@ class _Config:
     hopper: Any = None  # hopper.HopperConfig
     backward: str = "triton"  # or "hopper"
     hopper_backward: Any = None  # hopper_backward.HopperBackwardConfig
+    triton: TritonConfig | None = None  # None: `triton_launch`'s choice per kernel
 
 
 _CHOICES = ("auto", "triton", "hopper")
@@ -181,7 +295,8 @@ def flash_attention_gpu(q, k, v, mask=None, *, bias=None, scale=None, softcap=No
                         relative_bias: RelativeBias | None = None, q_offset=0, kv_offset=0,
                         return_lse=False, block_sizes: BlockSizes | None = None,
                         interpret: Any = False, forward: str = "auto", hopper_config=None,
-                        backward: str = "auto", hopper_backward_config=None):
+                        backward: str = "auto", hopper_backward_config=None,
+                        triton_config: TritonConfig | None = None):
     """q `[B,T,N,H]`, k/v `[B,S,K,H]` -> out `[B,T,N,H]` (and lse `[B,N,T]` fp32).
     `relative_bias`: T5's bias per tile (its table differentiable; Triton only).
 
@@ -190,7 +305,9 @@ def flash_attention_gpu(q, k, v, mask=None, *, bias=None, scale=None, softcap=No
     Triton one; "hopper" insists (and runs it in GPU interpret mode when
     `interpret`); "triton" never uses it. `hopper_config`: its tiles.
     `backward`, `hopper_backward_config`: the same choice for the dq and dk/dv
-    kernels (`hopper_backward.supports`: also head dims up to 128)."""
+    kernels (`hopper_backward.supports`: also head dims up to 128). `triton_config`:
+    the Triton kernels' warps and pipeline stages (None: `triton_launch`'s
+    choice for each kernel's tiles)."""
     H = q.shape[-1]
     static = (q_offset, kv_offset) if all(isinstance(o, int) for o in (q_offset, kv_offset)) \
         else None
@@ -205,7 +322,7 @@ def flash_attention_gpu(q, k, v, mask=None, *, bias=None, scale=None, softcap=No
                   hopper_config,
                   _pick_forward(backward, q, k, v, mask, bias, interpret, which="backward",
                                 alibi=alibi, relative=rel is not None),
-                  hopper_backward_config)
+                  hopper_backward_config, triton_config)
     offs = jnp.stack([jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32)])
     out, lse = _flash(cfg, q, k, v, mask, bias, alibi, rel, offs)
     return (out, lse) if return_lse else out
@@ -482,7 +599,7 @@ def _row_call(cfg, q, k, v, mask, bias, alibi, rel, offs, backward, do=None, lse
     outs = pl.pallas_call(
         kernel, grid=(d.Tp // bq, d.B, d.N), in_specs=in_specs, out_specs=out_specs,
         out_shape=out_shape, interpret=cfg.interpret,
-        compiler_params=_triton_params(4, 2 if backward else 3),
+        compiler_params=_launch(cfg, "dq" if backward else "fwd", d),
         name="tfjax_flash_dq_gpu" if backward else "tfjax_flash_fwd_gpu",
     )(*operands)
     if backward:  # dq, and T5's table gradient [nb, N]
@@ -610,7 +727,8 @@ def _dkv_call(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta):
     outs = pl.pallas_call(
         kernel, grid=(d.Sp // bk, d.B, d.K), in_specs=in_specs, out_specs=out_specs,
         out_shape=out_shape, interpret=cfg.interpret, input_output_aliases=aliases,
-        compiler_params=_triton_params(4, 2), name="tfjax_flash_dkv_gpu",
+        compiler_params=_launch(cfg, "dkv", d),
+        name="tfjax_flash_dkv_gpu",
     )(*operands)
     dk, dv = outs[0][:, :d.S, :, :d.H], outs[1][:, :d.S, :, :d.H]
     dbias = None

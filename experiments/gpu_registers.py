@@ -1,0 +1,251 @@
+"""Registers, spills and shared memory of the Triton attention kernels per tile
+choice, as ptxas compiles them for an H200, on a machine without a GPU.
+
+    python experiments/gpu_registers.py   # Python 3.12 venv with jax[cuda13]; ~4 min, 2 cores
+
+Each configuration (causal fwd, or fwd+bwd, S = 8k, GQA 32/8, bf16) is compiled
+by XLA:GPU for a deviceless H200 (the topology of `bench_attention.py
+--compile-only`; needs jax's CUDA plugin, `pip install "jax[cuda13]"`, no GPU or
+driver). XLA hands the Triton kernels' PTX to ptxas; its report (XLA logs it at
+TF_CPP_VMODULE=subprocess_compilation=5) gives registers per thread and spill
+stores/loads, and XLA's thunk sequence (--xla_dump_to) the launch: threads and
+shared memory. From them, programs resident per SM by the occupancy rules of
+sm_90: 65,536 registers per SM allocated per warp in units of 256, 228 KiB of
+shared memory with 1 KiB reserved per program, at most 64 warps and 32 programs.
+
+Why it matters before any timing: a kernel whose tiles need more than 255
+registers per thread spills part of them to local memory, and its inner loop
+then goes through L1/L2 for them. `tfjax.ops.pallas.gpu.triton_launch` takes its
+warps and stages from this table (`choose`: no spills, then the most programs per
+SM, then fewer warps, then more stages); the script prints that choice for
+`gpu._LAUNCH`, and tests/ops/test_pallas_gpu.py checks the two agree. Writes
+experiments/results/attention_gpu_ptxas_<date>.md.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+
+_DUMP = ""
+if __name__ == "__main__":  # XLA reads these when its backends start: before jax is imported
+    _DUMP = tempfile.mkdtemp(prefix="tfjax_ptxas_")
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0"
+    os.environ["TF_CPP_VMODULE"] = "subprocess_compilation=5"
+    os.environ["XLA_FLAGS"] = (f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={_DUMP} "
+                               "--xla_gpu_ptx_compiler_extra_flags=-v").strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import dataclasses  # noqa: E402
+import datetime  # noqa: E402
+import glob  # noqa: E402
+import itertools  # noqa: E402
+import re  # noqa: E402
+import types  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from bench_attention import _as_if_on_gpu, _write_results  # noqa: E402
+from tfjax.ops import masks as M  # noqa: E402
+from tfjax.ops.pallas.gpu import (  # noqa: E402
+    TritonConfig,
+    _default_block_sizes,
+    _pow2,
+    flash_attention_gpu,
+    triton_launch,
+)
+
+KERNELS = {"fwd": "tfjax_flash_fwd_gpu", "dq": "tfjax_flash_dq_gpu",
+           "dkv": "tfjax_flash_dkv_gpu"}
+# sm_90 (H100 / H200) occupancy limits
+REGS_PER_SM, REG_UNIT, SMEM_PER_SM, SMEM_RESERVED, MAX_WARPS, MAX_PROGRAMS = (
+    65536, 256, 228 * 1024, 1024, 64, 32)
+
+
+@contextlib.contextmanager
+def _stderr_to(path):
+    """Everything written to file descriptor 2 (XLA's C++ log) goes to `path`."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(path, "wb") as f:
+        os.dup2(f.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def parse_ptxas(log: str) -> dict[str, dict]:
+    """ptxas -v reports in `log` -> {function: {registers, spill_stores, spill_loads, stack}}."""
+    out = {}
+    for chunk in log.split("Compiling entry function '")[1:]:
+        name = chunk.split("'", 1)[0]
+        frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, "
+                          r"(\d+) bytes spill loads", chunk)
+        regs = re.search(r"Used (\d+) registers", chunk)
+        if frame and regs:
+            out[name] = dict(registers=int(regs.group(1)), stack=int(frame.group(1)),
+                             spill_stores=int(frame.group(2)), spill_loads=int(frame.group(3)))
+    return out
+
+
+def parse_launches(thunks: str) -> dict[str, dict]:
+    """XLA's thunk sequence -> {kernel: {threads, smem}} (threads per program)."""
+    out = {}
+    for m in re.finditer(r"(\w+) grid: \[[\d, ]+\] threads: \[(\d+), (\d+), (\d+)\]\s+"
+                         r"shared_memory: (\d+) bytes", thunks):
+        threads = int(m.group(2)) * int(m.group(3)) * int(m.group(4))
+        out[m.group(1)] = dict(threads=threads, smem=int(m.group(5)))
+    return out
+
+
+def programs_per_sm(registers: int, threads: int, smem: int) -> tuple[int, str]:
+    """Resident programs per SM on sm_90 and the resource that limits them."""
+    warps = -(-threads // 32)
+    per_warp = -(-registers * 32 // REG_UNIT) * REG_UNIT
+    limits = {"registers": REGS_PER_SM // (per_warp * warps),
+              "shared memory": SMEM_PER_SM // (smem + SMEM_RESERVED),
+              "warps": MAX_WARPS // warps, "programs": MAX_PROGRAMS}
+    which = min(limits, key=limits.get)
+    return limits[which], which
+
+
+def _compile(f, shapes, log_path):
+    before = set(glob.glob(os.path.join(_DUMP, "*thunk_sequence.txt")))
+    with _stderr_to(log_path):
+        f.lower(*shapes).compile()
+    new = sorted(set(glob.glob(os.path.join(_DUMP, "*thunk_sequence.txt"))) - before)
+    thunks = "".join(open(p).read() for p in new)
+    return parse_ptxas(open(log_path, errors="replace").read()), parse_launches(thunks)
+
+
+FWD_TILES = ((64, 32), (64, 64), (64, 128), (128, 32), (128, 64), (128, 128))
+# (dq tiles, dk/dv tiles), query x key: square, and FlashAttention-2's Triton shapes
+# (long query tiles for dq, long key tiles for dk/dv)
+BWD_TILES = (((32, 32), (32, 32)), ((64, 32), (32, 64)), ((64, 64), (64, 64)),
+             ((128, 32), (32, 128)), ((128, 64), (64, 128)), ((128, 128), (128, 128)))
+
+
+def rows_for(H):
+    """(kind, BlockSizes, TritonConfig, kernels to report) per configuration."""
+    d, base = _default_block_sizes(H), TritonConfig()
+    for (bq, bk), w, st in itertools.product(FWD_TILES, (4, 8), (3, 2)):
+        yield ("fwd", dataclasses.replace(d, block_q=bq, block_kv=bk),
+               dataclasses.replace(base, num_warps=w, num_stages=st), ("fwd",))
+    for ((bq, bk), (bq2, bk2)), w in itertools.product(BWD_TILES, (4, 8)):
+        yield ("bwd", dataclasses.replace(d, block_q_dq=bq, block_kv_dq=bk, block_q_dkv=bq2,
+                                          block_kv_dkv=bk2),
+               dataclasses.replace(base, num_warps_dq=w, num_warps_dkv=w), ("dq", "dkv"))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--head-dims", default="64,128,256")
+    p.add_argument("--seq", type=int, default=8192)
+    args = p.parse_args()
+    B, N, K, S = 1, 32, 8, args.seq
+    mask = M.causal()
+    out = [f"# Triton attention kernels as ptxas compiles them for an NVIDIA H200 (sm_90a), "
+           f"without a GPU (jax {jax.__version__}, "
+           f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC)", "",
+           f"`python experiments/gpu_registers.py` (deviceless XLA:GPU compile, ptxas -v). "
+           f"B={B}, N={N}, K={K}, T=S={S}, causal, bf16. Tiles are query x key "
+           f"(a dq row and the dk/dv row under it come from one fwd+bwd compile). Programs/SM: resident programs by "
+           f"sm_90's occupancy rules, and what limits them. Defaults marked *.", "",
+           "| H | kernel | tiles | warps, stages | registers | spill stores / loads (B) | "
+           "shared memory (KiB) | programs/SM |", "|---|---|---|---|---|---|---|---|"]
+    print("\n".join(out), flush=True)
+    aot = types.SimpleNamespace(aot="compile")
+    log = os.path.join(_DUMP, "ptxas.log")
+    with _as_if_on_gpu(aot):
+        for H in (int(h) for h in args.head_dims.split(",")):
+            shapes = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=aot.gpu_sharding)
+                      for s in ((B, S, N, H), (B, S, K, H), (B, S, K, H))]
+            dflt = _default_block_sizes(H)
+            for kind, bs, tc, kernels in rows_for(H):
+                attn = lambda q, k, v, bs=bs, tc=tc: flash_attention_gpu(
+                    q, k, v, mask, forward="triton", backward="triton", block_sizes=bs,
+                    triton_config=tc)
+                f = jax.jit(attn) if kind == "fwd" else jax.jit(jax.grad(
+                    lambda q, k, v, a=attn: a(q, k, v).astype(jnp.float32).sum(), (0, 1, 2)))
+                try:
+                    ptxas, launches = _compile(f, shapes, log)
+                    error = None
+                except Exception as e:  # noqa: BLE001 - a row says why a configuration failed
+                    error = f"{type(e).__name__}: {str(e).splitlines()[0][:90]}"
+                for kern in kernels:
+                    bq, bk, warps, stages = _kernel_key(bs, tc, kern)
+                    star = " *" if ((bq, bk) == _kernel_key(dflt, tc, kern)[:2] and (
+                        warps, stages) == triton_launch(kern, _pow2(H), bq, bk)) else ""
+                    head = f"| {H} | {kern} | {bq}x{bk}{star} | {warps}, {stages} |"
+                    r, ln = (None, None) if error else (ptxas.get(KERNELS[kern]),
+                                                        launches.get(KERNELS[kern]))
+                    if error or r is None or ln is None:
+                        why = error or "no ptxas report (kernel compiled earlier and cached)"
+                        row = f"{head} failed: {why} | | | |" if error else f"{head} {why} | | | |"
+                    else:
+                        n, lim = programs_per_sm(r["registers"], ln["threads"], ln["smem"])
+                        row = (f"{head} {r['registers']} | {r['spill_stores']} / "
+                               f"{r['spill_loads']} | {ln['smem'] / 1024:.1f} | {n} ({lim}) |")
+                    out.append(row)
+                    print(row, flush=True)
+    path = _write_results(out, "attention_gpu_ptxas")
+    print("\n# tfjax.ops.pallas.gpu._LAUNCH by the rule (see choose):")
+    print(format_launch(choose(read_table(path))))
+
+
+ROW = re.compile(r"^\| (\d+) \| (fwd|dq|dkv) \| (\d+)x(\d+)(?: \*)? \| (\d+), (\d+) \| "
+                 r"(\d+) \| (\d+) / (\d+) \| [\d.]+ \| (\d+) ")
+
+
+def read_table(path) -> list[dict]:
+    """The measured rows of a results file (failed compiles left out)."""
+    rows = []
+    for line in open(path):
+        m = ROW.match(line)
+        if m:
+            H, kern, bq, bk, w, st, regs, ss, sl, prog = m.groups()
+            rows.append(dict(H=int(H), kernel=kern, bq=int(bq), bk=int(bk), warps=int(w),
+                             stages=int(st), registers=int(regs), spill=int(ss) + int(sl),
+                             programs=int(prog)))
+    return rows
+
+
+def choose(rows) -> dict[tuple[str, int, int, int], tuple[int, int]]:
+    """The launch per (kernel, H, query tile, key tile): among those at which ptxas
+    spills nothing, the most resident programs per SM, then fewer warps, then more
+    stages; where every launch spills, the fewest spilled bytes, then fewer warps."""
+    by_key = {}
+    for r in rows:
+        by_key.setdefault((r["kernel"], r["H"], r["bq"], r["bk"]), []).append(r)
+    best = {}
+    for key, rs in by_key.items():
+        r = min(rs, key=lambda r: (r["spill"] > 0, r["spill"], -r["programs"], r["warps"],
+                                   -r["stages"]))
+        best[key] = (r["warps"], r["stages"])
+    return best
+
+
+def format_launch(choice) -> str:
+    items = [f"{k!r}: {v!r}," for k, v in sorted(choice.items())]
+    return "_LAUNCH = {\n" + "\n".join(f"    {i}" for i in items) + "\n}"
+
+
+def _kernel_key(bs, tc, kern):
+    """(query tile, key tile, warps, stages) of one kernel."""
+    return {"fwd": (bs.block_q, bs.block_kv, tc.num_warps, tc.num_stages),
+            "dq": (bs.block_q_dq, bs.block_kv_dq, tc.num_warps_dq, tc.num_stages_dq),
+            "dkv": (bs.block_q_dkv, bs.block_kv_dkv, tc.num_warps_dkv, tc.num_stages_dkv)}[kern]
+
+
+if __name__ == "__main__":
+    main()
