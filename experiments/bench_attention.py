@@ -59,8 +59,9 @@ topology (`jax.experimental.topologies` with `tfjax.train.aot.GPU_TARGET_CONFIGS
 CUDA plugin, `pip install "jax[cuda13]"`, no GPU or driver): the Triton kernels
 go through Triton and ptxas (a tile that overflows shared memory fails here), cuDNN
 and XLA's fusions compile too; each cell gives XLA's compiled temporary memory.
-The Mosaic GPU kernels stay custom calls that Mosaic compiles when a GPU runs
-them: here they are checked to the end of their Python lowering passes. Writes attention_gpu_aot_<date>.md /
+The Mosaic GPU kernels are compiled too: XLA's compile hands each one to Mosaic,
+which runs its MLIR passes and ptxas for sm_90a (experiments/gpu_registers.py
+reads ptxas's report). Writes attention_gpu_aot_<date>.md /
 attention_gpu_tiles_aot_<date>.md.
 """
 

@@ -1,5 +1,6 @@
-"""Registers, spills and shared memory of the Triton attention kernels per tile
-choice, as ptxas compiles them for an H200, on a machine without a GPU.
+"""Registers, spills and shared memory of the GPU attention kernels (Triton, and
+the Hopper kernels in Mosaic GPU) per tile choice, as ptxas compiles them for an
+H200, on a machine without a GPU.
 
     python experiments/gpu_registers.py   # Python 3.12 venv with jax[cuda13]; ~4 min, 2 cores
 
@@ -18,8 +19,15 @@ registers per thread spills part of them to local memory, and its inner loop
 then goes through L1/L2 for them. `tfjax.ops.pallas.gpu.triton_launch` takes its
 warps and stages from this table (`choose`: no spills, then the most programs per
 SM, then fewer warps, then more stages); the script prints that choice for
-`gpu._LAUNCH`, and tests/ops/test_pallas_gpu.py checks the two agree. Writes
-experiments/results/attention_gpu_ptxas_<date>.md.
+`gpu._LAUNCH`, and tests/ops/test_pallas_gpu.py checks the two agree.
+
+The Hopper kernels (`tfjax/ops/pallas/hopper*.py`): when XLA compiles the program,
+Mosaic GPU compiles each kernel through ptxas too; its report
+(MOSAIC_GPU_DUMP_PTXAS=1), the PTX's thread count and the scratch shared memory
+Mosaic allocates (MOSAIC_GPU_DUMP_RESOURCES=1) give the same columns, per forward
+configuration (consumer warpgroups, key tile, stages, schedule) and backward tiles.
+
+Writes experiments/results/attention_gpu_ptxas_<date>.md.
 """
 
 from __future__ import annotations
@@ -35,10 +43,14 @@ if __name__ == "__main__":  # XLA reads these when its backends start: before ja
     os.environ["TF_CPP_VMODULE"] = "subprocess_compilation=5"
     os.environ["XLA_FLAGS"] = (f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={_DUMP} "
                                "--xla_gpu_ptx_compiler_extra_flags=-v").strip()
+    os.environ["MOSAIC_GPU_DUMP_PTX"] = "1"  # Mosaic GPU: PTX and ptxas -v on stdout
+    os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"
+    os.environ["MOSAIC_GPU_DUMP_RESOURCES"] = "1"
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
+import ctypes  # noqa: E402
 import dataclasses  # noqa: E402
 import datetime  # noqa: E402
 import glob  # noqa: E402
@@ -70,18 +82,24 @@ REGS_PER_SM, REG_UNIT, SMEM_PER_SM, SMEM_RESERVED, MAX_WARPS, MAX_PROGRAMS = (
 
 
 @contextlib.contextmanager
-def _stderr_to(path):
-    """Everything written to file descriptor 2 (XLA's C++ log) goes to `path`."""
+def _output_to(path):
+    """Everything written to file descriptors 1 and 2 (Mosaic GPU's dumps, XLA's
+    C++ log) goes to `path`."""
+    sys.stdout.flush()
     sys.stderr.flush()
-    saved = os.dup(2)
+    saved = os.dup(1), os.dup(2)
     with open(path, "wb") as f:
+        os.dup2(f.fileno(), 1)
         os.dup2(f.fileno(), 2)
         try:
             yield
         finally:
+            sys.stdout.flush()
             sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
+            ctypes.CDLL(None).fflush(None)  # C stdio buffers (Mosaic GPU prints through them)
+            for fd, old in zip((1, 2), saved):
+                os.dup2(old, fd)
+                os.close(old)
 
 
 def parse_ptxas(log: str) -> dict[str, dict]:
@@ -121,7 +139,7 @@ def programs_per_sm(registers: int, threads: int, smem: int) -> tuple[int, str]:
 
 def _compile(f, shapes, log_path):
     before = set(glob.glob(os.path.join(_DUMP, "*thunk_sequence.txt")))
-    with _stderr_to(log_path):
+    with _output_to(log_path):
         f.lower(*shapes).compile()
     new = sorted(set(glob.glob(os.path.join(_DUMP, "*thunk_sequence.txt"))) - before)
     thunks = "".join(open(p).read() for p in new)
@@ -133,6 +151,54 @@ FWD_TILES = ((64, 32), (64, 64), (64, 128), (128, 32), (128, 64), (128, 128))
 # (long query tiles for dq, long key tiles for dk/dv)
 BWD_TILES = (((32, 32), (32, 32)), ((64, 32), (32, 64)), ((64, 64), (64, 64)),
              ((128, 32), (32, 128)), ((128, 64), (64, 128)), ((128, 128), (128, 128)))
+
+
+MOSAIC_NAMES = {"kernel_mosaic_gpu_kernel": "fwd", "dq_kernel_mosaic_gpu_kernel": "dq",
+                "dkv_kernel_mosaic_gpu_kernel": "dkv"}
+
+
+def mosaic_kernels(lowering_log: str, compile_log: str, kernels) -> dict[str, dict]:
+    """{"fwd" | "dq" | "dkv": report} of the Mosaic GPU kernels of one program.
+    While lowering, Mosaic prints each kernel's resources (MOSAIC_GPU_DUMP_RESOURCES:
+    its shared memory scratch), in program order (`kernels`); when XLA compiles the
+    program, Mosaic compiles each kernel through ptxas and prints its PTX (threads:
+    .maxntid) and ptxas's report, named after the kernel's body (kernel, dq_kernel,
+    dkv_kernel in hopper*.py)."""
+    smem = [int(b) for b in re.findall(r"Resources\(smem_scratch_bytes=(\d+)", lowering_log)]
+    threads = dict(re.findall(r"\.entry (\w+)\([^)]*\)\s*\.maxntid (\d+)", compile_log))
+    out = {}
+    for name, r in parse_ptxas(compile_log).items():
+        if name in MOSAIC_NAMES and name in threads:
+            out[MOSAIC_NAMES[name]] = dict(r, threads=int(threads[name]))
+    for kern, b in zip(kernels, smem):
+        if kern in out:
+            out[kern]["smem"] = b
+    return out
+
+
+def hopper_rows(H):
+    """(kind, config text, forward kwargs, kernels) for the Mosaic GPU kernels."""
+    from tfjax.ops.pallas.hopper import _SMEM_BYTES, HopperConfig
+    from tfjax.ops.pallas.hopper_backward import HopperBackwardConfig
+
+    dflt = HopperConfig.default(H)
+    for wg, bk, st in itertools.product((2, 1), (64, 128), (2, 3)):
+        c = HopperConfig(block_kv=bk, stages=st, compute_warpgroups=wg)
+        if c.smem_bytes(H) <= _SMEM_BYTES:
+            yield ("fwd", f"{wg} consumer{'s' if wg > 1 else ''}, block_kv={bk} stages={st}"
+                   f"{' *' if c == dflt else ''}", dict(forward="hopper", hopper_config=c),
+                   ("fwd",))
+    for name, c in (("no ping-pong", dataclasses.replace(dflt, pingpong=False)),
+                    ("overlap", dataclasses.replace(dflt, overlap=True))):
+        yield ("fwd", f"default, {name}", dict(forward="hopper", hopper_config=c), ("fwd",))
+    if H <= 128:
+        for bdq, bdkv in itertools.product((64, 128), (64, 128)):
+            c = HopperBackwardConfig(bdq, bdkv)
+            if c.smem_bytes(H) <= _SMEM_BYTES:
+                yield ("bwd", f"block_kv_dq={bdq} block_q_dkv={bdkv}"
+                       f"{' *' if c == HopperBackwardConfig() else ''}",
+                       dict(forward="hopper", backward="hopper", hopper_backward_config=c),
+                       ("fwd", "dq", "dkv"))
 
 
 def rows_for(H):
@@ -196,6 +262,47 @@ def main():
                         n, lim = programs_per_sm(r["registers"], ln["threads"], ln["smem"])
                         row = (f"{head} {r['registers']} | {r['spill_stores']} / "
                                f"{r['spill_loads']} | {ln['smem'] / 1024:.1f} | {n} ({lim}) |")
+                    out.append(row)
+                    print(row, flush=True)
+    out += ["", "Mosaic GPU (the Hopper kernels, `tfjax/ops/pallas/hopper*.py`): Mosaic "
+            "compiles each kernel to a cubin through ptxas when XLA compiles the program "
+            "(its report: MOSAIC_GPU_DUMP_PTXAS=1; shared memory: the scratch Mosaic "
+            "allocates, MOSAIC_GPU_DUMP_RESOURCES=1). A fwd+bwd row reports the "
+            "backward's dq and dk/dv kernels.", "",
+            "| H | kernel | config | threads | registers | spill stores / loads (B) | "
+            "shared memory (KiB) | programs/SM |", "|---|---|---|---|---|---|---|---|"]
+    print("\n".join(out[-5:]), flush=True)
+    with _as_if_on_gpu(aot):
+        for H in (int(h) for h in args.head_dims.split(",")):
+            shapes = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=aot.gpu_sharding)
+                      for s in ((B, S, N, H), (B, S, K, H), (B, S, K, H))]
+            for kind, text, kw, kernels in hopper_rows(H):
+                attn = lambda q, k, v, kw=kw: flash_attention_gpu(q, k, v, mask, **kw)
+                f = jax.jit(attn) if kind == "fwd" else jax.jit(jax.grad(
+                    lambda q, k, v, a=attn: a(q, k, v).astype(jnp.float32).sum(), (0, 1, 2)))
+                try:
+                    with _output_to(log):
+                        lowered = f.lower(*shapes)
+                    with _output_to(log + ".compile"):
+                        lowered.compile()
+                    found = mosaic_kernels(open(log, errors="replace").read(),
+                                           open(log + ".compile", errors="replace").read(),
+                                           kernels)
+                    missing = [k for k in kernels if "smem" not in found.get(k, {})]
+                    error = f"no Mosaic GPU report for {missing}" if missing else None
+                except Exception as e:  # noqa: BLE001 - a row says why a configuration failed
+                    error = f"{type(e).__name__}: {str(e).splitlines()[0][:90]}"
+                for kern in kernels:
+                    if kind == "bwd" and kern == "fwd":
+                        continue
+                    head = f"| {H} | {kern} | {text} |"
+                    if error:
+                        row = f"{head} failed: {error} | | | | |"
+                    else:
+                        r = found[kern]
+                        n, lim = programs_per_sm(r["registers"], r["threads"], r["smem"])
+                        row = (f"{head} {r['threads']} | {r['registers']} | {r['spill_stores']}"
+                               f" / {r['spill_loads']} | {r['smem'] / 1024:.1f} | {n} ({lim}) |")
                     out.append(row)
                     print(row, flush=True)
     path = _write_results(out, "attention_gpu_ptxas")

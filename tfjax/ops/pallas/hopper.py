@@ -123,7 +123,9 @@ class HopperConfig:
     @classmethod
     def default(cls, H: int) -> "HopperConfig":
         """128-key tiles while double-buffered K/V fit shared memory beside the
-        query tile (head dims up to 128), else 64. Not tuned on hardware yet."""
+        query tile (head dims up to 128), else 64. Not tuned on hardware yet.
+        ptxas compiles it without spills at H <= 128; above, every configuration
+        spills (experiments/gpu_registers.py), so `forward="auto"` picks Triton."""
         return cls(block_kv=128 if round_up(H, 64) <= 128 else 64)
 
     def smem_bytes(self, H: int, itemsize: int = 2, slots: int = 0) -> int:
