@@ -217,6 +217,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--head-dims", default="64,128,256")
     p.add_argument("--seq", type=int, default=8192)
+    p.add_argument("--only", choices=["triton", "hopper"], default=None,
+                   help="one family of kernels (the results file then holds only it)")
     args = p.parse_args()
     B, N, K, S = 1, 32, 8, args.seq
     mask = M.causal()
@@ -237,7 +239,7 @@ def main():
             shapes = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=aot.gpu_sharding)
                       for s in ((B, S, N, H), (B, S, K, H), (B, S, K, H))]
             dflt = _default_block_sizes(H)
-            for kind, bs, tc, kernels in rows_for(H):
+            for kind, bs, tc, kernels in rows_for(H) if args.only != "hopper" else ():
                 attn = lambda q, k, v, bs=bs, tc=tc: flash_attention_gpu(
                     q, k, v, mask, forward="triton", backward="triton", block_sizes=bs,
                     triton_config=tc)
@@ -276,7 +278,7 @@ def main():
         for H in (int(h) for h in args.head_dims.split(",")):
             shapes = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=aot.gpu_sharding)
                       for s in ((B, S, N, H), (B, S, K, H), (B, S, K, H))]
-            for kind, text, kw, kernels in hopper_rows(H):
+            for kind, text, kw, kernels in hopper_rows(H) if args.only != "triton" else ():
                 attn = lambda q, k, v, kw=kw: flash_attention_gpu(q, k, v, mask, **kw)
                 f = jax.jit(attn) if kind == "fwd" else jax.jit(jax.grad(
                     lambda q, k, v, a=attn: a(q, k, v).astype(jnp.float32).sum(), (0, 1, 2)))
@@ -305,7 +307,7 @@ def main():
                                f" / {r['spill_loads']} | {r['smem'] / 1024:.1f} | {n} ({lim}) |")
                     out.append(row)
                     print(row, flush=True)
-    path = _write_results(out, "attention_gpu_ptxas")
+    path = _write_results(out, "attention_gpu_ptxas" + (f"_{args.only}" if args.only else ""))
     print("\n# tfjax.ops.pallas.gpu._LAUNCH by the rule (see choose):")
     print(format_launch(choose(read_table(path))))
 

@@ -217,12 +217,6 @@ class _Config:
 
 
 _CHOICES = ("auto", "triton", "hopper")
-# forward="auto" takes the Hopper forward up to this head dim. Above it, ptxas spills
-# registers in every configuration of the Hopper forward (H=256: 828 B per thread at
-# the default tiles, 480 B with one consumer warpgroup at 255 registers), while the
-# Triton forward's 64 x 64 tiles compile without spills
-# (experiments/results/attention_gpu_ptxas_20261130.md). forward="hopper" still runs it.
-AUTO_HOPPER_MAX_HEAD_DIM = 128
 
 
 _TARGETS: list[int] = []  # compute capabilities named by active `gpu_lowering_target`s
@@ -292,8 +286,6 @@ def _pick_forward(choice, q, k, v, mask, bias, interpret, which="forward", alibi
                              f"{which}='triton' (or 'auto') for this request")
         return "hopper"
     if choice == "auto" and not interpret and reason is None and _is_hopper():
-        if which == "forward" and q.shape[-1] > AUTO_HOPPER_MAX_HEAD_DIM:
-            return "triton"
         return "hopper"
     return "triton"
 
@@ -309,8 +301,7 @@ def flash_attention_gpu(q, k, v, mask=None, *, bias=None, scale=None, softcap=No
     `relative_bias`: T5's bias per tile (its table differentiable; Triton only).
 
     `forward`: "auto" runs the Hopper (Mosaic GPU) forward on sm_90 GPUs when it
-    supports the request (16-bit, no bias, see `hopper.supports`) at head dims up
-    to 128 (above, it spills registers: `AUTO_HOPPER_MAX_HEAD_DIM`), else the
+    supports the request (16-bit, no bias, see `hopper.supports`), else the
     Triton one; "hopper" insists (and runs it in GPU interpret mode when
     `interpret`); "triton" never uses it. `hopper_config`: its tiles.
     `backward`, `hopper_backward_config`: the same choice for the dq and dk/dv

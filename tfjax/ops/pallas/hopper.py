@@ -123,9 +123,9 @@ class HopperConfig:
     @classmethod
     def default(cls, H: int) -> "HopperConfig":
         """128-key tiles while double-buffered K/V fit shared memory beside the
-        query tile (head dims up to 128), else 64. Not tuned on hardware yet.
-        ptxas compiles it without spills at H <= 128; above, every configuration
-        spills (experiments/gpu_registers.py), so `forward="auto"` picks Triton."""
+        query tile (head dims up to 128), else 64. Not tuned on hardware yet;
+        ptxas compiles it without spills at H = 64, 128, 256
+        (experiments/gpu_registers.py)."""
         return cls(block_kv=128 if round_up(H, 64) <= 128 else 64)
 
     def smem_bytes(self, H: int, itemsize: int = 2, slots: int = 0) -> int:
@@ -347,6 +347,27 @@ class _Ring:
             return carry
 
         return lax.fori_loop(0, self.n, step, carry)
+
+
+def mma(a, b, shape, acc=None, *, interpret=False):
+    """acc + a @ b on the tensor cores (a: shared memory or registers, b: shared
+    memory; fp32). Compiled, the accumulator is updated in place
+    (`run_state` + `ACC.init`); the GPU interpreter lacks run_state, so there
+    the product goes to a fresh accumulator and is added."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if acc is not None and not interpret:
+        def update(acc_ref):
+            plgpu.wgmma(acc_ref, a, b)
+
+        return pl.run_state(update)(plgpu.ACC.init(acc))
+
+    def fresh(acc_ref):
+        plgpu.wgmma(acc_ref, a, b)
+        return acc_ref[...]
+
+    out = pl.run_scoped(fresh, plgpu.ACC(shape, jnp.float32))
+    return out if acc is None else acc + out
 
 
 def _pipelined(*, C, stages, n, fixed, ring, consume, extra=()):
@@ -575,13 +596,6 @@ def flash_forward_hopper(q, k, v, mask, *, scale: float, softcap: float | None, 
                 alpha = jnp.exp2(m_i - m_safe)
                 return p, m_new, alpha, l_i * alpha + p.sum(axis=1)
 
-            def mm(a, b, shape):
-                def f(acc_ref):
-                    plgpu.wgmma(acc_ref, a, b)
-                    return acc_ref[...]
-
-                return pl.run_scoped(f, plgpu.ACC(shape, jnp.float32))
-
             def finish(acc, m_i, l_i):
                 has = l_i > 0
                 l_safe = jnp.where(has, l_i, 1.0)
@@ -608,8 +622,11 @@ def flash_forward_hopper(q, k, v, mask, *, scale: float, softcap: float | None, 
                 ring.wait(1, t)
                 if pingpong:
                     plgpu.barrier_wait(sched_bar)  # the tensor cores are free
-                o = mm(p.astype(dtype), v_s, (bq, Hp))
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + o
+                # P V accumulates into the rescaled output itself (the wgmma's
+                # accumulator starts from it, `mma`): no second [bq, H] fp32 tile
+                # in registers (with one, ptxas spilled 828 B per thread at H = 256).
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                acc = mma(p.astype(dtype), v_s, (bq, Hp), acc, interpret=interp is not None)
                 return acc, m_new, l_i
 
             acc = plgpu.layout_cast(jnp.zeros((bq, Hp), jnp.float32), wgmma_layout)
@@ -653,12 +670,12 @@ def flash_forward_hopper(q, k, v, mask, *, scale: float, softcap: float | None, 
             @pl.when(n > 0)
             def _():
                 wait_k(0)
-                s = scores(mm(q_tile, plgpu.transpose_ref(ring.at(0, 0), (1, 0)), (bq, bk)), 0)
+                s = scores(mma(q_tile, plgpu.transpose_ref(ring.at(0, 0), (1, 0)), (bq, bk)), 0)
                 p, m0, _, l0 = softmax(s, m_i, l_i)
                 acc_, p_last, m_last, l_last = lax.fori_loop(
                     1, n, overlapped, (acc, p.astype(dtype), m0, l0))
                 ring.wait(1, n - 1)
-                o = mm(p_last, ring.at(1, n - 1), (bq, Hp))
+                o = mma(p_last, ring.at(1, n - 1), (bq, Hp))
                 ring.release(n - 1)
                 finish(acc_ + o, m_last, l_last)
 

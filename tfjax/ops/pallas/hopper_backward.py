@@ -110,25 +110,7 @@ class HopperBackwardConfig:
         return max(dq, dkv)
 
 
-def _mma(a, b, shape, acc=None, *, interpret=False):
-    """acc + a @ b on the tensor cores (a: shared memory or registers, b: shared
-    memory; fp32). Compiled, the accumulator is updated in place
-    (`run_state` + `ACC.init`); the GPU interpreter lacks run_state, so there
-    the product goes to a fresh accumulator and is added."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    if acc is not None and not interpret:
-        def update(acc_ref):
-            plgpu.wgmma(acc_ref, a, b)
-
-        return pl.run_state(update)(plgpu.ACC.init(acc))
-
-    def fresh(acc_ref):
-        plgpu.wgmma(acc_ref, a, b)
-        return acc_ref[...]
-
-    out = pl.run_scoped(fresh, plgpu.ACC(shape, jnp.float32))
-    return out if acc is None else acc + out
+_mma = hopper.mma  # acc + a @ b on the tensor cores, in place when compiled
 
 
 def flash_backward_hopper(q, k, v, do, lse, delta, mask, *, scale: float, softcap: float | None,
