@@ -2,9 +2,10 @@
 the Hopper kernels in Mosaic GPU) per tile choice, as ptxas compiles them for an
 H200, on a machine without a GPU.
 
-    python experiments/gpu_registers.py   # Python 3.12 venv with jax[cuda13]; ~4 min, 2 cores
+    python experiments/gpu_registers.py   # Python 3.12 venv with jax[cuda13]; ~12 min, 2 cores
 
-Each configuration (causal fwd, or fwd+bwd, S = 8k, GQA 32/8, bf16) is compiled
+Each configuration (fwd, or fwd+bwd, S = 8k, GQA 32/8, bf16; for each feature class
+of `launch_features`: causal, the per-tile extras at once, T5's bias) is compiled
 by XLA:GPU for a deviceless H200 (the topology of `bench_attention.py
 --compile-only`; needs jax's CUDA plugin, `pip install "jax[cuda13]"`, no GPU or
 driver). XLA hands the Triton kernels' PTX to ptxas; its report (XLA logs it at
@@ -65,6 +66,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from bench_attention import _as_if_on_gpu, _write_results  # noqa: E402
+from tfjax.ops import RelativeBias  # noqa: E402
 from tfjax.ops import masks as M  # noqa: E402
 from tfjax.ops.pallas.gpu import (  # noqa: E402
     TritonConfig,
@@ -201,9 +203,30 @@ def hopper_rows(H):
                        ("fwd", "dq", "dkv"))
 
 
-def rows_for(H):
-    """(kind, BlockSizes, TritonConfig, kernels to report) per configuration."""
-    d, base = _default_block_sizes(H), TritonConfig()
+FEATURES = ("plain", "masked", "t5")  # `tfjax.ops.pallas.gpu.launch_features`
+
+
+def feature_kwargs(features: str, B: int, S: int, N: int) -> dict:
+    """flash_attention_gpu arguments of each feature class: "plain" causal; "masked"
+    the per-tile extras at once (a 1k sliding window with 4 packed documents, ALiBi,
+    soft-capping), the most registers a mask asks of the kernels; "t5" causal with
+    T5's bias per tile (32 buckets)."""
+    if features == "plain":
+        return dict(mask=M.causal())
+    if features == "masked":
+        seg = jnp.repeat(jnp.arange(4, dtype=jnp.int32), S // 4)[None].repeat(B, 0)
+        return dict(mask=M.sliding_window(1024) & M.segments(seg), softcap=30.0,
+                    alibi_slopes=jnp.linspace(0.5, 0.01, N))
+    return dict(mask=M.causal(), relative_bias=RelativeBias(
+        jnp.linspace(-1.0, 1.0, 32 * N).reshape(32, N), bidirectional=False))
+
+
+def rows_for(H, features="plain"):
+    """(kind, BlockSizes, TritonConfig, kernels to report) per configuration; the
+    backward's rows run the default forward at its launch (`triton_launch`)."""
+    d = _default_block_sizes(H)
+    w, st = triton_launch("fwd", _pow2(H), d.block_q, d.block_kv, features)
+    base = TritonConfig(num_warps=w, num_stages=st)
     for (bq, bk), w, st in itertools.product(FWD_TILES, (4, 8), (3, 2)):
         yield ("fwd", dataclasses.replace(d, block_q=bq, block_kv=bk),
                dataclasses.replace(base, num_warps=w, num_stages=st), ("fwd",))
@@ -221,30 +244,35 @@ def main():
                    help="one family of kernels (the results file then holds only it)")
     args = p.parse_args()
     B, N, K, S = 1, 32, 8, args.seq
-    mask = M.causal()
-    out = [f"# Triton attention kernels as ptxas compiles them for an NVIDIA H200 (sm_90a), "
+    out = [f"# Attention kernels as ptxas compiles them for an NVIDIA H200 (sm_90a), "
            f"without a GPU (jax {jax.__version__}, "
            f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC)", "",
            f"`python experiments/gpu_registers.py` (deviceless XLA:GPU compile, ptxas -v). "
-           f"B={B}, N={N}, K={K}, T=S={S}, causal, bf16. Tiles are query x key "
-           f"(a dq row and the dk/dv row under it come from one fwd+bwd compile). Programs/SM: resident programs by "
-           f"sm_90's occupancy rules, and what limits them. Defaults marked *.", "",
-           "| H | kernel | tiles | warps, stages | registers | spill stores / loads (B) | "
-           "shared memory (KiB) | programs/SM |", "|---|---|---|---|---|---|---|---|"]
+           f"B={B}, N={N}, K={K}, T=S={S}, bf16. Features: plain = causal; masked = a 1k "
+           f"sliding window with 4 packed documents, ALiBi and soft-capping at once; t5 = "
+           f"causal with T5's bias (32 buckets). Triton tiles are query x key (a dq row and "
+           f"the dk/dv row under it come from one fwd+bwd compile). Programs/SM: resident "
+           f"programs by sm_90's occupancy rules, and what limits them. Defaults marked *.",
+           "", "| H | features | kernel | tiles | warps, stages | registers | "
+           "spill stores / loads (B) | shared memory (KiB) | programs/SM |",
+           "|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(out), flush=True)
     aot = types.SimpleNamespace(aot="compile")
     log = os.path.join(_DUMP, "ptxas.log")
+    default_tiles = []  # lines of the default tiles' rows
+    grad = lambda attn: jax.jit(jax.grad(
+        lambda q, k, v: attn(q, k, v).astype(jnp.float32).sum(), (0, 1, 2)))
     with _as_if_on_gpu(aot):
-        for H in (int(h) for h in args.head_dims.split(",")):
+        for H, features in itertools.product((int(h) for h in args.head_dims.split(",")),
+                                             FEATURES if args.only != "hopper" else ()):
             shapes = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=aot.gpu_sharding)
                       for s in ((B, S, N, H), (B, S, K, H), (B, S, K, H))]
-            dflt = _default_block_sizes(H)
-            for kind, bs, tc, kernels in rows_for(H) if args.only != "hopper" else ():
+            dflt, fkw = _default_block_sizes(H), feature_kwargs(features, B, S, N)
+            for kind, bs, tc, kernels in rows_for(H, features):
                 attn = lambda q, k, v, bs=bs, tc=tc: flash_attention_gpu(
-                    q, k, v, mask, forward="triton", backward="triton", block_sizes=bs,
-                    triton_config=tc)
-                f = jax.jit(attn) if kind == "fwd" else jax.jit(jax.grad(
-                    lambda q, k, v, a=attn: a(q, k, v).astype(jnp.float32).sum(), (0, 1, 2)))
+                    q, k, v, forward="triton", backward="triton", block_sizes=bs,
+                    triton_config=tc, **fkw)
+                f = jax.jit(attn) if kind == "fwd" else grad(attn)
                 try:
                     ptxas, launches = _compile(f, shapes, log)
                     error = None
@@ -252,9 +280,10 @@ def main():
                     error = f"{type(e).__name__}: {str(e).splitlines()[0][:90]}"
                 for kern in kernels:
                     bq, bk, warps, stages = _kernel_key(bs, tc, kern)
-                    star = " *" if ((bq, bk) == _kernel_key(dflt, tc, kern)[:2] and (
-                        warps, stages) == triton_launch(kern, _pow2(H), bq, bk)) else ""
-                    head = f"| {H} | {kern} | {bq}x{bk}{star} | {warps}, {stages} |"
+                    if (bq, bk) == _kernel_key(dflt, tc, kern)[:2]:
+                        default_tiles.append(len(out))
+                    head = (f"| {H} | {features} | {kern} | {bq}x{bk} | "
+                            f"{warps}, {stages} |")
                     r, ln = (None, None) if error else (ptxas.get(KERNELS[kern]),
                                                         launches.get(KERNELS[kern]))
                     if error or r is None or ln is None:
@@ -266,22 +295,32 @@ def main():
                                f"{r['spill_loads']} | {ln['smem'] / 1024:.1f} | {n} ({lim}) |")
                     out.append(row)
                     print(row, flush=True)
+    # the default: the default tiles at the launch the rule picks from these rows
+    # (what `triton_launch` returns once `gpu._LAUNCH` is the printed choice)
+    choice = choose(r for r in map(_row_of, out) if r)
+    for i in default_tiles:
+        r = _row_of(out[i])
+        if r and choice.get(_key(r)) == (r["warps"], r["stages"]):
+            out[i] = out[i].replace(f" {r['bq']}x{r['bk']} |", f" {r['bq']}x{r['bk']} * |", 1)
     out += ["", "Mosaic GPU (the Hopper kernels, `tfjax/ops/pallas/hopper*.py`): Mosaic "
             "compiles each kernel to a cubin through ptxas when XLA compiles the program "
             "(its report: MOSAIC_GPU_DUMP_PTXAS=1; shared memory: the scratch Mosaic "
             "allocates, MOSAIC_GPU_DUMP_RESOURCES=1). A fwd+bwd row reports the "
             "backward's dq and dk/dv kernels.", "",
-            "| H | kernel | config | threads | registers | spill stores / loads (B) | "
-            "shared memory (KiB) | programs/SM |", "|---|---|---|---|---|---|---|---|"]
+            "| H | features | kernel | config | threads | registers | "
+            "spill stores / loads (B) | shared memory (KiB) | programs/SM |",
+            "|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(out[-5:]), flush=True)
     with _as_if_on_gpu(aot):
-        for H in (int(h) for h in args.head_dims.split(",")):
+        for H, features in itertools.product((int(h) for h in args.head_dims.split(",")),
+                                             ("plain", "masked") if args.only != "triton"
+                                             else ()):
             shapes = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=aot.gpu_sharding)
                       for s in ((B, S, N, H), (B, S, K, H), (B, S, K, H))]
-            for kind, text, kw, kernels in hopper_rows(H) if args.only != "triton" else ():
-                attn = lambda q, k, v, kw=kw: flash_attention_gpu(q, k, v, mask, **kw)
-                f = jax.jit(attn) if kind == "fwd" else jax.jit(jax.grad(
-                    lambda q, k, v, a=attn: a(q, k, v).astype(jnp.float32).sum(), (0, 1, 2)))
+            fkw = feature_kwargs(features, B, S, N)
+            for kind, text, kw, kernels in hopper_rows(H):
+                attn = lambda q, k, v, kw=kw: flash_attention_gpu(q, k, v, **kw, **fkw)
+                f = jax.jit(attn) if kind == "fwd" else grad(attn)
                 try:
                     with _output_to(log):
                         lowered = f.lower(*shapes)
@@ -297,7 +336,7 @@ def main():
                 for kern in kernels:
                     if kind == "bwd" and kern == "fwd":
                         continue
-                    head = f"| {H} | {kern} | {text} |"
+                    head = f"| {H} | {features} | {kern} | {text} |"
                     if error:
                         row = f"{head} failed: {error} | | | | |"
                     else:
@@ -312,30 +351,38 @@ def main():
     print(format_launch(choose(read_table(path))))
 
 
-ROW = re.compile(r"^\| (\d+) \| (fwd|dq|dkv) \| (\d+)x(\d+)(?: \*)? \| (\d+), (\d+) \| "
-                 r"(\d+) \| (\d+) / (\d+) \| [\d.]+ \| (\d+) ")
+ROW = re.compile(r"^\| (\d+) \| (\w+) \| (fwd|dq|dkv) \| (\d+)x(\d+)(?: \*)? \| "
+                 r"(\d+), (\d+) \| (\d+) \| (\d+) / (\d+) \| [\d.]+ \| (\d+) ")
+
+
+def _row_of(line: str) -> dict | None:
+    """A measured Triton row of the table as a dict, else None."""
+    m = ROW.match(line)
+    if not m:
+        return None
+    H, feat, kern, bq, bk, w, st, regs, ss, sl, prog = m.groups()
+    return dict(H=int(H), features=feat, kernel=kern, bq=int(bq), bk=int(bk), warps=int(w),
+                stages=int(st), registers=int(regs), spill=int(ss) + int(sl),
+                programs=int(prog))
+
+
+def _key(r):
+    return r["features"], r["kernel"], r["H"], r["bq"], r["bk"]
 
 
 def read_table(path) -> list[dict]:
-    """The measured rows of a results file (failed compiles left out)."""
-    rows = []
-    for line in open(path):
-        m = ROW.match(line)
-        if m:
-            H, kern, bq, bk, w, st, regs, ss, sl, prog = m.groups()
-            rows.append(dict(H=int(H), kernel=kern, bq=int(bq), bk=int(bk), warps=int(w),
-                             stages=int(st), registers=int(regs), spill=int(ss) + int(sl),
-                             programs=int(prog)))
-    return rows
+    """The measured Triton rows of a results file (failed compiles left out)."""
+    return [r for r in map(_row_of, open(path)) if r]
 
 
-def choose(rows) -> dict[tuple[str, int, int, int], tuple[int, int]]:
-    """The launch per (kernel, H, query tile, key tile): among those at which ptxas
+def choose(rows) -> dict[tuple[str, str, int, int, int], tuple[int, int]]:
+    """The launch per (features, kernel, H, query tile, key tile): among those that
+    compile (shared memory permitting), those at which ptxas
     spills nothing, the most resident programs per SM, then fewer warps, then more
     stages; where every launch spills, the fewest spilled bytes, then fewer warps."""
     by_key = {}
     for r in rows:
-        by_key.setdefault((r["kernel"], r["H"], r["bq"], r["bk"]), []).append(r)
+        by_key.setdefault(_key(r), []).append(r)
     best = {}
     for key, rs in by_key.items():
         r = min(rs, key=lambda r: (r["spill"] > 0, r["spill"], -r["programs"], r["warps"],

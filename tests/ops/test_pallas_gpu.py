@@ -4,6 +4,7 @@ lowering rules of every kernel; the Triton compiler itself runs only on a GPU,
 in the accelerator-marked test)."""
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -145,41 +146,56 @@ def test_triton_launches_are_the_ptxas_tables_choice():
     """`gpu._LAUNCH` is the documented rule applied to the committed ptxas table
     (experiments/gpu_registers.py for an H200, no GPU): re-measuring and forgetting
     to update the launches, or editing one by hand, fails here. At every head dim
-    the default tiles launch at a measured configuration without spills."""
+    and feature class the default tiles launch at a configuration that compiled
+    (T5's bias at H=256 overflowed shared memory at the 3-stage forward), and for
+    index masks ("plain") one at which ptxas spilled nothing."""
     from tfjax.ops.pallas import gpu
 
     registers, rows = _ptxas_table()
-    assert len(rows) > 100
+    assert len(rows) > 300
     assert gpu._LAUNCH == registers.choose(rows)
-    measured = {(r["kernel"], r["H"], r["bq"], r["bk"], r["warps"], r["stages"]): r
-                for r in rows}
-    for H in (64, 128, 256):
+    measured = {(r["features"], r["kernel"], r["H"], r["bq"], r["bk"], r["warps"],
+                 r["stages"]): r for r in rows}
+    for H, features in itertools.product((64, 128, 256), ("plain", "masked", "t5")):
         bs = gpu._default_block_sizes(H)
         for kern, tiles in (("fwd", (bs.block_q, bs.block_kv)),
                             ("dq", (bs.block_q_dq, bs.block_kv_dq)),
                             ("dkv", (bs.block_q_dkv, bs.block_kv_dkv))):
-            launch = gpu.triton_launch(kern, H, *tiles)
-            row = measured.get((kern, H, *tiles, *launch))
-            assert row is not None and row["spill"] == 0, (H, kern, tiles, launch, row)
+            launch = gpu.triton_launch(kern, H, *tiles, features)
+            row = measured.get((features, kern, H, *tiles, *launch))
+            assert row is not None, (H, features, kern, tiles, launch)
+            if features == "plain":
+                assert row["spill"] == 0, (H, kern, tiles, launch, row)
 
 
-@pytest.mark.parametrize("H,override", [(128, None), (256, None), (32, None), (128, "config")])
-def test_kernels_lower_with_the_chosen_warps_and_stages(H, override):
+@pytest.mark.parametrize("H,override,features", [
+    (128, None, "plain"), (256, None, "plain"), (32, None, "plain"), (128, "config", "plain"),
+    (128, None, "masked"), (256, None, "t5")])
+def test_kernels_lower_with_the_chosen_warps_and_stages(H, override, features):
     """The lowered Triton calls carry `triton_launch`'s (warps, stages) for the tiles
-    each kernel really runs (clamped to the sequence; head dims padded), or a
-    `TritonConfig`'s when one is passed."""
+    each kernel really runs (clamped to the sequence; head dims padded) and the
+    call's feature class (segments, ALiBi or soft-capping: "masked"; T5's bias:
+    "t5"), or a `TritonConfig`'s when one is passed."""
     import re
 
+    from tfjax.ops import RelativeBias
     from tfjax.ops.pallas.gpu import TritonConfig, _default_block_sizes, triton_launch
 
     T, S = 100, 512  # query tiles clamp to 128, key tiles stay
     tc = TritonConfig(num_warps=2, num_stages=4, num_warps_dq=16, num_stages_dq=1,
                       num_warps_dkv=1, num_stages_dkv=3) if override else None
+    kw = dict(mask=M.causal())
+    if features == "masked":
+        kw = dict(mask=M.causal() & M.segments(np.zeros((1, T), np.int32),
+                                               np.zeros((1, S), np.int32)))
+    elif features == "t5":
+        kw = dict(mask=M.causal(), relative_bias=RelativeBias(jnp.ones((32, 8)),
+                                                              bidirectional=False))
 
     def f(q, k, v):
         loss = lambda q, k, v: flash_attention_gpu(
-            q, k, v, M.causal(), forward="triton", backward="triton",
-            triton_config=tc).astype(jnp.float32).sum()
+            q, k, v, forward="triton", backward="triton", triton_config=tc,
+            **kw).astype(jnp.float32).sum()
         return jax.grad(loss, (0, 1, 2))(q, k, v)
 
     sds = jax.ShapeDtypeStruct
@@ -199,13 +215,15 @@ def test_kernels_lower_with_the_chosen_warps_and_stages(H, override):
     else:
         bs, Hp = _default_block_sizes(H), max(16, 1 << (H - 1).bit_length())
         clamp = lambda b, n: max(16, min(b, 1 << (n - 1).bit_length()))
-        want = {"fwd": triton_launch("fwd", Hp, clamp(bs.block_q, T), clamp(bs.block_kv, S)),
-                "dq": triton_launch("dq", Hp, clamp(bs.block_q_dq, T), clamp(bs.block_kv_dq, S)),
-                "dkv": triton_launch("dkv", Hp, clamp(bs.block_q_dkv, T),
-                                     clamp(bs.block_kv_dkv, S))}
+        want = {kern: triton_launch(kern, Hp, clamp(bq, T), clamp(bk, S), features)
+                for kern, bq, bk in (("fwd", bs.block_q, bs.block_kv),
+                                     ("dq", bs.block_q_dq, bs.block_kv_dq),
+                                     ("dkv", bs.block_q_dkv, bs.block_kv_dkv))}
     assert got == want, (got, want)
-    if H == 128 and not override:  # the measured choices, not the old fixed 4 warps
+    if H == 128 and not override and features == "plain":  # measured, not the old fixed 4
         assert got == {"fwd": (4, 2), "dq": (4, 2), "dkv": (8, 2)}
+    if H == 128 and features == "masked":  # more registers than plain: more warps
+        assert got["fwd"] != triton_launch("fwd", 128, 128, 64, "plain")
 
 
 def test_triton_config_names_a_bad_field():

@@ -74,10 +74,22 @@ def _triton_params(num_warps, num_stages):
         return None
 
 
-def _launch(cfg, kernel: str, d):
+def launch_features(mops, has_bias: bool, alibi, rel, softcap) -> str:
+    """The feature class `triton_launch` reads: "t5" with T5's bias per tile;
+    "masked" with any other per-tile extra (segment or position operands, ALiBi,
+    soft-capping, a bias array), which hold more registers; else "plain" (index
+    masks: causal, windows, chunks, prefixes, padding)."""
+    if rel is not None:
+        return "t5"
+    if mops.num_segments or has_bias or alibi is not None or softcap:
+        return "masked"
+    return "plain"
+
+
+def _launch(cfg, kernel: str, d, features: str):
     """Triton compiler params of `kernel` at the tiles it really runs (`Dims`)."""
     launch = cfg.triton.launch(kernel) if cfg.triton is not None else \
-        triton_launch(kernel, d.Hp, d.bq, d.bk)
+        triton_launch(kernel, d.Hp, d.bq, d.bk, features)
     return _triton_params(*launch)
 
 
@@ -134,72 +146,170 @@ class TritonConfig:
                 "dkv": (self.num_warps_dkv, self.num_stages_dkv)}[kernel]
 
 
-# (kernel, padded head dim, query tile, key tile) -> (warps, stages). From ptxas's
-# report for an H200 (sm_90a), compiled without a GPU: `experiments/gpu_registers.py`,
-# experiments/results/attention_gpu_ptxas_20261130.md. The rule: among the launches
-# at which ptxas spills no registers, the most resident programs per SM, then fewer
-# warps, then more stages; where every launch spills, the fewest spilled bytes.
-# Registers, not time: the tiles' timing on a GPU (`bench_attention.py tune`) has
-# not been run yet.
-_LAUNCH: dict[tuple[str, int, int, int], tuple[int, int]] = {
-    ('dkv', 64, 32, 32): (4, 2),
-    ('dkv', 64, 32, 64): (4, 2),
-    ('dkv', 64, 32, 128): (8, 2),
-    ('dkv', 64, 64, 64): (4, 2),
-    ('dkv', 64, 64, 128): (8, 2),
-    ('dkv', 64, 128, 128): (8, 2),
-    ('dkv', 128, 32, 32): (4, 2),
-    ('dkv', 128, 32, 64): (8, 2),
-    ('dkv', 128, 32, 128): (8, 2),
-    ('dkv', 128, 64, 64): (8, 2),
-    ('dkv', 128, 64, 128): (8, 2),
-    ('dkv', 128, 128, 128): (8, 2),
-    ('dkv', 256, 32, 32): (8, 2),
-    ('dkv', 256, 32, 64): (8, 2),
-    ('dkv', 256, 32, 128): (8, 2),
-    ('dkv', 256, 64, 64): (8, 2),
-    ('dq', 64, 32, 32): (4, 2),
-    ('dq', 64, 64, 32): (4, 2),
-    ('dq', 64, 64, 64): (4, 2),
-    ('dq', 64, 128, 32): (4, 2),
-    ('dq', 64, 128, 64): (4, 2),
-    ('dq', 64, 128, 128): (8, 2),
-    ('dq', 128, 32, 32): (4, 2),
-    ('dq', 128, 64, 32): (4, 2),
-    ('dq', 128, 64, 64): (4, 2),
-    ('dq', 128, 128, 32): (8, 2),
-    ('dq', 128, 128, 64): (8, 2),
-    ('dq', 128, 128, 128): (8, 2),
-    ('dq', 256, 32, 32): (4, 2),
-    ('dq', 256, 64, 32): (4, 2),
-    ('dq', 256, 64, 64): (8, 2),
-    ('dq', 256, 128, 32): (8, 2),
-    ('fwd', 64, 64, 32): (4, 3),
-    ('fwd', 64, 64, 64): (4, 2),
-    ('fwd', 64, 64, 128): (4, 2),
-    ('fwd', 64, 128, 32): (4, 3),
-    ('fwd', 64, 128, 64): (4, 3),
-    ('fwd', 64, 128, 128): (4, 2),
-    ('fwd', 128, 64, 32): (4, 2),
-    ('fwd', 128, 64, 64): (4, 3),
-    ('fwd', 128, 64, 128): (4, 3),
-    ('fwd', 128, 128, 32): (4, 3),
-    ('fwd', 128, 128, 64): (4, 2),
-    ('fwd', 128, 128, 128): (8, 3),
-    ('fwd', 256, 64, 32): (4, 2),
-    ('fwd', 256, 64, 64): (4, 3),
-    ('fwd', 256, 128, 32): (8, 3),
-    ('fwd', 256, 128, 64): (8, 2),
+# (features, kernel, padded head dim, query tile, key tile) -> (warps, stages), features
+# as `launch_features` classes a call. From ptxas's report for an H200 (sm_90a),
+# compiled without a GPU: `experiments/gpu_registers.py`,
+# experiments/results/attention_gpu_ptxas_20261130.md. The rule (`choose` there):
+# among the launches that compile, those at which ptxas spills no registers, the
+# most resident programs per SM, then fewer warps, then more stages; where every
+# launch spills, the fewest spilled bytes. Registers, not time: the tiles' timing
+# on a GPU (`bench_attention.py tune`) has not been run yet.
+_LAUNCH: dict[tuple[str, str, int, int, int], tuple[int, int]] = {
+    ('masked', 'dkv', 64, 32, 32): (4, 2),
+    ('masked', 'dkv', 64, 32, 64): (4, 2),
+    ('masked', 'dkv', 64, 32, 128): (8, 2),
+    ('masked', 'dkv', 64, 64, 64): (4, 2),
+    ('masked', 'dkv', 64, 64, 128): (8, 2),
+    ('masked', 'dkv', 64, 128, 128): (8, 2),
+    ('masked', 'dkv', 128, 32, 32): (4, 2),
+    ('masked', 'dkv', 128, 32, 64): (8, 2),
+    ('masked', 'dkv', 128, 32, 128): (8, 2),
+    ('masked', 'dkv', 128, 64, 64): (8, 2),
+    ('masked', 'dkv', 128, 64, 128): (8, 2),
+    ('masked', 'dkv', 128, 128, 128): (8, 2),
+    ('masked', 'dkv', 256, 32, 32): (8, 2),
+    ('masked', 'dkv', 256, 32, 64): (8, 2),
+    ('masked', 'dkv', 256, 32, 128): (8, 2),
+    ('masked', 'dkv', 256, 64, 64): (8, 2),
+    ('masked', 'dq', 64, 32, 32): (4, 2),
+    ('masked', 'dq', 64, 64, 32): (4, 2),
+    ('masked', 'dq', 64, 64, 64): (4, 2),
+    ('masked', 'dq', 64, 128, 32): (4, 2),
+    ('masked', 'dq', 64, 128, 64): (8, 2),
+    ('masked', 'dq', 64, 128, 128): (8, 2),
+    ('masked', 'dq', 128, 32, 32): (4, 2),
+    ('masked', 'dq', 128, 64, 32): (4, 2),
+    ('masked', 'dq', 128, 64, 64): (4, 2),
+    ('masked', 'dq', 128, 128, 32): (8, 2),
+    ('masked', 'dq', 128, 128, 64): (8, 2),
+    ('masked', 'dq', 128, 128, 128): (8, 2),
+    ('masked', 'dq', 256, 32, 32): (4, 2),
+    ('masked', 'dq', 256, 64, 32): (4, 2),
+    ('masked', 'dq', 256, 64, 64): (8, 2),
+    ('masked', 'dq', 256, 128, 32): (8, 2),
+    ('masked', 'fwd', 64, 64, 32): (4, 3),
+    ('masked', 'fwd', 64, 64, 64): (4, 2),
+    ('masked', 'fwd', 64, 64, 128): (4, 3),
+    ('masked', 'fwd', 64, 128, 32): (4, 2),
+    ('masked', 'fwd', 64, 128, 64): (4, 3),
+    ('masked', 'fwd', 64, 128, 128): (8, 3),
+    ('masked', 'fwd', 128, 64, 32): (4, 2),
+    ('masked', 'fwd', 128, 64, 64): (4, 3),
+    ('masked', 'fwd', 128, 64, 128): (4, 3),
+    ('masked', 'fwd', 128, 128, 32): (4, 3),
+    ('masked', 'fwd', 128, 128, 64): (8, 3),
+    ('masked', 'fwd', 128, 128, 128): (8, 3),
+    ('masked', 'fwd', 256, 64, 32): (4, 2),
+    ('masked', 'fwd', 256, 64, 64): (4, 3),
+    ('masked', 'fwd', 256, 128, 32): (8, 3),
+    ('masked', 'fwd', 256, 128, 64): (8, 2),
+    ('plain', 'dkv', 64, 32, 32): (4, 2),
+    ('plain', 'dkv', 64, 32, 64): (4, 2),
+    ('plain', 'dkv', 64, 32, 128): (8, 2),
+    ('plain', 'dkv', 64, 64, 64): (4, 2),
+    ('plain', 'dkv', 64, 64, 128): (8, 2),
+    ('plain', 'dkv', 64, 128, 128): (8, 2),
+    ('plain', 'dkv', 128, 32, 32): (4, 2),
+    ('plain', 'dkv', 128, 32, 64): (8, 2),
+    ('plain', 'dkv', 128, 32, 128): (8, 2),
+    ('plain', 'dkv', 128, 64, 64): (8, 2),
+    ('plain', 'dkv', 128, 64, 128): (8, 2),
+    ('plain', 'dkv', 128, 128, 128): (8, 2),
+    ('plain', 'dkv', 256, 32, 32): (8, 2),
+    ('plain', 'dkv', 256, 32, 64): (8, 2),
+    ('plain', 'dkv', 256, 32, 128): (8, 2),
+    ('plain', 'dkv', 256, 64, 64): (8, 2),
+    ('plain', 'dq', 64, 32, 32): (4, 2),
+    ('plain', 'dq', 64, 64, 32): (4, 2),
+    ('plain', 'dq', 64, 64, 64): (4, 2),
+    ('plain', 'dq', 64, 128, 32): (4, 2),
+    ('plain', 'dq', 64, 128, 64): (4, 2),
+    ('plain', 'dq', 64, 128, 128): (8, 2),
+    ('plain', 'dq', 128, 32, 32): (4, 2),
+    ('plain', 'dq', 128, 64, 32): (4, 2),
+    ('plain', 'dq', 128, 64, 64): (4, 2),
+    ('plain', 'dq', 128, 128, 32): (8, 2),
+    ('plain', 'dq', 128, 128, 64): (8, 2),
+    ('plain', 'dq', 128, 128, 128): (8, 2),
+    ('plain', 'dq', 256, 32, 32): (4, 2),
+    ('plain', 'dq', 256, 64, 32): (4, 2),
+    ('plain', 'dq', 256, 64, 64): (8, 2),
+    ('plain', 'dq', 256, 128, 32): (8, 2),
+    ('plain', 'fwd', 64, 64, 32): (4, 3),
+    ('plain', 'fwd', 64, 64, 64): (4, 2),
+    ('plain', 'fwd', 64, 64, 128): (4, 2),
+    ('plain', 'fwd', 64, 128, 32): (4, 3),
+    ('plain', 'fwd', 64, 128, 64): (4, 3),
+    ('plain', 'fwd', 64, 128, 128): (4, 2),
+    ('plain', 'fwd', 128, 64, 32): (4, 2),
+    ('plain', 'fwd', 128, 64, 64): (4, 3),
+    ('plain', 'fwd', 128, 64, 128): (4, 3),
+    ('plain', 'fwd', 128, 128, 32): (4, 3),
+    ('plain', 'fwd', 128, 128, 64): (4, 2),
+    ('plain', 'fwd', 128, 128, 128): (8, 3),
+    ('plain', 'fwd', 256, 64, 32): (4, 2),
+    ('plain', 'fwd', 256, 64, 64): (4, 3),
+    ('plain', 'fwd', 256, 128, 32): (8, 3),
+    ('plain', 'fwd', 256, 128, 64): (8, 2),
+    ('t5', 'dkv', 64, 32, 32): (4, 2),
+    ('t5', 'dkv', 64, 32, 64): (4, 2),
+    ('t5', 'dkv', 64, 32, 128): (8, 2),
+    ('t5', 'dkv', 64, 64, 64): (8, 2),
+    ('t5', 'dkv', 64, 64, 128): (8, 2),
+    ('t5', 'dkv', 64, 128, 128): (8, 2),
+    ('t5', 'dkv', 128, 32, 32): (4, 2),
+    ('t5', 'dkv', 128, 32, 64): (8, 2),
+    ('t5', 'dkv', 128, 32, 128): (8, 2),
+    ('t5', 'dkv', 128, 64, 64): (8, 2),
+    ('t5', 'dkv', 128, 64, 128): (8, 2),
+    ('t5', 'dkv', 256, 32, 32): (8, 2),
+    ('t5', 'dkv', 256, 32, 64): (8, 2),
+    ('t5', 'dkv', 256, 32, 128): (8, 2),
+    ('t5', 'dkv', 256, 64, 64): (8, 2),
+    ('t5', 'dq', 64, 32, 32): (4, 2),
+    ('t5', 'dq', 64, 64, 32): (4, 2),
+    ('t5', 'dq', 64, 64, 64): (8, 2),
+    ('t5', 'dq', 64, 128, 32): (8, 2),
+    ('t5', 'dq', 64, 128, 64): (8, 2),
+    ('t5', 'dq', 64, 128, 128): (8, 2),
+    ('t5', 'dq', 128, 32, 32): (4, 2),
+    ('t5', 'dq', 128, 64, 32): (4, 2),
+    ('t5', 'dq', 128, 64, 64): (8, 2),
+    ('t5', 'dq', 128, 128, 32): (8, 2),
+    ('t5', 'dq', 128, 128, 64): (8, 2),
+    ('t5', 'dq', 256, 32, 32): (4, 2),
+    ('t5', 'dq', 256, 64, 32): (8, 2),
+    ('t5', 'dq', 256, 64, 64): (8, 2),
+    ('t5', 'dq', 256, 128, 32): (8, 2),
+    ('t5', 'fwd', 64, 64, 32): (4, 3),
+    ('t5', 'fwd', 64, 64, 64): (4, 3),
+    ('t5', 'fwd', 64, 64, 128): (8, 3),
+    ('t5', 'fwd', 64, 128, 32): (4, 3),
+    ('t5', 'fwd', 64, 128, 64): (8, 3),
+    ('t5', 'fwd', 64, 128, 128): (8, 2),
+    ('t5', 'fwd', 128, 64, 32): (4, 2),
+    ('t5', 'fwd', 128, 64, 64): (4, 2),
+    ('t5', 'fwd', 128, 64, 128): (8, 2),
+    ('t5', 'fwd', 128, 128, 32): (8, 3),
+    ('t5', 'fwd', 128, 128, 64): (8, 3),
+    ('t5', 'fwd', 128, 128, 128): (8, 2),
+    ('t5', 'fwd', 256, 64, 32): (4, 2),
+    ('t5', 'fwd', 256, 64, 64): (8, 2),
+    ('t5', 'fwd', 256, 128, 32): (8, 3),
+    ('t5', 'fwd', 256, 128, 64): (8, 2),
 }
 
 
-def triton_launch(kernel: str, Hp: int, bq: int, bk: int) -> tuple[int, int]:
+def triton_launch(kernel: str, Hp: int, bq: int, bk: int,
+                  features: str = "plain") -> tuple[int, int]:
     """(warps, stages) of Triton kernel "fwd", "dq" or "dkv" at padded head dim `Hp`
-    with `bq` x `bk` tiles: the measured choice (`_LAUNCH`; head dims below 64 and
-    tiles below 32 take those of 64 and 32, which need no more registers), else
-    Triton's usual 4 warps with 3 (forward) or 2 stages."""
+    with `bq` x `bk` tiles for a call of feature class `features` ("plain",
+    "masked", "t5": `launch_features`): the measured choice (`_LAUNCH`; head dims
+    below 64 and tiles below 32 take those of 64 and 32, which need no more
+    registers), else Triton's usual 4 warps with 3 (forward) or 2 stages."""
     key = (kernel, max(64, Hp), max(32, bq), max(32, bk))
-    return _LAUNCH.get(key, (4, 3 if kernel == "fwd" else 2))
+    return _LAUNCH.get((features, *key), _LAUNCH.get(("plain", *key),
+                                                     (4, 3 if kernel == "fwd" else 2)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -599,7 +709,8 @@ def _row_call(cfg, q, k, v, mask, bias, alibi, rel, offs, backward, do=None, lse
     outs = pl.pallas_call(
         kernel, grid=(d.Tp // bq, d.B, d.N), in_specs=in_specs, out_specs=out_specs,
         out_shape=out_shape, interpret=cfg.interpret,
-        compiler_params=_launch(cfg, "dq" if backward else "fwd", d),
+        compiler_params=_launch(cfg, "dq" if backward else "fwd", d, launch_features(
+            mops, has_bias, alibi, rel, cfg.softcap)),
         name="tfjax_flash_dq_gpu" if backward else "tfjax_flash_fwd_gpu",
     )(*operands)
     if backward:  # dq, and T5's table gradient [nb, N]
@@ -727,7 +838,8 @@ def _dkv_call(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta):
     outs = pl.pallas_call(
         kernel, grid=(d.Sp // bk, d.B, d.K), in_specs=in_specs, out_specs=out_specs,
         out_shape=out_shape, interpret=cfg.interpret, input_output_aliases=aliases,
-        compiler_params=_launch(cfg, "dkv", d),
+        compiler_params=_launch(cfg, "dkv", d, launch_features(mops, has_bias, alibi, rel,
+                                                               cfg.softcap)),
         name="tfjax_flash_dkv_gpu",
     )(*operands)
     dk, dv = outs[0][:, :d.S, :, :d.H], outs[1][:, :d.S, :, :d.H]
