@@ -457,7 +457,12 @@ def bench_tune(args, S=8192, N=32, K=8, head_dims=(128, 64)):
             for name, c in (("no ping-pong", dataclasses.replace(HopperConfig.default(H),
                                                                  pingpong=False)),
                             ("overlap", dataclasses.replace(HopperConfig.default(H),
-                                                            overlap=True))):
+                                                            overlap=True)),
+                            # one warpgroup, no producer: 2 programs per SM where its
+                            # registers allow (experiments/gpu_registers.py)
+                            ("1 consumer", dataclasses.replace(HopperConfig.default(H),
+                                                               compute_warpgroups=1,
+                                                               pingpong=False))):
                 rows.append(("hopper fwd", f"default tiles, {name}", False,
                              dict(forward="hopper", hopper_config=c), None))
             for bdq, bdkv in itertools.product((64, 128), (64, 128)):

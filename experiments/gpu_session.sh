@@ -16,7 +16,10 @@
 # XLA:GPU for a deviceless H200 (Triton kernels through ptxas; ~25 min on 2 cores):
 #   python experiments/bench_attention.py gpu --compile-only --budget-s 3000
 # (experiments/results/attention_gpu_aot_20261130.md: every tfjax row compiled; cuDNN
-# refuses H=256 and jax's Pallas attention overflows shared memory there).
+# refuses H=256 and jax's Pallas attention overflows shared memory there), and
+#   python experiments/gpu_registers.py
+# tabulates ptxas's registers and spills for every Triton and Mosaic GPU kernel
+# configuration (the Triton launches are chosen from it; ~12 min on 2 cores).
 # Then, with the device tool:
 #   run(command="bash experiments/gpu_session.sh", carry=[".whl"], timeout_s=570)
 # and copy $OUT/attention_gpu_*.md (the tiles table too) into experiments/results/.
