@@ -20,9 +20,10 @@ program sums dS per bucket (its `[nb]` partial sums per query tile are added up
 outside). Tiles far from the diagonal hold one bucket (`reference.constant_bucket`)
 and skip both. The Hopper kernels decline it.
 
-Launch: each kernel's warps and pipeline stages follow its tiles and head dim
-(`triton_launch`: measured from ptxas's register report for an H200, so that no
-tile spills registers; `TritonConfig` overrides).
+Launch: each kernel's warps and pipeline stages follow its tiles, head dim and
+the call's feature class (`triton_launch`, `launch_features`: chosen from ptxas's
+register report for an H200 so that the tiles stay in registers where any launch
+allows; `TritonConfig` overrides).
 
 Layout `[B, T, N, H]` (no transposes). Runs in interpret mode on CPU
 (`interpret=True`), which is how the CPU tests exercise it; compiling it needs
@@ -62,8 +63,8 @@ from tfjax.ops.pallas.common import (
     tile_tables,
 )
 
-__all__ = ["TritonConfig", "flash_attention_gpu", "gpu_lowering_target", "supports",
-           "triton_launch"]
+__all__ = ["TritonConfig", "flash_attention_gpu", "gpu_lowering_target", "launch_features",
+           "supports", "triton_launch"]
 
 
 def _triton_params(num_warps, num_stages):
