@@ -311,6 +311,7 @@ def main():
             "spill stores / loads (B) | shared memory (KiB) | programs/SM |",
             "|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(out[-5:]), flush=True)
+    perf_notes = []  # ptxas's "Potential Performance Loss" notes (e.g. serialised wgmma)
     with _as_if_on_gpu(aot):
         for H, features in itertools.product((int(h) for h in args.head_dims.split(",")),
                                              ("plain", "masked") if args.only != "triton"
@@ -326,9 +327,11 @@ def main():
                         lowered = f.lower(*shapes)
                     with _output_to(log + ".compile"):
                         lowered.compile()
-                    found = mosaic_kernels(open(log, errors="replace").read(),
-                                           open(log + ".compile", errors="replace").read(),
+                    compile_log = open(log + ".compile", errors="replace").read()
+                    found = mosaic_kernels(open(log, errors="replace").read(), compile_log,
                                            kernels)
+                    perf_notes += [f"{H}, {features}, {text}: {m.strip()}"
+                                   for m in re.findall(r"Performance Loss[^\n]*", compile_log)]
                     missing = [k for k in kernels if "smem" not in found.get(k, {})]
                     error = f"no Mosaic GPU report for {missing}" if missing else None
                 except Exception as e:  # noqa: BLE001 - a row says why a configuration failed
@@ -346,6 +349,11 @@ def main():
                                f" / {r['spill_loads']} | {r['smem'] / 1024:.1f} | {n} ({lim}) |")
                     out.append(row)
                     print(row, flush=True)
+    if args.only != "triton":
+        out += ["", "ptxas's performance notes on the Mosaic GPU kernels (\"Potential Performance "
+                "Loss\", e.g. wgmma instructions serialised because an accumulator or a register "
+                "operand is touched while the wgmma is in flight): "
+                + ("; ".join(perf_notes) if perf_notes else "none in any row.")]
     path = _write_results(out, "attention_gpu_ptxas" + (f"_{args.only}" if args.only else ""))
     print("\n# tfjax.ops.pallas.gpu._LAUNCH by the rule (see choose):")
     print(format_launch(choose(read_table(path))))

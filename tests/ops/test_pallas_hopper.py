@@ -265,20 +265,24 @@ def _count_primitive(jaxpr, name):
     return n
 
 
-def test_forward_accumulates_pv_into_the_output_in_place():
+@pytest.mark.parametrize("overlap", [False, True], ids=["pingpong", "overlap"])
+def test_forward_accumulates_pv_into_the_output_in_place(overlap):
     """ptxas (experiments/gpu_registers.py, an H200 compile without a GPU) spilled 828
     B per thread in the H=256 forward while P V went to a second fp32 accumulator
-    beside the output; compiled, the kernel now accumulates P V into the rescaled
-    output (`mma`: run_state over an ACC initialised with it), one per kv step plus
-    none elsewhere; interpret mode, which has no run_state, forms the same sum from
-    a fresh accumulator."""
+    beside the output (the FA3 overlap schedule: 332 B at H=128); compiled, the
+    kernel now accumulates P V into the rescaled output (`mma`: run_state over an
+    ACC initialised with it), one per kv step (overlap: one in the loop, whose body
+    also hands out the softmax's results, and one for the last step) and none
+    elsewhere; interpret mode, which has no run_state, forms the same sum from a
+    fresh accumulator."""
     q = jnp.zeros((1, 128, 2, 256), jnp.bfloat16)
+    cfg = HopperConfig(block_kv=64, overlap=overlap)
 
     def count(interpret):
         f = lambda q: flash_forward_hopper(q, q, q, M.causal(), scale=0.1, softcap=None,
-                                           interpret=interpret)
+                                           config=cfg, interpret=interpret)
         with gpu_lowering_target("H200"):
             return _count_primitive(jax.make_jaxpr(f)(q).jaxpr, "run_state")
 
-    assert count(False) == 1
+    assert count(False) == (2 if overlap else 1)
     assert count(True) == 0

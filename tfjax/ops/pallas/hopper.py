@@ -124,8 +124,9 @@ class HopperConfig:
     def default(cls, H: int) -> "HopperConfig":
         """128-key tiles while double-buffered K/V fit shared memory beside the
         query tile (head dims up to 128), else 64. Not tuned on hardware yet;
-        ptxas compiles it without spills at H = 64, 128, 256
-        (experiments/gpu_registers.py)."""
+        ptxas compiles it without spills at H = 64, 128, 256 with index masks, and
+        with a window, documents, ALiBi and soft-capping at once at H = 64, 128
+        (4 B per thread at 256) (experiments/gpu_registers.py)."""
         return cls(block_kv=128 if round_up(H, 64) <= 128 else 64)
 
     def smem_bytes(self, H: int, itemsize: int = 2, slots: int = 0) -> int:
@@ -583,10 +584,14 @@ def flash_forward_hopper(q, k, v, mask, *, scale: float, softcap: float | None, 
                 if softcap:
                     s = softcap * jnp.tanh(s / softcap)
                 kj = order[r, i, t]
+                s = lax.cond(code[r, i, t] == M.PARTIAL, lambda s: masked(s, kj, t),
+                             lambda s: s, s)
                 if alibi is not None:
+                    # after the mask (masked logits stay -inf): the term's positions
+                    # are then not live across the branch, which at H = 128 with a
+                    # window, documents and ALiBi spilled 360 B per thread
                     s = s + alibi_term(kj, t)
-                return lax.cond(code[r, i, t] == M.PARTIAL, lambda s: masked(s, kj, t),
-                                lambda s: s, s)
+                return s
 
             def softmax(s, m_i, l_i):
                 """Online softmax in base 2 (exp2 is the SFU instruction)."""
@@ -657,12 +662,31 @@ def flash_forward_hopper(q, k, v, mask, *, scale: float, softcap: float | None, 
                     plgpu.wgmma(o_ref, p_prev, v_prev)
                     s = scores(plgpu.wgmma_accumulator_load(s_ref, wait_n=1), t)
                     p, m_new, alpha, l_new = softmax(s, m_i, l_i)
-                    return p.astype(dtype), m_new, alpha, l_new, o_ref[...]
+                    return p.astype(dtype), m_new, alpha, l_new
 
-                p, m_new, alpha, l_new, o = pl.run_scoped(
-                    both, plgpu.ACC((bq, bk), jnp.float32), plgpu.ACC((bq, Hp), jnp.float32))
+                if interp is None:
+                    # P_{t-1} V_{t-1} accumulates into `acc` itself (as in `mma`), and
+                    # the softmax's results leave the run_state body as discharged
+                    # state: no second [bq, H] fp32 tile (with one, ptxas spilled
+                    # 332 B per thread at H = 128)
+                    def in_place(refs):
+                        o_ref, *outs = refs
+                        res = pl.run_scoped(lambda s_ref: both(s_ref, o_ref),
+                                            plgpu.ACC((bq, bk), jnp.float32))
+                        for ref, x in zip(outs, res):
+                            ref[...] = x
+
+                    acc, p, m_new, alpha, l_new = pl.run_state(in_place)(
+                        (plgpu.ACC.init(acc), p_prev, m_i, m_i, l_i))
+                else:  # the GPU interpreter has no run_state: a fresh accumulator
+                    def fresh(s_ref, o_ref):
+                        return (*both(s_ref, o_ref), o_ref[...])
+
+                    p, m_new, alpha, l_new, o = pl.run_scoped(
+                        fresh, plgpu.ACC((bq, bk), jnp.float32), plgpu.ACC((bq, Hp), jnp.float32))
+                    acc = acc + o
                 ring.release(t - 1)
-                acc = (acc + o) * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 return acc, p, m_new, l_new
 
             n = ring.n
@@ -675,9 +699,9 @@ def flash_forward_hopper(q, k, v, mask, *, scale: float, softcap: float | None, 
                 acc_, p_last, m_last, l_last = lax.fori_loop(
                     1, n, overlapped, (acc, p.astype(dtype), m0, l0))
                 ring.wait(1, n - 1)
-                o = mma(p_last, ring.at(1, n - 1), (bq, Hp))
+                acc_ = mma(p_last, ring.at(1, n - 1), (bq, Hp), acc_, interpret=interp is not None)
                 ring.release(n - 1)
-                finish(acc_ + o, m_last, l_last)
+                finish(acc_, m_last, l_last)
 
             pl.when(n == 0)(lambda: finish(acc, m_i, l_i))
 

@@ -21,7 +21,8 @@ when both consumers have arrived on its "free" barrier; `compute_warpgroups=1`
 runs one warpgroup that issues its own copies. Masks as in the forward: block
 skipping from `common.tile_tables`, the `MaskOperands` evaluator only in
 PARTIAL tiles, segment ids copied beside the tiles and read in the wgmma
-row/column layouts. Soft-cap: dS is multiplied by 1 - tanh^2. ALiBi (`alibi`,
+row/column layouts. Soft-cap: dS is multiplied by 1 - tanh^2 (P times it, before dP
+is formed). ALiBi (`alibi`,
 as the forward takes it): `-slope * |q_pos - kv_pos|` added in every visited
 tile from the wgmma-layout iota plus the tile's rows/columns and the offsets, or
 from the explicit positions, copied like segment ids (the dk/dv kernel's tiles
@@ -163,19 +164,27 @@ def flash_backward_hopper(q, k, v, do, lse, delta, mask, *, scale: float, softca
     zeros = lambda shape: plgpu.layout_cast(jnp.zeros(shape, jnp.float32), wgmma_layout)
     iota = lambda shape, d: plgpu.broadcasted_iota(jnp.int32, shape, d, layout=wgmma_layout)
     load = hopper._load
+    # ALiBi's positions: [n] vectors broadcast to the tile (a broadcast reuses the
+    # vector's registers; a 2-D iota holds one per element)
+    vec_iota = lambda n, layout: plgpu.broadcasted_iota(jnp.int32, (n,), 0, layout=layout)
 
     def logits(a, b, shape, partial, masked):
-        """Scaled (soft-capped) a @ b, masked where the tile is PARTIAL; and tanh
-        of the soft-cap (its derivative's factor)."""
-        s, t = mma(a, b, shape) * scale, None
+        """Scaled (soft-capped) a @ b, masked where the tile is PARTIAL; and the
+        soft-cap's derivative 1 - tanh^2 (None without a soft-cap), tanh formed
+        again from the capped logits after the mask's branch rather than kept
+        across it (masked logits, -inf, clip to -1 and give 0)."""
+        s = mma(a, b, shape) * scale
         if softcap:
-            t = jnp.tanh(s / softcap)
-            s = softcap * t
-        return lax.cond(partial, masked, lambda s: s, s), t
+            s = softcap * jnp.tanh(s / softcap)
+        s = lax.cond(partial, masked, lambda s: s, s)
+        return s, None if not softcap else 1.0 - jnp.square(jnp.clip(s / softcap, -1.0, 1.0))
 
-    def dlogits(p, dp, delta_b, t):
-        ds = p * (dp - delta_b)
-        return ds if t is None else ds * (1.0 - t * t)
+    def capped(p, dcap):
+        """P times the soft-cap's derivative (dS = that * (dP - delta)), formed
+        before dP so that the derivative's tile is not live beside dP: in the dk/dv
+        kernel, beside dK and dV, that spilled 80 B per thread at H = 128 with a
+        soft-cap alone, 260 B with every extra (experiments/gpu_registers.py)."""
+        return p if dcap is None else p * dcap
 
     def allowed(q_loc, kv_loc, b, offs_ref, sref, q_seg, kv_seg):
         ok = (q_loc < T) & (kv_loc < S)
@@ -242,7 +251,7 @@ def flash_backward_hopper(q, k, v, do, lse, delta, mask, *, scale: float, softca
                 ring.wait(0, t)
                 for x in range(nseg):
                     ring.wait(2 + x, t)
-                s, tc = logits(q_s, T_(k_s), shape, code[r, i, t] == M.PARTIAL,
+                s, dcap = logits(q_s, T_(k_s), shape, code[r, i, t] == M.PARTIAL,
                                lambda s: masked(s, kj, t))
                 if alibi is not None:  # every tile (masked entries stay -inf)
                     if mops.alibi_slot is not None:  # explicit positions, like segment ids
@@ -251,13 +260,14 @@ def flash_backward_hopper(q, k, v, do, lse, delta, mask, *, scale: float, softca
                         kv_pos = lax.broadcast_in_dim(load(ring.at(2 + x, t), col_layout),
                                                       shape, [1])
                     else:
-                        q_pos = iota(shape, 0) + row0(w) + offs_ref[0]
-                        kv_pos = iota(shape, 1) + kj * bk + offs_ref[1]
+                        q_pos = row(vec_iota(_ROWS, row_layout) + (row0(w) + offs_ref[0]))
+                        kv_pos = lax.broadcast_in_dim(
+                            vec_iota(bk, col_layout) + (kj * bk + offs_ref[1]), shape, [1])
                     s = s + alibi_term(slopes_ref, b, h, q_pos, kv_pos)
-                p = jnp.exp2(s * log2e - row(lse_r))
+                p = capped(jnp.exp2(s * log2e - row(lse_r)), dcap)
                 ring.wait(1, t)
                 dp = mma(do_s, T_(v_s), shape)
-                ds = dlogits(p, dp, row(delta_r), tc)
+                ds = p * (dp - row(delta_r))
                 return mma(ds.astype(dtype), k_s, (_ROWS, Hp), dq)
 
             dq = ring.loop(body, zeros((_ROWS, Hp)))
@@ -315,7 +325,7 @@ def flash_backward_hopper(q, k, v, do, lse, delta, mask, *, scale: float, softca
                 ring.wait(0, t)
                 for x in range(nseg):
                     ring.wait(4 + x, t)
-                s, tc = logits(k_s, T_(q_s), shape, code[r, i, j] == M.PARTIAL,
+                s, dcap = logits(k_s, T_(q_s), shape, code[r, i, j] == M.PARTIAL,
                                lambda s: masked(s, qi, t))
                 if alibi is not None:  # transposed: key rows, query columns
                     if mops.alibi_slot is not None:
@@ -323,16 +333,19 @@ def flash_backward_hopper(q, k, v, do, lse, delta, mask, *, scale: float, softca
                         kv_pos = lax.broadcast_in_dim(load(kseg_s[x], row_layout), shape, [0])
                         q_pos = col(ring.at(4 + x, t))
                     else:
-                        kv_pos = iota(shape, 0) + row0(w) + offs_ref[1]
-                        q_pos = iota(shape, 1) + qi * bq + offs_ref[0]
+                        kv_pos = lax.broadcast_in_dim(
+                            vec_iota(_ROWS, row_layout) + (row0(w) + offs_ref[1]), shape, [0])
+                        q_pos = lax.broadcast_in_dim(
+                            vec_iota(bq, col_layout) + (qi * bq + offs_ref[0]), shape, [1])
                     s = s + alibi_term(slopes_ref, b, head, q_pos, kv_pos)
                 ring.wait(2, t)
                 p = jnp.exp2(s * log2e - col(lse_s))
+                p16, p = p.astype(dtype), capped(p, dcap)  # dcap's tile dies here
                 ring.wait(1, t)
-                dv = mma(p.astype(dtype), do_s, (_ROWS, Hp), dv)
+                dv = mma(p16, do_s, (_ROWS, Hp), dv)
                 dp = mma(v_s, T_(do_s), shape)
                 ring.wait(3, t)
-                ds = dlogits(p, dp, col(delta_s), tc)
+                ds = p * (dp - col(delta_s))
                 dk = mma(ds.astype(dtype), q_s, (_ROWS, Hp), dk)
                 return dk, dv
 
