@@ -28,7 +28,9 @@ Mosaic GPU compiles each kernel through ptxas too; its report
 Mosaic allocates (MOSAIC_GPU_DUMP_RESOURCES=1) give the same columns, per forward
 configuration (consumer warpgroups, key tile, stages, schedule) and backward tiles.
 
-Writes experiments/results/attention_gpu_ptxas_<date>.md.
+Writes experiments/results/attention_gpu_ptxas_<date>.md. A fwd+bwd row that failed
+quotes the first kernel XLA rejected; XLA compiles the dq and dk/dv kernels in
+parallel, so which one (and its shared-memory request) can differ between runs.
 """
 
 from __future__ import annotations

@@ -251,6 +251,15 @@ def test_on_hopper_matches_reference():
         impl = functools.partial(flash_attention_gpu, forward="hopper", backward=backward,
                                  hopper_config=cfg)
         check_against_reference(impl, q, k, v, mask, softcap=30.0)
+    # every per-tile extra at once (the forward adds ALiBi after the mask's branch;
+    # the overlap schedule accumulates P V in place; dk/dv folds the soft-cap's
+    # derivative into P), and H = 256 (Hopper forward, Triton backward)
+    window = M.sliding_window(300) & M.segments(np.repeat(np.arange(4), 250)[None].repeat(2, 0))
+    for H, cfg in ((128, None), (128, HopperConfig(overlap=True)), (256, None)):
+        q, k, v, _ = inputs(2, 1000, 1000, 8, 2, H, dtype=jnp.bfloat16)
+        impl = functools.partial(flash_attention_gpu, forward="hopper", hopper_config=cfg,
+                                 backward="hopper" if H <= 128 else "triton")
+        check_against_reference(impl, q, k, v, window, softcap=30.0, alibi="BN")
 
 
 def _count_primitive(jaxpr, name):
