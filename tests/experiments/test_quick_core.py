@@ -1,6 +1,6 @@
 """The --quick modes of the core experiments run and write their report.
 
-Each script's `main(argv)` is called in this process (one jax start-up for all five)
+Each script's `main(argv)` is called in this process (one jax start-up for all)
 with `--quick --out <tmp>`; the test checks the markdown report has a filled table
 and that the plot was written."""
 
@@ -13,7 +13,7 @@ import pytest
 
 EXPERIMENTS = os.path.join(os.path.dirname(__file__), "..", "..", "experiments")
 NAMES = ("memory_wall", "positions", "components", "gqa", "linear_vs_softmax",
-         "sparse_attention")
+         "sparse_attention", "launch_order")
 
 
 def _load(name):

@@ -233,3 +233,49 @@ def test_triton_config_names_a_bad_field():
         TritonConfig(num_warps_dkv=3)
     with pytest.raises(ValueError, match="TritonConfig.num_stages must be 1 to 8"):
         TritonConfig(num_stages=0)
+
+
+def _pallas_calls(jaxpr, out):
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            out.append(eqn)
+        for p in eqn.params.values():
+            for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    _pallas_calls(inner, out)
+    return out
+
+
+def test_query_tiles_launch_heaviest_first():
+    """GPUs start programs in grid order; under a causal mask query tile i visits
+    i + 1 kv tiles, so the forward and dq grids give grid index 0 the last query
+    tile (experiments/launch_order.py models the tail this shortens). Every block
+    of those calls that moves with the grid's first axis follows the same reversed
+    tile (a mismatch would also break the numerics tests); the dk/dv grid keeps kv
+    tile 0, its heaviest, first."""
+    q = jnp.zeros((1, 300, 2, 64), jnp.float32)  # 5 tiles of 64
+    bs = BlockSizes(64, 64, 64, 64, 64, 64)
+    loss = lambda q: flash_attention_gpu(q, q, q, M.causal(), forward="triton",
+                                         backward="triton", block_sizes=bs,
+                                         interpret=True).sum()
+    calls = _pallas_calls(jax.make_jaxpr(jax.grad(loss))(q).jaxpr, [])
+    first = {"tfjax_flash_fwd_gpu": (4, 3), "tfjax_flash_dq_gpu": (4, 3),
+             "tfjax_flash_dkv_gpu": (0, 1)}
+    seen = set()
+    for eqn in calls:
+        name = str(eqn.params.get("name_and_src_info") or eqn.params.get("name")).split()[0]
+        gm = eqn.params["grid_mapping"]
+        moving = 0
+        for bm in gm.block_mappings:
+            cj = bm.index_map_jaxpr
+            at = lambda g: [int(x) for x in jax.core.eval_jaxpr(cj.jaxpr, cj.consts, *g)]
+            rest = (0,) * (len(gm.grid) - 1)
+            a, b = at((0, *rest)), at((1, *rest))
+            for x, y in zip(a, b):
+                if x != y:
+                    moving += 1
+                    assert (x, y) == first[name], (name, bm.block_shape, a, b)
+        assert moving >= 3, (name, moving)  # q (or k, v) tiles, outputs, lse rows
+        seen.add(name)
+    assert seen == set(first)

@@ -479,5 +479,9 @@ def test_a_model_with_pallas_attention_on_a_data_tensor_mesh_equals_one_device(m
     got_l, got_g = sharded(model, x)
     assert set(seen) == {(2, 2, 1)}, seen
     np.testing.assert_allclose(got_l, want_l, rtol=1e-5)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5),
-                 nnx.state(got_g), nnx.state(want_g))
+    # fp32 sums split across the tensor axis round differently from one device's, and
+    # from one CPU's vector width to another's (init_std=1 makes large logits): up to
+    # 7e-5 of a leaf's largest entry seen (an absolute 2e-5 held on one machine and
+    # failed on the next); a wrong head split errs by the order of the entries
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(
+        a, b, atol=5e-4 * float(jnp.max(jnp.abs(b)))), nnx.state(got_g), nnx.state(want_g))

@@ -37,6 +37,7 @@ __all__ = [
     "MaskOperands",
     "TileTables",
     "cdiv",
+    "heavy_first",
     "mask_support",
     "round_up",
     "tile_tables",
@@ -63,6 +64,17 @@ class Dims:
     @property
     def G(self):
         return self.N // self.K
+
+
+def heavy_first(i, n: int):
+    """The query tile a GPU program of grid index `i` (of `n`) computes: the tiles
+    in reverse. Under a causal mask tile i visits i + 1 kv tiles; a GPU starts
+    programs in grid order as earlier ones finish, so with increasing order each
+    head's heaviest tiles start last and the final wave sets a long tail. In
+    reverse, the last programs to start are the lightest (the longest-first
+    rule of list scheduling; `experiments/launch_order.py` models the makespan
+    of both orders on an H100/H200's SMs). Neutral for masks with even work."""
+    return n - 1 - i
 
 
 def cdiv(a: int, b: int) -> int:

@@ -23,7 +23,10 @@ and skip both. The Hopper kernels decline it.
 Launch: each kernel's warps and pipeline stages follow its tiles, head dim and
 the call's feature class (`triton_launch`, `launch_features`: chosen from ptxas's
 register report for an H200 so that the tiles stay in registers where any launch
-allows; `TritonConfig` overrides).
+allows; `TritonConfig` overrides). The forward and dq grids give each (batch,
+head) its query tiles heaviest first (`common.heavy_first`: under a causal mask
+the last programs to start are then the shortest; the dk/dv grid's kv tiles
+already run heaviest first), in Triton and in the Hopper kernels alike.
 
 Layout `[B, T, N, H]` (no transposes). Runs in interpret mode on CPU
 (`interpret=True`), which is how the CPU tests exercise it; compiling it needs
@@ -58,6 +61,7 @@ from tfjax.ops.pallas.common import (
     BlockSizes,
     Dims,
     MaskOperands,
+    heavy_first,
     pad_axis,
     round_up,
     tile_tables,
@@ -576,7 +580,7 @@ def _row_kernel(cfg, d, mask, mops, tab, has_bias, has_alibi, rel, backward, *re
         do_ref, lse_ref, delta_ref = take(3)
     qseg, kseg = take(nseg), take(nseg)
     outs = list(it)
-    i, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    i, b, h = heavy_first(pl.program_id(0), d.Tp // d.bq), pl.program_id(1), pl.program_id(2)
     r = b if tab.batched else 0
     bq, bk = d.bq, d.bk
     q = q_ref[...]
@@ -660,6 +664,7 @@ def _row_call(cfg, q, k, v, mask, bias, alibi, rel, offs, backward, do=None, lse
     bs = cfg.block_sizes
     d = _dims(q, k, *((bs.block_q_dq, bs.block_kv_dq) if backward else (bs.block_q, bs.block_kv)))
     G, bq = d.G, d.bq
+    qi = lambda i: heavy_first(i, d.Tp // bq)  # grid index -> query tile (heaviest first)
     tab = _tables(cfg, mask, d, offs)
     mops, bias_op, qp, kp, vp = _common_operands(mask, bias, alibi, rel, d, q, k, v, offs)
     has_bias = bias is not None
@@ -667,7 +672,7 @@ def _row_call(cfg, q, k, v, mask, bias, alibi, rel, offs, backward, do=None, lse
     ranges = relative_tile_ranges(rel, d.bq, d.bk, d.Tp, d.Sp)
     in_specs = [full] * (4 + len(mops.scalars) + len(ranges))
     operands = [tab.order, tab.count, tab.code, offs, *mops.scalars, *ranges]
-    in_specs += [pl.BlockSpec((None, bq, None, d.Hp), lambda i, b, h: (b, i, h, 0)),
+    in_specs += [pl.BlockSpec((None, bq, None, d.Hp), lambda i, b, h: (b, qi(i), h, 0)),
                  pl.BlockSpec((None, d.Sp, None, d.Hp), lambda i, b, h: (b, 0, h // G, 0)),
                  pl.BlockSpec((None, d.Sp, None, d.Hp), lambda i, b, h: (b, 0, h // G, 0))]
     operands += [qp, kp, vp]
@@ -683,26 +688,27 @@ def _row_call(cfg, q, k, v, mask, bias, alibi, rel, offs, backward, do=None, lse
         in_specs.append(full)
         operands.append(rel.table.astype(jnp.float32).reshape(-1))
     if backward:
-        in_specs += [pl.BlockSpec((None, bq, None, d.Hp), lambda i, b, h: (b, i, h, 0)),
-                     pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)),
-                     pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))]
+        in_specs += [pl.BlockSpec((None, bq, None, d.Hp), lambda i, b, h: (b, qi(i), h, 0)),
+                     pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, qi(i))),
+                     pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, qi(i)))]
         operands += [_pad_seq_head(do, d.Tp, d.Hp), pad_axis(lse, 2, d.Tp),
                      pad_axis(delta, 2, d.Tp)]
     for qs in mops.q_segments:
-        in_specs.append(pl.BlockSpec((None, bq), lambda i, b, h: (b, i)))
+        in_specs.append(pl.BlockSpec((None, bq), lambda i, b, h: (b, qi(i))))
         operands.append(qs)
     for ks in mops.kv_segments:
         in_specs.append(pl.BlockSpec((None, d.Sp), lambda i, b, h: (b, 0)))
         operands.append(ks)
-    row = pl.BlockSpec((None, bq, None, d.Hp), lambda i, b, h: (b, i, h, 0))
+    row = pl.BlockSpec((None, bq, None, d.Hp), lambda i, b, h: (b, qi(i), h, 0))
     if backward:
         out_specs, out_shape = [row], [jax.ShapeDtypeStruct((d.B, d.Tp, d.N, d.Hp), q.dtype)]
         if rel is not None:  # per query tile: [nbp] partial sums
             nbp = max(16, _pow2(rel.num_buckets))
-            out_specs.append(pl.BlockSpec((None, None, None, nbp), lambda i, b, h: (b, h, i, 0)))
+            out_specs.append(pl.BlockSpec((None, None, None, nbp),
+                                          lambda i, b, h: (b, h, qi(i), 0)))
             out_shape.append(jax.ShapeDtypeStruct((d.B, d.N, d.Tp // bq, nbp), jnp.float32))
     else:
-        out_specs = [row, pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))]
+        out_specs = [row, pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, qi(i)))]
         out_shape = [jax.ShapeDtypeStruct((d.B, d.Tp, d.N, d.Hp), q.dtype),
                      jax.ShapeDtypeStruct((d.B, d.N, d.Tp), jnp.float32)]
     kernel = functools.partial(_row_kernel, cfg, d, mask, mops, tab, has_bias, alibi is not None,

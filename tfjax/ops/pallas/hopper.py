@@ -62,7 +62,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from tfjax.ops import masks as M
-from tfjax.ops.pallas.common import MaskOperands, pad_axis, round_up, tile_tables
+from tfjax.ops.pallas.common import (
+    MaskOperands,
+    heavy_first,
+    pad_axis,
+    round_up,
+    tile_tables,
+)
 
 __all__ = ["HopperConfig", "flash_forward_hopper", "supports"]
 
@@ -518,7 +524,8 @@ def flash_forward_hopper(q, k, v, mask, *, scale: float, softcap: float | None, 
         qseg_ref, kseg_ref = take(nseg), take(nseg)
         slopes_ref = next(it) if alibi is not None else None  # flat [B|1 * N] fp32
         out_ref, lse_ref = take(2)
-        b, i, h = lax.axis_index("batch"), lax.axis_index("q"), lax.axis_index("heads")
+        b, h = lax.axis_index("batch"), lax.axis_index("heads")
+        i = heavy_first(lax.axis_index("q"), Tp // bc)  # query tile: heaviest first
         r = b if tab.batched else 0
         kvh = lax.div(h, jnp.int32(G))
         row0 = lambda w: i * bc + w * bq  # a warpgroup's first query row

@@ -54,7 +54,13 @@ from jax.experimental import pallas as pl
 
 from tfjax.ops import masks as M
 from tfjax.ops.pallas import hopper
-from tfjax.ops.pallas.common import MaskOperands, pad_axis, round_up, tile_tables
+from tfjax.ops.pallas.common import (
+    MaskOperands,
+    heavy_first,
+    pad_axis,
+    round_up,
+    tile_tables,
+)
 
 __all__ = ["HopperBackwardConfig", "flash_backward_hopper", "supports"]
 
@@ -214,7 +220,8 @@ def flash_backward_hopper(q, k, v, do, lse, delta, mask, *, scale: float, softca
         (order, count, code, offs_ref), sref, ins, qseg_ref, kseg_ref, slopes_ref, (dq_ref,) = \
             split_refs(refs, 6)
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins
-        b, i, h = lax.axis_index("batch"), lax.axis_index("q"), lax.axis_index("heads")
+        b, h = lax.axis_index("batch"), lax.axis_index("heads")
+        i = heavy_first(lax.axis_index("q"), tab.order.shape[1])  # query tile: heaviest first
         r = b if tab.batched else 0
         kvh = lax.div(h, jnp.int32(G))
         row0 = lambda w: i * bc + w * _ROWS
