@@ -417,7 +417,8 @@ def bench_gpu(args):
 def bench_tune(args, S=8192, N=32, K=8, head_dims=(128, 64)):
     """Block sizes of the GPU kernels at one shape (causal, S = 8k, GQA 32/8, bf16,
     H = 128 then 64): forward TFLOP/s of the Hopper forward (per tile choice, and
-    its schedules: ping-pong, none, intra-warpgroup overlap) and the Triton
+    its schedules: ping-pong, none, intra-warpgroup overlap; one consumer; the LPT
+    launch order) and the Triton
     forward per tile choice, backward TFLOP/s ((fwd+bwd) - fwd) of the Hopper and
     Triton backward per tile choice; the Triton kernels at their default tiles also
     with 4 warps everywhere (their launch before `triton_launch` chose warps and
@@ -462,7 +463,10 @@ def bench_tune(args, S=8192, N=32, K=8, head_dims=(128, 64)):
                             # registers allow (experiments/gpu_registers.py)
                             ("1 consumer", dataclasses.replace(HopperConfig.default(H),
                                                                compute_warpgroups=1,
-                                                               pingpong=False))):
+                                                               pingpong=False)),
+                            # longest first across heads (experiments/launch_order.py)
+                            ("LPT order", dataclasses.replace(HopperConfig.default(H),
+                                                              order="lpt"))):
                 rows.append(("hopper fwd", f"default tiles, {name}", False,
                              dict(forward="hopper", hopper_config=c), None))
             for bdq, bdkv in itertools.product((64, 128), (64, 128)):

@@ -30,15 +30,16 @@ HC, HB = HopperConfig, HopperBackwardConfig
      HC(block_kv=64), HB()),
     (2, 128, 300, (4, 1), 64, "padding_fully_masked", {"kv_offset": 2, "alibi": "pos"},
      HC(block_kv=64, compute_warpgroups=1, overlap=True), HB(compute_warpgroups=1, stages=1)),
-    (1, 70, 200, (2, 2), 128, "window_lr", {}, HC(block_kv=64, pingpong=False), HB(128, 128)),
+    (1, 200, 200, (2, 2), 128, "window_lr", {}, HC(block_kv=64, pingpong=False, order="lpt"),
+     HB(128, 128)),
     (1, 70, 90, (2, 1), 256, "prefix", {"alibi": "pos"}, HC(block_kv=64, overlap=True), None),
-    (2, 64, 100, (2, 1), 64, "causal", {"alibi": "BN", "q_offset": 30, "kv_offset": 5},
+    (2, 200, 220, (2, 1), 64, "causal", {"alibi": "BN", "q_offset": 30, "kv_offset": 5},
      HC(block_kv=64), HB()),
 ], ids=["gqa-segments-softcap-offset-tails-h80-pingpong",
         "mqa-fully-masked-rows-alibi-positions-one-warpgroup-overlap",
-        "window-mha-h128-no-pingpong-blocks128",
+        "window-mha-h128-no-pingpong-blocks128-lpt-order",
         "prefix-h256-overlap-alibi-positions-triton-backward",
-        "causal-alibi-offsets-pingpong"])
+        "causal-alibi-offsets-pingpong-two-query-tiles"])
 def test_interpret_matches_reference(B, T, S, heads, H, mask_name, extras, fwd, bwd):
     """The Hopper forward and (H <= 128) backward. Two consumer warpgroups and a
     producer (warp specialisation, the default) take turns on the tensor cores
@@ -192,6 +193,8 @@ def test_refusals_name_the_fix():
         HopperConfig(overlap=True, stages=1)
     with pytest.raises(ValueError, match="pingpong=None"):
         HopperConfig(overlap=True, pingpong=True)
+    with pytest.raises(ValueError, match="HopperConfig.order must be 'head' or 'lpt'"):
+        HopperConfig(order="reversed")
     q256 = jnp.zeros((1, 64, 2, 256), jnp.bfloat16)
     with pytest.raises(ValueError, match="backward='triton'"):  # the forward would take it
         flash_attention_gpu(q256, q256, q256, forward="hopper", backward="hopper")

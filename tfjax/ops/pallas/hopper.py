@@ -117,7 +117,13 @@ class HopperConfig:
     overlaps the other's matmuls), FlashAttention-3's inter-warpgroup schedule;
     `overlap`: each consumer issues step t's Q K^T and step t-1's P V together
     and computes step t's softmax while P V runs, FlashAttention-3's
-    intra-warpgroup schedule (needs stages >= 2; replaces ping-pong here)."""
+    intra-warpgroup schedule (needs stages >= 2; replaces ping-pong here).
+    `order`: which programs the GPU starts first. "head" (default): head by head,
+    each head's query tiles heaviest first (`common.heavy_first`), so programs
+    running side by side share that head's K/V in L2; "lpt": every head's last
+    query tile, then every head's one before it, ..., longest first across heads
+    (nearer the ideal makespan under a causal mask, experiments/launch_order.py,
+    at the cost of that L2 reuse; `bench_attention.py tune` times both)."""
 
     block_q: int = 64
     block_kv: int = 128
@@ -125,6 +131,7 @@ class HopperConfig:
     compute_warpgroups: int = 2
     pingpong: bool | None = None  # None: on with two consumer warpgroups (and no overlap)
     overlap: bool = False
+    order: str = "head"
 
     @classmethod
     def default(cls, H: int) -> "HopperConfig":
@@ -162,6 +169,8 @@ class HopperConfig:
         if self.pingpong is True and self.compute_warpgroups != 2:
             raise ValueError("HopperConfig.pingpong alternates two consumer warpgroups: it needs "
                              f"compute_warpgroups=2, got {self.compute_warpgroups}")
+        if self.order not in ("head", "lpt"):
+            raise ValueError(f"HopperConfig.order must be 'head' or 'lpt', got {self.order!r}")
         if self.compute_warpgroups not in (1, 2):
             raise ValueError("HopperConfig.compute_warpgroups must be 1 (no warp specialisation) "
                              f"or 2 (two consumers and a producer), got {self.compute_warpgroups}")
@@ -723,8 +732,11 @@ def flash_forward_hopper(q, k, v, mask, *, scale: float, softcap: float | None, 
         kernel,
         out_type=[jax.ShapeDtypeStruct((B, Tp, N, Hp), dtype),
                    jax.ShapeDtypeStruct((B, N, Tp), jnp.float32)],
-        grid=(N, Tp // bc, B),
-        grid_names=("heads", "q", "batch"),
+        # The last grid axis varies fastest in launch order (Mosaic GPU maps it to
+        # CUDA's x); "q" holds query tiles heaviest first (`heavy_first`).
+        **(dict(grid=(N, Tp // bc, B), grid_names=("heads", "q", "batch"))
+           if cfg.order == "head" else
+           dict(grid=(Tp // bc, N, B), grid_names=("q", "heads", "batch"))),
         **({"num_threads": C + 1, "thread_name": "wg"} if producer else {}),
         # The softmax's row reductions stay inside each warp (the wgmma layout
         # splits rows across warps), so none needs the 2 KiB of cross-warp scratch
