@@ -43,6 +43,19 @@ def segment_ids(B, L, seed, n=3):
     return np.sort(rng.integers(0, n, (B, L)), axis=1).astype(np.int32)
 
 
+def cache_positions(B, T, S):
+    """A KV cache's positions (`masks.positions`): even rows a linear cache (slot =
+    position) with a run of empty slots (-1) before the last T, odd rows a ring
+    buffer (rotated, every 7th slot empty); the T queries are the last positions
+    (early ones negative when T > S: fully masked rows)."""
+    lin = np.where((np.arange(S) >= S // 3) & (np.arange(S) < S // 2), -1, np.arange(S))
+    ring = np.roll(np.arange(S) + 5, S // 3)
+    ring[::7] = -1
+    kv = np.stack([lin if b % 2 == 0 else ring for b in range(B)]).astype(np.int32)
+    q = np.stack([np.arange(T) + S - T + (5 * (b % 2)) for b in range(B)]).astype(np.int32)
+    return q, kv
+
+
 def make_mask(name, B, T, S):
     if name == "none":
         return None
@@ -68,6 +81,10 @@ def make_mask(name, B, T, S):
         return M.causal() & M.longformer(9, (0, 1, T // 2, T - 1))
     if name == "bigbird":  # window | globals | seeded random blocks (in-kernel hash)
         return M.bigbird(6, 3, 2, 32, seed=11, seq_len=max(T, S) + 8)
+    if name == "positions":  # a KV cache's mask: explicit positions, empty slots
+        return M.positions(*cache_positions(B, T, S))
+    if name == "positions_window":
+        return M.positions(*cache_positions(B, T, S), window=37)
     if name == "prefix|window":
         return M.prefix_lm(np.array([5] * B)) | M.sliding_window(8)
     raise ValueError(name)

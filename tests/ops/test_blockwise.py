@@ -27,6 +27,7 @@ CASES = [
     (128, 100, (8, 2), 32, "padding_fully_masked", {"bias": (2, 8), "relative": "bidir"}),
     (384, 1000, (8, 2), 128, "prefix|window", {"q_offset": 3, "kv_offset": 7, "alibi": "BN"}),
     (128, 384, (8, 1), 64, "window_lr", {"alibi": "pos"}),
+    (100, 300, (4, 2), 32, "positions_window", {}),  # a KV cache's chunked prefill
     # B = 1: the training forward and the backward call the example directly (no vmap)
     (100, 300, (4, 2), 32, "causal&segments", {"bias": (1, 4), "B": 1, "softcap": 5.0,
                                                 "alibi": "N", "relative": "pos"}),

@@ -21,6 +21,17 @@ def _segments(T, S, seed):
     return M.segments(q, kv)
 
 
+def _positions(T, S, window=0):
+    """A KV cache's mask: row 0 a linear cache (slot = position, the last third
+    empty), row 1 a ring buffer (rotated slots, some empty); queries at later
+    positions than most keys."""
+    kv0 = np.where(np.arange(S) < S - S // 3, np.arange(S), -1)
+    kv1 = np.roll(np.arange(S) + 2, S // 3)
+    kv1[::5] = -1
+    q = np.stack([np.arange(T) + S // 2, np.arange(T) + 3])
+    return M.positions(q, np.stack([kv0, kv1]), window=window)
+
+
 def _masks(T, S):
     return {
         "causal": M.causal(),
@@ -30,11 +41,13 @@ def _masks(T, S):
         "padding": M.padding(np.array([0, S // 2 + 1])),
         "prefix": M.prefix_lm(np.array([3, T // 2 + 2])),
         "segments": _segments(T, S, 0),
+        "positions": _positions(T, S),
+        "positions_window": _positions(T, S, window=4),
     }
 
 
 PRIMITIVE = ["causal", "window_left", "window_left_right", "chunked", "padding", "prefix",
-             "segments"]
+             "segments", "positions", "positions_window"]
 
 
 def _check(mask, T, S, bq, bk, qo, ko, exact):
@@ -76,8 +89,10 @@ GEOMETRY = [  # T, S, bq, bk, q_offset, kv_offset
 @pytest.mark.parametrize("geometry", GEOMETRY, ids=lambda g: "T{}S{}b{}x{}o{},{}".format(*g))
 def test_primitive_block_view_is_exact(name, geometry):
     T, S, bq, bk, qo, ko = geometry
-    # chunked causal: a tile may straddle chunks; only conservativeness is promised there
-    _check(_masks(T, S)[name], T, S, bq, bk, qo, ko, exact=name != "chunked")
+    # chunked causal: a tile may straddle chunks; a windowed Positions tile's keys
+    # may fall between its queries' windows: only conservativeness is promised there
+    _check(_masks(T, S)[name], T, S, bq, bk, qo, ko,
+           exact=name not in ("chunked", "positions_window"))
 
 
 COMBOS = {
@@ -86,6 +101,7 @@ COMBOS = {
     "prefix|window": lambda m: m["prefix"] | m["window_left"],
     "chunked&segments|causal": lambda m: (m["chunked"] & m["segments"]) | m["causal"],
     "padding&prefix&window": lambda m: m["padding"] & m["prefix"] & m["window_left"],
+    "positions&segments": lambda m: m["positions"] & m["segments"],
 }
 
 

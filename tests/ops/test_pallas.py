@@ -39,6 +39,13 @@ CASES = [
     (100, 384, (8, 2), 32, "prefix|window", {"kv_offset": 5, "alibi": "N", "relative": "bidir"}),
     (200, 300, (8, 2), 64, "bigbird", {"kv_offset": 5}),
     (130, 130, (4, 1), 32, "longformer&causal", {"q_offset": 3, "softcap": 30.0}),
+    # a KV cache's masks: chunked prefill over [cache; fresh keys], and decode
+    (100, 300, (8, 2), 64, "positions_window", {"softcap": 10.0}),
+    (1, 300, (8, 1), 32, "positions", {"alibi": "N"}),
+    # decode and speculative steps with the query heads packed (packing.py)
+    (1, 300, (8, 2), 64, "positions", {"softcap": 10.0, "pack_heads": True}),
+    (5, 200, (4, 1), 32, "positions_window", {"bias": (2, 4), "pack_heads": True}),
+    (3, 130, (4, 2), 32, "positions", {"bias": (1, 1), "pack_heads": True}),
 ]
 
 
@@ -53,6 +60,27 @@ def test_matches_reference(T, S, heads, H, mask_name, extras):
     q, k, v, bias = inputs(B, T, S, *heads, H, bias=extras.pop("bias", None))
     check_against_reference(flash_attention, q, k, v, make_mask(mask_name, B, T, S), bias,
                             block_sizes=extras.pop("block_sizes", BS), **extras)
+
+
+def test_decode_shaped_requests_pack_query_heads(monkeypatch):
+    """By default a GQA request with T * G <= 128 rows and a data-indexed mask (a
+    KV cache's `Positions`) reaches the kernels as `[B, T*G, K, H]`; a positional
+    mask or ALiBi keeps `[B, T, N, H]`; pack_heads=True that cannot pack raises."""
+    import tfjax.ops.pallas as pallas_lib
+
+    shapes = []
+    real = pallas_lib._unpacked
+    monkeypatch.setattr(pallas_lib, "_unpacked",
+                        lambda q, *a, **kw: shapes.append(q.shape) or real(q, *a, **kw))
+    q, k, v, _ = inputs(2, 1, 40, 8, 2, 32)
+    cache = make_mask("positions", 2, 1, 40)
+    flash_attention(q, k, v, cache)
+    flash_attention(q, k, v, M.causal(), q_offset=39)
+    flash_attention(q, k, v, cache, alibi_slopes=jnp.ones(8))
+    flash_attention(q, k, v, cache, pack_heads=False)
+    assert shapes == [(2, 4, 2, 32), (2, 1, 8, 32), (2, 1, 8, 32), (2, 1, 8, 32)], shapes
+    with pytest.raises(ValueError, match="pack_heads=True.*Causal"):
+        flash_attention(q, k, v, M.causal(), pack_heads=True)
 
 
 def test_bf16_within_2e2():

@@ -25,8 +25,9 @@ BS = BlockSizes(32, 64, 32, 64, 64, 32)
     (128, 100, (4, 1), 32, "padding_fully_masked", {"kv_offset": 2, "alibi": "BN",
                                                     "relative": "coarse"}),
     (100, 130, (4, 2), 32, "causal&segments", {"alibi": "pos", "relative": "pos"}),
+    (70, 200, (4, 2), 32, "positions_window", {}),
 ], ids=["gqa-segments-softcap-bias-alibi-t5-tails", "mqa-fully-masked-rows-alibi-t5",
-        "alibi-t5-positions-segments"])
+        "alibi-t5-positions-segments", "kv-cache-positions-window"])
 def test_interpret_matches_reference(T, S, heads, H, mask_name, extras):
     extras = dict(extras)
     q, k, v, bias = inputs(2, T, S, *heads, H, bias=extras.pop("bias", None))

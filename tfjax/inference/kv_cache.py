@@ -493,31 +493,11 @@ def logical_axes(cache: ModelCache):
 
 
 @_pytree
-class SlotMask(masks_lib.Mask):
+class SlotMask(masks_lib.Positions):
     """Decode mask over cache slots: query at `q_positions[b, t]` sees slot s iff it
     holds a position p (`kv_positions[b, s]` >= 0) with p <= query and, for a window
-    W > 0, query - p <= W. Indexed by local query / slot index (like `Segments`)."""
-
-    q_positions: jax.Array  # [B, T]
-    kv_positions: jax.Array  # [B, S]
-    window: int = _static(default=0)
-
-    def _allowed(self, q, k, qo, ko):
-        qp = jnp.take(self.q_positions, q[:, 0], axis=1)[:, :, None]  # [B, T, 1]
-        kp = jnp.take(self.kv_positions, k[0, :], axis=1)[:, None, :]  # [B, 1, S]
-        ok = (kp >= 0) & (kp <= qp)
-        if self.window:
-            ok = ok & (qp - kp <= self.window)
-        return ok
-
-    def _tiles(self, qs, qe, ks, ke, **_):  # data-dependent: every tile may be partial
-        B = self.q_positions.shape[0]
-        shape = (B, qs.shape[0], ks.shape[1])
-        return jnp.zeros(shape, bool), jnp.zeros(shape, bool)
-
-    @property
-    def batch_size(self):
-        return self.q_positions.shape[0]
+    W > 0, query - p <= W (`masks.Positions`: tiles of empty or out-of-window slots
+    are skipped by the tiled implementations, and the pallas kernels take it)."""
 
 
 @_pytree

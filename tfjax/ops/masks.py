@@ -29,8 +29,9 @@ import numpy as np
 __all__ = [
     "EMPTY", "PARTIAL", "FULL",
     "Mask", "Causal", "SlidingWindow", "ChunkedCausal", "Padding", "Segments", "PrefixLM",
-    "And", "Or",
+    "Positions", "And", "Or",
     "causal", "sliding_window", "chunked_causal", "padding", "segments", "prefix_lm",
+    "positions",
     "dense", "combine",
     "Longformer", "RandomBlocks", "longformer", "bigbird",
 ]
@@ -262,6 +263,48 @@ class Segments(Mask):
         return self.q_segment_ids.shape[0]
 
 
+@_pytree
+class Positions(Mask):
+    """Causal attention over explicit per-token positions: the query at
+    `q_positions[b, t]` sees the key at `kv_positions[b, s]` iff that key holds a
+    position (>= 0; negative marks an empty cache slot or padding) no later than
+    the query's and, with `window` W > 0, at most W before it (Mistral's window).
+    What a KV cache attends with (`tfjax.inference.kv_cache`): slots in any order,
+    a ring buffer's included. Indexed by local position, like `Segments`; its
+    block view bounds each tile by the min / max of its positions."""
+
+    q_positions: jax.Array  # [B, T] int
+    kv_positions: jax.Array  # [B, S] int, negative: nothing there
+    window: int = _static(default=0)
+
+    def _allowed(self, q, k, qo, ko):
+        qp = jnp.take(self.q_positions, q[:, 0], axis=1)[:, :, None]  # [B, T, 1]
+        kp = jnp.take(self.kv_positions, k[0, :], axis=1)[:, None, :]  # [B, 1, S]
+        ok = (kp >= 0) & (kp <= qp)
+        if self.window:
+            ok = ok & (qp - kp <= self.window)
+        return ok
+
+    def _tiles(self, qs, qe, ks, ke, *, q_len, kv_len, block_q, block_kv):
+        qmin, qmax = _tile_min_max(self.q_positions, q_len, block_q)  # [B, nq]
+        kmin, kmax = _tile_min_max(self.kv_positions, kv_len, block_kv)  # [B, nk]
+        big = jnp.iinfo(jnp.int32).max  # the earliest key that holds a position
+        kfirst, _ = _tile_min_max(jnp.where(self.kv_positions >= 0, self.kv_positions, big),
+                                  kv_len, block_kv)
+        qmin, qmax = qmin[:, :, None], qmax[:, :, None]
+        kmin, kmax, kfirst = kmin[:, None, :], kmax[:, None, :], kfirst[:, None, :]
+        full = (kmin >= 0) & (kmax <= qmin)
+        empty = (kmax < 0) | (kfirst > qmax)
+        if self.window:
+            full = full & (qmax - kmin <= self.window)
+            empty = empty | (qmin - kmax > self.window)
+        return full, empty
+
+    @property
+    def batch_size(self):
+        return self.q_positions.shape[0]
+
+
 def _tile_min_max(ids: jax.Array, n: int, block: int) -> tuple[jax.Array, jax.Array]:
     ids = ids[:, :n].astype(jnp.int32)
     pad = (-n) % block
@@ -352,6 +395,22 @@ def segments(q_segment_ids, kv_segment_ids=None) -> Mask:
         raise ValueError(f"segments: segment ids must be [B, T] and [B, S] with the same B, got "
                          f"{q.shape} and {kv.shape}")
     return Segments(q, kv)
+
+
+def positions(q_positions, kv_positions=None, *, window: int = 0) -> Mask:
+    """Causal over explicit positions (`[B, T]`, `[B, S]`; kv defaults to the
+    query's): a query sees the keys whose position is >= 0 and <= its own (and,
+    with `window` > 0, at most `window` before it). Negative kv positions are
+    empty (a cache's unused slots, padding); a query with a negative position
+    sees nothing."""
+    q = jnp.asarray(q_positions, jnp.int32)
+    kv = q if kv_positions is None else jnp.asarray(kv_positions, jnp.int32)
+    if q.ndim != 2 or kv.ndim != 2 or q.shape[0] != kv.shape[0]:
+        raise ValueError(f"positions: q_positions and kv_positions must be [B, T] and [B, S] with "
+                         f"the same B, got {q.shape} and {kv.shape}")
+    if int(window) < 0:
+        raise ValueError(f"positions: window must be >= 0 (0: no window), got {window}")
+    return Positions(q, kv, int(window))
 
 
 def prefix_lm(prefix_lengths) -> Mask:

@@ -11,11 +11,12 @@ The transposed tables (for each kv tile, its query tiles) drive the dk/dv kernel
 
 Masks in kernels: positional masks (causal, windows, chunks) become iota
 arithmetic on global positions; per-example scalars (padding and prefix lengths)
-become scalar-prefetch operands; segment ids and Longformer's global-position
-flags become blocked VMEM operands (`[B, Tp, 1]` and `[B, 1, Sp]`); BigBird's
-random blocks are re-drawn in the tile by the mask's own seeded hash (int32
-arithmetic). A mask kind this module does not know is refused
-by `mask_support` (the "pallas" implementation then declines the request).
+become scalar-prefetch operands; segment ids, explicit positions (`Positions`,
+a KV cache's mask) and Longformer's global-position flags become blocked VMEM
+operands (`[B, Tp, 1]` and `[B, 1, Sp]`); BigBird's random blocks are re-drawn
+in the tile by the mask's own seeded hash (int32 arithmetic). A mask kind this
+module does not know is refused by `mask_support` (the "pallas" implementation
+then declines the request).
 """
 
 from __future__ import annotations
@@ -175,7 +176,8 @@ def _build_tables(mask, q_offset, kv_offset, *, T, S, bq, bk, transpose):
 _POSITIONAL = (M.Causal, M.SlidingWindow, M.ChunkedCausal)
 
 
-_KNOWN = _POSITIONAL + (M.Padding, M.PrefixLM, M.Segments, M.Longformer, M.RandomBlocks)
+_KNOWN = _POSITIONAL + (M.Padding, M.PrefixLM, M.Segments, M.Positions, M.Longformer,
+                        M.RandomBlocks)
 
 
 def mask_support(mask) -> str | None:
@@ -235,6 +237,10 @@ class MaskOperands:
             x = m.kv_lengths if isinstance(m, M.Padding) else m.prefix_lengths
             self._slot[id(m)] = len(self.scalars)
             self.scalars.append(jnp.broadcast_to(jnp.asarray(x, jnp.int32), (B,)))
+        elif isinstance(m, M.Positions):  # -1 pads: a padded key is empty, a padded row sees none
+            self._slot[id(m)] = len(self.q_segments)
+            self.q_segments.append(pad_axis(jnp.asarray(m.q_positions, jnp.int32), 1, Tp, -1))
+            self.kv_segments.append(pad_axis(jnp.asarray(m.kv_positions, jnp.int32), 1, Sp, -1))
         elif isinstance(m, M.Segments):
             self._slot[id(m)] = len(self.q_segments)
             qs = jnp.asarray(m.q_segment_ids, jnp.int32)
@@ -272,6 +278,10 @@ class MaskOperands:
         if isinstance(m, M.Segments):
             s = self._slot[id(m)]
             return qseg[s] == kseg[s]
+        if isinstance(m, M.Positions):
+            s = self._slot[id(m)]
+            ok = (kseg[s] >= 0) & (kseg[s] <= qseg[s])
+            return ok & (qseg[s] - kseg[s] <= m.window) if m.window else ok
         if isinstance(m, M.Longformer):
             s = self._slot[id(m)]
             return (jnp.abs(qp - kp) <= m.window) | (qseg[s] > 0) | (kseg[s] > 0)
