@@ -8,6 +8,8 @@
     .venv/bin/python experiments/bench_attention.py alibi          # ~5 min on 2 cores
     .venv/bin/python experiments/bench_attention.py t5             # ~5 min on 2 cores
     .venv/bin/python experiments/bench_attention.py t5-tpu-aot --sizes 2048,8192  # libtpu
+    .venv/bin/python experiments/bench_attention.py cache-tpu-aot --sizes 32768  # libtpu
+    .venv/bin/python experiments/bench_attention.py decode --budget-s 60   # a GPU
 
 cpu: compiled temporary memory (`memory_analysis().temp_size_in_bytes`) and wall
 time of reference / xla / blockwise at S = 1k, 4k, 16k (causal self-attention,
@@ -32,6 +34,19 @@ t5-tpu-aot: per-device compiled memory of the Pallas TPU kernels' fwd+bwd for a
 v5e:2x2 topology (real XLA:TPU / Mosaic compilation on this CPU, libtpu needed):
 no bias, T5's bias per tile at index and explicit positions, and T5's bias
 materialised as a `[B,N,T,S]` fp32 bias.
+
+cache-tpu-aot: per-device compiled memory of attention over a KV cache on a
+v5e:2x2 (real XLA:TPU / Mosaic compilation, libtpu; GQA 32/8, H=128, bf16, the
+cache's `masks.positions` from traced positions): a decode step (T=1) and
+chunked prefill (T=512, 2048) over S slots (the last of --sizes), "xla" vs
+"pallas".
+
+decode: a decode step's attention over a half-filled KV cache on a GPU (T=1,
+GQA 32/8, H=128, bf16, B x S in 1 x 8k, 1 x 32k, 8 x 32k, 32 x 8k): "pallas"
+as dispatched (query heads packed, keys split when the grid is small), packed
+without the split, neither, and xla; microseconds per call (16 chained in one
+jit) and the bandwidth of the filled half's K/V bytes. --compile-only compiles
+each row for a deviceless H200 (attention_decode_gpu_aot_<date>.md).
 
 gpu: forward, backward and forward+backward TFLOP/s (4*B*N*T*S*H FLOPs, halved
 when causal; backward counted as 2.5x forward) of "pallas" (the Triton kernels,
@@ -254,6 +269,19 @@ def _write_results(lines, stem):
     return path
 
 
+def _write_gpu_results(args, out, stem):
+    """A GPU table: <stem>_aot with --compile-only, <stem> when timed, nothing when lowered."""
+    if args.aot == "compile":
+        _write_results(out, f"{stem}_aot")
+    elif not args.aot:
+        _write_results(out, stem)
+
+
+def _failed(cells: str, e: Exception, width: int = 80) -> str:
+    """A table row whose remaining cells say why it failed."""
+    return f"| {cells} | failed: {type(e).__name__}: {str(e).splitlines()[0][:width]} | | |"
+
+
 def _inputs(keys, q_shape, kv_shape, dtype, args):
     """Random q, k, v; shapes only with --lower-only / --compile-only."""
     if args.aot:
@@ -404,14 +432,10 @@ def bench_gpu(args):
                     row = (f"| {H} | {S} | {mask_name} | {name} | {flops / t_f / 1e12:.1f} | "
                            f"{2.5 * flops / t_b / 1e12:.1f} | {3.5 * flops / t_fb / 1e12:.1f} |")
             except Exception as e:  # noqa: BLE001 - a row says why an implementation failed
-                row = f"| {H} | {S} | {mask_name} | {name} | failed: {type(e).__name__}: " \
-                      f"{str(e).splitlines()[0][:80]} | | |"
+                row = _failed(f"{H} | {S} | {mask_name} | {name}", e)
             out.append(row)
             print(row, flush=True)
-    if args.aot == "compile":
-        _write_results(out, "attention_gpu_aot")
-    elif not args.aot:
-        _write_results(out, "attention_gpu")
+    _write_gpu_results(args, out, "attention_gpu")
 
 
 def bench_tune(args, S=8192, N=32, K=8, head_dims=(128, 64)):
@@ -524,10 +548,7 @@ def bench_tune(args, S=8192, N=32, K=8, head_dims=(128, 64)):
                        f"{str(e).splitlines()[0][:80]} | |")
             out.append(row)
             print(row, flush=True)
-    if args.aot == "compile":
-        _write_results(out, "attention_gpu_tiles_aot")
-    elif not args.aot:
-        _write_results(out, "attention_gpu_tiles")
+    _write_gpu_results(args, out, "attention_gpu_tiles")
 
 
 def bench_t5_tpu_aot(args, topology="v5e:2x2", N=8, K=2, H=128):
@@ -583,9 +604,131 @@ def bench_t5_tpu_aot(args, topology="v5e:2x2", N=8, K=2, H=128):
     _write_results(out, "attention_t5_tpu_aot")
 
 
+def _cache_positions(B, S, filled):
+    """A KV cache's positions `[B, S]`: slot = position for the first `filled`
+    slots, -1 (empty) after."""
+    return jnp.broadcast_to(jnp.where(jnp.arange(S) < filled, jnp.arange(S), -1),
+                            (B, S)).astype(jnp.int32)
+
+
+def bench_decode(args, N=32, K=8, H=128):
+    """A decode step's attention over a KV cache (T = 1, GQA 32/8, H = 128, bf16,
+    the cache half filled, its mask `masks.Positions` from traced positions as in
+    `tfjax.inference`): "auto" (query heads packed as rows, the keys split into
+    chunks when the grid is small, `tfjax/ops/pallas/decode.py`), the same kernels
+    without the split and without either, and xla. Time per call from 16 calls
+    chained in one jit (no dispatch in the timing), and the bandwidth of the
+    filled half's K/V bytes (what must be read)."""
+    from tfjax.ops.pallas import flash_attention
+    from tfjax.ops.pallas.decode import auto_kv_splits
+    from tfjax.ops.pallas.gpu import _default_block_sizes, sm_count
+
+    dtype, reps = jnp.bfloat16, 16
+    out = [(f"# Decode-step attention over a KV cache ({_device_kind(args)}, jax {jax.__version__}, "
+            f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC)"), "",
+           f"T=1, N={N}, K={K}, H={H}, bf16; the cache's S slots half filled (positions as "
+           "an input). GB/s: K/V bytes of the filled half per call time.", "",
+           "| B | S | impl | splits | us / call | K/V GB/s | vs xla |" if not args.aot else
+           "| B | S | impl | splits | compiled |", "|---|---|---|---|---|---|---|"
+           if not args.aot else "|---|---|---|---|---|"]
+    print("\n".join(out), flush=True)
+    deadline = time.time() + args.budget_s
+    for B, S in ((1, 8192), (1, 32768), (8, 32768), (32, 8192)):
+        P = auto_kv_splits(B, K, N // K, S, _default_block_sizes(H).block_q, sm_count())
+        impls = {
+            "tfjax pallas (auto)": (P, lambda q, k, v, m: dot_product_attention(
+                q, k, v, m, implementation="pallas")),
+            "tfjax pallas (packed, no split)": (1, lambda q, k, v, m: flash_attention(
+                q, k, v, m, kv_splits=1)),
+            "tfjax pallas (neither)": (1, lambda q, k, v, m: flash_attention(
+                q, k, v, m, pack_heads=False, kv_splits=1)),
+            "xla": (1, lambda q, k, v, m: dot_product_attention(q, k, v, m, implementation="xla")),
+        }
+        ks = jax.random.split(jax.random.key(0), 3)
+        q, k, v = _inputs(ks, (B, 1, N, H), (B, S, K, H), dtype, args)
+        kv_bytes = 2 * B * (S // 2) * K * H * jnp.dtype(dtype).itemsize
+        t_xla = None
+        for name, (splits, f) in reversed(impls.items()):  # xla first: the peer
+            if time.time() > deadline:
+                out.append(f"| {B} | {S} | {name} | (time budget spent) | | | |")
+                continue
+
+            def chained(q, k, v, f=f, S=S, B=B):
+                m = M.positions(jnp.full((B, 1), S // 2, jnp.int32), _cache_positions(B, S, S // 2))
+                return jax.lax.fori_loop(0, reps, lambda i, q: f(q, k, v, m).astype(q.dtype), q)
+
+            try:
+                fn = jax.jit(chained)
+                if args.aot:
+                    row = f"| {B} | {S} | {name} | {splits} | {_aot(fn, q, k, v, args)} |"
+                else:
+                    t = _time(fn, q, k, v, reps=3) / reps
+                    t_xla = t if name == "xla" else t_xla
+                    row = (f"| {B} | {S} | {name} | {splits} | {t * 1e6:,.1f} | "
+                           f"{kv_bytes / t / 1e9:,.0f} | {t_xla / t:.2f}x |")
+            except Exception as e:  # noqa: BLE001 - a row says why an implementation failed
+                row = _failed(f"{B} | {S} | {name} | {splits}", e)
+            out.append(row)
+            print(row, flush=True)
+    _write_gpu_results(args, out, "attention_decode_gpu")
+
+
+def bench_cache_tpu_aot(args, topology="v5e:2x2", N=32, K=8, H=128):
+    """Per-device compiled memory of attention over a KV cache on a TPU (real
+    XLA:TPU / Mosaic compilation on this CPU, libtpu topologies; GQA 32/8,
+    H = 128, bf16, forward): chunked prefill (T new tokens over S slots, one
+    example per chip; `masks.Positions` from traced positions) and a decode step
+    (T = 1, 1 and 8 examples per chip), by "xla" (what "auto" ran before the
+    Pallas kernels took the cache's mask) and "pallas"."""
+    import numpy as np
+    from jax.experimental import topologies
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from tfjax.ops.pallas import flash_attention
+
+    topo = topologies.get_topology_desc(platform="tpu", topology_name=topology)
+    mesh = Mesh(np.array(topo.devices).reshape(-1), ("data",))
+    D = mesh.devices.size
+    out = [f"# Attention over a KV cache on TPU, compiled per-device memory ({topology}, "
+           f"N={N} K={K} H={H} bf16, forward; jax {jax.__version__}, "
+           f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC)", "",
+           "| step | B per chip | T | S | impl | temp MiB | arguments MiB | outputs MiB |",
+           "|---|---|---|---|---|---|---|---|"]
+    print("\n".join(out), flush=True)
+    S = int(args.sizes.split(",")[-1])
+    for T, E in ((1, 1), (1, 8), (512, 1), (2048, 1)):  # E examples per chip
+        for impl in ("xla", "pallas"):
+            def local(q, k, v, qpos, kvpos, impl=impl):
+                m = M.positions(qpos, kvpos)
+                if impl == "pallas":  # the Mosaic kernels (this CPU would interpret them)
+                    return flash_attention(q, k, v, m, interpret=False)
+                return dot_product_attention(q, k, v, m, implementation=impl)
+
+            sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt,
+                                                         sharding=NamedSharding(mesh, P("data")))
+            a = (sds((D * E, T, N, H), jnp.bfloat16), sds((D * E, S, K, H), jnp.bfloat16),
+                 sds((D * E, S, K, H), jnp.bfloat16), sds((D * E, T), jnp.int32),
+                 sds((D * E, S), jnp.int32))
+            f = jax.shard_map(local, mesh=mesh, in_specs=(P("data"),) * 5, out_specs=P("data"),
+                              check_vma=False)
+            try:
+                m = jax.jit(f).lower(*a).compile().memory_analysis()
+                row = (f"| {'decode' if T == 1 else 'chunked prefill'} | {E} | {T} | {S} | {impl} | "
+                       f"{m.temp_size_in_bytes / 2**20:,.1f} | "
+                       f"{m.argument_size_in_bytes / 2**20:,.1f} | "
+                       f"{m.output_size_in_bytes / 2**20:,.1f} |")
+            except Exception as e:  # noqa: BLE001 - a row says why it failed
+                row = _failed(f" | {E} | {T} | {S} | {impl}", e, 100)
+            out.append(row)
+            print(row, flush=True)
+    _write_results(out, "attention_cache_tpu_aot")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("part", choices=["cpu", "alibi", "t5", "t5-tpu-aot", "gpu", "tune"])
+    p.add_argument("part", choices=["cpu", "alibi", "t5", "t5-tpu-aot", "cache-tpu-aot", "gpu",
+                                    "decode", "tune"])
     p.add_argument("--sizes", default="1024,4096,16384")
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--max-run-gib", type=float, default=3.0)
@@ -600,14 +743,18 @@ def main():
         (bench_cpu if args.part == "cpu" else bench_position_bias)(args)
     elif args.part == "t5-tpu-aot":
         bench_t5_tpu_aot(args)
-    elif args.aot:
-        with _as_if_on_gpu(args):
-            (bench_gpu if args.part == "gpu" else bench_tune)(args)
+    elif args.part == "cache-tpu-aot":
+        bench_cache_tpu_aot(args)
     else:
+        bench = {"gpu": bench_gpu, "decode": bench_decode, "tune": bench_tune}[args.part]
+        if args.aot:
+            with _as_if_on_gpu(args):
+                bench(args)
+            return
         if jax.default_backend() != "gpu":
             sys.exit(f"bench_attention.py {args.part}: needs a GPU, jax backend is "
                      f"{jax.default_backend()} (--lower-only lowers its rows without one)")
-        (bench_gpu if args.part == "gpu" else bench_tune)(args)
+        bench(args)
 
 
 if __name__ == "__main__":

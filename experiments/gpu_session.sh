@@ -40,6 +40,9 @@ timeout 180 python3 -m pytest -q -p no:cacheprovider -m accelerator \
     tests/ops/test_pallas_gpu.py tests/ops/test_pallas_hopper.py 2>&1 | tee "$OUT/accelerator_tests.log"
 timeout 350 python3 experiments/bench_attention.py gpu --budget-s 260 2>&1 | tee "$OUT/bench.log"
 cp experiments/results/attention_gpu_*.md "$OUT/" 2>/dev/null
+# A decode step over a KV cache (packing and splitting vs xla; ~40 s)
+timeout 90 python3 experiments/bench_attention.py decode --budget-s 60 2>&1 | tee "$OUT/decode.log"
+cp experiments/results/attention_decode_gpu_*.md "$OUT/" 2>/dev/null
 # Then the kernels' tiles, in what is left of ~560 s (rows print as measured).
 left=$(( 560 - SECONDS ))
 if [ "$left" -gt 40 ]; then

@@ -21,6 +21,8 @@ def loop_dense(rule, B, T, S, q_offset=0, kv_offset=0):
 
 SEG_Q = np.array([[1, 1, 1, 2, 2, 3, 3], [5, 5, 5, 5, 5, 5, 5]])
 SEG_KV = np.array([[1, 1, 2, 2, 2, 3, 3, 3, 4], [5, 5, 5, 6, 6, 6, 6, 6, 6]])
+POS_Q = np.array([[3, 4, 5, 6, 7, 8, 9], [-1, 0, 1, 20, 21, 22, 23]])  # -1: a padding query
+POS_KV = np.array([[0, 1, 2, 3, 4, 5, -1, -1, -1], [18, 19, 20, 21, -1, 15, 16, 17, 2]])  # a ring
 LENS = np.array([4, 9])
 PREFIX = np.array([3, 0])
 
@@ -38,6 +40,11 @@ CASES = {
                       lambda b, i, j, p, q: -1 <= p - q <= 0 or q <= p or q < PREFIX[b]),
     "causal&padding&window": (M.causal() & M.padding(LENS) & M.sliding_window(3),
                               lambda b, i, j, p, q: q <= p and q < LENS[b] and p - q <= 3),
+    # explicit positions, indexed locally (offsets change nothing)
+    "positions": (M.positions(POS_Q, POS_KV),
+                  lambda b, i, j, p, q: 0 <= POS_KV[b, j] <= POS_Q[b, i]),
+    "positions_window": (M.positions(POS_Q, POS_KV, window=2),
+                         lambda b, i, j, p, q: 0 <= POS_KV[b, j] <= POS_Q[b, i] <= POS_KV[b, j] + 2),
 }
 
 
@@ -79,6 +86,8 @@ def test_none_combines_and_dense_of_none():
     lambda: M.padding(np.ones((2, 2))),
     lambda: M.segments(np.ones((2, 3)), np.ones((3, 3))),
     lambda: M.prefix_lm(np.ones((2, 2))),
+    lambda: M.positions(np.ones((2, 3)), np.ones((3, 3))),
+    lambda: M.positions(np.ones((2, 3)), window=-1),
 ])
 def test_bad_arguments_raise(bad):
     with pytest.raises(ValueError):

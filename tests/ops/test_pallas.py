@@ -42,10 +42,13 @@ CASES = [
     # a KV cache's masks: chunked prefill over [cache; fresh keys], and decode
     (100, 300, (8, 2), 64, "positions_window", {"softcap": 10.0}),
     (1, 300, (8, 1), 32, "positions", {"alibi": "N"}),
-    # decode and speculative steps with the query heads packed (packing.py)
-    (1, 300, (8, 2), 64, "positions", {"softcap": 10.0, "pack_heads": True}),
+    # decode and speculative steps: query heads packed, keys split into chunks
+    # (decode.py; chunks of 100, 65, 75 and 40 keys: never whole tiles)
+    (1, 300, (8, 2), 64, "positions", {"softcap": 10.0, "pack_heads": True, "kv_splits": 3}),
     (5, 200, (4, 1), 32, "positions_window", {"bias": (2, 4), "pack_heads": True}),
-    (3, 130, (4, 2), 32, "positions", {"bias": (1, 1), "pack_heads": True}),
+    (3, 130, (4, 2), 32, "positions", {"bias": (1, 1), "pack_heads": True, "kv_splits": 2}),
+    (2, 300, (4, 2), 32, "padding_fully_masked", {"kv_splits": 4, "kv_offset": 7}),
+    (4, 200, (8, 2), 32, "segments", {"kv_splits": 5, "alibi": "pos", "bias": (1, 8)}),
 ]
 
 
@@ -78,9 +81,30 @@ def test_decode_shaped_requests_pack_query_heads(monkeypatch):
     flash_attention(q, k, v, M.causal(), q_offset=39)
     flash_attention(q, k, v, cache, alibi_slopes=jnp.ones(8))
     flash_attention(q, k, v, cache, pack_heads=False)
-    assert shapes == [(2, 4, 2, 32), (2, 1, 8, 32), (2, 1, 8, 32), (2, 1, 8, 32)], shapes
+    flash_attention(q, k, v, cache, kv_splits=5)  # packed, then 5 chunks of 8 keys
+    assert shapes == [(2, 4, 2, 32), (2, 1, 8, 32), (2, 1, 8, 32), (2, 1, 8, 32),
+                      (10, 4, 2, 32)], shapes
     with pytest.raises(ValueError, match="pack_heads=True.*Causal"):
         flash_attention(q, k, v, M.causal(), pack_heads=True)
+    with pytest.raises(ValueError, match="kv_splits must be a positive divisor.*S=40"):
+        flash_attention(q, k, v, cache, kv_splits=3)
+    with pytest.raises(ValueError, match="kv_splits=2 cannot split.*Causal"):
+        flash_attention(q, k, v, M.causal(), kv_splits=2)
+    with pytest.raises(ValueError, match="kv_splits=2 cannot split.*ALiBi at index positions"):
+        flash_attention(q, k, v, cache, kv_splits=2, alibi_slopes=jnp.ones(8))
+
+
+def test_auto_kv_splits_fill_the_gpu():
+    """Two programs per SM: a batch-1 decode step over a 32k cache with 8 kv heads
+    (8 programs) splits into 32 chunks of 1k keys (a divisor of S, at most S / 512);
+    a grid already two per SM, or a short cache, does not split."""
+    from tfjax.ops.pallas.decode import auto_kv_splits
+    assert auto_kv_splits(1, 8, 4, 32768, 128, 132) == 32
+    assert auto_kv_splits(1, 8, 4, 3000, 128, 132) == 5  # 5 chunks of 600 keys
+    assert auto_kv_splits(64, 8, 4, 32768, 128, 132) == 1
+    assert auto_kv_splits(1, 8, 4, 1000, 128, 132) == 1
+    assert auto_kv_splits(1, 32, 2048, 32768, 128, 132) == 1  # a 2k chunk: 512 programs
+    assert auto_kv_splits(1, 32, 1024, 32768, 128, 132) == 2  # 1k: 256 < 264
 
 
 def test_bf16_within_2e2():
@@ -176,6 +200,32 @@ def test_relative_bias_with_more_than_128_buckets():
     for g, w in zip(got[1], want[1]):
         np.testing.assert_allclose(g, w, atol=1e-4)
     assert np.abs(np.asarray(want[1][1][128:])).max() > 1e-3  # buckets past 128 are used
+
+
+def test_auto_on_tpu_leaves_decode_steps_to_xla():
+    """On TPU "auto" tries the implementations after the kernels first for a
+    decode-shaped request (T * G < H: the kernels' relayout would copy the whole
+    cache): xla, or blockwise where xla cannot serve (soft-cap); the kernels keep
+    a chunked prefill over the cache, and serve when nothing after them can."""
+    cache = M.positions(np.zeros((1, 1), np.int32), np.arange(1024, dtype=np.int32)[None])
+    r = AttentionRequest(q_shape=(1, 1, 8, 128), k_shape=(1, 1024, 2, 128), dtype="bfloat16",
+                         backend="tpu", mask=cache, has_bias=False, softcap=None,
+                         offsets=False, return_lse=False)
+    assert select_implementation(r) == "xla"
+    assert select_implementation(r, "pallas") == "pallas"  # deferring is no refusal
+    assert select_implementation(AttentionRequest(**{**r.__dict__, "softcap": 30.0})) \
+        == "blockwise"
+    for change in ({"q_shape": (1, 512, 8, 128)}, {"backend": "gpu", "mask": M.causal() & cache}):
+        assert select_implementation(AttentionRequest(**{**r.__dict__, **change})) == "pallas", \
+            change
+    from tfjax.ops.attention import AUTO_ORDER
+    order = AUTO_ORDER["tpu"]
+    try:  # nothing after the kernels: they serve
+        AUTO_ORDER["tpu"] = ["pallas", "xla"]
+        assert select_implementation(AttentionRequest(**{**r.__dict__, "softcap": 30.0})) \
+            == "pallas"
+    finally:
+        AUTO_ORDER["tpu"] = order
 
 
 def test_two_runs_bitwise_equal():

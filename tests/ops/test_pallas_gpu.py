@@ -36,6 +36,41 @@ def test_interpret_matches_reference(T, S, heads, H, mask_name, extras):
                             **extras)
 
 
+def test_a_gpu_decode_step_packs_heads_and_splits_the_cache(monkeypatch):
+    """`implementation="auto"` on GPU (the backend reported as "gpu", the Triton
+    kernels interpreted): a batch-1 GQA decode step over a KV cache's mask reaches
+    the kernels with its 4 query heads per kv head packed as rows and the 2048
+    keys in 4 chunks of 512 (2 kv heads x 1 tile is under two programs per SM)."""
+    import tfjax.ops.pallas.gpu as gpu_lib
+    from tfjax.ops import dot_product_attention
+
+    seen = []
+
+    def interpreted(q, k, v, *a, **kw):
+        seen.append((q.shape, k.shape))
+        return flash_attention_gpu(q, k, v, *a, **kw, interpret=True)
+
+    q, k, v, _ = inputs(1, 1, 2048, 8, 2, 32)
+    mask = make_mask("positions", 1, 1, 2048)
+    want = dot_product_attention(q, k, v, mask, implementation="xla")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(gpu_lib, "flash_attention_gpu", interpreted)
+    got = dot_product_attention(q, k, v, mask, implementation="auto")
+    assert seen == [((4, 4, 2, 32), (4, 512, 2, 32))], seen
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_sm_count_follows_the_lowering_target():
+    """The SMs `auto_kv_splits` fills are those of the GPU lowered for."""
+    from tfjax.ops.pallas.gpu import gpu_lowering_target, sm_count
+
+    with gpu_lowering_target("A100"):
+        assert sm_count() == 108
+        with gpu_lowering_target("B200"):
+            assert sm_count() == 148
+        assert sm_count() == 108
+
+
 def test_relative_bias_reaches_the_gpu_kernels_per_tile(monkeypatch):
     """On GPU `dot_product_attention(implementation="pallas")` hands T5's bias to the
     Triton kernels as the `RelativeBias` itself (no `[B, N, T, S]` bias): run on CPU

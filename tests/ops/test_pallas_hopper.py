@@ -35,11 +35,13 @@ HC, HB = HopperConfig, HopperBackwardConfig
     (1, 70, 90, (2, 1), 256, "prefix", {"alibi": "pos"}, HC(block_kv=64, overlap=True), None),
     (2, 200, 220, (2, 1), 64, "causal", {"alibi": "BN", "q_offset": 30, "kv_offset": 5},
      HC(block_kv=64), HB()),
+    (1, 70, 150, (2, 1), 64, "positions_window", {}, HC(block_kv=64), HB()),
 ], ids=["gqa-segments-softcap-offset-tails-h80-pingpong",
         "mqa-fully-masked-rows-alibi-positions-one-warpgroup-overlap",
         "window-mha-h128-no-pingpong-blocks128-lpt-order",
         "prefix-h256-overlap-alibi-positions-triton-backward",
-        "causal-alibi-offsets-pingpong-two-query-tiles"])
+        "causal-alibi-offsets-pingpong-two-query-tiles",
+        "kv-cache-positions-window"])
 def test_interpret_matches_reference(B, T, S, heads, H, mask_name, extras, fwd, bwd):
     """The Hopper forward and (H <= 128) backward. Two consumer warpgroups and a
     producer (warp specialisation, the default) take turns on the tensor cores

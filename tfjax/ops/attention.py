@@ -19,7 +19,9 @@ memory).
 Implementations register themselves in `IMPLEMENTATIONS` with a `supports`
 predicate that returns None or the reason it cannot serve a request. An explicit
 `implementation=` that cannot serve the request raises (naming the reason);
-`"auto"` takes the first in `AUTO_ORDER` for the current backend that can. No
+`"auto"` takes the first in `AUTO_ORDER` for the current backend that can, except
+that one whose `defer` gives a reason (a known cost for this request, e.g. the
+Pallas TPU kernels on a decode step) yields to a later one that can. No
 implementation silently changes semantics.
 """
 
@@ -73,6 +75,9 @@ class Implementation:
     # False: fn is a custom call XLA's SPMD partitioner cannot split (the Pallas
     # kernels); under an active mesh the dispatch runs it per device in shard_map
     partitionable: bool = True
+    # None, or a request -> None / the reason "auto" should try the implementations
+    # after this one first (a cost, not a limit: it still serves when none of them can)
+    defer: Callable[[AttentionRequest], str | None] | None = None
 
 
 IMPLEMENTATIONS: Registry[Implementation] = Registry("attention implementation")
@@ -88,13 +93,17 @@ AUTO_ORDER: dict[str, list[str]] = {
 def register_implementation(name: str, fn: Callable,
                             supports: Callable[[AttentionRequest], str | None] = lambda r: None,
                             *, auto: dict[str, int] | None = None,
-                            relative_bias: bool = False, partitionable: bool = True) -> None:
+                            relative_bias: bool = False, partitionable: bool = True,
+                            defer: Callable[[AttentionRequest], str | None] | None = None) -> None:
     """Register `name`; `auto={"tpu": 0}` also inserts it at that rank of AUTO_ORDER.
     `relative_bias=True`: fn takes `relative_bias=` (else it gets it as `bias`).
     `partitionable=False`: fn is a custom call XLA cannot partition (a Pallas kernel);
     under an active mesh (`tfjax.parallel.sharding.use_rules`) it runs per device
-    under shard_map over the batch axes (`batch_sharded_attention`)."""
-    IMPLEMENTATIONS.register(name, Implementation(fn, supports, relative_bias, partitionable))
+    under shard_map over the batch axes (`batch_sharded_attention`). `defer`: a
+    request -> None, or why "auto" should first try the implementations after it
+    (it is still chosen when none of them can serve)."""
+    IMPLEMENTATIONS.register(name, Implementation(fn, supports, relative_bias, partitionable,
+                                                  defer))
     for backend, rank in (auto or {}).items():
         AUTO_ORDER.setdefault(backend, []).insert(rank, name)
 
@@ -190,14 +199,20 @@ def select_implementation(request: AttentionRequest, implementation: str = "auto
         if reason:
             raise ValueError(f"implementation={implementation!r} cannot serve this call: {reason}")
         return implementation
-    reasons = []
+    reasons, deferred = [], None
     for name in AUTO_ORDER.get(request.backend, AUTO_ORDER["cpu"]):
         if name not in IMPLEMENTATIONS:
             continue
-        reason = IMPLEMENTATIONS.get(name).supports(request)
+        impl = IMPLEMENTATIONS.get(name)
+        reason = impl.supports(request)
+        if reason is None and impl.defer is not None and impl.defer(request):
+            deferred = deferred or name  # the first that can, if no later one can
+            continue
         if reason is None:
             return name
         reasons.append(f"{name}: {reason}")
+    if deferred:
+        return deferred
     raise ValueError("implementation='auto' found no implementation for this call: " + "; ".join(reasons))
 
 

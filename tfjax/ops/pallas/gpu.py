@@ -335,10 +335,25 @@ _CHOICES = ("auto", "triton", "hopper")
 
 
 _TARGETS: list[int] = []  # compute capabilities named by active `gpu_lowering_target`s
+_TARGET_SMS: list[int] = []  # and their SM counts
 
-# Compute capability (major * 10 + minor) by GPU name, for `gpu_lowering_target`.
+# Compute capability (major * 10 + minor) and SMs by GPU name, for `gpu_lowering_target`.
 _COMPUTE_CAPABILITY = {"A100": 80, "L4": 89, "H100": 90, "H200": 90, "GH200": 90,
                        "B200": 100, "GB200": 100}
+_SMS = {"A100": 108, "L4": 58, "H100": 132, "H200": 132, "GH200": 132, "B200": 148, "GB200": 148}
+
+
+def sm_count() -> int:
+    """Streaming multiprocessors of the GPU the kernels are built for: the one
+    named by an active `gpu_lowering_target`, else the local GPU's `core_count`,
+    else an H100 / H200's 132."""
+    if _TARGET_SMS:
+        return _TARGET_SMS[-1]
+    try:
+        n = getattr(jax.devices()[0], "core_count", None)
+    except RuntimeError:  # pragma: no cover - no backend
+        n = None
+    return int(n) if n else 132
 
 
 @contextlib.contextmanager
@@ -364,10 +379,12 @@ def gpu_lowering_target(gpu: str = "H200"):
         target = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion[gpu])
         gpu_info.get_gpu_info = lambda: target
     _TARGETS.append(_COMPUTE_CAPABILITY[gpu])
+    _TARGET_SMS.append(_SMS[gpu])
     try:
         yield
     finally:
         _TARGETS.pop()
+        _TARGET_SMS.pop()
         if gpu_info is not None:
             gpu_info.get_gpu_info = original
 

@@ -86,7 +86,10 @@ def pipeline_smem(C: int, stages: int, fixed, ring, extra=(), barriers: int = 0)
     n_barriers = C * max(len(fixed), 1) + max(len(ring), 1) * stages + stages + barriers
     return sum(round_up(n, _SMEM_ALIGN) for n in (*fixed, *ring, *extra)) \
         + _MBARRIER_BYTES * n_barriers
-_ALLOWED_MASKS = (M.Causal, M.SlidingWindow, M.ChunkedCausal, M.Padding, M.PrefixLM, M.Segments)
+
+
+_ALLOWED_MASKS = (M.Causal, M.SlidingWindow, M.ChunkedCausal, M.Padding, M.PrefixLM, M.Segments,
+                  M.Positions)
 
 
 def _mask_reason(mask) -> str | None:
