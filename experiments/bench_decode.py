@@ -9,6 +9,11 @@
    forward over the prefix, which is what generation without a cache does per token).
    The claim: cached decode costs O(prefix) memory reads per token (flat-ish while
    weights dominate), recomputation O(prefix) matmul FLOPs plus O(prefix^2) attention.
+3. Per-token decode time at short prefixes in a cache preallocated to 2 x
+   --max_prefix slots (what `generate` allocates for a long generation): the
+   cache's mask (`masks.Positions`) gives the attention its block view, so tiles
+   of empty slots are skipped, next to the same step with every tile reported
+   PARTIAL (the decode mask before it had a block view: every slot's tile visited).
 2. Cache bytes per token and for a 4k context from `tfjax.inference.cache_bytes`
    (abstract: `init_cache` under `jax.eval_shape`), for a 70B-shaped model (80
    layers, 64 query heads, H=128, bf16) as MHA / GQA (K=8) / MQA, checked against
@@ -45,11 +50,15 @@ def best_of(f, reps):
     return min(times)
 
 
-def decode_timing(args):
+def _small_decoder(args, max_len):
     cfg = model_config(dict(vocab_size=512, d_model=args.d_model, num_layers=args.layers,
                             num_heads=8, num_kv_heads=2, d_ff=4 * args.d_model,
-                            norm="rmsnorm", activation="swiglu", max_len=args.max_prefix + 64))
-    model = models.build(cfg, rngs=nnx.Rngs(0))
+                            norm="rmsnorm", activation="swiglu", max_len=max_len))
+    return cfg, models.build(cfg, rngs=nnx.Rngs(0))
+
+
+def decode_timing(args):
+    cfg, model = _small_decoder(args, args.max_prefix + 64)
     graphdef, state = nnx.split(model)
 
     @jax.jit
@@ -93,6 +102,53 @@ def decode_timing(args):
     (p0, c0, f0), (p1, c1, f1) = rows[0], rows[-1]
     print(f"\nfrom prefix {p0} to {p1} ({p1 // p0}x): cached per-token time x{c1 / c0:.1f}, "
           f"recompute x{f1 / f0:.1f}")
+
+
+def preallocated_cache(args):
+    """Section 3 of the module docstring."""
+    from tfjax.ops import masks as M
+
+    slots = 2 * args.max_prefix
+    cfg, model = _small_decoder(args, slots)
+    graphdef, state = nnx.split(model)
+
+    def every_tile_partial(self, qs, qe, ks, ke, **_):  # the peer: no block view
+        shape = (self.q_positions.shape[0], qs.shape[0], ks.shape[1])
+        return jnp.zeros(shape, bool), jnp.zeros(shape, bool)
+
+    steps = {}
+    for variant in ("block view", "every tile partial"):
+        real = kv_cache.SlotMask._tiles
+        if variant != "block view":
+            kv_cache.SlotMask._tiles = every_tile_partial
+        try:
+            steps[variant] = jax.jit(lambda state, cache, tok: nnx.merge(graphdef, state).step(
+                tok, cache))
+            cache = kv_cache.init_cache(model, 1, slots)
+            jax.block_until_ready(steps[variant](state, cache, jnp.ones((1, 1), jnp.int32)))
+        finally:
+            kv_cache.SlotMask._tiles = real
+    assert kv_cache.SlotMask._tiles is M.Positions._tiles
+    print(f"\n## per-token decode time in a cache of {slots} slots (B=1, d_model={cfg.d_model}, "
+          f"{cfg.num_layers} layers, GQA {cfg.num_heads}/{cfg.kv_heads}, fp32, "
+          f"{jax.default_backend()}; attention: {cfg.attention_impl})")
+    print("| prefix | block view ms/token | every tile partial ms/token | speed-up |")
+    print("|---:|---:|---:|---:|")
+    for prefix in sorted({128, slots // 8, slots - 64}):
+        cache = kv_cache.init_cache(model, 1, slots)
+        cache = cache.replace(length=jnp.full((1,), prefix, jnp.int32))
+        tok = jnp.ones((1, 1), jnp.int32)
+        t = {}
+        for variant, step in steps.items():
+            box = [cache]
+
+            def one(box=box, step=step):
+                _, box[0] = step(state, box[0], tok)
+                return box[0].length
+
+            t[variant] = best_of(one, args.reps)
+        a, b = t["block view"], t["every tile partial"]
+        print(f"| {prefix} | {1e3 * a:.2f} | {1e3 * b:.2f} | {b / a:.1f}x |", flush=True)
 
 
 def cache_sizes():
@@ -145,6 +201,7 @@ def main():
     cache_sizes()
     if not args.sizes_only:
         decode_timing(args)
+        preallocated_cache(args)
 
 
 if __name__ == "__main__":
