@@ -1,0 +1,183 @@
+"""The package's shape, checked from its source: dependencies point down, there is
+no import circle, tfjax imports sit at the top of their module, and no file grows
+past ~600 lines unless it is one kernel.
+
+Layers (a module may import its own layer and those below it):
+
+    0  tfjax.typing, tfjax.registry, tfjax.config      names, registries, config
+    1  tfjax.ops                                        attention op, masks, kernels
+    2  tfjax.parallel                                   mesh, rules, ring, per-device
+    3  tfjax.nn                                         layers
+    4  tfjax.inference                                  caches, sampling, decode loop
+    5  tfjax.models                                     architectures, layer kinds
+    6  tfjax.data, tfjax.train, tfjax.interop,          the programs built on models
+       tfjax.generate
+
+Only module-level imports count for layers and circles (a function-local tfjax
+import is reported on its own: it is where circles hide).
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1] / "tfjax"
+LAYERS = (
+    ("tfjax.typing", "tfjax.registry", "tfjax.config"),
+    ("tfjax.ops",),
+    ("tfjax.parallel",),
+    ("tfjax.nn",),
+    ("tfjax.inference",),
+    ("tfjax.models",),
+    ("tfjax.data", "tfjax.train", "tfjax.interop", "tfjax.generate"),
+)
+# Files allowed past MAX_LINES: each is one kernel (its forward and backward
+# passes), where splitting would separate code that is read together.
+MAX_LINES = 600
+ONE_KERNEL: frozenset[str] = frozenset({
+    "ops/pallas/mosaic_tpu.py",
+    "ops/pallas/triton.py",
+    "ops/pallas/mosaic_gpu.py",
+})
+# Function-local tfjax imports that an optional dependency needs (none today).
+LOCAL_IMPORTS_ALLOWED: frozenset[tuple[str, str]] = frozenset()
+
+
+def _module_name(path: pathlib.Path) -> str:
+    rel = path.relative_to(ROOT.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    return {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+def _resolve(name: str, modules) -> str | None:
+    """The tfjax module an imported name lives in (`tfjax.ops.masks.causal` ->
+    `tfjax.ops.masks`), or None for other packages."""
+    if name != "tfjax" and not name.startswith("tfjax."):
+        return None
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _imports(path: pathlib.Path, module: str, modules):
+    """(module-level tfjax imports, function-local tfjax imports as (module, line))."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    top, local = set(), []
+
+    def targets(node):
+        if isinstance(node, ast.Import):
+            return [a.name for a in node.names]
+        base = node.module or ""
+        if node.level:
+            anchor = package.split(".")
+            anchor = anchor[: len(anchor) - node.level + 1]
+            base = ".".join(anchor + ([base] if base else []))
+        return [f"{base}.{a.name}" if base else a.name for a in node.names] + [base]
+
+    def visit(node, in_function, in_type_checking):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.Import, ast.ImportFrom)) and not in_type_checking:
+                found = {m for t in targets(child) if (m := _resolve(t, modules))}
+                found.discard(module)
+                if in_function:
+                    local.extend((m, child.lineno) for m in sorted(found))
+                else:
+                    top.update(found)
+            tc = in_type_checking or (isinstance(child, ast.If)
+                                      and "TYPE_CHECKING" in ast.unparse(child.test))
+            fn = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef,
+                                                   ast.Lambda))
+            visit(child, fn, tc)
+
+    visit(tree, False, False)
+    return top, local
+
+
+def _graph():
+    modules = _modules()
+    edges, local = {}, {}
+    for name, path in modules.items():
+        edges[name], local[name] = _imports(path, name, modules)
+    return modules, edges, local
+
+
+def _layer(module: str) -> int | None:
+    for i, names in enumerate(LAYERS):
+        if any(module == n or module.startswith(n + ".") for n in names):
+            return i
+    return None
+
+
+def test_dependencies_point_down():
+    _, edges, _ = _graph()
+    bad = []
+    for src, dsts in edges.items():
+        ls = _layer(src)
+        if ls is None:  # tfjax/__init__.py: the curated public API imports any layer
+            continue
+        for dst in sorted(dsts):
+            ld = _layer(dst)
+            if ld is not None and ld > ls:
+                bad.append(f"{src} (layer {ls}) imports {dst} (layer {ld})")
+    assert not bad, "imports that point up:\n  " + "\n  ".join(bad)
+
+
+def test_no_import_circles():
+    _, edges, _ = _graph()
+    # An import of a package runs its __init__: a module importing tfjax.ops.masks
+    # also depends on tfjax.ops (and tfjax).
+    def deps(m):
+        out = set()
+        for d in edges.get(m, ()):
+            out.add(d)
+            parts = d.split(".")
+            out.update(".".join(parts[:i]) for i in range(2, len(parts)))
+        out.discard(m)
+        # a package's __init__ importing its own submodules is not a circle through it
+        return {d for d in out if not m.startswith(d + ".")}
+
+    cycles, state, stack = [], {}, []
+
+    def dfs(m):
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(deps(m)):
+            if d not in edges:
+                continue
+            if state.get(d) == 1:
+                cycles.append(stack[stack.index(d):] + [d])
+            elif d not in state:
+                dfs(d)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(edges):
+        if m not in state:
+            dfs(m)
+    assert not cycles, "import circles:\n  " + "\n  ".join(" -> ".join(c) for c in cycles)
+
+
+def test_tfjax_imports_are_at_the_top_of_their_module():
+    _, _, local = _graph()
+    bad = [f"{src}:{line} imports {dst} inside a function"
+           for src, found in local.items() for dst, line in found
+           if (src, dst) not in LOCAL_IMPORTS_ALLOWED]
+    assert not bad, "function-local tfjax imports:\n  " + "\n  ".join(bad)
+
+
+def test_no_file_over_the_line_budget_unless_it_is_one_kernel():
+    long = []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        n = len(path.read_text().splitlines())
+        if n > MAX_LINES and rel not in ONE_KERNEL:
+            long.append(f"tfjax/{rel}: {n} lines")
+    assert not long, f"files over {MAX_LINES} lines:\n  " + "\n  ".join(long)
