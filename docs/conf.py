@@ -39,7 +39,7 @@ myst_heading_anchors = 3
 
 autodoc_member_order = "bysource"
 autodoc_typehints = "none"  # signatures carry them; jaxtyping aliases render poorly
-autodoc_default_options = {"members": True, "show-inheritance": False}
+autodoc_default_options = {"members": True}
 
 try:
     import furo  # noqa: F401
