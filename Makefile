@@ -1,7 +1,9 @@
-# tfjax: two commands on a fresh machine with Python >= 3.11 and pip.
+# tfjax on a fresh machine with Python >= 3.11 and pip:
 #   make test    create .venv if missing, install tfjax[test], run the suite
 #   make train   create .venv if missing, train the tiny default decoder LM on the
 #                stdlib corpus (CPU, a few minutes); rerun to resume from WORKDIR
+#   make docs    create .venv if missing, install tfjax[docs], build docs/ into
+#                docs/_build/html with warnings as errors
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -9,7 +11,7 @@ PYTEST_ARGS ?= -n 2
 WORKDIR ?= workdirs/default
 TRAIN_ARGS ?=
 
-.PHONY: test train install clean
+.PHONY: test train docs install clean
 
 # Training needs the package; the tests also need pytest, libtpu (the `tpu`
 # extra, with which the TPU compiler runs on this CPU to check that the Pallas
@@ -26,6 +28,10 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[test,tpu,hf,notebooks]"
 	touch $@
 
+$(VENV)/.installed-docs: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[docs]"
+	touch $@
+
 install: $(VENV)/.installed
 
 test: $(VENV)/.installed-test
@@ -34,5 +40,9 @@ test: $(VENV)/.installed-test
 train: $(VENV)/.installed
 	$(PY) -m tfjax.train --config configs/default.py --workdir $(WORKDIR) $(TRAIN_ARGS)
 
+# The API reference imports tfjax (autodoc); the site's pages are MyST Markdown.
+docs: $(VENV)/.installed-docs
+	$(PY) -m sphinx -W --keep-going -b html docs docs/_build/html
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache docs/_build
