@@ -72,9 +72,9 @@ def test_decode_shaped_requests_pack_query_heads(monkeypatch):
     import tfjax.ops.pallas as pallas_lib
 
     shapes = []
-    real = pallas_lib._unpacked
-    monkeypatch.setattr(pallas_lib, "_unpacked",
-                        lambda q, *a, **kw: shapes.append(q.shape) or real(q, *a, **kw))
+    real = pallas_lib._kernels
+    monkeypatch.setattr(pallas_lib, "_kernels",
+                        lambda how, q, *a, **kw: shapes.append(q.shape) or real(how, q, *a, **kw))
     q, k, v, _ = inputs(2, 1, 40, 8, 2, 32)
     cache = make_mask("positions", 2, 1, 40)
     flash_attention(q, k, v, cache)
@@ -202,7 +202,7 @@ def test_relative_bias_with_more_than_128_buckets():
     assert np.abs(np.asarray(want[1][1][128:])).max() > 1e-3  # buckets past 128 are used
 
 
-def test_auto_on_tpu_leaves_decode_steps_to_xla():
+def test_auto_on_tpu_leaves_decode_steps_to_xla(monkeypatch):
     """On TPU "auto" tries the implementations after the kernels first for a
     decode-shaped request (T * G < H: the kernels' relayout would copy the whole
     cache): xla, or blockwise where xla cannot serve (soft-cap); the kernels keep
@@ -218,14 +218,12 @@ def test_auto_on_tpu_leaves_decode_steps_to_xla():
     for change in ({"q_shape": (1, 512, 8, 128)}, {"backend": "gpu", "mask": M.causal() & cache}):
         assert select_implementation(AttentionRequest(**{**r.__dict__, **change})) == "pallas", \
             change
-    from tfjax.ops.attention import AUTO_ORDER
-    order = AUTO_ORDER["tpu"]
-    try:  # nothing after the kernels: they serve
-        AUTO_ORDER["tpu"] = ["pallas", "xla"]
-        assert select_implementation(AttentionRequest(**{**r.__dict__, "softcap": 30.0})) \
-            == "pallas"
-    finally:
-        AUTO_ORDER["tpu"] = order
+    import tfjax.ops.attention as attention_lib
+    # nothing after the kernels that can serve: they do
+    monkeypatch.setattr(attention_lib, "AUTO_ORDER", {**attention_lib.AUTO_ORDER,
+                                                      "tpu": ("pallas", "xla")})
+    assert select_implementation(AttentionRequest(**{**r.__dict__, "softcap": 30.0})) \
+        == "pallas"
 
 
 def test_two_runs_bitwise_equal():

@@ -237,14 +237,16 @@ def test_fully_masked_rows_are_zero(mesh4):
 
 def test_masked_blocks_are_skipped_and_zigzag_balances(mesh4, monkeypatch):
     """Count the blockwise calls each device really runs (skipped steps run none)."""
+    import tfjax.ops.blockwise as blockwise_lib
+
     counts = collections.Counter()
-    inner = ring_lib.blockwise_attention
+    inner = blockwise_lib.blockwise_attention
 
     def counting(*args, **kwargs):
         jax.debug.callback(lambda d: counts.update([int(d)]), lax.axis_index("sequence"))
         return inner(*args, **kwargs)
 
-    monkeypatch.setattr(ring_lib, "blockwise_attention", counting)
+    monkeypatch.setattr(blockwise_lib, "blockwise_attention", counting)
     q, k = jnp.ones((1, 32, 2, 8)), jnp.ones((1, 32, 1, 8))
     per_device = {}
     for lb in ("none", "zigzag"):
@@ -342,7 +344,7 @@ def test_pallas_under_a_mesh_runs_per_device_on_its_own_examples(monkeypatch):
     Heads split too where "heads" maps to a mesh axis dividing the query and kv heads
     (ALiBi's slopes and T5's table split with them)."""
     import tfjax.ops.pallas as pallas_lib
-    from tfjax.ops import dot_product_attention
+    from tfjax.ops import dot_product_attention, target
     from tfjax.parallel.sharding import use_rules
 
     seen = []  # (examples, query heads, kv heads) of each kernel call
@@ -395,9 +397,8 @@ def test_pallas_under_a_mesh_runs_per_device_on_its_own_examples(monkeypatch):
             return attn(*a)
 
     np.testing.assert_allclose(jax.jit(biased)(q, k, v, bias), attn(q, k, v, bias), atol=2e-5)
-    with use_rules(mesh, [("batch", "data")]):
-        assert ring_lib.batch_sharded_attention(lambda *a, **k: 0, q[:3], k[:3], v[:3],
-                                                None) is None
+    with use_rules(mesh, [("batch", "data")]):  # the runner use_rules gives the ops
+        assert target.per_device()(lambda *a, **k: 0, q[:3], k[:3], v[:3], None) is None
 
 
 @pytest.mark.parametrize("kv_heads", [1, 2])
