@@ -196,6 +196,35 @@ def test_pallas_kernels_inside_the_ring(mesh4):
              relative=_relative(True))
 
 
+@pytest.mark.parametrize("implementation,family", [("blockwise", "blockwise"),
+                                                    ("pallas", "pallas"), ("auto", "blockwise")])
+def test_the_ring_runs_the_block_family_it_is_given(mesh4, monkeypatch, implementation, family):
+    """`ring_attention(implementation=)` runs the per-block attention
+    `tfjax.ops.attention.select_ring_block` chose, forward and backward, and nothing
+    else: "blockwise" the blockwise functions, "pallas" the Pallas TPU kernels
+    (interpret mode on this CPU mesh), "auto" blockwise on a CPU mesh (traced only)."""
+    import tfjax.ops.blockwise as blockwise_lib
+    import tfjax.ops.pallas.tpu as tpu_lib
+
+    calls = collections.Counter()
+
+    def spy(module, name, kind):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, **kw: calls.update([kind]) or real(*a, **kw))
+
+    spy(blockwise_lib, "blockwise_attention", ("blockwise", "forward"))
+    spy(blockwise_lib, "blockwise_attention_backward", ("blockwise", "backward"))
+    spy(tpu_lib, "flash_attention_tpu", ("pallas", "forward"))
+    spy(tpu_lib, "flash_attention_tpu_backward", ("pallas", "backward"))
+    q, k, v, _ = _inputs()
+    loss = lambda q, k, v: ring_attention(
+        q, k, v, masks.causal(), mesh=mesh4, block_q=16, block_kv=16,
+        block_sizes=BlockSizes(8, 128, 8, 128, 8, 128),
+        implementation=implementation).sum()
+    jax.make_jaxpr(jax.grad(loss, (0, 1, 2)))(q, k, v)
+    assert set(calls) == {(family, "forward"), (family, "backward")}, calls
+
+
 @pytest.mark.xla_optimized  # the compiled HLO is checked too
 def test_all_gather_attention_matches_reference(mesh2x4):
     mask = MASKS["segments_causal"]()
