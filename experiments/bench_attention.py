@@ -297,7 +297,7 @@ def _as_if_on_gpu(args, gpu="H200"):
     and (--compile-only) `args.gpu_sharding` places arrays on a deviceless H200
     topology, which needs jax's CUDA plugin installed (`pip install
     "jax[cuda13]"`; no GPU or driver needed)."""
-    from tfjax.ops.pallas.gpu import gpu_lowering_target
+    from tfjax.ops.target import gpu_lowering_target
 
     args.gpu_sharding = None
     if args.aot == "compile":
@@ -327,10 +327,11 @@ def _device_kind(args) -> str:
 
 
 def bench_gpu(args):
-    from tfjax.ops.pallas.gpu import _is_hopper, flash_attention_gpu
+    from tfjax.ops.pallas import flash_attention_gpu
     from tfjax.ops.pallas.hopper import HopperConfig
+    from tfjax.ops.target import is_hopper
 
-    hopper = _is_hopper()
+    hopper = is_hopper()
     B, N, K = 1, 32, 8
     dtype = jnp.bfloat16
     what = "TFLOP/s" if not args.aot else "per-row compilation"
@@ -448,12 +449,9 @@ def bench_tune(args, S=8192, N=32, K=8, head_dims=(128, 64)):
     with 4 warps everywhere (their launch before `triton_launch` chose warps and
     stages from ptxas's register report). Rows print as they are measured (a killed
     run keeps them); the defaults are marked *."""
-    from tfjax.ops.pallas.gpu import (
-        TritonConfig,
-        _default_block_sizes,
-        _is_hopper,
-        flash_attention_gpu,
-    )
+    from tfjax.ops.pallas import flash_attention_gpu
+    from tfjax.ops.pallas.gpu import TritonConfig, _default_block_sizes
+    from tfjax.ops.target import is_hopper
     from tfjax.ops.pallas.hopper import _SMEM_BYTES, HopperConfig
     from tfjax.ops.pallas.hopper_backward import HopperBackwardConfig
 
@@ -466,7 +464,7 @@ def bench_tune(args, S=8192, N=32, K=8, head_dims=(128, 64)):
            "| H | kernel | tiles | fwd | fwd+bwd |", "|---|---|---|---|---|"]
     print("\n".join(out), flush=True)
     deadline = time.time() + args.budget_s
-    hopper = _is_hopper()
+    hopper = is_hopper()
     for H in head_dims:
         ks = jax.random.split(jax.random.key(0), 3)
         q, k, v = _inputs(ks, (B, S, N, H), (B, S, K, H), jnp.bfloat16, args)
@@ -621,7 +619,8 @@ def bench_decode(args, N=32, K=8, H=128):
     filled half's K/V bytes (what must be read)."""
     from tfjax.ops.pallas import flash_attention
     from tfjax.ops.pallas.decode import auto_kv_splits
-    from tfjax.ops.pallas.gpu import _default_block_sizes, sm_count
+    from tfjax.ops.pallas.gpu import _default_block_sizes
+    from tfjax.ops.target import sm_count
 
     dtype, reps = jnp.bfloat16, 16
     out = [(f"# Decode-step attention over a KV cache ({_device_kind(args)}, jax {jax.__version__}, "

@@ -70,11 +70,11 @@ import jax.numpy as jnp  # noqa: E402
 from bench_attention import _as_if_on_gpu, _write_results  # noqa: E402
 from tfjax.ops import RelativeBias  # noqa: E402
 from tfjax.ops import masks as M  # noqa: E402
+from tfjax.ops.pallas import flash_attention_gpu  # noqa: E402
 from tfjax.ops.pallas.gpu import (  # noqa: E402
     TritonConfig,
     _default_block_sizes,
     _pow2,
-    flash_attention_gpu,
     triton_launch,
 )
 

@@ -31,7 +31,7 @@ def inputs(B, T, S, N, K, H, dtype=jnp.float32, seed=0, bias=None):
 def lower_for_cuda(f, *args, gpu="H200"):
     """`jax.jit(f)` traced and lowered for the cuda platform as for `gpu`, on this
     machine without one (`gpu_lowering_target`); the lowered module's text."""
-    from tfjax.ops.pallas.gpu import gpu_lowering_target
+    from tfjax.ops.target import gpu_lowering_target
 
     with gpu_lowering_target(gpu):
         return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

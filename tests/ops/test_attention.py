@@ -1,5 +1,7 @@
 """dot_product_attention: the reference against a numpy loop, "xla" against the
-reference (forward and gradients), fully masked rows, dispatch errors."""
+reference (forward and gradients), fully masked rows, dispatch errors; the
+dispatch itself (the fixed table, the literal "auto" orders, the ring's block
+choice)."""
 
 import dataclasses
 
@@ -8,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tfjax.ops import attention_reference, dot_product_attention, masks as M
+from tfjax.ops import AttentionRequest, attention_reference, dot_product_attention, masks as M
+from tfjax.ops import select_implementation
 
 
 def numpy_attention(q, k, v, allowed, bias=None, scale=None, softcap=None):
@@ -319,3 +322,106 @@ def test_relative_bias_errors_and_dispatch():
                          backend="cpu", mask=None, has_bias=True, softcap=None, offsets=False,
                          return_lse=False, has_relative_bias=True)
     assert select_implementation(r) == "blockwise"
+
+
+# --------------------------------------------------------------------------- #
+# The decision: one fixed table, literal orders, the ring's block choice.
+# --------------------------------------------------------------------------- #
+
+
+def test_the_table_is_fixed_and_the_auto_orders_are_written_out():
+    """Five implementations in one fixed table, "auto" orders per platform as they
+    are written in ops/attention.py (these orders are the contract: the GPU puts
+    cuDNN before the kernels, blockwise goes first on CPU and just before the
+    reference elsewhere), every ordered name in the table; nothing registers itself:
+    the table refuses additions, and re-running an implementation module changes
+    neither the table nor the orders."""
+    import importlib
+
+    from tfjax.ops import AUTO_ORDER, IMPLEMENTATIONS, cudnn, xla
+    from tfjax.ops import attention as attention_lib
+
+    assert IMPLEMENTATIONS.names() == ("blockwise", "cudnn", "pallas", "reference", "xla")
+    assert dict(AUTO_ORDER) == {
+        "cpu": ("blockwise", "xla", "reference"),
+        "gpu": ("cudnn", "pallas", "xla", "blockwise", "reference"),
+        "tpu": ("pallas", "xla", "blockwise", "reference"),
+    }
+    assert all(name in IMPLEMENTATIONS for order in AUTO_ORDER.values() for name in order)
+    assert sorted(IMPLEMENTATIONS) == list(IMPLEMENTATIONS.names())
+    with pytest.raises(TypeError, match="fixed"):
+        IMPLEMENTATIONS.register("mine", IMPLEMENTATIONS.get("xla"))
+    with pytest.raises(TypeError):
+        AUTO_ORDER["cpu"] = ("xla",)
+    before = ({n: IMPLEMENTATIONS.get(n) for n in IMPLEMENTATIONS}, dict(AUTO_ORDER))
+    for module in (cudnn, xla):
+        importlib.reload(module)
+    assert ({n: IMPLEMENTATIONS.get(n) for n in IMPLEMENTATIONS}, dict(AUTO_ORDER)) == before
+    assert attention_lib.IMPLEMENTATIONS is IMPLEMENTATIONS
+    # an unknown platform takes the CPU order
+    r = AttentionRequest(q_shape=(1, 4, 2, 8), k_shape=(1, 4, 2, 8), dtype="float32",
+                         backend="metal", mask=None, has_bias=False, softcap=None,
+                         offsets=False, return_lse=False)
+    assert select_implementation(r) == "blockwise"
+
+
+def test_select_ring_block_picks_per_platform_and_refuses_what_the_ring_cannot_run():
+    """Ring attention's per-block attention: "auto" is the Pallas TPU kernels on a TPU
+    mesh when they evaluate the mask, else blockwise (CPU, GPU, other platforms);
+    explicit "pallas" refuses GPU meshes and masks the kernels cannot evaluate,
+    naming the fix; an implementation without a ring block (xla, reference, cudnn)
+    or an unknown name raises one line naming what the ring runs. The tile options
+    reach the family that takes them (pallas interprets on CPU meshes only)."""
+    from tfjax.ops.attention import RING_AUTO_ORDER, RING_BLOCKS, select_ring_block
+    from tfjax.ops.pallas import BlockSizes
+
+    class Custom(M.Mask):  # a mask kind the kernels do not know
+        pass
+
+    assert dict(RING_AUTO_ORDER) == {"cpu": ("blockwise",), "gpu": ("blockwise",),
+                                     "tpu": ("pallas", "blockwise")}
+    assert tuple(RING_BLOCKS) == ("blockwise", "pallas")
+    for backend, mask, want in (("tpu", None, "pallas"), ("tpu", M.causal(), "pallas"),
+                                ("tpu", Custom(), "blockwise"), ("cpu", M.causal(), "blockwise"),
+                                ("gpu", None, "blockwise"), ("metal", None, "blockwise")):
+        assert select_ring_block(backend, mask).name == want, (backend, mask)
+    for backend in ("cpu", "gpu", "tpu"):
+        assert select_ring_block(backend, Custom(), "blockwise").name == "blockwise"
+    assert select_ring_block("cpu", M.causal(), "pallas").name == "pallas"
+    with pytest.raises(ValueError, match=r"^ring_attention: implementation='pallas' runs the "
+                       r"Pallas TPU kernels \(Mosaic on TPU, interpret mode on CPU\); on GPU use "
+                       r"implementation='blockwise'$"):
+        select_ring_block("gpu", None, "pallas")
+    with pytest.raises(ValueError, match="implementation='pallas' cannot run this mask: .*Custom"
+                       ".*; use implementation='blockwise'"):
+        select_ring_block("tpu", Custom(), "pallas")
+    for name in ("xla", "reference", "cudnn"):
+        with pytest.raises(ValueError, match=f"implementation='{name}' has no ring block.*"
+                           "implementation must be one of 'auto', 'blockwise', 'pallas'$"):
+            select_ring_block("tpu", None, name)
+    with pytest.raises(ValueError, match="implementation must be one of 'auto', 'blockwise', "
+                       "'pallas', got 'nope'"):
+        select_ring_block("cpu", None, "nope")
+    bs = BlockSizes(8, 128, 8, 128, 8, 128)
+    tiles = dict(block_q=16, block_kv=32, block_sizes=bs)
+    blk = select_ring_block("cpu", None, "blockwise", **tiles)
+    assert blk.forward.keywords == {"return_lse": True, "block_q": 16, "block_kv": 32}
+    assert blk.backward.keywords == {"block_q": 16, "block_kv": 32}
+    for backend, interpret in (("cpu", True), ("tpu", False)):
+        blk = select_ring_block(backend, None, "pallas", **tiles)
+        assert blk.forward.keywords == {"return_lse": True, "block_sizes": bs,
+                                        "interpret": interpret}
+        assert blk.backward.keywords == {"block_sizes": bs, "interpret": interpret}
+    # the block's forward returns (out, lse) and its backward the block's gradients
+    q, k = rand((1, 8, 4, 8), 0), rand((1, 8, 2, 8), 1)
+    for name in ("blockwise", "pallas"):
+        blk = select_ring_block("cpu", M.causal(), name, block_q=8, block_kv=8, block_sizes=bs)
+        out, lse = blk.forward(q, k, k, M.causal(), scale=None, softcap=None, q_offset=0,
+                               kv_offset=0)
+        want, want_lse = attention_reference(q, k, k, M.causal(), return_lse=True)
+        np.testing.assert_allclose(out, want, atol=1e-5)
+        np.testing.assert_allclose(lse, want_lse, atol=1e-5)
+        dq, dk, dv = blk.backward(q, k, k, M.causal(), out, lse, jnp.ones_like(out), scale=None,
+                                  softcap=None, q_offset=0, kv_offset=0)
+        g = jax.grad(lambda q: attention_reference(q, k, k, M.causal()).sum())(q)
+        np.testing.assert_allclose(dq, g, atol=1e-4)

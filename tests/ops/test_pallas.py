@@ -16,6 +16,7 @@ from jax.experimental.pallas import tpu as pltpu
 from tfjax.ops import dot_product_attention, select_implementation
 from tfjax.ops import masks as M
 from tfjax.ops.attention import AttentionRequest
+import tfjax.ops.pallas as pallas_lib
 from tfjax.ops.pallas import BlockSizes, flash_attention
 
 BS = BlockSizes(block_q=64, block_kv=128, block_q_dq=64, block_kv_dq=128, block_q_dkv=128,
@@ -72,9 +73,9 @@ def test_decode_shaped_requests_pack_query_heads(monkeypatch):
     import tfjax.ops.pallas as pallas_lib
 
     shapes = []
-    real = pallas_lib._unpacked
-    monkeypatch.setattr(pallas_lib, "_unpacked",
-                        lambda q, *a, **kw: shapes.append(q.shape) or real(q, *a, **kw))
+    real = pallas_lib._kernels
+    monkeypatch.setattr(pallas_lib, "_kernels",
+                        lambda how, q, *a, **kw: shapes.append(q.shape) or real(how, q, *a, **kw))
     q, k, v, _ = inputs(2, 1, 40, 8, 2, 32)
     cache = make_mask("positions", 2, 1, 40)
     flash_attention(q, k, v, cache)
@@ -92,6 +93,53 @@ def test_decode_shaped_requests_pack_query_heads(monkeypatch):
         flash_attention(q, k, v, M.causal(), kv_splits=2)
     with pytest.raises(ValueError, match="kv_splits=2 cannot split.*ALiBi at index positions"):
         flash_attention(q, k, v, cache, kv_splits=2, alibi_slopes=jnp.ones(8))
+
+
+def test_plan_decides_kernels_packing_and_splits(monkeypatch):
+    """`plan`, the family's one decision: the Mosaic TPU kernels on CPU (interpreted)
+    and TPU, the Triton kernels on a GPU target unless interpreting (Mosaic GPU on
+    sm_90 when it can); decode-shaped GQA over a cache's mask packs its heads, and
+    on GPU a small grid splits the keys (`decode.auto_kv_splits`, on the packed
+    rows); explicit choices are validated. `flash_attention` runs what it plans."""
+    import dataclasses
+
+    from tfjax.ops import target
+    from tfjax.ops.pallas import Plan, plan
+
+    q, k, v, _ = inputs(1, 1, 2048, 8, 2, 32)
+    cache = make_mask("positions", 1, 1, 2048)
+    assert plan(q, k, v, M.causal()) == Plan("mosaic_tpu")  # positional: not packed
+    assert plan(q, k, v) == plan(q, k, v, cache) == Plan("mosaic_tpu", pack_heads=True)
+    assert plan(q, k, v, cache, pack_heads=False, kv_splits=4) == Plan("mosaic_tpu", kv_splits=4)
+    with target.targeting("tpu"):
+        assert plan(q, k, v, M.causal()) == Plan("mosaic_tpu")
+    with target.targeting("gpu"):
+        # 2 kv heads x 1 tile of 4 packed rows: under two programs per SM, 4 chunks of 512
+        assert plan(q, k, v, cache) == Plan("triton", "triton", "triton", True, 4)
+        assert plan(q, k, v, cache, pack_heads=False) == Plan("triton", "triton", "triton",
+                                                              False, 4)
+        assert plan(q, k, v, M.causal()) == Plan("triton", "triton", "triton")  # positional
+        assert plan(q, k, v, cache, interpret=True) == Plan("mosaic_tpu", pack_heads=True)
+        bf = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+        with target.gpu_lowering_target("H200"):
+            assert plan(*bf, M.causal()) == Plan("triton", "hopper", "hopper")
+        with target.gpu_lowering_target("A100"):
+            assert plan(*bf, M.causal()) == Plan("triton", "triton", "triton")
+            assert plan(*bf, M.causal(), kv_splits=1) == Plan("triton", "triton", "triton")
+    with pytest.raises(ValueError, match="pack_heads=True.*Causal"):
+        plan(q, k, v, M.causal(), pack_heads=True)
+    with pytest.raises(ValueError, match="kv_splits must be a positive divisor.*S=2048"):
+        plan(q, k, v, cache, kv_splits=3)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan(q, k, v).kv_splits = 2
+    # flash_attention executes the plan: the kernels it names see the packed, split rows
+    seen = []
+    monkeypatch.setattr(pallas_lib, "plan", lambda *a, **kw: Plan("mosaic_tpu", kv_splits=2))
+    real = pallas_lib._kernels
+    monkeypatch.setattr(pallas_lib, "_kernels", lambda how, q, k, *a, **kw: seen.append(
+        (how.kernels, q.shape, k.shape)) or real(how, q, k, *a, **kw))
+    flash_attention(q, k, v, cache)
+    assert seen == [("mosaic_tpu", (2, 1, 8, 32), (2, 1024, 2, 32))], seen
 
 
 def test_auto_kv_splits_fill_the_gpu():
@@ -202,7 +250,7 @@ def test_relative_bias_with_more_than_128_buckets():
     assert np.abs(np.asarray(want[1][1][128:])).max() > 1e-3  # buckets past 128 are used
 
 
-def test_auto_on_tpu_leaves_decode_steps_to_xla():
+def test_auto_on_tpu_leaves_decode_steps_to_xla(monkeypatch):
     """On TPU "auto" tries the implementations after the kernels first for a
     decode-shaped request (T * G < H: the kernels' relayout would copy the whole
     cache): xla, or blockwise where xla cannot serve (soft-cap); the kernels keep
@@ -218,14 +266,12 @@ def test_auto_on_tpu_leaves_decode_steps_to_xla():
     for change in ({"q_shape": (1, 512, 8, 128)}, {"backend": "gpu", "mask": M.causal() & cache}):
         assert select_implementation(AttentionRequest(**{**r.__dict__, **change})) == "pallas", \
             change
-    from tfjax.ops.attention import AUTO_ORDER
-    order = AUTO_ORDER["tpu"]
-    try:  # nothing after the kernels: they serve
-        AUTO_ORDER["tpu"] = ["pallas", "xla"]
-        assert select_implementation(AttentionRequest(**{**r.__dict__, "softcap": 30.0})) \
-            == "pallas"
-    finally:
-        AUTO_ORDER["tpu"] = order
+    import tfjax.ops.attention as attention_lib
+    # nothing after the kernels that can serve: they do
+    monkeypatch.setattr(attention_lib, "AUTO_ORDER", {**attention_lib.AUTO_ORDER,
+                                                      "tpu": ("pallas", "xla")})
+    assert select_implementation(AttentionRequest(**{**r.__dict__, "softcap": 30.0})) \
+        == "pallas"
 
 
 def test_two_runs_bitwise_equal():

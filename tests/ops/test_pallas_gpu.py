@@ -13,8 +13,7 @@ import pytest
 from attention_cases import check_against_reference, inputs, lower_for_cuda, make_mask
 
 from tfjax.ops import masks as M
-from tfjax.ops.pallas import BlockSizes
-from tfjax.ops.pallas.gpu import flash_attention_gpu
+from tfjax.ops.pallas import BlockSizes, flash_attention_gpu
 
 BS = BlockSizes(32, 64, 32, 64, 64, 32)
 
@@ -45,16 +44,17 @@ def test_a_gpu_decode_step_packs_heads_and_splits_the_cache(monkeypatch):
     from tfjax.ops import dot_product_attention
 
     seen = []
+    kernels = gpu_lib.flash_attention_triton
 
     def interpreted(q, k, v, *a, **kw):
         seen.append((q.shape, k.shape))
-        return flash_attention_gpu(q, k, v, *a, **kw, interpret=True)
+        return kernels(q, k, v, *a, **{**kw, "interpret": True})
 
     q, k, v, _ = inputs(1, 1, 2048, 8, 2, 32)
     mask = make_mask("positions", 1, 1, 2048)
     want = dot_product_attention(q, k, v, mask, implementation="xla")
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(gpu_lib, "flash_attention_gpu", interpreted)
+    monkeypatch.setattr(gpu_lib, "flash_attention_triton", interpreted)
     got = dot_product_attention(q, k, v, mask, implementation="auto")
     assert seen == [((4, 4, 2, 32), (4, 512, 2, 32))], seen
     np.testing.assert_allclose(got, want, atol=1e-5)
@@ -62,7 +62,7 @@ def test_a_gpu_decode_step_packs_heads_and_splits_the_cache(monkeypatch):
 
 def test_sm_count_follows_the_lowering_target():
     """The SMs `auto_kv_splits` fills are those of the GPU lowered for."""
-    from tfjax.ops.pallas.gpu import gpu_lowering_target, sm_count
+    from tfjax.ops.target import gpu_lowering_target, sm_count
 
     with gpu_lowering_target("A100"):
         assert sm_count() == 108
@@ -79,18 +79,18 @@ def test_relative_bias_reaches_the_gpu_kernels_per_tile(monkeypatch):
     from tfjax.ops import RelativeBias, dot_product_attention
 
     calls = []
+    kernels = gpu_lib.flash_attention_triton
 
     def interpreted(*a, bias=None, relative_bias=None, **kw):
         calls.append((bias, type(relative_bias).__name__))
-        return flash_attention_gpu(*a, bias=bias, relative_bias=relative_bias, **kw,
-                                   interpret=True)
+        return kernels(*a, bias=bias, relative_bias=relative_bias, **{**kw, "interpret": True})
 
     q, k, v, _ = inputs(1, 40, 50, 4, 2, 32)
     rb = RelativeBias(jnp.linspace(-1.0, 1.0, 32).reshape(8, 4), bidirectional=True,
                       max_distance=16)
     want = dot_product_attention(q, k, v, M.causal(), relative_bias=rb, implementation="xla")
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(gpu_lib, "flash_attention_gpu", interpreted)
+    monkeypatch.setattr(gpu_lib, "flash_attention_triton", interpreted)
     got = dot_product_attention(q, k, v, M.causal(), relative_bias=rb, implementation="pallas")
     assert calls == [(None, "RelativeBias")], calls
     np.testing.assert_allclose(got, want, atol=1e-5)

@@ -13,9 +13,9 @@ import pytest
 from attention_cases import check_against_reference, inputs, lower_for_cuda, make_mask
 
 from tfjax.ops import masks as M
-from tfjax.ops.pallas import BlockSizes
 from tfjax.ops import RelativeBias
-from tfjax.ops.pallas.gpu import flash_attention_gpu, gpu_lowering_target
+from tfjax.ops.pallas import BlockSizes, flash_attention_gpu
+from tfjax.ops.target import gpu_lowering_target
 from tfjax.ops.pallas.hopper import HopperConfig, flash_forward_hopper, supports
 from tfjax.ops.pallas.hopper_backward import HopperBackwardConfig, flash_backward_hopper
 
@@ -212,13 +212,22 @@ def test_refusals_name_the_fix():
 
 
 def test_auto_picks_hopper_only_on_sm90_for_what_it_supports(monkeypatch):
-    from tfjax.ops.pallas import gpu
+    """The family's plan (`tfjax.ops.pallas.plan`) for the GPU kernels: forward and
+    backward "auto" take the Hopper (Mosaic GPU) kernels only when compiling for an
+    sm_90 GPU (`target.is_hopper`) and they support the request; "hopper" insists."""
+    from tfjax.ops import target
+    from tfjax.ops.pallas import plan
+
+    def kernel(which, q, k=None, mask=None, bias=None, interpret=False, choice="auto", **kw):
+        k = q if k is None else k
+        return getattr(plan(q, k, k, mask, bias=bias, interpret=interpret, kernels="triton",
+                            **{which: choice}, **kw), which)
 
     bf, f32 = jnp.zeros((1, 8, 2, 64), jnp.bfloat16), jnp.zeros((1, 8, 2, 64), jnp.float32)
-    pick = lambda q, k, mask=None, bias=None, interpret=False: gpu._pick_forward(
-        "auto", q, k, k, mask, bias, interpret)
+    pick = lambda q, k, mask=None, bias=None, interpret=False: kernel(
+        "forward", q, k, mask, bias, interpret)
     assert pick(bf, bf) == "triton"  # this CPU is no Hopper
-    monkeypatch.setattr(gpu, "_is_hopper", lambda: True)
+    monkeypatch.setattr(target, "is_hopper", lambda: True)
     assert pick(bf, bf, M.causal() & M.segments(np.zeros((1, 8)))) == "hopper"
     assert pick(bf, bf, interpret=True) == "triton"  # interpret mode keeps Triton's
     assert pick(f32, f32) == "triton"
@@ -227,21 +236,24 @@ def test_auto_picks_hopper_only_on_sm90_for_what_it_supports(monkeypatch):
     assert pick(bf, bf, M.bigbird(2, 1, 1, 4, seed=0, seq_len=8)) == "triton"
     assert pick(jnp.zeros((1, 8, 2, 320), jnp.bfloat16), jnp.zeros((1, 8, 2, 320),
                                                                    jnp.bfloat16)) == "triton"
-    bwd = lambda q, **kw: gpu._pick_forward("auto", q, q, q, None, None, False, which="backward")
+    bwd = lambda q: kernel("backward", q)
     h256 = jnp.zeros((1, 8, 2, 256), jnp.bfloat16)
     assert bwd(bf) == "hopper" and pick(h256, h256) == "hopper"
     assert bwd(h256) == "triton"  # dK, dV at H = 256 would not fit the registers
     assert bwd(f32) == "triton"
     slopes = jnp.ones((1, 2))  # ALiBi: the Hopper forward and backward
+    rb = RelativeBias(jnp.ones((32, 2)), bidirectional=False)
     for which in ("forward", "backward"):
-        assert gpu._pick_forward("auto", bf, bf, bf, None, None, False, which=which,
-                                 alibi=slopes) == "hopper"
+        assert kernel(which, bf, alibi_slopes=slopes) == "hopper"
     for which in ("forward", "backward"):  # T5's bias: the Triton kernels only
-        assert gpu._pick_forward("auto", bf, bf, bf, None, None, False, which=which,
-                                 relative=True) == "triton"
+        assert kernel(which, bf, relative_bias=rb) == "triton"
         with pytest.raises(ValueError, match=f"relative_bias.*{which}='triton'"):
-            gpu._pick_forward("hopper", bf, bf, bf, None, None, False, which=which,
-                              relative=True)
+            kernel(which, bf, relative_bias=rb, choice="hopper")
+    # on a GPU target the family plans the GPU kernels by itself, and
+    # flash_attention runs what it planned
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert plan(bf, bf, bf).kernels == "triton" and plan(bf, bf, bf).forward == "hopper"
+    assert plan(bf, bf, bf, interpret=True).kernels == "mosaic_tpu"
 
 
 @pytest.mark.accelerator

@@ -161,7 +161,8 @@ def test_auto_under_a_tpu_mesh_compiles_the_kernels_per_device():
     shard_map over the batch axis: the compiled program holds the Mosaic kernels on
     each chip's own examples (its per-chip arguments) and no all-gather."""
     from tfjax.ops import dot_product_attention
-    from tfjax.parallel.sharding import target_platform, use_rules
+    from tfjax.ops.target import target_platform
+    from tfjax.parallel.sharding import use_rules
 
     mesh = _mesh("v5e:2x2")
     D = mesh.devices.size

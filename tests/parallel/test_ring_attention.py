@@ -196,6 +196,35 @@ def test_pallas_kernels_inside_the_ring(mesh4):
              relative=_relative(True))
 
 
+@pytest.mark.parametrize("implementation,family", [("blockwise", "blockwise"),
+                                                    ("pallas", "pallas"), ("auto", "blockwise")])
+def test_the_ring_runs_the_block_family_it_is_given(mesh4, monkeypatch, implementation, family):
+    """`ring_attention(implementation=)` runs the per-block attention
+    `tfjax.ops.attention.select_ring_block` chose, forward and backward, and nothing
+    else: "blockwise" the blockwise functions, "pallas" the Pallas TPU kernels
+    (interpret mode on this CPU mesh), "auto" blockwise on a CPU mesh (traced only)."""
+    import tfjax.ops.blockwise as blockwise_lib
+    import tfjax.ops.pallas.tpu as tpu_lib
+
+    calls = collections.Counter()
+
+    def spy(module, name, kind):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, **kw: calls.update([kind]) or real(*a, **kw))
+
+    spy(blockwise_lib, "blockwise_attention", ("blockwise", "forward"))
+    spy(blockwise_lib, "blockwise_attention_backward", ("blockwise", "backward"))
+    spy(tpu_lib, "flash_attention_tpu", ("pallas", "forward"))
+    spy(tpu_lib, "flash_attention_tpu_backward", ("pallas", "backward"))
+    q, k, v, _ = _inputs()
+    loss = lambda q, k, v: ring_attention(
+        q, k, v, masks.causal(), mesh=mesh4, block_q=16, block_kv=16,
+        block_sizes=BlockSizes(8, 128, 8, 128, 8, 128),
+        implementation=implementation).sum()
+    jax.make_jaxpr(jax.grad(loss, (0, 1, 2)))(q, k, v)
+    assert set(calls) == {(family, "forward"), (family, "backward")}, calls
+
+
 @pytest.mark.xla_optimized  # the compiled HLO is checked too
 def test_all_gather_attention_matches_reference(mesh2x4):
     mask = MASKS["segments_causal"]()
@@ -237,14 +266,16 @@ def test_fully_masked_rows_are_zero(mesh4):
 
 def test_masked_blocks_are_skipped_and_zigzag_balances(mesh4, monkeypatch):
     """Count the blockwise calls each device really runs (skipped steps run none)."""
+    import tfjax.ops.blockwise as blockwise_lib
+
     counts = collections.Counter()
-    inner = ring_lib.blockwise_attention
+    inner = blockwise_lib.blockwise_attention
 
     def counting(*args, **kwargs):
         jax.debug.callback(lambda d: counts.update([int(d)]), lax.axis_index("sequence"))
         return inner(*args, **kwargs)
 
-    monkeypatch.setattr(ring_lib, "blockwise_attention", counting)
+    monkeypatch.setattr(blockwise_lib, "blockwise_attention", counting)
     q, k = jnp.ones((1, 32, 2, 8)), jnp.ones((1, 32, 1, 8))
     per_device = {}
     for lb in ("none", "zigzag"):
@@ -342,7 +373,7 @@ def test_pallas_under_a_mesh_runs_per_device_on_its_own_examples(monkeypatch):
     Heads split too where "heads" maps to a mesh axis dividing the query and kv heads
     (ALiBi's slopes and T5's table split with them)."""
     import tfjax.ops.pallas as pallas_lib
-    from tfjax.ops import dot_product_attention
+    from tfjax.ops import dot_product_attention, target
     from tfjax.parallel.sharding import use_rules
 
     seen = []  # (examples, query heads, kv heads) of each kernel call
@@ -395,9 +426,8 @@ def test_pallas_under_a_mesh_runs_per_device_on_its_own_examples(monkeypatch):
             return attn(*a)
 
     np.testing.assert_allclose(jax.jit(biased)(q, k, v, bias), attn(q, k, v, bias), atol=2e-5)
-    with use_rules(mesh, [("batch", "data")]):
-        assert ring_lib.batch_sharded_attention(lambda *a, **k: 0, q[:3], k[:3], v[:3],
-                                                None) is None
+    with use_rules(mesh, [("batch", "data")]):  # the runner use_rules gives the ops
+        assert target.per_device()(lambda *a, **k: 0, q[:3], k[:3], v[:3], None) is None
 
 
 @pytest.mark.parametrize("kv_heads", [1, 2])

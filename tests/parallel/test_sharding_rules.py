@@ -77,3 +77,28 @@ def test_shard_constraint_under_rules():
     np.testing.assert_array_equal(np.asarray(y), np.asarray(x) * 2)
     assert y.sharding.spec == P(("data", "fsdp", "expert"), "sequence", None) or \
         y.sharding.shard_shape(y.shape) == (2, 2, 6)
+
+
+def test_use_rules_targets_the_mesh_platform_with_a_per_device_runner():
+    """`use_rules` enters `tfjax.ops.target.targeting` with its mesh's platform (a
+    GPU mesh compiled on a CPU host is "gpu") and the runner of unpartitionable
+    implementations over this mesh and the axes its rules give "batch" and "heads";
+    on exit the previous target is back."""
+    import types
+
+    from tfjax.ops import target
+
+    m = mesh(data=2, fsdp=2, tensor=2)
+    rules = [("batch", ("data", "fsdp")), ("heads", "tensor")]
+    with use_rules(m, rules):
+        assert target.target_platform() == "cpu"
+        run = target.per_device()
+        assert run.keywords == {"mesh": m, "batch_axes": ("data", "fsdp"), "head_axes": "tensor"}
+        fake = types.SimpleNamespace(devices=np.array([types.SimpleNamespace(platform="cuda")]))
+        with use_rules(fake, rules):
+            assert target.target_platform() == "gpu"
+        assert target.target_platform() == "cpu" and target.per_device() is run
+    assert target.target_platform() == jax.default_backend() and target.per_device() is None
+    with target.targeting("tpu"), use_rules(None, rules):  # no mesh: no platform, no runner
+        assert target.target_platform() == jax.default_backend()
+        assert target.per_device() is None

@@ -1,27 +1,28 @@
-"""Attention ops below the layers: one entry point, lazy masks, many implementations."""
+"""Attention ops below the layers: one entry point, lazy masks, many implementations.
 
-from tfjax.ops import (
-    cudnn,  # registers "cudnn" (before pallas in the GPU auto order)
-    masks,
-    pallas,  # registers "pallas"
-)
+`dot_product_attention` is the entry point; `tfjax.ops.attention` holds the table of
+implementations and the whole choice among them (`IMPLEMENTATIONS`, `AUTO_ORDER`,
+`select_implementation`, and ring attention's `select_ring_block`)."""
+
+from tfjax.ops import cudnn, masks, pallas, target
 from tfjax.ops.attention import (
     AUTO_ORDER,
     IMPLEMENTATIONS,
-    AttentionRequest,
     dot_product_attention,
-    register_implementation,
     select_implementation,
+    select_ring_block,
 )
-from tfjax.ops.blockwise import blockwise_attention  # registers "blockwise"
+from tfjax.ops.blockwise import blockwise_attention
+from tfjax.ops.implementation import AttentionRequest, Implementation
 from tfjax.ops.reference import Alibi, RelativeBias, attention_reference, make_alibi
 
 __all__ = [
     "AUTO_ORDER",
     "Alibi",
-    "IMPLEMENTATIONS",
-    "RelativeBias",
     "AttentionRequest",
+    "IMPLEMENTATIONS",
+    "Implementation",
+    "RelativeBias",
     "attention_reference",
     "blockwise_attention",
     "cudnn",
@@ -29,6 +30,7 @@ __all__ = [
     "make_alibi",
     "masks",
     "pallas",
-    "register_implementation",
     "select_implementation",
+    "select_ring_block",
+    "target",
 ]

@@ -1,4 +1,4 @@
-"""`dot_product_attention`: one API, many implementations.
+"""`dot_product_attention`: one API, many implementations, one decision.
 
     out = dot_product_attention(q, k, v, mask, bias=None, scale=None, softcap=None,
                                 alibi_slopes=None, alibi_positions=None,
@@ -11,101 +11,180 @@ positions `alibi_positions = (q [B,T], kv [B,S])` or, without them, the global
 indices (`q_offset + i`, `kv_offset + j`); the tiled implementations evaluate it
 per tile instead of reading a materialised `[B, N, T, S]` bias. `relative_bias`
 a `tfjax.ops.RelativeBias`: T5's learned bias `table[bucket(kv_pos - q_pos), n]`,
-evaluated per tile by the implementations registered with `relative_bias=True`
+evaluated per tile by the implementations whose record says `relative_bias=True`
 ("blockwise" and "pallas": the table gradient is summed per bucket) and
 materialised into `bias` for the others (the same values and gradients, O(T*S)
 memory).
 
-Implementations register themselves in `IMPLEMENTATIONS` with a `supports`
-predicate that returns None or the reason it cannot serve a request. An explicit
-`implementation=` that cannot serve the request raises (naming the reason);
-`"auto"` takes the first in `AUTO_ORDER` for the current backend that can, except
-that one whose `defer` gives a reason (a known cost for this request, e.g. the
-Pallas TPU kernels on a decode step) yields to a later one that can. No
-implementation silently changes semantics.
+The whole decision is the first screen of this module:
+
+- `IMPLEMENTATIONS`: the fixed table, one record (`tfjax.ops.implementation.
+  Implementation`) per implementation module. Its `supports` returns None or the
+  reason it cannot serve a request.
+- `AUTO_ORDER`: the preference of "auto" per target platform
+  (`tfjax.ops.target.target_platform`).
+- `select_implementation`: an explicit `implementation=` that cannot serve the
+  request raises (naming the reason); "auto" takes the first in `AUTO_ORDER` that
+  can, except that one whose `defer` gives a reason (a known cost for this
+  request, e.g. the Pallas TPU kernels on a decode step) yields to a later one
+  that can. No implementation silently changes semantics. A kernel family's own
+  sub-choices (Mosaic TPU / Triton / Mosaic GPU, decode packing and splitting) are
+  its plan, `tfjax.ops.pallas.plan`, made when it runs.
+- `select_ring_block`: what ring attention runs per (q block, kv block) pair, with
+  its own order (`RING_AUTO_ORDER`); an implementation the ring cannot run raises.
+
+An implementation XLA cannot partition (`partitionable=False`) runs once per device
+through the active per-device runner (`tfjax.ops.target.per_device`, which the
+sharding context `use_rules` provides).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+import functools
+import types
+from typing import Callable, Mapping
 
-import jax
-import jax.numpy as jnp
-
+from tfjax.ops import blockwise, cudnn, reference, target, xla
 from tfjax.ops import masks as masks_lib
-from tfjax.ops.reference import (
-    Alibi,
-    RelativeBias,
-    attention_reference,
-    check_relative_bias,
-    make_alibi,
-)
+from tfjax.ops import pallas
+from tfjax.ops.blockwise import DEFAULT_BLOCK
+from tfjax.ops.implementation import AttentionRequest, Implementation
+from tfjax.ops.pallas import tpu as pallas_tpu
+from tfjax.ops.pallas.common import BlockSizes, mask_support
+from tfjax.ops.reference import Alibi, RelativeBias, check_relative_bias, make_alibi
 from tfjax.registry import Registry
 
-__all__ = ["dot_product_attention", "Alibi", "RelativeBias", "AttentionRequest", "Implementation",
-           "IMPLEMENTATIONS", "AUTO_ORDER", "register_implementation"]
+__all__ = ["AUTO_ORDER", "Alibi", "AttentionRequest", "IMPLEMENTATIONS", "Implementation",
+           "RING_AUTO_ORDER", "RING_BLOCKS", "RelativeBias", "RingBlock", "dot_product_attention",
+           "select_implementation", "select_ring_block"]
+
+IMPLEMENTATIONS: Registry[Implementation] = Registry("attention implementation", {
+    "reference": reference.IMPLEMENTATION,  # materialising jnp; the ground truth
+    "xla": xla.IMPLEMENTATION,  # jax.nn.dot_product_attention
+    "cudnn": cudnn.IMPLEMENTATION,  # cuDNN flash attention (GPU, plain requests)
+    "blockwise": blockwise.IMPLEMENTATION,  # pure-JAX tiled online softmax
+    "pallas": pallas.IMPLEMENTATION,  # the Pallas kernels (Mosaic TPU, Triton, Mosaic GPU)
+})
+
+# implementation="auto": the first that serves the request (other platforms: "cpu"'s).
+AUTO_ORDER: Mapping[str, tuple[str, ...]] = types.MappingProxyType({
+    "cpu": ("blockwise", "xla", "reference"),
+    "gpu": ("cudnn", "pallas", "xla", "blockwise", "reference"),
+    "tpu": ("pallas", "xla", "blockwise", "reference"),
+})
+
+
+def select_implementation(request: AttentionRequest, implementation: str = "auto") -> str:
+    """The implementation that will serve `request`, or a ValueError saying why none can."""
+    if implementation != "auto":
+        impl = IMPLEMENTATIONS.get(implementation, field="implementation")
+        reason = impl.supports(request)
+        if reason:
+            raise ValueError(f"implementation={implementation!r} cannot serve this call: {reason}")
+        return implementation
+    reasons, deferred = [], None
+    for name in AUTO_ORDER.get(request.backend, AUTO_ORDER["cpu"]):
+        impl = IMPLEMENTATIONS.get(name)
+        reason = impl.supports(request)
+        if reason is None and impl.defer is not None and impl.defer(request):
+            deferred = deferred or name  # the first that can, if no later one can
+            continue
+        if reason is None:
+            return name
+        reasons.append(f"{name}: {reason}")
+    if deferred:
+        return deferred
+    raise ValueError("implementation='auto' found no implementation for this call: " + "; ".join(reasons))
+
+
+# Ring attention's per-block attention on the mesh's platform (other platforms: "cpu"'s).
+RING_AUTO_ORDER: Mapping[str, tuple[str, ...]] = types.MappingProxyType({
+    "cpu": ("blockwise",),
+    "gpu": ("blockwise",),
+    "tpu": ("pallas", "blockwise"),
+})
+
+
+def select_ring_block(backend: str, mask: masks_lib.Mask | None, implementation: str = "auto",
+                      *, block_q: int = DEFAULT_BLOCK, block_kv: int = DEFAULT_BLOCK,
+                      block_sizes: BlockSizes | None = None) -> RingBlock:
+    """What ring attention on a `backend` mesh runs per block for `mask` (see
+    `RingBlock`), by `implementation`: "auto" (the first of `RING_AUTO_ORDER` that
+    can), or one of `RING_BLOCKS`, which must be able to. The tile options go here,
+    each to the family that takes it: `block_q` x `block_kv` ("blockwise"),
+    `block_sizes` ("pallas")."""
+    allowed = ", ".join(map(repr, ("auto", *RING_BLOCKS)))
+    if implementation == "auto":
+        order = RING_AUTO_ORDER.get(backend, RING_AUTO_ORDER["cpu"])
+        name = next(n for n in order if _ring_refusal(n, backend, mask) is None)
+    elif implementation in RING_BLOCKS:
+        reason = _ring_refusal(implementation, backend, mask)
+        if reason:
+            raise ValueError(f"ring_attention: implementation={implementation!r} {reason}")
+        name = implementation
+    elif implementation in IMPLEMENTATIONS:
+        raise ValueError(f"ring_attention: implementation={implementation!r} has no ring block "
+                         f"(one returning its logsumexp, with a backward from the final output); "
+                         f"implementation must be one of {allowed}")
+    else:
+        raise ValueError(f"ring_attention: implementation must be one of {allowed}, got "
+                         f"{implementation!r}")
+    return RING_BLOCKS[name](backend, block_q=block_q, block_kv=block_kv, block_sizes=block_sizes)
+
+
+def _ring_refusal(name: str, backend: str, mask) -> str | None:
+    """None when ring block `name` runs `mask` on `backend`, else why not (and the fix)."""
+    if name != "pallas":
+        return None  # blockwise runs everything, everywhere
+    if backend == "gpu":
+        return ("runs the Pallas TPU kernels (Mosaic on TPU, interpret mode on CPU); on GPU "
+                "use implementation='blockwise'")
+    reason = mask_support(mask)
+    return reason and f"cannot run this mask: {reason}; use implementation='blockwise'"
 
 
 @dataclasses.dataclass(frozen=True)
-class AttentionRequest:
-    """What an implementation is asked to do (static facts only)."""
+class RingBlock:
+    """Ring attention's attention of one (q block, kv block) pair, tiles bound:
 
-    q_shape: tuple[int, ...]
-    k_shape: tuple[int, ...]
-    dtype: str
-    backend: str
-    mask: masks_lib.Mask | None
-    has_bias: bool
-    softcap: float | None
-    offsets: bool  # non-zero q/kv offsets
-    return_lse: bool
-    has_alibi: bool = False  # alibi_slopes given (bias computed from positions)
-    has_relative_bias: bool = False  # a T5 RelativeBias (has_bias too: see below)
+        forward(q, k, v, mask, *, scale, softcap, q_offset, kv_offset, alibi_slopes=,
+                alibi_positions=, relative_bias=) -> (out [B,T,N,H], lse [B,N,T] fp32)
+        backward(q, k, v, mask, out, lse, dout, *, <forward's keywords>)
+            -> (dq, dk, dv) fp32, and T5's table gradient with `relative_bias`
 
+    `backward` takes the *final* out / lse of these queries (over every block), so
+    the per-block gradients sum to the full gradient."""
 
-@dataclasses.dataclass(frozen=True)
-class Implementation:
-    fn: Callable  # fn(q, k, v, mask, *, bias, alibi, scale, softcap, q_offset, kv_offset,
-    #                   return_lse); alibi: None or a checked `Alibi`
-    supports: Callable[[AttentionRequest], str | None]  # None if it can, else the reason
-    # fn takes relative_bias= (a checked RelativeBias) itself; else the dispatch
-    # materialises it into bias (so has_bias is set for a request with one)
-    relative_bias: bool = False
-    # False: fn is a custom call XLA's SPMD partitioner cannot split (the Pallas
-    # kernels); under an active mesh the dispatch runs it per device in shard_map
-    partitionable: bool = True
-    # None, or a request -> None / the reason "auto" should try the implementations
-    # after this one first (a cost, not a limit: it still serves when none of them can)
-    defer: Callable[[AttentionRequest], str | None] | None = None
+    name: str
+    forward: Callable
+    backward: Callable
 
 
-IMPLEMENTATIONS: Registry[Implementation] = Registry("attention implementation")
-
-# Preference of "auto" per backend; kernels issues put their names in front.
-AUTO_ORDER: dict[str, list[str]] = {
-    "cpu": ["xla", "reference"],
-    "gpu": ["xla", "reference"],
-    "tpu": ["xla", "reference"],
-}
+def _blockwise_block(backend, *, block_q, block_kv, block_sizes) -> RingBlock:
+    tiles = dict(block_q=block_q, block_kv=block_kv)
+    return RingBlock("blockwise",
+                     functools.partial(blockwise.blockwise_attention, return_lse=True, **tiles),
+                     functools.partial(blockwise.blockwise_attention_backward, **tiles))
 
 
-def register_implementation(name: str, fn: Callable,
-                            supports: Callable[[AttentionRequest], str | None] = lambda r: None,
-                            *, auto: dict[str, int] | None = None,
-                            relative_bias: bool = False, partitionable: bool = True,
-                            defer: Callable[[AttentionRequest], str | None] | None = None) -> None:
-    """Register `name`; `auto={"tpu": 0}` also inserts it at that rank of AUTO_ORDER.
-    `relative_bias=True`: fn takes `relative_bias=` (else it gets it as `bias`).
-    `partitionable=False`: fn is a custom call XLA cannot partition (a Pallas kernel);
-    under an active mesh (`tfjax.parallel.sharding.use_rules`) it runs per device
-    under shard_map over the batch axes (`batch_sharded_attention`). `defer`: a
-    request -> None, or why "auto" should first try the implementations after it
-    (it is still chosen when none of them can serve)."""
-    IMPLEMENTATIONS.register(name, Implementation(fn, supports, relative_bias, partitionable,
-                                                  defer))
-    for backend, rank in (auto or {}).items():
-        AUTO_ORDER.setdefault(backend, []).insert(rank, name)
+def _pallas_block(backend, *, block_q, block_kv, block_sizes) -> RingBlock:
+    """The Pallas TPU kernels: Mosaic on TPU, interpret mode on a CPU mesh."""
+    tiles = dict(block_sizes=block_sizes, interpret=backend == "cpu")
+    return RingBlock("pallas",
+                     functools.partial(pallas_tpu.flash_attention_tpu, return_lse=True, **tiles),
+                     functools.partial(pallas_tpu.flash_attention_tpu_backward, **tiles))
+
+
+RING_BLOCKS: Mapping[str, Callable[..., RingBlock]] = types.MappingProxyType({
+    "blockwise": _blockwise_block,
+    "pallas": _pallas_block,
+})
+
+
+# --------------------------------------------------------------------------- #
+# The entry point.
+# --------------------------------------------------------------------------- #
 
 
 def _check_shapes(q, k, v, bias) -> None:
@@ -147,8 +226,6 @@ def dot_product_attention(q, k, v, mask: masks_lib.Mask | None = None, *, bias=N
     (`alibi_slopes` `[N]` / `[B|1, N]`, no gradient; `alibi_positions` see the
     module docstring and `tfjax.ops.reference.make_alibi`; `relative_bias` a
     `tfjax.ops.RelativeBias`, T5's bucketed bias, its table differentiable)."""
-    from tfjax.parallel.sharding import target_platform
-
     _check_shapes(q, k, v, bias)
     B, T, N, _ = q.shape
     try:
@@ -165,7 +242,7 @@ def dot_product_attention(q, k, v, mask: masks_lib.Mask | None = None, *, bias=N
     softcap = float(softcap) if softcap else None
     request = AttentionRequest(
         q_shape=tuple(q.shape), k_shape=tuple(k.shape), dtype=str(q.dtype),
-        backend=target_platform(), mask=mask,
+        backend=target.target_platform(), mask=mask,
         has_bias=bias is not None or relative is not None, softcap=softcap,
         offsets=not (isinstance(q_offset, int) and isinstance(kv_offset, int)
                      and q_offset == 0 and kv_offset == 0),
@@ -179,77 +256,11 @@ def dot_product_attention(q, k, v, mask: masks_lib.Mask | None = None, *, bias=N
     elif relative is not None:  # materialised: [B|1, N, T, S], differentiable in the table
         dense = relative.dense(T, k.shape[1], q_offset, kv_offset)
         bias = dense if bias is None else bias + dense
-    if not impl.partitionable:
-        from tfjax.parallel.ring_attention import batch_sharded_attention
-
-        out = batch_sharded_attention(impl.fn, q, k, v, mask, bias=bias, alibi=alibi,
-                                      scale=scale, softcap=softcap, q_offset=q_offset,
-                                      kv_offset=kv_offset, return_lse=return_lse, **kw)
+    args = dict(bias=bias, alibi=alibi, scale=scale, softcap=softcap, q_offset=q_offset,
+                kv_offset=kv_offset, return_lse=return_lse, **kw)
+    per_device = None if impl.partitionable else target.per_device()
+    if per_device is not None:  # None from it: nothing to split, run fn as is
+        out = per_device(impl.fn, q, k, v, mask, **args)
         if out is not None:
             return out
-    return impl.fn(q, k, v, mask, bias=bias, alibi=alibi, scale=scale, softcap=softcap,
-                   q_offset=q_offset, kv_offset=kv_offset, return_lse=return_lse, **kw)
-
-
-def select_implementation(request: AttentionRequest, implementation: str = "auto") -> str:
-    """The implementation that will serve `request`, or a ValueError saying why none can."""
-    if implementation != "auto":
-        impl = IMPLEMENTATIONS.get(implementation, field="implementation")
-        reason = impl.supports(request)
-        if reason:
-            raise ValueError(f"implementation={implementation!r} cannot serve this call: {reason}")
-        return implementation
-    reasons, deferred = [], None
-    for name in AUTO_ORDER.get(request.backend, AUTO_ORDER["cpu"]):
-        if name not in IMPLEMENTATIONS:
-            continue
-        impl = IMPLEMENTATIONS.get(name)
-        reason = impl.supports(request)
-        if reason is None and impl.defer is not None and impl.defer(request):
-            deferred = deferred or name  # the first that can, if no later one can
-            continue
-        if reason is None:
-            return name
-        reasons.append(f"{name}: {reason}")
-    if deferred:
-        return deferred
-    raise ValueError("implementation='auto' found no implementation for this call: " + "; ".join(reasons))
-
-
-# --------------------------------------------------------------------------- #
-# "reference" and "xla".
-# --------------------------------------------------------------------------- #
-
-
-def _xla_attention(q, k, v, mask, *, bias, alibi, scale, softcap, q_offset, kv_offset,
-                   return_lse):
-    del softcap, return_lse  # refused by _xla_supports
-    T, S = q.shape[1], k.shape[1]
-    if alibi is not None:  # materialised, like any bias jax.nn takes
-        a = alibi.dense(T, S, q_offset, kv_offset)
-        bias = a if bias is None else bias.astype(jnp.float32) + a
-    allowed = None
-    if mask is not None:
-        allowed = mask.dense(T, S, q_offset=q_offset, kv_offset=kv_offset)[:, None]  # [B|1,1,T,S]
-    out = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=allowed, scale=scale,
-                                       implementation="xla")
-    if allowed is not None:  # jax gives a uniform average on fully masked rows; we give 0
-        any_key = jnp.any(allowed[:, 0], axis=-1)  # [B|1, T]
-        out = jnp.where(any_key[:, :, None, None], out, jnp.zeros((), out.dtype))
-    return out
-
-
-def _xla_supports(r: AttentionRequest) -> str | None:
-    if r.softcap:
-        return "jax.nn.dot_product_attention has no logit soft-cap (use 'reference')"
-    if r.return_lse:
-        return "jax.nn.dot_product_attention does not return the logsumexp"
-    return None
-
-
-def _reference(q, k, v, mask, *, alibi, **kw):
-    return attention_reference(q, k, v, mask, **kw, **Alibi.kwargs(alibi))
-
-
-register_implementation("reference", _reference)
-register_implementation("xla", _xla_attention, _xla_supports)
+    return impl.fn(q, k, v, mask, **args)

@@ -36,9 +36,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from tfjax.ops import masks as masks_lib
+from tfjax.ops.implementation import Implementation
 from tfjax.ops.reference import Alibi, RelativeBias, check_relative_bias, make_alibi
 
-__all__ = ["DEFAULT_BLOCK", "blockwise_attention", "blockwise_attention_backward"]
+__all__ = ["DEFAULT_BLOCK", "IMPLEMENTATION", "blockwise_attention", "blockwise_attention_backward"]
 
 DEFAULT_BLOCK = 512  # a CPU / XLA sweet spot; kernels choose their own tiles
 
@@ -528,7 +529,7 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 # --------------------------------------------------------------------------- #
-# Registration: "blockwise" serves every request; it is the CPU default.
+# implementation="blockwise": serves every request; first in "auto" on CPU.
 # --------------------------------------------------------------------------- #
 
 
@@ -539,15 +540,4 @@ def _impl(q, k, v, mask, *, bias, alibi, scale, softcap, q_offset, kv_offset, re
                                relative_bias=relative_bias, **Alibi.kwargs(alibi))
 
 
-def _register():
-    from tfjax.ops.attention import AUTO_ORDER, register_implementation
-
-    def before_reference(backend):  # on accelerators: after the kernels and xla
-        order = AUTO_ORDER.get(backend, [])
-        return order.index("reference") if "reference" in order else len(order)
-
-    register_implementation("blockwise", _impl, relative_bias=True, auto={
-        "cpu": 0, "gpu": before_reference("gpu"), "tpu": before_reference("tpu")})
-
-
-_register()
+IMPLEMENTATION = Implementation(_impl, relative_bias=True)

@@ -5,8 +5,9 @@ It serves only what cuDNN does natively and exactly as our semantics say: GPU,
 fp16/bf16, no mask or a plain causal mask (top-left aligned, no offsets), no
 soft-cap, no bias, no logsumexp output, head dims that are multiples of 8 up to
 128. Anything else is refused with the reason, never approximated. On GPU
-"auto" tries it first: for a plain (causal) request cuDNN's kernel is the
-fastest we have; every other request goes to the Pallas kernels.
+"auto" tries it first (`tfjax.ops.attention.AUTO_ORDER`): for a plain (causal)
+request cuDNN's kernel is the fastest we have; every other request goes to the
+Pallas kernels.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from __future__ import annotations
 import jax
 
 from tfjax.ops import masks as M
-from tfjax.ops.attention import AttentionRequest, register_implementation
+from tfjax.ops.implementation import AttentionRequest, Implementation
 
-__all__ = ["cudnn_attention", "supports"]
+__all__ = ["IMPLEMENTATION", "cudnn_attention", "supports"]
 
 
 def supports(r: AttentionRequest) -> str | None:
@@ -49,4 +50,4 @@ def cudnn_attention(q, k, v, mask, *, bias, alibi, scale, softcap, q_offset, kv_
                                         implementation="cudnn")
 
 
-register_implementation("cudnn", cudnn_attention, supports, auto={"gpu": 0})
+IMPLEMENTATION = Implementation(cudnn_attention, supports)

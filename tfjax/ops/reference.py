@@ -16,9 +16,10 @@ import jax
 import jax.numpy as jnp
 
 from tfjax.ops import masks as masks_lib
+from tfjax.ops.implementation import Implementation
 
-__all__ = ["Alibi", "RelativeBias", "attention_reference", "check_relative_bias", "make_alibi",
-           "relative_position_bucket"]
+__all__ = ["IMPLEMENTATION", "Alibi", "RelativeBias", "attention_reference", "check_relative_bias",
+           "make_alibi", "relative_position_bucket"]
 
 
 def attention_reference(q, k, v, mask=None, *, bias=None, scale=None, softcap=None,
@@ -311,3 +312,15 @@ def constant_bucket(rel, bq: int, bk: int, b, q_tile, kv_tile, offs, ranges):
         return jnp.where(d_max <= -md, i32(nb // 2 - 1),
                          jnp.where(d_min >= md, i32(nb - 1), i32(-1)))
     return jnp.where(d_max <= -md, i32(nb - 1), jnp.where(d_min >= 0, i32(0), i32(-1)))
+
+
+# --------------------------------------------------------------------------- #
+# implementation="reference": serves every request (never chosen first by "auto").
+# --------------------------------------------------------------------------- #
+
+
+def _reference(q, k, v, mask, *, alibi, **kw):
+    return attention_reference(q, k, v, mask, **kw, **Alibi.kwargs(alibi))
+
+
+IMPLEMENTATION = Implementation(_reference)

@@ -19,10 +19,11 @@ recomputed per tile from the saved global lse, so there is no O(S^2) and no
 per-step forward to redo), dQ accumulates locally, and after n moves each dK/dV
 is back on its owner. Masked blocks are skipped as in the forward.
 
-Per-block attention (`implementation=`): `blockwise_attention` /
-`blockwise_attention_backward` (any backend), or the Pallas TPU kernels
-(`flash_attention_tpu(return_lse=True)` / `flash_attention_tpu_backward`: Mosaic on
-TPU, interpret mode on CPU); "auto" picks pallas on TPU meshes. Both take T5's
+Per-block attention (`implementation=`, chosen by `tfjax.ops.attention.
+select_ring_block`): `blockwise_attention` / `blockwise_attention_backward` (any
+backend), or the Pallas TPU kernels (`flash_attention_tpu(return_lse=True)` /
+`flash_attention_tpu_backward`: Mosaic on TPU, interpret mode on CPU); "auto" picks
+pallas on TPU meshes. Both take T5's
 bias per tile (`relative_bias`: every device holds a copy of the table; the
 backward returns each device's partial table gradient, summed over the devices by
 the copies' transpose outside shard_map).
@@ -84,15 +85,13 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from tfjax.ops import masks as masks_lib
-from tfjax.ops.blockwise import (DEFAULT_BLOCK, blockwise_attention,
-                                 blockwise_attention_backward)
-from tfjax.ops.pallas.common import mask_support
-from tfjax.ops.pallas.tpu import flash_attention_tpu, flash_attention_tpu_backward
+from tfjax.ops.attention import select_ring_block
+from tfjax.ops.blockwise import DEFAULT_BLOCK, blockwise_attention
 from tfjax.ops.reference import Alibi, RelativeBias, check_relative_bias, make_alibi
 
-__all__ = ["CONTEXT_PARALLEL_MODES", "RING_IMPLEMENTATIONS", "ZIGZAG_MODES", "all_gather_attention",
-           "context_parallel_attention", "ring_attention", "unzigzag", "zigzag", "zigzag_data",
-           "zigzag_data_devices", "zigzag_order"]
+__all__ = ["CONTEXT_PARALLEL_MODES", "ZIGZAG_MODES", "all_gather_attention",
+           "batch_sharded_attention", "context_parallel_attention", "ring_attention", "unzigzag",
+           "zigzag", "zigzag_data", "zigzag_data_devices", "zigzag_order"]
 
 # Per-token leaves of the mask / ALiBi / T5-bias pytree: sharded like the tokens; kv
 # ones rotate. T5's table is one copy per device (its gradient is a per-device sum).
@@ -255,30 +254,6 @@ def _merge(o, lse, o_new, lse_new):
 # --------------------------------------------------------------------------- #
 
 
-RING_IMPLEMENTATIONS = ("auto", "blockwise", "pallas")
-
-
-def _ring_implementation(implementation: str, mask, backend: str) -> str:
-    """The per-block attention of the ring on `backend` (the platform of the mesh's
-    devices): "blockwise" or "pallas" (validated)."""
-    if implementation not in RING_IMPLEMENTATIONS:
-        raise ValueError(f"ring_attention: implementation must be one of "
-                         f"{', '.join(map(repr, RING_IMPLEMENTATIONS))}, got {implementation!r}")
-    if implementation == "auto":
-        return "pallas" if backend == "tpu" and mask_support(mask) is None else "blockwise"
-    if implementation == "pallas":
-        if backend == "gpu":
-            raise ValueError("ring_attention: implementation='pallas' runs the Pallas TPU "
-                             "kernels (Mosaic on TPU, interpret mode on CPU); on GPU use "
-                             "implementation='blockwise'")
-        reason = mask_support(mask)
-        if reason:
-            raise ValueError(f"ring_attention: implementation='pallas' cannot run this mask: "
-                             f"{reason}; use implementation='blockwise'")
-    return implementation
-
-
-
 def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axis: str = "sequence",
                    batch_axes=None, scale=None, softcap=None, load_balance: str = "zigzag",
                    natural_order: bool = True, block_q: int = DEFAULT_BLOCK,
@@ -303,10 +278,11 @@ def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axi
     `natural_order=False` they are already in zig-zag order (including the segment
     ids of a `masks.segments` mask) and the output is too.
 
-    implementation: the per-block attention. "blockwise" (`tfjax.ops.blockwise`, any
-    backend; tiles `block_q` x `block_kv`), "pallas" (the Pallas TPU kernels of
-    `tfjax.ops.pallas.tpu`: Mosaic on TPU, interpret mode on CPU; tiles from
-    `block_sizes`), or "auto" (pallas on TPU, blockwise elsewhere).
+    implementation: the per-block attention (`tfjax.ops.attention.select_ring_block`).
+    "blockwise" (`tfjax.ops.blockwise`, any backend; tiles `block_q` x `block_kv`),
+    "pallas" (the Pallas TPU kernels of `tfjax.ops.pallas.tpu`: Mosaic on TPU,
+    interpret mode on CPU; tiles from `block_sizes`), or "auto" (pallas on TPU,
+    blockwise elsewhere); another implementation raises.
 
     unroll: unroll the ring's steps (`lax.scan(unroll=True)`) or run them as a while
     loop. None: unrolled on CPU meshes only. XLA's CPU runtime may run a while loop that
@@ -337,8 +313,8 @@ def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axi
     # runs on a CPU host.
     platform = mesh.devices.flat[0].platform
     rel = check_relative_bias(relative_bias, q.shape[0], N, T, S)
-    impl = _ring_implementation(implementation, mask, platform)
-    interpret = platform == "cpu"
+    block = select_ring_block(platform, mask, implementation, block_q=block_q, block_kv=block_kv,
+                              block_sizes=block_sizes)
     if unroll is None:
         unroll = platform == "cpu"
 
@@ -439,16 +415,8 @@ def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axi
             ks, vs = cut(kb, ckv), cut(vb, ckv)
 
             def compute(acc, p, r, m, qo, ko, alibi_kw):
-                if impl == "pallas":
-                    o2, l2 = flash_attention_tpu(qs[p], ks[r], vs[r], m, scale=scale,
-                                                 softcap=softcap, q_offset=qo, kv_offset=ko,
-                                                 return_lse=True, block_sizes=block_sizes,
-                                                 interpret=interpret, **alibi_kw)
-                else:
-                    o2, l2 = blockwise_attention(qs[p], ks[r], vs[r], m, scale=scale,
-                                                 softcap=softcap, q_offset=qo, kv_offset=ko,
-                                                 return_lse=True, block_q=block_q,
-                                                 block_kv=block_kv, **alibi_kw)
+                o2, l2 = block.forward(qs[p], ks[r], vs[r], m, scale=scale, softcap=softcap,
+                                       q_offset=qo, kv_offset=ko, **alibi_kw)
                 acc = list(acc)
                 acc[p] = _merge(*acc[p], o2, l2)
                 return tuple(acc)
@@ -479,16 +447,9 @@ def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axi
             def compute(state, p, r, m, qo, ko, alibi_kw):
                 dq, dk, dv = (list(x) for x in state[:3])
                 dtable = state[3]
-                if impl == "pallas":
-                    a, b, c, *dt = flash_attention_tpu_backward(
-                        qs[p], ks[r], vs[r], m, outs[p], lses[p], douts[p], scale=scale,
-                        softcap=softcap, q_offset=qo, kv_offset=ko, block_sizes=block_sizes,
-                        interpret=interpret, **alibi_kw)
-                else:
-                    a, b, c, *dt = blockwise_attention_backward(
-                        qs[p], ks[r], vs[r], m, outs[p], lses[p], douts[p], scale=scale,
-                        softcap=softcap, q_offset=qo, kv_offset=ko, block_q=block_q,
-                        block_kv=block_kv, **alibi_kw)
+                a, b, c, *dt = block.backward(qs[p], ks[r], vs[r], m, outs[p], lses[p],
+                                              douts[p], scale=scale, softcap=softcap,
+                                              q_offset=qo, kv_offset=ko, **alibi_kw)
                 if dt:
                     dtable = dtable + dt[0]
                 dq[p], dk[r], dv[r] = dq[p] + a, dk[r] + b, dv[r] + c
@@ -604,36 +565,34 @@ def all_gather_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh,
 _ABSENT = object()
 
 
-def batch_sharded_attention(fn, q, k, v, mask, *, bias=None, alibi=None,
-                            relative_bias=_ABSENT, **kw):
+def batch_sharded_attention(fn, q, k, v, mask, *, mesh, batch_axes, head_axes, bias=None,
+                            alibi=None, relative_bias=_ABSENT, **kw):
     """`fn(q, k, v, mask, bias=, alibi=, [relative_bias=], **kw)`, one attention
-    implementation (`Implementation.fn`), run per device under shard_map over the
-    active mesh (`sharding.use_rules`): examples split over the mesh axes the rules
-    give "batch", and heads over those they give "heads" when they divide the query
+    implementation (`Implementation.fn`), run per device under shard_map over `mesh`
+    (the per-device runner `sharding.use_rules` gives `tfjax.ops.target`, with the
+    mesh axes its rules give "batch" and "heads": `batch_axes`, `head_axes`, each a
+    mesh axis name, a tuple of them or None): examples split over `batch_axes`, and
+    heads over `head_axes` when they divide the query
     heads (each device gets whole GQA groups; where the axes do not divide the kv
     heads, as MQA's one kv head on tensor=4, each kv head is repeated so every device
     holds those of its query heads; ALiBi slopes, T5's table and a bias array follow
     their head axis); tokens and every other axis replicated. For
     kernels XLA cannot partition (Pallas custom calls), which its SPMD partitioner
     would otherwise run on the gathered global batch on every device. None (the
-    caller runs `fn` as is) when no mesh is active, the call is already inside
-    shard_map, or nothing splits."""
-    from tfjax.parallel.sharding import active_mesh, logical_to_spec
-
-    mesh = active_mesh()
-    if mesh is None or jax.sharding.get_abstract_mesh().manual_axes:
+    caller runs `fn` as is) when the call is already inside shard_map or nothing
+    splits."""
+    if jax.sharding.get_abstract_mesh().manual_axes:
         return None
 
-    def axes_of(name, size):
-        axes = logical_to_spec((name,))[0]
+    def axes_of(axes, size):
         axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
         axes = tuple(a for a in axes if mesh.shape[a] > 1)
         n = int(np.prod([mesh.shape[a] for a in axes]))
         return (axes, n) if axes and size % n == 0 else ((), 1)
 
     N, K = q.shape[2], k.shape[2]
-    b_axes, D = axes_of("batch", q.shape[0])
-    h_axes, _ = axes_of("heads", N)
+    b_axes, D = axes_of(batch_axes, q.shape[0])
+    h_axes, _ = axes_of(head_axes, N)
     h_axes = tuple(a for a in h_axes if a not in b_axes)
     if not b_axes and not h_axes:
         return None

@@ -5,16 +5,26 @@ annotation is a no-op unless a mesh and a rules table are active (the trainer
 activates them with `use_rules(mesh, rules)`); under them it becomes
 `jax.lax.with_sharding_constraint` with the mesh axes the rules give. One rules
 table maps every logical name to mesh axes, so parallelism is a config change.
+
+`use_rules` also tells the ops what they are traced for (`tfjax.ops.target.
+targeting`): the mesh's platform, which attention dispatch and the kernels
+follow (an AOT compile for a TPU slice targets "tpu" on a CPU host), and the
+per-device runner through which `dot_product_attention` runs a kernel XLA cannot
+partition (`ring_attention.batch_sharded_attention` over this mesh and rules).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from tfjax.ops.target import device_platform, targeting
+from tfjax.parallel.ring_attention import batch_sharded_attention
 
 LogicalRules = Sequence[tuple[str, str | tuple[str, ...] | None]]
 
@@ -29,30 +39,31 @@ _ACTIVE = _Active()
 
 @contextlib.contextmanager
 def use_rules(mesh: Mesh, rules: LogicalRules) -> Iterator[None]:
-    """Activate `mesh` and a logical -> mesh axis table for `shard` and `logical_to_spec`."""
+    """Activate `mesh` and a logical -> mesh axis table for `shard` and `logical_to_spec`,
+    and target the mesh's platform and devices (`tfjax.ops.target.targeting`)."""
     saved = (_ACTIVE.mesh, _ACTIVE.rules)
     _ACTIVE.mesh, _ACTIVE.rules = mesh, dict(rules)
+    platform = device_platform(mesh.devices.flat[0]) if mesh is not None and mesh.devices.size \
+        else None
     try:
-        yield
+        with targeting(platform, per_device=_per_device(mesh, _ACTIVE.rules)):
+            yield
     finally:
         _ACTIVE.mesh, _ACTIVE.rules = saved
 
 
+def _per_device(mesh: Mesh | None, rules) -> Callable | None:
+    """The runner `dot_product_attention` hands unpartitionable implementations to:
+    per device over the mesh axes the rules give "batch" and "heads"."""
+    if mesh is None:
+        return None
+    axes = lambda name: logical_to_spec((name,), rules)[0]
+    return functools.partial(batch_sharded_attention, mesh=mesh, batch_axes=axes("batch"),
+                             head_axes=axes("heads"))
+
+
 def active_mesh() -> Mesh | None:
     return _ACTIVE.mesh
-
-
-def target_platform() -> str:
-    """The platform what is being traced will run on: that of the active mesh's
-    devices (`use_rules`, as the trainer and its AOT compiles set it; a TPU or GPU
-    topology compiled on a CPU machine is "tpu" / "gpu"), else jax's default
-    backend. Attention dispatch (`implementation="auto"`) and the Pallas kernels'
-    interpret default follow it, so an AOT compile builds what the target runs."""
-    mesh = _ACTIVE.mesh
-    if mesh is not None and mesh.devices.size:
-        platform = mesh.devices.flat[0].platform
-        return "gpu" if platform in ("cuda", "rocm") else platform
-    return jax.default_backend()
 
 
 def logical_to_spec(names: Sequence[str | None], rules: LogicalRules | None = None) -> PartitionSpec:

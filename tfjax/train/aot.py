@@ -162,7 +162,7 @@ def _lowering_for(device):
     kind = getattr(device, "device_kind", "")
     if device.platform not in ("gpu", "cuda") or jax.default_backend() == "gpu":
         return contextlib.nullcontext()
-    from tfjax.ops.pallas.gpu import gpu_lowering_target
+    from tfjax.ops.target import gpu_lowering_target
 
     name = next((n for n in ("GH200", "H200", "H100") if n in kind), None)
     if name is None:

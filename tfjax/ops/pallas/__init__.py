@@ -1,21 +1,140 @@
-"""Pallas attention kernels (`implementation="pallas"`).
+"""Pallas attention kernels (`implementation="pallas"`): one family, one plan.
 
-`flash_attention(q, k, v, mask, ...)` dispatches to the TPU (Mosaic) kernels on
-TPU and on CPU (interpret mode), and to the GPU (Triton) kernels on GPU; both
-evaluate T5's `relative_bias` per tile. Decode-shaped requests are rewritten
-first (`decode.py`): GQA query heads packed as rows, and on GPU the keys split
-into chunks when the grid is small.
+`flash_attention(q, k, v, mask, ...)` runs a request the way `plan(...)` decides,
+and `plan` is the only place the family decides anything:
+
+- the kernels: the Mosaic TPU kernels (`tpu.py`) on TPU, and in interpret mode on
+  CPU; on a GPU target (compiled) the Triton kernels (`gpu.py`), with the Mosaic
+  GPU forward (`hopper.py`) and backward (`hopper_backward.py`) in their place on
+  sm_90 where they support the request;
+- decode-shaped requests (`decode.py`): GQA query heads packed as the rows of their
+  kv head, and on GPU the keys split into chunks when the grid is small.
+
+`flash_attention_gpu` runs the GPU kernels whatever the target (interpret mode on
+CPU, lowering for a named GPU: `tfjax.ops.target.gpu_lowering_target`), with the
+forward / backward choice exposed. Every kernel has the semantics of
+`attention_reference`; T5's `relative_bias` is evaluated per tile (the Mosaic GPU
+kernels decline it). `IMPLEMENTATION` is the family's record in
+`tfjax.ops.attention.IMPLEMENTATIONS`: not partitionable (the kernels are custom
+calls XLA cannot split), deferring TPU decode steps to xla (`defer`).
 """
 
 from __future__ import annotations
 
-from tfjax.ops.attention import AUTO_ORDER, AttentionRequest, register_implementation
-from tfjax.ops.pallas import decode
-from tfjax.ops.pallas.common import BlockSizes, mask_support
-from tfjax.ops.reference import Alibi, RelativeBias
-from tfjax.ops.pallas.tpu import flash_attention_tpu
+import dataclasses
+from typing import Any
 
-__all__ = ["BlockSizes", "flash_attention", "flash_attention_tpu", "supports"]
+from tfjax.ops import target
+from tfjax.ops.implementation import AttentionRequest, Implementation
+from tfjax.ops.pallas import decode, gpu, hopper, hopper_backward, tpu
+from tfjax.ops.pallas.common import BlockSizes, mask_support
+from tfjax.ops.pallas.tpu import flash_attention_tpu
+from tfjax.ops.reference import Alibi, RelativeBias
+
+__all__ = ["BlockSizes", "IMPLEMENTATION", "Plan", "defer", "flash_attention",
+           "flash_attention_gpu", "flash_attention_tpu", "plan", "supports"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How the family runs one request (`plan`)."""
+
+    kernels: str  # "mosaic_tpu" (tpu.py; interpret mode on CPU) or "triton" (gpu.py)
+    forward: str | None = None  # with "triton": "triton" or "hopper" (Mosaic GPU)
+    backward: str | None = None  # the dq and dk/dv kernels, likewise
+    pack_heads: bool = False  # the G query heads of a kv head run as its rows
+    kv_splits: int = 1  # the keys run as this many chunks, merged by their logsumexps
+
+
+def plan(q, k, v, mask=None, *, bias=None, alibi_slopes=None, alibi_positions=None,
+         relative_bias=None, block_sizes: BlockSizes | None = None, interpret=None,
+         pack_heads: bool | None = None, kv_splits: int | None = None, forward: str = "auto",
+         backward: str = "auto", kernels: str | None = None) -> Plan:
+    """The family's whole decision for a request (q, k, v: arrays or
+    ShapeDtypeStructs); the arguments are `flash_attention`'s and
+    `flash_attention_gpu`'s. `kernels`: None picks by the target platform
+    (`tfjax.ops.target`): "triton" on GPU unless interpreting, else "mosaic_tpu";
+    "triton" insists (`flash_attention_gpu`). A ValueError names a choice the
+    request cannot take and what to pass instead."""
+    if kernels is None:
+        kernels = "triton" if target.target_platform() == "gpu" and not interpret else "mosaic_tpu"
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    G = N // K
+    pack = _pack_heads(pack_heads, q.shape, k.shape, mask, alibi_slopes, relative_bias) and G > 1
+    if pack:  # the rows and heads the kernels then see
+        T, N = T * G, K
+    splits = _kv_splits(kv_splits, B, N, T, S, H, mask, alibi_slopes, alibi_positions,
+                        relative_bias, block_sizes, auto=kernels == "triton" and not interpret)
+    if kernels != "triton":
+        return Plan(kernels, pack_heads=pack, kv_splits=splits)
+    facts = (q, k, v, mask, bias is not None, relative_bias is not None, interpret)
+    return Plan(kernels, _gpu_kernel("forward", forward, *facts),
+                _gpu_kernel("backward", backward, *facts), pack, splits)
+
+
+def _pack_heads(pack_heads, q_shape, k_shape, mask, alibi_slopes, relative_bias) -> bool:
+    if pack_heads is None:
+        return decode.packable(q_shape, k_shape, mask, alibi_slopes=alibi_slopes,
+                               relative_bias=relative_bias)
+    if pack_heads:
+        reason = decode.unpackable_reason(mask, alibi_slopes=alibi_slopes,
+                                          relative_bias=relative_bias)
+        if reason:
+            raise ValueError(f"flash_attention: pack_heads=True cannot pack this request: {reason}; "
+                             "pass pack_heads=None (packs when it can) or False")
+    return bool(pack_heads)
+
+
+def _kv_splits(kv_splits, B, N, T, S, H, mask, alibi_slopes, alibi_positions, relative_bias,
+               block_sizes, *, auto: bool) -> int:
+    """`auto`: None may split (compiled GPU kernels: `decode.auto_kv_splits`)."""
+    reason = decode.unsplittable_reason(mask, alibi_slopes=alibi_slopes,
+                                        alibi_positions=alibi_positions,
+                                        relative_bias=relative_bias)
+    if kv_splits is None:
+        if not auto or reason:
+            return 1
+        bq = (block_sizes or gpu._default_block_sizes(H)).block_q
+        return decode.auto_kv_splits(B, N, T, S, bq, target.sm_count())
+    if isinstance(kv_splits, bool) or not isinstance(kv_splits, int) or kv_splits < 1 \
+            or S % kv_splits:
+        raise ValueError(f"flash_attention: kv_splits must be a positive divisor of the key "
+                         f"length S={S} (or None), got {kv_splits!r}")
+    if kv_splits > 1 and reason:
+        raise ValueError(f"flash_attention: kv_splits={kv_splits} cannot split this request: "
+                         f"{reason}; pass kv_splits=None or 1")
+    return kv_splits
+
+
+_GPU_CHOICES = ("auto", "triton", "hopper")
+
+
+def _gpu_kernel(which, choice, q, k, v, mask, has_bias, relative, interpret) -> str:
+    """"hopper" or "triton" for the forward (or the backward): "auto" takes the Mosaic
+    GPU kernel on sm_90 (`target.is_hopper`) when compiled and it supports the request."""
+    if choice not in _GPU_CHOICES:
+        raise ValueError(f"flash_attention_gpu: {which} must be one of {_GPU_CHOICES}, got "
+                         f"{choice!r}")
+    supports = hopper.supports if which == "forward" else hopper_backward.supports
+    reason = supports(q.dtype, q.shape[-1], mask, has_bias)
+    if reason is None and relative:
+        reason = "the Hopper kernels take no relative_bias (T5's bias; the Triton kernels do)"
+    if reason is None and not q.dtype == k.dtype == v.dtype:
+        reason = f"the Hopper kernel takes one dtype for q, k, v, got {q.dtype}, {k.dtype}, {v.dtype}"
+    if choice == "hopper":
+        if reason:
+            raise ValueError(f"flash_attention_gpu({which}='hopper'): {reason}; pass "
+                             f"{which}='triton' (or 'auto') for this request")
+        return "hopper"
+    if choice == "auto" and not interpret and reason is None and target.is_hopper():
+        return "hopper"
+    return "triton"
+
+
+# --------------------------------------------------------------------------- #
+# Running a plan.
+# --------------------------------------------------------------------------- #
 
 
 def flash_attention(q, k, v, mask=None, *, bias=None, scale=None, softcap=None,
@@ -32,85 +151,86 @@ def flash_attention(q, k, v, mask=None, *, bias=None, scale=None, softcap=None,
     bias), True insists (a ValueError when it cannot), False never packs.
     `kv_splits` P splits the keys into P chunks run as P times the programs and
     merged by their logsumexps (P must divide S); None splits on GPU when the
-    grid is under two programs per SM (`decode.auto_kv_splits`), 1 never."""
+    grid is under two programs per SM (`decode.auto_kv_splits`), 1 never.
+    `interpret`: None interprets on a CPU target (the TPU kernels)."""
+    how = plan(q, k, v, mask, bias=bias, alibi_slopes=alibi_slopes,
+               alibi_positions=alibi_positions, relative_bias=relative_bias,
+               block_sizes=block_sizes, interpret=interpret, pack_heads=pack_heads,
+               kv_splits=kv_splits)
+    return _run(how, q, k, v, mask, bias=bias, scale=scale, softcap=softcap,
+                alibi_slopes=alibi_slopes, alibi_positions=alibi_positions,
+                relative_bias=relative_bias, q_offset=q_offset, kv_offset=kv_offset,
+                return_lse=return_lse, block_sizes=block_sizes, interpret=interpret)
+
+
+def flash_attention_gpu(q, k, v, mask=None, *, bias=None, scale=None, softcap=None,
+                        alibi_slopes=None, alibi_positions=None,
+                        relative_bias: RelativeBias | None = None, q_offset=0, kv_offset=0,
+                        return_lse=False, block_sizes: BlockSizes | None = None,
+                        interpret: Any = False, forward: str = "auto", hopper_config=None,
+                        backward: str = "auto", hopper_backward_config=None,
+                        triton_config: gpu.TritonConfig | None = None):
+    """The GPU kernels, whatever the target: q `[B,T,N,H]`, k/v `[B,S,K,H]` -> out
+    `[B,T,N,H]` (and lse `[B,N,T]` fp32); no packing or splitting.
+    `relative_bias`: T5's bias per tile (its table differentiable; Triton only).
+
+    `forward`: "auto" runs the Hopper (Mosaic GPU) forward on sm_90 GPUs when it
+    supports the request (16-bit, no bias, see `hopper.supports`), else the
+    Triton one; "hopper" insists (and runs it in GPU interpret mode when
+    `interpret`); "triton" never uses it. `hopper_config`: its tiles.
+    `backward`, `hopper_backward_config`: the same choice for the dq and dk/dv
+    kernels (`hopper_backward.supports`: also head dims up to 128). `triton_config`:
+    the Triton kernels' warps and pipeline stages (None: `gpu.triton_launch`'s
+    choice for each kernel's tiles)."""
+    how = plan(q, k, v, mask, bias=bias, alibi_slopes=alibi_slopes,
+               alibi_positions=alibi_positions, relative_bias=relative_bias,
+               block_sizes=block_sizes, interpret=interpret, pack_heads=False, kv_splits=1,
+               forward=forward, backward=backward, kernels="triton")
+    return _run(how, q, k, v, mask, bias=bias, scale=scale, softcap=softcap,
+                alibi_slopes=alibi_slopes, alibi_positions=alibi_positions,
+                relative_bias=relative_bias, q_offset=q_offset, kv_offset=kv_offset,
+                return_lse=return_lse, block_sizes=block_sizes, interpret=interpret,
+                hopper_config=hopper_config, hopper_backward_config=hopper_backward_config,
+                triton_config=triton_config)
+
+
+def _run(how: Plan, q, k, v, mask, *, bias, alibi_slopes, alibi_positions, return_lse,
+         **kw):
+    """Execute `how`: pack, split, run the kernels, merge, unpack."""
     K = k.shape[2]
     G = q.shape[2] // K
-    pack = _pack_choice(pack_heads, q, k, mask, alibi_slopes, relative_bias) and G > 1
-    if pack:
+    P = how.kv_splits
+    if how.pack_heads:
         q, mask, bias = decode.pack_query(q, K), decode.pack_mask(mask, G), \
             decode.pack_bias(bias, K, G)
-    P = _split_choice(kv_splits, q, k, mask, alibi_slopes, alibi_positions, relative_bias,
-                      block_sizes, interpret)
     if P > 1:
         q, k, v, mask, bias, alibi_slopes, alibi_positions = decode.split_keys(
             P, q, k, v, mask, bias, alibi_slopes, alibi_positions)
-    res = _unpacked(q, k, v, mask, bias=bias, scale=scale, softcap=softcap,
-                    alibi_slopes=alibi_slopes, alibi_positions=alibi_positions,
-                    relative_bias=relative_bias, q_offset=q_offset, kv_offset=kv_offset,
-                    return_lse=return_lse or P > 1, block_sizes=block_sizes, interpret=interpret)
-    out, lse = res if (return_lse or P > 1) else (res, None)
+    with_lse = return_lse or P > 1
+    res = _kernels(how, q, k, v, mask, bias=bias, alibi_slopes=alibi_slopes,
+                   alibi_positions=alibi_positions, return_lse=with_lse, **kw)
+    out, lse = res if with_lse else (res, None)
     if P > 1:
         out, lse = decode.merge_splits(out, lse, P)
-    if pack:
+    if how.pack_heads:
         out, lse = decode.unpack_out(out, G), None if lse is None else decode.unpack_lse(lse, G)
     return (out, lse) if return_lse else out
 
 
-def _pack_choice(pack_heads, q, k, mask, alibi_slopes, relative_bias) -> bool:
-    if pack_heads is None:
-        return decode.packable(q.shape, k.shape, mask, alibi_slopes=alibi_slopes,
-                               relative_bias=relative_bias)
-    if pack_heads:
-        reason = decode.unpackable_reason(mask, alibi_slopes=alibi_slopes,
-                                          relative_bias=relative_bias)
-        if reason:
-            raise ValueError(f"flash_attention: pack_heads=True cannot pack this request: {reason}; "
-                             "pass pack_heads=None (packs when it can) or False")
-    return bool(pack_heads)
+def _kernels(how: Plan, q, k, v, mask, *, interpret, hopper_config=None,
+             hopper_backward_config=None, triton_config=None, **kw):
+    """The plan's kernels on the (packed, split) request."""
+    if how.kernels == "triton":
+        return gpu.flash_attention_triton(
+            q, k, v, mask, **kw, interpret=False if interpret is None else interpret,
+            forward=how.forward, hopper_config=hopper_config, backward=how.backward,
+            hopper_backward_config=hopper_backward_config, triton_config=triton_config)
+    return tpu.flash_attention_tpu(q, k, v, mask, **kw, interpret=interpret)
 
 
-def _split_choice(kv_splits, q, k, mask, alibi_slopes, alibi_positions, relative_bias,
-                  block_sizes, interpret) -> int:
-    from tfjax.parallel.sharding import target_platform
-
-    B, T, N, H = q.shape
-    S = k.shape[1]
-    reason = decode.unsplittable_reason(mask, alibi_slopes=alibi_slopes,
-                                        alibi_positions=alibi_positions,
-                                        relative_bias=relative_bias)
-    if kv_splits is None:
-        if interpret or target_platform() != "gpu" or reason:
-            return 1
-        from tfjax.ops.pallas.gpu import _default_block_sizes, sm_count
-        bq = (block_sizes or _default_block_sizes(H)).block_q
-        return decode.auto_kv_splits(B, N, T, S, bq, sm_count())
-    if isinstance(kv_splits, bool) or not isinstance(kv_splits, int) or kv_splits < 1 \
-            or S % kv_splits:
-        raise ValueError(f"flash_attention: kv_splits must be a positive divisor of the key "
-                         f"length S={S} (or None), got {kv_splits!r}")
-    if kv_splits > 1 and reason:
-        raise ValueError(f"flash_attention: kv_splits={kv_splits} cannot split this request: "
-                         f"{reason}; pass kv_splits=None or 1")
-    return kv_splits
-
-
-def _unpacked(q, k, v, mask, *, bias, scale, softcap, alibi_slopes, alibi_positions,
-              relative_bias, q_offset, kv_offset, return_lse, block_sizes, interpret):
-    from tfjax.parallel.sharding import target_platform
-
-    if target_platform() == "gpu" and not interpret:
-        from tfjax.ops.pallas.gpu import flash_attention_gpu
-        return flash_attention_gpu(q, k, v, mask, bias=bias, scale=scale, softcap=softcap,
-                                   alibi_slopes=alibi_slopes, alibi_positions=alibi_positions,
-                                   relative_bias=relative_bias,
-                                   q_offset=q_offset,
-                                   kv_offset=kv_offset, return_lse=return_lse,
-                                   block_sizes=block_sizes)
-    return flash_attention_tpu(q, k, v, mask, bias=bias, scale=scale, softcap=softcap,
-                               alibi_slopes=alibi_slopes, alibi_positions=alibi_positions,
-                               relative_bias=relative_bias, q_offset=q_offset, kv_offset=kv_offset,
-                               return_lse=return_lse, block_sizes=block_sizes,
-                               interpret=interpret)
+# --------------------------------------------------------------------------- #
+# implementation="pallas".
+# --------------------------------------------------------------------------- #
 
 
 def supports(r: AttentionRequest) -> str | None:
@@ -120,8 +240,7 @@ def supports(r: AttentionRequest) -> str | None:
     if r.dtype not in ("float32", "bfloat16", "float16"):
         return f"the pallas kernels take float32/bfloat16/float16 inputs, got {r.dtype}"
     if r.backend == "gpu":
-        from tfjax.ops.pallas.gpu import supports as gpu_supports
-        return gpu_supports(r)
+        return gpu.supports(r)
     return None
 
 
@@ -129,11 +248,10 @@ def defer(r: AttentionRequest) -> str | None:
     """Why "auto" should try xla before the kernels for this request, or None.
     On TPU the kernels read K/V heads-major, so every call first relays out (and
     pads) the whole K/V: for a decode step over a KV cache that copy outweighs
-    the step (experiments/results/attention_cache_tpu_aot_20261130.md: 128 MiB of
-    temporaries per call for a 32k-slot cache, xla 0.2). xla reads the cache once
-    but writes [B, N, T, S] logits, so the copy costs more while T * G < H
-    (`4 N T` vs `4 K H` bytes per key); a chunked prefill of 512 tokens is the
-    other way round (xla 2 GiB of temporaries, the kernels 136 MiB)."""
+    the step. xla reads the cache once but writes [B, N, T, S] logits, so the
+    copy costs more while T * G < H (`4 N T` vs `4 K H` bytes per key); a chunked
+    prefill is the other way round (compiled temporaries of both:
+    experiments/results/attention_cache_tpu_aot_20261130.md)."""
     if r.backend != "tpu":
         return None
     T, N, H = r.q_shape[1], r.q_shape[2], r.q_shape[3]
@@ -151,7 +269,5 @@ def _impl(q, k, v, mask, *, bias, alibi, relative_bias, scale, softcap, q_offset
                            return_lse=return_lse, **Alibi.kwargs(alibi))
 
 
-# On GPU, cuDNN (plain causal requests) comes first whichever module registers first.
-_GPU_RANK = 1 if "cudnn" in AUTO_ORDER.get("gpu", []) else 0
-register_implementation("pallas", _impl, supports, auto={"tpu": 0, "gpu": _GPU_RANK},
-                        relative_bias=True, partitionable=False, defer=defer)
+IMPLEMENTATION = Implementation(_impl, supports, relative_bias=True, partitionable=False,
+                                defer=defer)

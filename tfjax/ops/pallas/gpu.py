@@ -30,15 +30,14 @@ already run heaviest first), in Triton and in the Hopper kernels alike.
 
 Layout `[B, T, N, H]` (no transposes). Runs in interpret mode on CPU
 (`interpret=True`), which is how the CPU tests exercise it; compiling it needs
-a GPU. On Hopper the forward is `hopper.py`'s Mosaic GPU kernel (TMA + wgmma)
-where it supports the request (`forward="auto"`), and the backward
-`hopper_backward.py`'s (`backward="auto"`, head dims up to 128); each kernel
-takes the residuals (output and logsumexp) whichever forward produced them.
+a GPU. The forward can be `hopper.py`'s Mosaic GPU kernel (TMA + wgmma) and the
+backward `hopper_backward.py`'s (`forward=` / `backward="hopper"`; which runs is
+the family's plan, `tfjax.ops.pallas.plan`); each kernel takes the residuals
+(output and logsumexp) whichever forward produced them.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 from typing import Any
@@ -66,9 +65,11 @@ from tfjax.ops.pallas.common import (
     round_up,
     tile_tables,
 )
+from tfjax.ops.pallas.hopper import flash_forward_hopper
+from tfjax.ops.pallas.hopper_backward import flash_backward_hopper
 
-__all__ = ["TritonConfig", "flash_attention_gpu", "gpu_lowering_target", "launch_features",
-           "supports", "triton_launch"]
+__all__ = ["TritonConfig", "flash_attention_triton", "launch_features", "supports",
+           "triton_launch"]
 
 
 def _triton_params(num_warps, num_stages):
@@ -331,115 +332,21 @@ class _Config:
     triton: TritonConfig | None = None  # None: `triton_launch`'s choice per kernel
 
 
-_CHOICES = ("auto", "triton", "hopper")
-
-
-_TARGETS: list[int] = []  # compute capabilities named by active `gpu_lowering_target`s
-_TARGET_SMS: list[int] = []  # and their SM counts
-
-# Compute capability (major * 10 + minor) and SMs by GPU name, for `gpu_lowering_target`.
-_COMPUTE_CAPABILITY = {"A100": 80, "L4": 89, "H100": 90, "H200": 90, "GH200": 90,
-                       "B200": 100, "GB200": 100}
-_SMS = {"A100": 108, "L4": 58, "H100": 132, "H200": 132, "GH200": 132, "B200": 148, "GB200": 148}
-
-
-def sm_count() -> int:
-    """Streaming multiprocessors of the GPU the kernels are built for: the one
-    named by an active `gpu_lowering_target`, else the local GPU's `core_count`,
-    else an H100 / H200's 132."""
-    if _TARGET_SMS:
-        return _TARGET_SMS[-1]
-    try:
-        n = getattr(jax.devices()[0], "core_count", None)
-    except RuntimeError:  # pragma: no cover - no backend
-        n = None
-    return int(n) if n else 132
-
-
-@contextlib.contextmanager
-def gpu_lowering_target(gpu: str = "H200"):
-    """Lower the GPU kernels for `gpu` on a machine without one: inside this
-    context `jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))` emits
-    what that GPU would run (Triton and Mosaic GPU kernels are lowered in Python;
-    compiling them needs the GPU). The kernels' own choices follow the named GPU
-    (`forward="auto"` picks the Hopper kernels on sm_90), and jax >= 0.11's Triton
-    lowering, which asks the local device for its compute capability and raises
-    when there is no GPU, is told the named one (through jax's private
-    `gpu_info` hook; jax 0.10 asks nothing). `gpu`: A100, L4, H100, H200, GH200,
-    B200 or GB200."""
-    if gpu not in _COMPUTE_CAPABILITY:
-        raise ValueError(f"gpu_lowering_target: unknown gpu {gpu!r}; pass one of "
-                         f"{sorted(_COMPUTE_CAPABILITY)}")
-    try:
-        from jax._src.pallas.triton import gpu_info
-    except ImportError:  # jax 0.10
-        gpu_info = None
-    original = gpu_info and gpu_info.get_gpu_info
-    if gpu_info is not None:
-        target = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion[gpu])
-        gpu_info.get_gpu_info = lambda: target
-    _TARGETS.append(_COMPUTE_CAPABILITY[gpu])
-    _TARGET_SMS.append(_SMS[gpu])
-    try:
-        yield
-    finally:
-        _TARGETS.pop()
-        _TARGET_SMS.pop()
-        if gpu_info is not None:
-            gpu_info.get_gpu_info = original
-
-
-def _is_hopper() -> bool:
-    if _TARGETS:
-        return _TARGETS[-1] // 10 == 9
-    try:
-        dev = jax.devices()[0]
-        return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9.")
-    except RuntimeError:  # pragma: no cover - no backend
-        return False
-
-
-def _pick_forward(choice, q, k, v, mask, bias, interpret, which="forward", alibi=None,
-                  relative=False) -> str:
-    """"hopper" or "triton" for the forward (or, `which="backward"`, the backward)."""
-    from tfjax.ops.pallas import hopper, hopper_backward
-
-    if choice not in _CHOICES:
-        raise ValueError(f"flash_attention_gpu: {which} must be one of {_CHOICES}, got {choice!r}")
-    supports = hopper.supports if which == "forward" else hopper_backward.supports
-    reason = supports(q.dtype, q.shape[-1], mask, bias is not None)
-    if reason is None and relative:
-        reason = "the Hopper kernels take no relative_bias (T5's bias; the Triton kernels do)"
-    if reason is None and not q.dtype == k.dtype == v.dtype:
-        reason = f"the Hopper kernel takes one dtype for q, k, v, got {q.dtype}, {k.dtype}, {v.dtype}"
-    if choice == "hopper":
-        if reason:
-            raise ValueError(f"flash_attention_gpu({which}='hopper'): {reason}; pass "
-                             f"{which}='triton' (or 'auto') for this request")
-        return "hopper"
-    if choice == "auto" and not interpret and reason is None and _is_hopper():
-        return "hopper"
-    return "triton"
-
-
-def flash_attention_gpu(q, k, v, mask=None, *, bias=None, scale=None, softcap=None,
-                        alibi_slopes=None, alibi_positions=None,
-                        relative_bias: RelativeBias | None = None, q_offset=0, kv_offset=0,
-                        return_lse=False, block_sizes: BlockSizes | None = None,
-                        interpret: Any = False, forward: str = "auto", hopper_config=None,
-                        backward: str = "auto", hopper_backward_config=None,
-                        triton_config: TritonConfig | None = None):
-    """q `[B,T,N,H]`, k/v `[B,S,K,H]` -> out `[B,T,N,H]` (and lse `[B,N,T]` fp32).
-    `relative_bias`: T5's bias per tile (its table differentiable; Triton only).
-
-    `forward`: "auto" runs the Hopper (Mosaic GPU) forward on sm_90 GPUs when it
-    supports the request (16-bit, no bias, see `hopper.supports`), else the
-    Triton one; "hopper" insists (and runs it in GPU interpret mode when
-    `interpret`); "triton" never uses it. `hopper_config`: its tiles.
-    `backward`, `hopper_backward_config`: the same choice for the dq and dk/dv
-    kernels (`hopper_backward.supports`: also head dims up to 128). `triton_config`:
-    the Triton kernels' warps and pipeline stages (None: `triton_launch`'s
-    choice for each kernel's tiles)."""
+def flash_attention_triton(q, k, v, mask=None, *, bias=None, scale=None, softcap=None,
+                           alibi_slopes=None, alibi_positions=None,
+                           relative_bias: RelativeBias | None = None, q_offset=0, kv_offset=0,
+                           return_lse=False, block_sizes: BlockSizes | None = None,
+                           interpret: Any = False, forward: str = "triton", hopper_config=None,
+                           backward: str = "triton", hopper_backward_config=None,
+                           triton_config: TritonConfig | None = None):
+    """The GPU kernels as a plan chose them (`tfjax.ops.pallas.plan`): q `[B,T,N,H]`,
+    k/v `[B,S,K,H]` -> out `[B,T,N,H]` (and lse `[B,N,T]` fp32). `forward`: "triton"
+    or "hopper" (the Mosaic GPU forward of `hopper.py`, `hopper_config` its tiles);
+    `backward`: the same for the dq and dk/dv kernels (`hopper_backward.py`,
+    `hopper_backward_config`); either backward takes the residuals of either
+    forward. `relative_bias`: T5's bias per tile (Triton only). `triton_config`: the
+    Triton kernels' warps and pipeline stages (None: `triton_launch`'s choice for
+    each kernel's tiles). `interpret`: Pallas' GPU interpret mode (CPU)."""
     H = q.shape[-1]
     static = (q_offset, kv_offset) if all(isinstance(o, int) for o in (q_offset, kv_offset)) \
         else None
@@ -448,12 +355,7 @@ def flash_attention_gpu(q, k, v, mask=None, *, bias=None, scale=None, softcap=No
     alibi = make_alibi(alibi_slopes, alibi_positions, B, N, T, k.shape[1])
     rel = check_relative_bias(relative_bias, B, N, T, k.shape[1])
     cfg = _Config(float(H ** -0.5 if scale is None else scale), float(softcap) if softcap else None,
-                  bs, interpret, static,
-                  _pick_forward(forward, q, k, v, mask, bias, interpret, alibi=alibi,
-                                relative=rel is not None),
-                  hopper_config,
-                  _pick_forward(backward, q, k, v, mask, bias, interpret, which="backward",
-                                alibi=alibi, relative=rel is not None),
+                  bs, interpret, static, forward, hopper_config, backward,
                   hopper_backward_config, triton_config)
     offs = jnp.stack([jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32)])
     out, lse = _flash(cfg, q, k, v, mask, bias, alibi, rel, offs)
@@ -883,8 +785,6 @@ def _dkv_call(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta):
 
 def _forward(cfg, q, k, v, mask, bias, alibi, rel, offs):
     if cfg.forward == "hopper":
-        from tfjax.ops.pallas.hopper import flash_forward_hopper
-
         qo, ko = cfg.static_offsets if cfg.static_offsets is not None else (offs[0], offs[1])
         return flash_forward_hopper(q, k, v, mask, scale=cfg.scale, softcap=cfg.softcap,
                                     q_offset=qo, kv_offset=ko, config=cfg.hopper,
@@ -911,8 +811,6 @@ def _flash_bwd(cfg, res, cts):
     delta = delta - dlse.astype(jnp.float32)
     lse = jnp.where(lse == -jnp.inf, 0.0, lse)
     if cfg.backward == "hopper":
-        from tfjax.ops.pallas.hopper_backward import flash_backward_hopper
-
         qo, ko = cfg.static_offsets if cfg.static_offsets is not None else (offs[0], offs[1])
         dq, dk, dv = flash_backward_hopper(q, k, v, do, lse, delta, mask, scale=cfg.scale,
                                            softcap=cfg.softcap, q_offset=qo, kv_offset=ko,

@@ -71,6 +71,7 @@ from tfjax.ops.pallas.common import (
     round_up,
     tile_tables,
 )
+from tfjax.ops.target import target_platform
 
 __all__ = ["DEFAULT_BLOCK_SIZES", "flash_attention_tpu", "flash_attention_tpu_backward"]
 
@@ -106,9 +107,7 @@ class _Config:
 def _config(q, scale, softcap, q_offset, kv_offset, block_sizes, interpret, grad_dtype=None):
     """The kernels' static config and the `[2]` int32 offsets operand. `interpret=None`
     interprets on CPU; python-int offsets build the tile tables at trace time."""
-    if interpret is None:  # the platform of the active mesh (an AOT compile's target)
-        from tfjax.parallel.sharding import target_platform
-
+    if interpret is None:  # the target platform (an AOT compile's, under use_rules)
         interpret = target_platform() == "cpu"
     H = q.shape[-1]
     static = (q_offset, kv_offset) if all(isinstance(o, int) for o in (q_offset, kv_offset)) \

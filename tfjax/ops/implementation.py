@@ -1,0 +1,68 @@
+"""What an attention implementation is, so that implementation modules can describe
+themselves without importing the dispatch.
+
+- `AttentionRequest`: the static facts of one `dot_product_attention` call (shapes,
+  dtype, target platform, mask, which extras it carries). Implementations decide
+  from it alone whether they can serve the call.
+- `Implementation`: the record each implementation module exports as
+  `IMPLEMENTATION`; `tfjax.ops.attention.IMPLEMENTATIONS` is the table of them.
+
+`Implementation.fn` is called as
+
+    fn(q, k, v, mask, *, bias, alibi, scale, softcap, q_offset, kv_offset, return_lse
+       [, relative_bias])
+
+with q `[B,T,N,H]`, k/v `[B,S,K,H]`, `mask` a `tfjax.ops.masks.Mask` or None, `bias`
+`[B|1, N|1, T, S]` or None, `alibi` None or a checked `tfjax.ops.Alibi`, and returns
+out `[B,T,N,H]` (with `return_lse`, `(out, lse [B,N,T] fp32)`). It is only called
+for requests its `supports` accepted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from tfjax.ops import masks as masks_lib
+
+__all__ = ["AttentionRequest", "Implementation"]
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionRequest:
+    """What an implementation is asked to do (static facts only)."""
+
+    q_shape: tuple[int, ...]
+    k_shape: tuple[int, ...]
+    dtype: str
+    backend: str  # the target platform (`tfjax.ops.target.target_platform`)
+    mask: masks_lib.Mask | None
+    has_bias: bool
+    softcap: float | None
+    offsets: bool  # non-zero q/kv offsets
+    return_lse: bool
+    has_alibi: bool = False  # alibi_slopes given (bias computed from positions)
+    has_relative_bias: bool = False  # a T5 RelativeBias (has_bias too: see below)
+
+
+def _serves_every_request(request: AttentionRequest) -> str | None:
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+    """One attention implementation (see the module docstring for `fn`)."""
+
+    fn: Callable
+    # request -> None if it can serve it, else the reason it cannot (shown to the user)
+    supports: Callable[[AttentionRequest], str | None] = _serves_every_request
+    # True: fn takes relative_bias= (a checked RelativeBias) itself; False: the
+    # dispatch materialises it into bias (so has_bias is set for a request with one)
+    relative_bias: bool = False
+    # False: fn is a custom call XLA's SPMD partitioner cannot split (the Pallas
+    # kernels); under an active per-device runner (`tfjax.ops.target.per_device`,
+    # set by `use_rules`) the dispatch runs it once per device
+    partitionable: bool = True
+    # None, or request -> None / the reason "auto" should try the implementations
+    # after this one first (a cost, not a limit: it still serves when none of them can)
+    defer: Callable[[AttentionRequest], str | None] | None = None

@@ -1,0 +1,154 @@
+"""What the program being traced will run on.
+
+Attention dispatch and the kernels decide by the *target*, not by the machine
+tracing: an AOT compile for a TPU slice or a GPU runs on a CPU host.
+
+- `target_platform()`: "cpu", "gpu" or "tpu". The platform of the innermost
+  active `targeting(platform)`, else jax's default backend.
+- `targeting(platform, per_device=...)`: the context that sets it. The sharding
+  context of the layer above, `use_rules(mesh, rules)`, enters it with the mesh's
+  platform and a `per_device` runner it builds: the runner is handed down, so
+  ops never imports the parallel layer.
+- `per_device()`: the active runner, or None. `dot_product_attention` hands it an
+  implementation XLA's SPMD partitioner cannot split (`Implementation.partitionable
+  = False`, the Pallas kernels):
+
+      runner(fn, q, k, v, mask, *, bias, alibi, scale, softcap, q_offset,
+             kv_offset, return_lse[, relative_bias]) -> fn's result, or None
+
+  It runs `fn` once per device on that device's examples and heads, or returns
+  None when there is nothing to split (the caller then runs `fn` as is).
+- GPU facts for lowering without a GPU: `gpu_lowering_target(gpu)` names the GPU
+  the kernels are built for; `sm_count()`, `is_hopper()` follow it, else the local
+  device. `GPU_COMPUTE_CAPABILITY` and `GPU_SMS` list the GPUs it knows.
+
+Each `targeting` replaces the whole target (platform and runner) until it exits;
+the state is per thread. `gpu_lowering_target` is process-wide, as jax's Triton
+lowering hook it sets is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+import types
+from typing import Callable, Iterator
+
+import jax
+
+__all__ = ["GPU_COMPUTE_CAPABILITY", "GPU_SMS", "device_platform", "gpu_lowering_target",
+           "is_hopper", "per_device", "sm_count", "target_platform", "targeting"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Target:
+    platform: str | None = None  # None: jax's default backend
+    per_device: Callable | None = None
+
+
+class _Active(threading.local):
+    target: _Target = _Target()
+
+
+_ACTIVE = _Active()
+
+
+def device_platform(device) -> str:
+    """A device's platform as dispatch names it: "cuda" and "rocm" are "gpu"."""
+    platform = device.platform
+    return "gpu" if platform in ("cuda", "rocm") else platform
+
+
+@contextlib.contextmanager
+def targeting(platform: str | None = None, *, per_device: Callable | None = None
+              ) -> Iterator[None]:
+    """Trace for `platform` ("cpu", "gpu", "tpu"; None: jax's default backend), with
+    `per_device` as the runner of unpartitionable implementations (None: none)."""
+    saved = _ACTIVE.target
+    _ACTIVE.target = _Target(platform, per_device)
+    try:
+        yield
+    finally:
+        _ACTIVE.target = saved
+
+
+def target_platform() -> str:
+    """The platform what is being traced will run on: the active `targeting`'s
+    (`use_rules`: that of the mesh's devices), else jax's default backend."""
+    platform = _ACTIVE.target.platform
+    return platform if platform is not None else jax.default_backend()
+
+
+def per_device() -> Callable | None:
+    """The active runner of unpartitionable implementations (see the module), or None."""
+    return _ACTIVE.target.per_device
+
+
+# --------------------------------------------------------------------------- #
+# GPU facts.
+# --------------------------------------------------------------------------- #
+
+# Compute capability (major * 10 + minor) and SMs by GPU name, for `gpu_lowering_target`.
+GPU_COMPUTE_CAPABILITY = types.MappingProxyType({
+    "A100": 80, "L4": 89, "H100": 90, "H200": 90, "GH200": 90, "B200": 100, "GB200": 100})
+GPU_SMS = types.MappingProxyType({
+    "A100": 108, "L4": 58, "H100": 132, "H200": 132, "GH200": 132, "B200": 148, "GB200": 148})
+
+_LOWERING: list[str] = []  # the GPUs named by active `gpu_lowering_target`s, innermost last
+
+
+def sm_count() -> int:
+    """Streaming multiprocessors of the GPU the kernels are built for: the one
+    named by an active `gpu_lowering_target`, else the local GPU's `core_count`,
+    else an H100 / H200's 132."""
+    if _LOWERING:
+        return GPU_SMS[_LOWERING[-1]]
+    try:
+        n = getattr(jax.devices()[0], "core_count", None)
+    except RuntimeError:  # pragma: no cover - no backend
+        n = None
+    return int(n) if n else 132
+
+
+def is_hopper() -> bool:
+    """Whether the GPU the kernels are built for is a Hopper (sm_90): the one named
+    by an active `gpu_lowering_target`, else the local device."""
+    if _LOWERING:
+        return GPU_COMPUTE_CAPABILITY[_LOWERING[-1]] // 10 == 9
+    try:
+        dev = jax.devices()[0]
+        return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9.")
+    except RuntimeError:  # pragma: no cover - no backend
+        return False
+
+
+@contextlib.contextmanager
+def gpu_lowering_target(gpu: str = "H200") -> Iterator[None]:
+    """Lower the GPU kernels for `gpu` on a machine without one: inside this
+    context `jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))` emits
+    what that GPU would run (Triton and Mosaic GPU kernels are lowered in Python;
+    compiling them needs the GPU). The kernels' own choices follow the named GPU
+    (`forward="auto"` picks the Hopper kernels on sm_90, `sm_count` gives its SMs),
+    and jax >= 0.11's Triton lowering, which asks the local device for its compute
+    capability and raises when there is no GPU, is told the named one (through
+    jax's private `gpu_info` hook; jax 0.10 asks nothing). `gpu`: one of
+    `GPU_COMPUTE_CAPABILITY`."""
+    if gpu not in GPU_COMPUTE_CAPABILITY:
+        raise ValueError(f"gpu_lowering_target: unknown gpu {gpu!r}; pass one of "
+                         f"{sorted(GPU_COMPUTE_CAPABILITY)}")
+    try:
+        from jax._src.pallas.triton import gpu_info
+    except ImportError:  # jax 0.10
+        gpu_info = None
+    original = gpu_info and gpu_info.get_gpu_info
+    if gpu_info is not None:
+        target = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion[gpu])
+        gpu_info.get_gpu_info = lambda: target
+    _LOWERING.append(gpu)
+    try:
+        yield
+    finally:
+        _LOWERING.pop()
+        if gpu_info is not None:
+            gpu_info.get_gpu_info = original
