@@ -84,9 +84,9 @@ class DecoderLM(nnx.Module):
                              "prefix and cannot be prefilled in chunks; prefill it at once")
         if self.config.prefix_lm:
             prefix = jnp.full(tokens.shape[:1], tokens.shape[1]) if lengths is None else lengths
+        base = None if extend else self.mask(tokens, prefix_lengths=prefix)
         s = caching.begin_step(self.config, cache, tokens, lengths, rel_bias=self.rel_bias,
-                               base_mask=None if extend else self.mask(tokens, prefix_lengths=prefix),
-                               extend=extend)
+                               base_mask=base, extend=extend)
         x = self.embed(tokens, s.positions)
         x, layers = self.layers(x, masks=s.masks, biases=s.biases, positions=s.positions,
                                 cache=s.layers)
