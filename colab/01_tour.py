@@ -114,7 +114,7 @@ assert all(n == published for _, _, n, published, _ in rows if published)
 # %% [markdown]
 # Every published count is matched to the parameter. Mixtral and Jamba are sparse:
 # their *total* counts include all experts, while a token only runs through
-# `experts_per_token` of them.
+# `moe.experts_per_token` of them.
 
 # %% [markdown]
 # ## What the presets differ in

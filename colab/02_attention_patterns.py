@@ -176,7 +176,7 @@ for L in (4096, 32768, 131072):
 
 # %%
 from configs import gemma2
-from tfjax.models.stack import layer_masks
+from tfjax.models.attention_inputs import layer_masks
 
 cfg = gemma2.get_config("tiny").model
 cfg.update(sliding_window=6, scan_layers=False, init_std=0.3)
@@ -210,7 +210,7 @@ def first_layers_maps(model, tokens):
     x = model.embed(tokens, positions)
     maps, checks = [], []
     for i, block in enumerate(model.layers.blocks[:2]):
-        mask = kind_masks[model.layers.pattern[i % len(model.layers.pattern)]]
+        mask = kind_masks[model.layers.layout.kind(i)]  # layer i's kind
         probs, check = attention_probs(block.attn, block.attn_norm(x), mask)
         maps.append(probs[0])
         checks.append(check)

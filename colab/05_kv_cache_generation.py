@@ -51,7 +51,8 @@ from flax import nnx
 import tfjax
 from configs import llama, mistral
 from tfjax.config import model_config
-from tfjax.inference import cache_bytes, filter_logits, generate, init_cache, sample
+from tfjax.inference import filter_logits, generate, sample
+from tfjax.models import cache_bytes
 
 # %% [markdown]
 # ## A tiny GQA decoder
@@ -68,7 +69,7 @@ cfg = model_config(cfg)
 model = tfjax.models.build(cfg, rngs=nnx.Rngs(0))
 print(f"N={cfg.num_heads} query heads, K={cfg.kv_heads} kv heads, H={cfg.head_size}, "
       f"{cfg.num_layers} layers, vocab {cfg.vocab_size}")
-cache = init_cache(model, batch=2, max_len=48)
+cache = model.init_cache(batch=2, max_len=48)
 print("cache of 2 rows x 48 tokens:",
       jax.tree.map(lambda x: x.shape, cache.layers["cycles"][0]["attn"]))
 
@@ -165,7 +166,7 @@ plt.show()
 m_tiny = model_config(mistral.get_config("tiny").model)
 W = m_tiny.sliding_window
 tiny_model = nnx.eval_shape(lambda: tfjax.models.build(m_tiny, rngs=nnx.Rngs(0)))  # shapes only
-rolling = init_cache(tiny_model, batch=1, max_len=512)
+rolling = tiny_model.init_cache(batch=1, max_len=512)
 print(f"tiny Mistral, window {W}, a cache for 512 tokens: K is",
       rolling.layers["cycles"][0]["attn"].k.shape, "= [layers, batch, W + 1 slots, K, H]")
 print("slot s holds position p - ((p - s) mod (W + 1)) after p tokens: a rolling buffer "

@@ -6,9 +6,9 @@ Python standard library's own sources (the stdlib corpus of `tfjax.data`), on CP
 Llama recipe at toy size (0.82M parameters): RoPE, RMSNorm, SwiGLU, GQA, no biases,
 tied embeddings; bytes (259 ids: 256 + pad, bos, eos); 1500 steps of 16 rows x 128
 tokens (3.07M tokens), AdamW 3e-3, warmup 50, cosine to 5%.
-Measured on an idle 2-core CPU: 6m57s in all, then val 1.850 bits/byte on the
+Expected on an idle 2-core CPU: about 7 minutes, then val 1.850 bits/byte on the
 147,369 validation bytes, printed beside gzip -9 (1.912) and xz -9e (1.695) on the
-same bytes: below gzip, not yet below xz. (300 steps gave 2.457, 1000 steps 1.985.)
+same bytes (shorter runs: experiments/results/default_preset.md).
 Variants: "quick" (a smoke run of ~30 s), "tiny" (a 2-layer d=64 model).
 """
 

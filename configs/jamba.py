@@ -25,14 +25,15 @@ def get_config(arg=None):
         arch="decoder", vocab_size=65536, d_model=4096, num_layers=32, num_heads=32,
         num_kv_heads=8, d_ff=14336, max_len=262144, position="none", norm="rmsnorm",
         norm_eps=1e-6, activation="swiglu", ffn_bias=False, tie_embeddings=False,
-        layer_pattern=PATTERN, ffn_pattern=("dense", "moe"), num_experts=16,
-        experts_per_token=2, router_renormalize=False, moe_aux_loss_weight=0.001,
-        ssm_d_state=16, ssm_d_conv=4, ssm_expand=2, ssm_dt_rank=256, ssm_conv_bias=True,
-        ssm_proj_bias=False, ssm_inner_norm=True, ssm_chunk=256))
+        layer_pattern=PATTERN, ffn_pattern=("dense", "moe"),
+        moe=dict(num_experts=16, experts_per_token=2, router_renormalize=False,
+                 aux_loss_weight=0.001),
+        ssm=dict(d_state=16, d_conv=4, expand=2, dt_rank=256, conv_bias=True, proj_bias=False,
+                 inner_norm=True, chunk=256)))
     return apply_variant(cfg, arg, {
         # Jamba-tiny-random's shape: attention every 4 layers (offset 2).
         "tiny": {"model": dict(vocab_size=BYTE_VOCAB, d_model=64, num_layers=4, num_heads=4,
-                               num_kv_heads=2, d_ff=96, max_len=2048, num_experts=4,
+                               num_kv_heads=2, d_ff=96, max_len=2048, moe=dict(num_experts=4),
                                layer_pattern=("mamba", "mamba", "global", "mamba"),
-                               ssm_dt_rank=8, ssm_d_state=8, ssm_chunk=64)},
+                               ssm=dict(dt_rank=8, d_state=8, chunk=64))},
     })

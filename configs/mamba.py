@@ -21,11 +21,11 @@ def get_config(arg=None):
     cfg.model.update(dict(
         arch="decoder", vocab_size=50280, d_model=768, num_layers=24, num_heads=12,
         position="none", norm="rmsnorm", norm_eps=1e-5, tie_embeddings=True,
-        layer_pattern=("mamba",), ffn_pattern=("none",), ssm_d_state=16, ssm_d_conv=4,
-        ssm_expand=2, ssm_dt_rank=0, ssm_conv_bias=True, ssm_proj_bias=False,
-        ssm_chunk=256, max_len=2048))
+        layer_pattern=("mamba",), ffn_pattern=("none",), max_len=2048,
+        ssm=dict(d_state=16, d_conv=4, expand=2, dt_rank=0, conv_bias=True, proj_bias=False,
+                 chunk=256)))
     return apply_variant(cfg, arg, {
         "tiny": {"model": dict(vocab_size=BYTE_VOCAB, d_model=64, num_layers=2, num_heads=4,
-                               ssm_d_state=8, ssm_chunk=64)},
+                               ssm=dict(d_state=8, chunk=64))},
         "370m": {"model": dict(d_model=1024, num_layers=48, num_heads=16)},
     })

@@ -19,7 +19,7 @@ from tfjax.config import apply_variant, default_config
 BYTE_VOCAB = 259  # tfjax.data's byte tokenizer: 256 bytes + pad, bos, eos
 
 TINY = dict(vocab_size=BYTE_VOCAB, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
-            d_ff=96, max_len=2048, num_experts=4, experts_per_token=2)
+            d_ff=96, max_len=2048, moe=dict(num_experts=4, experts_per_token=2))
 
 
 def get_config(arg=None):
@@ -28,11 +28,11 @@ def get_config(arg=None):
         arch="decoder", vocab_size=32000, d_model=4096, num_layers=32, num_heads=32,
         num_kv_heads=8, d_ff=14336, max_len=32768, position="rope", norm="rmsnorm",
         norm_eps=1e-5, activation="swiglu", ffn_bias=False, tie_embeddings=False,
-        ffn_pattern=("moe",), num_experts=8, experts_per_token=2, router_renormalize=True,
-        capacity_factor=0.0, moe_impl="ragged", moe_aux_loss_weight=0.02,
-        moe_z_loss_weight=0.001))
+        ffn_pattern=("moe",),
+        moe=dict(num_experts=8, experts_per_token=2, router_renormalize=True, capacity_factor=0.0,
+                 impl="ragged", aux_loss_weight=0.02, z_loss_weight=0.001)))
     cfg.model.rope.theta = 1e6
     return apply_variant(cfg, arg, {
         "tiny": {"model": TINY},
-        "tiny_capacity": {"model": dict(TINY, capacity_factor=1.25)},
+        "tiny_capacity": {"model": dict(TINY, moe=dict(TINY["moe"], capacity_factor=1.25))},
     })

@@ -13,9 +13,9 @@
    --max_prefix slots (what `generate` allocates for a long generation): the
    cache's mask (`masks.Positions`) gives the attention its block view, so tiles
    of empty slots are skipped, next to the same step with every tile reported
-   PARTIAL (the decode mask before it had a block view: every slot's tile visited).
-2. Cache bytes per token and for a 4k context from `tfjax.inference.cache_bytes`
-   (abstract: `init_cache` under `jax.eval_shape`), for a 70B-shaped model (80
+   PARTIAL (no block view: every slot's tile visited).
+2. Cache bytes per token and for a 4k context from `tfjax.models.cache_bytes`
+   (abstract: `model.init_cache` under `jax.eval_shape`), for a 70B-shaped model (80
    layers, 64 query heads, H=128, bf16) as MHA / GQA (K=8) / MQA, checked against
    2 x layers x K x H x tokens x bytes and the seed's figure (MHA: 2 x 80 x 64 x
    128 x 4096 x 2 bytes = 10.7 GB; GQA with G=8: 1/8 of it), and for the presets
@@ -38,7 +38,6 @@ from flax import nnx
 
 from tfjax import models
 from tfjax.config import model_config
-from tfjax.inference import kv_cache
 
 
 def best_of(f, reps):
@@ -79,7 +78,7 @@ def decode_timing(args):
     rows = []
     prefix = 128
     while prefix <= args.max_prefix:
-        cache = kv_cache.init_cache(model, 1, prefix + 64)
+        cache = model.init_cache(1, prefix + 64)
         cache = cache.replace(length=jnp.full((1,), prefix, jnp.int32))  # a full prefix
         tok = jnp.ones((1, 1), jnp.int32)
         out = step(state, cache, tok)  # compile
@@ -94,7 +93,7 @@ def decode_timing(args):
         tokens = jnp.ones((1, prefix), jnp.int32)
         jax.block_until_ready(recompute(state, tokens))  # compile
         t_full = best_of(lambda tokens=tokens: recompute(state, tokens), max(1, args.reps // 4))
-        mib = kv_cache.cache_bytes(cfg, 1, prefix + 64) / 2 ** 20
+        mib = models.cache_bytes(cfg, 1, prefix + 64) / 2 ** 20
         rows.append((prefix, t_cache, t_full))
         print(f"| {prefix} | {1e3 * t_cache:.2f} | {1e3 * t_full:.1f} | {t_full / t_cache:.0f}x | "
               f"{mib:.1f} |", flush=True)
@@ -118,24 +117,24 @@ def preallocated_cache(args):
 
     steps = {}
     for variant in ("block view", "every tile partial"):
-        real = kv_cache.SlotMask._tiles
+        real = M.Positions._tiles  # the cache's decode mask (tfjax.models.attention_inputs)
         if variant != "block view":
-            kv_cache.SlotMask._tiles = every_tile_partial
+            M.Positions._tiles = every_tile_partial
         try:
             steps[variant] = jax.jit(lambda state, cache, tok: nnx.merge(graphdef, state).step(
                 tok, cache))
-            cache = kv_cache.init_cache(model, 1, slots)
+            cache = model.init_cache(1, slots)
             jax.block_until_ready(steps[variant](state, cache, jnp.ones((1, 1), jnp.int32)))
         finally:
-            kv_cache.SlotMask._tiles = real
-    assert kv_cache.SlotMask._tiles is M.Positions._tiles
+            M.Positions._tiles = real
+    assert M.Positions._tiles is real
     print(f"\n## per-token decode time in a cache of {slots} slots (B=1, d_model={cfg.d_model}, "
           f"{cfg.num_layers} layers, GQA {cfg.num_heads}/{cfg.kv_heads}, fp32, "
           f"{jax.default_backend()}; attention: {cfg.attention_impl})")
     print("| prefix | block view ms/token | every tile partial ms/token | speed-up |")
     print("|---:|---:|---:|---:|")
     for prefix in sorted({128, slots // 8, slots - 64}):
-        cache = kv_cache.init_cache(model, 1, slots)
+        cache = model.init_cache(1, slots)
         cache = cache.replace(length=jnp.full((1,), prefix, jnp.int32))
         tok = jnp.ones((1, 1), jnp.int32)
         t = {}
@@ -155,17 +154,17 @@ def cache_sizes():
     T = 4096
     base = dict(arch="decoder", vocab_size=32000, d_model=8192, num_heads=64, head_dim=128,
                 num_layers=80, d_ff=28672, dtype="bfloat16")
-    print("\n## cache bytes (bf16), from tfjax.inference.cache_bytes; 70B shape: 80 layers, "
+    print("\n## cache bytes (bf16), from tfjax.models.cache_bytes; 70B shape: 80 layers, "
           "64 query heads, H=128")
     print("| attention | K | bytes/token | 4k-token cache | vs MHA | formula 2*L*K*H*T*2 |")
     print("|---|---:|---:|---:|---:|---:|")
     mha_bytes = None
     for name, k in (("MHA", 64), ("GQA G=8", 8), ("MQA", 1)):
         cfg = model_config(dict(base, num_kv_heads=k))
-        got = kv_cache.cache_bytes(cfg, 1, T)
+        got = models.cache_bytes(cfg, 1, T)
         formula = 2 * 80 * k * 128 * T * 2
         assert got == formula, (name, got, formula)
-        assert kv_cache.kv_bytes_per_token(cfg) * T == got
+        assert models.kv_bytes_per_token(cfg) * T == got
         mha_bytes = mha_bytes or got
         print(f"| {name} | {k} | {got // T:,} | {got / 1e9:.3f} GB | 1/{mha_bytes / got:.0f} | "
               f"{formula / 1e9:.3f} GB |")
@@ -183,8 +182,8 @@ def cache_sizes():
                       ("gemma2 (2B, local/global)", gemma2)):
         cfg = model_config(mod.get_config().model)
         cfg = model_config(dict(vars(cfg), dtype="bfloat16", rope=vars(cfg.rope)))
-        per = kv_cache.kv_bytes_per_token(cfg)
-        sizes = [kv_cache.cache_bytes(cfg, 1, n) for n in (4096, 32768)]
+        per = models.kv_bytes_per_token(cfg)
+        sizes = [models.cache_bytes(cfg, 1, n) for n in (4096, 32768)]
         print(f"| {name} | {cfg.num_layers} {cfg.layer_pattern} | {cfg.kv_heads} x "
               f"{cfg.head_size} | {per / 1024:.0f} KiB | {sizes[0] / 2 ** 30:.2f} GiB | "
               f"{sizes[1] / 2 ** 30:.2f} GiB |")

@@ -3,7 +3,7 @@
     .venv/bin/python experiments/gqa.py            # full: ~4 CPU-minutes
     .venv/bin/python experiments/gqa.py --quick    # seconds (CI)
 
-1. KV cache bytes from `tfjax.inference.cache_bytes` (abstract: `init_cache` under
+1. KV cache bytes from `tfjax.models.cache_bytes` (abstract: `init_cache` under
    `jax.eval_shape`) for MHA (K = N), GQA (K = 4, 2) and MQA (K = 1), for the small
    decode model below and for a 70B-shaped model (80 layers, 64 query heads,
    H = 128, bf16, 4k tokens).
@@ -29,7 +29,7 @@ from flax import nnx
 
 from tfjax import models
 from tfjax.config import model_config
-from tfjax.inference import cache_bytes, kv_cache
+from tfjax.models import cache_bytes
 
 
 def decode_ms(cfg, batch: int, prefix: int, reps: int) -> tuple[float, float]:
@@ -41,7 +41,7 @@ def decode_ms(cfg, batch: int, prefix: int, reps: int) -> tuple[float, float]:
     def step(state, cache, tok):
         return nnx.merge(graphdef, state).step(tok, cache)
 
-    cache = kv_cache.init_cache(model, batch, prefix + 64)
+    cache = model.init_cache(batch, prefix + 64)
     cache = cache.replace(length=jnp.full((batch,), prefix, jnp.int32))
     tok = jnp.ones((batch, 1), jnp.int32)
     box = [step(state, cache, tok)[1]]
@@ -74,7 +74,7 @@ def main(argv=None):
     for r in rows:
         r.append(f"1/{rows[0][3] / r[3]:.0f}")
     exp.table(["attention", "K", "G = N/K", "4k-token cache GB", "vs MHA"], rows,
-              title="KV cache bytes (tfjax.inference.cache_bytes), 70B shape: 80 layers, "
+              title="KV cache bytes (tfjax.models.cache_bytes), 70B shape: 80 layers, "
                     "N=64, H=128, bf16, one sequence of 4096 tokens")
     rows = []
     for name, k in kinds:

@@ -91,7 +91,7 @@ def main(argv=None):
         m = preset(name).model
         total, active, routed = count_params(m)
         pt, pa = PUBLISHED[name]
-        rows.append([name, m.num_experts, m.experts_per_token, total, active, routed,
+        rows.append([name, m.moe.num_experts, m.moe.experts_per_token, total, active, routed,
                      f"{total / 1e9:.1f}B / {active / 1e9:.1f}B", f"{pt / 1e9:g}B / {pa / 1e9:g}B"])
     exp.table(["preset", "E", "k", "total params", "active params", "routed expert params",
                "total / active", "published"], rows,
@@ -112,12 +112,13 @@ def main(argv=None):
     val = byte_corpus("validation", 200_000 if not exp.quick else 20_000)
     base = dict(arch="decoder", vocab_size=256, d_model=D, num_layers=L, num_heads=4,
                 position="rope", norm="rmsnorm", activation="swiglu", ffn_bias=False,
-                max_len=1024, moe_z_loss_weight=0.0)
+                max_len=1024)
     models = {"dense (F = k x expert width)": dict(base, d_ff=k * F)}
     for w in aux_weights:
         models[f"MoE {E}x top-{k}, aux weight {w:g}"] = dict(
-            base, d_ff=F, ffn_pattern=("moe",), num_experts=E, experts_per_token=k,
-            moe_impl="ragged", moe_aux_loss_weight=w)
+            base, d_ff=F, ffn_pattern=("moe",),
+            moe=dict(num_experts=E, experts_per_token=k, impl="ragged", aux_loss_weight=w,
+                     z_loss_weight=0.0))
     rows, loads = [], {}
     evals = [crops(val, 10_000 + i, batch, T) for i in range(n_eval)]
     for name, cfg in models.items():

@@ -37,7 +37,7 @@ from tfjax.nn.moe import moe_aux
 
 BASE = dict(arch="decoder", d_model=64, num_layers=2, num_heads=4, d_ff=128, position="rope",
             norm="rmsnorm", activation="swiglu", ffn_bias=False, max_len=4096,
-            ssm_d_state=16, ssm_expand=2, linear_chunk=32)
+            ssm=dict(d_state=16, expand=2), linear=dict(chunk=32))
 
 MIXERS = {
     "dense attention": dict(layer_pattern=("global",)),

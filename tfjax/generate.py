@@ -25,27 +25,31 @@ config's `eos_token_id` (any of them, when it is a list):
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
 import sys
 from typing import TextIO
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from tfjax.config import run_config
+from tfjax.data.tokenizers import load_tokenizer
+from tfjax.inference import stream
+from tfjax.interop import hf
+from tfjax.models import build
+from tfjax.train.checkpoint import Checkpointer
+from tfjax.train.optim import make_optimizer
+
 __all__ = ["load_hf", "load_run", "main", "run", "run_hf"]
 
 
 def load_run(workdir: str, step: int | None = None):
     """(model, run config, tokenizer, step) from a training run directory."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from tfjax.config import run_config
-    from tfjax.data.tokenizers import load_tokenizer
-    from tfjax.models import build
-    from tfjax.train.checkpoint import Checkpointer
-    from tfjax.train.optim import make_optimizer
-
     path = os.path.join(workdir, "config.json")
     if not os.path.exists(path):
         raise ValueError(f"--workdir: {path} not found; point --workdir at the directory a "
@@ -83,8 +87,6 @@ def run(workdir: str, prompt: str, *, max_new_tokens: int = 200, temperature: fl
         top_k: int | None = None, top_p: float | None = None, seed: int = 0,
         step: int | None = None, stop_at_eos: bool = True, out: TextIO | None = None) -> str:
     """Stream the continuation of `prompt` to `out` (stdout); return it."""
-    import numpy as np
-
     out = sys.stdout if out is None else out
     model, cfg, tok, step = load_run(workdir, step)
     ids = np.concatenate([[tok.bos_id], tok.encode(prompt)]).astype(np.int32)[None]
@@ -98,8 +100,6 @@ def run(workdir: str, prompt: str, *, max_new_tokens: int = 200, temperature: fl
 
 def load_hf(path: str):
     """(model, model config, `tokenizers.Tokenizer`, EOS ids) from an HF checkpoint directory."""
-    from tfjax.interop import hf
-
     tok_file = os.path.join(path, "tokenizer.json")
     if not os.path.exists(tok_file):
         raise ValueError(f"--hf: {tok_file} not found; the checkpoint directory needs the "
@@ -121,8 +121,6 @@ def run_hf(path: str, prompt: str, *, max_new_tokens: int = 200, temperature: fl
            top_k: int | None = None, top_p: float | None = None, seed: int = 0,
            stop_at_eos: bool = True, out: TextIO | None = None) -> str:
     """`run` for an HF checkpoint directory (`--hf PATH`)."""
-    import numpy as np
-
     out = sys.stdout if out is None else out
     model, cfg, tok, eos = load_hf(path)
     ids = np.asarray(tok.encode(prompt).ids, np.int32)[None]
@@ -136,8 +134,6 @@ def run_hf(path: str, prompt: str, *, max_new_tokens: int = 200, temperature: fl
 
 def _emit(model, ids, decode, prompt: str, eos: tuple, out: TextIO, **kw) -> str:
     """Stream the continuation of `ids` to `out` as text; stop at any id in `eos`."""
-    from tfjax.inference import stream
-
     generated: list[int] = []
     shown = ""
     out.write(prompt)
@@ -159,8 +155,6 @@ def _emit(model, ids, decode, prompt: str, eos: tuple, out: TextIO, **kw) -> str
 
 
 def main(argv=None) -> int:
-    import argparse
-
     p = argparse.ArgumentParser(prog="python -m tfjax.generate",
                                 description=__doc__.split("\n\n")[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

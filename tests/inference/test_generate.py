@@ -13,7 +13,7 @@ from flax import nnx
 
 from tfjax import models
 from tfjax.config import model_config
-from tfjax.inference import generate, kv_cache, stream
+from tfjax.inference import generate, stream
 
 TINY = dict(vocab_size=61, d_model=32, num_layers=2, num_heads=4, d_ff=48, max_len=64,
             init_std=1.0, tie_embeddings=False)
@@ -29,7 +29,7 @@ CASES = {
                          num_kv_heads=1, embed_norm=True),
     # T5 bias on a local/global hybrid, 3 layers = one scanned cycle + one unrolled
     # block; Gemma-2-like sandwich norms and soft-caps (the "reference" attention path).
-    "t5_hybrid": dict(position="t5", t5_num_buckets=8, t5_max_distance=16,
+    "t5_hybrid": dict(position="t5", t5=dict(num_buckets=8, max_distance=16),
                       layer_pattern=("local", "global"), sliding_window=3, num_layers=3,
                       num_kv_heads=2, norm="rmsnorm_plus_one", norm_placement="sandwich",
                       attn_softcap=20.0, final_softcap=15.0),
@@ -78,8 +78,8 @@ def test_cached_greedy_equals_recomputation(name):
 
 
 def test_encoder_decoder_cached_equals_recomputation():
-    model = build(arch="encoder_decoder", position="t5", norm="rmsnorm", t5_num_buckets=8,
-                  t5_max_distance=16, num_kv_heads=2)
+    model = build(arch="encoder_decoder", position="t5", norm="rmsnorm",
+                  t5=dict(num_buckets=8, max_distance=16), num_kv_heads=2)
     x, lengths = prompts(T=7, seed=4), jnp.array([7, 4])
     got = np.asarray(generate(model, x, max_new_tokens=NEW, prompt_lengths=lengths,
                               decoder_start_id=0))
@@ -156,16 +156,16 @@ def test_window_cache_is_bounded():
     model = build(**CASES["t5_hybrid"])
     W = cfg.sliding_window
     for max_len in (16, 4096):
-        cache = jax.eval_shape(lambda n=max_len: kv_cache.init_cache(model, 2, n))
+        cache = jax.eval_shape(lambda n=max_len: model.init_cache(2, n))
         (local, glob), = [cache.layers["cycles"]]
         assert local["attn"].k.shape == (1, 2, W + 1, 2, cfg.head_size)  # [cycles, B, W+1, K, H]
         assert glob["attn"].k.shape == (1, 2, max_len, 2, cfg.head_size)
         assert cache.layers["blocks"][0]["attn"].k.shape == (2, W + 1, 2, cfg.head_size)
     # cache_bytes counts what init_cache allocates
-    real = jax.eval_shape(lambda: kv_cache.init_cache(model, 2, 100))
+    real = jax.eval_shape(lambda: model.init_cache(2, 100))
     n = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(real)
             if jnp.issubdtype(a.dtype, jnp.floating))
-    assert kv_cache.cache_bytes(cfg, 2, 100) == n
+    assert models.cache_bytes(cfg, 2, 100) == n
     # 2 local layers of W+1 slots, one global of 100: 2 (K,V) * B * K * H * 4 bytes each
     assert n == 2 * 2 * 2 * cfg.head_size * 4 * (2 * (W + 1) + 100)
 
@@ -177,9 +177,9 @@ def test_cache_bytes_gqa_mqa_and_70b():
     gqa8 = model_config(dict(base, num_kv_heads=8))
     mqa = model_config(dict(base, num_kv_heads=1))
     T = 4096
-    b_mha = kv_cache.cache_bytes(mha, 1, T)
+    b_mha = models.cache_bytes(mha, 1, T)
     assert b_mha == 2 * 80 * 64 * 128 * T * 2  # the seed's 70B example, ~10.7 GB
     assert abs(b_mha / 1e9 - 10.7) < 0.05
-    assert kv_cache.cache_bytes(gqa8, 1, T) * 8 == b_mha
-    assert kv_cache.cache_bytes(mqa, 1, T) * 64 == b_mha
-    assert kv_cache.kv_bytes_per_token(gqa8) == 2 * 80 * 8 * 128 * 2
+    assert models.cache_bytes(gqa8, 1, T) * 8 == b_mha
+    assert models.cache_bytes(mqa, 1, T) * 64 == b_mha
+    assert models.kv_bytes_per_token(gqa8) == 2 * 80 * 8 * 128 * 2

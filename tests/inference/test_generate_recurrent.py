@@ -19,7 +19,7 @@ from tfjax.inference import generate, kv_cache
 
 TINY = dict(vocab_size=64, d_model=32, num_layers=2, num_heads=4, d_ff=48, max_len=64,
             init_std=1.0, tie_embeddings=False, norm="rmsnorm", position="none",
-            ssm_d_state=4, ssm_d_conv=3, ssm_dt_rank=4)
+            ssm=dict(d_state=4, d_conv=3, dt_rank=4))
 
 CASES = {
     # Mamba-only (configs/mamba.py): mixer-only layers, scanned.
@@ -27,11 +27,12 @@ CASES = {
     # Jamba-style: mamba + GQA attention + (dense, MoE) ffns; Jamba's dt/B/C norms;
     # unscanned (scanned recurrent caches: "mamba"; it builds and compiles faster).
     "jamba": dict(layer_pattern=("mamba", "global"), ffn_pattern=("dense", "moe"),
-                  num_kv_heads=2, num_experts=4, experts_per_token=2, router_renormalize=False,
-                  moe_impl="dense", ssm_inner_norm=True, activation="swiglu", scan_layers=False),
+                  num_kv_heads=2, moe=dict(num_experts=4, experts_per_token=2,
+                                           router_renormalize=False, impl="dense"),
+                  ssm=dict(TINY["ssm"], inner_norm=True), activation="swiglu", scan_layers=False),
     # causal linear attention (GQA) with a RoPE sliding-window layer, unscanned.
     "linear": dict(layer_pattern=("linear", "local"), sliding_window=3, num_kv_heads=2,
-                   position="rope", scan_layers=False, linear_chunk=4),
+                   position="rope", scan_layers=False, linear=dict(chunk=4)),
 }
 
 NEW = 8
@@ -130,7 +131,7 @@ def test_bad_prefill_chunk(built):
 
 
 def _allocated(model, B, n):
-    tree = jax.eval_shape(lambda: kv_cache.init_cache(model, B, n))
+    tree = jax.eval_shape(lambda: model.init_cache(B, n))
     return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(tree)
                if jnp.issubdtype(a.dtype, jnp.floating))
 
@@ -138,7 +139,7 @@ def _allocated(model, B, n):
 def test_recurrent_cache_size_does_not_grow(built):
     for name in ("mamba", "linear", "jamba"):
         cfg, model = built[name]
-        sizes = {n: kv_cache.cache_bytes(cfg, 2, n) for n in (16, 4096)}
+        sizes = {n: models.cache_bytes(cfg, 2, n) for n in (16, 4096)}
         for n, b in sizes.items():
             assert _allocated(model, 2, n) == b  # cache_bytes counts what init_cache makes
         if name == "jamba":  # only the one attention layer's K/V grows with the length
@@ -147,11 +148,11 @@ def test_recurrent_cache_size_does_not_grow(built):
         else:  # mamba; linear (+ a local layer's W+1 slots): flat
             assert sizes[16] == sizes[4096]
     cfg, model = built["mamba"]
-    cache = jax.eval_shape(lambda: kv_cache.init_cache(model, 2, 100))
+    cache = jax.eval_shape(lambda: model.init_cache(2, 100))
     (c,) = cache.layers["cycles"]
-    di = cfg.ssm_expand * cfg.d_model
-    assert c["attn"].conv.shape == (2, 2, cfg.ssm_d_conv - 1, di)  # [cycles, B, d_conv-1, Di]
-    assert c["attn"].ssm.shape == (2, 2, di, cfg.ssm_d_state)
-    assert kv_cache.cache_bytes(cfg, 2, 16) == 2 * 2 * 4 * di * (cfg.ssm_d_conv - 1 + cfg.ssm_d_state)
+    di = cfg.ssm.expand * cfg.d_model
+    assert c["attn"].conv.shape == (2, 2, cfg.ssm.d_conv - 1, di)  # [cycles, B, d_conv-1, Di]
+    assert c["attn"].ssm.shape == (2, 2, di, cfg.ssm.d_state)
+    assert models.cache_bytes(cfg, 2, 16) == 2 * 2 * 4 * di * (cfg.ssm.d_conv - 1 + cfg.ssm.d_state)
     axes = kv_cache.logical_axes(cache)
     assert axes.layers["cycles"][0]["attn"].ssm == ("layers", "batch", "mlp", None)

@@ -14,8 +14,8 @@ from tfjax.nn.moe import MoE, moe_aux
 from tfjax.nn.ssm import Mamba
 
 TINY = dict(vocab_size=61, d_model=32, num_heads=4, d_ff=48, max_len=64, position="none",
-            norm="rmsnorm", num_experts=4, experts_per_token=2, ssm_d_state=4, ssm_chunk=4,
-            linear_chunk=4)
+            norm="rmsnorm", moe=dict(num_experts=4, experts_per_token=2),
+            ssm=dict(d_state=4, chunk=4), linear=dict(chunk=4))
 
 
 def tokens(B, T, seed=0):
@@ -85,11 +85,17 @@ def test_packed_documents_equal_separate_documents():
 
 
 def test_validation_names_fields():
+    # Registry-owned names and the layer kinds' decoder-only rule: at build time.
     with pytest.raises(ValueError, match=r"model.layer_pattern\[0\]"):
-        model_config(dict(layer_pattern=("ssm",)))
+        models.build(dict(layer_pattern=("ssm",)))
     with pytest.raises(ValueError, match="model.layer_pattern"):
-        model_config(dict(arch="encoder", layer_pattern=("mamba",)))
-    with pytest.raises(ValueError, match="model.linear_feature_map"):
+        models.build(dict(arch="encoder", layer_pattern=("mamba",)))
+    with pytest.raises(ValueError, match="model.linear.feature_map"):
+        models.build(dict(layer_pattern=("linear",), linear=dict(feature_map="cosine")))
+    # Ranges: in the config; the old flat field names its section.
+    with pytest.raises(ValueError, match="model.ssm.d_state"):
+        model_config(dict(layer_pattern=("mamba",), ssm=dict(d_state=0)))
+    with pytest.raises(ValueError, match="model.linear_feature_map moved to model.linear."):
         model_config(dict(layer_pattern=("linear",), linear_feature_map="cosine"))
-    with pytest.raises(ValueError, match="model.ssm_d_state"):
+    with pytest.raises(ValueError, match="model.ssm_d_state moved to model.ssm.d_state"):
         model_config(dict(layer_pattern=("mamba",), ssm_d_state=0))

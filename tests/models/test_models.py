@@ -7,8 +7,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tfjax import models
+from tfjax import models, ops
 from tfjax.config import ModelConfig, model_config
+from tfjax.models import attention_inputs
+from tfjax.nn import positions as pos_lib
 
 TINY = dict(vocab_size=61, d_model=32, num_layers=2, num_heads=4, d_ff=48, max_len=64)
 
@@ -33,7 +35,7 @@ DECODERS = {
                       ffn_bias=False, tie_embeddings=False),
     "mqa_interleaved_partial": dict(num_kv_heads=1, rope=dict(layout="interleaved", fraction=0.5)),
     "alibi": dict(position="alibi", embed_norm=True),
-    "t5bias": dict(position="t5", norm="rmsnorm", t5_num_buckets=8, t5_max_distance=16),
+    "t5bias": dict(position="t5", norm="rmsnorm", t5=dict(num_buckets=8, max_distance=16)),
     "sinusoidal_post": dict(position="sinusoidal", norm_placement="post", activation="relu",
                             scale_embeddings=True),
     "gemma2_like": dict(layer_pattern=("local", "global"), sliding_window=3, num_layers=3,
@@ -101,10 +103,7 @@ def test_position_bias_in_kernel_equals_the_materialised_bias(monkeypatch, posit
     `[B,N,T,S]` bias (`alibi_bias`; T5's table gathered at the bucketed
     relative positions). `impl`: the attention implementation ("auto": blockwise
     on CPU; "pallas": the TPU kernels, interpreted)."""
-    from tfjax.models import stack
-    from tfjax.nn import positions as pos_lib
-
-    extra = dict(t5_num_buckets=8, t5_max_distance=16) if position == "t5" else {}
+    extra = dict(t5=dict(num_buckets=8, max_distance=16)) if position == "t5" else {}
     cfg = tiny(position=position, num_kv_heads=2, num_layers=1, attention_impl=impl, **extra)
     model = models.build(cfg)
     x = tokens(2, 11, seed=4)
@@ -118,9 +117,8 @@ def test_position_bias_in_kernel_equals_the_materialised_bias(monkeypatch, posit
 
     f = lambda: nnx.jit(nnx.value_and_grad(loss_and_logits, has_aux=True))(model)
     (_, kernel_logits), kernel_grads = f()
-    spec = stack.position_bias(cfg, model.rel_bias, pos, pos)
-    assert isinstance(spec, stack.ops_lib.Alibi if position == "alibi" else
-                      stack.ops_lib.RelativeBias)
+    spec = attention_inputs.position_bias(cfg, model.rel_bias, pos, pos)
+    assert isinstance(spec, ops.Alibi if position == "alibi" else ops.RelativeBias)
 
     def materialised(cfg, rel_bias, q_positions, kv_positions):
         if position == "t5":  # bucketed [B,T,S] relative positions, gathered
@@ -130,8 +128,7 @@ def test_position_bias_in_kernel_equals_the_materialised_bias(monkeypatch, posit
             return jnp.moveaxis(rel_bias.embedding[...][buckets], -1, 1)
         return pos_lib.alibi_bias(q_positions, kv_positions, pos_lib.alibi_slopes(cfg.num_heads))
 
-    monkeypatch.setattr(stack, "position_bias", materialised)
-    monkeypatch.setattr("tfjax.models.decoder.position_bias", materialised)
+    monkeypatch.setattr(attention_inputs, "position_bias", materialised)
     (_, dense_logits), dense_grads = f()
     np.testing.assert_allclose(kernel_logits, dense_logits, atol=1e-5)
     leaves = jax.tree.leaves(kernel_grads)
@@ -237,7 +234,7 @@ def test_bert_padding_token_types_pooler_classifier():
 @pytest.mark.parametrize("kw", [
     dict(position="sinusoidal", norm_placement="post", activation="relu", scale_embeddings=True,
          final_norm=False),
-    dict(position="t5", norm="rmsnorm", activation="geglu", t5_num_buckets=8, t5_max_distance=16,
+    dict(position="t5", norm="rmsnorm", activation="geglu", t5=dict(num_buckets=8, max_distance=16),
          num_encoder_layers=3),
 ])
 def test_encoder_decoder(kw):

@@ -8,7 +8,8 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from tfjax.config import DEFAULT_RULES
+from tfjax.config import DEFAULT_RULES, model_config
+from tfjax.models import build
 from tfjax.nn.moe import MoE, capacity_slots, moe_aux
 from tfjax.parallel.rules import logical_rules, tree_shardings
 from tfjax.parallel.sharding import use_rules
@@ -159,14 +160,14 @@ def test_aux_losses_and_metrics():
 
 
 def test_config_validation_names_the_field():
-    from tfjax.config import model_config
-
-    with pytest.raises(ValueError, match="model.num_experts"):
+    with pytest.raises(ValueError, match="model.moe.num_experts"):
         model_config(dict(ffn_pattern=("moe",)))
-    with pytest.raises(ValueError, match="model.experts_per_token"):
-        model_config(dict(ffn_pattern=("moe",), num_experts=4, experts_per_token=5))
-    with pytest.raises(ValueError, match="model.ffn_pattern"):
-        model_config(dict(ffn_pattern=("sparse",)))
+    with pytest.raises(ValueError, match="model.moe.experts_per_token"):
+        model_config(dict(ffn_pattern=("moe",), moe=dict(num_experts=4, experts_per_token=5)))
+    with pytest.raises(ValueError, match="model.num_experts moved to model.moe.num_experts"):
+        model_config(dict(ffn_pattern=("moe",), num_experts=4))
+    with pytest.raises(ValueError, match="model.ffn_pattern"):  # a registry name: at build time
+        build(dict(ffn_pattern=("sparse",)))
 
 
 @pytest.mark.parametrize("cf", [0.0, 1.0])

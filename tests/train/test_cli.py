@@ -59,6 +59,35 @@ def test_cli_config_errors_are_clear(tmp_path):
     assert "train.batch_size: 3 is not divisible by the 2 batch shards" in out
 
 
+def test_cli_names_and_moved_fields_are_one_line_errors(tmp_path):
+    """Before anything compiles: a name no registry has (checked at build time, but the
+    CLI asks first) and an override of a field that moved into a section (which the
+    locked preset would refuse with a traceback) each print one line and exit 2."""
+    cases = [("--config.model.activation=swish", "config error: model.activation: got "
+              "'swish'; allowed: "),
+             ("--config.model.moe_d_ff=8", "config error: model.moe_d_ff moved to model.moe.d_ff"),
+             ("--config.model.layer_pattern=('global','ssm')",
+              "config error: model.layer_pattern[1]: got 'ssm'")]
+    procs = [cli("--workdir", str(tmp_path), arg) for arg, _ in cases]
+    for p, (arg, message) in zip(procs, cases):
+        out = p.communicate(timeout=120)[0]
+        assert p.returncode == 2, out
+        assert message in out and "Traceback" not in out, out
+        assert len([line for line in out.splitlines() if "error" in line]) == 1, out
+
+
+def test_cli_sets_the_device_count_after_importing_jax():
+    """`--cpu_devices` works although tfjax (and jax) are imported at the top of the
+    CLI module: jax reads XLA_FLAGS when its backend starts, not on import."""
+    code = ("import os, tfjax.train.__main__, tfjax.generate, jax; "
+            "os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=3'; "
+            "print('DEVICES', len(jax.devices()))")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       env=dict(env, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu"), timeout=120)
+    assert "DEVICES 3" in p.stdout, p.stdout + p.stderr
+
+
 def finish(procs, timeout, what):
     """Wait for every process; one that is still running after `timeout` s is a failure
     with everyone's output (a hang, e.g. processes that disagree on the stop step and

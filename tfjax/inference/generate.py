@@ -10,7 +10,8 @@
   start of the sequence. Encoder-decoder: the prompt is the encoder input (its
   padding masked) and decoding starts from `decoder_start_id` (T5: 0).
 - **Prefill** runs the model once over the prompt (the fast attention path) and
-  fills the caches (`kv_cache`); the **decode loop** is one `lax.while_loop` of
+  fills the caches (the model's `init_cache(batch, max_len)` makes them empty,
+  `kv_cache` holds each layer's state); the **decode loop** is one `lax.while_loop` of
   fixed shapes (cache preallocated to prompt + max_new_tokens) that stops as soon
   as every row has emitted `eos_id`; a row emits EOS itself, then `pad_id`
   (default: eos_id, or 0 without one). `generate` compiles both into one program
@@ -42,7 +43,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tfjax.inference import kv_cache
 from tfjax.inference.sampling import sample
 from tfjax.parallel.sharding import active_mesh
 
@@ -98,12 +98,11 @@ def _programs(graphdef, mesh=None):
         if _is_encoder_decoder(model):
             seg = (jnp.arange(T)[None, :] < lengths[:, None]).astype(jnp.int32)
             encoded = model.encode(prompt, encoder_segment_ids=seg)
-            cache = kv_cache.init_cache(model, B, cache_len, encoder_length=lengths,
-                                        encoder_len=T)
+            cache = model.init_cache(B, cache_len, encoder_length=lengths, encoder_len=T)
             first = jnp.full((B, 1), decoder_start_id, jnp.int32)
             logits, cache = model.step(first, cache, encoded)
         else:
-            cache = kv_cache.init_cache(model, B, cache_len)
+            cache = model.init_cache(B, cache_len)
             logits, cache = prefill(state, prompt, lengths, cache, prefill_chunk)
         return sample(jax.random.fold_in(key, 0), logits[:, 0], **settings), cache
 

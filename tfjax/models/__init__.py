@@ -1,25 +1,22 @@
-"""Architectures, built from a `ModelConfig`: `build(cfg.model, rngs=nnx.Rngs(0))`."""
+"""Architectures, built from a `ModelConfig`: `build(cfg.model, rngs=nnx.Rngs(0))`.
 
-from __future__ import annotations
+    architectures.py     ARCHITECTURES, check_names (registry-owned names), build
+    decoder.py encoder.py encoder_decoder.py    the three architectures
+    layer_kinds.py       one record per layer kind and ffn kind (LAYER_KINDS, FFN_KINDS)
+    layout.py            StackLayout: where layer i of a stack lives
+    stack.py             LayerStack, the block of each layer, embedder and head
+    attention_inputs.py  each layer kind's mask and position bias (whole sequence, cached step)
+    caching.py           the model side of inference caches (empty cache, bytes, step inputs)
+"""
 
-from flax import nnx
-
+from tfjax.models.architectures import ARCHITECTURES, build, check_names
+from tfjax.models.caching import cache_bytes, kv_bytes_per_token
 from tfjax.models.decoder import DecoderLM
 from tfjax.models.encoder import EncoderModel
 from tfjax.models.encoder_decoder import EncoderDecoderModel
-from tfjax.registry import Registry
+from tfjax.models.layer_kinds import FFN_KINDS, LAYER_KINDS, FfnKind, LayerKind
+from tfjax.models.layout import StackLayout
 
-__all__ = ["ARCHITECTURES", "build", "DecoderLM", "EncoderModel", "EncoderDecoderModel"]
-
-ARCHITECTURES: Registry[type] = Registry("architecture")
-ARCHITECTURES.register("decoder", DecoderLM)
-ARCHITECTURES.register("encoder", EncoderModel)
-ARCHITECTURES.register("encoder_decoder", EncoderDecoderModel)
-
-
-def build(model_cfg, *, rngs: nnx.Rngs | None = None) -> nnx.Module:
-    """A model from `cfg.model` (ConfigDict, dict or ModelConfig), validated first."""
-    from tfjax.config import model_config
-
-    cfg = model_config(model_cfg)
-    return ARCHITECTURES.get(cfg.arch, field="model.arch")(cfg, rngs=rngs or nnx.Rngs(0))
+__all__ = ["ARCHITECTURES", "DecoderLM", "EncoderDecoderModel", "EncoderModel", "FFN_KINDS",
+           "FfnKind", "LAYER_KINDS", "LayerKind", "StackLayout", "build", "cache_bytes",
+           "check_names", "kv_bytes_per_token"]

@@ -15,8 +15,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tfjax.config import ModelConfig
-from tfjax.models.stack import (Embedder, LayerStack, build_norm, default_positions, layer_masks,
-                                position_bias, relative_bias)
+from tfjax.inference.kv_cache import ModelCache
+from tfjax.models import caching
+from tfjax.models.attention_inputs import layer_biases, layer_masks, relative_bias
+from tfjax.models.stack import Embedder, LayerStack, build_norm, default_positions
 from tfjax.ops import masks as masks_lib
 
 __all__ = ["DecoderLM"]
@@ -53,16 +55,21 @@ class DecoderLM(nnx.Module):
             raise ValueError(f"tokens must be [B, T] integers, got shape {tokens.shape}")
         positions = default_positions(tokens) if positions is None else positions
         masks = layer_masks(self.config, self.mask(tokens, segment_ids, prefix_lengths))
-        bias = position_bias(self.config, self.rel_bias, positions, positions)
+        biases = layer_biases(self.config, self.rel_bias, positions, positions)
         x = self.embed(tokens, positions)
-        x = self.layers(x, masks=masks, bias=bias, positions=positions)
+        x = self.layers(x, masks=masks, biases=biases, positions=positions)
         if self.final_norm is not None:
             x = self.final_norm(x)
         return self.embed.logits(x)
 
-    def step(self, tokens: jax.Array, cache, lengths: jax.Array | None = None, *,
+    def init_cache(self, batch: int, max_len: int, *, dtype=None) -> ModelCache:
+        """An empty inference cache: `batch` rows of up to `max_len` tokens (prompt +
+        generated), one state per layer as the layer kinds say (`tfjax.models.caching`)."""
+        return caching.empty_cache(self.config, self.layers.layout, batch, max_len, dtype=dtype)
+
+    def step(self, tokens: jax.Array, cache: ModelCache, lengths: jax.Array | None = None, *,
              all_logits: bool = False, extend: bool = False):
-        """Inference: append `tokens` `[B,T]` to `cache` (`tfjax.inference.kv_cache`).
+        """Inference: append `tokens` `[B,T]` to `cache` (`init_cache`).
 
         T > 1 is a prefill into an empty cache (row b: `lengths[b]` real tokens,
         right-padded; prefix-LM models take them as the bidirectional prefix); T == 1
@@ -71,22 +78,20 @@ class DecoderLM(nnx.Module):
         Returns (logits `[B,1,V]` at each row's last real token, or `[B,T,V]` with
         `all_logits`, the new cache).
         """
-        from tfjax.inference import kv_cache
-
         prefix = None
         if extend and self.config.prefix_lm:
             raise ValueError("step(extend=True): a prefix-LM prompt is one bidirectional "
                              "prefix and cannot be prefilled in chunks; prefill it at once")
         if self.config.prefix_lm:
             prefix = jnp.full(tokens.shape[:1], tokens.shape[1]) if lengths is None else lengths
-        s = kv_cache.begin_step(self.config, cache, tokens, lengths, rel_bias=self.rel_bias,
-                                base_mask=None if extend else self.mask(tokens, prefix_lengths=prefix),
-                                extend=extend)
+        base = None if extend else self.mask(tokens, prefix_lengths=prefix)
+        s = caching.begin_step(self.config, cache, tokens, lengths, rel_bias=self.rel_bias,
+                               base_mask=base, extend=extend)
         x = self.embed(tokens, s.positions)
-        x, layers = self.layers(x, masks=s.masks, biases=s.biases, bias=s.bias,
-                                positions=s.positions, cache=s.layers)
+        x, layers = self.layers(x, masks=s.masks, biases=s.biases, positions=s.positions,
+                                cache=s.layers)
         if not all_logits:
-            x = kv_cache.last_token(x, s.last)
+            x = caching.last_token(x, s.last)
         if self.final_norm is not None:
             x = self.final_norm(x)
         return self.embed.logits(x), s.finish(layers)

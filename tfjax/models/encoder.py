@@ -17,8 +17,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tfjax.config import ModelConfig
-from tfjax.models.stack import (Embedder, LayerStack, build_norm, default_positions, dtype_of,
-                                layer_masks, position_bias, relative_bias)
+from tfjax.models.attention_inputs import layer_biases, layer_masks, relative_bias
+from tfjax.models.stack import Embedder, LayerStack, build_norm, default_positions, dtype_of
 from tfjax.ops import masks as masks_lib
 from tfjax.parallel.sharding import with_logical_axes
 
@@ -59,9 +59,9 @@ class EncoderModel(nnx.Module):
         if segment_ids is not None:
             base = masks_lib.combine(base, masks_lib.segments(segment_ids))
         masks = layer_masks(self.config, base, bidirectional=True)
-        bias = position_bias(self.config, self.rel_bias, positions, positions)
+        biases = layer_biases(self.config, self.rel_bias, positions, positions)
         x = self.embed(tokens, positions, token_type_ids)
-        x = self.layers(x, masks=masks, bias=bias, positions=positions)
+        x = self.layers(x, masks=masks, biases=biases, positions=positions)
         return x if self.final_norm is None else self.final_norm(x)
 
     def mlm_logits(self, hidden):

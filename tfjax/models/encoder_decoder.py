@@ -20,8 +20,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tfjax.config import ModelConfig
-from tfjax.models.stack import (Embedder, LayerStack, build_norm, default_positions, layer_masks,
-                                position_bias, relative_bias)
+from tfjax.inference.kv_cache import ModelCache
+from tfjax.models import caching
+from tfjax.models.attention_inputs import layer_biases, layer_masks, relative_bias
+from tfjax.models.stack import Embedder, LayerStack, build_norm, default_positions
 from tfjax.ops import masks as masks_lib
 
 __all__ = ["EncoderDecoderModel"]
@@ -46,9 +48,9 @@ class EncoderDecoderModel(nnx.Module):
                      else encoder_positions)
         base = None if encoder_segment_ids is None else masks_lib.segments(encoder_segment_ids)
         masks = layer_masks(self.config, base, bidirectional=True)
-        bias = position_bias(self.config, self.encoder_rel_bias, positions, positions)
+        biases = layer_biases(self.config, self.encoder_rel_bias, positions, positions)
         x = self.embed(encoder_tokens, positions)
-        x = self.encoder(x, masks=masks, bias=bias, positions=positions)
+        x = self.encoder(x, masks=masks, biases=biases, positions=positions)
         return x if self.encoder_norm is None else self.encoder_norm(x)
 
     def decode(self, decoder_tokens, encoded, encoder_segment_ids=None, decoder_segment_ids=None,
@@ -66,30 +68,40 @@ class EncoderDecoderModel(nnx.Module):
         if encoder_segment_ids is not None:
             cross = masks_lib.segments(decoder_segment_ids, encoder_segment_ids)
         masks = layer_masks(self.config, base)
-        bias = position_bias(self.config, self.decoder_rel_bias, positions, positions)
+        biases = layer_biases(self.config, self.decoder_rel_bias, positions, positions)
         x = self.embed(decoder_tokens, positions)
-        x = self.decoder(x, masks=masks, bias=bias, positions=positions, context=encoded,
+        x = self.decoder(x, masks=masks, biases=biases, positions=positions, context=encoded,
                          context_mask=cross)
         if self.decoder_norm is not None:
             x = self.decoder_norm(x)
         return self.embed.logits(x)
 
-    def step(self, decoder_tokens, cache, encoded=None, lengths=None, *, all_logits=False):
-        """Inference: append `decoder_tokens` `[B,T]` to `cache` (`tfjax.inference.kv_cache`,
-        made with the encoder's length and per-row real lengths). Pass `encoded` (the
+    def init_cache(self, batch: int, max_len: int, *, encoder_len: int, encoder_length=None,
+                   dtype=None) -> ModelCache:
+        """An empty inference cache for the decoder: `batch` rows of up to `max_len`
+        decoder tokens; `encoder_len` is the encoder output's length S (the
+        cross-attention K/V) and `encoder_length` `[B]` its real tokens per row."""
+        if not encoder_len:
+            raise ValueError("init_cache: an encoder-decoder needs encoder_len (the encoder "
+                             "output's length) for its cross-attention cache")
+        return caching.empty_cache(self.config, self.decoder.layout, batch, max_len, dtype=dtype,
+                                   encoder_len=encoder_len, encoder_length=encoder_length)
+
+    def step(self, decoder_tokens, cache: ModelCache, encoded=None, lengths=None, *,
+             all_logits=False):
+        """Inference: append `decoder_tokens` `[B,T]` to `cache` (`init_cache`, made
+        with the encoder's length and per-row real lengths). Pass `encoded` (the
         encoder output) at the first step: cross-attention K/V are computed from it
         once and reused after. Returns (logits `[B,1,V]` at each row's last real token,
         or `[B,T,V]` with `all_logits`, the new cache)."""
-        from tfjax.inference import kv_cache
-
-        s = kv_cache.begin_step(self.config, cache, decoder_tokens, lengths,
-                                rel_bias=self.decoder_rel_bias, base_mask=masks_lib.causal())
+        s = caching.begin_step(self.config, cache, decoder_tokens, lengths,
+                               rel_bias=self.decoder_rel_bias, base_mask=masks_lib.causal())
         x = self.embed(decoder_tokens, s.positions)
-        x, layers = self.decoder(x, masks=s.masks, biases=s.biases, bias=s.bias,
-                                 positions=s.positions, cache=s.layers, context=encoded,
+        x, layers = self.decoder(x, masks=s.masks, biases=s.biases, positions=s.positions,
+                                 cache=s.layers, context=encoded,
                                  context_mask=masks_lib.padding(cache.encoder_length))
         if not all_logits:
-            x = kv_cache.last_token(x, s.last)
+            x = caching.last_token(x, s.last)
         if self.decoder_norm is not None:
             x = self.decoder_norm(x)
         return self.embed.logits(x), s.finish(layers)

@@ -1,7 +1,7 @@
 """Flax NNX layers of the Transformer family."""
 
 from tfjax.nn.attention import MultiHeadAttention
-from tfjax.nn.blocks import BLOCKS, FFN_KINDS, LAYER_KINDS, TransformerBlock
+from tfjax.nn.blocks import BLOCKS, TransformerBlock
 from tfjax.nn.ffn import ACTIVATIONS, FeedForward
 from tfjax.nn.linear_attention import FEATURE_MAPS, LinearAttention, LinearAttentionState
 from tfjax.nn.moe import MoE, MoEAux, moe_aux
@@ -23,7 +23,7 @@ __all__ = [
     "MultiHeadAttention", "TransformerBlock", "FeedForward", "make_norm", "RMSNormPlusOne",
     "LearnedPositions", "RotaryEmbedding", "T5RelativeBias", "alibi_bias", "alibi_slopes",
     "relative_position_bucket", "sinusoidal_embedding",
-    "ACTIVATIONS", "BLOCKS", "LAYER_KINDS", "NORMS", "POSITIONS", "ROPE_SCALINGS",
+    "ACTIVATIONS", "BLOCKS", "NORMS", "POSITIONS", "ROPE_SCALINGS",
     "MoE", "MoEAux", "moe_aux", "Mamba", "MambaState", "LinearAttention", "LinearAttentionState",
-    "FEATURE_MAPS", "FFN_KINDS",
+    "FEATURE_MAPS",
 ]

@@ -6,8 +6,9 @@
     parallel  x = x + attn(n1(x)) + ffn(n2(x))        (GPT-J, PaLM with n1 = n2; NeoX two norms)
 
 for f in self-attention, cross-attention (decoder of an encoder-decoder) and the
-feed-forward. The block is composed from built submodules (the model file maps
-the config to them), so it knows nothing of configs. Residual dropout, when a
+feed-forward. The block is composed from built submodules (`tfjax.models` maps
+the config to them: layer kinds and ffn kinds are its records), so it knows
+nothing of configs. Residual dropout, when a
 rate is set, drops each sublayer's output before it joins the residual stream.
 """
 
@@ -20,27 +21,13 @@ from flax import nnx
 
 from tfjax.registry import Registry
 
-__all__ = ["BLOCKS", "LAYER_KINDS", "FFN_KINDS", "TransformerBlock"]
+__all__ = ["BLOCKS", "PLACEMENTS", "TransformerBlock"]
 
 BLOCKS: Registry[str] = Registry("block")
 BLOCKS.register("sequential", "attention then feed-forward, each with its own residual")
 BLOCKS.register("parallel", "attention and feed-forward read the same input (PaLM, GPT-J, NeoX)")
 
-# What a layer of the per-layer pattern is (model.layer_pattern cycles over these).
-LAYER_KINDS: Registry[str] = Registry("layer kind")
-LAYER_KINDS.register("global", "full attention under the model's mask")
-LAYER_KINDS.register("local", "sliding-window attention of model.sliding_window keys back")
-LAYER_KINDS.register("mamba", "Mamba selective SSM mixer (tfjax.nn.ssm; decoder only)")
-LAYER_KINDS.register("linear", "causal linear attention (tfjax.nn.linear_attention; decoder only)")
-
-# What follows the mixer in a layer (model.ffn_pattern cycles over these, independently
-# of layer_pattern: Jamba is layer_pattern of 8 with attention at 4, ffn_pattern ("dense", "moe")).
-FFN_KINDS: Registry[str] = Registry("ffn kind")
-FFN_KINDS.register("dense", "the feed-forward of model.activation and model.d_ff")
-FFN_KINDS.register("moe", "a routed Mixture of Experts (tfjax.nn.moe; model.num_experts, ...)")
-FFN_KINDS.register("none", "no feed-forward sublayer (Mamba: mixer only)")
-
-PLACEMENTS = ("pre", "post", "sandwich")
+PLACEMENTS = ("pre", "post", "sandwich")  # model.norm_placement
 
 
 class TransformerBlock(nnx.Module):
@@ -83,7 +70,7 @@ class TransformerBlock(nnx.Module):
                  cache=None):
         """x `[B,T,D]`; `context [B,S,D]` is the encoder output for cross-attention.
 
-        Inference: `cache` is a dict of sublayer caches ("attn", and "cross" with
+        Inference: `cache` is a dict of sublayer states ("attn", and "cross" with
         cross-attention; see `tfjax.inference.kv_cache`), each passed to its sublayer
         as `cache=`; then the block returns `(x, new_cache)`. A cross-attention cache
         that holds the encoder's K/V needs no `context`.

@@ -8,6 +8,12 @@ Multi-process (one command per process; gloo collectives on CPU):
   python -m tfjax.train ... --coordinator_address=localhost:1234 --num_processes=2 --process_id=0
 On a TPU pod or a SLURM cluster, `--distributed` lets jax find its peers.
 Rerunning the same command resumes from the latest checkpoint in WORKDIR.
+
+A config error (a bad value, an unknown name, a field that moved, such as
+`--config.model.num_experts`, now `--config.model.moe.num_experts`) is printed as
+one line before anything compiles, with exit status 2. `--cpu_devices` and the
+multi-process flags take effect because jax reads them when its backend starts,
+at the first device query in `main`, not when it is imported.
 """
 
 from __future__ import annotations
@@ -15,8 +21,14 @@ from __future__ import annotations
 import os
 import sys
 
+import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
+
+from tfjax.config import moved_field, run_config
+from tfjax.models import check_names
+from tfjax.train.aot import compile_only
+from tfjax.train.trainer import Trainer
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", "configs/default.py", "preset: configs/<name>.py[:arg]",
@@ -43,8 +55,6 @@ def main(argv):
     if FLAGS.cpu_devices:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    f" --xla_force_host_platform_device_count={FLAGS.cpu_devices}")
-    import jax
-
     if FLAGS.coordinator_address or FLAGS.num_processes:
         # CPU processes need gloo for cross-process collectives (ignored by TPU / GPU).
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -53,19 +63,14 @@ def main(argv):
     elif FLAGS.distributed:
         jax.distributed.initialize()
 
-    from tfjax.config import run_config
-
     try:
         cfg = run_config(FLAGS.config)
+        check_names(cfg.model)
     except ValueError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     if FLAGS.compile_only:
-        from tfjax.train.aot import compile_only
-
         return compile_only(cfg, FLAGS.topology)
-    from tfjax.train.trainer import Trainer
-
     try:
         trainer = Trainer(cfg, FLAGS.workdir)
     except ValueError as e:
@@ -75,5 +80,20 @@ def main(argv):
     return 143 if summary["preempted"] else 0
 
 
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing, after one check of ours: an override of a field that
+    moved (`--config.model.moe_d_ff=...`) is a one-line error naming the new path
+    (the locked preset would otherwise fail with a traceback)."""
+    for arg in argv[1:]:
+        if arg.startswith("--config."):
+            path = arg[len("--config."):].split("=", 1)[0]
+            now = moved_field(path)
+            if now:
+                print(f"config error: {path} moved to {now} (--config.{now}=...)",
+                      file=sys.stderr)
+                sys.exit(2)
+    return FLAGS(argv)
+
+
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

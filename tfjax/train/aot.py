@@ -19,8 +19,11 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from tfjax.config import RunConfig, model_config
+from tfjax.config import RunConfig
+from tfjax.data.tokenizers import load_tokenizer
+from tfjax.models import build, check_names
 from tfjax.parallel.mesh import make_mesh
+from tfjax.train.trainer import build_program, check_run
 
 __all__ = ["GPU_TARGET_CONFIGS", "HBM_BYTES", "compile_only", "gpu_devices", "tpu_devices"]
 
@@ -117,17 +120,14 @@ def _per_device_bytes(abstract, shardings) -> int:
 
 
 def compile_only(cfg: RunConfig, topology: str | None, build_model=None, out=sys.stdout) -> int:
-    from tfjax.data.tokenizers import load_tokenizer
-    from tfjax.train.trainer import _default_builder, build_program, check_run
-
-    model_config(cfg.model)
+    check_names(cfg.validate().model)
     if topology:
         devices, hbm = topology_devices(topology)
     else:
         devices, hbm = jax.devices(), None
     mesh = make_mesh(cfg.mesh, devices)
     check_run(cfg, mesh, load_tokenizer(cfg.data.tokenizer))
-    p = build_program(cfg, mesh, build_model or _default_builder())
+    p = build_program(cfg, mesh, build_model or build)
     t = cfg.train
     abstract_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                   p.abstract_state, p.state_shardings)

@@ -42,10 +42,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from tfjax.config import RunConfig, model_config
+from tfjax.config import RunConfig
 from tfjax.data.pipeline import BATCH_KEYS, PackedBatches
 from tfjax.data.sources import documents
 from tfjax.data.tokenizers import load_tokenizer
+from tfjax.models import FFN_KINDS, LAYER_KINDS, build, check_names
 from tfjax.parallel.mesh import make_mesh
 from tfjax.parallel.ring_attention import zigzag_data, zigzag_order
 from tfjax.parallel.rules import logical_rules, replicated, tree_shardings
@@ -102,22 +103,23 @@ def zigzag_devices(cfg: RunConfig, mesh, build_model=None) -> tuple[int, str | N
     devices of the sequence axis (`model.zigzag="data"`, ring attention, seq_len % 2n
     == 0, a `tfjax.models.build` model), else 0. `note` says why "data" fell back to
     natural order: layers whose result depends on token order other than through
-    attention's position-aware mask and position biases (Mamba / linear-attention
-    mixers, capacity-factor MoE, which fills expert slots in token order) would see
-    the tokens out of order (ALiBi and T5's bias read the reordered positions in the
-    ring itself), and a custom `build_model` (e.g. a test double) may
-    derive its mask or positions from the array index."""
+    attention's position-aware mask and position biases would see the tokens out of
+    order (their layer kind or ffn kind record says so: `order_dependent`,
+    `order_dependence`; ALiBi and T5's bias read the reordered positions in the ring
+    itself), and a custom `build_model` (e.g. a test double) may derive its mask or
+    positions from the array index."""
     m, t = cfg.model, cfg.train
     axes = [a for a in (dict(logical_rules(cfg.mesh.rules)).get("length") or ())
             if mesh.shape[a] > 1]
     if m.zigzag != "data" or m.context_parallel != "ring" or len(axes) != 1:
         return 0, None
     n = mesh.shape[axes[0]]
-    why = [f"layer_pattern has {k!r} layers" for k in ("mamba", "linear") if k in m.layer_pattern]
-    if build_model is not None and build_model is not _default_builder():
+    why = [f"layer_pattern has {k!r} layers" for k in dict.fromkeys(m.layer_pattern)
+           if LAYER_KINDS.get(k, field="model.layer_pattern").order_dependent]
+    if build_model is not None and build_model is not build:
         why.append("a custom build_model, which may not read positions from the batch")
-    if "moe" in m.ffn_pattern and m.capacity_factor > 0:
-        why.append("capacity_factor > 0 MoE fills expert slots in token order")
+    why += [reason for k in dict.fromkeys(m.ffn_pattern)
+            if (reason := FFN_KINDS.get(k, field="model.ffn_pattern").order_dependence(m))]
     if t.seq_len % (2 * n):
         why.append(f"train.seq_len={t.seq_len} is not divisible by 2 x {n} sequence devices")
     if why:
@@ -137,14 +139,6 @@ def compression_bits_per_byte(data: bytes) -> dict[str, float]:
     n = max(len(data), 1)
     return dict(gzip=len(gzip.compress(data, 9)) * 8 / n,
                 xz=len(lzma.compress(data, preset=9 | lzma.PRESET_EXTREME)) * 8 / n)
-
-
-def _default_builder():
-    try:
-        from tfjax.models import build
-    except ImportError as e:  # the model package is built alongside the trainer
-        raise ValueError("tfjax.models.build is not available yet; pass build_model=") from e
-    return build
 
 
 @dataclasses.dataclass
@@ -234,8 +228,8 @@ class Trainer:
         self.cfg = cfg.validate()
         self.workdir = workdir
         self.log = log or (lambda s: print(s, flush=True) if jax.process_index() == 0 else None)
-        model_config(cfg.model)
-        self.build_model = build_model or _default_builder()
+        check_names(cfg.model)  # registry-owned names, before anything is built
+        self.build_model = build_model or build
         self.tokenizer = load_tokenizer(cfg.data.tokenizer)
         self.mesh = make_mesh(cfg.mesh, devices)
         self.rules = logical_rules(cfg.mesh.rules)

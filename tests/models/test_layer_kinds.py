@@ -1,0 +1,132 @@
+"""A layer kind is one record in `tfjax.models.LAYER_KINDS`, and every reader takes
+what it knows of the kind from there: register a new kind (a test double here) and
+the build-time name check accepts it (and applies its decoder-only rule), the stack
+builds its mixer (NoPE, as its record says), its mask rule reaches the forward
+pass, the cache gets its state and slots, the decode masks its window, the position
+biases skip it, and the trainer's zig-zag fallback reads its order dependence. The
+same for an ffn kind's builder and order dependence."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from tfjax import models
+from tfjax.config import MeshConfig, RunConfig, model_config
+from tfjax.inference import generate
+from tfjax.inference.kv_cache import KVCache
+from tfjax.models import FFN_KINDS, LAYER_KINDS, FfnKind, LayerKind, attention_inputs, layer_kinds
+from tfjax.nn.attention import MultiHeadAttention
+from tfjax.ops import masks
+from tfjax.parallel.mesh import make_mesh
+from tfjax.train.trainer import zigzag_devices
+
+TINY = dict(vocab_size=61, d_model=32, num_heads=4, num_kv_heads=2, d_ff=48, max_len=64,
+            norm="rmsnorm", init_std=1.0, tie_embeddings=False)
+WINDOW = 1  # the double sees the key before the query and itself
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """Registers layer kind "fake" (NoPE attention over a window of 1, a rolling
+    buffer of 2 slots, decoder only, order dependent) and ffn kind "fake_ffn" for one
+    test; returns the mixer builder's calls."""
+    calls = []
+
+    def mixer(cfg, rngs, *, positions):
+        calls.append(positions)
+        return layer_kinds.attention(cfg, rngs, positions=positions)
+
+    def mask(cfg, base, bidirectional):
+        return masks.combine(base, masks.sliding_window(WINDOW, WINDOW if bidirectional else 0))
+
+    def slots(cfg, max_len):
+        return min(WINDOW + 1, max_len), WINDOW
+
+    def cache(cfg, batch, max_len, dtype):
+        size, window = slots(cfg, max_len)
+        return KVCache.empty(batch, size, cfg.kv_heads, cfg.head_size, dtype, window=window)
+
+    kind = LayerKind("a test double", mixer, mask=mask, positions=False, cache=cache,
+                     slots=slots, decoder_only=True, order_dependent=True)
+    ffn = FfnKind("a test double", lambda cfg, rngs: None,
+                  order_dependence=lambda cfg: "fake_ffn reads the tokens in order")
+    monkeypatch.setitem(LAYER_KINDS._items, "fake", kind)
+    monkeypatch.setitem(FFN_KINDS._items, "fake_ffn", ffn)
+    return calls
+
+
+def test_an_unregistered_kind_is_a_build_time_error():
+    cfg = model_config(dict(TINY, layer_pattern=("global", "fake")))  # the config has no list
+    with pytest.raises(ValueError, match=r"model.layer_pattern\[1\]: got 'fake'; allowed: "
+                                         r"'global', 'linear', 'local', 'mamba'"):
+        models.check_names(cfg)
+    with pytest.raises(ValueError, match=r"model.ffn_pattern\[0\]"):
+        models.build(dict(TINY, ffn_pattern=("fake_ffn",)))
+
+
+def test_one_registration_reaches_every_reader(fake):
+    cfg = model_config(dict(TINY, num_layers=3, layer_pattern=("global", "fake"),
+                            ffn_pattern=("dense", "fake_ffn")))
+    assert models.check_names(cfg) is cfg  # the name check reads the registry
+    with pytest.raises(ValueError, match="'fake' layers are causal mixers for arch='decoder'"):
+        models.check_names(model_config(dict(TINY, arch="encoder", layer_pattern=("fake",))))
+
+    # The stack: the record's mixer, with the record's positions (NoPE), and its ffn.
+    model = models.build(cfg, rngs=nnx.Rngs(3))
+    assert fake == [False]  # built once: position 1 of the one scanned cycle
+    glob, double = model.layers.cycles.layers
+    assert isinstance(double.attn, MultiHeadAttention) and double.attn.rope is None
+    assert glob.attn.rope is not None and double.ffn is None and glob.ffn is not None
+
+    # Masks and biases: the record's mask rule; no position bias for a NoPE kind.
+    got = attention_inputs.layer_masks(cfg, masks.causal())
+    want = masks.causal() & masks.sliding_window(WINDOW, 0)
+    np.testing.assert_array_equal(got["fake"].dense(6, 6), want.dense(6, 6))
+    np.testing.assert_array_equal(got["global"].dense(6, 6), masks.causal().dense(6, 6))
+    alibi = model_config(dict(TINY, position="alibi", layer_pattern=("global", "fake")))
+    pos = jnp.broadcast_to(jnp.arange(6), (2, 6))
+    biases = attention_inputs.layer_biases(alibi, None, pos, pos)
+    assert biases["global"] is not None and biases["fake"] is None
+
+    # The cache: the record's state, as many slots as its record says; decode masks
+    # take its window.
+    cache = jax.eval_shape(lambda: model.init_cache(2, 16))
+    state = cache.layers["cycles"][1]["attn"]
+    assert isinstance(state, KVCache) and state.window == WINDOW
+    assert state.k.shape == (1, 2, WINDOW + 1, 2, cfg.head_size)  # [cycles, B, slots, K, H]
+    assert cache.layers["cycles"][0]["attn"].k.shape[2] == 16  # global: every position
+    step_masks, _ = attention_inputs.cache_masks(
+        cfg, None, jnp.zeros((2, 1), jnp.int32), lambda size: jnp.zeros((2, size), jnp.int32), 16)
+    assert step_masks["fake"].window == WINDOW and step_masks["global"].window == 0
+    assert step_masks["fake"].kv_positions.shape == (2, WINDOW + 1)
+    assert models.cache_bytes(cfg, 2, 16) == 2 * 2 * 2 * cfg.head_size * 4 * (2 * 16 + WINDOW + 1)
+
+    # The trainer's zig-zag fallback: the records' order dependence.
+    mesh = make_mesh(MeshConfig(data=4, sequence=2), jax.devices()[:8])
+    run = RunConfig(model=cfg).validate()
+    n, note = zigzag_devices(run, mesh)
+    assert n == 0 and "layer_pattern has 'fake' layers" in note
+    assert "fake_ffn reads the tokens in order" in note
+    assert zigzag_devices(RunConfig(model=model_config(TINY)).validate(), mesh) == (2, None)
+
+
+def _recompute_greedy(model, prompt, n):
+    buf = np.zeros((prompt.shape[0], prompt.shape[1] + n), np.int32)
+    buf[:, :prompt.shape[1]] = prompt
+    f = nnx.jit(lambda m, t: m(t))
+    for t in range(prompt.shape[1], prompt.shape[1] + n):
+        buf[:, t] = np.asarray(f(model, jnp.asarray(buf)))[:, t - 1].argmax(-1)
+    return buf[:, prompt.shape[1]:]
+
+
+def test_a_registered_kind_generates_as_it_computes(fake):
+    """Cached generation through the double's rolling buffer (its record's cache and
+    slots) equals recomputing its full-sequence form (its record's mask rule)."""
+    model = models.build(dict(TINY, num_layers=2, layer_pattern=("fake", "global")),
+                         rngs=nnx.Rngs(3))
+    x = np.asarray(jax.random.randint(jax.random.key(0), (2, 5), 0, 61))
+    got = np.asarray(generate(model, x, max_new_tokens=6))
+    np.testing.assert_array_equal(got, _recompute_greedy(model, x, 6))
+    assert len(set(got.ravel().tolist())) > 3

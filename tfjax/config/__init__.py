@@ -1,0 +1,51 @@
+"""The config boundary: an `ml_collections.ConfigDict` becomes frozen dataclasses.
+
+Presets in `configs/` are code (`get_config(arg=None) -> ConfigDict`) so they can
+be overridden from the command line (`--config.model.num_layers=4`). The trainer,
+the model builder and everything below take the frozen dataclasses made here,
+never the ConfigDict, and every module takes explicit keyword arguments.
+
+Checks happen here, before anything is traced: an unknown key, a moved field, a
+wrong type, a value out of range or an invalid combination raises `ValueError`
+naming the field (`model.num_kv_heads`) and what would be right. This package
+imports nothing else of tfjax, so names that a registry owns (`model.activation`,
+`model.layer_pattern[i]`, ...) are checked where the registries live, by
+`tfjax.models.build` (`tfjax.models.check_names`), still before anything compiles.
+
+    model.py    ModelConfig and its sections (rope, moe, ssm, linear, t5)
+    run.py      TrainConfig, DataConfig, MeshConfig, CheckpointConfig, RunConfig
+    convert.py  ConfigDict / dict <-> dataclasses, presets' variants, moved fields
+    checks.py   the field-error helpers
+"""
+
+from tfjax.config.convert import (apply_variant, default_config, from_dict, model_config,
+                                  moved_field, run_config, to_config_dict)
+from tfjax.config.model import (DTYPES, LinearConfig, ModelConfig, MoEConfig, RopeConfig,
+                                SSMConfig, T5Config)
+from tfjax.config.run import (DEFAULT_RULES, MESH_AXES, CheckpointConfig, DataConfig, MeshConfig,
+                              RunConfig, TrainConfig)
+from tfjax.config.run import _validate_mesh  # noqa: F401  (tests/parallel/test_mesh.py)
+
+__all__ = [
+    "RopeConfig",
+    "MoEConfig",
+    "SSMConfig",
+    "LinearConfig",
+    "T5Config",
+    "ModelConfig",
+    "TrainConfig",
+    "DataConfig",
+    "MeshConfig",
+    "CheckpointConfig",
+    "RunConfig",
+    "DEFAULT_RULES",
+    "DTYPES",
+    "MESH_AXES",
+    "model_config",
+    "run_config",
+    "default_config",
+    "apply_variant",
+    "from_dict",
+    "moved_field",
+    "to_config_dict",
+]

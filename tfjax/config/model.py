@@ -1,0 +1,313 @@
+"""The model's config: `ModelConfig` and its sections (`rope`, `moe`, `ssm`,
+`linear`, `t5`), frozen dataclasses, and their checks.
+
+`validate_model` checks types, ranges and combinations of fields (each error names
+the field, `model.num_kv_heads`, and what would be right). Names that a registry
+owns (architectures, activations, norms, positions, rope scalings, blocks, layer
+and ffn kinds, feature maps, attention and MoE implementations, remat policies)
+are not known here: `tfjax.models.build` checks them against the registries before
+it builds anything (`tfjax.models.check_names`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import ClassVar
+
+from tfjax.config.checks import fail, non_negative, one_of, positive
+
+__all__ = ["DTYPES", "LinearConfig", "ModelConfig", "MoEConfig", "RopeConfig", "SSMConfig",
+           "T5Config", "validate_model"]
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary position embedding (Su et al. 2021) and its context-extension scalings.
+
+    layout: "half" rotates (x[:h/2], x[h/2:]) pairs (GPT-NeoX, Llama); "interleaved"
+      rotates (x[2i], x[2i+1]) pairs (GPT-J, the paper).
+    fraction: share of the head dim that is rotated (partial rotary: NeoX 0.25).
+    scaling: none | linear (position interpolation, Chen et al. 2023) | ntk
+      (NTK-aware base change) | dynamic_ntk (NTK base grown with the length seen)
+      | yarn (Peng et al. 2023, with its attention temperature) | llama3.
+    factor: context extension factor s (>= 1).
+    original_max_len: pre-training context of the scaled model (dynamic_ntk, yarn, llama3).
+    """
+
+    theta: float = 10000.0
+    fraction: float = 1.0
+    layout: str = "half"
+    scaling: str = "none"
+    factor: float = 1.0
+    original_max_len: int = 2048
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0  # yarn: attention temperature multiplier (0.1 * mscale * ln s + 1)
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """A routed Mixture of Experts (`tfjax.nn.moe`): the "moe" entries of `ffn_pattern`."""
+
+    num_experts: int = 0  # experts per "moe" layer
+    experts_per_token: int = 2  # top-k
+    d_ff: int = 0  # one expert's hidden width; 0 -> model.d_ff
+    shared_experts: int = 0  # always-on experts added to the routed ones (each d_ff wide)
+    router_renormalize: bool = True  # top-k gates renormalised to sum 1 (Mixtral) or raw (Jamba)
+    capacity_factor: float = 0.0  # 0 -> dropless; else C = ceil(cf * T * k / E) slots per sequence
+    impl: str = "ragged"  # dropless dispatch: ragged (grouped matmul) | dense (every expert)
+    aux_loss_weight: float = 0.01  # load-balancing loss (Switch), 1.0 when balanced
+    z_loss_weight: float = 0.001  # router z-loss (ST-MoE)
+
+
+@dataclasses.dataclass(frozen=True)
+class SSMConfig:
+    """The Mamba selective SSM mixer (`tfjax.nn.ssm`): the "mamba" layers."""
+
+    d_state: int = 16  # state size N
+    d_conv: int = 4  # depthwise causal conv width
+    expand: int = 2  # inner width = expand * d_model
+    dt_rank: int = 0  # 0 -> ceil(d_model / 16)
+    chunk: int = 0  # 0 -> one associative scan over T; else chunks of this many steps
+    conv_bias: bool = True
+    proj_bias: bool = False  # in/out projection biases
+    inner_norm: bool = False  # RMSNorm on dt, B, C (Jamba)
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearConfig:
+    """Causal linear attention (`tfjax.nn.linear_attention`): the "linear" layers."""
+
+    feature_map: str = "elu_plus_one"  # phi: elu_plus_one | relu | softplus
+    chunk: int = 64  # causal linear attention chunk
+
+
+@dataclasses.dataclass(frozen=True)
+class T5Config:
+    """T5's bucketed relative position bias (`model.position="t5"`)."""
+
+    num_buckets: int = 32
+    max_distance: int = 128
+
+
+# The flat fields these sections replaced: an old path is an error naming the new one.
+_MOVED = {
+    "num_experts": "moe.num_experts", "experts_per_token": "moe.experts_per_token",
+    "moe_d_ff": "moe.d_ff", "shared_experts": "moe.shared_experts",
+    "router_renormalize": "moe.router_renormalize", "capacity_factor": "moe.capacity_factor",
+    "moe_impl": "moe.impl", "moe_aux_loss_weight": "moe.aux_loss_weight",
+    "moe_z_loss_weight": "moe.z_loss_weight",
+    "ssm_d_state": "ssm.d_state", "ssm_d_conv": "ssm.d_conv", "ssm_expand": "ssm.expand",
+    "ssm_dt_rank": "ssm.dt_rank", "ssm_chunk": "ssm.chunk", "ssm_conv_bias": "ssm.conv_bias",
+    "ssm_proj_bias": "ssm.proj_bias", "ssm_inner_norm": "ssm.inner_norm",
+    "linear_feature_map": "linear.feature_map", "linear_chunk": "linear.chunk",
+    "t5_num_buckets": "t5.num_buckets", "t5_max_distance": "t5.max_distance",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Every architecture knob of tfjax. Zero means "derive" or "off" where noted."""
+
+    MOVED: ClassVar[dict[str, str]] = _MOVED  # old flat field -> its path now
+
+    arch: str = "decoder"  # decoder | encoder | encoder_decoder
+    vocab_size: int = 256
+    d_model: int = 64
+    num_layers: int = 2  # decoder layers (encoder layers for arch="encoder")
+    num_encoder_layers: int = 0  # encoder_decoder only; 0 -> num_layers
+    num_heads: int = 4
+    num_kv_heads: int = 0  # 0 -> num_heads (MHA); 1 -> MQA; else GQA
+    head_dim: int = 0  # 0 -> d_model // num_heads
+    d_ff: int = 256
+    max_len: int = 2048  # learned / sinusoidal position tables
+
+    # Feed-forward.
+    activation: str = "gelu"  # relu | gelu | gelu_tanh | silu | reglu | geglu | geglu_tanh | swiglu
+    ffn_bias: bool = True
+
+    # Attention.
+    qkv_bias: bool = False
+    out_bias: bool = False
+    qk_norm: bool = False
+    attn_scale: float = 0.0  # 0 -> 1/sqrt(head_dim)
+    attn_softcap: float = 0.0  # 0 -> off; Gemma 2: 50
+    attention_impl: str = "auto"
+    # Self-attention when the mesh splits the sequence (mesh.sequence > 1): "ring"
+    # (ring attention, K/V circulate; O(S/n) memory) | "all_gather" (each device
+    # gathers the whole K/V; the simple baseline). Ignored without a sequence axis.
+    context_parallel: str = "ring"
+    # Zig-zag load balancing of the causal ring (2n chunks, device i holds i and 2n-1-i):
+    # "data" (the trainer reorders each batch once on the host; layers skip the
+    # re-layout; falls back to "layer", with a note, for models with order-dependent
+    # layers: mamba / linear mixers, capacity-factor MoE) | "layer" (natural-order
+    # data, every layer re-lays out q, k, v, out) | "none".
+    zigzag: str = "data"
+    # Layer kinds (tfjax.models.layer_kinds), cycled over layers: global | local |
+    # mamba | linear (the last two decoder only).
+    layer_pattern: tuple[str, ...] = ("global",)
+    sliding_window: int = 0  # keys before the query a "local" layer sees (plus itself)
+    prefix_lm: bool = False  # decoder: bidirectional over a prefix given at call time
+    # What follows the mixer, cycled over layers independently of layer_pattern:
+    # dense | moe | none. The scanned unit is lcm(len(layer_pattern), len(ffn_pattern)).
+    ffn_pattern: tuple[str, ...] = ("dense",)
+
+    # Mixer sections.
+    moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
+    ssm: SSMConfig = dataclasses.field(default_factory=SSMConfig)
+    linear: LinearConfig = dataclasses.field(default_factory=LinearConfig)
+
+    # Positions.
+    position: str = "rope"  # none | sinusoidal | learned | rope | alibi | t5
+    rope: RopeConfig = dataclasses.field(default_factory=RopeConfig)
+    t5: T5Config = dataclasses.field(default_factory=T5Config)
+
+    # Norms and blocks.
+    norm: str = "layernorm"  # layernorm | rmsnorm | rmsnorm_plus_one
+    norm_eps: float = 1e-5
+    norm_bias: bool = True  # LayerNorm only
+    norm_placement: str = "pre"  # pre | post | sandwich
+    final_norm: bool = True  # norm after the last block (pre/sandwich models)
+    embed_norm: bool = False  # norm after the embeddings (BLOOM, BERT)
+    block: str = "sequential"  # sequential | parallel (PaLM, GPT-J, NeoX)
+    parallel_shared_norm: bool = True  # parallel block: one norm (GPT-J) or two (NeoX)
+
+    # Embeddings and output.
+    tie_embeddings: bool = True
+    scale_embeddings: bool = False  # multiply embeddings by sqrt(d_model)
+    final_softcap: float = 0.0  # 0 -> off; Gemma 2: 30
+    logits_scale: float = 1.0  # multiply the final hidden state before the output projection
+    type_vocab_size: int = 0  # encoder: token-type (segment A/B) embeddings; 0 -> none
+    num_classes: int = 0  # encoder: classification head on the pooled [CLS]; 0 -> none
+
+    # Numerics and structure.
+    dropout_rate: float = 0.0  # residual and embedding dropout
+    dtype: str = "float32"  # compute dtype
+    param_dtype: str = "float32"
+    init_std: float = 0.02
+    scan_layers: bool = True  # scan over repeats of layer_pattern (compile time flat in depth)
+    remat: str = "none"  # none | full | dots | dots_no_batch (activation checkpointing)
+
+    # Derived values ----------------------------------------------------------
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.d_model // self.num_heads
+
+    @property
+    def encoder_layers(self) -> int:
+        return self.num_encoder_layers or self.num_layers
+
+    @property
+    def scale(self) -> float:
+        return self.attn_scale or 1.0 / math.sqrt(self.head_size)
+
+    def ffn_kind(self, i: int) -> str:
+        return self.ffn_pattern[i % len(self.ffn_pattern)]
+
+    def layer_kind(self, i: int) -> str:
+        return self.layer_pattern[i % len(self.layer_pattern)]
+
+    def validate(self) -> "ModelConfig":
+        validate_model(self, "model")
+        return self
+
+
+def validate_model(c: ModelConfig, p: str) -> None:
+    """Types were checked on conversion; here ranges and combinations."""
+    one_of(f"{p}.context_parallel", c.context_parallel, ("ring", "all_gather"))
+    one_of(f"{p}.zigzag", c.zigzag, ("data", "layer", "none"))
+    one_of(f"{p}.dtype", c.dtype, DTYPES)
+    one_of(f"{p}.param_dtype", c.param_dtype, DTYPES)
+
+    for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_len",
+                 "norm_eps", "init_std"):
+        positive(f"{p}.{name}", getattr(c, name))
+    for name in ("num_encoder_layers", "num_kv_heads", "head_dim", "attn_scale", "attn_softcap",
+                 "final_softcap", "sliding_window", "type_vocab_size", "num_classes"):
+        non_negative(f"{p}.{name}", getattr(c, name))
+    positive(f"{p}.logits_scale", c.logits_scale)
+    if not 0.0 <= c.dropout_rate < 1.0:
+        fail(f"{p}.dropout_rate", f"must be in [0, 1), got {c.dropout_rate!r}")
+
+    if not c.head_dim and c.d_model % c.num_heads:
+        fail(f"{p}.d_model", f"{c.d_model} is not divisible by num_heads={c.num_heads}; "
+             "change one of them or set model.head_dim explicitly")
+    if c.num_heads % c.kv_heads:
+        fail(f"{p}.num_kv_heads", f"num_heads={c.num_heads} is not divisible by "
+             f"num_kv_heads={c.kv_heads}; use a divisor of num_heads (1 = MQA)")
+
+    if not c.layer_pattern:
+        fail(f"{p}.layer_pattern", "must name at least one layer kind, e.g. ('global',)")
+    if not c.ffn_pattern:
+        fail(f"{p}.ffn_pattern", "must name at least one ffn kind, e.g. ('dense',)")
+    if "local" in c.layer_pattern and c.sliding_window < 1:
+        fail(f"{p}.sliding_window", f"must be >= 1 when layer_pattern has 'local' layers, "
+             f"got {c.sliding_window}")
+    _validate_sections(c, p)
+
+    if c.position == "rope":
+        r, rp = c.rope, f"{p}.rope"
+        positive(f"{rp}.theta", r.theta)
+        if not 0.0 < r.fraction <= 1.0:
+            fail(f"{rp}.fraction", f"must be in (0, 1], got {r.fraction!r}")
+        rotary = r.fraction * c.head_size
+        if rotary != int(rotary) or int(rotary) % 2:
+            fail(f"{rp}.fraction", f"rotary dims = fraction * head_dim = {rotary:g} must be an "
+                 f"even integer (head_dim={c.head_size})")
+        if r.factor < 1.0:
+            fail(f"{rp}.factor", f"must be >= 1 (the context extension factor), got {r.factor!r}")
+        if r.scaling != "none" and r.factor == 1.0 and r.scaling != "dynamic_ntk":
+            fail(f"{rp}.factor", f"scaling={r.scaling!r} needs factor > 1, got 1.0")
+        positive(f"{rp}.original_max_len", r.original_max_len)
+        if r.scaling == "llama3" and r.high_freq_factor <= r.low_freq_factor:
+            fail(f"{rp}.high_freq_factor", "must be > rope.low_freq_factor")
+        if r.scaling == "yarn" and r.beta_fast <= r.beta_slow:
+            fail(f"{rp}.beta_fast", "must be > rope.beta_slow")
+    if c.block == "parallel" and c.norm_placement != "pre":
+        fail(f"{p}.norm_placement", f"block='parallel' needs norm_placement='pre', got "
+             f"{c.norm_placement!r}")
+    if c.block == "parallel" and c.arch == "encoder_decoder":
+        fail(f"{p}.block", "an encoder-decoder needs block='sequential' (its decoder "
+             "blocks have cross-attention)")
+    if c.position == "t5":
+        positive(f"{p}.t5.num_buckets", c.t5.num_buckets)
+        positive(f"{p}.t5.max_distance", c.t5.max_distance)
+
+    if c.arch != "decoder" and c.prefix_lm:
+        fail(f"{p}.prefix_lm", f"only a decoder-only model has a prefix-LM mode (arch={c.arch!r})")
+    if c.arch != "encoder":
+        if c.type_vocab_size:
+            fail(f"{p}.type_vocab_size", f"token types are for arch='encoder' (arch={c.arch!r})")
+        if c.num_classes:
+            fail(f"{p}.num_classes", f"a classification head is for arch='encoder' (arch={c.arch!r})")
+    if c.arch != "encoder_decoder" and c.num_encoder_layers:
+        fail(f"{p}.num_encoder_layers", f"only arch='encoder_decoder' has a separate encoder "
+             f"(arch={c.arch!r}); use num_layers")
+
+
+def _validate_sections(c: ModelConfig, p: str) -> None:
+    """The moe, ssm and linear sections' ranges, and what a "moe" layer needs."""
+    m, s, lin = c.moe, c.ssm, c.linear
+    for name in ("d_ff", "shared_experts", "capacity_factor", "aux_loss_weight", "z_loss_weight"):
+        non_negative(f"{p}.moe.{name}", getattr(m, name))
+    for name in ("dt_rank", "chunk"):
+        non_negative(f"{p}.ssm.{name}", getattr(s, name))
+    for name in ("d_state", "d_conv", "expand"):
+        positive(f"{p}.ssm.{name}", getattr(s, name))
+    positive(f"{p}.linear.chunk", lin.chunk)
+    if "moe" in c.ffn_pattern:
+        if m.num_experts < 1:
+            fail(f"{p}.moe.num_experts", f"ffn_pattern has 'moe' layers: set num_experts >= 1, "
+                 f"got {m.num_experts}")
+        if not 1 <= m.experts_per_token <= m.num_experts:
+            fail(f"{p}.moe.experts_per_token", f"must be in [1, num_experts={m.num_experts}], "
+                 f"got {m.experts_per_token}")

@@ -1,0 +1,78 @@
+"""The architecture table, the build-time name checks, and `build`.
+
+    model = build(cfg.model, rngs=nnx.Rngs(0))
+
+`tfjax.config` checks types, ranges and combinations but imports nothing else of
+tfjax, so the names that registries own are checked here, against the registries
+themselves, before anything is built or compiled (`check_names`, which `build`,
+the trainer, `tfjax.generate` and `tfjax.interop` all go through). Each error
+names the field (`model.layer_pattern[1]`) and the allowed values.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from flax import nnx
+
+from tfjax.config import ModelConfig, model_config
+from tfjax.models.decoder import DecoderLM
+from tfjax.models.encoder import EncoderModel
+from tfjax.models.encoder_decoder import EncoderDecoderModel
+from tfjax.models.layer_kinds import FFN_KINDS, LAYER_KINDS
+from tfjax.models.stack import REMAT_POLICIES
+from tfjax.nn.blocks import BLOCKS, PLACEMENTS
+from tfjax.nn.ffn import ACTIVATIONS
+from tfjax.nn.linear_attention import FEATURE_MAPS
+from tfjax.nn.moe import MOE_IMPLEMENTATIONS
+from tfjax.nn.norms import NORMS
+from tfjax.nn.positions import POSITIONS, ROPE_LAYOUTS, ROPE_SCALINGS
+from tfjax.ops.attention import IMPLEMENTATIONS
+from tfjax.registry import Registry
+
+__all__ = ["ARCHITECTURES", "build", "check_names"]
+
+ARCHITECTURES: Registry[type] = Registry("architecture")
+ARCHITECTURES.register("decoder", DecoderLM)
+ARCHITECTURES.register("encoder", EncoderModel)
+ARCHITECTURES.register("encoder_decoder", EncoderDecoderModel)
+
+
+def _one_of(field: str, value, allowed: Iterable[str]) -> None:
+    allowed = tuple(dict.fromkeys(allowed))
+    if value not in allowed:
+        raise ValueError(f"{field}: got {value!r}; allowed: {', '.join(map(repr, allowed))}")
+
+
+def check_names(cfg: ModelConfig, prefix: str = "model") -> ModelConfig:
+    """Every registry-owned name of `cfg` is registered, and every layer kind fits
+    the architecture; returns `cfg`."""
+    p, c = prefix, cfg
+    _one_of(f"{p}.arch", c.arch, ARCHITECTURES)
+    _one_of(f"{p}.activation", c.activation, ACTIVATIONS)
+    _one_of(f"{p}.norm", c.norm, NORMS)
+    _one_of(f"{p}.norm_placement", c.norm_placement, PLACEMENTS)
+    _one_of(f"{p}.position", c.position, POSITIONS)
+    _one_of(f"{p}.block", c.block, BLOCKS)
+    _one_of(f"{p}.attention_impl", c.attention_impl, ("auto", *IMPLEMENTATIONS))
+    _one_of(f"{p}.remat", c.remat, REMAT_POLICIES)
+    for i, kind in enumerate(c.layer_pattern):
+        _one_of(f"{p}.layer_pattern[{i}]", kind, LAYER_KINDS)
+    for i, kind in enumerate(c.ffn_pattern):
+        _one_of(f"{p}.ffn_pattern[{i}]", kind, FFN_KINDS)
+    if c.position == "rope":
+        _one_of(f"{p}.rope.layout", c.rope.layout, ROPE_LAYOUTS)
+        _one_of(f"{p}.rope.scaling", c.rope.scaling, ROPE_SCALINGS)
+    _one_of(f"{p}.moe.impl", c.moe.impl, MOE_IMPLEMENTATIONS)
+    _one_of(f"{p}.linear.feature_map", c.linear.feature_map, FEATURE_MAPS)
+    causal = [k for k in dict.fromkeys(c.layer_pattern) if LAYER_KINDS.get(k).decoder_only]
+    if causal and c.arch != "decoder":
+        raise ValueError(f"{p}.layer_pattern: {', '.join(map(repr, sorted(causal)))} layers are "
+                         f"causal mixers for arch='decoder' (arch={c.arch!r})")
+    return cfg
+
+
+def build(model_cfg, *, rngs: nnx.Rngs | None = None) -> nnx.Module:
+    """A model from `cfg.model` (ConfigDict, dict or ModelConfig), checked first."""
+    cfg = check_names(model_config(model_cfg))
+    return ARCHITECTURES.get(cfg.arch, field="model.arch")(cfg, rngs=rngs or nnx.Rngs(0))

@@ -1,0 +1,221 @@
+"""Layer kinds and ffn kinds: one record per kind, registered once.
+
+A layer of a stack is a mixer (the module in the block's `attn` slot) followed by
+an optional feed-forward. `model.layer_pattern` cycles over layer kinds and
+`model.ffn_pattern` over ffn kinds (`tfjax.models.layout`). What tfjax needs to
+know about a kind is its record, and nothing outside this file names a kind:
+
+    LayerKind
+      mixer           (cfg, rngs, *, positions) -> the mixer module
+      mask            (cfg, base, bidirectional) -> its mask over a whole sequence,
+                      from the model's base mask; None: it takes no mask (a
+                      recurrent mixer, causal by construction)
+      positions       its attention sees the model's position encoding (RoPE
+                      rotation, ALiBi / T5 biases); False: a NoPE layer
+      cache           (cfg, batch, max_len, dtype) -> its empty inference state
+                      (a `tfjax.inference.kv_cache.LayerCache`); None: no cache
+      slots           (cfg, max_len) -> (size, window) of its KV cache, from which
+                      the model builds its decode masks; None: a recurrent state
+      decoder_only    a causal mixer: arch='decoder' only
+      order_dependent its output depends on the tokens' order other than through
+                      attention's position-aware mask (the trainer's zig-zag data
+                      layout would change it)
+    FfnKind
+      build             (cfg, rngs) -> the feed-forward module, or None
+      order_dependence  (cfg) -> why its output depends on the tokens' order, or None
+
+Readers: `LayerStack` (mixers, ffns), `attention_inputs` (masks, biases), `caching`
+(states, slots), `check_names` (names, decoder-only) and the trainer's zig-zag
+fallback (order dependence). Adding a kind is its module (in `tfjax.nn`) and one
+`LAYER_KINDS.register(name, LayerKind(...))` below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tfjax.config import ModelConfig
+from tfjax.inference.kv_cache import KVCache, LayerCache, LinearCache, MambaCache
+from tfjax.nn.attention import MultiHeadAttention
+from tfjax.nn.ffn import FeedForward
+from tfjax.nn.linear_attention import FEATURE_MAPS, LinearAttention
+from tfjax.nn.moe import MoE
+from tfjax.nn.positions import RotaryEmbedding
+from tfjax.nn.ssm import Mamba
+from tfjax.ops import masks as masks_lib
+from tfjax.registry import Registry
+
+__all__ = ["FFN_KINDS", "FfnKind", "LAYER_KINDS", "LayerKind", "attention"]
+
+MaskRule = Callable[[ModelConfig, "masks_lib.Mask | None", bool], "masks_lib.Mask | None"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerKind:
+    """What a layer kind is (see the module docstring for each field)."""
+
+    doc: str
+    mixer: Callable[..., nnx.Module]
+    mask: MaskRule | None = None
+    positions: bool = True
+    cache: Callable[[ModelConfig, int, int, Any], LayerCache] | None = None
+    slots: Callable[[ModelConfig, int], tuple[int, int]] | None = None
+    decoder_only: bool = False
+    order_dependent: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class FfnKind:
+    """What an ffn kind is: its builder and when it depends on the tokens' order."""
+
+    doc: str
+    build: Callable[[ModelConfig, nnx.Rngs], nnx.Module | None]
+    order_dependence: Callable[[ModelConfig], str | None] = lambda cfg: None
+
+
+LAYER_KINDS: Registry[LayerKind] = Registry("layer kind")
+FFN_KINDS: Registry[FfnKind] = Registry("ffn kind")
+
+
+def _out_std(cfg: ModelConfig) -> float:
+    return cfg.init_std / math.sqrt(2 * cfg.num_layers)
+
+
+def _rope(cfg: ModelConfig) -> RotaryEmbedding | None:
+    if cfg.position != "rope":
+        return None
+    r = cfg.rope
+    return RotaryEmbedding(
+        head_dim=cfg.head_size, theta=r.theta, fraction=r.fraction, layout=r.layout,
+        scaling=r.scaling, factor=r.factor, original_max_len=r.original_max_len,
+        beta_fast=r.beta_fast, beta_slow=r.beta_slow, mscale=r.mscale,
+        low_freq_factor=r.low_freq_factor, high_freq_factor=r.high_freq_factor)
+
+
+def attention(cfg: ModelConfig, rngs: nnx.Rngs, *, positions: bool) -> MultiHeadAttention:
+    """The model's attention: self-attention of the attention kinds (`positions`: the
+    model's RoPE, if any) and the decoder's cross-attention (positions=False)."""
+    return MultiHeadAttention(
+        cfg.d_model, cfg.num_heads, num_kv_heads=cfg.kv_heads, head_dim=cfg.head_size,
+        qkv_bias=cfg.qkv_bias, out_bias=cfg.out_bias, qk_norm=cfg.qk_norm,
+        qk_norm_kind="layernorm" if cfg.norm == "layernorm" else cfg.norm, norm_eps=cfg.norm_eps,
+        scale=cfg.scale, softcap=cfg.attn_softcap or None,
+        rope=_rope(cfg) if positions else None, implementation=cfg.attention_impl,
+        context_parallel=cfg.context_parallel, zigzag=cfg.zigzag,
+        dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype),
+        init_std=cfg.init_std, out_init_std=_out_std(cfg), rngs=rngs)
+
+
+# --------------------------------------------------------------------------- #
+# Attention kinds: a KV cache of `slots` slots; the window is the only difference.
+# --------------------------------------------------------------------------- #
+
+
+def _attention_kind(doc: str, window_of: Callable[[ModelConfig], int]) -> LayerKind:
+    """An attention layer that sees `window_of(cfg)` keys before the query (0: all)."""
+
+    def mask(cfg, base, bidirectional):
+        w = window_of(cfg)
+        if not w:
+            return base
+        return masks_lib.combine(base, masks_lib.sliding_window(w, w if bidirectional else 0))
+
+    def slots(cfg, max_len):  # a rolling buffer of W + 1 slots: the query and W keys
+        w = window_of(cfg)
+        return (min(w + 1, max_len), w) if w else (max_len, 0)
+
+    def cache(cfg, batch, max_len, dtype):
+        size, window = slots(cfg, max_len)
+        return KVCache.empty(batch, size, cfg.kv_heads, cfg.head_size, dtype, window=window)
+
+    return LayerKind(doc=doc, mixer=attention, mask=mask, cache=cache, slots=slots)
+
+
+LAYER_KINDS.register("global", _attention_kind(
+    "full attention under the model's mask", lambda cfg: 0))
+LAYER_KINDS.register("local", _attention_kind(
+    "sliding-window attention of model.sliding_window keys back", lambda cfg: cfg.sliding_window))
+
+
+# --------------------------------------------------------------------------- #
+# Recurrent kinds: an O(1) state, no mask, decoder only.
+# --------------------------------------------------------------------------- #
+
+
+def _mamba(cfg: ModelConfig, rngs: nnx.Rngs, *, positions: bool) -> Mamba:
+    s = cfg.ssm
+    return Mamba(cfg.d_model, d_state=s.d_state, d_conv=s.d_conv, expand=s.expand,
+                 dt_rank=s.dt_rank, chunk_size=s.chunk, conv_bias=s.conv_bias,
+                 proj_bias=s.proj_bias, inner_norm=s.inner_norm, norm_eps=cfg.norm_eps,
+                 dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype),
+                 init_std=cfg.init_std, out_init_std=_out_std(cfg), rngs=rngs)
+
+
+def _mamba_cache(cfg: ModelConfig, batch: int, max_len: int, dtype) -> MambaCache:
+    s = cfg.ssm
+    return MambaCache.empty(batch, s.d_conv, s.expand * cfg.d_model, s.d_state, dtype)
+
+
+def _linear(cfg: ModelConfig, rngs: nnx.Rngs, *, positions: bool) -> LinearAttention:
+    return LinearAttention(cfg.d_model, cfg.num_heads, num_kv_heads=cfg.kv_heads,
+                           head_dim=cfg.head_size, qkv_bias=cfg.qkv_bias, out_bias=cfg.out_bias,
+                           feature_map=cfg.linear.feature_map, chunk_size=cfg.linear.chunk,
+                           dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype),
+                           init_std=cfg.init_std, out_init_std=_out_std(cfg), rngs=rngs)
+
+
+def _linear_cache(cfg: ModelConfig, batch: int, max_len: int, dtype) -> LinearCache:
+    phi = FEATURE_MAPS.get(cfg.linear.feature_map, field="model.linear.feature_map")
+    features = jax.eval_shape(phi, jax.ShapeDtypeStruct((cfg.head_size,), jnp.float32)).shape[-1]
+    return LinearCache.empty(batch, cfg.kv_heads, features, cfg.head_size)
+
+
+LAYER_KINDS.register("mamba", LayerKind(
+    "Mamba selective SSM mixer (tfjax.nn.ssm; model.ssm; decoder only)", _mamba,
+    positions=False, cache=_mamba_cache, decoder_only=True, order_dependent=True))
+LAYER_KINDS.register("linear", LayerKind(
+    "causal linear attention (tfjax.nn.linear_attention; model.linear; decoder only)", _linear,
+    positions=False, cache=_linear_cache, decoder_only=True, order_dependent=True))
+
+
+# --------------------------------------------------------------------------- #
+# Ffn kinds.
+# --------------------------------------------------------------------------- #
+
+
+def _ffn_kw(cfg: ModelConfig, rngs: nnx.Rngs) -> dict:
+    return dict(activation=cfg.activation, use_bias=cfg.ffn_bias, dtype=jnp.dtype(cfg.dtype),
+                param_dtype=jnp.dtype(cfg.param_dtype), init_std=cfg.init_std,
+                out_init_std=_out_std(cfg), rngs=rngs)
+
+
+def _dense(cfg: ModelConfig, rngs: nnx.Rngs) -> FeedForward:
+    return FeedForward(cfg.d_model, cfg.d_ff, **_ffn_kw(cfg, rngs))
+
+
+def _moe(cfg: ModelConfig, rngs: nnx.Rngs) -> MoE:
+    m = cfg.moe
+    return MoE(cfg.d_model, m.d_ff or cfg.d_ff, num_experts=m.num_experts,
+               experts_per_token=m.experts_per_token, shared_experts=m.shared_experts,
+               renormalize=m.router_renormalize, capacity_factor=m.capacity_factor,
+               implementation=m.impl, aux_loss_weight=m.aux_loss_weight,
+               z_loss_weight=m.z_loss_weight, **_ffn_kw(cfg, rngs))
+
+
+def _moe_order(cfg: ModelConfig) -> str | None:
+    if cfg.moe.capacity_factor > 0:
+        return "model.moe.capacity_factor > 0 MoE fills expert slots in token order"
+    return None
+
+
+FFN_KINDS.register("dense", FfnKind("the feed-forward of model.activation and model.d_ff", _dense))
+FFN_KINDS.register("moe", FfnKind("a routed Mixture of Experts (tfjax.nn.moe; model.moe)", _moe,
+                                  order_dependence=_moe_order))
+FFN_KINDS.register("none", FfnKind("no feed-forward sublayer (Mamba: mixer only)",
+                                   lambda cfg, rngs: None))
