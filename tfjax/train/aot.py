@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from tfjax.config import RunConfig
 from tfjax.data.tokenizers import load_tokenizer
 from tfjax.models import build, check_names
+from tfjax.ops.target import gpu_lowering_target
 from tfjax.parallel.mesh import make_mesh
 from tfjax.train.trainer import build_program, check_run
 
@@ -162,8 +163,6 @@ def _lowering_for(device):
     kind = getattr(device, "device_kind", "")
     if device.platform not in ("gpu", "cuda") or jax.default_backend() == "gpu":
         return contextlib.nullcontext()
-    from tfjax.ops.target import gpu_lowering_target
-
     name = next((n for n in ("GH200", "H200", "H100") if n in kind), None)
     if name is None:
         raise ValueError(f"compile_only: no GPU lowering target for device kind {kind!r}")
