@@ -6,8 +6,8 @@ import ml_collections
 import pytest
 
 from tfjax import models
-from tfjax.config import (ModelConfig, apply_variant, default_config, model_config, moved_field,
-                          run_config)
+from tfjax.config import (ModelConfig, apply_variant, default_config, model_config,
+                          moved_field, run_config, to_config_dict, upgrade_saved)
 
 GOOD = dict(vocab_size=64, d_model=32, num_layers=2, num_heads=4, d_ff=64)
 
@@ -118,6 +118,24 @@ def test_a_moved_field_names_its_new_path(old):
     with pytest.raises(ValueError, match=f"preset variant 'tiny': {msg}"):
         apply_variant(default_config(), "tiny", {"tiny": {"model": {old: 1}}})
     assert moved_field(f"model.{old}") == f"model.{new}"  # what the CLI asks
+
+
+def test_a_saved_run_from_before_the_move_still_loads():
+    """A run's config.json written with the flat fields (every field is saved, so
+    every old run has them) upgrades to the sections; a current one is unchanged."""
+    want = run_config({"model": {**GOOD, "ffn_pattern": ("moe",),
+                                 "moe": {"num_experts": 4, "d_ff": 48}, "t5": {"num_buckets": 8}}})
+    saved = to_config_dict(want).to_dict()
+    old = dict(saved, model={k: v for k, v in saved["model"].items()
+                             if k not in ("moe", "ssm", "linear", "t5")})
+    for flat, new in MOVED.items():
+        section, field = new.split(".")
+        old["model"][flat] = saved["model"][section][field]
+    assert run_config(upgrade_saved(old)) == want
+    assert upgrade_saved(saved) == saved
+    assert run_config(upgrade_saved(saved)) == want
+    with pytest.raises(ValueError, match="moved to"):  # without the upgrade: the error
+        run_config(old)
 
 
 def test_moved_field_is_only_for_moved_paths():

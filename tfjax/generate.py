@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tfjax.config import run_config
+from tfjax.config import run_config, upgrade_saved
 from tfjax.data.tokenizers import load_tokenizer
 from tfjax.inference import stream
 from tfjax.interop import hf
@@ -55,7 +55,7 @@ def load_run(workdir: str, step: int | None = None):
         raise ValueError(f"--workdir: {path} not found; point --workdir at the directory a "
                          f"`python -m tfjax.train --workdir ...` run wrote")
     with open(path) as f:
-        cfg = run_config(json.load(f))
+        cfg = run_config(upgrade_saved(json.load(f)))  # runs saved before a field moved
     ckpt = Checkpointer(workdir, dataclasses.replace(cfg.checkpoint, async_save=False))
     try:
         step = ckpt.latest_step() if step is None else step

@@ -19,7 +19,7 @@ imports nothing else of tfjax, so names that a registry owns (`model.activation`
 """
 
 from tfjax.config.convert import (apply_variant, default_config, from_dict, model_config,
-                                  moved_field, run_config, to_config_dict)
+                                  moved_field, run_config, to_config_dict, upgrade_saved)
 from tfjax.config.model import (DTYPES, LinearConfig, ModelConfig, MoEConfig, RopeConfig,
                                 SSMConfig, T5Config)
 from tfjax.config.run import (DEFAULT_RULES, MESH_AXES, CheckpointConfig, DataConfig, MeshConfig,
@@ -27,6 +27,7 @@ from tfjax.config.run import (DEFAULT_RULES, MESH_AXES, CheckpointConfig, DataCo
 from tfjax.config.run import _validate_mesh  # noqa: F401  (tests/parallel/test_mesh.py)
 
 __all__ = [
+    "upgrade_saved",
     "RopeConfig",
     "MoEConfig",
     "SSMConfig",

@@ -21,7 +21,7 @@ from tfjax.config.model import ModelConfig
 from tfjax.config.run import RunConfig
 
 __all__ = ["apply_variant", "default_config", "from_dict", "model_config", "moved_field",
-           "run_config", "to_config_dict"]
+           "run_config", "to_config_dict", "upgrade_saved"]
 
 
 def _convert(field: str, tp: Any, value: Any) -> Any:
@@ -104,6 +104,30 @@ def moved_field(path: str, root: type = RunConfig) -> str | None:
             return None
         cls = hints[part]
     return None
+
+
+def upgrade_saved(values: Mapping[str, Any], root: type = RunConfig) -> dict:
+    """A config that tfjax itself saved (a run's `config.json`), with every field
+    that has since moved into a section put at its path now (`model.num_experts` ->
+    `model.moe.num_experts`), so runs written before the move still load. Only for
+    saved configs: a preset or an override that uses an old path still gets the
+    error naming the new one (`from_dict`)."""
+    out: dict[str, Any] = {}
+    hints = typing.get_type_hints(root)
+    moved = getattr(root, "MOVED", {})
+    for key, value in values.items():
+        if key in moved:
+            *sections, leaf = moved[key].split(".")
+            node = out
+            for section in sections:
+                node = node.setdefault(section, {})
+            node[leaf] = value
+        elif dataclasses.is_dataclass(hints.get(key)) and isinstance(value, Mapping):
+            section = upgrade_saved(value, hints[key])
+            out[key] = {**section, **out.get(key, {})} if key in out else section
+        else:
+            out[key] = value
+    return out
 
 
 def model_config(cfg: Mapping[str, Any] | ml_collections.ConfigDict | ModelConfig) -> ModelConfig:
