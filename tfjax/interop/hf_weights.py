@@ -103,10 +103,7 @@ def _norm(w, name: str, L: tuple, cfg: ModelConfig) -> dict:
 def llama_weights(w: Weights, cfg: ModelConfig, hf: dict) -> dict:
     out = {("embed", "tokens", "embedding"): w["model.embed_tokens.weight"],
            **_norm(w, "model.norm", ("final_norm",), cfg)}
-    if cfg.tie_embeddings:
-        w.ignore("lm_head.weight")
-    else:
-        out[("embed", "head", "kernel")] = w["lm_head.weight"].T
+    out.update(_head(w, "lm_head.weight", cfg))
     sandwich = cfg.norm_placement == "sandwich"
     for i in range(cfg.num_layers):
         p, L = f"model.layers.{i}.", ("layers", i)
@@ -153,20 +150,32 @@ def _fused_qkv(w, p: str, L: tuple, cfg: ModelConfig) -> dict:
     return out
 
 
+def _head(w: Weights, name: str, cfg: ModelConfig) -> dict:
+    """The output projection `name` (`[V, D]`): ours `[D, V]`, or nothing when the
+    model ties it to the embedding (the checkpoint's copy is then read and dropped)."""
+    if cfg.tie_embeddings:
+        w.ignore(name)
+        return {}
+    return {("embed", "head", "kernel"): w[name].T}
+
+
+def _fused_layer(w: Weights, p: str, L: tuple, cfg: ModelConfig, *, attention: str) -> dict:
+    """A NeoX / BLOOM layer: fused QKV under `p + attention`, two LayerNorms, a
+    dense_h_to_4h / dense_4h_to_h MLP with biases."""
+    return {**_fused_qkv(w, p + attention, L + ("attn",), cfg),
+            **_norm(w, p + "input_layernorm", L + ("attn_norm",), cfg),
+            **_norm(w, p + "post_attention_layernorm", L + ("ffn_norm",), cfg),
+            **_linear(w, p + "mlp.dense_h_to_4h", L + ("ffn", "wi"), True),
+            **_linear(w, p + "mlp.dense_4h_to_h", L + ("ffn", "wo"), True)}
+
+
 def neox_weights(w: Weights, cfg: ModelConfig, hf: dict) -> dict:
     out = {("embed", "tokens", "embedding"): w["gpt_neox.embed_in.weight"],
            **_norm(w, "gpt_neox.final_layer_norm", ("final_norm",), cfg)}
-    if cfg.tie_embeddings:
-        w.ignore("embed_out.weight")
-    else:
-        out[("embed", "head", "kernel")] = w["embed_out.weight"].T
+    out.update(_head(w, "embed_out.weight", cfg))
     for i in range(cfg.num_layers):
         p, L = f"gpt_neox.layers.{i}.", ("layers", i)
-        out.update(_fused_qkv(w, p + "attention.", L + ("attn",), cfg))
-        out.update(_norm(w, p + "input_layernorm", L + ("attn_norm",), cfg))
-        out.update(_norm(w, p + "post_attention_layernorm", L + ("ffn_norm",), cfg))
-        out.update(_linear(w, p + "mlp.dense_h_to_4h", L + ("ffn", "wi"), True))
-        out.update(_linear(w, p + "mlp.dense_4h_to_h", L + ("ffn", "wo"), True))
+        out.update(_fused_layer(w, p, L, cfg, attention="attention."))
         w.ignore(p + "attention.bias", p + "attention.masked_bias", p + "attention.rotary_emb.inv_freq")
     return out
 
@@ -175,17 +184,10 @@ def bloom_weights(w: Weights, cfg: ModelConfig, hf: dict) -> dict:
     out = {("embed", "tokens", "embedding"): w["transformer.word_embeddings.weight"],
            **_norm(w, "transformer.word_embeddings_layernorm", ("embed", "norm"), cfg),
            **_norm(w, "transformer.ln_f", ("final_norm",), cfg)}
-    if cfg.tie_embeddings:
-        w.ignore("lm_head.weight")
-    else:
-        out[("embed", "head", "kernel")] = w["lm_head.weight"].T
+    out.update(_head(w, "lm_head.weight", cfg))
     for i in range(cfg.num_layers):
         p, L = f"transformer.h.{i}.", ("layers", i)
-        out.update(_fused_qkv(w, p + "self_attention.", L + ("attn",), cfg))
-        out.update(_norm(w, p + "input_layernorm", L + ("attn_norm",), cfg))
-        out.update(_norm(w, p + "post_attention_layernorm", L + ("ffn_norm",), cfg))
-        out.update(_linear(w, p + "mlp.dense_h_to_4h", L + ("ffn", "wi"), True))
-        out.update(_linear(w, p + "mlp.dense_4h_to_h", L + ("ffn", "wo"), True))
+        out.update(_fused_layer(w, p, L, cfg, attention="self_attention."))
     return out
 
 
@@ -194,10 +196,7 @@ def gpt2_weights(w: Weights, cfg: ModelConfig, hf: dict) -> dict:
     out = {("embed", "tokens", "embedding"): w["transformer.wte.weight"],
            ("embed", "positions", "embedding"): w["transformer.wpe.weight"],
            **_norm(w, "transformer.ln_f", ("final_norm",), cfg)}
-    if cfg.tie_embeddings:
-        w.ignore("lm_head.weight")
-    else:
-        out[("embed", "head", "kernel")] = w["lm_head.weight"].T
+    out.update(_head(w, "lm_head.weight", cfg))
     for i in range(cfg.num_layers):
         p, L = f"transformer.h.{i}.", ("layers", i)
         A = L + ("attn",)
@@ -235,11 +234,8 @@ def bert_weights(w: Weights, cfg: ModelConfig, hf: dict) -> dict:
     out.update(_linear(w, c + "transform.dense", ("mlm_dense",), True))
     out.update(_norm(w, c + "transform.LayerNorm", ("mlm_norm",), cfg))
     out[("mlm_bias",)] = w[c + "bias"]
-    if cfg.tie_embeddings:
-        w.ignore(c + "decoder.weight", c + "decoder.bias")
-    else:
-        out[("embed", "head", "kernel")] = w[c + "decoder.weight"].T
-        w.ignore(c + "decoder.bias")
+    out.update(_head(w, c + "decoder.weight", cfg))
+    w.ignore(c + "decoder.bias")  # the MLM bias is `mlm_bias` (cls.predictions.bias), tied to it
     if "bert.pooler.dense.weight" in w:
         out.update(_linear(w, "bert.pooler.dense", ("pooler",), True))
     w.ignore("cls.seq_relationship.weight", "cls.seq_relationship.bias")  # NSP head
@@ -249,10 +245,7 @@ def bert_weights(w: Weights, cfg: ModelConfig, hf: dict) -> dict:
 def t5_weights(w: Weights, cfg: ModelConfig, hf: dict) -> dict:
     out = {("embed", "tokens", "embedding"): w["shared.weight"]}
     w.ignore("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
-    if cfg.tie_embeddings:
-        w.ignore("lm_head.weight")
-    else:
-        out[("embed", "head", "kernel")] = w["lm_head.weight"].T
+    out.update(_head(w, "lm_head.weight", cfg))
     qkvo = ("q", "k", "v", "o")
 
     def ffn(p, L):
@@ -286,10 +279,7 @@ def mamba_weights(w: Weights, cfg: ModelConfig, hf: dict) -> dict:
     D, Di = cfg.d_model, cfg.ssm.expand * cfg.d_model
     out = {("embed", "tokens", "embedding"): w["backbone.embeddings.weight"],
            **_norm(w, "backbone.norm_f", ("final_norm",), cfg)}
-    if cfg.tie_embeddings:
-        w.ignore("lm_head.weight")
-    else:
-        out[("embed", "head", "kernel")] = w["lm_head.weight"].T
+    out.update(_head(w, "lm_head.weight", cfg))
     for i in range(cfg.num_layers):
         p, L = f"backbone.layers.{i}.", ("layers", i)
         M = L + ("attn",)  # the mixer sits where attention does
