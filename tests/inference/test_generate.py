@@ -15,6 +15,8 @@ from tfjax import models
 from tfjax.config import model_config
 from tfjax.inference import generate, stream
 
+from greedy_reference import recompute_greedy
+
 TINY = dict(vocab_size=61, d_model=32, num_layers=2, num_heads=4, d_ff=48, max_len=64,
             init_std=1.0, tie_embeddings=False)
 
@@ -48,22 +50,6 @@ def build(**kw):
 def prompts(B=2, T=6, seed=0, vocab=61):
     return jax.random.randint(jax.random.key(seed), (B, T), 0, vocab)
 
-
-def recompute_greedy(model, prompt, lengths, n):
-    """Greedy decoding by running the whole model at every step (no cache)."""
-    prompt, lengths = np.asarray(prompt), np.asarray(lengths)
-    B, T = prompt.shape
-    buf = np.zeros((B, T + n), np.int32)
-    buf[:, :T] = prompt
-    f = nnx.jit(lambda m, t: m(t))
-    cur, rows, out = lengths.copy(), np.arange(B), []
-    for _ in range(n):
-        logits = np.asarray(f(model, jnp.asarray(buf)))
-        nxt = logits[rows, cur - 1].argmax(-1)
-        buf[rows, cur] = nxt
-        cur += 1
-        out.append(nxt)
-    return np.stack(out, 1)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

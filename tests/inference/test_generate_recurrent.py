@@ -17,6 +17,8 @@ from tfjax import models
 from tfjax.config import model_config
 from tfjax.inference import generate, kv_cache
 
+from greedy_reference import recompute_greedy
+
 TINY = dict(vocab_size=64, d_model=32, num_layers=2, num_heads=4, d_ff=48, max_len=64,
             init_std=1.0, tie_embeddings=False, norm="rmsnorm", position="none",
             ssm=dict(d_state=4, d_conv=3, dt_rank=4))
@@ -60,26 +62,6 @@ def greedy(built):
 def prompts(B=2, T=6, seed=0):
     return jax.random.randint(jax.random.key(seed), (B, T), 0, TINY["vocab_size"])
 
-
-def recompute_greedy(model, prompt, lengths, n, *, prefix_lm=False):
-    """Greedy decoding by running the whole model at every step (no cache); a
-    prefix-LM model sees each row's prompt as its bidirectional prefix."""
-    prompt, lengths = np.asarray(prompt), np.asarray(lengths)
-    B, T = prompt.shape
-    buf = np.zeros((B, T + n), np.int32)
-    buf[:, :T] = prompt
-    if prefix_lm:
-        f = nnx.jit(lambda m, t, p: m(t, prefix_lengths=p))
-    else:
-        f = nnx.jit(lambda m, t, p: m(t))
-    cur, rows, out = lengths.copy(), np.arange(B), []
-    for _ in range(n):
-        logits = np.asarray(f(model, jnp.asarray(buf), jnp.asarray(lengths)))
-        nxt = logits[rows, cur - 1].argmax(-1)
-        buf[rows, cur] = nxt
-        cur += 1
-        out.append(nxt)
-    return np.stack(out, 1)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

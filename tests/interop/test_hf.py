@@ -15,16 +15,6 @@ transformers = pytest.importorskip("transformers", reason="the hf extra (transfo
                                    "installed")
 
 from tfjax.inference import generate  # noqa: E402
-
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    # Idle intra-op threads spin: many CPU-seconds for these tiny models.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 from tfjax.interop import hf  # noqa: E402
 
 V = 96

@@ -26,15 +26,6 @@ from tfjax.models import build  # noqa: E402
 from tfjax.parallel.mesh import make_mesh  # noqa: E402
 
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    # Idle intra-op threads spin: many CPU-seconds for these tiny models.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 LLAMA = dict(arch="decoder", vocab_size=80, d_model=32, num_layers=3, num_heads=4, num_kv_heads=2,
              d_ff=40, activation="swiglu", norm="rmsnorm", norm_eps=1e-6, ffn_bias=False,
              tie_embeddings=False, position="rope", init_std=0.1, max_len=64,

@@ -17,6 +17,8 @@ from flax import nnx
 
 from tfjax.nn.ffn import ACTIVATIONS, FeedForward
 
+from module_vjp import run_module
+
 GATED = {"reglu", "geglu", "geglu_tanh", "swiglu"}
 PLAIN = {"relu", "gelu", "gelu_tanh", "silu"}
 ALL = sorted(GATED | PLAIN)
@@ -124,18 +126,6 @@ def assert_trees_close(actual, expected, **tol):
     for k in e:
         np.testing.assert_allclose(np.asarray(a[k], np.float64), e[k], err_msg=str(k), **tol)
 
-
-def run_module(module, x, cotangent):
-    """(y, d/dparams as a nested dict, d/dx) for loss = sum(y * cotangent), one jit."""
-    graphdef, params = nnx.split(module, nnx.Param)
-
-    @jax.jit
-    def run(params, x, cotangent):
-        y, vjp = jax.vjp(lambda p, x: nnx.merge(graphdef, p)(x), params, x)
-        return (y, *vjp(cotangent))
-
-    y, g_params, g_x = run(params, x, cotangent)
-    return y, g_params.to_pure_dict(), g_x
 
 
 def inputs(shape, seed, dtype=jnp.float32):

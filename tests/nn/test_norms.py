@@ -14,6 +14,8 @@ from flax import nnx
 
 from tfjax.nn.norms import NORMS, make_norm
 
+from module_vjp import run_module
+
 EPS = 1e-5
 KINDS = ("layernorm", "rmsnorm", "rmsnorm_plus_one")
 D = 13  # not a multiple of 8; one shape for most tests so eager compiles are reused
@@ -74,18 +76,6 @@ def pure_params(module):
 
 apply = nnx.jit(lambda module, x: module(x))  # one compile per call site beats many eager ones
 
-
-def run_module(module, x, cotangent):
-    """(y, d/dparams as a dict, d/dx) for loss = sum(y * cotangent), under one jit."""
-    graphdef, params = nnx.split(module, nnx.Param)
-
-    @jax.jit
-    def run(params, x, cotangent):
-        y, vjp = jax.vjp(lambda p, x: nnx.merge(graphdef, p)(x), params, x)
-        return (y, *vjp(cotangent))
-
-    y, g_params, g_x = run(params, x, cotangent)
-    return y, g_params.to_pure_dict(), g_x
 
 
 def assert_dicts_close(actual, expected, **tol):
