@@ -19,11 +19,11 @@ from tfjax.ops import masks
 from tfjax.parallel.mesh import make_mesh
 from tfjax.parallel.rules import logical_rules
 from tfjax.parallel.sharding import use_rules
+from tfjax.parallel.zigzag import zigzag, zigzag_data
 from tfjax.train import Trainer
 from tfjax.train.trainer import build_program, zigzag_devices, zigzag_rows
 
-# The module (tfjax.parallel.ring_attention is also the exported function).
-ring_lib = sys.modules["tfjax.parallel.ring_attention"]
+cp_lib = sys.modules["tfjax.parallel.context_parallel"]
 
 
 def _config(seq_len=32, model=None, **mesh):
@@ -61,14 +61,14 @@ def test_sequence_parallel_training_matches_one_device(tmp_path, one_device, mod
     # Record which sequence-parallel attention the layer really ran.
     calls, layouts = [], set()
     for name in ("ring_attention", "all_gather_attention"):
-        inner = getattr(ring_lib, name)
+        inner = getattr(cp_lib, name)
 
         def spy(*args, _inner=inner, _name=name, **kwargs):
             calls.append(_name)
             layouts.add((kwargs.get("load_balance"), kwargs.get("natural_order")))
             return _inner(*args, **kwargs)
 
-        monkeypatch.setattr(ring_lib, name, spy)
+        monkeypatch.setattr(cp_lib, name, spy)
     trainers = []
     got = _losses(tmp_path, mode, 8, trainers, data=2, sequence=4, cp=mode)
     assert len(got) == 3 == len(one_device)
@@ -118,7 +118,7 @@ def test_zigzag_plan_and_host_reorder():
         n, note = zigzag_devices(_config(data=2, sequence=4, **kw), mesh)
         assert n == 0 and why in note and "model.zigzag='layer'" in note
     x = np.arange(3 * 32).reshape(3, 32)
-    np.testing.assert_array_equal(zigzag_rows(x, 4), np.asarray(ring_lib.zigzag(x, 4)))
+    np.testing.assert_array_equal(zigzag_rows(x, 4), np.asarray(zigzag(x, 4)))
 
 
 def test_zigzag_data_refuses_what_it_cannot_read():
@@ -128,7 +128,7 @@ def test_zigzag_data_refuses_what_it_cannot_read():
     mesh = make_mesh(cfg.mesh, jax.devices()[:8])
     attn = nnx.eval_shape(lambda: MultiHeadAttention(32, 4, rngs=nnx.Rngs(0)))
     q = np.zeros((2, 32, 4, 8), np.float32)  # only shapes are read before the errors
-    with use_rules(mesh, logical_rules(cfg.mesh.rules)), ring_lib.zigzag_data(4):
+    with use_rules(mesh, logical_rules(cfg.mesh.rules)), zigzag_data(4):
         with pytest.raises(ValueError, match="zigzag='layer'"):
             attn.attend(q, q, q, masks.causal(), bias=np.zeros((2, 4, 32, 32), np.float32))
         with pytest.raises(ValueError, match="T % 8 == 0"):
@@ -147,3 +147,4 @@ def test_context_parallel_is_validated():
         _config(model=dict(zigzag="zag")).validate()
     with pytest.raises(ValueError, match="zigzag"):
         MultiHeadAttention(32, 4, zigzag="zag", rngs=nnx.Rngs(0))
+
