@@ -224,17 +224,18 @@ def test_the_ring_runs_the_block_family_it_is_given(mesh4, monkeypatch, implemen
     assert set(calls) == {(family, "forward"), (family, "backward")}, calls
 
 
-@pytest.mark.xla_optimized  # the compiled HLO is checked too
-def test_all_gather_attention_matches_reference(mesh2x4):
+def _all_gather_matches_reference(mesh, **kwargs):
+    """all_gather_attention (`kwargs`) against the reference: packed documents,
+    causal, ALiBi's and T5's explicit positions (the kv ones gathered with K/V), T5's
+    table (its gradient summed over the devices); out, dq, dk, dv, dtable. Returns
+    the gathered attention and its q, k, v."""
     mask = MASKS["segments_causal"]()
     q, k, v, ct = _inputs()
-
-    alibi = _alibi(positions=True)  # kv positions are gathered with K/V
-    rel = _relative(True)  # and T5's, its table's gradient summed over the devices
+    alibi, rel = _alibi(positions=True), _relative(True)
 
     def gathered(q, k, v, t=rel["table"]):
-        return all_gather_attention(q, k, v, mask, mesh=mesh2x4, batch_axes="data",
-                                    block_q=8, block_kv=8, relative_bias=_rb(rel, t), **alibi)
+        return all_gather_attention(q, k, v, mask, mesh=mesh, batch_axes="data",
+                                    relative_bias=_rb(rel, t), **alibi, **kwargs)
 
     got = jax.jit(lambda *a: _out_and_grads(gathered, *a))(q, k, v, rel["table"], ct)
     want = jax.jit(lambda *a: _out_and_grads(
@@ -243,8 +244,21 @@ def test_all_gather_attention_matches_reference(mesh2x4):
     np.testing.assert_allclose(got[0], want[0], atol=1e-5, rtol=1e-5)
     for name, g, w in zip(["q", "k", "v", "table"], got[1:], want[1:]):
         np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4, err_msg=f"d{name}")
-    hlo = jax.jit(gathered).lower(q, k, v).compile().as_text()
+    return gathered, (q, k, v)
+
+
+@pytest.mark.xla_optimized  # the compiled HLO is checked too
+def test_all_gather_attention_matches_reference(mesh2x4):
+    gathered, args = _all_gather_matches_reference(mesh2x4, block_q=8, block_kv=8)
+    hlo = jax.jit(gathered).lower(*args).compile().as_text()
     assert "all-gather" in hlo and "collective-permute" not in hlo
+
+
+def test_all_gather_attention_runs_an_explicit_implementation_per_device(mesh2x4):
+    """implementation="xla" per device through `dot_product_attention`, at each
+    device's global query offset (the dispatch materialises the mask, ALiBi and T5's
+    bias for xla at that traced offset)."""
+    _all_gather_matches_reference(mesh2x4, implementation="xla")
 
 
 def test_softcap_through_the_ring(mesh4):

@@ -13,8 +13,14 @@ the layer's self-attention across the devices of that axis, as the layer's
   re-lays out per layer; "layer" always re-lays out; "none" runs contiguous chunks.
 - "all_gather": `all_gather_attention` (each device gathers the whole K/V).
 
-Anything else (no such mesh, or not sequence-parallel self-attention, e.g.
-cross-attention) returns None and the layer uses `dot_product_attention`.
+The layer's `implementation` (`ModelConfig.attention_impl`) reaches both: the ring
+runs it per block (`tfjax.ops.attention.select_ring_block`: "auto" is the ring's
+own order, an implementation without a ring block raises, naming those it has),
+all-gather runs it per device at the device's global query offset ("auto" and
+"blockwise" the blockwise functions; another through `dot_product_attention`,
+which raises when it cannot serve that call). Anything else (no such mesh, or not
+sequence-parallel self-attention, e.g. cross-attention) returns None and the layer
+uses `dot_product_attention`.
 """
 
 from __future__ import annotations
@@ -31,12 +37,13 @@ CONTEXT_PARALLEL_MODES = ("ring", "all_gather")
 
 
 def context_parallel_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mode: str = "ring",
-                               zigzag: str = "data", scale=None, softcap=None,
-                               alibi: Alibi | None = None,
+                               zigzag: str = "data", implementation: str = "auto", scale=None,
+                               softcap=None, alibi: Alibi | None = None,
                                relative_bias: RelativeBias | None = None):
     """Attention for a layer under an active mesh whose rules split "length" over a
     mesh axis of size n > 1: `ring_attention` (mode "ring") or
-    `all_gather_attention` (mode "all_gather"). Returns None when no such mesh is active or the call is
+    `all_gather_attention` (mode "all_gather"), running `implementation` as the
+    module docstring says. Returns None when no such mesh is active or the call is
     not sequence-parallel self-attention (T != S, e.g. cross-attention): the caller
     then uses `dot_product_attention`.
 
@@ -83,7 +90,7 @@ def context_parallel_attention(q, k, v, mask: masks_lib.Mask | None = None, *, m
                          f"devices, but {seq_axis!r} has {n} and T={T} (zig-zag needs "
                          f"T % {2 * n} == 0)")
     common = dict(mesh=mesh, seq_axis=seq_axis, batch_axes=batch_axes, scale=scale,
-                  softcap=softcap, relative_bias=relative_bias,
+                  softcap=softcap, implementation=implementation, relative_bias=relative_bias,
                   **Alibi.kwargs(alibi))
     if mode == "all_gather":
         return all_gather_attention(q, k, v, mask, **common)

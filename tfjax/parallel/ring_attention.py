@@ -63,10 +63,10 @@ import numpy as np
 from jax import lax
 
 from tfjax.ops import masks as masks_lib
-from tfjax.ops.attention import select_ring_block
+from tfjax.ops.attention import dot_product_attention, select_ring_block
 from tfjax.ops.blockwise import DEFAULT_BLOCK, blockwise_attention
 from tfjax.ops.reference import RelativeBias, check_relative_bias, make_alibi
-from tfjax.ops.target import device_platform
+from tfjax.ops.target import device_platform, targeting
 from tfjax.parallel import mask_leaves
 from tfjax.parallel.zigzag import relayout_local
 
@@ -378,14 +378,20 @@ def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axi
 def all_gather_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh,
                          seq_axis: str = "sequence", batch_axes=None, scale=None, softcap=None,
                          block_q: int = DEFAULT_BLOCK, block_kv: int = DEFAULT_BLOCK,
-                         alibi_slopes=None, alibi_positions=None,
+                         implementation: str = "auto", alibi_slopes=None, alibi_positions=None,
                          relative_bias: RelativeBias | None = None):
     """The simple context-parallel baseline: same arguments and result as
     `ring_attention` (natural order), but each device all-gathers the whole K/V
     (and kv segment ids and positions) over `seq_axis` and attends its own queries
-    to it with `blockwise_attention` at its global query offset. Per-device memory
-    holds the full K/V, O(S); autodiff turns the gather into a reduce-scatter of
-    dK/dV."""
+    to it at its global query offset. Per-device memory holds the full K/V, O(S);
+    autodiff turns the gather into a reduce-scatter of dK/dV.
+
+    implementation: what each device runs. "auto" and "blockwise":
+    `blockwise_attention` (tiles `block_q` x `block_kv`). Any other
+    (`tfjax.ops.attention.IMPLEMENTATIONS`): `dot_product_attention(...,
+    implementation=, q_offset=<the device's global offset>)` targeting the mesh's
+    platform; one that cannot serve that call (e.g. "cudnn", which takes no
+    offsets) raises a ValueError with the dispatch's reason while tracing."""
     n = mesh.shape[seq_axis]
     T, S = q.shape[1], k.shape[1]
     if T % n or S % n:
@@ -397,6 +403,21 @@ def all_gather_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh,
     leaves = mask_leaves.copy_tables(leaves, kinds, mesh,
                                      mask_leaves.device_axes(batch_axes, seq_axis))
     tok, leaf_specs = mask_leaves.token_specs(leaves, kinds, batch_axes, seq_axis)
+    platform = device_platform(mesh.devices.flat[0])
+
+    def attend(q, k, v, m, *, q_offset, **extras):
+        if implementation in ("auto", "blockwise"):
+            return blockwise_attention(q, k, v, m, scale=scale, softcap=softcap,
+                                       q_offset=q_offset, block_q=block_q, block_kv=block_kv,
+                                       **extras)
+        try:
+            with targeting(platform):  # inside shard_map: no per-device runner
+                return dot_product_attention(q, k, v, m, scale=scale, softcap=softcap,
+                                             q_offset=q_offset, implementation=implementation,
+                                             **extras)
+        except ValueError as e:
+            raise ValueError(f"all_gather_attention (per device, queries at their global "
+                             f"offset): {e}") from None
 
     def local(q, k, v, *mleaves):
         gather = lambda x: lax.all_gather(x, seq_axis, axis=1, tiled=True)
@@ -404,9 +425,7 @@ def all_gather_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh,
         mleaves = [gather(x) if kd == "kv" else x for x, kd in zip(mleaves, kinds)]
         m, a, rl = mask_leaves.unflatten(treedef, mask_leaves.local_leaves(mleaves, kinds))
         qo = lax.axis_index(seq_axis) * q.shape[1]
-        return blockwise_attention(q, k, v, m, scale=scale, softcap=softcap, q_offset=qo,
-                                   block_q=block_q, block_kv=block_kv,
-                                   **mask_leaves.bias_kwargs(a, rl))
+        return attend(q, k, v, m, q_offset=qo, **mask_leaves.bias_kwargs(a, rl))
 
     fn = mask_leaves.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, *leaf_specs),
                                out_specs=tok)
