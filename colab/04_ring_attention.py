@@ -156,7 +156,8 @@ plt.show()
 # the work of the least busy one, and the ring waits for it. Zig-zag: 16 units each. `ring_attention(..., load_balance="zigzag")` takes natural
 # order and re-lays out q/k/v on device (half-chunk `ppermute`s, no gather), or
 # zig-zag order directly with `natural_order=False` when the data pipeline already
-# produced it. `zigzag` / `unzigzag` do that reordering on a global array:
+# produced it. `zigzag` / `unzigzag` (`tfjax/parallel/zigzag.py`) do that reordering on a
+# global array:
 
 # %%
 pos = jnp.arange(T)[None]

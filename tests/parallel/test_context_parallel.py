@@ -2,8 +2,10 @@
 real decoder's self-attention runs as ring attention (or the all-gather baseline)
 over the `sequence` axis, and a few training steps match one device. Ring runs with
 `model.zigzag="data"` (the default): the trainer puts each batch in zig-zag order
-once and the layers skip the per-layer re-layout."""
+once and the layers skip the per-layer re-layout. A model's `attention_impl` reaches
+the ring (as its per-block attention) and all-gather (per device)."""
 
+import collections
 import sys
 
 import jax
@@ -12,16 +14,21 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import tfjax.ops.blockwise as blockwise_lib
+import tfjax.ops.pallas.tpu as tpu_lib
 from tfjax import config as C
+from tfjax import models
 from tfjax.models import build
 from tfjax.nn.attention import MultiHeadAttention
 from tfjax.ops import masks
 from tfjax.parallel.mesh import make_mesh
-from tfjax.parallel.rules import logical_rules
+from tfjax.parallel.rules import logical_rules, tree_shardings
 from tfjax.parallel.sharding import use_rules
+from tfjax.parallel.zigzag import zigzag, zigzag_data
 from tfjax.train import Trainer
 from tfjax.train.trainer import build_program, zigzag_devices, zigzag_rows
 
+cp_lib = sys.modules["tfjax.parallel.context_parallel"]
 # The module (tfjax.parallel.ring_attention is also the exported function).
 ring_lib = sys.modules["tfjax.parallel.ring_attention"]
 
@@ -61,14 +68,14 @@ def test_sequence_parallel_training_matches_one_device(tmp_path, one_device, mod
     # Record which sequence-parallel attention the layer really ran.
     calls, layouts = [], set()
     for name in ("ring_attention", "all_gather_attention"):
-        inner = getattr(ring_lib, name)
+        inner = getattr(cp_lib, name)
 
         def spy(*args, _inner=inner, _name=name, **kwargs):
             calls.append(_name)
             layouts.add((kwargs.get("load_balance"), kwargs.get("natural_order")))
             return _inner(*args, **kwargs)
 
-        monkeypatch.setattr(ring_lib, name, spy)
+        monkeypatch.setattr(cp_lib, name, spy)
     trainers = []
     got = _losses(tmp_path, mode, 8, trainers, data=2, sequence=4, cp=mode)
     assert len(got) == 3 == len(one_device)
@@ -118,7 +125,7 @@ def test_zigzag_plan_and_host_reorder():
         n, note = zigzag_devices(_config(data=2, sequence=4, **kw), mesh)
         assert n == 0 and why in note and "model.zigzag='layer'" in note
     x = np.arange(3 * 32).reshape(3, 32)
-    np.testing.assert_array_equal(zigzag_rows(x, 4), np.asarray(ring_lib.zigzag(x, 4)))
+    np.testing.assert_array_equal(zigzag_rows(x, 4), np.asarray(zigzag(x, 4)))
 
 
 def test_zigzag_data_refuses_what_it_cannot_read():
@@ -128,7 +135,7 @@ def test_zigzag_data_refuses_what_it_cannot_read():
     mesh = make_mesh(cfg.mesh, jax.devices()[:8])
     attn = nnx.eval_shape(lambda: MultiHeadAttention(32, 4, rngs=nnx.Rngs(0)))
     q = np.zeros((2, 32, 4, 8), np.float32)  # only shapes are read before the errors
-    with use_rules(mesh, logical_rules(cfg.mesh.rules)), ring_lib.zigzag_data(4):
+    with use_rules(mesh, logical_rules(cfg.mesh.rules)), zigzag_data(4):
         with pytest.raises(ValueError, match="zigzag='layer'"):
             attn.attend(q, q, q, masks.causal(), bias=np.zeros((2, 4, 32, 32), np.float32))
         with pytest.raises(ValueError, match="T % 8 == 0"):
@@ -147,3 +154,85 @@ def test_context_parallel_is_validated():
         _config(model=dict(zigzag="zag")).validate()
     with pytest.raises(ValueError, match="zigzag"):
         MultiHeadAttention(32, 4, zigzag="zag", rngs=nnx.Rngs(0))
+
+
+# --------------------------------------------------------------------------- #
+# model.attention_impl under context parallelism.
+# --------------------------------------------------------------------------- #
+
+
+def _model(**model):
+    cfg = C.model_config(dict(vocab_size=61, d_model=32, num_layers=1, num_heads=4,
+                              num_kv_heads=2, d_ff=48, max_len=64, init_std=0.3, **model))
+    return models.build(cfg, rngs=nnx.Rngs(3))
+
+
+def _loss(m, x):
+    return m(x).astype(jnp.float32).mean()
+
+
+def _on_a_sequence_mesh(model, x):
+    """Loss and gradients of `model` on a sequence=4 CPU mesh under the default rules."""
+    mesh = make_mesh(C.MeshConfig(data=1, sequence=4), jax.devices()[:4])
+    rules = logical_rules(C.DEFAULT_RULES)
+    state = nnx.state(model)
+    nnx.update(model, jax.device_put(state, tree_shardings(state, mesh, rules)))
+
+    @nnx.jit
+    def sharded(m, x):
+        with use_rules(mesh, rules):
+            return nnx.value_and_grad(_loss)(m, x)
+
+    return sharded(model, x)
+
+
+def _spy(monkeypatch, calls, module, name, label):
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name,
+                        lambda *a, **kw: calls.update([label]) or real(*a, **kw))
+
+
+@pytest.mark.parametrize("mode,impl,ran", [
+    ("ring", "pallas", {"pallas forward", "pallas backward"}),  # the TPU kernels, interpreted
+    ("ring", "blockwise", {"blockwise forward", "blockwise backward"}),
+    ("all_gather", "xla", {"jax.nn"}),  # per device, through dot_product_attention
+    ("all_gather", "auto", {"blockwise"}),  # blockwise, as all-gather always ran
+])
+def test_a_models_attention_impl_reaches_context_parallel_attention(monkeypatch, mode, impl,
+                                                                     ran):
+    """`model.attention_impl` is what a sequence-parallel layer runs: per ring block
+    (spied on the kernel families), or per device under all-gather; the loss and the
+    parameter gradients equal the same model's on one device. (The ring's "auto" is
+    the layer's default, run by every other sequence-parallel test; zigzag="none"
+    keeps the ring to one block pair per step: the implementation is what is tested.)"""
+    model = _model(attention_impl=impl, context_parallel=mode, zigzag="none")
+    x = jax.random.randint(jax.random.key(0), (2, 32), 0, 61)
+    want_l, want_g = nnx.jit(nnx.value_and_grad(_loss))(model, x)
+    calls = collections.Counter()
+    _spy(monkeypatch, calls, blockwise_lib, "blockwise_attention", "blockwise forward")
+    _spy(monkeypatch, calls, blockwise_lib, "blockwise_attention_backward",
+         "blockwise backward")
+    _spy(monkeypatch, calls, tpu_lib, "flash_attention_tpu", "pallas forward")
+    _spy(monkeypatch, calls, tpu_lib, "flash_attention_tpu_backward", "pallas backward")
+    _spy(monkeypatch, calls, ring_lib, "blockwise_attention", "blockwise")  # all-gather's
+    _spy(monkeypatch, calls, jax.nn, "dot_product_attention", "jax.nn")  # "xla"'s
+    got_l, got_g = _on_a_sequence_mesh(model, x)
+    assert set(calls) == ran, calls
+    np.testing.assert_allclose(got_l, want_l, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(
+        a, b, atol=1e-4 * float(jnp.max(jnp.abs(b)))), nnx.state(got_g), nnx.state(want_g))
+
+
+def test_an_implementation_context_parallelism_cannot_run_raises_while_tracing():
+    """The ring has no "xla" block: one line naming what it runs, raised while tracing
+    (before anything compiles). All-gather with "cudnn" (no GPU here, and no q
+    offsets): the dispatch's reason, prefixed with where it came from."""
+    x = jnp.zeros((2, 32), jnp.int32)
+    with pytest.raises(ValueError) as e:
+        _on_a_sequence_mesh(_model(attention_impl="xla"), x)
+    assert "\n" not in str(e.value)
+    assert str(e.value).startswith("ring_attention: implementation='xla' has no ring block")
+    assert str(e.value).endswith("implementation must be one of 'auto', 'blockwise', 'pallas'")
+    with pytest.raises(ValueError, match=r"^all_gather_attention \(per device, .*\): "
+                                         r"implementation='cudnn' cannot serve this call: "):
+        _on_a_sequence_mesh(_model(attention_impl="cudnn", context_parallel="all_gather"), x)

@@ -1,8 +1,9 @@
-"""Ring attention on simulated CPU devices: forward and gradients against the
-single-device reference, zig-zag helpers, and the collectives in the compiled HLO."""
+"""Ring attention and the all-gather baseline on simulated CPU devices: forward and
+gradients against the single-device reference, the per-block implementation, zig-zag
+balanced and zig-zag ordered inputs, skipped blocks, and the collectives and memory
+of the compiled program."""
 
 import collections
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -15,10 +16,8 @@ from tfjax.ops import masks
 from tfjax.ops import RelativeBias
 from tfjax.ops.reference import attention_reference
 from tfjax.ops.pallas import BlockSizes
-from tfjax.parallel.ring_attention import all_gather_attention, ring_attention, unzigzag, zigzag
-
-# The module itself (tfjax.parallel.ring_attention is also the exported function).
-ring_lib = sys.modules["tfjax.parallel.ring_attention"]
+from tfjax.parallel.ring_attention import all_gather_attention, ring_attention
+from tfjax.parallel.zigzag import unzigzag, zigzag
 
 B, T, N, K, H = 2, 64, 8, 2, 16  # GQA 8/2
 
@@ -225,17 +224,18 @@ def test_the_ring_runs_the_block_family_it_is_given(mesh4, monkeypatch, implemen
     assert set(calls) == {(family, "forward"), (family, "backward")}, calls
 
 
-@pytest.mark.xla_optimized  # the compiled HLO is checked too
-def test_all_gather_attention_matches_reference(mesh2x4):
+def _all_gather_matches_reference(mesh, **kwargs):
+    """all_gather_attention (`kwargs`) against the reference: packed documents,
+    causal, ALiBi's and T5's explicit positions (the kv ones gathered with K/V), T5's
+    table (its gradient summed over the devices); out, dq, dk, dv, dtable. Returns
+    the gathered attention and its q, k, v."""
     mask = MASKS["segments_causal"]()
     q, k, v, ct = _inputs()
-
-    alibi = _alibi(positions=True)  # kv positions are gathered with K/V
-    rel = _relative(True)  # and T5's, its table's gradient summed over the devices
+    alibi, rel = _alibi(positions=True), _relative(True)
 
     def gathered(q, k, v, t=rel["table"]):
-        return all_gather_attention(q, k, v, mask, mesh=mesh2x4, batch_axes="data",
-                                    block_q=8, block_kv=8, relative_bias=_rb(rel, t), **alibi)
+        return all_gather_attention(q, k, v, mask, mesh=mesh, batch_axes="data",
+                                    relative_bias=_rb(rel, t), **alibi, **kwargs)
 
     got = jax.jit(lambda *a: _out_and_grads(gathered, *a))(q, k, v, rel["table"], ct)
     want = jax.jit(lambda *a: _out_and_grads(
@@ -244,8 +244,21 @@ def test_all_gather_attention_matches_reference(mesh2x4):
     np.testing.assert_allclose(got[0], want[0], atol=1e-5, rtol=1e-5)
     for name, g, w in zip(["q", "k", "v", "table"], got[1:], want[1:]):
         np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4, err_msg=f"d{name}")
-    hlo = jax.jit(gathered).lower(q, k, v).compile().as_text()
+    return gathered, (q, k, v)
+
+
+@pytest.mark.xla_optimized  # the compiled HLO is checked too
+def test_all_gather_attention_matches_reference(mesh2x4):
+    gathered, args = _all_gather_matches_reference(mesh2x4, block_q=8, block_kv=8)
+    hlo = jax.jit(gathered).lower(*args).compile().as_text()
     assert "all-gather" in hlo and "collective-permute" not in hlo
+
+
+def test_all_gather_attention_runs_an_explicit_implementation_per_device(mesh2x4):
+    """implementation="xla" per device through `dot_product_attention`, at each
+    device's global query offset (the dispatch materialises the mask, ALiBi and T5's
+    bias for xla at that traced offset)."""
+    _all_gather_matches_reference(mesh2x4, implementation="xla")
 
 
 def test_softcap_through_the_ring(mesh4):
@@ -289,14 +302,6 @@ def test_masked_blocks_are_skipped_and_zigzag_balances(mesh4, monkeypatch):
     assert per_device["zigzag"] == [9, 9, 9, 9]
 
 
-def test_zigzag_roundtrip_and_layout():
-    x = jnp.arange(2 * 16).reshape(2, 16)
-    z = zigzag(x, 4, axis=1)
-    # 8 chunks of 2; device i (a contiguous quarter) holds chunks i and 7 - i.
-    np.testing.assert_array_equal(z[0].reshape(4, 2, 2)[1], [[2, 3], [12, 13]])
-    np.testing.assert_array_equal(unzigzag(z, 4, axis=1), x)
-
-
 @pytest.mark.xla_optimized  # compiled HLO
 @pytest.mark.parametrize("load_balance,natural_order", [("none", True), ("zigzag", True)])
 def test_hlo_ring_has_no_all_gather(mesh4, load_balance, natural_order):
@@ -333,8 +338,8 @@ def test_per_device_memory_is_flat_and_below_single_device():
     0.61x with 0.12: a fixed per-step part does not shrink) and less than
     single-device blockwise (0.36x with jax 0.10 / 0.11; 0.80x with 0.12, whose XLA
     holds single-device blockwise in half the memory it did but not the ring's
-    loop; the issue's 1/6 is out of reach by construction, see the module
-    docstring)."""
+    loop; the issue's 1/6 is out of reach by construction, see
+    experiments/results/ring_attention.md)."""
     from tfjax.ops.blockwise import blockwise_attention
 
     blk = 128
@@ -360,158 +365,3 @@ def test_per_device_memory_is_flat_and_below_single_device():
     ring4_same_length = temp(4, tpd=512)
     assert ring8 <= 0.7 * ring4_same_length, (ring8, ring4_same_length)
     assert ring8 <= 0.9 * single, (ring8, single)
-
-
-def test_pallas_under_a_mesh_runs_per_device_on_its_own_examples(monkeypatch):
-    """dot_product_attention(implementation="pallas") under an active mesh (as the
-    trainer traces its step): the kernels are custom calls XLA cannot partition, so
-    the dispatch runs them in shard_map over the batch axes (`batch_sharded_attention`)
-    instead of letting XLA gather the global batch onto every device. Same values and
-    gradients (q, k, v, T5's table) as without a mesh, with segments, ALiBi at
-    explicit positions, T5's bias, a traced q offset and the logsumexp; no all-gather
-    in the compiled program; nothing to split (B not divisible) runs unwrapped.
-    Heads split too where "heads" maps to a mesh axis dividing the query and kv heads
-    (ALiBi's slopes and T5's table split with them)."""
-    import tfjax.ops.pallas as pallas_lib
-    from tfjax.ops import dot_product_attention, target
-    from tfjax.parallel.sharding import use_rules
-
-    seen = []  # (examples, query heads, kv heads) of each kernel call
-    kernel = pallas_lib.flash_attention
-    monkeypatch.setattr(pallas_lib, "flash_attention", lambda q, k, *a, **kw: seen.append(
-        (q.shape[0], q.shape[2], k.shape[2])) or kernel(q, k, *a, **kw))
-
-    mesh = _mesh((4, 2), ("data", "tensor"))
-    Bm, Tm = 4, 40
-    ks = jax.random.split(jax.random.key(3), 5)
-    q = jax.random.normal(ks[0], (Bm, Tm, N, H), jnp.float32)
-    k, v = (jax.random.normal(x, (Bm, Tm, K, H), jnp.float32) for x in ks[1:3])
-    seg = np.sort(np.random.default_rng(0).integers(0, 3, (Bm, Tm)), axis=1).astype(np.int32)
-    pos = np.tile(np.arange(Tm, dtype=np.int32) * 2, (Bm, 1))
-    table = jax.random.normal(ks[3], (32, N))
-    slopes = jnp.linspace(0.5, 0.05, N)
-    def run(q, k, v, table, qo):
-        rb = RelativeBias(table, bidirectional=False, q_positions=pos, kv_positions=pos)
-        out, lse = dot_product_attention(
-            q, k, v, masks.causal() & masks.segments(seg), relative_bias=rb,
-            alibi_slopes=slopes, alibi_positions=(pos, pos), q_offset=qo,
-            implementation="pallas", return_lse=True)
-        return (out.sum() + jnp.where(jnp.isfinite(lse), lse, 0).sum()), out
-
-    grad = jax.grad(run, (0, 1, 2, 3), has_aux=True)
-    want_g, want = jax.jit(grad)(q, k, v, table, jnp.int32(2))
-    assert set(seen) == {(Bm, N, K)}
-    seen.clear()
-
-    def under_mesh(*a):
-        with use_rules(mesh, [("batch", "data"), ("heads", "tensor")]):
-            return grad(*a)
-
-    f = jax.jit(under_mesh)
-    got_g, got = f(q, k, v, table, jnp.int32(2))
-    # one example per device of "data", half the heads (whole GQA groups) per "tensor"
-    assert set(seen) == {(Bm // 4, N // 2, K // 2)}, seen
-    np.testing.assert_allclose(got, want, atol=2e-5)
-    for g, w in zip(got_g, want_g):
-        np.testing.assert_allclose(g, w, atol=1e-4)
-    hlo = f.lower(q, k, v, table, jnp.int32(2)).compile().as_text()
-    assert "all-gather" not in hlo
-    # a bias array [1, N, T, S] (per head, shared by the examples) splits by heads
-    bias = jax.random.normal(ks[4], (1, N, Tm, Tm))
-    attn = lambda q, k, v, bias: dot_product_attention(q, k, v, masks.causal(), bias=bias,
-                                                       implementation="pallas")
-
-    def biased(*a):
-        with use_rules(mesh, [("batch", "data"), ("heads", "tensor")]):
-            return attn(*a)
-
-    np.testing.assert_allclose(jax.jit(biased)(q, k, v, bias), attn(q, k, v, bias), atol=2e-5)
-    with use_rules(mesh, [("batch", "data")]):  # the runner use_rules gives the ops
-        assert target.per_device()(lambda *a, **k: 0, q[:3], k[:3], v[:3], None) is None
-
-
-@pytest.mark.parametrize("kv_heads", [1, 2])
-def test_pallas_heads_split_when_the_tensor_axis_does_not_divide_the_kv_heads(
-        monkeypatch, kv_heads):
-    """MQA (1 kv head) and GQA 8/2 on data=2 x tensor=4: the tensor axis divides the 8
-    query heads but not the kv heads, so `batch_sharded_attention` repeats each kv
-    head until every device holds the one its 2 query heads read (instead of running
-    all 8 heads on every tensor device). Values and q/k/v gradients (the copies'
-    gradients summed back) equal the unmeshed call, with ALiBi splitting by heads."""
-    import tfjax.ops.pallas as pallas_lib
-    from tfjax.ops import dot_product_attention
-    from tfjax.parallel.sharding import use_rules
-
-    seen = []
-    kernel = pallas_lib.flash_attention
-    monkeypatch.setattr(pallas_lib, "flash_attention", lambda q, k, *a, **kw: seen.append(
-        (q.shape[0], q.shape[2], k.shape[2])) or kernel(q, k, *a, **kw))
-    mesh = _mesh((2, 4), ("data", "tensor"))
-    ks = jax.random.split(jax.random.key(5), 4)
-    q = jax.random.normal(ks[0], (2, 24, N, H), jnp.float32)
-    k, v = (jax.random.normal(x, (2, 24, kv_heads, H), jnp.float32) for x in ks[1:3])
-    w = jax.random.normal(ks[3], q.shape)
-    slopes = jnp.linspace(0.5, 0.05, N)
-    loss = lambda q, k, v: (w * dot_product_attention(
-        q, k, v, masks.causal(), alibi_slopes=slopes, implementation="pallas")).sum()
-    grad = jax.value_and_grad(loss, (0, 1, 2))
-    want_l, want_g = grad(q, k, v)
-
-    def under_mesh(*a):
-        with use_rules(mesh, [("batch", "data"), ("heads", "tensor"),
-                              ("kv_heads", "tensor")]):
-            return grad(*a)
-
-    seen.clear()
-    got_l, got_g = jax.jit(under_mesh)(q, k, v)
-    assert set(seen) == {(1, N // 4, 1)}, seen
-    np.testing.assert_allclose(got_l, want_l, rtol=1e-5)
-    for g, want in zip(got_g, want_g):
-        np.testing.assert_allclose(g, want, atol=1e-4)
-
-
-def test_a_model_with_pallas_attention_on_a_data_tensor_mesh_equals_one_device(monkeypatch):
-    """The decoder with attention_impl="pallas" (interpret kernels) on a data=2 x
-    tensor=2 mesh under the default rules: each kernel call gets its device's 2
-    examples, 2 of 4 query heads and 1 of 2 kv heads, and the loss and every
-    parameter gradient equal one device's."""
-    from flax import nnx
-
-    import tfjax.ops.pallas as pallas_lib
-    from tfjax import models
-    from tfjax.config import DEFAULT_RULES, MeshConfig, model_config
-    from tfjax.parallel.mesh import make_mesh
-    from tfjax.parallel.rules import logical_rules, tree_shardings
-    from tfjax.parallel.sharding import use_rules
-
-    seen = []
-    kernel = pallas_lib.flash_attention
-    monkeypatch.setattr(pallas_lib, "flash_attention", lambda q, k, *a, **kw: seen.append(
-        (q.shape[0], q.shape[2], k.shape[2])) or kernel(q, k, *a, **kw))
-    cfg = model_config(dict(vocab_size=61, d_model=32, num_layers=2, num_heads=4,
-                            num_kv_heads=2, d_ff=48, max_len=64, init_std=1.0,
-                            attention_impl="pallas"))
-    model = models.build(cfg, rngs=nnx.Rngs(3))
-    x = jax.random.randint(jax.random.key(0), (4, 24), 0, 61)
-    loss = lambda m, x: m(x).astype(jnp.float32).mean()
-    want_l, want_g = nnx.value_and_grad(loss)(model, x)
-    mesh = make_mesh(MeshConfig(data=2, tensor=2), jax.devices()[:4])
-    rules = logical_rules(DEFAULT_RULES)
-    state = nnx.state(model)
-    nnx.update(model, jax.device_put(state, tree_shardings(state, mesh, rules)))
-    seen.clear()
-
-    @nnx.jit
-    def sharded(m, x):
-        with use_rules(mesh, rules):
-            return nnx.value_and_grad(loss)(m, x)
-
-    got_l, got_g = sharded(model, x)
-    assert set(seen) == {(2, 2, 1)}, seen
-    np.testing.assert_allclose(got_l, want_l, rtol=1e-5)
-    # fp32 sums split across the tensor axis round differently from one device's, and
-    # from one CPU's vector width to another's (init_std=1 makes large logits): up to
-    # 7e-5 of a leaf's largest entry seen (an absolute 2e-5 held on one machine and
-    # failed on the next); a wrong head split errs by the order of the entries
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(
-        a, b, atol=5e-4 * float(jnp.max(jnp.abs(b)))), nnx.state(got_g), nnx.state(want_g))

@@ -17,9 +17,11 @@ One module serves MHA (K = N), GQA (Ainslie et al. 2023, 1 < K < N) and MQA
   mesh axis of size > 1 (the trainer with `mesh.sequence > 1`), self-attention
   runs as `context_parallel` says: "ring" (ring attention, K/V circulate) or
   "all_gather" (each device gathers the whole K/V); see
-  `tfjax.parallel.ring_attention.context_parallel_attention`. `zigzag` balances
-  the causal ring: "data" (inside the trainer's steps the batch is already in
-  zig-zag order, so no per-layer re-layout), "layer" or "none".
+  `tfjax.parallel.context_parallel`. `implementation` reaches it too: the ring
+  runs it per block ("auto", "blockwise" or "pallas"; any other raises while
+  tracing, naming these), all-gather per device. `zigzag` balances the causal
+  ring: "data" (inside the trainer's steps the batch is already in zig-zag order,
+  so no per-layer re-layout), "layer" or "none".
 - `project(...)` and `attend(...)` are separate so a KV cache can sit between
   them (the inference code stores k, v after RoPE).
 """
@@ -34,9 +36,9 @@ from tfjax.nn.norms import make_norm
 from tfjax.nn.positions import RotaryEmbedding
 from tfjax.ops import Alibi, RelativeBias, dot_product_attention
 from tfjax.ops.masks import Mask
-from tfjax.parallel.ring_attention import (CONTEXT_PARALLEL_MODES, ZIGZAG_MODES,
-                                           context_parallel_attention, zigzag_data_devices)
+from tfjax.parallel.context_parallel import CONTEXT_PARALLEL_MODES, context_parallel_attention
 from tfjax.parallel.sharding import shard, with_logical_axes
+from tfjax.parallel.zigzag import ZIGZAG_MODES, zigzag_data_devices
 from tfjax.typing import DType
 
 __all__ = ["MultiHeadAttention"]
@@ -126,8 +128,9 @@ class MultiHeadAttention(nnx.Module):
         per_tile = bias is None or is_alibi or is_relative  # not an array
         if per_tile and _is_zero(q_offset) and _is_zero(kv_offset):
             out = context_parallel_attention(q, k, v, mask, mode=self.context_parallel,
-                                             zigzag=self.zigzag, scale=self.scale,
-                                             softcap=self.softcap,
+                                             zigzag=self.zigzag,
+                                             implementation=self.implementation,
+                                             scale=self.scale, softcap=self.softcap,
                                              alibi=bias if is_alibi else None,
                                              relative_bias=bias if is_relative else None)
         elif zigzag_data_devices():

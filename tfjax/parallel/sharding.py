@@ -10,7 +10,8 @@ table maps every logical name to mesh axes, so parallelism is a config change.
 targeting`): the mesh's platform, which attention dispatch and the kernels
 follow (an AOT compile for a TPU slice targets "tpu" on a CPU host), and the
 per-device runner through which `dot_product_attention` runs a kernel XLA cannot
-partition (`ring_attention.batch_sharded_attention` over this mesh and rules).
+partition (`tfjax.parallel.per_device.batch_sharded_attention` over this mesh and
+rules).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from tfjax.ops.target import device_platform, targeting
-from tfjax.parallel.ring_attention import batch_sharded_attention
+from tfjax.parallel.per_device import batch_sharded_attention
 
 LogicalRules = Sequence[tuple[str, str | tuple[str, ...] | None]]
 

@@ -48,7 +48,7 @@ from tfjax.data.sources import documents
 from tfjax.data.tokenizers import load_tokenizer
 from tfjax.models import FFN_KINDS, LAYER_KINDS, build, check_names
 from tfjax.parallel.mesh import make_mesh
-from tfjax.parallel.ring_attention import zigzag_data, zigzag_order
+from tfjax.parallel.zigzag import zigzag_data, zigzag_order
 from tfjax.parallel.rules import logical_rules, replicated, tree_shardings
 from tfjax.parallel.sharding import logical_to_spec, use_rules
 from tfjax.train.checkpoint import Checkpointer, abstract_with_shardings

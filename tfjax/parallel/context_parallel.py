@@ -1,0 +1,99 @@
+"""Context parallelism for a layer: which sequence-parallel attention a
+self-attention layer runs under an active mesh.
+
+`MultiHeadAttention.attend` calls `context_parallel_attention` first. Under an
+active mesh (`tfjax.parallel.sharding.use_rules`, as the trainer sets it) whose
+rules split the logical "length" axis over one mesh axis of size n > 1, it runs
+the layer's self-attention across the devices of that axis, as the layer's
+`context_parallel` says (`CONTEXT_PARALLEL_MODES`, `ModelConfig.context_parallel`):
+
+- "ring": `ring_attention`, zig-zag balanced as `zigzag` says (`ZIGZAG_MODES`,
+  `ModelConfig.zigzag`; when there is a mask and T % 2n == 0): "data" reads a
+  batch the trainer already put in zig-zag order (`zigzag_data(n)`), else
+  re-lays out per layer; "layer" always re-lays out; "none" runs contiguous chunks.
+- "all_gather": `all_gather_attention` (each device gathers the whole K/V).
+
+The layer's `implementation` (`ModelConfig.attention_impl`) reaches both: the ring
+runs it per block (`tfjax.ops.attention.select_ring_block`: "auto" is the ring's
+own order, an implementation without a ring block raises, naming those it has),
+all-gather runs it per device at the device's global query offset ("auto" and
+"blockwise" the blockwise functions; another through `dot_product_attention`,
+which raises when it cannot serve that call). Anything else (no such mesh, or not
+sequence-parallel self-attention, e.g. cross-attention) returns None and the layer
+uses `dot_product_attention`.
+"""
+
+from __future__ import annotations
+
+from tfjax.ops import masks as masks_lib
+from tfjax.ops.reference import Alibi, RelativeBias
+from tfjax.parallel.ring_attention import all_gather_attention, ring_attention
+from tfjax.parallel.sharding import active_mesh, logical_to_spec
+from tfjax.parallel.zigzag import ZIGZAG_MODES, zigzag_data_devices
+
+__all__ = ["CONTEXT_PARALLEL_MODES", "context_parallel_attention"]
+
+CONTEXT_PARALLEL_MODES = ("ring", "all_gather")
+
+
+def context_parallel_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mode: str = "ring",
+                               zigzag: str = "data", implementation: str = "auto", scale=None,
+                               softcap=None, alibi: Alibi | None = None,
+                               relative_bias: RelativeBias | None = None):
+    """Attention for a layer under an active mesh whose rules split "length" over a
+    mesh axis of size n > 1: `ring_attention` (mode "ring") or
+    `all_gather_attention` (mode "all_gather"), running `implementation` as the
+    module docstring says. Returns None when no such mesh is active or the call is
+    not sequence-parallel self-attention (T != S, e.g. cross-attention): the caller
+    then uses `dot_product_attention`.
+
+    Ring load balancing (`zigzag`, when T % 2n == 0 and there is a mask): under
+    `zigzag_data(n)` (the trainer's steps with `zigzag="data"`) q, k, v and the mask's
+    segment ids are already in zig-zag order, so the ring runs with
+    `natural_order=False` and the output stays in that order; otherwise ("data"
+    outside such a step, e.g. sampling, or "layer") the data is in natural order and
+    the ring re-lays it out in and out (four half-chunk ppermutes per tensor);
+    "none": contiguous chunks, no balancing. Masks are evaluated on global natural
+    positions either way (the ring passes each chunk's global offset). `alibi`: a
+    `tfjax.ops.Alibi`, `relative_bias` a `tfjax.ops.RelativeBias` (T5; their explicit
+    positions are per-token arrays, laid out like the segment ids).
+    """
+    if mode not in CONTEXT_PARALLEL_MODES:
+        raise ValueError(f"context_parallel: got {mode!r}; allowed: "
+                         f"{', '.join(map(repr, CONTEXT_PARALLEL_MODES))}")
+    if zigzag not in ZIGZAG_MODES:
+        raise ValueError(f"zigzag: got {zigzag!r}; allowed: {', '.join(map(repr, ZIGZAG_MODES))}")
+    data_n = zigzag_data_devices()
+    if data_n and (zigzag != "data" or mode != "ring"):
+        raise ValueError(f"context_parallel: the batch is in zig-zag order (zigzag_data({data_n}))"
+                         f" but this layer has context_parallel={mode!r}, zigzag={zigzag!r}; "
+                         f"only context_parallel='ring' with zigzag='data' reads that order")
+    mesh = active_mesh()
+    seq_axes = ()
+    if mesh is not None and q.shape[1] == k.shape[1]:
+        batch_axes, seq_axes = tuple(logical_to_spec(("batch", "length")))
+        seq_axes = (seq_axes,) if isinstance(seq_axes, str) else tuple(seq_axes or ())
+        seq_axes = tuple(a for a in seq_axes if mesh.shape[a] > 1)
+    if not seq_axes:
+        if data_n:
+            raise ValueError(f"context_parallel: the batch is in zig-zag order over {data_n} "
+                             f"devices but this attention (q {q.shape}, k {k.shape}) is not "
+                             f"sequence-parallel self-attention, so it would read the tokens "
+                             f"out of order; use model.zigzag='layer'")
+        return None
+    if len(seq_axes) > 1:
+        raise ValueError(f"context_parallel: the rules split 'length' over several mesh axes "
+                         f"{seq_axes}; ring attention runs over one (map 'length' to one axis)")
+    seq_axis, n, T = seq_axes[0], mesh.shape[seq_axes[0]], q.shape[1]
+    if data_n and (data_n != n or T % (2 * n)):
+        raise ValueError(f"context_parallel: the batch is in zig-zag order over {data_n} "
+                         f"devices, but {seq_axis!r} has {n} and T={T} (zig-zag needs "
+                         f"T % {2 * n} == 0)")
+    common = dict(mesh=mesh, seq_axis=seq_axis, batch_axes=batch_axes, scale=scale,
+                  softcap=softcap, implementation=implementation, relative_bias=relative_bias,
+                  **Alibi.kwargs(alibi))
+    if mode == "all_gather":
+        return all_gather_attention(q, k, v, mask, **common)
+    zz = bool(data_n) or (zigzag != "none" and mask is not None and T % (2 * n) == 0)
+    return ring_attention(q, k, v, mask, load_balance="zigzag" if zz else "none",
+                          natural_order=not data_n, **common)

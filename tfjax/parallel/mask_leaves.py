@@ -1,0 +1,119 @@
+"""An attention call's extras as `shard_map` arguments, for the modules that run
+attention under `shard_map` (`ring_attention`, `per_device`).
+
+The extras are the pytree `(mask, alibi, relative_bias)` (a `tfjax.ops.masks.Mask`,
+a `tfjax.ops.Alibi`, a `tfjax.ops.RelativeBias`, each optional). `split_mask`
+flattens it into array leaves, each of one kind:
+
+- "q" / "kv": per token `[B|1, T]` / `[B|1, S]` (segment ids, explicit positions):
+  split like the tokens (the ring rotates the kv ones with K/V, all-gather
+  gathers them);
+- "table": T5's bias table `[nb, N]`, passed as one copy per device
+  (`copy_tables`: `[D, nb, N]`, split over the devices), so each device's copy
+  receives that device's partial gradient and the broadcast's transpose sums
+  them outside `shard_map`; inside, `local_leaves` takes the device's copy;
+- "other": per example (`[B|1, ...]`: lengths, prefix lengths, ALiBi slopes):
+  split over the batch axes only.
+
+`unflatten` rebuilds the three from the (local) leaves. `shard_map` is
+`jax.shard_map` without replication checks (the older `jax.experimental` one on
+jax versions without it).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from tfjax.ops.reference import Alibi
+
+__all__ = ["KV_LEAVES", "Q_LEAVES", "TABLE_LEAVES", "bias_kwargs", "copy_tables", "device_axes",
+           "leaf_kind", "local_leaves", "shard_map", "split_mask", "token_specs", "unflatten"]
+
+# Leaf names by kind (the fields of masks, Alibi and RelativeBias that hold them).
+Q_LEAVES, KV_LEAVES = ("q_segment_ids", "q_positions"), ("kv_segment_ids", "kv_positions")
+TABLE_LEAVES = ("table",)
+
+
+def shard_map(f, *, mesh, in_specs, out_specs):
+    """`jax.shard_map(f, ...)` without replication checks."""
+    if hasattr(jax, "shard_map"):
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                             check_vma=False)
+    from jax.experimental.shard_map import shard_map as legacy  # older jax
+
+    return legacy(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+
+
+def leaf_kind(path) -> str:
+    """"q", "kv", "table" or "other" for the leaf at `path` (a pytree key path)."""
+    name = getattr(path[-1], "name", None) if path else None
+    if name in Q_LEAVES:
+        return "q"
+    if name in KV_LEAVES:
+        return "kv"
+    if name in TABLE_LEAVES:
+        return "table"
+    return "other"
+
+
+def split_mask(mask, alibi=None, rel=None):
+    """Leaves, treedef and leaf kinds of the pytree `(mask, alibi, rel)` (a treedef of
+    None when all are None)."""
+    if mask is None and alibi is None and rel is None:
+        return [], None, []
+    leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path((mask, alibi, rel))
+    kinds = [leaf_kind(p) for p, _ in leaves_with_path]
+    return [leaf for _, leaf in leaves_with_path], treedef, kinds
+
+
+def unflatten(treedef, leaves) -> tuple:
+    """`(mask, alibi, rel)` from `split_mask`'s treedef and (local) leaves."""
+    if treedef is None:
+        return None, None, None
+    return jax.tree_util.tree_unflatten(treedef, list(leaves))
+
+
+def bias_kwargs(alibi, rel) -> dict:
+    """The ALiBi / T5-bias keyword arguments of an attention call."""
+    return {**Alibi.kwargs(alibi), **({} if rel is None else dict(relative_bias=rel))}
+
+
+def device_axes(batch_axes, seq_axis=None) -> tuple:
+    """The mesh axes the tokens are split over: the batch axes (a name, a tuple of
+    names or None), then `seq_axis` if given."""
+    b = () if batch_axes is None else (batch_axes,) if isinstance(batch_axes, str) else \
+        tuple(batch_axes)
+    return (*b, seq_axis) if seq_axis is not None else b
+
+
+def copy_tables(leaves, kinds, mesh, axes):
+    """T5's table as one copy per device of `axes` (`[D, nb, N]`, to be split over
+    them); the other leaves as they are."""
+    D = int(np.prod([mesh.shape[a] for a in axes]))
+    return [jnp.broadcast_to(x[None], (D, *x.shape)) if kd == "table" else x
+            for x, kd in zip(leaves, kinds)]
+
+
+def local_leaves(leaves, kinds):
+    """Inside `shard_map`: the device's own table copy in place of its `[1, nb, N]`
+    block; the other leaves as they are."""
+    return [x[0] if kd == "table" else x for x, kd in zip(leaves, kinds)]
+
+
+def token_specs(leaves, kinds, batch_axes, seq_axis):
+    """`shard_map` specs of a sequence-parallel call: q/k/v `[B,T,.,.]` split over
+    the batch axes and `seq_axis`, and the leaves (per-token ones likewise,
+    per-example ones over the batch axes only, T5's per-device table copies over the
+    batch axes and `seq_axis`). A leaf with a batch dim of 1 is replicated over the
+    batch axes."""
+    def leaf_spec(x, kind):
+        if kind == "table":
+            return P(device_axes(batch_axes, seq_axis))
+        b = batch_axes if x.shape[0] != 1 else None
+        return P(b, seq_axis) if kind != "other" else P(*([b] + [None] * (x.ndim - 1)))
+
+    return (P(batch_axes, seq_axis, None, None),
+            [leaf_spec(x, kd) for x, kd in zip(leaves, kinds)])
