@@ -15,7 +15,7 @@ What happens, in order:
    devices hold and they are assembled into one global array. With ring attention
    over a sequence axis of n devices and `model.zigzag="data"`, every per-token
    array of the batch is put in zig-zag order on the host first (`zigzag_devices`),
-   and the steps are traced under `ring_attention.zigzag_data(n)`.
+   and the steps are traced under `tfjax.parallel.zigzag.zigzag_data(n)`.
 5. orbax saves state and data position every `checkpoint.every_steps` and at the
    end; rerunning the same command resumes exactly. SIGTERM saves, then exits (the
    CLI with 143); sent to any one process of a multi-process run, it stops every
@@ -48,9 +48,9 @@ from tfjax.data.sources import documents
 from tfjax.data.tokenizers import load_tokenizer
 from tfjax.models import FFN_KINDS, LAYER_KINDS, build, check_names
 from tfjax.parallel.mesh import make_mesh
-from tfjax.parallel.zigzag import zigzag_data, zigzag_order
 from tfjax.parallel.rules import logical_rules, replicated, tree_shardings
 from tfjax.parallel.sharding import logical_to_spec, use_rules
+from tfjax.parallel.zigzag import zigzag_data, zigzag_order
 from tfjax.train.checkpoint import Checkpointer, abstract_with_shardings
 from tfjax.train.losses import LN2
 from tfjax.train.metrics import MetricWriter, ProgressBar, flops_per_token, peak_flops
@@ -129,7 +129,7 @@ def zigzag_devices(cfg: RunConfig, mesh, build_model=None) -> tuple[int, str | N
 
 
 def zigzag_rows(x: np.ndarray, n: int) -> np.ndarray:
-    """`ring_attention.zigzag(x, n, axis=1)` in numpy, for a host batch `[B, T]`."""
+    """`tfjax.parallel.zigzag.zigzag(x, n, axis=1)` in numpy, for a host batch `[B, T]`."""
     B, T = x.shape
     return x.reshape(B, 2 * n, T // (2 * n))[:, zigzag_order(n)].reshape(B, T)
 
