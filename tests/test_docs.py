@@ -27,13 +27,16 @@ import types
 
 import pytest
 
+from tfjax import models
+from tfjax.config import model_config
 from tfjax.interop import hf, hf_weights
 from tfjax.models import FFN_KINDS, LAYER_KINDS
+from tfjax.train import __main__ as train_cli
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 PAGES = ["howto/attention_implementation.md", "howto/layer_kind.md", "howto/preset.md",
-         "howto/checkpoint_family.md"]
+         "howto/checkpoint_family.md", "presets.md"]
 FILE_COMMENT = re.compile(r"#\s+((?:tfjax|configs)/[\w/]+\.py)\b")
 
 
@@ -117,3 +120,30 @@ def test_fences_are_parsed_as_the_docs_build_reads_them(tmp_path):
     page.write_text("text\n```python\na = 1\n```\n```{literalinclude} x.py\n:lines: 1\n```\n"
                     "````python\nb = '```'\n````\n```bash\nmake\n```\n")
     assert python_blocks(page) == [(3, "a = 1\n"), (9, "b = '```'\n")]
+
+
+def _error(f, *args, **kwargs) -> str:
+    with pytest.raises(ValueError) as e:
+        f(*args, **kwargs)
+    return str(e.value)
+
+
+def test_the_presets_page_quotes_the_real_errors(capsys):
+    """docs/presets.md lists what a wrong config prints; each line is what tfjax says."""
+    page = (DOCS / "presets.md").read_text()
+    build = lambda **fields: models.build(fields)  # noqa: E731
+    said = [
+        _error(model_config, dict(num_heads=8, num_kv_heads=3)),
+        _error(model_config, dict(num_layer=2)).split(" fields of ModelConfig: ")[0],
+        _error(model_config, dict(num_experts=8)),
+        _error(build, norm="rms"),
+        _error(build, layer_pattern=("global", "locl")),
+        _error(build, attention_impl="flash"),
+        _error(build, arch="encoder", layer_pattern=("mamba",), ffn_pattern=("none",)),
+    ]
+    with pytest.raises(SystemExit) as stop:
+        train_cli.parse_flags(["tfjax.train", "--config.model.num_experts=8"])
+    assert stop.value.code == 2
+    said.append(capsys.readouterr().err.strip())
+    for line in said:
+        assert line in page, f"docs/presets.md does not quote what tfjax says: {line}"
