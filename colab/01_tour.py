@@ -63,8 +63,8 @@ print("jax", jax.__version__, "| devices:", jax.devices())
 #
 # `nnx.eval_shape(lambda: build(cfg))` traces the constructor and returns a model whose
 # parameters are `ShapeDtypeStruct`s. The published sizes below are the parameter
-# counts of the reference checkpoints that the presets' docstrings (and the README
-# table) name; `tests/test_presets.py` asserts they match exactly.
+# counts of the reference checkpoints that the presets' docstrings (and the table of
+# `docs/presets.md`) name; `tests/test_presets.py` asserts they match exactly.
 
 # %%
 PRESETS = sorted(p.stem for p in Path("configs").glob("*.py") if not p.stem.startswith("_"))
