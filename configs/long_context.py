@@ -1,5 +1,6 @@
 """Long-context training with ring attention: the `default` tiny Llama-style byte
-decoder at 8x the sequence length, split over 8 devices on the `sequence` mesh axis.
+decoder at 16x its sequence length (2,048 tokens, not 128), split over 8 devices on
+the `sequence` mesh axis.
 
     python -m tfjax.train --config configs/long_context.py --workdir workdirs/long_context \\
         --cpu_devices=8
