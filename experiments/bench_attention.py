@@ -328,7 +328,7 @@ def _device_kind(args) -> str:
 
 def bench_gpu(args):
     from tfjax.ops.pallas import flash_attention_gpu
-    from tfjax.ops.pallas.hopper import HopperConfig
+    from tfjax.ops.pallas.mosaic_gpu import HopperConfig
     from tfjax.ops.target import is_hopper
 
     hopper = is_hopper()
@@ -450,10 +450,10 @@ def bench_tune(args, S=8192, N=32, K=8, head_dims=(128, 64)):
     stages from ptxas's register report). Rows print as they are measured (a killed
     run keeps them); the defaults are marked *."""
     from tfjax.ops.pallas import flash_attention_gpu
-    from tfjax.ops.pallas.gpu import TritonConfig, _default_block_sizes
+    from tfjax.ops.pallas.triton import TritonConfig, _default_block_sizes
     from tfjax.ops.target import is_hopper
-    from tfjax.ops.pallas.hopper import _SMEM_BYTES, HopperConfig
-    from tfjax.ops.pallas.hopper_backward import HopperBackwardConfig
+    from tfjax.ops.pallas.mosaic_gpu import _SMEM_BYTES, HopperConfig
+    from tfjax.ops.pallas.mosaic_gpu_backward import HopperBackwardConfig
 
     B = 1
     mask = M.causal()
@@ -619,7 +619,7 @@ def bench_decode(args, N=32, K=8, H=128):
     filled half's K/V bytes (what must be read)."""
     from tfjax.ops.pallas import flash_attention
     from tfjax.ops.pallas.decode import auto_kv_splits
-    from tfjax.ops.pallas.gpu import _default_block_sizes
+    from tfjax.ops.pallas.triton import _default_block_sizes
     from tfjax.ops.target import sm_count
 
     dtype, reps = jnp.bfloat16, 16

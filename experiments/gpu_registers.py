@@ -17,7 +17,7 @@ shared memory with 1 KiB reserved per program, at most 64 warps and 32 programs.
 
 Why it matters before any timing: a kernel whose tiles need more than 255
 registers per thread spills part of them to local memory, and its inner loop
-then goes through L1/L2 for them. `tfjax.ops.pallas.gpu.triton_launch` takes its
+then goes through L1/L2 for them. `tfjax.ops.pallas.triton.triton_launch` takes its
 warps and stages from this table (`choose`: no spills, then the most programs per
 SM, then fewer warps, then more stages); the script prints that choice for
 `gpu._LAUNCH`, and tests/ops/test_pallas_gpu.py checks the two agree.
@@ -71,7 +71,7 @@ from bench_attention import _as_if_on_gpu, _write_results  # noqa: E402
 from tfjax.ops import RelativeBias  # noqa: E402
 from tfjax.ops import masks as M  # noqa: E402
 from tfjax.ops.pallas import flash_attention_gpu  # noqa: E402
-from tfjax.ops.pallas.gpu import (  # noqa: E402
+from tfjax.ops.pallas.triton import (  # noqa: E402
     TritonConfig,
     _default_block_sizes,
     _pow2,
@@ -182,8 +182,8 @@ def mosaic_kernels(lowering_log: str, compile_log: str, kernels) -> dict[str, di
 
 def hopper_rows(H):
     """(kind, config text, forward kwargs, kernels) for the Mosaic GPU kernels."""
-    from tfjax.ops.pallas.hopper import _SMEM_BYTES, HopperConfig
-    from tfjax.ops.pallas.hopper_backward import HopperBackwardConfig
+    from tfjax.ops.pallas.mosaic_gpu import _SMEM_BYTES, HopperConfig
+    from tfjax.ops.pallas.mosaic_gpu_backward import HopperBackwardConfig
 
     dflt = HopperConfig.default(H)
     for wg, bk, st in itertools.product((2, 1), (64, 128), (2, 3)):
@@ -205,7 +205,7 @@ def hopper_rows(H):
                        ("fwd", "dq", "dkv"))
 
 
-FEATURES = ("plain", "masked", "t5")  # `tfjax.ops.pallas.gpu.launch_features`
+FEATURES = ("plain", "masked", "t5")  # `tfjax.ops.pallas.triton.launch_features`
 
 
 def feature_kwargs(features: str, B: int, S: int, N: int) -> dict:
@@ -357,7 +357,7 @@ def main():
                 "operand is touched while the wgmma is in flight): "
                 + ("; ".join(perf_notes) if perf_notes else "none in any row.")]
     path = _write_results(out, "attention_gpu_ptxas" + (f"_{args.only}" if args.only else ""))
-    print("\n# tfjax.ops.pallas.gpu._LAUNCH by the rule (see choose):")
+    print("\n# tfjax.ops.pallas.triton._LAUNCH by the rule (see choose):")
     print(format_launch(choose(read_table(path))))
 
 

@@ -40,7 +40,7 @@ def test_a_gpu_decode_step_packs_heads_and_splits_the_cache(monkeypatch):
     kernels interpreted): a batch-1 GQA decode step over a KV cache's mask reaches
     the kernels with its 4 query heads per kv head packed as rows and the 2048
     keys in 4 chunks of 512 (2 kv heads x 1 tile is under two programs per SM)."""
-    import tfjax.ops.pallas.gpu as gpu_lib
+    import tfjax.ops.pallas.triton as gpu_lib
     from tfjax.ops import dot_product_attention
 
     seen = []
@@ -75,7 +75,7 @@ def test_relative_bias_reaches_the_gpu_kernels_per_tile(monkeypatch):
     """On GPU `dot_product_attention(implementation="pallas")` hands T5's bias to the
     Triton kernels as the `RelativeBias` itself (no `[B, N, T, S]` bias): run on CPU
     with the backend reported as "gpu" and the Triton kernels interpreted."""
-    import tfjax.ops.pallas.gpu as gpu_lib
+    import tfjax.ops.pallas.triton as gpu_lib
     from tfjax.ops import RelativeBias, dot_product_attention
 
     calls = []
@@ -185,7 +185,7 @@ def test_triton_launches_are_the_ptxas_tables_choice():
     and feature class the default tiles launch at a configuration that compiled
     (T5's bias at H=256 overflowed shared memory at the 3-stage forward), and for
     index masks ("plain") one at which ptxas spilled nothing."""
-    from tfjax.ops.pallas import gpu
+    from tfjax.ops.pallas import triton as gpu
 
     registers, rows = _ptxas_table()
     assert len(rows) > 300
@@ -215,7 +215,7 @@ def test_kernels_lower_with_the_chosen_warps_and_stages(H, override, features):
     import re
 
     from tfjax.ops import RelativeBias
-    from tfjax.ops.pallas.gpu import TritonConfig, _default_block_sizes, triton_launch
+    from tfjax.ops.pallas.triton import TritonConfig, _default_block_sizes, triton_launch
 
     T, S = 100, 512  # query tiles clamp to 128, key tiles stay
     tc = TritonConfig(num_warps=2, num_stages=4, num_warps_dq=16, num_stages_dq=1,
@@ -263,7 +263,7 @@ def test_kernels_lower_with_the_chosen_warps_and_stages(H, override, features):
 
 
 def test_triton_config_names_a_bad_field():
-    from tfjax.ops.pallas.gpu import TritonConfig
+    from tfjax.ops.pallas.triton import TritonConfig
 
     with pytest.raises(ValueError, match="TritonConfig.num_warps_dkv must be 1, 2, 4, 8 or 16"):
         TritonConfig(num_warps_dkv=3)

@@ -16,8 +16,8 @@ from tfjax.ops import masks as M
 from tfjax.ops import RelativeBias
 from tfjax.ops.pallas import BlockSizes, flash_attention_gpu
 from tfjax.ops.target import gpu_lowering_target
-from tfjax.ops.pallas.hopper import HopperConfig, flash_forward_hopper, supports
-from tfjax.ops.pallas.hopper_backward import HopperBackwardConfig, flash_backward_hopper
+from tfjax.ops.pallas.mosaic_gpu import HopperConfig, flash_forward_hopper, supports
+from tfjax.ops.pallas.mosaic_gpu_backward import HopperBackwardConfig, flash_backward_hopper
 
 BS = BlockSizes(32, 64, 32, 64, 64, 32)  # the Triton backward's tiles (interpreted)
 

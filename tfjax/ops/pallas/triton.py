@@ -65,8 +65,8 @@ from tfjax.ops.pallas.common import (
     round_up,
     tile_tables,
 )
-from tfjax.ops.pallas.hopper import flash_forward_hopper
-from tfjax.ops.pallas.hopper_backward import flash_backward_hopper
+from tfjax.ops.pallas.mosaic_gpu import flash_forward_hopper
+from tfjax.ops.pallas.mosaic_gpu_backward import flash_backward_hopper
 
 __all__ = ["TritonConfig", "flash_attention_triton", "launch_features", "supports",
            "triton_launch"]

@@ -53,7 +53,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from tfjax.ops import masks as M
-from tfjax.ops.pallas import hopper
+from tfjax.ops.pallas import mosaic_gpu as hopper
 from tfjax.ops.pallas.common import (
     MaskOperands,
     heavy_first,
