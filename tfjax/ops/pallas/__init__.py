@@ -95,7 +95,7 @@ def _kv_splits(kv_splits, B, N, T, S, H, mask, alibi_slopes, alibi_positions, re
     if kv_splits is None:
         if not auto or reason:
             return 1
-        bq = (block_sizes or triton._default_block_sizes(H)).block_q
+        bq = (block_sizes or triton.default_block_sizes(H)).block_q
         return decode.auto_kv_splits(B, N, T, S, bq, target.sm_count())
     if isinstance(kv_splits, bool) or not isinstance(kv_splits, int) or kv_splits < 1 \
             or S % kv_splits:
