@@ -317,7 +317,7 @@ def main():
                     out.append(row)
                     print(row, flush=True)
     # the default: the default tiles at the launch the rule picks from these rows
-    # (what `triton_launch` returns once `gpu._LAUNCH` is the printed choice)
+    # (what `triton_launch` returns once triton_launch.json holds that choice)
     choice = choose(r for r in map(_row_of, out) if r)
     for i in default_tiles:
         r = _row_of(out[i])

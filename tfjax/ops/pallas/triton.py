@@ -197,8 +197,8 @@ def flash_attention_triton(q, k, v, mask=None, *, bias=None, scale=None, softcap
                            triton_config: TritonConfig | None = None):
     """The GPU kernels as a plan chose them (`tfjax.ops.pallas.plan`): q `[B,T,N,H]`,
     k/v `[B,S,K,H]` -> out `[B,T,N,H]` (and lse `[B,N,T]` fp32). `forward`: "triton"
-    or "hopper" (the Mosaic GPU forward of `hopper.py`, `hopper_config` its tiles);
-    `backward`: the same for the dq and dk/dv kernels (`hopper_backward.py`,
+    or "hopper" (the Mosaic GPU forward of `mosaic_gpu.py`, `hopper_config` its
+    tiles); `backward`: the same for the dq and dk/dv kernels (`mosaic_gpu_backward.py`,
     `hopper_backward_config`); either backward takes the residuals of either
     forward. `relative_bias`: T5's bias per tile (Triton only). `triton_config`: the
     Triton kernels' warps and pipeline stages (None: `triton_launch`'s choice for
