@@ -50,8 +50,8 @@ each row for a deviceless H200 (attention_decode_gpu_aot_<date>.md).
 
 gpu: forward, backward and forward+backward TFLOP/s (4*B*N*T*S*H FLOPs, halved
 when causal; backward counted as 2.5x forward) of "pallas" (the Triton kernels,
-and on Hopper also the Mosaic GPU forward of `tfjax/ops/pallas/hopper.py` and
-backward of `hopper_backward.py`) next to
+and on Hopper also the Mosaic GPU forward of `tfjax/ops/pallas/mosaic_gpu.py` and
+backward of `mosaic_gpu_backward.py`) next to
 jax.nn.dot_product_attention(implementation="cudnn" / "xla") and jax's own Pallas
 GPU attention, for H in {64, 128, 256}, S from 1k to 16k, causal and not, GQA
 32/8, sliding-window and segment masks (cuDNN given the explicit dense mask),
@@ -328,7 +328,7 @@ def _device_kind(args) -> str:
 
 def bench_gpu(args):
     from tfjax.ops.pallas import flash_attention_gpu
-    from tfjax.ops.pallas.hopper import HopperConfig
+    from tfjax.ops.pallas.mosaic_gpu import HopperConfig
     from tfjax.ops.target import is_hopper
 
     hopper = is_hopper()
@@ -450,10 +450,10 @@ def bench_tune(args, S=8192, N=32, K=8, head_dims=(128, 64)):
     stages from ptxas's register report). Rows print as they are measured (a killed
     run keeps them); the defaults are marked *."""
     from tfjax.ops.pallas import flash_attention_gpu
-    from tfjax.ops.pallas.gpu import TritonConfig, _default_block_sizes
+    from tfjax.ops.pallas.triton import TritonConfig, default_block_sizes
     from tfjax.ops.target import is_hopper
-    from tfjax.ops.pallas.hopper import _SMEM_BYTES, HopperConfig
-    from tfjax.ops.pallas.hopper_backward import HopperBackwardConfig
+    from tfjax.ops.pallas.mosaic_gpu import SMEM_BYTES, HopperConfig
+    from tfjax.ops.pallas.mosaic_gpu_backward import HopperBackwardConfig
 
     B = 1
     mask = M.causal()
@@ -473,7 +473,7 @@ def bench_tune(args, S=8192, N=32, K=8, head_dims=(128, 64)):
         if hopper:
             for bk, st in itertools.product((64, 128), (2, 3)):
                 c = HopperConfig(block_kv=bk, stages=st)
-                if c.smem_bytes(H) <= _SMEM_BYTES:
+                if c.smem_bytes(H) <= SMEM_BYTES:
                     rows.append(("hopper fwd", f"block_kv={bk} stages={st}",
                                  c == HopperConfig.default(H),
                                  dict(forward="hopper", hopper_config=c), None))
@@ -493,12 +493,12 @@ def bench_tune(args, S=8192, N=32, K=8, head_dims=(128, 64)):
                              dict(forward="hopper", hopper_config=c), None))
             for bdq, bdkv in itertools.product((64, 128), (64, 128)):
                 c = HopperBackwardConfig(bdq, bdkv)
-                if c.smem_bytes(H) <= _SMEM_BYTES:
+                if c.smem_bytes(H) <= SMEM_BYTES:
                     rows.append(("hopper bwd", f"block_kv_dq={bdq} block_q_dkv={bdkv}",
                                  c == HopperBackwardConfig(), dict(forward="hopper"),
                                  dict(forward="hopper", backward="hopper",
                                       hopper_backward_config=c)))
-        d = _default_block_sizes(H)
+        d = default_block_sizes(H)
         for bq, bk in itertools.product((64, 128), (32, 64, 128)):
             bs = dataclasses.replace(d, block_q=bq, block_kv=bk)
             rows.append(("triton fwd", f"block_q={bq} block_kv={bk}", bs == d,
@@ -619,7 +619,7 @@ def bench_decode(args, N=32, K=8, H=128):
     filled half's K/V bytes (what must be read)."""
     from tfjax.ops.pallas import flash_attention
     from tfjax.ops.pallas.decode import auto_kv_splits
-    from tfjax.ops.pallas.gpu import _default_block_sizes
+    from tfjax.ops.pallas.triton import default_block_sizes
     from tfjax.ops.target import sm_count
 
     dtype, reps = jnp.bfloat16, 16
@@ -633,7 +633,7 @@ def bench_decode(args, N=32, K=8, H=128):
     print("\n".join(out), flush=True)
     deadline = time.time() + args.budget_s
     for B, S in ((1, 8192), (1, 32768), (8, 32768), (32, 8192)):
-        P = auto_kv_splits(B, K, N // K, S, _default_block_sizes(H).block_q, sm_count())
+        P = auto_kv_splits(B, K, N // K, S, default_block_sizes(H).block_q, sm_count())
         impls = {
             "tfjax pallas (auto)": (P, lambda q, k, v, m: dot_product_attention(
                 q, k, v, m, implementation="pallas")),

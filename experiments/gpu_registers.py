@@ -2,7 +2,9 @@
 the Hopper kernels in Mosaic GPU) per tile choice, as ptxas compiles them for an
 H200, on a machine without a GPU.
 
-    python experiments/gpu_registers.py   # Python 3.12 venv with jax[cuda13]; ~12 min, 2 cores
+    python experiments/gpu_registers.py --write-launch  # jax[cuda13]: ~12 min, 2 cores
+    python experiments/gpu_registers.py --write-launch \
+        --from-table experiments/results/attention_gpu_ptxas_20261130.md  # no compiling
 
 Each configuration (fwd, or fwd+bwd, S = 8k, GQA 32/8, bf16; for each feature class
 of `launch_features`: causal, the per-tile extras at once, T5's bias) is compiled
@@ -17,12 +19,15 @@ shared memory with 1 KiB reserved per program, at most 64 warps and 32 programs.
 
 Why it matters before any timing: a kernel whose tiles need more than 255
 registers per thread spills part of them to local memory, and its inner loop
-then goes through L1/L2 for them. `tfjax.ops.pallas.gpu.triton_launch` takes its
+then goes through L1/L2 for them. `tfjax.ops.pallas.triton.triton_launch` takes its
 warps and stages from this table (`choose`: no spills, then the most programs per
-SM, then fewer warps, then more stages); the script prints that choice for
-`gpu._LAUNCH`, and tests/ops/test_pallas_gpu.py checks the two agree.
+SM, then fewer warps, then more stages): `--write-launch` writes that choice to
+`tfjax/ops/pallas/triton_launch.json` (package data, naming the table it came
+from), from this run's table or, with `--from-table`, from a committed one
+without compiling anything; tests/ops/test_triton.py checks the file is the
+choice of the table it names.
 
-The Hopper kernels (`tfjax/ops/pallas/hopper*.py`): when XLA compiles the program,
+The Mosaic GPU kernels (`tfjax/ops/pallas/mosaic_gpu*.py`): when XLA compiles the program,
 Mosaic GPU compiles each kernel through ptxas too; its report
 (MOSAIC_GPU_DUMP_PTXAS=1), the PTX's thread count and the scratch shared memory
 Mosaic allocates (MOSAIC_GPU_DUMP_RESOURCES=1) give the same columns, per forward
@@ -58,6 +63,7 @@ import dataclasses  # noqa: E402
 import datetime  # noqa: E402
 import glob  # noqa: E402
 import itertools  # noqa: E402
+import json  # noqa: E402
 import re  # noqa: E402
 import types  # noqa: E402
 
@@ -71,12 +77,15 @@ from bench_attention import _as_if_on_gpu, _write_results  # noqa: E402
 from tfjax.ops import RelativeBias  # noqa: E402
 from tfjax.ops import masks as M  # noqa: E402
 from tfjax.ops.pallas import flash_attention_gpu  # noqa: E402
-from tfjax.ops.pallas.gpu import (  # noqa: E402
+from tfjax.ops.pallas.triton import (  # noqa: E402
     TritonConfig,
-    _default_block_sizes,
-    _pow2,
+    default_block_sizes,
+    padded_head_dim,
     triton_launch,
 )
+
+ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+LAUNCH_FILE = os.path.join(ROOT, "tfjax", "ops", "pallas", "triton_launch.json")
 
 KERNELS = {"fwd": "tfjax_flash_fwd_gpu", "dq": "tfjax_flash_dq_gpu",
            "dkv": "tfjax_flash_dkv_gpu"}
@@ -167,7 +176,7 @@ def mosaic_kernels(lowering_log: str, compile_log: str, kernels) -> dict[str, di
     its shared memory scratch), in program order (`kernels`); when XLA compiles the
     program, Mosaic compiles each kernel through ptxas and prints its PTX (threads:
     .maxntid) and ptxas's report, named after the kernel's body (kernel, dq_kernel,
-    dkv_kernel in hopper*.py)."""
+    dkv_kernel in mosaic_gpu*.py)."""
     smem = [int(b) for b in re.findall(r"Resources\(smem_scratch_bytes=(\d+)", lowering_log)]
     threads = dict(re.findall(r"\.entry (\w+)\([^)]*\)\s*\.maxntid (\d+)", compile_log))
     out = {}
@@ -182,13 +191,13 @@ def mosaic_kernels(lowering_log: str, compile_log: str, kernels) -> dict[str, di
 
 def hopper_rows(H):
     """(kind, config text, forward kwargs, kernels) for the Mosaic GPU kernels."""
-    from tfjax.ops.pallas.hopper import _SMEM_BYTES, HopperConfig
-    from tfjax.ops.pallas.hopper_backward import HopperBackwardConfig
+    from tfjax.ops.pallas.mosaic_gpu import SMEM_BYTES, HopperConfig
+    from tfjax.ops.pallas.mosaic_gpu_backward import HopperBackwardConfig
 
     dflt = HopperConfig.default(H)
     for wg, bk, st in itertools.product((2, 1), (64, 128), (2, 3)):
         c = HopperConfig(block_kv=bk, stages=st, compute_warpgroups=wg)
-        if c.smem_bytes(H) <= _SMEM_BYTES:
+        if c.smem_bytes(H) <= SMEM_BYTES:
             yield ("fwd", f"{wg} consumer{'s' if wg > 1 else ''}, block_kv={bk} stages={st}"
                    f"{' *' if c == dflt else ''}", dict(forward="hopper", hopper_config=c),
                    ("fwd",))
@@ -198,14 +207,14 @@ def hopper_rows(H):
     if H <= 128:
         for bdq, bdkv in itertools.product((64, 128), (64, 128)):
             c = HopperBackwardConfig(bdq, bdkv)
-            if c.smem_bytes(H) <= _SMEM_BYTES:
+            if c.smem_bytes(H) <= SMEM_BYTES:
                 yield ("bwd", f"block_kv_dq={bdq} block_q_dkv={bdkv}"
                        f"{' *' if c == HopperBackwardConfig() else ''}",
                        dict(forward="hopper", backward="hopper", hopper_backward_config=c),
                        ("fwd", "dq", "dkv"))
 
 
-FEATURES = ("plain", "masked", "t5")  # `tfjax.ops.pallas.gpu.launch_features`
+FEATURES = ("plain", "masked", "t5")  # `tfjax.ops.pallas.triton.launch_features`
 
 
 def feature_kwargs(features: str, B: int, S: int, N: int) -> dict:
@@ -226,8 +235,8 @@ def feature_kwargs(features: str, B: int, S: int, N: int) -> dict:
 def rows_for(H, features="plain"):
     """(kind, BlockSizes, TritonConfig, kernels to report) per configuration; the
     backward's rows run the default forward at its launch (`triton_launch`)."""
-    d = _default_block_sizes(H)
-    w, st = triton_launch("fwd", _pow2(H), d.block_q, d.block_kv, features)
+    d = default_block_sizes(H)
+    w, st = triton_launch("fwd", padded_head_dim(H), d.block_q, d.block_kv, features)
     base = TritonConfig(num_warps=w, num_stages=st)
     for (bq, bk), w, st in itertools.product(FWD_TILES, (4, 8), (3, 2)):
         yield ("fwd", dataclasses.replace(d, block_q=bq, block_kv=bk),
@@ -244,7 +253,17 @@ def main():
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--only", choices=["triton", "hopper"], default=None,
                    help="one family of kernels (the results file then holds only it)")
+    p.add_argument("--write-launch", action="store_true",
+                   help=f"write the Triton launches chosen from the table to {LAUNCH_FILE}")
+    p.add_argument("--from-table", metavar="RESULTS_MD", default=None,
+                   help="read the Triton rows of this results file instead of compiling")
     args = p.parse_args()
+    if args.from_table:
+        if args.write_launch:
+            write_launch(args.from_table)
+        else:
+            print(format_launch(choose(read_table(args.from_table))))
+        return
     B, N, K, S = 1, 32, 8, args.seq
     out = [f"# Attention kernels as ptxas compiles them for an NVIDIA H200 (sm_90a), "
            f"without a GPU (jax {jax.__version__}, "
@@ -269,7 +288,7 @@ def main():
                                              FEATURES if args.only != "hopper" else ()):
             shapes = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=aot.gpu_sharding)
                       for s in ((B, S, N, H), (B, S, K, H), (B, S, K, H))]
-            dflt, fkw = _default_block_sizes(H), feature_kwargs(features, B, S, N)
+            dflt, fkw = default_block_sizes(H), feature_kwargs(features, B, S, N)
             for kind, bs, tc, kernels in rows_for(H, features):
                 attn = lambda q, k, v, bs=bs, tc=tc: flash_attention_gpu(
                     q, k, v, forward="triton", backward="triton", block_sizes=bs,
@@ -298,13 +317,13 @@ def main():
                     out.append(row)
                     print(row, flush=True)
     # the default: the default tiles at the launch the rule picks from these rows
-    # (what `triton_launch` returns once `gpu._LAUNCH` is the printed choice)
+    # (what `triton_launch` returns once triton_launch.json holds that choice)
     choice = choose(r for r in map(_row_of, out) if r)
     for i in default_tiles:
         r = _row_of(out[i])
         if r and choice.get(_key(r)) == (r["warps"], r["stages"]):
             out[i] = out[i].replace(f" {r['bq']}x{r['bk']} |", f" {r['bq']}x{r['bk']} * |", 1)
-    out += ["", "Mosaic GPU (the Hopper kernels, `tfjax/ops/pallas/hopper*.py`): Mosaic "
+    out += ["", "Mosaic GPU (the Hopper kernels, `tfjax/ops/pallas/mosaic_gpu*.py`): Mosaic "
             "compiles each kernel to a cubin through ptxas when XLA compiles the program "
             "(its report: MOSAIC_GPU_DUMP_PTXAS=1; shared memory: the scratch Mosaic "
             "allocates, MOSAIC_GPU_DUMP_RESOURCES=1). A fwd+bwd row reports the "
@@ -357,8 +376,11 @@ def main():
                 "operand is touched while the wgmma is in flight): "
                 + ("; ".join(perf_notes) if perf_notes else "none in any row.")]
     path = _write_results(out, "attention_gpu_ptxas" + (f"_{args.only}" if args.only else ""))
-    print("\n# tfjax.ops.pallas.gpu._LAUNCH by the rule (see choose):")
-    print(format_launch(choose(read_table(path))))
+    if args.write_launch:
+        write_launch(path)
+    else:
+        print("\n# the Triton launches by the rule (see choose; --write-launch writes them):")
+        print(format_launch(choose(read_table(path))))
 
 
 ROW = re.compile(r"^\| (\d+) \| (\w+) \| (fwd|dq|dkv) \| (\d+)x(\d+)(?: \*)? \| "
@@ -403,7 +425,38 @@ def choose(rows) -> dict[tuple[str, str, int, int, int], tuple[int, int]]:
 
 def format_launch(choice) -> str:
     items = [f"{k!r}: {v!r}," for k, v in sorted(choice.items())]
-    return "_LAUNCH = {\n" + "\n".join(f"    {i}" for i in items) + "\n}"
+    return "{\n" + "\n".join(f"    {i}" for i in items) + "\n}"
+
+
+LAUNCH_COLUMNS = ("features", "kernel", "H", "bq", "bk", "warps", "stages")
+
+
+def launch_json(choice, measured: str) -> str:
+    """The text of tfjax/ops/pallas/triton_launch.json: `choice` (`choose`'s), one
+    launch a line, and the results file `measured` (a path from the repository
+    root) it was chosen from."""
+    head = {
+        "about": "Launches (warps, stages) of the Triton attention kernels per feature class, "
+                 "kernel, padded head dim H, query tile bq and key tile bk: the rule `choose` "
+                 "of experiments/gpu_registers.py applied to ptxas's register report for an "
+                 "H200 (sm_90a) in `measured`. Read by tfjax.ops.pallas.triton.triton_launch.",
+        "measured": measured,
+        "written_by": f"python experiments/gpu_registers.py --from-table {measured} "
+                      "--write-launch",
+        "columns": list(LAUNCH_COLUMNS),
+    }
+    rows = [json.dumps([*key, *launch]) for key, launch in sorted(choice.items())]
+    return "\n".join(["{", *(f"  {json.dumps(k)}: {json.dumps(v)}," for k, v in head.items()),
+                      '  "launches": [', ",\n".join(f"    {r}" for r in rows), "  ]", "}"]) + "\n"
+
+
+def write_launch(table: str, path: str = LAUNCH_FILE) -> str:
+    """Write the Triton launches chosen from results file `table` to `path`."""
+    measured = os.path.relpath(os.path.abspath(table), ROOT)
+    with open(path, "w") as f:
+        f.write(launch_json(choose(read_table(table)), measured))
+    print(f"wrote {path} (from {measured})")
+    return path
 
 
 def _kernel_key(bs, tc, kern):

@@ -17,9 +17,10 @@
 #   python experiments/bench_attention.py gpu --compile-only --budget-s 3000
 # (experiments/results/attention_gpu_aot_20261130.md: every tfjax row compiled; cuDNN
 # refuses H=256 and jax's Pallas attention overflows shared memory there), and
-#   python experiments/gpu_registers.py
+#   python experiments/gpu_registers.py --write-launch
 # tabulates ptxas's registers and spills for every Triton and Mosaic GPU kernel
-# configuration (the Triton launches are chosen from it; ~12 min on 2 cores).
+# configuration and writes the Triton launches chosen from it to
+# tfjax/ops/pallas/triton_launch.json (~12 min on 2 cores).
 # Then, with the device tool:
 #   run(command="bash experiments/gpu_session.sh", carry=[".whl"], timeout_s=570)
 # and copy $OUT/attention_gpu_*.md (the tiles table too) into experiments/results/.
@@ -37,7 +38,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv 2>&1 | tee "$OU
 python3 -c "import jax; print('jax', jax.__version__, jax.devices(), \
 getattr(jax.devices()[0], 'compute_capability', '?'))" 2>&1 | tee -a "$OUT/gpu.txt"
 timeout 180 python3 -m pytest -q -p no:cacheprovider -m accelerator \
-    tests/ops/test_pallas_gpu.py tests/ops/test_pallas_hopper.py 2>&1 | tee "$OUT/accelerator_tests.log"
+    tests/ops/test_triton.py tests/ops/test_mosaic_gpu.py 2>&1 | tee "$OUT/accelerator_tests.log"
 timeout 350 python3 experiments/bench_attention.py gpu --budget-s 260 2>&1 | tee "$OUT/bench.log"
 cp experiments/results/attention_gpu_*.md "$OUT/" 2>/dev/null
 # A decode step over a KV cache (packing and splitting vs xla; ~40 s)

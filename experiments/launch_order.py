@@ -4,7 +4,7 @@
     .venv/bin/python experiments/launch_order.py --quick    # the CI's size
 
 Model. A program (CTA) of the forward or dq grid computes one query tile and visits
-the non-empty kv tiles of its row of the tile table (`common.tile_tables` of the
+the non-empty kv tiles of its row of the tile table (`tfjax.ops.tiles.tile_tables` of the
 real mask, its block view), at a cost proportional to their number. The GPU starts
 programs in grid order whenever a resident one finishes; `slots` = SMs x programs
 resident per SM (an H100 / H200 has 132 SMs; ptxas's report gives 1 program per SM
@@ -14,11 +14,11 @@ list schedule over the ideal (all work / slots) is what the launch order costs.
 
 Orders: each backend's enumeration of its grid (Mosaic GPU: the Pallas grid
 (heads, query tiles, batch) with the batch fastest; Triton: (query tiles, batch,
-heads) with the query tiles fastest) with the query tiles increasing (before
-`common.heavy_first`) or heaviest first (now); and LPT, every program sorted
-longest first regardless of its head (a bound: it would launch all heads' last
-tiles together, giving up the K/V reuse in L2 of programs of one head running
-side by side).
+heads) with the query tiles fastest) with the query tiles increasing, or heaviest
+first (`tfjax.ops.pallas.common.heavy_first`, what the kernels launch); and LPT,
+every program sorted longest first regardless of its head (a bound: it would
+launch all heads' last tiles together, giving up the K/V reuse in L2 of programs
+of one head running side by side).
 
 Not a measurement of a GPU: equal cost per visited tile (PARTIAL tiles cost more
 in truth), no memory system, no launch latency, a fixed number of resident
@@ -35,7 +35,7 @@ from common import Experiment
 import numpy as np
 
 from tfjax.ops import masks as M
-from tfjax.ops.pallas.common import tile_tables
+from tfjax.ops.tiles import tile_tables
 
 SMS = 132  # H100 SXM / H200
 # (kernel, query tile, kv tile, programs per SM at H=128) of the defaults

@@ -1,7 +1,7 @@
-"""dot_product_attention: the reference against a numpy loop, "xla" against the
-reference (forward and gradients), fully masked rows, dispatch errors; the
-dispatch itself (the fixed table, the literal "auto" orders, the ring's block
-choice)."""
+"""`dot_product_attention` and the dispatch (`tfjax.ops.attention`): input checks and
+their messages, "auto" never changing semantics, the fixed table and the literal
+"auto" orders, what each platform's "auto" picks (and defers), the ring's block
+choice. The implementations against the reference: test_implementations.py."""
 
 import dataclasses
 
@@ -9,115 +9,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from attention_cases import inputs
 
 from tfjax.ops import AttentionRequest, attention_reference, dot_product_attention, masks as M
 from tfjax.ops import select_implementation
 
 
-def numpy_attention(q, k, v, allowed, bias=None, scale=None, softcap=None):
-    """Per (b, n, i) loop: the kv head of query head n is n // G."""
-    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-    B, T, N, H = q.shape
-    S, K = k.shape[1], k.shape[2]
-    G = N // K
-    scale = H ** -0.5 if scale is None else scale
-    out = np.zeros((B, T, N, H))
-    lse = np.full((B, N, T), -np.inf)
-    allowed = np.broadcast_to(np.asarray(allowed), (B, T, S))
-    for b in range(B):
-        for n in range(N):
-            for i in range(T):
-                s = k[b, :, n // G] @ q[b, i, n] * scale
-                if softcap:
-                    s = softcap * np.tanh(s / softcap)
-                if bias is not None:
-                    s = s + np.broadcast_to(np.asarray(bias), (B, N, T, S))[b, n, i]
-                ok = allowed[b, i]
-                if not ok.any():
-                    continue
-                s = np.where(ok, s, -np.inf)
-                m = s.max()
-                p = np.exp(s - m)
-                out[b, i, n] = p @ v[b, :, n // G] / p.sum()
-                lse[b, n, i] = m + np.log(p.sum())
-    return out, lse
-
-
 def rand(shape, seed):
     return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
-
-
-SEG = np.array([[1, 1, 1, 2, 2, 2, 2], [3, 3, 3, 3, 3, 3, 3]])
-MASKS = {
-    "none": None,
-    "causal": M.causal(),
-    "window": M.sliding_window(2),
-    "segments&causal": M.segments(SEG) & M.causal(),
-    "prefix": M.prefix_lm(np.array([4, 1])),
-    "fully_masked_rows": M.padding(np.array([0, 3])),  # batch 0 sees no key at all
-}
-
-
-@pytest.mark.parametrize("mask_name", sorted(MASKS))
-@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1)])
-def test_reference_matches_numpy_loop(mask_name, heads):
-    N, K = heads
-    q, k, v = rand((2, 7, N, 8), 0), rand((2, 7, K, 8), 1), rand((2, 7, K, 8), 2)
-    mask = MASKS[mask_name]
-    out, lse = attention_reference(q, k, v, mask, return_lse=True)
-    want_out, want_lse = numpy_attention(q, k, v, M.dense(mask, 7, 7))
-    np.testing.assert_allclose(out, want_out, atol=1e-5)
-    np.testing.assert_allclose(lse, want_lse, atol=1e-5)
-    assert np.isfinite(np.asarray(out)).all()
-
-
-def test_reference_bias_softcap_scale_and_offsets():
-    q, k, v = rand((1, 5, 4, 8), 3), rand((1, 6, 2, 8), 4), rand((1, 6, 2, 8), 5)
-    bias = rand((1, 4, 5, 6), 6)
-    mask = M.causal()
-    out = attention_reference(q, k, v, mask, bias=bias, scale=0.3, softcap=2.0,
-                              q_offset=1, kv_offset=0)
-    want, _ = numpy_attention(q, k, v, mask.dense(5, 6, q_offset=1), bias=bias, scale=0.3,
-                              softcap=2.0)
-    np.testing.assert_allclose(out, want, atol=1e-5)
-
-
-@pytest.mark.parametrize("mask_name", ["none", "segments&causal", "fully_masked_rows", "window"])
-def test_xla_matches_reference_forward_and_grads(mask_name):
-    q, k, v = rand((2, 7, 6, 16), 7), rand((2, 7, 2, 16), 8), rand((2, 7, 2, 16), 9)
-    mask = MASKS[mask_name]
-    bias = 0.1 * rand((1, 6, 7, 7), 10)
-
-    def loss(impl, q, k, v, bias):
-        out = dot_product_attention(q, k, v, mask, bias=bias, implementation=impl)
-        return jnp.sum(out * jnp.cos(out)), out
-
-    (lr, out_r), g_r = jax.value_and_grad(loss, argnums=(1, 2, 3, 4), has_aux=True)(
-        "reference", q, k, v, bias)
-    (lx, out_x), g_x = jax.value_and_grad(loss, argnums=(1, 2, 3, 4), has_aux=True)(
-        "xla", q, k, v, bias)
-    np.testing.assert_allclose(out_x, out_r, atol=1e-5)
-    for a, b in zip(g_x, g_r):
-        assert np.isfinite(np.asarray(a)).all()
-        np.testing.assert_allclose(a, b, atol=1e-4)
-
-
-def test_fully_masked_rows_give_zero_output_and_zero_grads():
-    q, k, v = rand((2, 4, 2, 8), 11), rand((2, 4, 2, 8), 12), rand((2, 4, 2, 8), 13)
-    mask = M.padding(np.array([0, 4]))
-    for impl in ("reference", "xla"):
-        out = dot_product_attention(q, k, v, mask, implementation=impl)
-        assert np.all(np.asarray(out[0]) == 0)
-        g = jax.grad(lambda q: dot_product_attention(q, k, v, mask, implementation=impl).sum())(q)
-        assert np.isfinite(np.asarray(g)).all() and np.all(np.asarray(g[0]) == 0)
-
-
-def test_gqa_equals_mha_with_repeated_kv():
-    q, k, v = rand((1, 5, 6, 8), 14), rand((1, 5, 2, 8), 15), rand((1, 5, 2, 8), 16)
-    gqa = dot_product_attention(q, k, v, M.causal(), implementation="reference")
-    mha = dot_product_attention(q, jnp.repeat(k, 3, axis=2), jnp.repeat(v, 3, axis=2), M.causal(),
-                                implementation="reference")
-    np.testing.assert_allclose(gqa, mha, atol=1e-6)
 
 
 def test_errors_name_the_problem():
@@ -146,71 +45,6 @@ def test_auto_never_changes_semantics():
     np.testing.assert_allclose(out, want, atol=1e-5)
 
 
-def test_reference_lse_gradient_is_the_softmax():
-    q, k, v = rand((1, 5, 2, 8), 20), rand((1, 6, 2, 8), 21), rand((1, 6, 2, 8), 22)
-    mask = M.causal()
-
-    def lse_ref(q, k):
-        return attention_reference(q, k, v, mask, return_lse=True)[1]
-
-    def lse_dense(q, k):
-        s = jnp.einsum("btnh,bsnh->bnts", q, k) * 8 ** -0.5
-        s = jnp.where(mask.dense(5, 6)[:, None], s, -jnp.inf)
-        return jax.nn.logsumexp(s, axis=-1)
-
-    w = rand((1, 2, 5), 23)
-    g_ref = jax.grad(lambda q, k: jnp.sum(w * lse_ref(q, k)), argnums=(0, 1))(q, k)
-    g_dense = jax.grad(lambda q, k: jnp.sum(w * lse_dense(q, k)), argnums=(0, 1))(q, k)
-    for a, b in zip(g_ref, g_dense):
-        np.testing.assert_allclose(a, b, atol=1e-5)
-
-
-def test_alibi_slopes_equal_the_explicit_alibi_bias():
-    """`alibi_slopes` is ALiBi at global index positions (offsets included) or at
-    `alibi_positions`, the same as the layer-level `alibi_bias` passed as a bias;
-    "reference" and "xla" agree, forward and gradients; the slopes take no
-    gradient. (The tiled implementations are checked against the same explicit
-    bias in their own tests.)"""
-    from tfjax.nn.positions import alibi_bias, alibi_slopes
-
-    q, k, v = rand((2, 5, 4, 8), 30), rand((2, 7, 2, 8), 31), rand((2, 7, 2, 8), 32)
-    slopes = jnp.asarray(alibi_slopes(4))
-    per_example = jnp.stack([slopes, 3.0 * slopes])  # [B, N]
-    qo, ko = 4, 1
-    index = (jnp.broadcast_to(jnp.arange(5) + qo, (2, 5)), jnp.broadcast_to(jnp.arange(7) + ko,
-                                                                             (2, 7)))
-    packed = (jnp.array([[0, 1, 2, 0, 1], [3, 4, 5, 6, 7]]), jnp.array([[0, 1, 2, 0, 1, 2, 3]]))
-
-    @jax.jit
-    def explicit(sl, pos):  # the layer's bias from position arrays, through `bias=`
-        qp, kp = jnp.broadcast_to(pos[0], (2, 5)), jnp.broadcast_to(pos[1], (2, 7))
-        sl = jnp.broadcast_to(sl, (2, 4))
-        bias = jax.vmap(lambda a, b, s: alibi_bias(a[None], b[None], s)[0])(qp, kp, sl)
-        return attention_reference(q, k, v, M.causal(), bias=bias, q_offset=qo, kv_offset=ko)
-
-    def loss(impl, q, k, sl, pos):
-        out = dot_product_attention(q, k, v, M.causal(), alibi_slopes=sl, alibi_positions=pos,
-                                    q_offset=qo, kv_offset=ko, implementation=impl)
-        return jnp.sum(out * jnp.cos(out)), out
-
-    vg = jax.jit(jax.value_and_grad(loss, (1, 2, 3), has_aux=True), static_argnums=0)
-    for sl, pos in ((slopes, None), (per_example, None), (per_example, packed)):
-        want = explicit(sl, index if pos is None else pos)
-        grads = {}
-        for impl in ("reference", "xla"):
-            (_, out), g = vg(impl, q, k, sl, pos)
-            np.testing.assert_allclose(out, want, atol=1e-5, err_msg=impl)
-            assert not np.asarray(g[2]).any()  # fixed slopes: no gradient
-            grads[impl] = g
-        for a, b in zip(grads["xla"][:2], grads["reference"][:2]):
-            np.testing.assert_allclose(a, b, atol=1e-4)
-    # the cases differ from each other and from no ALiBi (the checks above can fail)
-    outs = [explicit(s, p) for s, p in ((0 * slopes, index), (slopes, index),
-                                         (per_example, index), (per_example, packed))]
-    for x, y in zip(outs, outs[1:]):
-        assert np.abs(np.asarray(x - y)).max() > 1e-2
-
-
 def test_alibi_slopes_shape_error_and_cudnn_declines():
     from tfjax.ops import select_implementation
     from tfjax.ops.attention import AttentionRequest
@@ -236,63 +70,6 @@ def test_alibi_slopes_shape_error_and_cudnn_declines():
     assert select_implementation(r) == "pallas"  # auto passes cuDNN over for ALiBi
     cpu = dataclasses.replace(r, backend="cpu", dtype="float32")
     assert select_implementation(cpu) == "blockwise"
-
-
-def test_relative_bias_equals_the_explicit_t5_bias():
-    """`relative_bias` (T5's bucketed bias) at index positions (offsets included) or
-    explicit ones equals the table gathered at the bucketed relative positions,
-    passed as `bias=`: "reference" and "xla" (materialised by the dispatch),
-    "blockwise" (per tile, tiny tiles) and "pallas" (per tile in the TPU kernels,
-    interpreted) agree, forward and gradients, the table's included. (Awkward
-    shapes: tests/ops/test_blockwise.py, tests/ops/test_pallas.py.)"""
-    from tfjax.nn.positions import relative_position_bucket
-    from tfjax.ops import RelativeBias
-
-    q, k, v = rand((2, 5, 4, 8), 40), rand((2, 7, 2, 8), 41), rand((2, 7, 2, 8), 42)
-    table = rand((8, 4), 43)
-    qo, ko = 4, 1
-    index = (jnp.arange(5)[None] + qo, jnp.arange(7)[None] + ko)
-    packed = (jnp.array([[0, 1, 2, 0, 1], [3, 5, 7, 9, 11]]), jnp.array([[0, 2, 4, 0, 3, 6, 9]]))
-
-    def explicit(table, pos, bidirectional):  # [B, N, T, S], gathered from the whole matrix
-        qp, kp = jnp.broadcast_to(pos[0], (2, 5)), jnp.broadcast_to(pos[1], (2, 7))
-        rel = kp[:, None, :] - qp[:, :, None]
-        b = relative_position_bucket(rel, bidirectional=bidirectional, num_buckets=8,
-                                     max_distance=10)
-        return jnp.moveaxis(table[b], -1, 1)
-
-    def loss(impl, q, k, table, pos, bidirectional):
-        if impl == "explicit":
-            out = attention_reference(q, k, v, M.causal(), q_offset=qo, kv_offset=ko,
-                                      bias=explicit(table, index if pos is None else pos,
-                                                    bidirectional))
-        else:
-            rb = RelativeBias(table, bidirectional=bidirectional, max_distance=10,
-                              q_positions=None if pos is None else pos[0],
-                              kv_positions=None if pos is None else pos[1])
-            if impl == "attention_reference":
-                out = attention_reference(q, k, v, M.causal(), relative_bias=rb, q_offset=qo,
-                                          kv_offset=ko)
-            else:
-                out = dot_product_attention(q, k, v, M.causal(), relative_bias=rb, q_offset=qo,
-                                            kv_offset=ko, implementation=impl)
-        return jnp.sum(out * jnp.cos(out)), out
-
-    vg = jax.jit(jax.value_and_grad(loss, (1, 2, 3), has_aux=True), static_argnums=(0, 5))
-    outs = []
-    for pos, bidirectional in ((None, False), (None, True), (packed, True)):
-        (_, want), g_want = vg("explicit", q, k, table, pos, bidirectional)
-        assert np.abs(np.asarray(g_want[2])).max() > 1e-3  # the table is learned
-        for impl in ("reference", "xla", "blockwise", "pallas", "attention_reference"):
-            (_, out), g = vg(impl, q, k, table, pos, bidirectional)
-            np.testing.assert_allclose(out, want, atol=1e-5, err_msg=impl)
-            for a, b in zip(g, g_want):
-                np.testing.assert_allclose(a, b, atol=1e-4, err_msg=impl)
-        outs.append(want)
-    # the cases differ from each other and from no bias (the checks above can fail)
-    outs.append(attention_reference(q, k, v, M.causal(), q_offset=qo, kv_offset=ko))
-    for x, y in zip(outs, outs[1:]):
-        assert np.abs(np.asarray(x - y)).max() > 1e-2
 
 
 def test_relative_bias_errors_and_dispatch():
@@ -325,8 +102,76 @@ def test_relative_bias_errors_and_dispatch():
 
 
 # --------------------------------------------------------------------------- #
-# The decision: one fixed table, literal orders, the ring's block choice.
+# The decision: one fixed table, literal orders, each platform's "auto", the ring's
+# block choice.
 # --------------------------------------------------------------------------- #
+
+
+def test_auto_picks_blockwise_on_cpu_and_serves_every_request():
+    if jax.default_backend() != "cpu":
+        pytest.skip("the CPU default")
+    r = AttentionRequest(q_shape=(1, 8, 4, 16), k_shape=(1, 8, 2, 16), dtype="float32",
+                         backend="cpu", mask=M.causal(), has_bias=True, softcap=30.0,
+                         offsets=True, return_lse=True)
+    assert select_implementation(r) == "blockwise"
+    q, k, v, _ = inputs(1, 8, 8, 4, 2, 16)
+    out, lse = dot_product_attention(q, k, v, M.causal(), softcap=30.0, return_lse=True)
+    want, want_lse = dot_product_attention(q, k, v, M.causal(), softcap=30.0, return_lse=True,
+                                           implementation="reference")
+    np.testing.assert_allclose(out, want, atol=1e-5)
+    np.testing.assert_allclose(lse, want_lse, atol=1e-5)
+
+
+def test_auto_on_tpu_leaves_decode_steps_to_xla(monkeypatch):
+    """On TPU "auto" tries the implementations after the kernels first for a
+    decode-shaped request (T * G < H: the kernels' relayout would copy the whole
+    cache): xla, or blockwise where xla cannot serve (soft-cap); the kernels keep
+    a chunked prefill over the cache, and serve when nothing after them can."""
+    cache = M.positions(np.zeros((1, 1), np.int32), np.arange(1024, dtype=np.int32)[None])
+    r = AttentionRequest(q_shape=(1, 1, 8, 128), k_shape=(1, 1024, 2, 128), dtype="bfloat16",
+                         backend="tpu", mask=cache, has_bias=False, softcap=None,
+                         offsets=False, return_lse=False)
+    assert select_implementation(r) == "xla"
+    assert select_implementation(r, "pallas") == "pallas"  # deferring is no refusal
+    assert select_implementation(AttentionRequest(**{**r.__dict__, "softcap": 30.0})) \
+        == "blockwise"
+    for change in ({"q_shape": (1, 512, 8, 128)}, {"backend": "gpu", "mask": M.causal() & cache}):
+        assert select_implementation(AttentionRequest(**{**r.__dict__, **change})) == "pallas", \
+            change
+    import tfjax.ops.attention as attention_lib
+    # nothing after the kernels that can serve: they do
+    monkeypatch.setattr(attention_lib, "AUTO_ORDER", {**attention_lib.AUTO_ORDER,
+                                                      "tpu": ("pallas", "xla")})
+    assert select_implementation(AttentionRequest(**{**r.__dict__, "softcap": 30.0})) \
+        == "pallas"
+
+
+def test_dispatch():
+    q, k, v, _ = inputs(1, 16, 16, 4, 2, 16)
+    out = jax.jit(lambda q, k, v: dot_product_attention(q, k, v, M.causal(),
+                                                        implementation="pallas"))(q, k, v)
+    want = dot_product_attention(q, k, v, M.causal(), implementation="reference")
+    np.testing.assert_allclose(out, want, atol=1e-5)
+
+    class Custom(M.Mask):  # a mask kind the kernels do not know
+        pass
+
+    r = AttentionRequest(q_shape=(1, 8, 4, 16), k_shape=(1, 8, 2, 16), dtype="float32",
+                         backend="tpu", mask=Custom(), has_bias=False, softcap=None,
+                         offsets=False, return_lse=False)
+    with pytest.raises(ValueError, match="cannot evaluate a Custom mask"):
+        select_implementation(r, "pallas")
+    assert select_implementation(r) != "pallas"  # auto falls through, it never guesses
+    r_ok = AttentionRequest(**{**r.__dict__, "mask": M.causal()})
+    assert select_implementation(r_ok) == "pallas"
+    # GPU: cuDNN for a plain causal bf16 request, pallas as soon as cuDNN cannot serve it
+    gpu = AttentionRequest(**{**r_ok.__dict__, "backend": "gpu", "dtype": "bfloat16"})
+    assert select_implementation(gpu) == "cudnn"
+    for change in ({"softcap": 30.0}, {"mask": M.sliding_window(8)}, {"return_lse": True},
+                   {"offsets": True}, {"dtype": "float32"}):
+        assert select_implementation(AttentionRequest(**{**gpu.__dict__, **change})) == "pallas"
+    with pytest.raises(ValueError, match="no logit soft-cap"):
+        select_implementation(AttentionRequest(**{**gpu.__dict__, "softcap": 30.0}), "cudnn")
 
 
 def test_the_table_is_fixed_and_the_auto_orders_are_written_out():

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from tfjax.ops import masks as M
-from tfjax.ops.pallas.common import tile_tables
 
 B = 2
 
@@ -131,21 +130,3 @@ def test_block_view_is_cheap_at_128k():
     assert temp < 16 * 1024 * 1024  # a dense T x T bool would be 16 GiB
     blocks = np.asarray(mask.blocks(T, T, 512, 512))
     assert (blocks != M.EMPTY).sum() <= 256 * 10  # ~9 tiles per row, not 256
-
-
-def test_tile_tables_compact_nonempty_tiles_first():
-    mask = M.causal()
-    tab = tile_tables(mask, 40, 40, 8, 8)  # 5 x 5, T % 8 == 0
-    np.testing.assert_array_equal(tab.count[0], [1, 2, 3, 4, 5])
-    assert tab.steps == 5 and not tab.batched
-    np.testing.assert_array_equal(tab.order[0, 1], [0, 1, 1, 1, 1])  # repeats the last index
-    np.testing.assert_array_equal(tab.code[0, 1, :2], [M.FULL, M.PARTIAL])
-    tab_t = tile_tables(mask, 40, 40, 8, 8, transpose=True)
-    np.testing.assert_array_equal(tab_t.count[0], [5, 4, 3, 2, 1])
-    np.testing.assert_array_equal(tab_t.order[0, 3, :2], [3, 4])
-    # a tail tile is never FULL: the kernel must mask the padding
-    tail = tile_tables(None, 20, 20, 8, 8)
-    np.testing.assert_array_equal(tail.code[0, 0], [M.FULL, M.FULL, M.PARTIAL])
-    np.testing.assert_array_equal(tail.code[0, 2], [M.PARTIAL] * 3)
-    window = tile_tables(M.sliding_window(8), 1024, 1024, 128, 128)
-    assert window.steps == 2  # the grid walks 2 kv tiles per query tile, not 8

@@ -1,69 +1,20 @@
-"""implementation="pallas" (the TPU kernels, in interpret mode on CPU) against the
-reference: forward, lse, dq/dk/dv and dbias on a covering set of issue 4's sizes,
-every mask kind in a kernel (iota masks, segment tiles, per-example scalars),
-tails, GQA/MQA, head dims padded to 128 lanes, soft-cap, bias, ALiBi, T5's bias
-(index and explicit positions, its table gradient), offsets (static:
-tables at trace time; traced: tables in the graph), fully masked rows, bf16; one
-case under the TPU-semantics interpreter; determinism; dispatch."""
+"""The Pallas family (`tfjax.ops.pallas`): its plan, the one decision of which
+kernels run (Mosaic TPU, Triton, Mosaic GPU forward and backward) and how
+(decode-shaped requests: query heads packed, keys split), and `flash_attention`
+running what it planned, on CPU and for GPU targets (interpreted, or lowered for a
+named GPU). The kernels against the reference: test_implementations.py."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from attention_cases import check_against_reference, inputs, make_mask
-from jax.experimental.pallas import tpu as pltpu
+from attention_cases import inputs, lower_for_cuda, make_mask
 
-from tfjax.ops import dot_product_attention, select_implementation
-from tfjax.ops import masks as M
-from tfjax.ops.attention import AttentionRequest
 import tfjax.ops.pallas as pallas_lib
-from tfjax.ops.pallas import BlockSizes, flash_attention
-
-BS = BlockSizes(block_q=64, block_kv=128, block_q_dq=64, block_kv_dq=128, block_q_dkv=128,
-                block_kv_dkv=128)
-# dq's kv tile spans 256 lanes (T5's per-bucket sums fold two lane tiles)
-BS_WIDE_DQ = BlockSizes(block_q=64, block_kv=128, block_q_dq=64, block_kv_dq=256,
-                        block_q_dkv=128, block_kv_dkv=128)
-
-CASES = [
-    (1, 1, (4, 4), 32, "none", {}),
-    (100, 200, (8, 2), 80, "causal&segments", {"softcap": 20.0, "q_offset": 3, "alibi": "BN",
-                                               "relative": "causal"}),
-    (384, 128, (8, 1), 64, "window_lr", {"bias": (1, 8), "alibi": "pos", "relative": "pos"}),
-    (128, 100, (4, 4), 128, "padding_fully_masked", {"bias": (2, 1), "relative": "bidir"}),
-    (1000, 1000, (4, 4), 32, "chunked", {"relative": "causal", "block_sizes": BS_WIDE_DQ}),
-    # T5's bias (max distance 24) on whole 384 x 384 grids: at explicit positions
-    # index // 12 (bidirectional) tiles far in index hold several buckets; at index
-    # positions (unidirectional) far tiles hold one (the past's last, or 0)
-    (384, 384, (4, 2), 32, "none", {"relative": "coarse"}),  # explicit positions
-    (384, 384, (4, 1), 32, "none", {"relative": "causal", "kv_offset": 9}),
-    (100, 384, (8, 2), 32, "prefix|window", {"kv_offset": 5, "alibi": "N", "relative": "bidir"}),
-    (200, 300, (8, 2), 64, "bigbird", {"kv_offset": 5}),
-    (130, 130, (4, 1), 32, "longformer&causal", {"q_offset": 3, "softcap": 30.0}),
-    # a KV cache's masks: chunked prefill over [cache; fresh keys], and decode
-    (100, 300, (8, 2), 64, "positions_window", {"softcap": 10.0}),
-    (1, 300, (8, 1), 32, "positions", {"alibi": "N"}),
-    # decode and speculative steps: query heads packed, keys split into chunks
-    # (decode.py; chunks of 100, 65, 75 and 40 keys: never whole tiles)
-    (1, 300, (8, 2), 64, "positions", {"softcap": 10.0, "pack_heads": True, "kv_splits": 3}),
-    (5, 200, (4, 1), 32, "positions_window", {"bias": (2, 4), "pack_heads": True}),
-    (3, 130, (4, 2), 32, "positions", {"bias": (1, 1), "pack_heads": True, "kv_splits": 2}),
-    (2, 300, (4, 2), 32, "padding_fully_masked", {"kv_splits": 4, "kv_offset": 7}),
-    (4, 200, (8, 2), 32, "segments", {"kv_splits": 5, "alibi": "pos", "bias": (1, 8)}),
-]
-
-
-def _case_id(c):
-    return f"T{c[0]}-S{c[1]}-NK{c[2][0]}x{c[2][1]}-H{c[3]}-{c[4]}"
-
-
-@pytest.mark.parametrize("T,S,heads,H,mask_name,extras", CASES, ids=[_case_id(c) for c in CASES])
-def test_matches_reference(T, S, heads, H, mask_name, extras):
-    extras = dict(extras)
-    B = 1 if T * S > 500_000 else 2  # interpret mode walks every grid step
-    q, k, v, bias = inputs(B, T, S, *heads, H, bias=extras.pop("bias", None))
-    check_against_reference(flash_attention, q, k, v, make_mask(mask_name, B, T, S), bias,
-                            block_sizes=extras.pop("block_sizes", BS), **extras)
+from tfjax.ops import RelativeBias
+from tfjax.ops import masks as M
+from tfjax.ops.pallas import flash_attention, flash_attention_gpu
+from tfjax.ops.target import gpu_lowering_target
 
 
 def test_decode_shaped_requests_pack_query_heads(monkeypatch):
@@ -142,213 +93,122 @@ def test_plan_decides_kernels_packing_and_splits(monkeypatch):
     assert seen == [("mosaic_tpu", (2, 1, 8, 32), (2, 1024, 2, 32))], seen
 
 
-def test_auto_kv_splits_fill_the_gpu():
-    """Two programs per SM: a batch-1 decode step over a 32k cache with 8 kv heads
-    (8 programs) splits into 32 chunks of 1k keys (a divisor of S, at most S / 512);
-    a grid already two per SM, or a short cache, does not split."""
-    from tfjax.ops.pallas.decode import auto_kv_splits
-    assert auto_kv_splits(1, 8, 4, 32768, 128, 132) == 32
-    assert auto_kv_splits(1, 8, 4, 3000, 128, 132) == 5  # 5 chunks of 600 keys
-    assert auto_kv_splits(64, 8, 4, 32768, 128, 132) == 1
-    assert auto_kv_splits(1, 8, 4, 1000, 128, 132) == 1
-    assert auto_kv_splits(1, 32, 2048, 32768, 128, 132) == 1  # a 2k chunk: 512 programs
-    assert auto_kv_splits(1, 32, 1024, 32768, 128, 132) == 2  # 1k: 256 < 264
+def test_a_gpu_decode_step_packs_heads_and_splits_the_cache(monkeypatch):
+    """`implementation="auto"` on GPU (the backend reported as "gpu", the Triton
+    kernels interpreted): a batch-1 GQA decode step over a KV cache's mask reaches
+    the kernels with its 4 query heads per kv head packed as rows and the 2048
+    keys in 4 chunks of 512 (2 kv heads x 1 tile is under two programs per SM)."""
+    import tfjax.ops.pallas.triton as gpu_lib
+    from tfjax.ops import dot_product_attention
+
+    seen = []
+    kernels = gpu_lib.flash_attention_triton
+
+    def interpreted(q, k, v, *a, **kw):
+        seen.append((q.shape, k.shape))
+        return kernels(q, k, v, *a, **{**kw, "interpret": True})
+
+    q, k, v, _ = inputs(1, 1, 2048, 8, 2, 32)
+    mask = make_mask("positions", 1, 1, 2048)
+    want = dot_product_attention(q, k, v, mask, implementation="xla")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(gpu_lib, "flash_attention_triton", interpreted)
+    got = dot_product_attention(q, k, v, mask, implementation="auto")
+    assert seen == [((4, 4, 2, 32), (4, 512, 2, 32))], seen
+    np.testing.assert_allclose(got, want, atol=1e-5)
 
 
-def test_bf16_within_2e2():
-    q, k, v, _ = inputs(1, 256, 256, 8, 2, 64, dtype=jnp.bfloat16)
-    check_against_reference(flash_attention, q, k, v, M.causal(), block_sizes=BS)
+def test_relative_bias_reaches_the_gpu_kernels_per_tile(monkeypatch):
+    """On GPU `dot_product_attention(implementation="pallas")` hands T5's bias to the
+    Triton kernels as the `RelativeBias` itself (no `[B, N, T, S]` bias): run on CPU
+    with the backend reported as "gpu" and the Triton kernels interpreted."""
+    import tfjax.ops.pallas.triton as gpu_lib
+    from tfjax.ops import RelativeBias, dot_product_attention
+
+    calls = []
+    kernels = gpu_lib.flash_attention_triton
+
+    def interpreted(*a, bias=None, relative_bias=None, **kw):
+        calls.append((bias, type(relative_bias).__name__))
+        return kernels(*a, bias=bias, relative_bias=relative_bias, **{**kw, "interpret": True})
+
+    q, k, v, _ = inputs(1, 40, 50, 4, 2, 32)
+    rb = RelativeBias(jnp.linspace(-1.0, 1.0, 32).reshape(8, 4), bidirectional=True,
+                      max_distance=16)
+    want = dot_product_attention(q, k, v, M.causal(), relative_bias=rb, implementation="xla")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(gpu_lib, "flash_attention_triton", interpreted)
+    got = dot_product_attention(q, k, v, M.causal(), relative_bias=rb, implementation="pallas")
+    assert calls == [(None, "RelativeBias")], calls
+    np.testing.assert_allclose(got, want, atol=1e-5)
 
 
-def test_traced_offsets_build_tables_in_the_graph():
-    """Ring attention passes offsets as traced values; the grid then walks every kv
-    tile and the tables decide which steps run."""
-    q, k, v, _ = inputs(1, 100, 256, 4, 2, 32)
-    mask = M.causal() & M.sliding_window(64)
+@pytest.mark.parametrize("gpu,kernels", [("H200", (3, 0)), ("A100", (0, 3))])
+def test_auto_lowers_what_the_target_gpu_runs(gpu, kernels):
+    """`gpu_lowering_target` lowers as the named GPU would run: `forward="auto"` and
+    `backward="auto"` take the Hopper (Mosaic GPU) forward, dq and dk/dv kernels for
+    an H200 (sm_90) and the Triton ones for an A100; T5's bias, which the Hopper
+    kernels decline, takes Triton on both."""
+    sds = jax.ShapeDtypeStruct
+    q, kv = sds((1, 256, 4, 128), jnp.bfloat16), sds((1, 256, 2, 128), jnp.bfloat16)
 
-    def loss(q, k, v, qo, ko):
-        return flash_attention(q, k, v, mask, q_offset=qo, kv_offset=ko, block_sizes=BS).sum()
+    def grads(relative):
+        rb = RelativeBias(jnp.ones((32, 4)), bidirectional=False) if relative else None
+        loss = lambda q, k, v: flash_attention_gpu(
+            q, k, v, M.causal(), relative_bias=rb).astype(jnp.float32).sum()
+        return jax.grad(loss, (0, 1, 2))
 
-    static_loss = lambda q, k, v: loss(q, k, v, 150, 0)
-    static = jax.jit(jax.value_and_grad(static_loss, (0, 1, 2)))(q, k, v)
-    traced = jax.jit(jax.value_and_grad(loss, (0, 1, 2)))(q, k, v, jnp.int32(150), jnp.int32(0))
-    for a, b in zip(jax.tree.leaves(static), jax.tree.leaves(traced)):
-        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
-
-
-def test_tpu_semantics_interpreter_small_case():
-    """pltpu.InterpretParams() simulates TPU memory spaces, DMAs and semaphores."""
-    q, k, v, _ = inputs(1, 40, 136, 2, 1, 32)
-    mask = M.causal() & M.segments(np.array([[0] * 20 + [1] * 20]),
-                                   np.array([[0] * 60 + [1] * 76]))
-    check_against_reference(flash_attention, q, k, v, mask, q_offset=96, softcap=10.0,
-                            block_sizes=BlockSizes(16, 128, 16, 128, 128, 128),
-                            interpret=pltpu.InterpretParams())
-
-
-@pytest.mark.parametrize("bidirectional", [False, True])
-def test_constant_bucket_tiles_hold_one_bucket(bidirectional):
-    """`constant_bucket` (the kernels skip bucketing a tile it names): every entry of
-    such a tile has that bucket, at index positions with offsets and at explicit
-    positions (their per-tile ranges); and far tiles are found."""
-    from tfjax.ops import RelativeBias
-    from tfjax.ops.reference import (constant_bucket, relative_position_bucket,
-                                     relative_tile_ranges)
-
-    rng = np.random.default_rng(0)
-    B, T, S, bq, bk, md = 2, 200, 300, 16, 32, 20
-    Tp, Sp = 208, 320
-    explicit = (np.sort(rng.integers(0, 400, (B, T)), axis=1).astype(np.int32),
-                np.sort(rng.integers(0, 400, (B, S)), axis=1).astype(np.int32))
-    found = 0
-    for positions, offs in ((None, (7, 90)), (explicit, (0, 0))):
-        rel = RelativeBias(jnp.zeros((8, 2)), bidirectional=bidirectional, max_distance=md,
-                           q_positions=None if positions is None else jnp.asarray(positions[0]),
-                           kv_positions=None if positions is None else jnp.asarray(positions[1]))
-        ranges = relative_tile_ranges(rel, bq, bk, Tp, Sp)
-        if positions is None:
-            qp = np.broadcast_to(np.arange(T) + offs[0], (B, T))
-            kp = np.broadcast_to(np.arange(S) + offs[1], (B, S))
-        else:
-            qp, kp = positions
-        buckets = np.asarray(relative_position_bucket(
-            kp[:, None, :] - qp[:, :, None], bidirectional=bidirectional, num_buckets=8,
-            max_distance=md))
-        for b in range(B):
-            for i in range(Tp // bq):
-                for j in range(Sp // bk):
-                    c = int(constant_bucket(rel, bq, bk, b, i, j, offs, ranges))
-                    tile = buckets[b, i * bq:(i + 1) * bq, j * bk:(j + 1) * bk]
-                    if c >= 0 and tile.size:
-                        found += 1
-                        assert (tile == c).all(), (b, i, j, c, np.unique(tile))
-    assert found > 50, found
+    text = lower_for_cuda(grads(False), q, kv, kv, gpu=gpu)
+    assert (text.count("stablehlo.custom_call @mosaic_gpu"), text.count("xla.gpu.triton")) \
+        == kernels
+    text = lower_for_cuda(grads(True), q, kv, kv, gpu=gpu)
+    assert (text.count("stablehlo.custom_call @mosaic_gpu"), text.count("xla.gpu.triton")) \
+        == (0, 3)
+    with pytest.raises(ValueError, match="unknown gpu 'V100'"):
+        with gpu_lowering_target("V100"):
+            pass
 
 
-def test_relative_bias_with_more_than_128_buckets():
-    """T5's table row spans two 128-lane pieces in the kernels' lane gather: buckets
-    up to 151 (bidirectional, 160 buckets), forward and the q / table gradients."""
-    from tfjax.ops import RelativeBias
-    from tfjax.ops.reference import attention_reference
+def test_auto_picks_hopper_only_on_sm90_for_what_it_supports(monkeypatch):
+    """The family's plan (`tfjax.ops.pallas.plan`) for the GPU kernels: forward and
+    backward "auto" take the Hopper (Mosaic GPU) kernels only when compiling for an
+    sm_90 GPU (`target.is_hopper`) and they support the request; "hopper" insists."""
+    from tfjax.ops import target
+    from tfjax.ops.pallas import plan
 
-    q, k, v, _ = inputs(1, 200, 200, 2, 1, 32)
-    table = jnp.asarray(np.random.default_rng(3).normal(size=(160, 2)), jnp.float32)
+    def kernel(which, q, k=None, mask=None, bias=None, interpret=False, choice="auto", **kw):
+        k = q if k is None else k
+        return getattr(plan(q, k, k, mask, bias=bias, interpret=interpret, kernels="triton",
+                            **{which: choice}, **kw), which)
 
-    def loss(impl, q, table):
-        rb = RelativeBias(table, bidirectional=True, max_distance=300)
-        out = impl(q, k, v, M.causal() | M.sliding_window(0, 199), relative_bias=rb)
-        return jnp.sum(out * jnp.cos(out)), out
-
-    got = jax.jit(jax.value_and_grad(lambda *a: loss(
-        lambda *x, **kw: flash_attention(*x, **kw, block_sizes=BS), *a), (0, 1),
-        has_aux=True))(q, table)
-    want = jax.jit(jax.value_and_grad(lambda *a: loss(attention_reference, *a), (0, 1),
-                                      has_aux=True))(q, table)
-    np.testing.assert_allclose(got[0][1], want[0][1], atol=1e-5)
-    for g, w in zip(got[1], want[1]):
-        np.testing.assert_allclose(g, w, atol=1e-4)
-    assert np.abs(np.asarray(want[1][1][128:])).max() > 1e-3  # buckets past 128 are used
-
-
-def test_auto_on_tpu_leaves_decode_steps_to_xla(monkeypatch):
-    """On TPU "auto" tries the implementations after the kernels first for a
-    decode-shaped request (T * G < H: the kernels' relayout would copy the whole
-    cache): xla, or blockwise where xla cannot serve (soft-cap); the kernels keep
-    a chunked prefill over the cache, and serve when nothing after them can."""
-    cache = M.positions(np.zeros((1, 1), np.int32), np.arange(1024, dtype=np.int32)[None])
-    r = AttentionRequest(q_shape=(1, 1, 8, 128), k_shape=(1, 1024, 2, 128), dtype="bfloat16",
-                         backend="tpu", mask=cache, has_bias=False, softcap=None,
-                         offsets=False, return_lse=False)
-    assert select_implementation(r) == "xla"
-    assert select_implementation(r, "pallas") == "pallas"  # deferring is no refusal
-    assert select_implementation(AttentionRequest(**{**r.__dict__, "softcap": 30.0})) \
-        == "blockwise"
-    for change in ({"q_shape": (1, 512, 8, 128)}, {"backend": "gpu", "mask": M.causal() & cache}):
-        assert select_implementation(AttentionRequest(**{**r.__dict__, **change})) == "pallas", \
-            change
-    import tfjax.ops.attention as attention_lib
-    # nothing after the kernels that can serve: they do
-    monkeypatch.setattr(attention_lib, "AUTO_ORDER", {**attention_lib.AUTO_ORDER,
-                                                      "tpu": ("pallas", "xla")})
-    assert select_implementation(AttentionRequest(**{**r.__dict__, "softcap": 30.0})) \
-        == "pallas"
-
-
-def test_two_runs_bitwise_equal():
-    q, k, v, _ = inputs(1, 200, 200, 4, 2, 32)
-    f = jax.jit(jax.grad(lambda q, k, v: flash_attention(q, k, v, M.causal(),
-                                                         block_sizes=BS).sum(), (0, 1, 2)))
-    for x, y in zip(f(q, k, v), f(q, k, v)):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-
-
-def test_dispatch():
-    q, k, v, _ = inputs(1, 16, 16, 4, 2, 16)
-    out = jax.jit(lambda q, k, v: dot_product_attention(q, k, v, M.causal(),
-                                                        implementation="pallas"))(q, k, v)
-    want = dot_product_attention(q, k, v, M.causal(), implementation="reference")
-    np.testing.assert_allclose(out, want, atol=1e-5)
-
-    class Custom(M.Mask):  # a mask kind the kernels do not know
-        pass
-
-    r = AttentionRequest(q_shape=(1, 8, 4, 16), k_shape=(1, 8, 2, 16), dtype="float32",
-                         backend="tpu", mask=Custom(), has_bias=False, softcap=None,
-                         offsets=False, return_lse=False)
-    with pytest.raises(ValueError, match="cannot evaluate a Custom mask"):
-        select_implementation(r, "pallas")
-    assert select_implementation(r) != "pallas"  # auto falls through, it never guesses
-    r_ok = AttentionRequest(**{**r.__dict__, "mask": M.causal()})
-    assert select_implementation(r_ok) == "pallas"
-    # GPU: cuDNN for a plain causal bf16 request, pallas as soon as cuDNN cannot serve it
-    gpu = AttentionRequest(**{**r_ok.__dict__, "backend": "gpu", "dtype": "bfloat16"})
-    assert select_implementation(gpu) == "cudnn"
-    for change in ({"softcap": 30.0}, {"mask": M.sliding_window(8)}, {"return_lse": True},
-                   {"offsets": True}, {"dtype": "float32"}):
-        assert select_implementation(AttentionRequest(**{**gpu.__dict__, **change})) == "pallas"
-    with pytest.raises(ValueError, match="no logit soft-cap"):
-        select_implementation(AttentionRequest(**{**gpu.__dict__, "softcap": 30.0}), "cudnn")
-
-
-def test_gradients_through_a_model_equal_the_reference():
-    D, N, K, H, T = 32, 4, 2, 8, 50
-    keys = jax.random.split(jax.random.key(3), 5)
-    params = {"wq": jax.random.normal(keys[0], (D, N, H)) * 0.2,
-              "wk": jax.random.normal(keys[1], (D, K, H)) * 0.2,
-              "wv": jax.random.normal(keys[2], (D, K, H)) * 0.2,
-              "wo": jax.random.normal(keys[3], (N, H, D)) * 0.2}
-    x = jax.random.normal(keys[4], (2, T, D))
-
-    def loss(params, impl):
-        q = jnp.einsum("BTD,DNH->BTNH", x, params["wq"])
-        k = jnp.einsum("BTD,DKH->BTKH", x, params["wk"])
-        v = jnp.einsum("BTD,DKH->BTKH", x, params["wv"])
-        o = dot_product_attention(q, k, v, M.causal(), implementation=impl)
-        return jnp.mean(jnp.einsum("BTNH,NHD->BTD", o, params["wo"]) ** 2)
-
-    want = jax.jit(jax.grad(loss), static_argnums=1)(params, "reference")
-    got = jax.jit(jax.grad(loss), static_argnums=1)(params, "pallas")
-    for name in params:
-        np.testing.assert_allclose(got[name], want[name], atol=1e-5, rtol=1e-4, err_msg=name)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("mask_name,H", [("causal", 256), ("window", 64), ("segments", 256),
-                                         ("window&segments", 64)])
-def test_sweep_masks_by_head_dim(mask_name, H):
-    q, k, v, bias = inputs(1, 130, 260, 8, 1, H, bias=(1, 1))
-    check_against_reference(flash_attention, q, k, v, make_mask(mask_name, 1, 130, 260), bias,
-                            softcap=10.0, block_sizes=BS)
-
-
-def test_in_kernel_random_block_hash_is_bit_identical_to_the_mask():
-    """BigBird's random blocks are drawn in the kernels with int32-only arithmetic;
-    it must give the draws of masks.RandomBlocks (uint32 hash) exactly."""
-    from tfjax.ops.pallas.common import _draw_random_block
-
-    qb = jnp.arange(0, 5000, 7, dtype=jnp.int32)
-    for seed, num_blocks in ((0, 1), (7, 13), (2**31 + 5, 1000), (2**32 - 1, 2**20 + 7)):
-        m = M.RandomBlocks(3, 16, num_blocks, seed)
-        for r in range(3):
-            np.testing.assert_array_equal(_draw_random_block(seed, qb, r, num_blocks),
-                                          m._draw(qb, r))
+    bf, f32 = jnp.zeros((1, 8, 2, 64), jnp.bfloat16), jnp.zeros((1, 8, 2, 64), jnp.float32)
+    pick = lambda q, k, mask=None, bias=None, interpret=False: kernel(
+        "forward", q, k, mask, bias, interpret)
+    assert pick(bf, bf) == "triton"  # this CPU is no Hopper
+    monkeypatch.setattr(target, "is_hopper", lambda: True)
+    assert pick(bf, bf, M.causal() & M.segments(np.zeros((1, 8)))) == "hopper"
+    assert pick(bf, bf, interpret=True) == "triton"  # interpret mode keeps Triton's
+    assert pick(f32, f32) == "triton"
+    assert pick(bf, f32) == "triton"
+    assert pick(bf, bf, bias=jnp.zeros((1, 1, 8, 8))) == "triton"
+    assert pick(bf, bf, M.bigbird(2, 1, 1, 4, seed=0, seq_len=8)) == "triton"
+    assert pick(jnp.zeros((1, 8, 2, 320), jnp.bfloat16), jnp.zeros((1, 8, 2, 320),
+                                                                   jnp.bfloat16)) == "triton"
+    bwd = lambda q: kernel("backward", q)
+    h256 = jnp.zeros((1, 8, 2, 256), jnp.bfloat16)
+    assert bwd(bf) == "hopper" and pick(h256, h256) == "hopper"
+    assert bwd(h256) == "triton"  # dK, dV at H = 256 would not fit the registers
+    assert bwd(f32) == "triton"
+    slopes = jnp.ones((1, 2))  # ALiBi: the Hopper forward and backward
+    rb = RelativeBias(jnp.ones((32, 2)), bidirectional=False)
+    for which in ("forward", "backward"):
+        assert kernel(which, bf, alibi_slopes=slopes) == "hopper"
+    for which in ("forward", "backward"):  # T5's bias: the Triton kernels only
+        assert kernel(which, bf, relative_bias=rb) == "triton"
+        with pytest.raises(ValueError, match=f"relative_bias.*{which}='triton'"):
+            kernel(which, bf, relative_bias=rb, choice="hopper")
+    # on a GPU target the family plans the GPU kernels by itself, and
+    # flash_attention runs what it planned
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert plan(bf, bf, bf).kernels == "triton" and plan(bf, bf, bf).forward == "hopper"
+    assert plan(bf, bf, bf, interpret=True).kernels == "mosaic_tpu"

@@ -70,3 +70,14 @@ def test_gpu_facts_follow_the_lowering_target():
     with pytest.raises(ValueError, match=r"unknown gpu 'V100'; pass one of \['A100', 'B200'"):
         with target.gpu_lowering_target("V100"):
             pass
+
+
+def test_sm_count_follows_the_lowering_target():
+    """The SMs `auto_kv_splits` fills are those of the GPU lowered for."""
+    from tfjax.ops.target import gpu_lowering_target, sm_count
+
+    with gpu_lowering_target("A100"):
+        assert sm_count() == 108
+        with gpu_lowering_target("B200"):
+            assert sm_count() == 148
+        assert sm_count() == 108

@@ -203,7 +203,7 @@ def test_the_ring_runs_the_block_family_it_is_given(mesh4, monkeypatch, implemen
     else: "blockwise" the blockwise functions, "pallas" the Pallas TPU kernels
     (interpret mode on this CPU mesh), "auto" blockwise on a CPU mesh (traced only)."""
     import tfjax.ops.blockwise as blockwise_lib
-    import tfjax.ops.pallas.tpu as tpu_lib
+    import tfjax.ops.pallas.mosaic_tpu as tpu_lib
 
     calls = collections.Counter()
 

@@ -1,5 +1,5 @@
 """Ring attention with the Pallas TPU kernels inside, compiled for a real TPU slice
-on this CPU machine (libtpu topologies, as tests/ops/test_pallas_tpu_aot.py does for
+on this CPU machine (libtpu topologies, as tests/ops/test_mosaic_tpu_aot.py does for
 the single-device kernels): the ring's collective-permutes, its while loop and the
 Mosaic kernels of every step go through the real XLA:TPU and Mosaic compilers.
 Per-device memory must stay flat as the total length grows with the device count.

@@ -50,7 +50,7 @@ from tfjax.ops import masks as masks_lib
 from tfjax.ops import pallas
 from tfjax.ops.blockwise import DEFAULT_BLOCK
 from tfjax.ops.implementation import AttentionRequest, Implementation
-from tfjax.ops.pallas import tpu as pallas_tpu
+from tfjax.ops.pallas import mosaic_tpu as pallas_tpu
 from tfjax.ops.pallas.common import BlockSizes, mask_support
 from tfjax.ops.reference import Alibi, RelativeBias, check_relative_bias, make_alibi
 from tfjax.registry import Registry

@@ -24,12 +24,13 @@ never builds the `T x S` logits:
   batch; positional masks skip tiles exactly.
 - Fully masked rows give zeros and lse -inf, never NaN. The lse is differentiable
   (ring attention merges partial results with it).
+- The tile tables, the padding and a tile's logits are `tfjax.ops.tiles`' (shared
+  with the Pallas kernels); the `custom_vjp` is `tfjax.ops.vjp`'s shell.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +39,8 @@ from jax import lax
 from tfjax.ops import masks as masks_lib
 from tfjax.ops.implementation import Implementation
 from tfjax.ops.reference import Alibi, RelativeBias, check_relative_bias, make_alibi
+from tfjax.ops.tiles import cdiv, logit_scaling, logits, pad_axis, round_up, tile_tables
+from tfjax.ops.vjp import attention_vjp
 
 __all__ = ["DEFAULT_BLOCK", "IMPLEMENTATION", "blockwise_attention", "blockwise_attention_backward"]
 
@@ -52,14 +55,6 @@ class _Config:
     block_kv: int
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _round_up(a: int, b: int) -> int:
-    return _cdiv(a, b) * b
-
-
 def blockwise_attention(q, k, v, mask: masks_lib.Mask | None = None, *, bias=None, scale=None,
                         softcap=None, alibi_slopes=None, alibi_positions=None,
                         relative_bias: RelativeBias | None = None, q_offset=0,
@@ -69,18 +64,23 @@ def blockwise_attention(q, k, v, mask: masks_lib.Mask | None = None, *, bias=Non
 
     Same semantics as `attention_reference`; `block_q` / `block_kv` are the tile
     sizes (clamped to the sequence lengths, rounded up to 8)."""
+    cfg, alibi, rel, offsets = _setup(q, k, scale, softcap, block_q, block_kv, alibi_slopes,
+                                      alibi_positions, relative_bias, q_offset, kv_offset)
+    out, lse = _attention(cfg, q, k, v, mask, bias, alibi, rel, offsets)
+    return (out, lse) if return_lse else out
+
+
+def _setup(q, k, scale, softcap, block_q, block_kv, alibi_slopes, alibi_positions,
+           relative_bias, q_offset, kv_offset):
+    """(the static config, the checked ALiBi and T5 bias, the offsets as int32)."""
     B, T, N, H = q.shape
     S = k.shape[1]
-    cfg = _Config(scale=float(H ** -0.5 if scale is None else scale),
-                  softcap=float(softcap) if softcap else None,
-                  block_q=min(int(block_q), _round_up(T, 8)),
-                  block_kv=min(int(block_kv), _round_up(S, 8)))
-    q_offset = jnp.asarray(q_offset, jnp.int32)
-    kv_offset = jnp.asarray(kv_offset, jnp.int32)
+    cfg = _Config(*logit_scaling(H, scale, softcap), block_q=min(int(block_q), round_up(T, 8)),
+                  block_kv=min(int(block_kv), round_up(S, 8)))
     alibi = make_alibi(alibi_slopes, alibi_positions, B, N, T, S)
     rel = check_relative_bias(relative_bias, B, N, T, S)
-    out, lse = _attention(cfg, q, k, v, mask, bias, alibi, rel, q_offset, kv_offset)
-    return (out, lse) if return_lse else out
+    offsets = (jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32))
+    return cfg, alibi, rel, offsets
 
 
 # --------------------------------------------------------------------------- #
@@ -151,19 +151,12 @@ def _vmap_batch(fn, q, k, v, mask, bias, alibi, rel, *rest_batched, direct_b1=Fa
 # --------------------------------------------------------------------------- #
 
 
-def _tile_codes(mask, T, S, bq, bk, qo, ko) -> jax.Array:
-    """int32 `[nq, nk]` block view for one example."""
-    nq, nk = _cdiv(T, bq), _cdiv(S, bk)
-    if mask is None:
-        return jnp.full((nq, nk), masks_lib.FULL, jnp.int32)
-    return mask.blocks(T, S, bq, bk, q_offset=qo, kv_offset=ko)[0].astype(jnp.int32)
-
-
-def _compact(codes: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Per row, the indices of the non-EMPTY tiles first (in order), and their count."""
-    nonempty = codes != masks_lib.EMPTY
-    order = jnp.argsort(~nonempty, axis=-1, stable=True).astype(jnp.int32)
-    return order, nonempty.sum(-1).astype(jnp.int32)
+def _tables(mask, T, S, bq, bk, qo, ko, transpose=False):
+    """One example's tile tables (`tiles.tile_tables`: order, count, code of each
+    row), untouched by the tails (`_tile_allowed` bounds every tile)."""
+    tab = tile_tables(mask, T, S, bq, bk, q_offset=qo, kv_offset=ko, transpose=transpose,
+                      tails=False)
+    return tab.order[0], tab.count[0], tab.code[0]
 
 
 def _tile_allowed(cfg, mask, code, qi, kj, T, S, qo, ko) -> jax.Array:
@@ -190,8 +183,8 @@ def _alibi_example(alibi, K, G, Tp, Sp):
     slopes as `[K, G]` and the positions padded to the tiled lengths."""
     if alibi is None:
         return None
-    qp = None if alibi.q_positions is None else _pad_to(alibi.q_positions, 0, Tp)
-    kp = None if alibi.kv_positions is None else _pad_to(alibi.kv_positions, 0, Sp)
+    qp = None if alibi.q_positions is None else pad_axis(alibi.q_positions, 0, Tp)
+    kp = None if alibi.kv_positions is None else pad_axis(alibi.kv_positions, 0, Sp)
     return Alibi(alibi.slopes.reshape(K, G), qp, kp)
 
 
@@ -217,8 +210,8 @@ def _rel_example(rel, Tp, Sp):
     """One example's `RelativeBias` with its positions padded to the tiled lengths."""
     if rel is None or rel.q_positions is None:
         return rel
-    return dataclasses.replace(rel, q_positions=_pad_to(rel.q_positions, 0, Tp),
-                               kv_positions=_pad_to(rel.kv_positions, 0, Sp))
+    return dataclasses.replace(rel, q_positions=pad_axis(rel.q_positions, 0, Tp),
+                               kv_positions=pad_axis(rel.kv_positions, 0, Sp))
 
 
 def _rel_tile(rel, qi, kj, bq, bk, qo, ko):
@@ -236,26 +229,22 @@ def _rel_table_grad(ds, buckets, nb):
 
 
 def _logits(cfg, qt, kt, bias_t, alibi_t=None, rel_t=None):
-    """fp32 logits `[K,G,bq,bk]` (and tanh of the soft-cap, for the backward)."""
-    s = jnp.einsum("QKGH,SKH->KGQS", qt, kt, preferred_element_type=jnp.float32) * cfg.scale
-    t = None
-    if cfg.softcap:
-        t = jnp.tanh(s / cfg.softcap)
-        s = cfg.softcap * t
+    """fp32 logits `[K,G,bq,bk]` (and tanh of the soft-cap, for the backward), the
+    extras laid out as `[K, G, bq, bk]` for `tiles.logits`."""
+    s = jnp.einsum("QKGH,SKH->KGQS", qt, kt, preferred_element_type=jnp.float32)
+    K, G = s.shape[:2]
+    bias = alibi = rel = None
     if bias_t is not None:  # [N|1, bq, bk] -> [K|1, G|1, bq, bk]
-        K, G = s.shape[:2]
         shape = (K, G) if bias_t.shape[0] != 1 else (1, 1)
-        s = s + bias_t.astype(jnp.float32).reshape(*shape, *bias_t.shape[1:])
+        bias = bias_t.reshape(*shape, *bias_t.shape[1:])
     if alibi_t is not None:  # -slope * |q_pos - kv_pos|, slopes [K, G]
         slopes, qpos, kpos = alibi_t
-        dist = jnp.abs(qpos[:, None] - kpos[None, :]).astype(jnp.float32)
-        s = s - slopes[:, :, None, None] * dist
+        alibi = slopes[:, :, None, None], qpos[:, None], kpos[None, :]
     if rel_t is not None:  # table[bucket, n], the table [nb, N]
         table, buckets = rel_t
-        K, G = s.shape[:2]
         vals = jnp.take(table.astype(jnp.float32), buckets, axis=0)  # [bq, bk, N]
-        s = s + jnp.moveaxis(vals, -1, 0).reshape(K, G, *buckets.shape)
-    return s, t
+        rel = jnp.moveaxis(vals, -1, 0).reshape(K, G, *buckets.shape)
+    return logits(s, cfg.scale, cfg.softcap, bias, alibi, rel)
 
 
 def _loop(cond, body, init, max_trips):
@@ -275,15 +264,6 @@ def _scan(f, carry, xs):
     return lax.scan(f, carry, xs)
 
 
-def _pad_to(x, axis, n):
-    pad = n - x.shape[axis]
-    if pad == 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, pad)
-    return jnp.pad(x, widths)
-
-
 def _bias_tile(bias, qi, kj, bq, bk):
     if bias is None:
         return None
@@ -295,21 +275,26 @@ def _bias_tile(bias, qi, kj, bq, bk):
 # --------------------------------------------------------------------------- #
 
 
-def _forward_one(cfg, q, k, v, mask, bias, alibi, rel, qo, ko):
+def _example(cfg, q, k, bias, alibi, rel):
+    """One example's sizes (T, S, N, K, G, H, nq, nk), and its bias, ALiBi and T5 bias
+    padded to the tiled lengths."""
     T, N, H = q.shape
     S, K, _ = k.shape
-    G = N // K
-    bq, bk = cfg.block_q, cfg.block_kv
-    nq, nk = _cdiv(T, bq), _cdiv(S, bk)
-    alibi = _alibi_example(alibi, K, G, nq * bq, nk * bk)
-    rel = _rel_example(rel, nq * bq, nk * bk)
-    qp = _pad_to(q, 0, nq * bq).reshape(nq, bq, K, G, H)
-    kp = _pad_to(k, 0, nk * bk)
-    vp = _pad_to(v, 0, nk * bk)
+    nq, nk = cdiv(T, cfg.block_q), cdiv(S, cfg.block_kv)
+    Tp, Sp = nq * cfg.block_q, nk * cfg.block_kv
     if bias is not None:
-        bias = _pad_to(_pad_to(bias, 1, nq * bq), 2, nk * bk)
-    codes = _tile_codes(mask, T, S, bq, bk, qo, ko)
-    order, counts = _compact(codes)
+        bias = pad_axis(pad_axis(bias, 1, Tp), 2, Sp)
+    return ((T, S, N, K, N // K, H, nq, nk), bias, _alibi_example(alibi, K, N // K, Tp, Sp),
+            _rel_example(rel, Tp, Sp))
+
+
+def _forward_one(cfg, q, k, v, mask, bias, alibi, rel, qo, ko):
+    (T, S, N, K, G, H, nq, nk), bias, alibi, rel = _example(cfg, q, k, bias, alibi, rel)
+    bq, bk = cfg.block_q, cfg.block_kv
+    qp = pad_axis(q, 0, nq * bq).reshape(nq, bq, K, G, H)
+    kp = pad_axis(k, 0, nk * bk)
+    vp = pad_axis(v, 0, nk * bk)
+    order, counts, codes = _tables(mask, T, S, bq, bk, qo, ko)
 
     def q_tile(_, xs):
         qi, qt = xs
@@ -322,7 +307,7 @@ def _forward_one(cfg, q, k, v, mask, bias, alibi, rel, qo, ko):
             s, _ = _logits(cfg, qt, kt, _bias_tile(bias, qi, kj, bq, bk),
                            _alibi_tile(alibi, qi, kj, bq, bk, qo, ko),
                            _rel_tile(rel, qi, kj, bq, bk, qo, ko))
-            allowed = _tile_allowed(cfg, mask, codes[qi, kj], qi, kj, T, S, qo, ko)
+            allowed = _tile_allowed(cfg, mask, codes[qi, j], qi, kj, T, S, qo, ko)
             s = jnp.where(allowed, s, -jnp.inf)
             m_new = jnp.maximum(m, s.max(-1))
             m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
@@ -347,10 +332,18 @@ def _forward_one(cfg, q, k, v, mask, bias, alibi, rel, qo, ko):
     return out, lse
 
 
-def _forward(cfg, q, k, v, mask, bias, alibi, rel, qo, ko, direct_b1=False):
+def _forward(cfg, q, k, v, mask, bias, alibi, rel, offsets, direct_b1=False):
     fn = lambda q, k, v, mask, bias, alibi, rel: _forward_one(cfg, q, k, v, mask, bias, alibi,
-                                                              rel, qo, ko)
+                                                              rel, *offsets)
     return _vmap_batch(fn, q, k, v, mask, bias, alibi, rel, direct_b1=direct_b1)
+
+
+def _forward_for_grad(cfg, q, k, v, mask, bias, alibi, rel, offsets):
+    """The forward under differentiation: at B = 1 the example is called directly
+    rather than vmapped, which XLA lays out with smaller training temporaries (the
+    primal forward keeps vmap, whose inference temporaries are the smaller:
+    experiments/results/attention_memory.md)."""
+    return _forward(cfg, q, k, v, mask, bias, alibi, rel, offsets, direct_b1=True)
 
 
 # --------------------------------------------------------------------------- #
@@ -360,27 +353,19 @@ def _forward(cfg, q, k, v, mask, bias, alibi, rel, qo, ko, direct_b1=False):
 
 def _backward_one(cfg, q, k, v, mask, bias, alibi, rel, qo, ko, out, lse, dout, dlse,
                   grad_dtype=None):
-    T, N, H = q.shape
-    S, K, _ = k.shape
-    G = N // K
+    (T, S, N, K, G, H, nq, nk), bias, alibi, rel = _example(cfg, q, k, bias, alibi, rel)
     bq, bk = cfg.block_q, cfg.block_kv
-    nq, nk = _cdiv(T, bq), _cdiv(S, bk)
-    alibi = _alibi_example(alibi, K, G, nq * bq, nk * bk)
-    rel = _rel_example(rel, nq * bq, nk * bk)
     # D_i = sum_h dO*O - dlse_i: the softmax backward's row term (dlse enters here).
     delta = jnp.einsum("TNH,TNH->NT", dout.astype(jnp.float32), out.astype(jnp.float32)) - dlse
-    qp = _pad_to(q, 0, nq * bq).reshape(nq, bq, K, G, H)
-    dop = _pad_to(dout, 0, nq * bq).reshape(nq, bq, K, G, H)
+    qp = pad_axis(q, 0, nq * bq).reshape(nq, bq, K, G, H)
+    dop = pad_axis(dout, 0, nq * bq).reshape(nq, bq, K, G, H)
     lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
-    lsep = _pad_to(lse, 1, nq * bq).reshape(K, G, nq, bq).transpose(2, 0, 1, 3)  # [nq,K,G,bq]
-    dp_ = _pad_to(delta, 1, nq * bq).reshape(K, G, nq, bq).transpose(2, 0, 1, 3)
-    kp = _pad_to(k, 0, nk * bk).reshape(nk, bk, K, H)
-    vp = _pad_to(v, 0, nk * bk).reshape(nk, bk, K, H)
-    if bias is not None:
-        Nb = bias.shape[0]
-        bias = _pad_to(_pad_to(bias, 1, nq * bq), 2, nk * bk)
-    codes = _tile_codes(mask, T, S, bq, bk, qo, ko)
-    order_t, counts_t = _compact(codes.T)
+    lsep = pad_axis(lse, 1, nq * bq).reshape(K, G, nq, bq).transpose(2, 0, 1, 3)  # [nq,K,G,bq]
+    dp_ = pad_axis(delta, 1, nq * bq).reshape(K, G, nq, bq).transpose(2, 0, 1, 3)
+    kp = pad_axis(k, 0, nk * bk).reshape(nk, bk, K, H)
+    vp = pad_axis(v, 0, nk * bk).reshape(nk, bk, K, H)
+    Nb = None if bias is None else bias.shape[0]
+    order_t, counts_t, codes_t = _tables(mask, T, S, bq, bk, qo, ko, transpose=True)
 
     def kv_tile(carry, xs):
         dq, dbias, dtable = carry
@@ -393,7 +378,7 @@ def _backward_one(cfg, q, k, v, mask, bias, alibi, rel, qo, ko, out, lse, dout, 
             rel_t = _rel_tile(rel, qi, kj, bq, bk, qo, ko)
             s, t = _logits(cfg, qt, kt, _bias_tile(bias, qi, kj, bq, bk),
                            _alibi_tile(alibi, qi, kj, bq, bk, qo, ko), rel_t)
-            allowed = _tile_allowed(cfg, mask, codes[qi, kj], qi, kj, T, S, qo, ko)
+            allowed = _tile_allowed(cfg, mask, codes_t[kj, i], qi, kj, T, S, qo, ko)
             p = jnp.where(allowed, jnp.exp(s - lsep[qi][..., None]), 0.0)  # [K,G,bq,bk]
             dv = dv + jnp.einsum("KGQS,QKGH->SKH", p.astype(dout.dtype), dot,
                                  preferred_element_type=jnp.float32)
@@ -434,33 +419,15 @@ def _backward_one(cfg, q, k, v, mask, bias, alibi, rel, qo, ko, out, lse, dout, 
 
 
 # --------------------------------------------------------------------------- #
-# custom_vjp.
+# The VJP (`tfjax.ops.vjp`'s shell) and the ring's per-block backward.
 # --------------------------------------------------------------------------- #
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(cfg, q, k, v, mask, bias, alibi, rel, qo, ko):
-    return _forward(cfg, q, k, v, mask, bias, alibi, rel, qo, ko)
-
-
-def _attention_fwd(cfg, q, k, v, mask, bias, alibi, rel, qo, ko):
-    # Training at B = 1 (this rule and the backward run only under
-    # differentiation) calls the example directly rather than vmap it: on CPU
-    # (experiments/bench_attention.py cpu, causal GQA 4/1, H=64, fp32) the
-    # forward+backward's compiled temporaries at S = 16k go 65.7 -> 62.4 MiB
-    # (1k-8k unchanged). The primal (inference) forward keeps vmap: called
-    # directly its temporaries grew (25.4 -> 33.4 MiB at 16k).
-    out, lse = _forward(cfg, q, k, v, mask, bias, alibi, rel, qo, ko, direct_b1=True)
-    return (out, lse), (q, k, v, mask, bias, alibi, rel, qo, ko, out, lse)
-
-
-def _attention_bwd(cfg, res, cts):
-    q, k, v, mask, bias, alibi, rel, qo, ko, out, lse = res
-    dout, dlse = cts
+def _backward(cfg, q, k, v, mask, bias, alibi, rel, offsets, out, lse, dout, dlse):
     B = q.shape[0]
 
     def fn(q, k, v, mask, bias, alibi, rel, out, lse, dout, dlse):
-        return _backward_one(cfg, q, k, v, mask, bias, alibi, rel, qo, ko, out, lse, dout,
+        return _backward_one(cfg, q, k, v, mask, bias, alibi, rel, *offsets, out, lse, dout,
                              dlse)
 
     dq, dk, dv, dbias, dtable = _vmap_batch(fn, q, k, v, mask, bias, alibi, rel, out, lse,
@@ -470,14 +437,11 @@ def _attention_bwd(cfg, res, cts):
         if bias.shape[0] == 1 and B != 1:
             dbias = dbias.sum(0, keepdims=True)
         dbias = dbias.astype(bias.dtype)
-    mask_ct = jax.tree.map(_zero_cotangent, mask)
-    alibi_ct = jax.tree.map(_zero_cotangent, alibi)  # slopes are constants
-    rel_ct = None
-    if rel is not None:  # per-example table grads [B, nb, N] summed over the batch
-        rel_ct = dataclasses.replace(jax.tree.map(_zero_cotangent, rel),
-                                     table=dtable.sum(0).astype(rel.table.dtype))
-    return (dq, dk, dv, mask_ct, dbias, alibi_ct, rel_ct, _zero_cotangent(qo),
-            _zero_cotangent(ko))
+    # per-example table grads [B, nb, N] summed over the batch
+    return dq, dk, dv, dbias, None if dtable is None else dtable.sum(0)
+
+
+_attention = attention_vjp(_forward, _backward, forward_for_grad=_forward_for_grad)
 
 
 def blockwise_attention_backward(q, k, v, mask, out, lse, dout, *, scale=None, softcap=None,
@@ -496,36 +460,18 @@ def blockwise_attention_backward(q, k, v, mask, out, lse, dout, *, scale=None, s
     gradient. No bias array (ALiBi slopes and T5's table, functions of positions,
     are taken); gradients in `grad_dtype` (fp32 by default, for accumulation).
     """
-    B, T, N, H = q.shape
-    S = k.shape[1]
-    cfg = _Config(scale=float(H ** -0.5 if scale is None else scale),
-                  softcap=float(softcap) if softcap else None,
-                  block_q=min(int(block_q), _round_up(T, 8)),
-                  block_kv=min(int(block_kv), _round_up(S, 8)))
-    alibi = make_alibi(alibi_slopes, alibi_positions, B, N, T, S)
-    rel = check_relative_bias(relative_bias, B, N, T, S)
-    qo = jnp.asarray(q_offset, jnp.int32)
-    ko = jnp.asarray(kv_offset, jnp.int32)
+    cfg, alibi, rel, offsets = _setup(q, k, scale, softcap, block_q, block_kv, alibi_slopes,
+                                      alibi_positions, relative_bias, q_offset, kv_offset)
 
     def fn(q, k, v, mask, bias, alibi, rel, out, lse, dout):
         dlse = jnp.zeros(lse.shape, jnp.float32)
-        dq, dk, dv, _, dtable = _backward_one(cfg, q, k, v, mask, None, alibi, rel, qo, ko, out,
-                                              lse, dout, dlse, grad_dtype)
+        dq, dk, dv, _, dtable = _backward_one(cfg, q, k, v, mask, None, alibi, rel, *offsets,
+                                              out, lse, dout, dlse, grad_dtype)
         return dq, dk, dv, dtable
 
     dq, dk, dv, dtable = _vmap_batch(fn, q, k, v, mask, None, alibi, rel, out,
                                      lse.astype(jnp.float32), dout.astype(out.dtype))
     return (dq, dk, dv) if rel is None else (dq, dk, dv, dtable.sum(0))
-
-
-def _zero_cotangent(x):
-    x = jnp.asarray(x)
-    if jnp.issubdtype(x.dtype, jnp.inexact):
-        return jnp.zeros_like(x)
-    return jnp.zeros(x.shape, jax.dtypes.float0)
-
-
-_attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 # --------------------------------------------------------------------------- #

@@ -3,9 +3,9 @@
 `flash_attention(q, k, v, mask, ...)` runs a request the way `plan(...)` decides,
 and `plan` is the only place the family decides anything:
 
-- the kernels: the Mosaic TPU kernels (`tpu.py`) on TPU, and in interpret mode on
-  CPU; on a GPU target (compiled) the Triton kernels (`gpu.py`), with the Mosaic
-  GPU forward (`hopper.py`) and backward (`hopper_backward.py`) in their place on
+- the kernels: the Mosaic TPU kernels (`mosaic_tpu.py`) on TPU, and in interpret mode on
+  CPU; on a GPU target (compiled) the Triton kernels (`triton.py`), with the Mosaic
+  GPU forward (`mosaic_gpu.py`) and backward (`mosaic_gpu_backward.py`) in their place on
   sm_90 where they support the request;
 - decode-shaped requests (`decode.py`): GQA query heads packed as the rows of their
   kv head, and on GPU the keys split into chunks when the grid is small.
@@ -26,9 +26,9 @@ from typing import Any
 
 from tfjax.ops import target
 from tfjax.ops.implementation import AttentionRequest, Implementation
-from tfjax.ops.pallas import decode, gpu, hopper, hopper_backward, tpu
+from tfjax.ops.pallas import decode, mosaic_gpu, mosaic_gpu_backward, mosaic_tpu, triton
 from tfjax.ops.pallas.common import BlockSizes, mask_support
-from tfjax.ops.pallas.tpu import flash_attention_tpu
+from tfjax.ops.pallas.mosaic_tpu import flash_attention_tpu
 from tfjax.ops.reference import Alibi, RelativeBias
 
 __all__ = ["BlockSizes", "IMPLEMENTATION", "Plan", "defer", "flash_attention",
@@ -39,7 +39,7 @@ __all__ = ["BlockSizes", "IMPLEMENTATION", "Plan", "defer", "flash_attention",
 class Plan:
     """How the family runs one request (`plan`)."""
 
-    kernels: str  # "mosaic_tpu" (tpu.py; interpret mode on CPU) or "triton" (gpu.py)
+    kernels: str  # "mosaic_tpu" (mosaic_tpu.py; interpret mode on CPU) or "triton" (triton.py)
     forward: str | None = None  # with "triton": "triton" or "hopper" (Mosaic GPU)
     backward: str | None = None  # the dq and dk/dv kernels, likewise
     pack_heads: bool = False  # the G query heads of a kv head run as its rows
@@ -95,7 +95,7 @@ def _kv_splits(kv_splits, B, N, T, S, H, mask, alibi_slopes, alibi_positions, re
     if kv_splits is None:
         if not auto or reason:
             return 1
-        bq = (block_sizes or gpu._default_block_sizes(H)).block_q
+        bq = (block_sizes or triton.default_block_sizes(H)).block_q
         return decode.auto_kv_splits(B, N, T, S, bq, target.sm_count())
     if isinstance(kv_splits, bool) or not isinstance(kv_splits, int) or kv_splits < 1 \
             or S % kv_splits:
@@ -116,7 +116,7 @@ def _gpu_kernel(which, choice, q, k, v, mask, has_bias, relative, interpret) -> 
     if choice not in _GPU_CHOICES:
         raise ValueError(f"flash_attention_gpu: {which} must be one of {_GPU_CHOICES}, got "
                          f"{choice!r}")
-    supports = hopper.supports if which == "forward" else hopper_backward.supports
+    supports = mosaic_gpu.supports if which == "forward" else mosaic_gpu_backward.supports
     reason = supports(q.dtype, q.shape[-1], mask, has_bias)
     if reason is None and relative:
         reason = "the Hopper kernels take no relative_bias (T5's bias; the Triton kernels do)"
@@ -169,18 +169,18 @@ def flash_attention_gpu(q, k, v, mask=None, *, bias=None, scale=None, softcap=No
                         return_lse=False, block_sizes: BlockSizes | None = None,
                         interpret: Any = False, forward: str = "auto", hopper_config=None,
                         backward: str = "auto", hopper_backward_config=None,
-                        triton_config: gpu.TritonConfig | None = None):
+                        triton_config: triton.TritonConfig | None = None):
     """The GPU kernels, whatever the target: q `[B,T,N,H]`, k/v `[B,S,K,H]` -> out
     `[B,T,N,H]` (and lse `[B,N,T]` fp32); no packing or splitting.
     `relative_bias`: T5's bias per tile (its table differentiable; Triton only).
 
     `forward`: "auto" runs the Hopper (Mosaic GPU) forward on sm_90 GPUs when it
-    supports the request (16-bit, no bias, see `hopper.supports`), else the
+    supports the request (16-bit, no bias, see `mosaic_gpu.supports`), else the
     Triton one; "hopper" insists (and runs it in GPU interpret mode when
     `interpret`); "triton" never uses it. `hopper_config`: its tiles.
     `backward`, `hopper_backward_config`: the same choice for the dq and dk/dv
-    kernels (`hopper_backward.supports`: also head dims up to 128). `triton_config`:
-    the Triton kernels' warps and pipeline stages (None: `gpu.triton_launch`'s
+    kernels (`mosaic_gpu_backward.supports`: also head dims up to 128). `triton_config`:
+    the Triton kernels' warps and pipeline stages (None: `triton.triton_launch`'s
     choice for each kernel's tiles)."""
     how = plan(q, k, v, mask, bias=bias, alibi_slopes=alibi_slopes,
                alibi_positions=alibi_positions, relative_bias=relative_bias,
@@ -221,11 +221,11 @@ def _kernels(how: Plan, q, k, v, mask, *, interpret, hopper_config=None,
              hopper_backward_config=None, triton_config=None, **kw):
     """The plan's kernels on the (packed, split) request."""
     if how.kernels == "triton":
-        return gpu.flash_attention_triton(
+        return triton.flash_attention_triton(
             q, k, v, mask, **kw, interpret=False if interpret is None else interpret,
             forward=how.forward, hopper_config=hopper_config, backward=how.backward,
             hopper_backward_config=hopper_backward_config, triton_config=triton_config)
-    return tpu.flash_attention_tpu(q, k, v, mask, **kw, interpret=interpret)
+    return mosaic_tpu.flash_attention_tpu(q, k, v, mask, **kw, interpret=interpret)
 
 
 # --------------------------------------------------------------------------- #
@@ -240,7 +240,7 @@ def supports(r: AttentionRequest) -> str | None:
     if r.dtype not in ("float32", "bfloat16", "float16"):
         return f"the pallas kernels take float32/bfloat16/float16 inputs, got {r.dtype}"
     if r.backend == "gpu":
-        return gpu.supports(r)
+        return triton.supports(r)
     return None
 
 

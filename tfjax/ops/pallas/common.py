@@ -1,13 +1,8 @@
-"""What the TPU and GPU attention kernels share: frozen block sizes, tile tables
-built from a mask's block view, and the mask compiled into kernel operands plus
-an in-kernel tile evaluator.
-
-Tile tables (per batch row of the mask, `Bm` = 1 or B): for each query tile the
-kv tiles that are not EMPTY, compacted to the front (`order`), their number
-(`count`), and their code (`code`, PARTIAL or FULL; tiles holding a sequence tail
-are PARTIAL so the kernel masks the padding). Entries past `count` repeat the
-last real index, so a pipelined kernel issues no DMA for the grid steps it skips.
-The transposed tables (for each kv tile, its query tiles) drive the dk/dv kernel.
+"""What the Pallas attention kernels share: frozen block sizes, a call's sizes and
+offsets, the tile tables of a call (`tfjax.ops.tiles`, with the sequence tails
+PARTIAL), the mask compiled into kernel operands plus an in-kernel tile
+evaluator, the fp32 dot products of the Mosaic TPU and Triton kernels, and the
+GPU launch order of query tiles.
 
 Masks in kernels: positional masks (causal, windows, chunks) become iota
 arithmetic on global positions; per-example scalars (padding and prefix lengths)
@@ -22,7 +17,6 @@ then declines the request).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
@@ -31,17 +25,22 @@ import numpy as np
 from jax import lax
 
 from tfjax.ops import masks as M
+from tfjax.ops.tiles import TileTables, pad_axis, tile_tables
 
 __all__ = [
     "BlockSizes",
     "Dims",
+    "KernelConfig",
     "MaskOperands",
-    "TileTables",
-    "cdiv",
+    "call_tables",
+    "dot",
+    "dot_nt",
+    "dot_tn",
     "heavy_first",
     "mask_support",
-    "round_up",
-    "tile_tables",
+    "offsets",
+    "reduce_dbias",
+    "unsupported_mask",
 ]
 
 
@@ -78,14 +77,6 @@ def heavy_first(i, n: int):
     return n - 1 - i
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def round_up(a: int, b: int) -> int:
-    return cdiv(a, b) * b
-
-
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
     """Tile sizes of the forward, dq and dk/dv kernels (query x key). They are
@@ -106,67 +97,72 @@ class BlockSizes:
                 raise ValueError(f"BlockSizes.{f.name} must be a positive multiple of 8, got {v!r}")
 
 
+def offsets(q_offset, kv_offset):
+    """(the offsets as python ints when both are, else None: the tile tables are
+    then built at trace time; the `[2]` int32 offsets operand)."""
+    static = (q_offset, kv_offset) if all(isinstance(o, int) for o in (q_offset, kv_offset)) \
+        else None
+    return static, jnp.stack([jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32)])
+
+
+def call_tables(mask, d: Dims, static_offsets, offs, transpose=False) -> TileTables:
+    """The tile tables of a kernel call at its tiles `d` (from the python-int offsets
+    when there are, else from the offsets operand)."""
+    qo, ko = static_offsets if static_offsets is not None else (offs[0], offs[1])
+    return tile_tables(mask, d.T, d.S, d.bq, d.bk, q_offset=qo, kv_offset=ko, transpose=transpose)
+
+
+def reduce_dbias(dbias, bias):
+    """A kernel's `[B, N, T, S]` fp32 dbias summed over the axes `bias` broadcasts
+    (`[B|1, N|1, T, S]`), in bias's dtype."""
+    Bb, Nb = bias.shape[:2]
+    axes = tuple(a for a, n in ((0, Bb), (1, Nb)) if n == 1 and dbias.shape[a] != 1)
+    return dbias.sum(axis=axes, keepdims=True).astype(bias.dtype)
+
+
 # --------------------------------------------------------------------------- #
-# Tile tables.
+# fp32 dot products in the Mosaic TPU and Triton kernels (the Mosaic GPU ones
+# issue wgmma themselves).
 # --------------------------------------------------------------------------- #
+
+
+def _precision(a, b):
+    # Explicit, so a global jax_default_matmul_precision cannot ask Mosaic for an
+    # fp32 contraction of bf16 operands (it refuses); fp32 operands stay exact.
+    f32 = a.dtype == jnp.float32 and b.dtype == jnp.float32
+    return lax.Precision.HIGHEST if f32 else lax.Precision.DEFAULT
+
+
+def dot_nt(a, b):
+    """a `[m, h]` . b `[n, h]`^T -> `[m, n]` fp32."""
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=_precision(a, b),
+                           preferred_element_type=jnp.float32)
+
+
+def dot(a, b):
+    """a `[m, k]` @ b `[k, n]` -> `[m, n]` fp32."""
+    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=_precision(a, b),
+                           preferred_element_type=jnp.float32)
+
+
+def dot_tn(a, b):
+    """a `[k, m]`^T @ b `[k, n]` -> `[m, n]` fp32."""
+    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=_precision(a, b),
+                           preferred_element_type=jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)
-class TileTables:
-    order: jax.Array  # int32 [Bm, rows, cols]: non-empty column tiles first
-    count: jax.Array  # int32 [Bm, rows]
-    code: jax.Array  # int32 [Bm, rows, cols]: code of order[..., j]
-    steps: int  # grid extent over j: max count when known at trace time, else cols
-    batched: bool  # Bm == B > 1 (index tables by the batch program id)
+class KernelConfig:
+    """The static part of a Mosaic TPU or Triton kernel call (hashable: the VJP's
+    static argument): the logits' scale and soft-cap, the tiles, the interpret
+    mode, and the offsets when they are python ints (`offsets`: the tile tables are
+    then built at trace time). Each kernel file extends it with its own options."""
 
-
-def _codes(mask, T, S, bq, bk, q_offset, kv_offset):
-    nq, nk = cdiv(T, bq), cdiv(S, bk)
-    if mask is None:
-        codes = jnp.full((1, nq, nk), M.FULL, jnp.int32)
-    else:
-        codes = mask.blocks(T, S, bq, bk, q_offset=q_offset, kv_offset=kv_offset).astype(jnp.int32)
-    # Tiles holding padding (sequence tails) must be masked in the kernel.
-    tail = jnp.zeros((nq, nk), bool)
-    if T % bq:
-        tail = tail.at[-1, :].set(True)
-    if S % bk:
-        tail = tail.at[:, -1].set(True)
-    return jnp.where(tail & (codes == M.FULL), M.PARTIAL, codes)
-
-
-def _compact(codes):
-    nonempty = codes != M.EMPTY
-    order = jnp.argsort(~nonempty, axis=-1, stable=True).astype(jnp.int32)
-    count = nonempty.sum(-1).astype(jnp.int32)
-    cols = codes.shape[-1]
-    j = jnp.arange(cols, dtype=jnp.int32)
-    last = jnp.take_along_axis(order, jnp.maximum(count - 1, 0)[..., None], axis=-1)
-    order = jnp.where(j < count[..., None], order, last)  # repeat: no DMA on skipped steps
-    code = jnp.take_along_axis(codes, order, axis=-1)
-    return order, count, code
-
-
-def tile_tables(mask, T, S, bq, bk, *, q_offset=0, kv_offset=0, transpose=False) -> TileTables:
-    """Tables over query-tile rows (or kv-tile rows when `transpose`). Evaluated at
-    trace time when the mask and offsets are concrete (then the grid extent is
-    the longest row), else traced (then it is the number of column tiles)."""
-    with jax.ensure_compile_time_eval():
-        order, count, code = _build_tables(mask, q_offset, kv_offset, T=T, S=S, bq=bq, bk=bk,
-                                           transpose=transpose)
-        try:
-            steps = max(int(np.asarray(count).max()), 1)
-        except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-            steps = order.shape[-1]
-    return TileTables(order, count, code, steps, batched=order.shape[0] > 1)
-
-
-@functools.partial(jax.jit, static_argnames=("T", "S", "bq", "bk", "transpose"))
-def _build_tables(mask, q_offset, kv_offset, *, T, S, bq, bk, transpose):
-    codes = _codes(mask, T, S, bq, bk, q_offset, kv_offset)
-    if transpose:
-        codes = codes.transpose(0, 2, 1)
-    return _compact(codes)
+    scale: float
+    softcap: float | None
+    block_sizes: BlockSizes
+    interpret: Any
+    static_offsets: tuple[int, int] | None
 
 
 # --------------------------------------------------------------------------- #
@@ -180,13 +176,20 @@ _KNOWN = _POSITIONAL + (M.Padding, M.PrefixLM, M.Segments, M.Positions, M.Longfo
                         M.RandomBlocks)
 
 
-def mask_support(mask) -> str | None:
-    """None when the kernels can evaluate `mask` in a tile, else the reason."""
-    if mask is None or isinstance(mask, _KNOWN):
+def unsupported_mask(mask, kinds) -> type | None:
+    """The first mask class in `mask` (through `&` and `|`) that is none of `kinds`,
+    or None."""
+    if mask is None or isinstance(mask, kinds):
         return None
     if isinstance(mask, (M.And, M.Or)):
-        return mask_support(mask.a) or mask_support(mask.b)
-    return f"the pallas kernels cannot evaluate a {type(mask).__name__} mask in a tile"
+        return unsupported_mask(mask.a, kinds) or unsupported_mask(mask.b, kinds)
+    return type(mask)
+
+
+def mask_support(mask) -> str | None:
+    """None when the kernels can evaluate `mask` in a tile, else the reason."""
+    kind = unsupported_mask(mask, _KNOWN)
+    return kind and f"the pallas kernels cannot evaluate a {kind.__name__} mask in a tile"
 
 
 class MaskOperands:
@@ -321,12 +324,3 @@ def _draw_random_block(seed: int, qb, r: int, num_blocks: int):
     # unsigned(x) % n == (2 * ((x >>> 1) % n) + (x & 1)) % n, all in [0, 2^31)
     n = jnp.int32(num_blocks)
     return lax.rem(2 * lax.rem(srl(x, jnp.int32(1)), n) + (x & 1), n)
-
-
-def pad_axis(x, axis: int, n: int, value: Any = 0):
-    pad = n - x.shape[axis]
-    if pad == 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, pad)
-    return jnp.pad(x, widths, constant_values=value)

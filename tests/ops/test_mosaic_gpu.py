@@ -1,8 +1,9 @@
-"""The Hopper (Mosaic GPU) forward: against the reference in Pallas' GPU interpret
-mode on CPU (with the Triton backward, also interpreted), lowered for the cuda
-platform without a GPU (the Pallas -> Mosaic GPU lowering, including its shared
-memory budget, runs in Python), its refusals, and on a Hopper GPU when there is
-one (accelerator-marked)."""
+"""The Mosaic GPU kernels (`tfjax.ops.pallas.mosaic_gpu`, `mosaic_gpu_backward`):
+lowered for the cuda platform without a GPU (the Pallas -> Mosaic GPU lowering,
+including its shared memory budget, runs in Python), their shared-memory counts,
+refusals, the in-place accumulation of the compiled forward, and on a Hopper GPU
+when there is one (accelerator-marked). Against the reference in Pallas' GPU
+interpret mode: test_implementations.py."""
 
 import functools
 
@@ -10,54 +11,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from attention_cases import check_against_reference, inputs, lower_for_cuda, make_mask
+from attention_cases import check_against_reference, inputs, lower_for_cuda
 
 from tfjax.ops import masks as M
 from tfjax.ops import RelativeBias
 from tfjax.ops.pallas import BlockSizes, flash_attention_gpu
 from tfjax.ops.target import gpu_lowering_target
-from tfjax.ops.pallas.hopper import HopperConfig, flash_forward_hopper, supports
-from tfjax.ops.pallas.hopper_backward import HopperBackwardConfig, flash_backward_hopper
-
-BS = BlockSizes(32, 64, 32, 64, 64, 32)  # the Triton backward's tiles (interpreted)
-
+from tfjax.ops.pallas.mosaic_gpu import HopperConfig, flash_forward_hopper, supports
+from tfjax.ops.pallas.mosaic_gpu_backward import HopperBackwardConfig, flash_backward_hopper
 
 HC, HB = HopperConfig, HopperBackwardConfig
-
-
-@pytest.mark.parametrize("B,T,S,heads,H,mask_name,extras,fwd,bwd", [
-    (1, 100, 150, (4, 2), 80, "causal&segments", {"softcap": 2.0, "q_offset": 3},
-     HC(block_kv=64), HB()),
-    (2, 128, 300, (4, 1), 64, "padding_fully_masked", {"kv_offset": 2, "alibi": "pos"},
-     HC(block_kv=64, compute_warpgroups=1, overlap=True), HB(compute_warpgroups=1, stages=1)),
-    (1, 200, 200, (2, 2), 128, "window_lr", {}, HC(block_kv=64, pingpong=False, order="lpt"),
-     HB(128, 128)),
-    (1, 70, 90, (2, 1), 256, "prefix", {"alibi": "pos"}, HC(block_kv=64, overlap=True), None),
-    (2, 200, 220, (2, 1), 64, "causal", {"alibi": "BN", "q_offset": 30, "kv_offset": 5},
-     HC(block_kv=64), HB()),
-    (1, 70, 150, (2, 1), 64, "positions_window", {}, HC(block_kv=64), HB()),
-], ids=["gqa-segments-softcap-offset-tails-h80-pingpong",
-        "mqa-fully-masked-rows-alibi-positions-one-warpgroup-overlap",
-        "window-mha-h128-no-pingpong-blocks128-lpt-order",
-        "prefix-h256-overlap-alibi-positions-triton-backward",
-        "causal-alibi-offsets-pingpong-two-query-tiles",
-        "kv-cache-positions-window"])
-def test_interpret_matches_reference(B, T, S, heads, H, mask_name, extras, fwd, bwd):
-    """The Hopper forward and (H <= 128) backward. Two consumer warpgroups and a
-    producer (warp specialisation, the default) take turns on the tensor cores
-    (ping-pong) unless pingpong=False or overlap=True (each overlaps its own
-    softmax with its P V matmul); compute_warpgroups=1: one warpgroup issues its
-    own copies. `bwd` None: the Triton backward from the Hopper forward's
-    residuals (head dim 256). ALiBi: explicit positions (copied like segment ids)
-    under the overlap schedule and a one-warpgroup backward, and with the Triton
-    backward; index positions with per-example slopes and offsets under ping-pong
-    and the default backward."""
-    q, k, v, _ = inputs(B, T, S, *heads, H, dtype=jnp.bfloat16)
-    impl = functools.partial(flash_attention_gpu, interpret=True, forward="hopper",
-                             hopper_config=fwd, backward="triton" if bwd is None else "hopper",
-                             hopper_backward_config=bwd)
-    check_against_reference(impl, q, k, v, make_mask(mask_name, B, T, S), block_sizes=BS,
-                            **extras)
 
 
 def _lower(mask, H, dtype, grad, backward):
@@ -102,31 +65,6 @@ def test_lowers_to_mosaic_gpu(mask_name, H, dtype, grad, backward):
     assert text.count("stablehlo.custom_call @mosaic_gpu") == (3 if hopper_bwd else 1)
     assert text.count("xla.gpu.triton") == (2 if grad and not hopper_bwd else 0)
 
-
-@pytest.mark.parametrize("gpu,kernels", [("H200", (3, 0)), ("A100", (0, 3))])
-def test_auto_lowers_what_the_target_gpu_runs(gpu, kernels):
-    """`gpu_lowering_target` lowers as the named GPU would run: `forward="auto"` and
-    `backward="auto"` take the Hopper (Mosaic GPU) forward, dq and dk/dv kernels for
-    an H200 (sm_90) and the Triton ones for an A100; T5's bias, which the Hopper
-    kernels decline, takes Triton on both."""
-    sds = jax.ShapeDtypeStruct
-    q, kv = sds((1, 256, 4, 128), jnp.bfloat16), sds((1, 256, 2, 128), jnp.bfloat16)
-
-    def grads(relative):
-        rb = RelativeBias(jnp.ones((32, 4)), bidirectional=False) if relative else None
-        loss = lambda q, k, v: flash_attention_gpu(
-            q, k, v, M.causal(), relative_bias=rb).astype(jnp.float32).sum()
-        return jax.grad(loss, (0, 1, 2))
-
-    text = lower_for_cuda(grads(False), q, kv, kv, gpu=gpu)
-    assert (text.count("stablehlo.custom_call @mosaic_gpu"), text.count("xla.gpu.triton")) \
-        == kernels
-    text = lower_for_cuda(grads(True), q, kv, kv, gpu=gpu)
-    assert (text.count("stablehlo.custom_call @mosaic_gpu"), text.count("xla.gpu.triton")) \
-        == (0, 3)
-    with pytest.raises(ValueError, match="unknown gpu 'V100'"):
-        with gpu_lowering_target("V100"):
-            pass
 
 def test_shared_memory_estimates_are_mosaics_count(monkeypatch):
     """`HopperConfig.smem_bytes` / `HopperBackwardConfig.smem_bytes` (each buffer
@@ -209,51 +147,6 @@ def test_refusals_name_the_fix():
         HopperBackwardConfig(block_q_dkv=96)
     with pytest.raises(ValueError, match="compute_warpgroups"):
         HopperBackwardConfig(compute_warpgroups=0)
-
-
-def test_auto_picks_hopper_only_on_sm90_for_what_it_supports(monkeypatch):
-    """The family's plan (`tfjax.ops.pallas.plan`) for the GPU kernels: forward and
-    backward "auto" take the Hopper (Mosaic GPU) kernels only when compiling for an
-    sm_90 GPU (`target.is_hopper`) and they support the request; "hopper" insists."""
-    from tfjax.ops import target
-    from tfjax.ops.pallas import plan
-
-    def kernel(which, q, k=None, mask=None, bias=None, interpret=False, choice="auto", **kw):
-        k = q if k is None else k
-        return getattr(plan(q, k, k, mask, bias=bias, interpret=interpret, kernels="triton",
-                            **{which: choice}, **kw), which)
-
-    bf, f32 = jnp.zeros((1, 8, 2, 64), jnp.bfloat16), jnp.zeros((1, 8, 2, 64), jnp.float32)
-    pick = lambda q, k, mask=None, bias=None, interpret=False: kernel(
-        "forward", q, k, mask, bias, interpret)
-    assert pick(bf, bf) == "triton"  # this CPU is no Hopper
-    monkeypatch.setattr(target, "is_hopper", lambda: True)
-    assert pick(bf, bf, M.causal() & M.segments(np.zeros((1, 8)))) == "hopper"
-    assert pick(bf, bf, interpret=True) == "triton"  # interpret mode keeps Triton's
-    assert pick(f32, f32) == "triton"
-    assert pick(bf, f32) == "triton"
-    assert pick(bf, bf, bias=jnp.zeros((1, 1, 8, 8))) == "triton"
-    assert pick(bf, bf, M.bigbird(2, 1, 1, 4, seed=0, seq_len=8)) == "triton"
-    assert pick(jnp.zeros((1, 8, 2, 320), jnp.bfloat16), jnp.zeros((1, 8, 2, 320),
-                                                                   jnp.bfloat16)) == "triton"
-    bwd = lambda q: kernel("backward", q)
-    h256 = jnp.zeros((1, 8, 2, 256), jnp.bfloat16)
-    assert bwd(bf) == "hopper" and pick(h256, h256) == "hopper"
-    assert bwd(h256) == "triton"  # dK, dV at H = 256 would not fit the registers
-    assert bwd(f32) == "triton"
-    slopes = jnp.ones((1, 2))  # ALiBi: the Hopper forward and backward
-    rb = RelativeBias(jnp.ones((32, 2)), bidirectional=False)
-    for which in ("forward", "backward"):
-        assert kernel(which, bf, alibi_slopes=slopes) == "hopper"
-    for which in ("forward", "backward"):  # T5's bias: the Triton kernels only
-        assert kernel(which, bf, relative_bias=rb) == "triton"
-        with pytest.raises(ValueError, match=f"relative_bias.*{which}='triton'"):
-            kernel(which, bf, relative_bias=rb, choice="hopper")
-    # on a GPU target the family plans the GPU kernels by itself, and
-    # flash_attention runs what it planned
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert plan(bf, bf, bf).kernels == "triton" and plan(bf, bf, bf).forward == "hopper"
-    assert plan(bf, bf, bf, interpret=True).kernels == "mosaic_tpu"
 
 
 @pytest.mark.accelerator

@@ -1,6 +1,6 @@
 """FlashAttention forward for Hopper GPUs in Pallas Mosaic GPU (TMA + wgmma).
 
-The Triton kernels of `gpu.py` run on every NVIDIA GPU; on Hopper (sm_90) this
+The Triton kernels of `triton.py` run on every NVIDIA GPU; on Hopper (sm_90) this
 forward uses the hardware the Triton lowering of Pallas does not reach: tiles
 move from global to shared memory by TMA into a ring of `stages` slots tracked
 by mbarriers (the copy of kv tile j + stages is in flight while tile j is
@@ -16,9 +16,9 @@ both warpgroups' matmuls and softmax, and the two consumers take turns on the
 tensor cores through a two-arrival "schedule" barrier (ping-pong: one's softmax
 runs during the other's matmuls), the protocol of jax's attention_mgpu.
 `compute_warpgroups=1` runs one warpgroup that issues its own copies. The
-producer/consumer ring (`_pipelined`) is shared with the backward kernels of
-`hopper_backward.py`. The CTA walks only the non-empty kv tiles of its row of
-the shared tile table (`common.tile_tables`), so causal, window,
+producer/consumer ring (`pipelined`) is shared with the backward kernels of
+`mosaic_gpu_backward.py`. The CTA walks only the non-empty kv tiles of its row of
+the shared tile table (`tfjax.ops.tiles.tile_tables`), so causal, window,
 chunk and document (segment) masks do proportionally less work, and evaluates
 the mask only in PARTIAL tiles (`lax.cond`), with the same `MaskOperands`
 evaluator as the TPU and Triton kernels (positions from `broadcasted_iota` in
@@ -26,8 +26,8 @@ the wgmma layout, segment ids copied next to K/V and read in the row/column
 layouts). `HopperConfig(overlap=True)` is FlashAttention-3's intra-warpgroup
 pipelining instead of ping-pong: each consumer issues step t's Q K^T and step
 t-1's P V back to back and computes step t's softmax while P V runs (the slot
-of step t-1 goes back one step later). Off by default until an H200 session
-times it (`experiments/bench_attention.py tune`). No FP8.
+of step t-1 goes back one step later); off by default (`experiments/bench_attention.py
+tune` times the schedules). No FP8.
 
 Native GQA: the CTA of query head h reads kv head h // G; K/V are never
 repeated. Tails: T and S are padded to the tiles and the padding masked; head
@@ -36,15 +36,17 @@ dims are padded to a multiple of 64 (the swizzle width of 16-bit rows).
 Scope (what `supports` accepts; everything else stays on the Triton kernels,
 which compute the same function): 16-bit inputs (fp16/bf16; wgmma has no fp32
 operands), no additive bias (ALiBi's slopes are taken: the term is formed per
-tile), head dim <= 256, the positional/segment/padding/prefix masks. The backward is `hopper_backward.py`'s (head dims up to 128) or
-the Triton dq and dk/dv kernels, from this forward's output and logsumexp.
+tile), head dim <= 256, the positional/segment/padding/prefix masks. The backward is
+`mosaic_gpu_backward.py`'s (head dims up to 128) or the Triton dq and dk/dv kernels,
+from this forward's output and logsumexp.
 
 Testing without a GPU: the kernel runs in Pallas' GPU interpret mode (which
 simulates shared memory, TMA and mbarriers) on CPU, and is lowered for the cuda
 platform (the Pallas -> Mosaic GPU lowering runs in Python; only ptxas needs
-the GPU). Not yet measured on a Hopper GPU: the first H200 session runs
-`experiments/bench_attention.py gpu`, which times it against the Triton kernels
-and cuDNN.
+the GPU). Where the interpreter stops short of what the kernels use,
+`interpret_compat.py` fills in. `experiments/bench_attention.py gpu` times the
+kernel against the Triton kernels and cuDNN on a Hopper GPU; what has been
+measured is in experiments/results/attention_gpu_notes.md.
 """
 
 from __future__ import annotations
@@ -52,27 +54,22 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import warnings
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
 from tfjax.ops import masks as M
-from tfjax.ops.pallas.common import (
-    MaskOperands,
-    heavy_first,
-    pad_axis,
-    round_up,
-    tile_tables,
-)
+from tfjax.ops.pallas.common import MaskOperands, heavy_first, offsets, unsupported_mask
+from tfjax.ops.pallas.interpret_compat import gpu_interpret_params, load
+from tfjax.ops.tiles import pad_axis, round_up, tile_tables
 
-__all__ = ["HopperConfig", "flash_forward_hopper", "supports"]
+__all__ = ["SMEM_BYTES", "HopperConfig", "flash_forward_hopper", "mma", "pipeline_smem",
+           "pipelined", "store", "supports"]
 
-_SMEM_BYTES = 227 * 1024  # per CTA on sm_90
+SMEM_BYTES = 227 * 1024  # per CTA on sm_90
 _SMEM_ALIGN = 1024  # Mosaic GPU starts each shared-memory scratch buffer at a 1 KiB boundary
 _MBARRIER_BYTES = 8
 
@@ -93,11 +90,8 @@ _ALLOWED_MASKS = (M.Causal, M.SlidingWindow, M.ChunkedCausal, M.Padding, M.Prefi
 
 
 def _mask_reason(mask) -> str | None:
-    if mask is None or isinstance(mask, _ALLOWED_MASKS):
-        return None
-    if isinstance(mask, (M.And, M.Or)):
-        return _mask_reason(mask.a) or _mask_reason(mask.b)
-    return f"the Hopper kernel does not evaluate {type(mask).__name__} masks"
+    kind = unsupported_mask(mask, _ALLOWED_MASKS)
+    return kind and f"the Hopper kernel does not evaluate {kind.__name__} masks"
 
 
 def supports(q_dtype, H: int, mask, has_bias: bool) -> str | None:
@@ -139,10 +133,8 @@ class HopperConfig:
     @classmethod
     def default(cls, H: int) -> "HopperConfig":
         """128-key tiles while double-buffered K/V fit shared memory beside the
-        query tile (head dims up to 128), else 64. Not tuned on hardware yet;
-        ptxas compiles it without spills at H = 64, 128, 256 with index masks, and
-        with a window, documents, ALiBi and soft-capping at once at H = 64, 128
-        (4 B per thread at 256) (experiments/gpu_registers.py)."""
+        query tile (head dims up to 128), else 64 (ptxas's registers and spills at
+        these tiles: experiments/results/attention_gpu_ptxas_20261130.md)."""
         return cls(block_kv=128 if round_up(H, 64) <= 128 else 64)
 
     def smem_bytes(self, H: int, itemsize: int = 2, slots: int = 0) -> int:
@@ -177,162 +169,6 @@ class HopperConfig:
         if self.compute_warpgroups not in (1, 2):
             raise ValueError("HopperConfig.compute_warpgroups must be 1 (no warp specialisation) "
                              f"or 2 (two consumers and a producer), got {self.compute_warpgroups}")
-
-
-def _interpret_params(interpret):
-    """Pallas' GPU interpret mode (shared memory, TMA and mbarriers simulated on
-    CPU) for `interpret=True`, extended where the interpreter (jax 0.10 to 0.12)
-    stops short of what this kernel uses (see `_extend_gpu_interpreter`)."""
-    if not interpret:
-        return None
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
-    if len(jax.devices("cpu")) < 4:
-        # Each warpgroup runs as a concurrent CPU computation whose barrier waits
-        # block runtime threads; seen here: the warp-specialised kernel hung with
-        # 1 CPU device and ran with 8.
-        warnings.warn("the Hopper kernel in GPU interpret mode can hang with fewer than 4 CPU "
-                      "devices; set XLA_FLAGS=--xla_force_host_platform_device_count=8 (as the "
-                      "tests do) or HopperConfig(compute_warpgroups=1)", stacklevel=3)
-
-    _extend_gpu_interpreter()
-    return interpret if not isinstance(interpret, bool) else InterpretGPUParams()
-
-
-@functools.cache
-def _extend_gpu_interpreter():
-    """Semantics the GPU interpreter lacks, each the plain meaning of the
-    operation: `layout_cast` (a register-layout annotation) is the identity; a
-    wgmma B operand under `transpose_ref` is the transposed tile (jax 0.10; jax
-    0.11 reads transposed refs itself); a wgmma A operand may be a register array
-    (the RS form) rather than a shared memory ref (jax 0.10 and 0.11). Installed
-    once, only into the interpreter (real lowering is untouched), and only where
-    the interpreter does not handle them itself. The interpreter's internals
-    changed between 0.10 and 0.11 (a thread's location: `grid_point_coords` +
-    `thread_id`, then a `mesh_location` + `thread`); both are handled."""
-    from jax._src.interpreters import mlir
-    from jax._src.pallas.mosaic_gpu import core as gpu_core
-    from jax._src.pallas.mosaic_gpu.interpret import jaxpr_interpret as ji
-
-    if gpu_core.layout_cast_p not in mlir._platform_specific_lowerings.get("cpu", {}):
-        mlir.register_lowering(gpu_core.layout_cast_p, lambda ctx, x, **_: [x], platform="cpu")
-    ji_cls = next(c for c in vars(ji).values()
-                  if isinstance(c, type) and hasattr(c, "_interpret_wgmma_ref_p"))
-    if "mesh_location" in getattr(ji_cls, "__annotations__", {}):
-        _extend_wgmma_0_11(ji, ji_cls)
-    else:
-        _extend_wgmma_0_10(ji_cls)
-
-
-def _wgmma_operands(eqn, get_invals):
-    """The wgmma_ref equation's operands and their transform pytrees."""
-    import jax.tree_util as jtu
-
-    acc, a, b, *leaves = get_invals()
-    empty = jax.tree.structure([])
-    trees = [eqn.params[f"{x}_transforms_tree"] or empty for x in ("acc", "a", "b")]
-    acc_t, a_t, b_t = jax.tree.unflatten(jtu.treedef_tuple(trees), leaves)
-    return (acc, acc_t), (a, a_t), (b, b_t)
-
-
-def _extend_wgmma_0_11(ji, ji_cls):
-    """jax >= 0.11: the interpreter's own wgmma serves shared-memory A operands
-    (transposed B included); the RS form (A a register array) gets the same
-    computation with A's value passed to the callback."""
-    from jax._src import callback
-    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks as cb
-    from jax._src.pallas.mosaic_gpu.interpret import shared_memory as memory
-    from jax._src.state import types as state_types
-
-    own = ji_cls._interpret_wgmma_ref_p
-
-    def wgmma_rs(*, token, mesh_location, thread, acc_key, acc_transforms, a_value,
-                 b_key, b_transforms):
-        mem = cb._get_shared_memory()
-        info = memory.GPULoggingInfo(mesh_location, thread, None)
-
-        def access(key, transforms):
-            key = cb.HostAllocationKey.from_array(key)
-            return key, mem.access(key, jax.tree.map(int, cb._remove_noop_transforms(transforms)))
-
-        (bk, b_access), (ak, acc_access) = access(b_key, b_transforms), access(acc_key, acc_transforms)
-        b, _, _ = mem.get_buffer_content(bk, b_access, thread, logging_info=info)
-        acc, _, _ = mem.get_buffer_content(ak, acc_access, thread, logging_info=info)
-        res = acc + np.matmul(np.asarray(a_value), b, dtype=acc.dtype)
-        mem.store_buffer_content(ak, acc_access, res, thread, logging_info=info)
-        return token
-
-    def interpret_wgmma(self, eqn, token, get_invals):
-        if isinstance(eqn.invars[1].aval, state_types.AbstractRef):
-            return own(self, eqn, token, get_invals)
-        (acc, acc_t), (a, _), (b, b_t) = _wgmma_operands(eqn, get_invals)
-        acc, acc_t = ji.resolve_ref(eqn.invars[0].aval, acc, acc_t)
-        b, b_t = ji.resolve_ref(eqn.invars[2].aval, b, b_t)
-        return callback.io_callback(
-            wgmma_rs, cb.TOKEN_SHAPE_DTYPE, token=token, mesh_location=self.mesh_location,
-            thread=self.thread, acc_key=acc, acc_transforms=acc_t, a_value=a, b_key=b,
-            b_transforms=b_t, ordered=True), []
-
-    ji_cls._interpret_wgmma_ref_p = interpret_wgmma
-
-
-def _extend_wgmma_0_10(ji_cls):
-    """jax 0.10: wgmma with a transposed B tile and with a register A operand."""
-    from jax._src import callback
-    from jax._src.pallas.mosaic.interpret import utils as iutils
-    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks as cb
-    from jax._src.state import types as state_types
-
-    def wgmma(*, token, device_id, grid_point_coords, thread_id, acc_key, acc_transforms,
-              acc_dtype, a_key, a_value, a_transforms, b_key, b_transforms, b_transposed):
-        device_id, thread_id = int(device_id), int(thread_id)
-        mem = cb._get_shared_memory()
-        tid = mem.get_global_thread_id(device_id, thread_id)
-        info = iutils.GPULoggingInfo(device_id=device_id,
-                                     grid_point_coords=tuple(int(x) for x in grid_point_coords),
-                                     thread_id=thread_id, source_info=None)
-
-        def read(key, transforms):
-            rng = iutils.to_range(jax.tree.map(int, cb._remove_noop_transforms(transforms)))
-            val, _, _ = mem.get_buffer_content(cb.HostAllocationKey.from_array(key), rng, tid,
-                                               logging_info=info)
-            return val, rng
-
-        b, _ = read(b_key, b_transforms)
-        b = b.T if b_transposed else b
-        a = a_value if a_value is not None else read(a_key, a_transforms)[0]
-        acc, acc_rng = read(acc_key, acc_transforms)
-        res = acc + np.matmul(np.asarray(a), b, dtype=acc_dtype)
-        mem.store_buffer_content(cb.HostAllocationKey.from_array(acc_key), acc_rng, res, tid,
-                                 logging_info=info)
-        return token
-
-    def interpret_wgmma(self, eqn, token, get_invals):
-        (acc, acc_t), (a, a_t), (b, b_t) = _wgmma_operands(eqn, get_invals)
-        transposed = [t for t in b_t if isinstance(t, state_types.TransposeTransform)]
-        if transposed and (len(transposed) > 1 or b_t[-1] is not transposed[0]
-                           or tuple(transposed[0].permutation) != (1, 0)):
-            raise NotImplementedError("only a final (1, 0) transpose of a wgmma B operand")
-        b_t = tuple(t for t in b_t if not isinstance(t, state_types.TransposeTransform))
-        a_is_ref = isinstance(eqn.invars[1].aval, state_types.AbstractRef)
-        return callback.io_callback(
-            functools.partial(wgmma, acc_dtype=eqn.invars[0].aval.dtype,
-                              b_transposed=bool(transposed)),
-            cb.TOKEN_SHAPE_DTYPE, token=token, device_id=self.device_info.device_id,
-            grid_point_coords=self.grid_point_coords, thread_id=self.thread_id,
-            acc_key=acc, acc_transforms=acc_t, a_key=a if a_is_ref else None,
-            a_value=None if a_is_ref else a, a_transforms=a_t, b_key=b, b_transforms=b_t,
-            ordered=True), []
-
-    ji_cls._interpret_wgmma_ref_p = interpret_wgmma
-
-
-def _load(ref, layout):
-    """A ref read + layout cast: what `plgpu.load(ref, (), layout=)` lowers to
-    (jax 0.10's GPU interpreter reads refs but has no rule for plgpu.load)."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    return plgpu.layout_cast(ref[...], layout)
 
 
 class _Ring:
@@ -389,7 +225,7 @@ def mma(a, b, shape, acc=None, *, interpret=False):
     return out if acc is None else acc + out
 
 
-def _pipelined(*, C, stages, n, fixed, ring, consume, extra=()):
+def pipelined(*, C, stages, n, fixed, ring, consume, extra=()):
     """The warp-specialised pipeline of the forward and backward kernels, called
     inside the kernel.
 
@@ -467,7 +303,7 @@ def _pipelined(*, C, stages, n, fixed, ring, consume, extra=()):
         pl.run_scoped(scoped, *scratch)
 
 
-def _store(*outs):
+def store(*outs):
     """Write register tiles to global memory through shared memory: each of
     `outs` is (value, smem ref, gmem view)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -504,22 +340,22 @@ def flash_forward_hopper(q, k, v, mask, *, scale: float, softcap: float | None, 
     bc = C * bq  # query rows of a CTA (its row of the tile table)
     Tp, Sp, Hp = round_up(T, bc), round_up(S, bk), round_up(H, 64)
     tab = tile_tables(mask, T, S, bc, bk, q_offset=q_offset, kv_offset=kv_offset)
-    offs = jnp.stack([jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32)])
+    offs = offsets(q_offset, kv_offset)[1]
     mops = MaskOperands(mask, B, Tp, Sp, offs, alibi)
     smem = cfg.smem_bytes(H, q.dtype.itemsize, slots=mops.num_segments)
-    if smem > _SMEM_BYTES:
+    if smem > SMEM_BYTES:
         raise ValueError(
             f"HopperConfig(block_kv={cfg.block_kv}, stages={cfg.stages}) needs "
             f"{smem / 1024:.1f} KiB of shared memory at head dim {H}"
             + (f" with {mops.num_segments} segment/position operand(s)" if mops.num_segments
-               else "") + f" (Hopper has {_SMEM_BYTES // 1024} KiB): lower block_kv or stages")
+               else "") + f" (Hopper has {SMEM_BYTES // 1024} KiB): lower block_kv or stages")
     stages = max(1, min(cfg.stages, Sp // bk))
     dtype = q.dtype
     qp = pad_axis(pad_axis(q, 1, Tp), 3, Hp)
     kp = pad_axis(pad_axis(k, 1, Sp), 3, Hp)
     vp = pad_axis(pad_axis(v, 1, Sp), 3, Hp)
     ns, nseg = len(mops.scalars), mops.num_segments
-    interp = _interpret_params(interpret)
+    interp = gpu_interpret_params(interpret)
     wgmma_layout = plgpu.Layout.WGMMA
     row_layout, col_layout = wgmma_layout.reduce(1), wgmma_layout.reduce(0)
     log2e = math.log2(math.e)
@@ -567,9 +403,9 @@ def flash_forward_hopper(q, k, v, mask, *, scale: float, softcap: float | None, 
                 q_loc, kv_loc = iota(0) + row0(w), iota(1) + kj * bk
                 ok = (q_loc < T) & (kv_loc < S)
                 if mask is not None:
-                    q_seg = [lax.broadcast_in_dim(_load(x, row_layout), (bq, bk), [0])
+                    q_seg = [lax.broadcast_in_dim(load(x, row_layout), (bq, bk), [0])
                              for x in qseg_s]
-                    kv_seg = [lax.broadcast_in_dim(_load(ring.at(2 + x, t), col_layout),
+                    kv_seg = [lax.broadcast_in_dim(load(ring.at(2 + x, t), col_layout),
                                                    (bq, bk), [1]) for x in range(nseg)]
                     ok = ok & mops.evaluate(q_loc + offs_ref[0], kv_loc + offs_ref[1], b, sref,
                                             q_seg, kv_seg)
@@ -586,8 +422,8 @@ def flash_forward_hopper(q, k, v, mask, *, scale: float, softcap: float | None, 
                 slope = slopes_ref[sb * N + h]
                 if mops.alibi_slot is not None:  # explicit positions, copied like segments
                     x = mops.alibi_slot
-                    q_pos = lax.broadcast_in_dim(_load(qseg_s[x], row_layout), (bq, bk), [0])
-                    kv_pos = lax.broadcast_in_dim(_load(ring.at(2 + x, t), col_layout),
+                    q_pos = lax.broadcast_in_dim(load(qseg_s[x], row_layout), (bq, bk), [0])
+                    kv_pos = lax.broadcast_in_dim(load(ring.at(2 + x, t), col_layout),
                                                   (bq, bk), [1])
                 else:
                     iota = lambda d: plgpu.broadcasted_iota(jnp.int32, (bq, bk), d,
@@ -625,7 +461,7 @@ def flash_forward_hopper(q, k, v, mask, *, scale: float, softcap: float | None, 
                 l_safe = jnp.where(has, l_i, 1.0)
                 out = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
                 lse = jnp.where(has, (m_i + jnp.log2(l_safe)) / log2e, -jnp.inf)
-                _store((out, q_tile, out_ref.at[b, rows(w), h]),
+                store((out, q_tile, out_ref.at[b, rows(w), h]),
                        (lse, lse_smem.at[w], lse_ref.at[b, h, rows(w)]))
 
             def body(t, carry):
@@ -724,7 +560,7 @@ def flash_forward_hopper(q, k, v, mask, *, scale: float, softcap: float | None, 
 
             pl.when(n == 0)(lambda: finish(acc, m_i, l_i))
 
-        _pipelined(C=C, stages=stages, n=count[r, i], fixed=fixed, ring=ring, consume=consume,
+        pipelined(C=C, stages=stages, n=count[r, i], fixed=fixed, ring=ring, consume=consume,
                    extra=(plgpu.SMEM((C, bq), jnp.float32), plgpu.Barrier(num_arrivals=C)))
 
     operands = [tab.order, tab.count, tab.code, offs, *mops.scalars, qp, kp, vp,

@@ -7,7 +7,7 @@ backward recomputes probabilities from the saved logsumexp, one kernel for dq
 problem, so every accumulation is local and no atomics are needed).
 
 Design choices:
-- **Skip empty tiles with scalar-prefetched tables** (`common.tile_tables`): the
+- **Skip empty tiles with scalar-prefetched tables** (`tfjax.ops.tiles.tile_tables`): the
   innermost grid axis walks only the non-empty kv tiles of each query tile (its
   extent is the longest row when the mask is known at trace time); K/V index
   maps read the table, and skipped steps repeat the last index so no DMA is
@@ -39,12 +39,15 @@ Design choices:
   zero-initialised aliased buffer (EMPTY tiles stay 0).
 - On CPU the same kernels run in interpret mode (`interpret=True`, or pass
   `pltpu.InterpretParams()` for the TPU-semantics interpreter).
+- Shared with the other tiled implementations: a tile's logits (`tiles.logits`),
+  the `custom_vjp` (`tfjax.ops.vjp`), and with the Triton kernels the fp32 dot
+  products and the call's offsets and tables (`common`). Mosaic-only: the
+  `[B, N, T, H]` layout, the lane gather of T5's bias and the compiler params.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
@@ -54,30 +57,18 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from tfjax.ops import masks as M
-from tfjax.ops.reference import (
-    Alibi,
-    RelativeBias,
-    check_relative_bias,
-    constant_bucket,
-    make_alibi,
-    relative_position_bucket,
-    relative_tile_ranges,
-)
-from tfjax.ops.pallas.common import (
-    BlockSizes,
-    Dims,
-    MaskOperands,
-    pad_axis,
-    round_up,
-    tile_tables,
-)
+from tfjax.ops.reference import (Alibi, RelativeBias, check_relative_bias, constant_bucket,
+                                  make_alibi, relative_position_bucket, relative_tile_ranges)
+from tfjax.ops.pallas.common import (BlockSizes, Dims, KernelConfig, MaskOperands, call_tables,
+                                     dot, dot_nt, offsets, reduce_dbias)
 from tfjax.ops.target import target_platform
+from tfjax.ops.tiles import logit_scaling, logits, pad_axis, round_up
+from tfjax.ops.vjp import attention_vjp, backward_rows
 
 __all__ = ["DEFAULT_BLOCK_SIZES", "flash_attention_tpu", "flash_attention_tpu_backward"]
 
 LANES = 128
-# Large tiles amortise the ~0.35us per grid step; [512, 512] fp32 logits are 1 MiB
-# of VMEM. Not tuned on hardware yet (no TPU in the sessions so far).
+# Large tiles amortise the per grid step cost; [512, 512] fp32 logits are 1 MiB of VMEM.
 DEFAULT_BLOCK_SIZES = BlockSizes(block_q=512, block_kv=512, block_q_dq=256, block_kv_dq=512,
                                  block_q_dkv=512, block_kv_dkv=256)
 
@@ -95,12 +86,7 @@ def _vmem(shape, dtype):
 
 
 @dataclasses.dataclass(frozen=True)
-class _Config:
-    scale: float
-    softcap: float | None
-    block_sizes: BlockSizes
-    interpret: Any
-    static_offsets: tuple[int, int] | None  # python-int offsets (tables built at trace time)
+class _Config(KernelConfig):
     grad_dtype: Any = None  # dq/dk/dv dtype; None: the input dtypes
 
 
@@ -110,13 +96,9 @@ def _config(q, scale, softcap, q_offset, kv_offset, block_sizes, interpret, grad
     if interpret is None:  # the target platform (an AOT compile's, under use_rules)
         interpret = target_platform() == "cpu"
     H = q.shape[-1]
-    static = (q_offset, kv_offset) if all(isinstance(o, int) for o in (q_offset, kv_offset)) \
-        else None
-    cfg = _Config(scale=float(H ** -0.5 if scale is None else scale),
-                  softcap=float(softcap) if softcap else None,
-                  block_sizes=block_sizes or DEFAULT_BLOCK_SIZES, interpret=interpret,
-                  static_offsets=static, grad_dtype=grad_dtype)
-    offs = jnp.stack([jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32)])
+    static, offs = offsets(q_offset, kv_offset)
+    cfg = _Config(*logit_scaling(H, scale, softcap), block_sizes or DEFAULT_BLOCK_SIZES,
+                  interpret, static, grad_dtype)
     return cfg, offs
 
 
@@ -153,9 +135,7 @@ def flash_attention_tpu_backward(q, k, v, mask, out, lse, dout, *, scale=None, s
     `[nb, N]` fp32 (this block's contribution)."""
     cfg, offs = _config(q, scale, softcap, q_offset, kv_offset, block_sizes, interpret,
                         grad_dtype)
-    do = dout.astype(q.dtype)
-    delta = jnp.einsum("BTNH,BTNH->BNT", do.astype(jnp.float32), out.astype(jnp.float32))
-    lse = jnp.where(lse == -jnp.inf, 0.0, lse.astype(jnp.float32))
+    do, lse, delta = backward_rows(out, lse, dout, q.dtype)
     B, T, N = q.shape[:3]
     alibi = make_alibi(alibi_slopes, alibi_positions, B, N, T, k.shape[1])
     rel = check_relative_bias(relative_bias, B, N, T, k.shape[1])
@@ -182,33 +162,10 @@ def _heads_major(x, n, Hp):
     return pad_axis(pad_axis(x.transpose(0, 2, 1, 3), 2, n), 3, Hp)
 
 
-def _tables(cfg, mask, d, offs, transpose=False):
-    qo, ko = cfg.static_offsets if cfg.static_offsets is not None else (offs[0], offs[1])
-    return tile_tables(mask, d.T, d.S, d.bq, d.bk, q_offset=qo, kv_offset=ko, transpose=transpose)
-
-
 def _bias_operand(bias, d):
     if bias is None:
         return None
     return pad_axis(pad_axis(bias, 2, d.Tp), 3, d.Sp)
-
-
-def _logits(cfg, s, bias_tile, alibi=None, rel_tile=None):
-    """Scale, soft-cap (keeping tanh for the backward), bias, ALiBi and T5's bias an
-    fp32 tile; `alibi`: None or (slope, global q positions, global kv positions)."""
-    s = s * cfg.scale
-    t = None
-    if cfg.softcap:
-        t = jnp.tanh(s / cfg.softcap)
-        s = cfg.softcap * t
-    if bias_tile is not None:
-        s = s + bias_tile.astype(jnp.float32)
-    if alibi is not None:
-        slope, qp, kp = alibi
-        s = s - slope * jnp.abs(qp - kp).astype(jnp.float32)
-    if rel_tile is not None:
-        s = s + rel_tile
-    return s, t
 
 
 def _iota(shape, dim):
@@ -223,7 +180,7 @@ def _local(q_tile, kv_tile, d, kv_major=False):
 
 
 def _alibi(alibi_ref, b, head, q_tile, kv_tile, d, offs_ref, mops, qseg, kseg, kv_major=False):
-    """The `_logits` ALiBi argument of a tile (slope, q positions, kv positions,
+    """The `tiles.logits` ALiBi argument of a tile (slope, q positions, kv positions,
     broadcastable to the tile), or None without slopes."""
     if alibi_ref is None:
         return None
@@ -304,6 +261,79 @@ def _alibi_operand(alibi: Alibi):
     return alibi.slopes.reshape(-1), pl.BlockSpec(memory_space=pltpu.SMEM)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """What a kernel call derives from its tiles `d`: the tile tables, the mask's
+    operands and T5's per-tile position ranges (scalar operands after the mask's)."""
+
+    d: Dims
+    tab: Any  # tiles.TileTables
+    mops: MaskOperands
+    ranges: list
+
+    @property
+    def ns(self) -> int:  # scalar-prefetch operands after the tables and the offsets
+        return len(self.mops.scalars) + len(self.ranges)
+
+    def rb(self, b):
+        """The table row of batch program `b`."""
+        return b if self.tab.batched else 0
+
+
+def _call(cfg, q, k, mask, alibi, rel, offs, block_q, block_kv, transpose=False) -> _Call:
+    d = _dims(q, k, block_q, block_kv)
+    return _Call(d, call_tables(mask, d, cfg.static_offsets, offs, transpose),
+                 MaskOperands(mask, d.B, d.Tp, d.Sp, offs, alibi, rel),
+                 relative_tile_ranges(rel, d.bq, d.bk, d.Tp, d.Sp))
+
+
+def _position_operands(in_specs, operands, alibi, rel, head_of):
+    """Append ALiBi's slopes (SMEM) and T5's table rows (the row of head
+    `head_of(*grid indices)`), in the kernels' operand order."""
+    if alibi is not None:
+        slopes, spec = _alibi_operand(alibi)
+        in_specs.append(spec)
+        operands.append(slopes)
+    if rel is not None:
+        rows, spec = _relative_operand(rel, head_of)
+        in_specs.append(spec)
+        operands.append(rows)
+
+
+def _row_inputs(c: _Call, q, k, v, bias, alibi, rel, extra=()):
+    """In-specs and operands of a query-row grid (B, N, nq, steps: the forward and
+    dq kernels): q's tile, the table's K/V tiles, the bias tile, ALiBi's slopes, T5's
+    table row, `extra` ((spec, operand) pairs: dq's dO, lse and delta rows), the
+    segment tiles."""
+    d, rb = c.d, c.rb
+    row = lambda b, h, i, j, *_: (b, h, i, 0)
+    kv_idx = lambda b, h, i, j, order, *_: (b, h // d.G, order[rb(b), i, j], 0)
+    in_specs = [pl.BlockSpec((None, None, d.bq, d.Hp), row),
+                pl.BlockSpec((None, None, d.bk, d.Hp), kv_idx),
+                pl.BlockSpec((None, None, d.bk, d.Hp), kv_idx)]
+    operands = [_heads_major(q, d.Tp, d.Hp), _heads_major(k, d.Sp, d.Hp),
+                _heads_major(v, d.Sp, d.Hp)]
+    if bias is not None:
+        Bb, Nb = bias.shape[:2]
+        in_specs.append(pl.BlockSpec(
+            (None, None, d.bq, d.bk),
+            lambda b, h, i, j, order, *_: (b if Bb > 1 else 0, h if Nb > 1 else 0, i,
+                                           order[rb(b), i, j])))
+        operands.append(_bias_operand(bias, d))
+    _position_operands(in_specs, operands, alibi, rel, lambda b, h, *_: h)
+    for spec, x in extra:
+        in_specs.append(spec)
+        operands.append(x)
+    for qs in c.mops.q_segments:
+        in_specs.append(pl.BlockSpec((None, d.bq, 1), lambda b, h, i, j, *_: (b, i, 0)))
+        operands.append(qs[:, :, None])
+    for ks in c.mops.kv_segments:
+        in_specs.append(pl.BlockSpec((None, 1, d.bk),
+                                     lambda b, h, i, j, order, *_: (b, 0, order[rb(b), i, j])))
+        operands.append(ks[:, None, :])
+    return in_specs, operands
+
+
 def _split_refs(refs, n_scalars, has_bias, has_alibi, has_rel, n_seg, n_extra_in, n_out,
                 n_scratch):
     it = iter(refs)
@@ -320,23 +350,6 @@ def _split_refs(refs, n_scalars, has_bias, has_alibi, has_rel, n_seg, n_extra_in
     scratch = take(n_scratch)
     return (order, count, code, offs, sref, q_ref, k_ref, v_ref, (bias_ref, alibi_ref, rel_ref),
             extra, qseg, kseg, outs, scratch)
-
-
-def _precision(a, b):
-    # Explicit, so a global jax_default_matmul_precision cannot ask Mosaic for an
-    # fp32 contraction of bf16 operands (it refuses); fp32 operands stay exact.
-    f32 = a.dtype == jnp.float32 and b.dtype == jnp.float32
-    return lax.Precision.HIGHEST if f32 else lax.Precision.DEFAULT
-
-
-def _dot_nt(a, b):  # a [m,h] . b [n,h]^T -> [m,n] fp32
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=_precision(a, b),
-                           preferred_element_type=jnp.float32)
-
-
-def _dot(a, b):  # [m,k] @ [k,n] fp32
-    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=_precision(a, b),
-                           preferred_element_type=jnp.float32)
 
 
 def _masked(s, q_tile, kv_tile, d, mask, mops, offs_ref, b, sref, qseg, kseg, *, kv_major=False):
@@ -356,20 +369,11 @@ def _masked(s, q_tile, kv_tile, d, mask, mops, offs_ref, b, sref, qseg, kseg, *,
 
 
 def _forward(cfg, q, k, v, mask, bias, alibi, rel, offs):
-    bs = cfg.block_sizes
-    d = _dims(q, k, bs.block_q, bs.block_kv)
-    G, bq, bk = d.G, d.bq, d.bk
-    tab = _tables(cfg, mask, d, offs)
-    mops = MaskOperands(mask, d.B, d.Tp, d.Sp, offs, alibi, rel)
-    ranges = relative_tile_ranges(rel, bq, bk, d.Tp, d.Sp)  # scalars after the mask's
-    ns, nseg, has_bias = len(mops.scalars) + len(ranges), mops.num_segments, bias is not None
+    c = _call(cfg, q, k, mask, alibi, rel, offs, cfg.block_sizes.block_q,
+              cfg.block_sizes.block_kv)
+    d, tab, mops, ranges, rb = c.d, c.tab, c.mops, c.ranges, c.rb
+    bq, ns, nseg, has_bias = d.bq, c.ns, mops.num_segments, bias is not None
     has_alibi, has_rel = alibi is not None, rel is not None
-    bias_op = _bias_operand(bias, d)
-    rb = (lambda b: b) if tab.batched else (lambda b: 0)
-    if has_alibi:
-        alibi_op, alibi_spec = _alibi_operand(alibi)
-    if has_rel:
-        rel_op, rel_spec = _relative_operand(rel, lambda b, h, *_: h)
 
     def kernel(*refs):
         (order, count, code, offs_ref, sref, q_ref, k_ref, v_ref, (bias_ref, alibi_ref, rel_ref),
@@ -389,10 +393,9 @@ def _forward(cfg, q, k, v, mask, bias, alibi, rel, offs):
             kj = order[r, i, j]
             rel_tile, _, _ = _relative(rel_ref, rel, b, i, kj, d, offs_ref, mops, qseg, kseg,
                                        sref[len(mops.scalars):])
-            s, _ = _logits(cfg, _dot_nt(q_ref[...], k_ref[...]),
-                           bias_ref[...] if has_bias else None,
-                           _alibi(alibi_ref, b, h, i, kj, d, offs_ref, mops, qseg, kseg),
-                           rel_tile)
+            s, _ = logits(dot_nt(q_ref[...], k_ref[...]), cfg.scale, cfg.softcap,
+                          bias_ref[...] if has_bias else None,
+                          _alibi(alibi_ref, b, h, i, kj, d, offs_ref, mops, qseg, kseg), rel_tile)
 
             def apply_mask(s):
                 return _masked(s, i, kj, d, mask, mops, offs_ref, b, sref, qseg, kseg)
@@ -404,7 +407,7 @@ def _forward(cfg, q, k, v, mask, bias, alibi, rel, offs):
             p = jnp.exp(s - m_safe)
             alpha = jnp.exp(m_prev - m_safe)
             l_sc[...] = alpha * l_prev + p.sum(axis=-1, keepdims=True)
-            acc_sc[...] = alpha * acc_sc[...] + _dot(p.astype(v_ref.dtype), v_ref[...])
+            acc_sc[...] = alpha * acc_sc[...] + dot(p.astype(v_ref.dtype), v_ref[...])
             m_sc[...] = m_new
 
         @pl.when(j == tab.steps - 1)
@@ -415,32 +418,7 @@ def _forward(cfg, q, k, v, mask, bias, alibi, rel, offs):
             o_ref[...] = jnp.where(has, acc_sc[...] / l_safe, 0.0).astype(o_ref.dtype)
             lse_ref[...] = jnp.where(has, m_sc[...] + jnp.log(l_safe), -jnp.inf)
 
-    kv_idx = lambda b, h, i, j, order, *_: (b, h // G, order[rb(b), i, j], 0)
-    in_specs = [pl.BlockSpec((None, None, bq, d.Hp), lambda b, h, i, j, *_: (b, h, i, 0)),
-                pl.BlockSpec((None, None, bk, d.Hp), kv_idx),
-                pl.BlockSpec((None, None, bk, d.Hp), kv_idx)]
-    operands = [_heads_major(q, d.Tp, d.Hp), _heads_major(k, d.Sp, d.Hp),
-                _heads_major(v, d.Sp, d.Hp)]
-    if has_bias:
-        Bb, Nb = bias.shape[:2]
-        in_specs.append(pl.BlockSpec(
-            (None, None, bq, bk),
-            lambda b, h, i, j, order, *_: (b if Bb > 1 else 0, h if Nb > 1 else 0, i,
-                                           order[rb(b), i, j])))
-        operands.append(bias_op)
-    if has_alibi:
-        in_specs.append(alibi_spec)
-        operands.append(alibi_op)
-    if has_rel:
-        in_specs.append(rel_spec)
-        operands.append(rel_op)
-    for qs in mops.q_segments:
-        in_specs.append(pl.BlockSpec((None, bq, 1), lambda b, h, i, j, *_: (b, i, 0)))
-        operands.append(qs[:, :, None])
-    for ks in mops.kv_segments:
-        in_specs.append(pl.BlockSpec((None, 1, bk),
-                                     lambda b, h, i, j, order, *_: (b, 0, order[rb(b), i, j])))
-        operands.append(ks[:, None, :])
+    in_specs, operands = _row_inputs(c, q, k, v, bias, alibi, rel)
     out_specs = [pl.BlockSpec((None, None, bq, d.Hp), lambda b, h, i, j, *_: (b, h, i, 0)),
                  pl.BlockSpec((None, None, bq, 1), lambda b, h, i, j, *_: (b, h, i, 0))]
     out_shape = [jax.ShapeDtypeStruct((d.B, d.N, d.Tp, d.Hp), q.dtype),
@@ -466,19 +444,12 @@ def _forward(cfg, q, k, v, mask, bias, alibi, rel, offs):
 
 def _backward_dq(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta):
     """dq, and T5's table gradient `[nb, N]` fp32 (None without `rel`)."""
-    bs = cfg.block_sizes
-    d = _dims(q, k, bs.block_q_dq, bs.block_kv_dq)
-    G, bq, bk = d.G, d.bq, d.bk
-    tab = _tables(cfg, mask, d, offs)
-    mops = MaskOperands(mask, d.B, d.Tp, d.Sp, offs, alibi, rel)
-    ranges = relative_tile_ranges(rel, bq, bk, d.Tp, d.Sp)  # scalars after the mask's
-    ns, nseg, has_bias = len(mops.scalars) + len(ranges), mops.num_segments, bias is not None
+    c = _call(cfg, q, k, mask, alibi, rel, offs, cfg.block_sizes.block_q_dq,
+              cfg.block_sizes.block_kv_dq)
+    d, tab, mops, ranges, rb = c.d, c.tab, c.mops, c.ranges, c.rb
+    bq, ns, nseg, has_bias = d.bq, c.ns, mops.num_segments, bias is not None
     has_alibi, has_rel = alibi is not None, rel is not None
-    rb = (lambda b: b) if tab.batched else (lambda b: 0)
-    if has_alibi:
-        alibi_op, alibi_spec = _alibi_operand(alibi)
     if has_rel:
-        rel_op, rel_spec = _relative_operand(rel, lambda b, h, *_: h)
         nbp = round_up(rel.num_buckets, 8)
 
     def kernel(*refs):
@@ -506,16 +477,16 @@ def _backward_dq(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta):
             kk = k_ref[...]
             rel_tile, buckets, const = _relative(rel_ref, rel, b, i, kj, d, offs_ref, mops, qseg,
                                                  kseg, sref[len(mops.scalars):])
-            s, t = _logits(cfg, _dot_nt(q_ref[...], kk), bias_ref[...] if has_bias else None,
-                           _alibi(alibi_ref, b, h, i, kj, d, offs_ref, mops, qseg, kseg),
-                           rel_tile)
+            s, t = logits(dot_nt(q_ref[...], kk), cfg.scale, cfg.softcap,
+                          bias_ref[...] if has_bias else None,
+                          _alibi(alibi_ref, b, h, i, kj, d, offs_ref, mops, qseg, kseg), rel_tile)
 
             def apply_mask(s):
                 return _masked(s, i, kj, d, mask, mops, offs_ref, b, sref, qseg, kseg)
 
             s = lax.cond(code[r, i, j] == M.PARTIAL, apply_mask, lambda s: s, s)
             p = jnp.exp(s - lse_ref[...])  # [bq, bk]; lse of fully masked rows is 0 here
-            dp = _dot_nt(do_ref[...], v_ref[...])
+            dp = dot_nt(do_ref[...], v_ref[...])
             ds = p * (dp - delta_ref[...])
             if has_rel:  # dL/dlogits (after the soft-cap) summed per bucket
                 @pl.when(const >= 0)
@@ -530,43 +501,17 @@ def _backward_dq(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta):
                         dtable_ref[n:n + 1, :] += _fold_lanes(col)
             if t is not None:
                 ds = ds * (1.0 - t * t)
-            acc_sc[...] += _dot((ds * cfg.scale).astype(kk.dtype), kk)
+            acc_sc[...] += dot((ds * cfg.scale).astype(kk.dtype), kk)
 
         @pl.when(j == tab.steps - 1)
         def _finish():
             dq_ref[...] = acc_sc[...].astype(dq_ref.dtype)
 
-    kv_idx = lambda b, h, i, j, order, *_: (b, h // G, order[rb(b), i, j], 0)
     row = lambda b, h, i, j, *_: (b, h, i, 0)
-    in_specs = [pl.BlockSpec((None, None, bq, d.Hp), row),
-                pl.BlockSpec((None, None, bk, d.Hp), kv_idx),
-                pl.BlockSpec((None, None, bk, d.Hp), kv_idx)]
-    operands = [_heads_major(q, d.Tp, d.Hp), _heads_major(k, d.Sp, d.Hp),
-                _heads_major(v, d.Sp, d.Hp)]
-    if has_bias:
-        Bb, Nb = bias.shape[:2]
-        in_specs.append(pl.BlockSpec(
-            (None, None, bq, bk),
-            lambda b, h, i, j, order, *_: (b if Bb > 1 else 0, h if Nb > 1 else 0, i,
-                                           order[rb(b), i, j])))
-        operands.append(_bias_operand(bias, d))
-    if has_alibi:
-        in_specs.append(alibi_spec)
-        operands.append(alibi_op)
-    if has_rel:
-        in_specs.append(rel_spec)
-        operands.append(rel_op)
-    in_specs += [pl.BlockSpec((None, None, bq, d.Hp), row),
-                 pl.BlockSpec((None, None, bq, 1), row), pl.BlockSpec((None, None, bq, 1), row)]
-    operands += [_heads_major(do, d.Tp, d.Hp), pad_axis(lse, 2, d.Tp)[..., None],
-                 pad_axis(delta, 2, d.Tp)[..., None]]
-    for qs in mops.q_segments:
-        in_specs.append(pl.BlockSpec((None, bq, 1), lambda b, h, i, j, *_: (b, i, 0)))
-        operands.append(qs[:, :, None])
-    for ks in mops.kv_segments:
-        in_specs.append(pl.BlockSpec((None, 1, bk),
-                                     lambda b, h, i, j, order, *_: (b, 0, order[rb(b), i, j])))
-        operands.append(ks[:, None, :])
+    in_specs, operands = _row_inputs(c, q, k, v, bias, alibi, rel, extra=[
+        (pl.BlockSpec((None, None, bq, d.Hp), row), _heads_major(do, d.Tp, d.Hp)),
+        (pl.BlockSpec((None, None, bq, 1), row), pad_axis(lse, 2, d.Tp)[..., None]),
+        (pl.BlockSpec((None, None, bq, 1), row), pad_axis(delta, 2, d.Tp)[..., None])])
     out_specs = [pl.BlockSpec((None, None, bq, d.Hp), row)]
     out_shape = [jax.ShapeDtypeStruct((d.B, d.N, d.Tp, d.Hp), cfg.grad_dtype or q.dtype)]
     if has_rel:  # accumulated over the query tiles too, which then run in order
@@ -597,21 +542,14 @@ def _backward_dq(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta):
 
 def _backward_dkv(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta):
     bs = cfg.block_sizes
-    T = q.shape[1]
     # query positions run along lanes here: the query tile is a multiple of 128
-    d = _dims(q, k, min(bs.block_q_dkv, round_up(T, LANES)), bs.block_kv_dkv)
+    c = _call(cfg, q, k, mask, alibi, rel, offs, min(bs.block_q_dkv, round_up(q.shape[1], LANES)),
+              bs.block_kv_dkv, transpose=True)
+    d, tab, mops, ranges, rb = c.d, c.tab, c.mops, c.ranges, c.rb
     G, bq, bk = d.G, d.bq, d.bk
-    tab = _tables(cfg, mask, d, offs, transpose=True)
-    mops = MaskOperands(mask, d.B, d.Tp, d.Sp, offs, alibi, rel)
-    ranges = relative_tile_ranges(rel, bq, bk, d.Tp, d.Sp)  # scalars after the mask's
-    ns, nseg, has_bias = len(mops.scalars) + len(ranges), mops.num_segments, bias is not None
-    rb = (lambda b: b) if tab.batched else (lambda b: 0)
+    ns, nseg, has_bias = c.ns, mops.num_segments, bias is not None
     n_out = 3 if has_bias else 2
     has_alibi, has_rel = alibi is not None, rel is not None
-    if has_alibi:
-        alibi_op, alibi_spec = _alibi_operand(alibi)
-    if has_rel:
-        rel_op, rel_spec = _relative_operand(rel, lambda b, kh, kj, g, *_: kh * G + g)
 
     def kernel(*refs):
         (order, count, code, offs_ref, sref, q_ref, k_ref, v_ref, (bias_ref, alibi_ref, rel_ref),
@@ -640,10 +578,10 @@ def _backward_dkv(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta):
             qq, kk, vv, dd = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
             rel_tile, _, _ = _relative(rel_ref, rel, b, qi, kj, d, offs_ref, mops, qseg, kseg,
                                        sref[len(mops.scalars):], kv_major=True)
-            s, t = _logits(cfg, _dot_nt(kk, qq),
-                           bias_ref[...].T if has_bias else None,  # [bk, bq]
-                           _alibi(alibi_ref, b, kh * G + g, qi, kj, d, offs_ref, mops, qseg,
-                                  kseg, kv_major=True), rel_tile)
+            s, t = logits(dot_nt(kk, qq), cfg.scale, cfg.softcap,
+                          bias_ref[...].T if has_bias else None,  # [bk, bq]
+                          _alibi(alibi_ref, b, kh * G + g, qi, kj, d, offs_ref, mops, qseg,
+                                 kseg, kv_major=True), rel_tile)
 
             def apply_mask(s):
                 return _masked(s, qi, kj, d, mask, mops, offs_ref, b, sref, qseg, kseg,
@@ -651,14 +589,14 @@ def _backward_dkv(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta):
 
             s = lax.cond(code[r, kj, j] == M.PARTIAL, apply_mask, lambda s: s, s)
             p = jnp.exp(s - lse_ref[...])  # [bk, bq]
-            dv_sc[...] += _dot(p.astype(dd.dtype), dd)
-            dp = _dot_nt(vv, dd)
+            dv_sc[...] += dot(p.astype(dd.dtype), dd)
+            dp = dot_nt(vv, dd)
             ds = p * (dp - delta_ref[...])
             if has_bias:
                 dbias_ref[...] = ds.T.astype(dbias_ref.dtype)
             if t is not None:
                 ds = ds * (1.0 - t * t)
-            dk_sc[...] += _dot((ds * cfg.scale).astype(qq.dtype), qq)
+            dk_sc[...] += dot((ds * cfg.scale).astype(qq.dtype), qq)
 
         @pl.when((g == G - 1) & (j == tab.steps - 1))
         def _finish():
@@ -680,12 +618,7 @@ def _backward_dkv(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta):
             lambda b, kh, kj, g, j, order, *_: (b if Bb > 1 else 0, kh * G + g if Nb > 1 else 0,
                                                 order[rb(b), kj, j], kj)))
         operands.append(_bias_operand(bias, d))
-    if has_alibi:
-        in_specs.append(alibi_spec)
-        operands.append(alibi_op)
-    if has_rel:
-        in_specs.append(rel_spec)
-        operands.append(rel_op)
+    _position_operands(in_specs, operands, alibi, rel, lambda b, kh, kj, g, *_: kh * G + g)
     in_specs += [pl.BlockSpec((None, None, bq, d.Hp), q_idx),
                  pl.BlockSpec((None, None, 1, bq), lse_idx),
                  pl.BlockSpec((None, None, 1, bq), lse_idx)]
@@ -726,51 +659,20 @@ def _backward_dkv(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta):
     dv = outs[1][:, :, :d.S, :d.H].transpose(0, 2, 1, 3)
     dbias = None
     if has_bias:
-        dbias = outs[2][:, :, :d.T, :d.S]
-        Bb, Nb = bias.shape[:2]
-        axes = tuple(a for a, n in ((0, Bb), (1, Nb)) if n == 1 and dbias.shape[a] != 1)
-        dbias = dbias.sum(axis=axes, keepdims=True).astype(bias.dtype)
+        dbias = reduce_dbias(outs[2][:, :, :d.T, :d.S], bias)
     return dk, dv, dbias
 
 
 # --------------------------------------------------------------------------- #
-# custom_vjp.
+# The VJP (`tfjax.ops.vjp`'s shell).
 # --------------------------------------------------------------------------- #
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(cfg, q, k, v, mask, bias, alibi, rel, offs):
-    return _forward(cfg, q, k, v, mask, bias, alibi, rel, offs)
-
-
-def _flash_fwd(cfg, q, k, v, mask, bias, alibi, rel, offs):
-    out, lse = _forward(cfg, q, k, v, mask, bias, alibi, rel, offs)
-    return (out, lse), (q, k, v, mask, bias, alibi, rel, offs, out, lse)
-
-
-def _flash_bwd(cfg, res, cts):
-    q, k, v, mask, bias, alibi, rel, offs, out, lse = res
-    do, dlse = cts
-    do = do.astype(q.dtype)
-    delta = jnp.einsum("BTNH,BTNH->BNT", do.astype(jnp.float32), out.astype(jnp.float32))
-    delta = delta - dlse.astype(jnp.float32)
-    lse = jnp.where(lse == -jnp.inf, 0.0, lse)  # fully masked rows: p is 0 anyway
+def _backward(cfg, q, k, v, mask, bias, alibi, rel, offs, out, lse, dout, dlse):
+    do, lse, delta = backward_rows(out, lse, dout, q.dtype, dlse)
     dq, dtable = _backward_dq(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta)
     dk, dv, dbias = _backward_dkv(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta)
-    alibi_ct = jax.tree.map(_zero_cotangent, alibi)  # slopes are constants
-    rel_ct = None
-    if rel is not None:  # the table's gradient; positions are integers
-        rel_ct = dataclasses.replace(jax.tree.map(_zero_cotangent, rel),
-                                     table=dtable.astype(rel.table.dtype))
-    return (dq, dk, dv, jax.tree.map(_zero_cotangent, mask), dbias, alibi_ct, rel_ct,
-            _zero_cotangent(offs))
+    return dq, dk, dv, dbias, dtable
 
 
-def _zero_cotangent(x):
-    x = jnp.asarray(x)
-    if jnp.issubdtype(x.dtype, jnp.inexact):
-        return jnp.zeros_like(x)
-    return jnp.zeros(x.shape, jax.dtypes.float0)
-
-
-_flash.defvjp(_flash_fwd, _flash_bwd)
+_flash = attention_vjp(_forward, _backward)

@@ -1,99 +1,21 @@
-"""The GPU (Triton) kernels: against the reference in interpret mode on CPU, and
-lowered to Triton for the cuda platform without a GPU (checks the Triton
-lowering rules of every kernel; the Triton compiler itself runs only on a GPU,
-in the accelerator-marked test)."""
+"""The Triton kernels (`tfjax.ops.pallas.triton`): lowered to Triton for the cuda
+platform without a GPU (the Triton lowering rules of every kernel; the Triton
+compiler itself runs only on a GPU, in the accelerator-marked tests), the launch
+table (`triton_launch.json`, the choice of the ptxas table it names) and the
+launches the lowered calls carry, `TritonConfig`'s checks, the launch order of
+query tiles. Against the reference in interpret mode: test_implementations.py."""
 
-import functools
 import itertools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from attention_cases import check_against_reference, inputs, lower_for_cuda, make_mask
+from attention_cases import check_against_reference, inputs, lower_for_cuda
 
 from tfjax.ops import masks as M
 from tfjax.ops.pallas import BlockSizes, flash_attention_gpu
 
-BS = BlockSizes(32, 64, 32, 64, 64, 32)
-
-
-@pytest.mark.parametrize("T,S,heads,H,mask_name,extras", [
-    (100, 200, (8, 2), 80, "causal&segments", {"softcap": 20.0, "q_offset": 3, "bias": (1, 8),
-                                               "alibi": "N", "relative": "causal"}),  # far tiles
-    (128, 100, (4, 1), 32, "padding_fully_masked", {"kv_offset": 2, "alibi": "BN",
-                                                    "relative": "coarse"}),
-    (100, 130, (4, 2), 32, "causal&segments", {"alibi": "pos", "relative": "pos"}),
-    (70, 200, (4, 2), 32, "positions_window", {}),
-], ids=["gqa-segments-softcap-bias-alibi-t5-tails", "mqa-fully-masked-rows-alibi-t5",
-        "alibi-t5-positions-segments", "kv-cache-positions-window"])
-def test_interpret_matches_reference(T, S, heads, H, mask_name, extras):
-    extras = dict(extras)
-    q, k, v, bias = inputs(2, T, S, *heads, H, bias=extras.pop("bias", None))
-    impl = functools.partial(flash_attention_gpu, interpret=True)
-    check_against_reference(impl, q, k, v, make_mask(mask_name, 2, T, S), bias, block_sizes=BS,
-                            **extras)
-
-
-def test_a_gpu_decode_step_packs_heads_and_splits_the_cache(monkeypatch):
-    """`implementation="auto"` on GPU (the backend reported as "gpu", the Triton
-    kernels interpreted): a batch-1 GQA decode step over a KV cache's mask reaches
-    the kernels with its 4 query heads per kv head packed as rows and the 2048
-    keys in 4 chunks of 512 (2 kv heads x 1 tile is under two programs per SM)."""
-    import tfjax.ops.pallas.gpu as gpu_lib
-    from tfjax.ops import dot_product_attention
-
-    seen = []
-    kernels = gpu_lib.flash_attention_triton
-
-    def interpreted(q, k, v, *a, **kw):
-        seen.append((q.shape, k.shape))
-        return kernels(q, k, v, *a, **{**kw, "interpret": True})
-
-    q, k, v, _ = inputs(1, 1, 2048, 8, 2, 32)
-    mask = make_mask("positions", 1, 1, 2048)
-    want = dot_product_attention(q, k, v, mask, implementation="xla")
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(gpu_lib, "flash_attention_triton", interpreted)
-    got = dot_product_attention(q, k, v, mask, implementation="auto")
-    assert seen == [((4, 4, 2, 32), (4, 512, 2, 32))], seen
-    np.testing.assert_allclose(got, want, atol=1e-5)
-
-
-def test_sm_count_follows_the_lowering_target():
-    """The SMs `auto_kv_splits` fills are those of the GPU lowered for."""
-    from tfjax.ops.target import gpu_lowering_target, sm_count
-
-    with gpu_lowering_target("A100"):
-        assert sm_count() == 108
-        with gpu_lowering_target("B200"):
-            assert sm_count() == 148
-        assert sm_count() == 108
-
-
-def test_relative_bias_reaches_the_gpu_kernels_per_tile(monkeypatch):
-    """On GPU `dot_product_attention(implementation="pallas")` hands T5's bias to the
-    Triton kernels as the `RelativeBias` itself (no `[B, N, T, S]` bias): run on CPU
-    with the backend reported as "gpu" and the Triton kernels interpreted."""
-    import tfjax.ops.pallas.gpu as gpu_lib
-    from tfjax.ops import RelativeBias, dot_product_attention
-
-    calls = []
-    kernels = gpu_lib.flash_attention_triton
-
-    def interpreted(*a, bias=None, relative_bias=None, **kw):
-        calls.append((bias, type(relative_bias).__name__))
-        return kernels(*a, bias=bias, relative_bias=relative_bias, **{**kw, "interpret": True})
-
-    q, k, v, _ = inputs(1, 40, 50, 4, 2, 32)
-    rb = RelativeBias(jnp.linspace(-1.0, 1.0, 32).reshape(8, 4), bidirectional=True,
-                      max_distance=16)
-    want = dot_product_attention(q, k, v, M.causal(), relative_bias=rb, implementation="xla")
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(gpu_lib, "flash_attention_triton", interpreted)
-    got = dot_product_attention(q, k, v, M.causal(), relative_bias=rb, implementation="pallas")
-    assert calls == [(None, "RelativeBias")], calls
-    np.testing.assert_allclose(got, want, atol=1e-5)
 
 
 def _lower_for_cuda(mask_name, H, dtype, bias, alibi=False, relative=None):
@@ -160,7 +82,8 @@ def test_on_gpu_t5_bias_matches_reference():
     check_against_reference(flash_attention_gpu, q, k, v, mask, relative="pos")
 
 
-def _ptxas_table():
+def _gpu_registers():
+    """experiments/gpu_registers.py as a module (it runs on CPU for this)."""
     import importlib.util
     import os
     import sys
@@ -174,26 +97,37 @@ def _ptxas_table():
         spec.loader.exec_module(module)
     finally:
         sys.path.remove(here)
-    return module, module.read_table(os.path.join(here, "results",
-                                                  "attention_gpu_ptxas_20261130.md"))
+    return module
 
 
 def test_triton_launches_are_the_ptxas_tables_choice():
-    """`gpu._LAUNCH` is the documented rule applied to the committed ptxas table
-    (experiments/gpu_registers.py for an H200, no GPU): re-measuring and forgetting
-    to update the launches, or editing one by hand, fails here. At every head dim
-    and feature class the default tiles launch at a configuration that compiled
-    (T5's bias at H=256 overflowed shared memory at the 3-stage forward), and for
-    index masks ("plain") one at which ptxas spilled nothing."""
-    from tfjax.ops.pallas import gpu
+    """`triton.LAUNCH` (the package's triton_launch.json) is the documented rule
+    applied to the ptxas table it names (experiments/gpu_registers.py for an H200,
+    no GPU), and the file is what `gpu_registers.py --write-launch` writes from that
+    table: re-measuring and forgetting to rewrite the file, or editing a launch by
+    hand, fails here. At every head dim and feature class the default tiles launch
+    at a configuration that compiled (T5's bias at H=256 overflowed shared memory at
+    the 3-stage forward), and for index masks ("plain") one at which ptxas spilled
+    nothing."""
+    import importlib.resources
+    import json
+    import os
 
-    registers, rows = _ptxas_table()
+    from tfjax.ops.pallas import triton as gpu
+
+    registers = _gpu_registers()
+    text = importlib.resources.files("tfjax.ops.pallas").joinpath(
+        "triton_launch.json").read_text()
+    measured_path = json.loads(text)["measured"]
+    assert measured_path == "experiments/results/attention_gpu_ptxas_20261130.md"
+    rows = registers.read_table(os.path.join(registers.ROOT, measured_path))
     assert len(rows) > 300
-    assert gpu._LAUNCH == registers.choose(rows)
+    assert gpu.LAUNCH == registers.choose(rows)
+    assert text == registers.launch_json(registers.choose(rows), measured_path)
     measured = {(r["features"], r["kernel"], r["H"], r["bq"], r["bk"], r["warps"],
                  r["stages"]): r for r in rows}
     for H, features in itertools.product((64, 128, 256), ("plain", "masked", "t5")):
-        bs = gpu._default_block_sizes(H)
+        bs = gpu.default_block_sizes(H)
         for kern, tiles in (("fwd", (bs.block_q, bs.block_kv)),
                             ("dq", (bs.block_q_dq, bs.block_kv_dq)),
                             ("dkv", (bs.block_q_dkv, bs.block_kv_dkv))):
@@ -202,6 +136,25 @@ def test_triton_launches_are_the_ptxas_tables_choice():
             assert row is not None, (H, features, kern, tiles, launch)
             if features == "plain":
                 assert row["spill"] == 0, (H, kern, tiles, launch, row)
+
+
+def test_gpu_registers_writes_the_launch_file(tmp_path):
+    """`--write-launch` writes the choice of a results table, one launch a line,
+    naming the table; the package reads a changed file's launches."""
+    import json
+
+    registers = _gpu_registers()
+    table = tmp_path / "attention_gpu_ptxas_test.md"
+    table.write_text("| 128 | plain | fwd | 128x64 | 4, 2 | 168 | 0 / 0 | 96.0 | 2 (registers) |\n"
+                     "| 128 | plain | fwd | 128x64 | 8, 2 | 96 | 0 / 0 | 96.0 | 2 (registers) |\n"
+                     "| 128 | plain | fwd | 128x64 | 4, 3 | 255 | 8 / 8 | 128.0 | 1 (registers) |\n")
+    out = registers.write_launch(str(table), str(tmp_path / "launch.json"))
+    data = json.loads(open(out).read())
+    assert data["columns"] == list(registers.LAUNCH_COLUMNS)
+    assert data["launches"] == [["plain", "fwd", 128, 128, 64, 4, 2]]  # no spill, fewer warps
+    assert data["measured"].endswith("attention_gpu_ptxas_test.md")
+    # a line a key, a launch a line
+    assert open(out).read().count("\n") == len(data) + len(data["launches"]) + 3
 
 
 @pytest.mark.parametrize("H,override,features", [
@@ -215,7 +168,7 @@ def test_kernels_lower_with_the_chosen_warps_and_stages(H, override, features):
     import re
 
     from tfjax.ops import RelativeBias
-    from tfjax.ops.pallas.gpu import TritonConfig, _default_block_sizes, triton_launch
+    from tfjax.ops.pallas.triton import TritonConfig, default_block_sizes, triton_launch
 
     T, S = 100, 512  # query tiles clamp to 128, key tiles stay
     tc = TritonConfig(num_warps=2, num_stages=4, num_warps_dq=16, num_stages_dq=1,
@@ -249,7 +202,7 @@ def test_kernels_lower_with_the_chosen_warps_and_stages(H, override, features):
     if override:
         want = {k: tc.launch(k) for k in ("fwd", "dq", "dkv")}
     else:
-        bs, Hp = _default_block_sizes(H), max(16, 1 << (H - 1).bit_length())
+        bs, Hp = default_block_sizes(H), max(16, 1 << (H - 1).bit_length())
         clamp = lambda b, n: max(16, min(b, 1 << (n - 1).bit_length()))
         want = {kern: triton_launch(kern, Hp, clamp(bq, T), clamp(bk, S), features)
                 for kern, bq, bk in (("fwd", bs.block_q, bs.block_kv),
@@ -263,7 +216,7 @@ def test_kernels_lower_with_the_chosen_warps_and_stages(H, override, features):
 
 
 def test_triton_config_names_a_bad_field():
-    from tfjax.ops.pallas.gpu import TritonConfig
+    from tfjax.ops.pallas.triton import TritonConfig
 
     with pytest.raises(ValueError, match="TritonConfig.num_warps_dkv must be 1, 2, 4, 8 or 16"):
         TritonConfig(num_warps_dkv=3)

@@ -1,6 +1,6 @@
 """FlashAttention backward for Hopper GPUs in Pallas Mosaic GPU (TMA + wgmma).
 
-Two kernels, like the Triton backward of `gpu.py` (no atomics):
+Two kernels, like the Triton backward of `triton.py` (no atomics):
 
 - dq: one CTA per (query tile, head, batch row), the grid of the forward. Each
   consumer warpgroup keeps 64 query rows of Q and dO in shared memory and their
@@ -19,14 +19,13 @@ warpgroup streams the tiles of the loop (K/V for dq; Q, dO, lse, delta for
 dk/dv) by TMA into a ring of `stages` shared-memory slots and refills a slot
 when both consumers have arrived on its "free" barrier; `compute_warpgroups=1`
 runs one warpgroup that issues its own copies. Masks as in the forward: block
-skipping from `common.tile_tables`, the `MaskOperands` evaluator only in
+skipping from `tfjax.ops.tiles.tile_tables`, the `MaskOperands` evaluator only in
 PARTIAL tiles, segment ids copied beside the tiles and read in the wgmma
-row/column layouts. Soft-cap: dS is multiplied by 1 - tanh^2 (P times it, before dP
-is formed). ALiBi (`alibi`,
-as the forward takes it): `-slope * |q_pos - kv_pos|` added in every visited
-tile from the wgmma-layout iota plus the tile's rows/columns and the offsets, or
-from the explicit positions, copied like segment ids (the dk/dv kernel's tiles
-are transposed: key rows, query columns).
+row/column layouts. Soft-cap: dS is multiplied by 1 - tanh^2 (P times it, before
+dP is formed). ALiBi (`alibi`, as the forward takes it): `-slope * |q_pos -
+kv_pos|` added in every visited tile from the wgmma-layout iota plus the tile's
+rows/columns and the offsets, or from the explicit positions, copied like segment
+ids (the dk/dv kernel's tiles are transposed: key rows, query columns).
 
 Scope (`supports`): the forward's (16-bit, no bias, the positional/segment/
 padding/prefix masks) and head dims up to 128: the dk/dv consumer holds two
@@ -35,9 +34,9 @@ thread on their own. Larger heads keep the Triton backward.
 
 Testing without a GPU: GPU interpret mode on CPU, and lowering for the cuda
 platform. jax 0.10's GPU interpreter has no rule for `pl.run_state`, which the
-compiled kernels use to accumulate wgmma results in place
-(`plgpu.ACC.init`); in interpret mode the same sum is formed as
-`acc + (a @ b)` from a fresh accumulator (`_mma`). Not yet timed on a GPU.
+compiled kernels use to accumulate wgmma results in place (`plgpu.ACC.init`); in
+interpret mode the same sum is formed as `acc + (a @ b)` from a fresh accumulator
+(`mosaic_gpu.mma`).
 """
 
 from __future__ import annotations
@@ -53,14 +52,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from tfjax.ops import masks as M
-from tfjax.ops.pallas import hopper
-from tfjax.ops.pallas.common import (
-    MaskOperands,
-    heavy_first,
-    pad_axis,
-    round_up,
-    tile_tables,
-)
+from tfjax.ops.pallas import mosaic_gpu as hopper
+from tfjax.ops.pallas.common import MaskOperands, heavy_first, offsets
+from tfjax.ops.pallas.interpret_compat import gpu_interpret_params, load
+from tfjax.ops.tiles import pad_axis, round_up, tile_tables
 
 __all__ = ["HopperBackwardConfig", "flash_backward_hopper", "supports"]
 
@@ -81,8 +76,7 @@ class HopperBackwardConfig:
     """Tiles of the Hopper backward: `block_kv_dq` keys per step of the dq kernel,
     `block_q_dkv` query rows per step of the dk/dv kernel (each consumer
     warpgroup owns 64 rows of its CTA's tile in both), `stages` tiles in flight,
-    `compute_warpgroups` consumers (2 with a producer, or 1 alone). Not tuned on
-    hardware yet."""
+    `compute_warpgroups` consumers (2 with a producer, or 1 alone)."""
 
     block_kv_dq: int = 64
     block_q_dkv: int = 64
@@ -143,22 +137,22 @@ def flash_backward_hopper(q, k, v, do, lse, delta, mask, *, scale: float, softca
     bc = C * _ROWS  # rows of a CTA: query rows (dq), key rows (dk/dv)
     bk, bq = cfg.block_kv_dq, cfg.block_q_dkv
     Tp, Sp, Hp = round_up(T, math.lcm(bc, bq)), round_up(S, math.lcm(bc, bk)), round_up(H, 64)
-    offs = jnp.stack([jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32)])
+    offs = offsets(q_offset, kv_offset)[1]
     mops = MaskOperands(mask, B, Tp, Sp, offs, alibi)
     ns, nseg = len(mops.scalars), mops.num_segments
     smem = cfg.smem_bytes(H, q.dtype.itemsize, slots=nseg)
-    if smem > hopper._SMEM_BYTES:
+    if smem > hopper.SMEM_BYTES:
         raise ValueError(
             f"HopperBackwardConfig(block_kv_dq={cfg.block_kv_dq}, block_q_dkv={cfg.block_q_dkv}, "
             f"stages={cfg.stages}) needs up to {smem / 1024:.1f} KiB of shared memory at head "
             f"dim {H}" + (f" with {nseg} segment/position operand(s)" if nseg else "")
-            + f" (Hopper has {hopper._SMEM_BYTES // 1024} KiB): lower the blocks or stages")
+            + f" (Hopper has {hopper.SMEM_BYTES // 1024} KiB): lower the blocks or stages")
     dtype = q.dtype
     pad_qh = lambda x, n: pad_axis(pad_axis(x, 1, n), 3, Hp)
     qp, dop, kp, vp = pad_qh(q, Tp), pad_qh(do, Tp), pad_qh(k, Sp), pad_qh(v, Sp)
     lse2 = pad_axis(lse.astype(jnp.float32) * math.log2(math.e), 2, Tp)  # base 2
     deltap = pad_axis(delta.astype(jnp.float32), 2, Tp)
-    interp = hopper._interpret_params(interpret)
+    interp = gpu_interpret_params(interpret)
     log2e = math.log2(math.e)
     wgmma_layout = plgpu.Layout.WGMMA
     row_layout, col_layout = wgmma_layout.reduce(1), wgmma_layout.reduce(0)
@@ -169,7 +163,6 @@ def flash_backward_hopper(q, k, v, do, lse, delta, mask, *, scale: float, softca
     T_ = lambda ref: plgpu.transpose_ref(ref, (1, 0))
     zeros = lambda shape: plgpu.layout_cast(jnp.zeros(shape, jnp.float32), wgmma_layout)
     iota = lambda shape, d: plgpu.broadcasted_iota(jnp.int32, shape, d, layout=wgmma_layout)
-    load = hopper._load
     # ALiBi's positions: [n] vectors broadcast to the tile (a broadcast reuses the
     # vector's registers; a 2-D iota holds one per element)
     vec_iota = lambda n, layout: plgpu.broadcasted_iota(jnp.int32, (n,), 0, layout=layout)
@@ -278,9 +271,9 @@ def flash_backward_hopper(q, k, v, do, lse, delta, mask, *, scale: float, softca
                 return mma(ds.astype(dtype), k_s, (_ROWS, Hp), dq)
 
             dq = ring.loop(body, zeros((_ROWS, Hp)))
-            hopper._store((dq * scale, q_s, dq_ref.at[b, rows(w), h]))
+            hopper.store((dq * scale, q_s, dq_ref.at[b, rows(w), h]))
 
-        hopper._pipelined(C=C, stages=stages_dq, n=count[r, i], fixed=fixed, ring=ring,
+        hopper.pipelined(C=C, stages=stages_dq, n=count[r, i], fixed=fixed, ring=ring,
                           consume=consume)
 
     # ------------------------------------------------------------------ dk/dv
@@ -357,10 +350,10 @@ def flash_backward_hopper(q, k, v, do, lse, delta, mask, *, scale: float, softca
                 return dk, dv
 
             dk, dv = ring.loop(body, (zeros((_ROWS, Hp)), zeros((_ROWS, Hp))))
-            hopper._store((dk * scale, k_s, dk_ref.at[b, rows(w), kh]),
+            hopper.store((dk * scale, k_s, dk_ref.at[b, rows(w), kh]),
                           (dv, v_s, dv_ref.at[b, rows(w), kh]))
 
-        hopper._pipelined(C=C, stages=stages_dkv, n=G * nq, fixed=fixed, ring=ring,
+        hopper.pipelined(C=C, stages=stages_dkv, n=G * nq, fixed=fixed, ring=ring,
                           consume=consume)
 
     stages_dq = max(1, min(cfg.stages, Sp // bk))

@@ -1,6 +1,6 @@
 """FlashAttention for GPU in Pallas (Triton lowering): forward, dq and dk/dv.
 
-The same algorithm and tile tables as `tpu.py`, shaped for Triton: one program
+The algorithm and tile tables (`tfjax.ops.tiles`) of `mosaic_tpu.py`, shaped for Triton: one program
 per (query tile, batch, head) keeps its query tile in registers/shared memory
 and loops (`fori_loop` with a data-dependent trip count) over only the
 non-empty kv tiles of its row of the table, so causal, window and segment
@@ -13,34 +13,39 @@ head dims to a power of two (>= 16) as Triton requires.
 ALiBi (`alibi_slopes`): the head's slope is read once per program and
 `-slope * |q_pos - kv_pos|` formed in each visited tile from index positions or
 the tiles of `alibi_positions` (loaded like segment ids); no `[T, S]` bias. The
-Hopper forward and backward do the same. T5's bias (`relative_bias`): each
+Mosaic GPU forward and backward do the same. T5's bias (`relative_bias`): each
 visited tile buckets its relative positions and gathers the head's entries from
 the flat `[nb * N]` table (a pointer gather, cached; no `[T, S]` bias); the dq
 program sums dS per bucket (its `[nb]` partial sums per query tile are added up
 outside). Tiles far from the diagonal hold one bucket (`reference.constant_bucket`)
-and skip both. The Hopper kernels decline it.
+and skip both. The Mosaic GPU kernels decline it.
 
 Launch: each kernel's warps and pipeline stages follow its tiles, head dim and
-the call's feature class (`triton_launch`, `launch_features`: chosen from ptxas's
-register report for an H200 so that the tiles stay in registers where any launch
-allows; `TritonConfig` overrides). The forward and dq grids give each (batch,
+the call's feature class (`triton_launch`, `launch_features`: the table
+`triton_launch.json` beside this module, chosen from ptxas's register report for
+an H200 so that the tiles stay in registers where any launch allows;
+`TritonConfig` overrides). The forward and dq grids give each (batch,
 head) its query tiles heaviest first (`common.heavy_first`: under a causal mask
 the last programs to start are then the shortest; the dk/dv grid's kv tiles
-already run heaviest first), in Triton and in the Hopper kernels alike.
+already run heaviest first), in Triton and in the Mosaic GPU kernels alike.
 
 Layout `[B, T, N, H]` (no transposes). Runs in interpret mode on CPU
 (`interpret=True`), which is how the CPU tests exercise it; compiling it needs
-a GPU. The forward can be `hopper.py`'s Mosaic GPU kernel (TMA + wgmma) and the
-backward `hopper_backward.py`'s (`forward=` / `backward="hopper"`; which runs is
-the family's plan, `tfjax.ops.pallas.plan`); each kernel takes the residuals
-(output and logsumexp) whichever forward produced them.
+a GPU. The forward can be `mosaic_gpu.py`'s kernel (TMA + wgmma) and the backward
+`mosaic_gpu_backward.py`'s (`forward=` / `backward="hopper"`; which runs is the
+family's plan, `tfjax.ops.pallas.plan`); each kernel takes the residuals (output
+and logsumexp) whichever forward produced them, through one VJP
+(`tfjax.ops.vjp`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+import importlib.resources
+import json
+import types
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -48,28 +53,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from tfjax.ops import masks as M
-from tfjax.ops.reference import (
-    RelativeBias,
-    check_relative_bias,
-    constant_bucket,
-    make_alibi,
-    relative_position_bucket,
-    relative_tile_ranges,
-)
-from tfjax.ops.pallas.common import (
-    BlockSizes,
-    Dims,
-    MaskOperands,
-    heavy_first,
-    pad_axis,
-    round_up,
-    tile_tables,
-)
-from tfjax.ops.pallas.hopper import flash_forward_hopper
-from tfjax.ops.pallas.hopper_backward import flash_backward_hopper
+from tfjax.ops.reference import (RelativeBias, check_relative_bias, constant_bucket, make_alibi,
+                                  relative_position_bucket, relative_tile_ranges)
+from tfjax.ops.pallas.common import (BlockSizes, Dims, KernelConfig, MaskOperands, call_tables,
+                                     dot, dot_nt, dot_tn, heavy_first, offsets, reduce_dbias)
+from tfjax.ops.pallas.mosaic_gpu import flash_forward_hopper
+from tfjax.ops.pallas.mosaic_gpu_backward import flash_backward_hopper
+from tfjax.ops.tiles import logit_scaling, logits, pad_axis, round_up
+from tfjax.ops.vjp import attention_vjp, backward_rows
 
-__all__ = ["TritonConfig", "flash_attention_triton", "launch_features", "supports",
-           "triton_launch"]
+__all__ = ["LAUNCH", "TritonConfig", "default_block_sizes", "flash_attention_triton",
+           "launch_features", "padded_head_dim", "supports", "triton_launch"]
 
 
 def _triton_params(num_warps, num_stages):
@@ -103,6 +97,11 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def padded_head_dim(H: int) -> int:
+    """The head dim the kernels run at: a power of two, at least 16 (Triton's)."""
+    return max(16, _pow2(H))
+
+
 def supports(r) -> str | None:
     H = r.q_shape[-1]
     if H > 256:
@@ -110,13 +109,12 @@ def supports(r) -> str | None:
     return None
 
 
-def _default_block_sizes(H: int) -> BlockSizes:
+def default_block_sizes(H: int) -> BlockSizes:
     """FlashAttention-2's Triton choices: 128 x 64 forward tiles while a [128, H]
     query tile fits shared memory beside double-buffered K/V, else 64 x 64; 64 x 64
     dq and dk/dv tiles, except dk/dv at head dims above 128: 32 x 32, the only
     tiles at which ptxas keeps its dK/dV accumulators in registers (64 x 64 spills
-    at 4 and 8 warps: experiments/results/attention_gpu_ptxas_20261130.md). Not
-    timed on hardware yet (no GPU in the sessions so far)."""
+    at 4 and 8 warps: experiments/results/attention_gpu_ptxas_20261130.md)."""
     wide = _pow2(H) > 128
     bq, bkv_dkv = (64, 32) if wide else (128, 64)
     return BlockSizes(block_q=bq, block_kv=64, block_q_dq=64, block_kv_dq=64,
@@ -152,179 +150,37 @@ class TritonConfig:
                 "dkv": (self.num_warps_dkv, self.num_stages_dkv)}[kernel]
 
 
+def _read_launch() -> Mapping[tuple[str, str, int, int, int], tuple[int, int]]:
+    data = json.loads(importlib.resources.files(__package__).joinpath("triton_launch.json")
+                      .read_text())
+    assert data["columns"] == ["features", "kernel", "H", "bq", "bk", "warps", "stages"], data
+    return types.MappingProxyType({tuple(r[:5]): tuple(r[5:]) for r in data["launches"]})
+
+
 # (features, kernel, padded head dim, query tile, key tile) -> (warps, stages), features
-# as `launch_features` classes a call. From ptxas's report for an H200 (sm_90a),
-# compiled without a GPU: `experiments/gpu_registers.py`,
-# experiments/results/attention_gpu_ptxas_20261130.md. The rule (`choose` there):
-# among the launches that compile, those at which ptxas spills no registers, the
-# most resident programs per SM, then fewer warps, then more stages; where every
-# launch spills, the fewest spilled bytes. Registers, not time: the tiles' timing
-# on a GPU (`bench_attention.py tune`) has not been run yet.
-_LAUNCH: dict[tuple[str, str, int, int, int], tuple[int, int]] = {
-    ('masked', 'dkv', 64, 32, 32): (4, 2),
-    ('masked', 'dkv', 64, 32, 64): (4, 2),
-    ('masked', 'dkv', 64, 32, 128): (8, 2),
-    ('masked', 'dkv', 64, 64, 64): (4, 2),
-    ('masked', 'dkv', 64, 64, 128): (8, 2),
-    ('masked', 'dkv', 64, 128, 128): (8, 2),
-    ('masked', 'dkv', 128, 32, 32): (4, 2),
-    ('masked', 'dkv', 128, 32, 64): (8, 2),
-    ('masked', 'dkv', 128, 32, 128): (8, 2),
-    ('masked', 'dkv', 128, 64, 64): (8, 2),
-    ('masked', 'dkv', 128, 64, 128): (8, 2),
-    ('masked', 'dkv', 128, 128, 128): (8, 2),
-    ('masked', 'dkv', 256, 32, 32): (8, 2),
-    ('masked', 'dkv', 256, 32, 64): (8, 2),
-    ('masked', 'dkv', 256, 32, 128): (8, 2),
-    ('masked', 'dkv', 256, 64, 64): (8, 2),
-    ('masked', 'dq', 64, 32, 32): (4, 2),
-    ('masked', 'dq', 64, 64, 32): (4, 2),
-    ('masked', 'dq', 64, 64, 64): (4, 2),
-    ('masked', 'dq', 64, 128, 32): (4, 2),
-    ('masked', 'dq', 64, 128, 64): (8, 2),
-    ('masked', 'dq', 64, 128, 128): (8, 2),
-    ('masked', 'dq', 128, 32, 32): (4, 2),
-    ('masked', 'dq', 128, 64, 32): (4, 2),
-    ('masked', 'dq', 128, 64, 64): (4, 2),
-    ('masked', 'dq', 128, 128, 32): (8, 2),
-    ('masked', 'dq', 128, 128, 64): (8, 2),
-    ('masked', 'dq', 128, 128, 128): (8, 2),
-    ('masked', 'dq', 256, 32, 32): (4, 2),
-    ('masked', 'dq', 256, 64, 32): (4, 2),
-    ('masked', 'dq', 256, 64, 64): (8, 2),
-    ('masked', 'dq', 256, 128, 32): (8, 2),
-    ('masked', 'fwd', 64, 64, 32): (4, 3),
-    ('masked', 'fwd', 64, 64, 64): (4, 2),
-    ('masked', 'fwd', 64, 64, 128): (4, 3),
-    ('masked', 'fwd', 64, 128, 32): (4, 2),
-    ('masked', 'fwd', 64, 128, 64): (4, 3),
-    ('masked', 'fwd', 64, 128, 128): (8, 3),
-    ('masked', 'fwd', 128, 64, 32): (4, 2),
-    ('masked', 'fwd', 128, 64, 64): (4, 3),
-    ('masked', 'fwd', 128, 64, 128): (4, 3),
-    ('masked', 'fwd', 128, 128, 32): (4, 3),
-    ('masked', 'fwd', 128, 128, 64): (8, 3),
-    ('masked', 'fwd', 128, 128, 128): (8, 3),
-    ('masked', 'fwd', 256, 64, 32): (4, 2),
-    ('masked', 'fwd', 256, 64, 64): (4, 3),
-    ('masked', 'fwd', 256, 128, 32): (8, 3),
-    ('masked', 'fwd', 256, 128, 64): (8, 2),
-    ('plain', 'dkv', 64, 32, 32): (4, 2),
-    ('plain', 'dkv', 64, 32, 64): (4, 2),
-    ('plain', 'dkv', 64, 32, 128): (8, 2),
-    ('plain', 'dkv', 64, 64, 64): (4, 2),
-    ('plain', 'dkv', 64, 64, 128): (8, 2),
-    ('plain', 'dkv', 64, 128, 128): (8, 2),
-    ('plain', 'dkv', 128, 32, 32): (4, 2),
-    ('plain', 'dkv', 128, 32, 64): (8, 2),
-    ('plain', 'dkv', 128, 32, 128): (8, 2),
-    ('plain', 'dkv', 128, 64, 64): (8, 2),
-    ('plain', 'dkv', 128, 64, 128): (8, 2),
-    ('plain', 'dkv', 128, 128, 128): (8, 2),
-    ('plain', 'dkv', 256, 32, 32): (8, 2),
-    ('plain', 'dkv', 256, 32, 64): (8, 2),
-    ('plain', 'dkv', 256, 32, 128): (8, 2),
-    ('plain', 'dkv', 256, 64, 64): (8, 2),
-    ('plain', 'dq', 64, 32, 32): (4, 2),
-    ('plain', 'dq', 64, 64, 32): (4, 2),
-    ('plain', 'dq', 64, 64, 64): (4, 2),
-    ('plain', 'dq', 64, 128, 32): (4, 2),
-    ('plain', 'dq', 64, 128, 64): (4, 2),
-    ('plain', 'dq', 64, 128, 128): (8, 2),
-    ('plain', 'dq', 128, 32, 32): (4, 2),
-    ('plain', 'dq', 128, 64, 32): (4, 2),
-    ('plain', 'dq', 128, 64, 64): (4, 2),
-    ('plain', 'dq', 128, 128, 32): (8, 2),
-    ('plain', 'dq', 128, 128, 64): (8, 2),
-    ('plain', 'dq', 128, 128, 128): (8, 2),
-    ('plain', 'dq', 256, 32, 32): (4, 2),
-    ('plain', 'dq', 256, 64, 32): (4, 2),
-    ('plain', 'dq', 256, 64, 64): (8, 2),
-    ('plain', 'dq', 256, 128, 32): (8, 2),
-    ('plain', 'fwd', 64, 64, 32): (4, 3),
-    ('plain', 'fwd', 64, 64, 64): (4, 2),
-    ('plain', 'fwd', 64, 64, 128): (4, 2),
-    ('plain', 'fwd', 64, 128, 32): (4, 3),
-    ('plain', 'fwd', 64, 128, 64): (4, 3),
-    ('plain', 'fwd', 64, 128, 128): (4, 2),
-    ('plain', 'fwd', 128, 64, 32): (4, 2),
-    ('plain', 'fwd', 128, 64, 64): (4, 3),
-    ('plain', 'fwd', 128, 64, 128): (4, 3),
-    ('plain', 'fwd', 128, 128, 32): (4, 3),
-    ('plain', 'fwd', 128, 128, 64): (4, 2),
-    ('plain', 'fwd', 128, 128, 128): (8, 3),
-    ('plain', 'fwd', 256, 64, 32): (4, 2),
-    ('plain', 'fwd', 256, 64, 64): (4, 3),
-    ('plain', 'fwd', 256, 128, 32): (8, 3),
-    ('plain', 'fwd', 256, 128, 64): (8, 2),
-    ('t5', 'dkv', 64, 32, 32): (4, 2),
-    ('t5', 'dkv', 64, 32, 64): (4, 2),
-    ('t5', 'dkv', 64, 32, 128): (8, 2),
-    ('t5', 'dkv', 64, 64, 64): (8, 2),
-    ('t5', 'dkv', 64, 64, 128): (8, 2),
-    ('t5', 'dkv', 64, 128, 128): (8, 2),
-    ('t5', 'dkv', 128, 32, 32): (4, 2),
-    ('t5', 'dkv', 128, 32, 64): (8, 2),
-    ('t5', 'dkv', 128, 32, 128): (8, 2),
-    ('t5', 'dkv', 128, 64, 64): (8, 2),
-    ('t5', 'dkv', 128, 64, 128): (8, 2),
-    ('t5', 'dkv', 256, 32, 32): (8, 2),
-    ('t5', 'dkv', 256, 32, 64): (8, 2),
-    ('t5', 'dkv', 256, 32, 128): (8, 2),
-    ('t5', 'dkv', 256, 64, 64): (8, 2),
-    ('t5', 'dq', 64, 32, 32): (4, 2),
-    ('t5', 'dq', 64, 64, 32): (4, 2),
-    ('t5', 'dq', 64, 64, 64): (8, 2),
-    ('t5', 'dq', 64, 128, 32): (8, 2),
-    ('t5', 'dq', 64, 128, 64): (8, 2),
-    ('t5', 'dq', 64, 128, 128): (8, 2),
-    ('t5', 'dq', 128, 32, 32): (4, 2),
-    ('t5', 'dq', 128, 64, 32): (4, 2),
-    ('t5', 'dq', 128, 64, 64): (8, 2),
-    ('t5', 'dq', 128, 128, 32): (8, 2),
-    ('t5', 'dq', 128, 128, 64): (8, 2),
-    ('t5', 'dq', 256, 32, 32): (4, 2),
-    ('t5', 'dq', 256, 64, 32): (8, 2),
-    ('t5', 'dq', 256, 64, 64): (8, 2),
-    ('t5', 'dq', 256, 128, 32): (8, 2),
-    ('t5', 'fwd', 64, 64, 32): (4, 3),
-    ('t5', 'fwd', 64, 64, 64): (4, 3),
-    ('t5', 'fwd', 64, 64, 128): (8, 3),
-    ('t5', 'fwd', 64, 128, 32): (4, 3),
-    ('t5', 'fwd', 64, 128, 64): (8, 3),
-    ('t5', 'fwd', 64, 128, 128): (8, 2),
-    ('t5', 'fwd', 128, 64, 32): (4, 2),
-    ('t5', 'fwd', 128, 64, 64): (4, 2),
-    ('t5', 'fwd', 128, 64, 128): (8, 2),
-    ('t5', 'fwd', 128, 128, 32): (8, 3),
-    ('t5', 'fwd', 128, 128, 64): (8, 3),
-    ('t5', 'fwd', 128, 128, 128): (8, 2),
-    ('t5', 'fwd', 256, 64, 32): (4, 2),
-    ('t5', 'fwd', 256, 64, 64): (8, 2),
-    ('t5', 'fwd', 256, 128, 32): (8, 3),
-    ('t5', 'fwd', 256, 128, 64): (8, 2),
-}
+# as `launch_features` classes a call: triton_launch.json beside this module, written by
+# `experiments/gpu_registers.py --write-launch` from ptxas's report for an H200
+# (sm_90a, compiled without a GPU), the measurement it names. The rule (`choose`
+# there): among the launches that compile, those at which ptxas spills no registers,
+# the most resident programs per SM, then fewer warps, then more stages; where every
+# launch spills, the fewest spilled bytes. Registers, not time.
+LAUNCH = _read_launch()
 
 
 def triton_launch(kernel: str, Hp: int, bq: int, bk: int,
                   features: str = "plain") -> tuple[int, int]:
     """(warps, stages) of Triton kernel "fwd", "dq" or "dkv" at padded head dim `Hp`
     with `bq` x `bk` tiles for a call of feature class `features` ("plain",
-    "masked", "t5": `launch_features`): the measured choice (`_LAUNCH`; head dims
+    "masked", "t5": `launch_features`): the measured choice (`LAUNCH`; head dims
     below 64 and tiles below 32 take those of 64 and 32, which need no more
     registers), else Triton's usual 4 warps with 3 (forward) or 2 stages."""
     key = (kernel, max(64, Hp), max(32, bq), max(32, bk))
-    return _LAUNCH.get((features, *key), _LAUNCH.get(("plain", *key),
-                                                     (4, 3 if kernel == "fwd" else 2)))
+    return LAUNCH.get((features, *key), LAUNCH.get(("plain", *key),
+                                                   (4, 3 if kernel == "fwd" else 2)))
 
 
 @dataclasses.dataclass(frozen=True)
-class _Config:
-    scale: float
-    softcap: float | None
-    block_sizes: BlockSizes
-    interpret: Any
-    static_offsets: tuple[int, int] | None
+class _Config(KernelConfig):
     forward: str = "triton"  # or "hopper"
     hopper: Any = None  # hopper.HopperConfig
     backward: str = "triton"  # or "hopper"
@@ -341,23 +197,20 @@ def flash_attention_triton(q, k, v, mask=None, *, bias=None, scale=None, softcap
                            triton_config: TritonConfig | None = None):
     """The GPU kernels as a plan chose them (`tfjax.ops.pallas.plan`): q `[B,T,N,H]`,
     k/v `[B,S,K,H]` -> out `[B,T,N,H]` (and lse `[B,N,T]` fp32). `forward`: "triton"
-    or "hopper" (the Mosaic GPU forward of `hopper.py`, `hopper_config` its tiles);
-    `backward`: the same for the dq and dk/dv kernels (`hopper_backward.py`,
+    or "hopper" (the Mosaic GPU forward of `mosaic_gpu.py`, `hopper_config` its
+    tiles); `backward`: the same for the dq and dk/dv kernels (`mosaic_gpu_backward.py`,
     `hopper_backward_config`); either backward takes the residuals of either
     forward. `relative_bias`: T5's bias per tile (Triton only). `triton_config`: the
     Triton kernels' warps and pipeline stages (None: `triton_launch`'s choice for
     each kernel's tiles). `interpret`: Pallas' GPU interpret mode (CPU)."""
     H = q.shape[-1]
-    static = (q_offset, kv_offset) if all(isinstance(o, int) for o in (q_offset, kv_offset)) \
-        else None
-    bs = block_sizes or _default_block_sizes(H)
+    static, offs = offsets(q_offset, kv_offset)
+    bs = block_sizes or default_block_sizes(H)
     B, T, N = q.shape[:3]
     alibi = make_alibi(alibi_slopes, alibi_positions, B, N, T, k.shape[1])
     rel = check_relative_bias(relative_bias, B, N, T, k.shape[1])
-    cfg = _Config(float(H ** -0.5 if scale is None else scale), float(softcap) if softcap else None,
-                  bs, interpret, static, forward, hopper_config, backward,
-                  hopper_backward_config, triton_config)
-    offs = jnp.stack([jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32)])
+    cfg = _Config(*logit_scaling(H, scale, softcap), bs, interpret, static, forward,
+                  hopper_config, backward, hopper_backward_config, triton_config)
     out, lse = _flash(cfg, q, k, v, mask, bias, alibi, rel, offs)
     return (out, lse) if return_lse else out
 
@@ -367,54 +220,11 @@ def _dims(q, k, block_q, block_kv):
     S, K = k.shape[1], k.shape[2]
     bq = max(16, min(_pow2(block_q), _pow2(T)))
     bk = max(16, min(_pow2(block_kv), _pow2(S)))
-    return Dims(B, T, S, N, K, H, max(16, _pow2(H)), bq, bk, round_up(T, bq), round_up(S, bk))
+    return Dims(B, T, S, N, K, H, padded_head_dim(H), bq, bk, round_up(T, bq), round_up(S, bk))
 
 
 def _pad_seq_head(x, n, Hp):
     return pad_axis(pad_axis(x, 1, n), 3, Hp)
-
-
-def _precision(a, b):
-    f32 = a.dtype == jnp.float32 and b.dtype == jnp.float32
-    return lax.Precision.HIGHEST if f32 else lax.Precision.DEFAULT
-
-
-def _dot_nt(a, b):
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=_precision(a, b),
-                           preferred_element_type=jnp.float32)
-
-
-def _dot(a, b):
-    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=_precision(a, b),
-                           preferred_element_type=jnp.float32)
-
-
-def _dot_tn(a, b):  # a^T @ b
-    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=_precision(a, b),
-                           preferred_element_type=jnp.float32)
-
-
-def _logits(cfg, s, bias_tile, alibi=None, rel_tile=None):
-    """Scale, soft-cap, bias, T5's bias tile; `alibi`: None or (slope, q positions
-    [bq, 1], kv positions [1, bk]) -> `- slope * |q_pos - kv_pos|`."""
-    s = s * cfg.scale
-    t = None
-    if cfg.softcap:
-        t = jnp.tanh(s / cfg.softcap)
-        s = cfg.softcap * t
-    if bias_tile is not None:
-        s = s + bias_tile.astype(jnp.float32)
-    if alibi is not None:
-        slope, qp, kp = alibi
-        s = s - slope * jnp.abs(qp - kp).astype(jnp.float32)
-    if rel_tile is not None:
-        s = s + rel_tile
-    return s, t
-
-
-def _tables(cfg, mask, d, offs, transpose=False):
-    qo, ko = cfg.static_offsets if cfg.static_offsets is not None else (offs[0], offs[1])
-    return tile_tables(mask, d.T, d.S, d.bq, d.bk, q_offset=qo, kv_offset=ko, transpose=transpose)
 
 
 def _allowed(d, mask, mops, code, q_loc, kv_loc, offs_ref, b, sref, qseg, kseg):
@@ -434,7 +244,7 @@ def _alibi_slope(alibi_ref, d, b, h):
 
 
 def _alibi_tile(slope, mops, q_loc, kv_loc, qseg_v, kseg_v, offs_ref):
-    """`_logits`' ALiBi argument: the positions' tiles (`alibi_positions`, in the
+    """`tiles.logits`' ALiBi argument: the positions' tiles (`alibi_positions`, in the
     segment slot `mops.alibi_slot`) or the global index positions."""
     if slope is None:
         return None
@@ -484,21 +294,38 @@ def _common_operands(mask, bias, alibi, rel, d, q, k, v, offs):
 # --------------------------------------------------------------------------- #
 
 
-def _row_kernel(cfg, d, mask, mops, tab, has_bias, has_alibi, rel, backward, *refs):
-    ns, nseg = len(mops.scalars), mops.num_segments
+def _split_refs(refs, mops, has_bias, has_alibi, rel, n_extra, aliased=False):
+    """A kernel's refs in operand order: (tables and offsets, the mask's scalars, T5's
+    position ranges, q/k/v, (bias, ALiBi's slopes, T5's table), the `n_extra`
+    backward inputs, q and kv segment tiles, outputs); `aliased`: skips the zeros
+    aliased to dbias."""
     it = iter(refs)
     take = lambda n: [next(it) for _ in range(n)]
-    order, count, code, offs_ref = take(4)
-    sref = take(ns)
-    ranges = take(_n_ranges(rel))
-    q_ref, k_ref, v_ref = take(3)
-    bias_ref = next(it) if has_bias else None
-    alibi_ref = next(it) if has_alibi else None
-    rel_ref = next(it) if rel is not None else None
+    head, sref, ranges, qkv = take(4), take(len(mops.scalars)), take(_n_ranges(rel)), take(3)
+    extras = tuple(next(it) if has else None for has in (has_bias, has_alibi, rel is not None))
+    extra = take(n_extra)
+    if aliased:
+        next(it)
+    nseg = mops.num_segments
+    return head, sref, ranges, qkv, extras, extra, take(nseg), take(nseg), list(it)
+
+
+def _position_operands(in_specs, operands, alibi, rel):
+    """Append ALiBi's flat slopes and T5's flat `[nb * N]` table (whole arrays)."""
+    if alibi is not None:
+        in_specs.append(pl.no_block_spec)
+        operands.append(alibi.slopes.reshape(-1))
+    if rel is not None:
+        in_specs.append(pl.no_block_spec)
+        operands.append(rel.table.astype(jnp.float32).reshape(-1))
+
+
+def _row_kernel(cfg, d, mask, mops, tab, has_bias, has_alibi, rel, backward, *refs):
+    ((order, count, code, offs_ref), sref, ranges, (q_ref, k_ref, v_ref),
+     (bias_ref, alibi_ref, rel_ref), extra, qseg, kseg, outs) = _split_refs(
+        refs, mops, has_bias, has_alibi, rel, 3 if backward else 0)
     if backward:
-        do_ref, lse_ref, delta_ref = take(3)
-    qseg, kseg = take(nseg), take(nseg)
-    outs = list(it)
+        do_ref, lse_ref, delta_ref = extra
     i, b, h = heavy_first(pl.program_id(0), d.Tp // d.bq), pl.program_id(1), pl.program_id(2)
     r = b if tab.batched else 0
     bq, bk = d.bq, d.bk
@@ -518,9 +345,9 @@ def _row_kernel(cfg, d, mask, mops, tab, has_bias, has_alibi, rel, backward, *re
         kseg_v = [x[sl][None, :] for x in kseg]
         rel_t, buckets, const = _relative_tile(rel, rel_ref, d, b, h, i, kj, ranges, mops, q_loc,
                                                kv_loc, qseg_v, kseg_v, offs_ref)
-        s, t = _logits(cfg, _dot_nt(q, k_ref[sl, :]),
-                       bias_ref[pl.ds(i * bq, bq), sl] if has_bias else None,
-                       _alibi_tile(slope, mops, q_loc, kv_loc, qseg_v, kseg_v, offs_ref), rel_t)
+        s, t = logits(dot_nt(q, k_ref[sl, :]), cfg.scale, cfg.softcap,
+                      bias_ref[pl.ds(i * bq, bq), sl] if has_bias else None,
+                      _alibi_tile(slope, mops, q_loc, kv_loc, qseg_v, kseg_v, offs_ref), rel_t)
         ok = _allowed(d, mask, mops, code[r, i, j], q_loc, kv_loc, offs_ref, b, sref, qseg_v,
                       kseg_v)
         return kj, sl, jnp.where(ok, s, -jnp.inf), t, (buckets, const)
@@ -534,7 +361,7 @@ def _row_kernel(cfg, d, mask, mops, tab, has_bias, has_alibi, rel, backward, *re
             p = jnp.exp(s - m_safe[:, None])
             alpha = jnp.exp(m - m_safe)
             v = v_ref[sl, :]
-            acc = alpha[:, None] * acc + _dot(p.astype(v.dtype), v)
+            acc = alpha[:, None] * acc + dot(p.astype(v.dtype), v)
             return acc, m_new, alpha * l + p.sum(axis=-1)
 
         init = (jnp.zeros((bq, d.Hp), jnp.float32), jnp.full((bq,), -jnp.inf, jnp.float32),
@@ -552,7 +379,7 @@ def _row_kernel(cfg, d, mask, mops, tab, has_bias, has_alibi, rel, backward, *re
         _, sl, s, t, (buckets, const) = tile(j)
         p = jnp.exp(s - lse)
         v = v_ref[sl, :]
-        ds = p * (_dot_nt(do, v) - delta)
+        ds = p * (dot_nt(do, v) - delta)
         if rel is not None:  # dL/dlogits (after the soft-cap) summed per bucket
             ids = jnp.arange(dtable.shape[0], dtype=jnp.int32)
 
@@ -568,7 +395,7 @@ def _row_kernel(cfg, d, mask, mops, tab, has_bias, has_alibi, rel, backward, *re
         if t is not None:
             ds = ds * (1.0 - t * t)
         kk = k_ref[sl, :]
-        return dq + _dot((ds * cfg.scale).astype(kk.dtype), kk), dtable
+        return dq + dot((ds * cfg.scale).astype(kk.dtype), kk), dtable
 
     nbp = 16 if rel is None else max(16, _pow2(rel.num_buckets))
     dq, dtable = lax.fori_loop(0, count[r, i], body, (jnp.zeros((bq, d.Hp), jnp.float32),
@@ -584,7 +411,7 @@ def _row_call(cfg, q, k, v, mask, bias, alibi, rel, offs, backward, do=None, lse
     d = _dims(q, k, *((bs.block_q_dq, bs.block_kv_dq) if backward else (bs.block_q, bs.block_kv)))
     G, bq = d.G, d.bq
     qi = lambda i: heavy_first(i, d.Tp // bq)  # grid index -> query tile (heaviest first)
-    tab = _tables(cfg, mask, d, offs)
+    tab = call_tables(mask, d, cfg.static_offsets, offs)
     mops, bias_op, qp, kp, vp = _common_operands(mask, bias, alibi, rel, d, q, k, v, offs)
     has_bias = bias is not None
     full = pl.no_block_spec  # whole array in the kernel (tables, per-example scalars)
@@ -600,12 +427,7 @@ def _row_call(cfg, q, k, v, mask, bias, alibi, rel, offs, backward, do=None, lse
         in_specs.append(pl.BlockSpec((None, None, d.Tp, d.Sp), lambda i, b, h: (
             b if Bb > 1 else 0, h if Nb > 1 else 0, 0, 0)))
         operands.append(bias_op)
-    if alibi is not None:
-        in_specs.append(full)
-        operands.append(alibi.slopes.reshape(-1))
-    if rel is not None:
-        in_specs.append(full)
-        operands.append(rel.table.astype(jnp.float32).reshape(-1))
+    _position_operands(in_specs, operands, alibi, rel)
     if backward:
         in_specs += [pl.BlockSpec((None, bq, None, d.Hp), lambda i, b, h: (b, qi(i), h, 0)),
                      pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, qi(i))),
@@ -651,21 +473,9 @@ def _row_call(cfg, q, k, v, mask, bias, alibi, rel, offs, backward, do=None, lse
 
 
 def _dkv_kernel(cfg, d, mask, mops, tab, has_bias, has_alibi, rel, *refs):
-    ns, nseg = len(mops.scalars), mops.num_segments
-    it = iter(refs)
-    take = lambda n: [next(it) for _ in range(n)]
-    order, count, code, offs_ref = take(4)
-    sref = take(ns)
-    ranges = take(_n_ranges(rel))
-    q_ref, k_ref, v_ref = take(3)
-    bias_ref = next(it) if has_bias else None
-    alibi_ref = next(it) if has_alibi else None
-    rel_ref = next(it) if rel is not None else None
-    do_ref, lse_ref, delta_ref = take(3)
-    if has_bias:
-        next(it)  # the zeros aliased to dbias
-    qseg, kseg = take(nseg), take(nseg)
-    outs = list(it)
+    ((order, count, code, offs_ref), sref, ranges, (q_ref, k_ref, v_ref),
+     (bias_ref, alibi_ref, rel_ref), (do_ref, lse_ref, delta_ref), qseg, kseg, outs) = \
+        _split_refs(refs, mops, has_bias, has_alibi, rel, 3, aliased=has_bias)
     dk_ref, dv_ref = outs[:2]
     dbias_ref = outs[2] if has_bias else None
     kj, b, kh = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -692,19 +502,19 @@ def _dkv_kernel(cfg, d, mask, mops, tab, has_bias, has_alibi, rel, *refs):
             qseg_v = [x[sl][:, None] for x in qseg]
             rel_t, _, _ = _relative_tile(rel, rel_ref, d, b, h, qi, kj, ranges, mops, q_loc,
                                          kv_loc, qseg_v, kseg_v, offs_ref)
-            s, t = _logits(cfg, _dot_nt(q, kk), bias_t,
-                           _alibi_tile(slope, mops, q_loc, kv_loc, qseg_v, kseg_v, offs_ref),
-                           rel_t)
+            s, t = logits(dot_nt(q, kk), cfg.scale, cfg.softcap, bias_t,
+                          _alibi_tile(slope, mops, q_loc, kv_loc, qseg_v, kseg_v, offs_ref),
+                          rel_t)
             ok = _allowed(d, mask, mops, code[r, kj, j], q_loc, kv_loc, offs_ref, b, sref,
                           qseg_v, kseg_v)
             p = jnp.where(ok, jnp.exp(s - lse_ref[h, sl][:, None]), 0.0)  # [bq, bk]
-            dv = dv + _dot_tn(p.astype(do.dtype), do)
-            ds = p * (_dot_nt(do, vv) - delta_ref[h, sl][:, None])
+            dv = dv + dot_tn(p.astype(do.dtype), do)
+            ds = p * (dot_nt(do, vv) - delta_ref[h, sl][:, None])
             if has_bias:
                 dbias_ref[b, h, sl, pl.ds(kj * bk, bk)] = ds
             if t is not None:
                 ds = ds * (1.0 - t * t)
-            dk = dk + _dot_tn((ds * cfg.scale).astype(q.dtype), q)
+            dk = dk + dot_tn((ds * cfg.scale).astype(q.dtype), q)
             return dk, dv
 
         return lax.fori_loop(0, count[r, kj], body, carry)
@@ -719,7 +529,7 @@ def _dkv_call(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta):
     bs = cfg.block_sizes
     d = _dims(q, k, bs.block_q_dkv, bs.block_kv_dkv)
     bk = d.bk
-    tab = _tables(cfg, mask, d, offs, transpose=True)
+    tab = call_tables(mask, d, cfg.static_offsets, offs, transpose=True)
     mops, bias_op, qp, kp, vp = _common_operands(mask, bias, alibi, rel, d, q, k, v, offs)
     has_bias = bias is not None
     full = pl.no_block_spec
@@ -733,12 +543,7 @@ def _dkv_call(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta):
     if has_bias:
         in_specs.append(full)
         operands.append(bias_op)
-    if alibi is not None:
-        in_specs.append(full)
-        operands.append(alibi.slopes.reshape(-1))
-    if rel is not None:
-        in_specs.append(full)
-        operands.append(rel.table.astype(jnp.float32).reshape(-1))
+    _position_operands(in_specs, operands, alibi, rel)
     stats = pl.BlockSpec((None, d.N, d.Tp), lambda j, b, kh: (b, 0, 0))
     in_specs += [all_q, stats, stats]
     operands += [_pad_seq_head(do, d.Tp, d.Hp), pad_axis(lse, 2, d.Tp), pad_axis(delta, 2, d.Tp)]
@@ -771,15 +576,13 @@ def _dkv_call(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta):
     dk, dv = outs[0][:, :d.S, :, :d.H], outs[1][:, :d.S, :, :d.H]
     dbias = None
     if has_bias:
-        Bb, Nb = bias.shape[:2]
-        dbias = outs[2][:, :, :d.T, :d.S]
-        axes = tuple(a for a, n in ((0, Bb), (1, Nb)) if n == 1 and dbias.shape[a] != 1)
-        dbias = dbias.sum(axis=axes, keepdims=True).astype(bias.dtype)
+        dbias = reduce_dbias(outs[2][:, :, :d.T, :d.S], bias)
     return dk, dv, dbias
 
 
 # --------------------------------------------------------------------------- #
-# custom_vjp.
+# The VJP (`tfjax.ops.vjp`'s shell): the Triton or the Mosaic GPU kernels, each
+# backward from either forward's residuals.
 # --------------------------------------------------------------------------- #
 
 
@@ -792,48 +595,19 @@ def _forward(cfg, q, k, v, mask, bias, alibi, rel, offs):
     return _row_call(cfg, q, k, v, mask, bias, alibi, rel, offs, backward=False)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(cfg, q, k, v, mask, bias, alibi, rel, offs):
-    return _forward(cfg, q, k, v, mask, bias, alibi, rel, offs)
-
-
-def _flash_fwd(cfg, q, k, v, mask, bias, alibi, rel, offs):
-    out, lse = _forward(cfg, q, k, v, mask, bias, alibi, rel, offs)
-    return (out, lse), (q, k, v, mask, bias, alibi, rel, offs, out, lse)
-
-
-def _flash_bwd(cfg, res, cts):
-    q, k, v, mask, bias, alibi, rel, offs, out, lse = res
-    alibi_ct = jax.tree.map(_zero_cotangent, alibi)  # slopes are constants
-    do, dlse = cts
-    do = do.astype(q.dtype)
-    delta = jnp.einsum("BTNH,BTNH->BNT", do.astype(jnp.float32), out.astype(jnp.float32))
-    delta = delta - dlse.astype(jnp.float32)
-    lse = jnp.where(lse == -jnp.inf, 0.0, lse)
-    if cfg.backward == "hopper":
+def _backward(cfg, q, k, v, mask, bias, alibi, rel, offs, out, lse, dout, dlse):
+    do, lse, delta = backward_rows(out, lse, dout, q.dtype, dlse)
+    if cfg.backward == "hopper":  # no bias, no T5 bias (`mosaic_gpu_backward.supports`)
         qo, ko = cfg.static_offsets if cfg.static_offsets is not None else (offs[0], offs[1])
         dq, dk, dv = flash_backward_hopper(q, k, v, do, lse, delta, mask, scale=cfg.scale,
                                            softcap=cfg.softcap, q_offset=qo, kv_offset=ko,
                                            config=cfg.hopper_backward, interpret=cfg.interpret,
                                            alibi=alibi)
-        return (dq, dk, dv, jax.tree.map(_zero_cotangent, mask), None, alibi_ct, None,
-                _zero_cotangent(offs))
+        return dq, dk, dv, None, None
     dq, dtable = _row_call(cfg, q, k, v, mask, bias, alibi, rel, offs, backward=True, do=do,
                            lse=lse, delta=delta)
     dk, dv, dbias = _dkv_call(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta)
-    rel_ct = None
-    if rel is not None:  # the table's gradient; positions are integers
-        rel_ct = dataclasses.replace(jax.tree.map(_zero_cotangent, rel),
-                                     table=dtable.astype(rel.table.dtype))
-    return (dq, dk, dv, jax.tree.map(_zero_cotangent, mask), dbias, alibi_ct, rel_ct,
-            _zero_cotangent(offs))
+    return dq, dk, dv, dbias, dtable
 
 
-def _zero_cotangent(x):
-    x = jnp.asarray(x)
-    if jnp.issubdtype(x.dtype, jnp.inexact):
-        return jnp.zeros_like(x)
-    return jnp.zeros(x.shape, jax.dtypes.float0)
-
-
-_flash.defvjp(_flash_fwd, _flash_bwd)
+_flash = attention_vjp(_forward, _backward)
