@@ -14,8 +14,7 @@ import pytest
 from attention_cases import check_against_reference, inputs, lower_for_cuda
 
 from tfjax.ops import masks as M
-from tfjax.ops import RelativeBias
-from tfjax.ops.pallas import BlockSizes, flash_attention_gpu
+from tfjax.ops.pallas import flash_attention_gpu
 from tfjax.ops.target import gpu_lowering_target
 from tfjax.ops.pallas.mosaic_gpu import HopperConfig, flash_forward_hopper, supports
 from tfjax.ops.pallas.mosaic_gpu_backward import HopperBackwardConfig, flash_backward_hopper

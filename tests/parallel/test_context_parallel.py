@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 import tfjax.ops.blockwise as blockwise_lib
-import tfjax.ops.pallas.tpu as tpu_lib
+import tfjax.ops.pallas.mosaic_tpu as tpu_lib
 from tfjax import config as C
 from tfjax import models
 from tfjax.models import build

@@ -41,7 +41,7 @@ def test_bad_sizes(axes, n, message):
 ])
 def test_config_validation(mesh, message):
     with pytest.raises(ValueError, match=message):
-        C._validate_mesh(C.from_dict(C.MeshConfig, mesh, prefix="mesh"), "mesh")
+        C.run_config({"mesh": mesh})  # the mesh section, validated with the whole run
 
 
 def test_command_line_style_override():

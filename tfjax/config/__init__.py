@@ -24,7 +24,6 @@ from tfjax.config.model import (DTYPES, LinearConfig, ModelConfig, MoEConfig, Ro
                                 SSMConfig, T5Config)
 from tfjax.config.run import (DEFAULT_RULES, MESH_AXES, CheckpointConfig, DataConfig, MeshConfig,
                               RunConfig, TrainConfig)
-from tfjax.config.run import _validate_mesh  # noqa: F401  (tests/parallel/test_mesh.py)
 
 __all__ = [
     "upgrade_saved",

@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from tfjax.ops import masks as masks_lib
@@ -67,17 +66,11 @@ from tfjax.ops.attention import dot_product_attention, select_ring_block
 from tfjax.ops.blockwise import DEFAULT_BLOCK, blockwise_attention
 from tfjax.ops.reference import RelativeBias, check_relative_bias, make_alibi
 from tfjax.ops.target import device_platform, targeting
+from tfjax.ops.vjp import zero_cotangent
 from tfjax.parallel import mask_leaves
 from tfjax.parallel.zigzag import relayout_local
 
 __all__ = ["all_gather_attention", "ring_attention"]
-
-
-def _zero_cotangent(x):
-    x = jnp.asarray(x)
-    if jnp.issubdtype(x.dtype, jnp.inexact):
-        return jnp.zeros_like(x)
-    return np.zeros(x.shape, jax.dtypes.float0)
 
 
 def _merge(o, lse, o_new, lse_new):
@@ -345,7 +338,7 @@ def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axi
     def core_bwd(res, dout):
         q, k, v, table, mleaves, out, lse = res
         dq, dk, dv, dtable = bwd_impl(q, k, v, table, mleaves, out, lse, dout)
-        return dq, dk, dv, dtable, [None if x is None else _zero_cotangent(x) for x in mleaves]
+        return dq, dk, dv, dtable, [None if x is None else zero_cotangent(x) for x in mleaves]
 
     core.defvjp(core_fwd, core_bwd)
 

@@ -184,7 +184,7 @@ class _Config(KernelConfig):
     forward: str = "triton"  # or "hopper"
     hopper: Any = None  # hopper.HopperConfig
     backward: str = "triton"  # or "hopper"
-    hopper_backward: Any = None  # hopper_backward.HopperBackwardConfig
+    hopper_backward: Any = None  # mosaic_gpu_backward.HopperBackwardConfig
     triton: TritonConfig | None = None  # None: `triton_launch`'s choice per kernel
 
 
