@@ -41,7 +41,7 @@ from tfjax.parallel.sharding import shard, with_logical_axes
 from tfjax.parallel.zigzag import ZIGZAG_MODES, zigzag_data_devices
 from tfjax.typing import DType
 
-__all__ = ["MultiHeadAttention"]
+__all__ = ["MultiHeadAttention", "head_projections"]
 
 
 class MultiHeadAttention(nnx.Module):
@@ -63,7 +63,6 @@ class MultiHeadAttention(nnx.Module):
         if not head_dim and d_model % num_heads:
             raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}; "
                              "pass head_dim")
-        Dc = context_dim or d_model
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, K, H
         self.scale = H ** -0.5 if scale is None else scale
         self.softcap = softcap or None
@@ -77,24 +76,10 @@ class MultiHeadAttention(nnx.Module):
             raise ValueError(f"zigzag: got {zigzag!r}; allowed: "
                              f"{', '.join(map(repr, ZIGZAG_MODES))}")
         self.zigzag = zigzag
-        normal = nnx.initializers.normal(init_std)
-        out_normal = nnx.initializers.normal(init_std if out_init_std is None else out_init_std)
-        zeros = nnx.initializers.zeros_init()
-
-        def proj(spec, shape, names, bias_names, init, use_bias):
-            return nnx.Einsum(spec, shape, shape[-len(bias_names):] if use_bias else None,
-                              dtype=dtype, param_dtype=param_dtype,
-                              kernel_init=with_logical_axes(init, names),
-                              bias_init=with_logical_axes(zeros, bias_names), rngs=rngs)
-
-        self.q = proj("BTD,DNH->BTNH", (d_model, num_heads, H), ("embed", "heads", "head_dim"),
-                      ("heads", "head_dim"), normal, qkv_bias)
-        self.k = proj("BSD,DKH->BSKH", (Dc, K, H), ("embed", "kv_heads", "head_dim"),
-                      ("kv_heads", "head_dim"), normal, qkv_bias)
-        self.v = proj("BSD,DKH->BSKH", (Dc, K, H), ("embed", "kv_heads", "head_dim"),
-                      ("kv_heads", "head_dim"), normal, qkv_bias)
-        self.o = proj("BTNH,NHD->BTD", (num_heads, H, d_model), ("heads", "head_dim", "embed"),
-                      ("embed",), out_normal, out_bias)
+        self.q, self.k, self.v, self.o = head_projections(
+            d_model, num_heads, K, H, context_dim=context_dim, qkv_bias=qkv_bias, out_bias=out_bias,
+            dtype=dtype, param_dtype=param_dtype, init_std=init_std, out_init_std=out_init_std,
+            rngs=rngs)
         if qk_norm:
             self.q_norm = make_norm(qk_norm_kind, H, eps=norm_eps, dtype=dtype,
                                     param_dtype=param_dtype, rngs=rngs)
@@ -169,6 +154,37 @@ class MultiHeadAttention(nnx.Module):
                                kv_positions=kv_positions)
         q, k, v = self.project(x, context, positions=positions, kv_positions=kv_positions)
         return self.attend(q, k, v, mask, bias)
+
+
+def head_projections(d_model: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
+                     context_dim: int | None = None, qkv_bias: bool = False,
+                     out_bias: bool = False, dtype: DType = jnp.float32,
+                     param_dtype: DType = jnp.float32, init_std: float = 0.02,
+                     out_init_std: float | None = None, rngs: nnx.Rngs):
+    """The four einsum projections of an attention-like mixer: q `[D, N, H]`, k and
+    v `[Dc, K, H]` (Dc: `context_dim`, default D), o `[N, H, D]`, each with its
+    logical axis names ("embed", "heads" / "kv_heads", "head_dim") and an optional
+    zero-initialised bias; N(0, init_std) kernels, o's N(0, out_init_std)."""
+    Dc = context_dim or d_model
+    normal = nnx.initializers.normal(init_std)
+    out_normal = nnx.initializers.normal(init_std if out_init_std is None else out_init_std)
+    zeros = nnx.initializers.zeros_init()
+
+    def proj(spec, shape, names, bias_names, init, use_bias):
+        return nnx.Einsum(spec, shape, shape[-len(bias_names):] if use_bias else None,
+                          dtype=dtype, param_dtype=param_dtype,
+                          kernel_init=with_logical_axes(init, names),
+                          bias_init=with_logical_axes(zeros, bias_names), rngs=rngs)
+
+    q = proj("BTD,DNH->BTNH", (d_model, num_heads, head_dim), ("embed", "heads", "head_dim"),
+             ("heads", "head_dim"), normal, qkv_bias)
+    k = proj("BSD,DKH->BSKH", (Dc, num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"),
+             ("kv_heads", "head_dim"), normal, qkv_bias)
+    v = proj("BSD,DKH->BSKH", (Dc, num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"),
+             ("kv_heads", "head_dim"), normal, qkv_bias)
+    o = proj("BTNH,NHD->BTD", (num_heads, head_dim, d_model), ("heads", "head_dim", "embed"),
+             ("embed",), out_normal, out_bias)
+    return q, k, v, o
 
 
 def _is_zero(offset) -> bool:

@@ -33,7 +33,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tfjax.parallel.sharding import shard, with_logical_axes
+from tfjax.nn.attention import head_projections
+from tfjax.parallel.sharding import shard
 from tfjax.registry import Registry
 from tfjax.typing import DType
 
@@ -193,24 +194,9 @@ class LinearAttention(nnx.Module):
         H = head_dim or d_model // num_heads
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, K, H
         self.feature_map, self.chunk_size, self.causal, self.eps = feature_map, chunk_size, causal, eps
-        normal = nnx.initializers.normal(init_std)
-        out_normal = nnx.initializers.normal(init_std if out_init_std is None else out_init_std)
-        zeros = nnx.initializers.zeros_init()
-
-        def proj(spec, shape, names, bias_names, init, use_bias):
-            return nnx.Einsum(spec, shape, shape[-len(bias_names):] if use_bias else None,
-                              dtype=dtype, param_dtype=param_dtype,
-                              kernel_init=with_logical_axes(init, names),
-                              bias_init=with_logical_axes(zeros, bias_names), rngs=rngs)
-
-        self.q = proj("BTD,DNH->BTNH", (d_model, num_heads, H), ("embed", "heads", "head_dim"),
-                      ("heads", "head_dim"), normal, qkv_bias)
-        self.k = proj("BTD,DKH->BTKH", (d_model, K, H), ("embed", "kv_heads", "head_dim"),
-                      ("kv_heads", "head_dim"), normal, qkv_bias)
-        self.v = proj("BTD,DKH->BTKH", (d_model, K, H), ("embed", "kv_heads", "head_dim"),
-                      ("kv_heads", "head_dim"), normal, qkv_bias)
-        self.o = proj("BTNH,NHD->BTD", (num_heads, H, d_model), ("heads", "head_dim", "embed"),
-                      ("embed",), out_normal, out_bias)
+        self.q, self.k, self.v, self.o = head_projections(
+            d_model, num_heads, K, H, qkv_bias=qkv_bias, out_bias=out_bias, dtype=dtype,
+            param_dtype=param_dtype, init_std=init_std, out_init_std=out_init_std, rngs=rngs)
 
     def project(self, x):
         q = shard(self.q(x), ("batch", "length", "heads", "head_dim"))
