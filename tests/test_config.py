@@ -25,6 +25,8 @@ GOOD = dict(vocab_size=64, d_model=32, num_layers=2, num_heads=4, d_ff=64)
     (dict(dropout_rate=1.0), "model.dropout_rate"),
     (dict(num_layers=0), "model.num_layers"),
     (dict(attn_softcap=-1.0), "model.attn_softcap"),
+    (dict(v_head_dim=-8), "model.v_head_dim"),
+    (dict(attention_sinks=1), "model.attention_sinks"),
     (dict(block="parallel", norm_placement="post"), "model.norm_placement"),
     (dict(arch="encoder", prefix_lm=True), "model.prefix_lm"),
     (dict(type_vocab_size=2), "model.type_vocab_size"),

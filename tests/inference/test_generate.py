@@ -37,6 +37,10 @@ CASES = {
                       attn_softcap=20.0, final_softcap=15.0),
     # learned positions, unscanned layers.
     "learned_unscanned": dict(position="learned", scan_layers=False),
+    # gpt-oss-like: learned sinks on local (W=3, rolling buffer) and global layers,
+    # values of a head dim of their own (12 against 8), GQA 4/2.
+    "sinks_value_head_dim": dict(attention_sinks=True, v_head_dim=12, num_kv_heads=2,
+                                 layer_pattern=("local", "global"), sliding_window=3),
 }
 
 PROMPT_LENGTHS = [6, 3]  # right-padded to 6
@@ -169,3 +173,7 @@ def test_cache_bytes_gqa_mqa_and_70b():
     assert models.cache_bytes(gqa8, 1, T) * 8 == b_mha
     assert models.cache_bytes(mqa, 1, T) * 64 == b_mha
     assert models.kv_bytes_per_token(gqa8) == 2 * 80 * 8 * 128 * 2
+    # values of their own head dim (DeepSeek-V3's MHA form: K 192, V 128 per head)
+    split = model_config(dict(base, head_dim=192, v_head_dim=128, attention_sinks=True))
+    assert models.cache_bytes(split, 1, T) == 80 * 64 * (192 + 128) * T * 2
+    assert models.kv_bytes_per_token(split) == 80 * 64 * (192 + 128) * 2

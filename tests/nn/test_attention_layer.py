@@ -77,6 +77,34 @@ def test_self_attention_matches_reference_forward_and_grads(N, K, bias):
                                        err_msg=name)
 
 
+def test_sinks_and_value_head_dim():
+    """gpt-oss's learned sinks (a softmax column per head with no value) and values of
+    a head dim of their own, against the plain reference with the column written
+    out; the sinks are `[N]` parameters with logical axis "heads" and get gradients."""
+    D, N, K, H, Hv = 24, 4, 2, 8, 12
+    layer = MultiHeadAttention(D, N, num_kv_heads=K, head_dim=H, v_head_dim=Hv, sinks=True,
+                               implementation="blockwise", init_std=0.5, rngs=nnx.Rngs(0))
+    assert layer.v.kernel.shape == (D, K, Hv) and layer.o.kernel.shape == (N, Hv, D)
+    assert layer.sinks.shape == (N,) and layer.sinks.sharding_names == ("heads",)
+    x = rand((2, 7, D), 1)
+    allowed = M.causal().dense(7, 7)
+
+    def reference(p, sinks):
+        q = jnp.einsum("btd,dnh->btnh", x, p["q"])
+        k = jnp.repeat(jnp.einsum("bsd,dkh->bskh", x, p["k"]), N // K, axis=2)
+        v = jnp.repeat(jnp.einsum("bsd,dkh->bskh", x, p["v"]), N // K, axis=2)
+        s = jnp.where(allowed[:, None], jnp.einsum("btnh,bsnh->bnts", q, k) * H ** -0.5, -1e30)
+        s = jnp.concatenate([s, jnp.broadcast_to(sinks[None, :, None, None], (2, N, 7, 1))], -1)
+        w = jax.nn.softmax(s, axis=-1)[..., :-1]
+        return jnp.einsum("btnh,nhd->btd", jnp.einsum("bnts,bsnh->btnh", w, v), p["o"])
+
+    np.testing.assert_allclose(layer(x, mask=M.causal()), reference(params_of(layer),
+                               layer.sinks[...]), atol=1e-5)
+    grad = nnx.grad(lambda m: jnp.sum(m(x, mask=M.causal()) ** 2))(layer)
+    want = jax.grad(lambda s: jnp.sum(reference(params_of(layer), s) ** 2))(layer.sinks[...])
+    np.testing.assert_allclose(grad.sinks[...], want, rtol=1e-5)
+
+
 def test_cross_attention_scale_and_bias():
     D, N = 16, 4
     layer = MultiHeadAttention(D, N, num_kv_heads=2, context_dim=12, scale=0.5, rngs=nnx.Rngs(0))

@@ -1,6 +1,6 @@
-"""Shared by the blockwise and pallas tests: inputs, masks by name, and one
-check of an implementation against `attention_reference` (forward, lse, dq, dk,
-dv, dbias, all under one jit so each case compiles once)."""
+"""Shared by the attention tests: inputs, masks by name, and one check of an
+implementation against `attention_reference` (forward, lse, dq, dk, dv, dbias,
+T5's table, the sinks, all under one jit so each case compiles once)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import numpy as np
 
 from tfjax.ops import attention_reference
 from tfjax.ops import masks as M
+from tfjax.ops.sinks import add_sinks
 
 TOL = {  # forward, grads (fp32: absolute + relative; bf16: relative error of the whole tensor)
     "float32": (1e-5, 1e-4),
@@ -17,11 +18,12 @@ TOL = {  # forward, grads (fp32: absolute + relative; bf16: relative error of th
 }
 
 
-def inputs(B, T, S, N, K, H, dtype=jnp.float32, seed=0, bias=None):
+def inputs(B, T, S, N, K, H, dtype=jnp.float32, seed=0, bias=None, Hv=None):
+    """q `[B,T,N,H]`, k `[B,S,K,H]`, v `[B,S,K,Hv]` (Hv default H), bias `[*bias, T, S]`."""
     ks = jax.random.split(jax.random.key(seed), 5)
     q = jax.random.normal(ks[0], (B, T, N, H), jnp.float32).astype(dtype)
     k = jax.random.normal(ks[1], (B, S, K, H), jnp.float32).astype(dtype)
-    v = jax.random.normal(ks[2], (B, S, K, H), jnp.float32).astype(dtype)
+    v = jax.random.normal(ks[2], (B, S, K, Hv or H), jnp.float32).astype(dtype)
     b = None
     if bias is not None:  # bias = (Bb, Nb)
         b = jax.random.normal(ks[3], (*bias, T, S), jnp.float32)
@@ -162,16 +164,26 @@ def relative_for(kind, B, T, S, N, seed=5):
                 positions=positions)
 
 
+def sinks_for(N, seed=11):
+    """Sink logits `[N]` of a test case: both signs, one far above typical logits
+    (that head's rows put most of their weight on the sink)."""
+    s = np.random.default_rng(seed).normal(size=N).astype(np.float32)
+    s[0] = 4.0
+    return jnp.asarray(s)
+
+
 def run(impl, q, k, v, mask, bias, *, softcap=None, q_offset=0, kv_offset=0, scale=None,
-        alibi_slopes=None, alibi_positions=None, relative=None, ref=False, **kw):
-    """(out, lse, grads) of `_loss`, jitted; grads w.r.t. q, k, v (and bias, and the
-    T5 table of `relative`). The reference takes ALiBi and T5's bias as explicit
-    biases (`alibi_as_bias`, `relative_as_bias`)."""
+        alibi_slopes=None, alibi_positions=None, relative=None, sinks=None, ref=False, **kw):
+    """(out, lse, grads) of `_loss`, jitted; grads w.r.t. q, k, v (and bias, the T5
+    table of `relative`, and `sinks`). The reference takes ALiBi and T5's bias as
+    explicit biases (`alibi_as_bias`, `relative_as_bias`) and the sinks natively
+    (a softmax column); `impl` gets them as the dispatch adds them to every other
+    implementation (`tfjax.ops.sinks.add_sinks` on its out and lse)."""
     from tfjax.ops import RelativeBias
     B, T, _, H = q.shape
     scale_v = H ** -0.5 if scale is None else scale
 
-    def f(q, k, v, bias, table):
+    def f(q, k, v, bias, table, sinks):
         rel = None if relative is None else {**relative, "table": table}
         if ref:  # out from the reference, lse from the dense logsumexp
             if alibi_slopes is not None:
@@ -182,8 +194,10 @@ def run(impl, q, k, v, mask, bias, *, softcap=None, q_offset=0, kv_offset=0, sca
                 r = relative_as_bias(rel, B, T, k.shape[1], q_offset, kv_offset)
                 bias = r if bias is None else bias + r
             out = attention_reference(q, k, v, mask, bias=bias, scale=scale, softcap=softcap,
-                                      q_offset=q_offset, kv_offset=kv_offset)
+                                      q_offset=q_offset, kv_offset=kv_offset, sinks=sinks)
             lse = dense_lse(q, k, mask, bias, scale_v, softcap, q_offset, kv_offset)
+            if sinks is not None:
+                lse = jnp.logaddexp(lse, sinks[None, :, None])
         else:
             if alibi_slopes is not None:
                 kw.update(alibi_slopes=alibi_slopes, alibi_positions=alibi_positions)
@@ -194,12 +208,16 @@ def run(impl, q, k, v, mask, bias, *, softcap=None, q_offset=0, kv_offset=0, sca
                     q_positions=pos[0], kv_positions=pos[1])
             out, lse = impl(q, k, v, mask, bias=bias, scale=scale, softcap=softcap,
                             q_offset=q_offset, kv_offset=kv_offset, return_lse=True, **kw)
+            if sinks is not None:
+                out, lse = add_sinks(out, lse, sinks)
+                out = out.astype(q.dtype)
         return _loss(out, lse), (out, lse)
 
-    argnums = (0, 1, 2) + ((3,) if bias is not None else ()) + ((4,) if relative else ())
+    argnums = (0, 1, 2) + ((3,) if bias is not None else ()) + ((4,) if relative else ()) + \
+        ((5,) if sinks is not None else ())
     table = None if relative is None else relative["table"]
     (_, (out, lse)), grads = jax.jit(jax.value_and_grad(f, argnums, has_aux=True))(
-        q, k, v, bias, table)
+        q, k, v, bias, table, sinks)
     return out, lse, grads
 
 
@@ -232,9 +250,13 @@ def alibi_for(kind, B, T, S, N):
                                                  rng.integers(0, 48, (1, S)).astype(np.int32)))
 
 
-def check_against_reference(impl, q, k, v, mask, bias=None, alibi=None, relative=None, **kw):
+def check_against_reference(impl, q, k, v, mask, bias=None, alibi=None, relative=None,
+                            sinks=False, **kw):
     """`alibi`: None, "N", "BN" or "pos" (`alibi_for`); `relative` (T5's bias): None,
-    "causal", "bidir" or "pos" (`relative_for`)."""
+    "causal", "bidir" or "pos" (`relative_for`); `sinks`: learned sinks
+    (`sinks_for`). v may have a head dim of its own."""
+    if sinks:
+        kw["sinks"] = sinks_for(q.shape[2])
     if alibi is not None:
         kw.update(alibi_for(alibi, q.shape[0], q.shape[1], k.shape[1], q.shape[2]))
     if relative is not None:
@@ -244,14 +266,14 @@ def check_against_reference(impl, q, k, v, mask, bias=None, alibi=None, relative
     out, lse, grads = run(impl, q, k, v, mask, bias, **kw, **impl_kw)
     r_out, r_lse, r_grads = run(None, q, k, v, mask, bias, ref=True, **kw)
     dtype = q.dtype
-    assert out.dtype == q.dtype and out.shape == q.shape
+    assert out.dtype == q.dtype and out.shape == (*q.shape[:3], v.shape[-1])
     assert lse.dtype == jnp.float32 and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
     assert_close(out, r_out, dtype, "out", "fwd")
     np.testing.assert_array_equal(np.isinf(lse), np.isinf(r_lse), err_msg="lse -inf rows")
     assert_close(jnp.where(jnp.isinf(r_lse), 0, lse), jnp.where(jnp.isinf(r_lse), 0, r_lse),
                  dtype, "lse", "fwd")
     names = ("dq", "dk", "dv") + (("dbias",) if bias is not None else ()) + \
-        (("dtable",) if relative is not None else ())
+        (("dtable",) if relative is not None else ()) + (("dsinks",) if sinks else ())
     assert len(grads) == len(r_grads) == len(names)
     for name, g, rg in zip(names, grads, r_grads):
         assert_close(g, rg, dtype, name, "grad")

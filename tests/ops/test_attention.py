@@ -4,6 +4,7 @@ their messages, "auto" never changing semantics, the fixed table and the literal
 choice. The implementations against the reference: test_implementations.py."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -70,6 +71,58 @@ def test_alibi_slopes_shape_error_and_cudnn_declines():
     assert select_implementation(r) == "pallas"  # auto passes cuDNN over for ALiBi
     cpu = dataclasses.replace(r, backend="cpu", dtype="float32")
     assert select_implementation(cpu) == "blockwise"
+
+
+@pytest.mark.parametrize("impl", ["blockwise", "pallas", "reference"])
+def test_sinks_through_the_dispatch_equal_the_reference(impl):
+    """`dot_product_attention(sinks=)`: the dispatch adds them to the implementation's
+    (out, lse) (the reference has its own softmax column). Output, logsumexp and the
+    gradients of q, k, v and the sinks match; a row that sees no key returns zeros
+    (example 0) and its lse is its head's sink."""
+    q, k, v, _ = inputs(2, 40, 50, 4, 2, 16, Hv=8)
+    sinks = jnp.array([4.0, -1.0, 0.5, 0.0])
+    mask = M.causal() & M.padding(np.array([0, 35]))
+
+    def f(impl, q, k, v, sinks):
+        out, lse = dot_product_attention(q, k, v, mask, sinks=sinks, softcap=5.0,
+                                         implementation=impl, return_lse=True)
+        return jnp.sum(jnp.sin(out)) + jnp.sum(jnp.cos(lse)), (out, lse)
+
+    grad = lambda impl: jax.jit(jax.grad(functools.partial(f, impl), (0, 1, 2, 3),
+                                         has_aux=True))(q, k, v, sinks)
+    (g, (out, lse)), (rg, (r_out, r_lse)) = grad(impl), grad("reference")
+    assert out.shape == (2, 40, 4, 8)
+    np.testing.assert_array_equal(out[0], 0.0)
+    np.testing.assert_allclose(lse[0], jnp.broadcast_to(sinks[:, None], (4, 40)), rtol=1e-6)
+    np.testing.assert_allclose(out, r_out, atol=1e-5)
+    np.testing.assert_allclose(lse, r_lse, atol=1e-5)
+    for name, a, b in zip(("dq", "dk", "dv", "dsinks"), g, rg):
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4, err_msg=name)
+    assert float(jnp.abs(g[3]).min()) > 0  # every head's sink gets a gradient
+
+
+def test_sinks_and_value_head_dim_errors_and_refusals():
+    q, k, v = rand((1, 4, 4, 8), 0), rand((1, 6, 2, 8), 1), rand((1, 6, 2, 12), 2)
+    with pytest.raises(ValueError, match=r"sinks must have one logit per query head, shape \[4\]"):
+        dot_product_attention(q, k, k, sinks=jnp.zeros(2))
+    with pytest.raises(ValueError, match="sinks must be floating"):
+        dot_product_attention(q, k, k, sinks=jnp.zeros(4, jnp.int32))
+    with pytest.raises(ValueError, match="xla.*no attention sinks"):
+        dot_product_attention(q, k, k, sinks=jnp.zeros(4), implementation="xla")
+    with pytest.raises(ValueError, match="only the head dim of v may differ"):
+        dot_product_attention(q, k, v[:, :5])
+    r = AttentionRequest(q_shape=(1, 8, 4, 64), k_shape=(1, 8, 4, 64), dtype="bfloat16",
+                         backend="gpu", mask=M.causal(), has_bias=False, softcap=None,
+                         offsets=False, return_lse=False)
+    with pytest.raises(ValueError, match="cuDNN attention has no attention sinks"):
+        select_implementation(dataclasses.replace(r, has_sinks=True), "cudnn")
+    with pytest.raises(ValueError, match="v's head dim"):
+        select_implementation(dataclasses.replace(r, v_head_dim=32), "cudnn")
+    assert select_implementation(dataclasses.replace(r, has_sinks=True, v_head_dim=32)) == "pallas"
+    # xla serves Hv != H (zero-padded to one head dim), both ways round
+    for vv, kk, qq in ((v, k, q), (k, v, rand((1, 4, 4, 12), 3))):
+        got = dot_product_attention(qq, kk, vv, M.causal(), implementation="xla")
+        np.testing.assert_allclose(got, attention_reference(qq, kk, vv, M.causal()), atol=1e-6)
 
 
 def test_relative_bias_errors_and_dispatch():

@@ -2,7 +2,9 @@
 reference, forward, logsumexp and every gradient (dq, dk, dv, dbias, T5's table),
 on shapes that are no multiple of any tile, GQA and MQA, every mask kind and
 their combinations with offsets, fully masked rows, soft-cap, bias, ALiBi, T5's
-bias, bf16 (`attention_cases.check_against_reference`, one jit per case).
+bias, learned sinks (added as the dispatch adds them, and their gradient), a
+value head dim of its own (`Hv`), bf16 (`attention_cases.check_against_reference`,
+one jit per case).
 
 The implementation is the first parameter of every test (`IMPLEMENTATIONS`):
 
@@ -57,6 +59,8 @@ def cases(impls, B, T, S, heads, H, mask, *, name=None, marks=(), **extras):
     extras), id `<impl>-<name>` (default name: its sizes, mask and a bf16 dtype)."""
     if name is None:
         name = f"T{T}-S{S}-NK{heads[0]}x{heads[1]}-H{H}-{mask}"
+        name += f"-Hv{extras['Hv']}" if extras.get("Hv") else ""
+        name += "-sinks" if extras.get("sinks") else ""
         name += "-bf16" if extras.get("dtype") == jnp.bfloat16 else ""
     return [pytest.param(impl, B, T, S, heads, H, mask, extras, id=f"{impl}-{name}", marks=marks)
             for impl in impls]
@@ -91,6 +95,16 @@ CASES = [
     *cases(("blockwise",), 1, 100, 300, (4, 2), 32, "causal&segments", bias=(1, 4), softcap=5.0,
            alibi="N", relative="pos"),
     *cases(("blockwise",), 2, 384, 384, (8, 2), 64, "causal", dtype=jnp.bfloat16),
+    # learned sinks with every mask kind and a soft-cap (32 x 32 tiles), values of
+    # their own head dim; fully masked rows with sinks stay zero
+    *[p for mask in ("none", "causal", "window_lr", "chunked", "prefix", "causal&segments",
+                     "padding_fully_masked", "longformer&causal", "bigbird", "positions_window",
+                     "prefix|window")
+      for p in cases(("blockwise",), 2, 70, 90, (4, 2), 16, mask, sinks=True, softcap=5.0,
+                     Hv=24 if mask in ("causal", "bigbird", "prefix") else None, block_q=32,
+                     block_kv=32)],
+    *cases(("blockwise",), 2, 100, 100, (8, 1), 32, "causal&segments", Hv=16, alibi="N",
+           relative="pos", bias=(1, 8)),
     # mosaic_tpu: every mask kind in a kernel (iota masks, segment tiles, per-example
     # scalars), head dims padded to 128 lanes, T5's bias at index and explicit positions
     *cases(("mosaic_tpu",), 2, 100, 200, (8, 2), 80, "causal&segments", softcap=20.0, q_offset=3,
@@ -127,6 +141,14 @@ CASES = [
     *cases(("mosaic_tpu",), 2, 4, 200, (8, 2), 32, "segments", kv_splits=5, alibi="pos",
            bias=(1, 8)),
     *cases(("mosaic_tpu",), 1, 256, 256, (8, 2), 64, "causal", dtype=jnp.bfloat16),
+    # sinks and Hv != H (padded to one lane width with H); decode packed and split
+    # with sinks (added once, after the chunks merge)
+    *cases(("mosaic_tpu",), 2, 100, 200, (4, 2), 48, "causal&segments", Hv=32, sinks=True,
+           softcap=10.0, q_offset=3, alibi="BN"),
+    *cases(("mosaic_tpu",), 2, 130, 130, (4, 1), 32, "padding_fully_masked", Hv=136, sinks=True,
+           relative="bidir"),
+    *cases(("mosaic_tpu",), 2, 1, 300, (8, 2), 64, "positions", Hv=40, sinks=True,
+           pack_heads=True, kv_splits=3),
     # triton: GQA / MQA with every per-tile extra, fully masked rows, a KV cache
     *cases(("triton",), 2, 100, 200, (8, 2), 80, "causal&segments",
            name="gqa-segments-softcap-bias-alibi-t5-tails", softcap=20.0, q_offset=3,
@@ -137,6 +159,10 @@ CASES = [
            name="alibi-t5-positions-segments", alibi="pos", relative="pos"),
     *cases(("triton",), 2, 70, 200, (4, 2), 32, "positions_window",
            name="kv-cache-positions-window"),
+    *cases(("triton",), 2, 100, 130, (4, 2), 48, "window&segments", name="sinks-hv24-softcap-bias",
+           Hv=24, sinks=True, softcap=10.0, bias=(2, 1)),
+    *cases(("triton",), 2, 70, 90, (4, 4), 16, "padding_fully_masked", name="sinks-hv40-alibi",
+           Hv=40, sinks=True, alibi="pos"),
     # mosaic_gpu: two consumer warpgroups and a producer (warp specialisation, the
     # default) take turns on the tensor cores (ping-pong) unless pingpong=False or
     # overlap=True (each overlaps its own softmax with its P V matmul);
@@ -161,6 +187,8 @@ CASES = [
                 HC(block_kv=64), HB(), alibi="BN", q_offset=30, kv_offset=5),
     *mosaic_gpu(1, 70, 150, (2, 1), 64, "positions_window", "kv-cache-positions-window",
                 HC(block_kv=64), HB()),
+    *mosaic_gpu(1, 70, 100, (2, 1), 64, "padding_fully_masked", "sinks-fully-masked-rows",
+                HC(block_kv=64), HB(), sinks=True),
     # sweeps (slow): masks by heads (blockwise, 32 x 64 tiles), masks by head dim
     # (mosaic_tpu), each with a broadcast bias and a soft-cap
     *[p for mask, heads in (("window", (4, 4)), ("chunked", (8, 1)), ("segments", (8, 2)),
@@ -179,10 +207,11 @@ def test_matches_reference(impl, B, T, S, heads, H, mask_name, extras):
     fn, tiles = IMPLEMENTATIONS[impl]
     extras = {**tiles, **extras}
     dtype = extras.pop("dtype", jnp.float32)
+    Hv = extras.pop("Hv", None)
     if dtype == jnp.bfloat16 and impl == "blockwise":
         # the bf16 tolerance holds under the CPU suite's fast compile (tests/conftest.py)
         assert jax.config.values["jax_disable_most_optimizations"] or jax.default_backend() != "cpu"
-    q, k, v, bias = inputs(B, T, S, *heads, H, dtype=dtype, bias=extras.pop("bias", None))
+    q, k, v, bias = inputs(B, T, S, *heads, H, dtype=dtype, bias=extras.pop("bias", None), Hv=Hv)
     check_against_reference(fn, q, k, v, make_mask(mask_name, B, T, S), bias, **extras)
 
 

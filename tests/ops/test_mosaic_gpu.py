@@ -115,6 +115,8 @@ def test_refusals_name_the_fix():
         flash_attention_gpu(qb, qb, qb, bias=jnp.zeros((1, 1, 64, 64)), forward="hopper")
     with pytest.raises(ValueError, match="forward must be one of"):
         flash_attention_gpu(qb, qb, qb, forward="mosaic")
+    with pytest.raises(ValueError, match="v's head dim equal to q/k's.*forward='triton'"):
+        flash_attention_gpu(qb, qb, qb[..., :32], forward="hopper")
     with pytest.raises(ValueError, match="lower block_kv or stages"):
         flash_forward_hopper(jnp.zeros((1, 64, 2, 256), jnp.bfloat16),
                              jnp.zeros((1, 64, 1, 256), jnp.bfloat16),

@@ -46,11 +46,16 @@ def _shard_map(f, mesh, in_specs, out_specs):
 
 
 def compile_attention(topology, *, T, S, N, K, H, dtype, mask_name, softcap=None, bias=False,
-                      alibi=False, relative=None, grad=True, block_sizes=None):
+                      alibi=False, relative=None, grad=True, block_sizes=None, Hv=None,
+                      sinks=False):
     """`relative`: T5's bias, "index" (causal buckets at the index positions) or "pos"
     (bidirectional, the segment-id operands as explicit positions); its table, an
-    argument, is differentiated too."""
+    argument, is differentiated too. `Hv`: v's head dim (default H). `sinks`: learned
+    sinks added to the kernels' (out, lse) as the dispatch adds them (the backward
+    then takes the logsumexp's cotangent)."""
     from tfjax.ops import RelativeBias
+    from tfjax.ops.sinks import add_sinks
+    Hv = Hv or H
     mesh = _mesh(topology)
     D = mesh.devices.size
     B = D  # one example per device
@@ -73,9 +78,12 @@ def compile_attention(topology, *, T, S, N, K, H, dtype, mask_name, softcap=None
                 pos = (q_seg, kv_seg) if relative == "pos" else (None, None)
                 rel = RelativeBias(table, bidirectional=relative == "pos", max_distance=128,
                                    q_positions=pos[0], kv_positions=pos[1])
-            return flash_attention_tpu(q, k, v, mask, bias=b, softcap=softcap, interpret=False,
-                                       alibi_slopes=slopes, relative_bias=rel,
-                                       block_sizes=block_sizes)
+            out = flash_attention_tpu(q, k, v, mask, bias=b, softcap=softcap, interpret=False,
+                                      alibi_slopes=slopes, relative_bias=rel,
+                                      block_sizes=block_sizes, return_lse=sinks)
+            if sinks:
+                out = add_sinks(*out, jnp.linspace(-1.0, 2.0, N))[0].astype(q.dtype)
+            return out
 
         if not grad:
             return f(q, k, v, b, table)
@@ -85,7 +93,7 @@ def compile_attention(topology, *, T, S, N, K, H, dtype, mask_name, softcap=None
 
     spec = P("data")
     sds = lambda shape, dt, s=spec: jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, s))
-    args = (sds((B, T, N, H), dtype), sds((B, S, K, H), dtype), sds((B, S, K, H), dtype),
+    args = (sds((B, T, N, H), dtype), sds((B, S, K, H), dtype), sds((B, S, K, Hv), dtype),
             sds((B, T), jnp.int32), sds((B, S), jnp.int32),
             sds((B, N, T, S), jnp.float32) if bias else None,
             sds((32, N), jnp.float32, P()) if relative else None)
@@ -108,12 +116,15 @@ CASES = [  # (topology, mask, (N, K), H, dtype, extras)
     # T5's bias: table in SMEM, buckets per tile, the dq kernel's per-bucket sums
     ("v5e:2x2", "causal", (8, 2), 128, jnp.bfloat16, {"relative": "index"}),
     ("v5p:2x2x1", "causal&segments", (4, 4), 64, jnp.float32, {"relative": "pos"}),
+    # DeepSeek's head dims (q/k 192, v 128: both padded to 256 lanes) with gpt-oss's sinks
+    ("v5e:2x2", "causal", (8, 2), 192, jnp.bfloat16, {"Hv": 128, "sinks": True}),
 ]
 
 
 @pytest.mark.parametrize("topology,mask_name,heads,H,dtype,extras", CASES,
                          ids=[f"{c[0]}-{c[1]}-NK{c[2][0]}x{c[2][1]}-H{c[3]}-"
                               f"{jnp.dtype(c[4]).name}" + ("-t5" if "relative" in c[5] else "")
+                              + ("-hv-sinks" if "sinks" in c[5] else "")
                               for c in CASES])
 def test_tpu_kernels_compile(topology, mask_name, heads, H, dtype, extras):
     compiled = compile_attention(topology, T=1000, S=1000, N=heads[0], K=heads[1], H=H,

@@ -18,10 +18,12 @@ from tfjax.ops.pallas import BlockSizes, flash_attention_gpu
 
 
 
-def _lower_for_cuda(mask_name, H, dtype, bias, alibi=False, relative=None):
+def _lower_for_cuda(mask_name, H, dtype, bias, alibi=False, relative=None, Hv=None):
     """`relative`: T5's bias at the index positions ("index") or at the segment-id
-    operands as positions ("pos")."""
+    operands as positions ("pos"). `Hv`: v's head dim (default H); with it, learned
+    sinks on the kernels' (out, lse) as the dispatch adds them."""
     from tfjax.ops import RelativeBias
+    from tfjax.ops.sinks import add_sinks
     B, T, S, N, K = 2, 300, 500, 8, 2
     sds = jax.ShapeDtypeStruct
 
@@ -35,26 +37,31 @@ def _lower_for_cuda(mask_name, H, dtype, bias, alibi=False, relative=None):
             pos = (qs, ks) if relative == "pos" else (None, None)
             rel = RelativeBias(jnp.ones((32, N)), bidirectional=relative == "pos",
                                q_positions=pos[0], kv_positions=pos[1])
-        loss = lambda q, k, v, b: flash_attention_gpu(
-            q, k, v, mask, bias=b, softcap=30.0, alibi_slopes=slopes, relative_bias=rel,
-            forward="triton", backward="triton").astype(jnp.float32).sum()
+        def loss(q, k, v, b):
+            out, lse = flash_attention_gpu(q, k, v, mask, bias=b, softcap=30.0,
+                                           alibi_slopes=slopes, relative_bias=rel,
+                                           forward="triton", backward="triton", return_lse=True)
+            if Hv:
+                out = add_sinks(out, lse, jnp.linspace(-1.0, 2.0, N))[0]
+            return out.astype(jnp.float32).sum()
         return jax.grad(loss, (0, 1, 2, 3) if bias else (0, 1, 2))(q, k, v, b)
 
-    args = (sds((B, T, N, H), dtype), sds((B, S, K, H), dtype), sds((B, S, K, H), dtype),
+    args = (sds((B, T, N, H), dtype), sds((B, S, K, H), dtype), sds((B, S, K, Hv or H), dtype),
             sds((B, T), jnp.int32), sds((B, S), jnp.int32),
             sds((1, N, T, S), jnp.float32) if bias else None)
     return lower_for_cuda(f, *args)
 
 
-@pytest.mark.parametrize("mask_name,H,dtype,bias,alibi,relative", [
-    ("causal", 128, jnp.bfloat16, False, False, None),
-    ("causal&segments", 64, jnp.float16, True, False, "pos"),
-    ("window", 256, jnp.bfloat16, False, True, None),
-    ("prefix|padding", 80, jnp.float32, False, False, "index"),
+@pytest.mark.parametrize("mask_name,H,dtype,bias,alibi,relative,Hv", [
+    ("causal", 128, jnp.bfloat16, False, False, None, None),
+    ("causal&segments", 64, jnp.float16, True, False, "pos", None),
+    ("window", 256, jnp.bfloat16, False, True, None, None),
+    ("prefix|padding", 80, jnp.float32, False, False, "index", None),
+    ("causal", 192, jnp.bfloat16, False, False, None, 128),  # DeepSeek's dims, sinks
 ])
-def test_kernels_lower_to_triton(mask_name, H, dtype, bias, alibi, relative):
+def test_kernels_lower_to_triton(mask_name, H, dtype, bias, alibi, relative, Hv):
     try:
-        text = _lower_for_cuda(mask_name, H, dtype, bias, alibi, relative)
+        text = _lower_for_cuda(mask_name, H, dtype, bias, alibi, relative, Hv)
     except Exception as e:
         if "cuda" in str(e).lower() and "platform" in str(e).lower():
             pytest.skip(f"this jaxlib cannot lower for cuda: {str(e).splitlines()[0][:120]}")

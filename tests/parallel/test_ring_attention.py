@@ -38,13 +38,16 @@ def mesh2x4():
     return _mesh((2, 4), ("data", "sequence"))
 
 
-def _inputs(seed=0, kv_heads=K):
+def _inputs(seed=0, kv_heads=K, Hv=H):
     ks = jax.random.split(jax.random.key(seed), 4)
     q = jax.random.normal(ks[0], (B, T, N, H), jnp.float32)
     k = jax.random.normal(ks[1], (B, T, kv_heads, H), jnp.float32)
-    v = jax.random.normal(ks[2], (B, T, kv_heads, H), jnp.float32)
-    ct = jax.random.normal(ks[3], (B, T, N, H), jnp.float32)
+    v = jax.random.normal(ks[2], (B, T, kv_heads, Hv), jnp.float32)
+    ct = jax.random.normal(ks[3], (B, T, N, Hv), jnp.float32)
     return q, k, v, ct
+
+
+SINKS = jnp.asarray([3.0, -1.0, 0.5, 0.0, 1.5, -2.0, 0.2, 2.5])  # one per query head
 
 
 def _segment_ids():
@@ -105,25 +108,27 @@ def _out_and_grads(attn, *args_and_ct):
 
 
 def _compare(mask, mesh, load_balance, batch_axes=None, kv_heads=K, softcap=None, scale=None,
-             alibi=None, relative=None, **kwargs):
-    """ring_attention against the reference: out, dq, dk, dv (and T5's dtable)."""
-    q, k, v, ct = _inputs(kv_heads=kv_heads)
+             alibi=None, relative=None, sinks=None, Hv=H, **kwargs):
+    """ring_attention against the reference: out, dq, dk, dv (and T5's dtable, the
+    sinks' gradient); v of head dim `Hv`."""
+    q, k, v, ct = _inputs(kv_heads=kv_heads, Hv=Hv)
     alibi = alibi or {}
     table = None if relative is None else relative["table"]
 
-    def ring(q, k, v, t):
+    def ring(q, k, v, t, s):
         return ring_attention(q, k, v, mask, mesh=mesh, batch_axes=batch_axes,
                               load_balance=load_balance, block_q=8, block_kv=8,
                               softcap=softcap, scale=scale, relative_bias=_rb(relative, t),
-                              **alibi, **kwargs)
+                              sinks=s, **alibi, **kwargs)
 
-    got = jax.jit(lambda *a: _out_and_grads(ring, *a))(q, k, v, table, ct)
+    got = jax.jit(lambda *a: _out_and_grads(ring, *a))(q, k, v, table, sinks, ct)
     want = jax.jit(lambda *a: _out_and_grads(
-        lambda q, k, v, t: attention_reference(q, k, v, mask, softcap=softcap, scale=scale,
-                                               relative_bias=_rb(relative, t), **alibi),
-        *a))(q, k, v, table, ct)
+        lambda q, k, v, t, s: attention_reference(q, k, v, mask, softcap=softcap, scale=scale,
+                                                  relative_bias=_rb(relative, t), sinks=s,
+                                                  **alibi),
+        *a))(q, k, v, table, sinks, ct)
     np.testing.assert_allclose(got[0], want[0], atol=1e-5, rtol=1e-5)
-    for name, g, w in zip(["q", "k", "v", "table"], got[1:], want[1:]):
+    for name, g, w in zip(["q", "k", "v", "table", "sinks"], got[1:], want[1:]):
         if w is not None:
             np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4, err_msg=f"d{name}")
 
@@ -189,10 +194,19 @@ def test_pallas_kernels_inside_the_ring(mesh4):
     # packed documents, causal, zig-zag (traced per-chunk offsets), GQA 8/2.
     # With ALiBi at index positions: each chunk's global offset reaches the kernels;
     # T5's bias at the packed positions (rotating with K/V), its table's gradient
-    # summed over the blocks and the devices.
+    # summed over the blocks and the devices. Learned sinks join each row once,
+    # after the ring; values of a head dim of their own (8 against 16).
     _compare(MASKS["segments_causal"](), mesh4, "zigzag", implementation="pallas",
              block_sizes=BlockSizes(8, 128, 8, 128, 8, 128), alibi=_alibi(positions=False),
-             relative=_relative(True))
+             relative=_relative(True), sinks=SINKS, Hv=8)
+
+
+def test_sinks_and_value_head_dim_through_the_ring(mesh2x4):
+    """Sinks (their gradient summed over the data and sequence devices) and Hv = 24
+    with the blockwise blocks, zig-zag, packed documents; the sinks also cover the
+    fully masked rows of the reference's "window" rows (none here)."""
+    _compare(MASKS["segments_causal"](), mesh2x4, "zigzag", batch_axes="data", sinks=SINKS,
+             Hv=24, softcap=5.0)
 
 
 @pytest.mark.parametrize("implementation,family", [("blockwise", "blockwise"),
@@ -230,26 +244,30 @@ def _all_gather_matches_reference(mesh, **kwargs):
     table (its gradient summed over the devices); out, dq, dk, dv, dtable. Returns
     the gathered attention and its q, k, v."""
     mask = MASKS["segments_causal"]()
-    q, k, v, ct = _inputs()
+    sinks = kwargs.pop("sinks", None)
+    q, k, v, ct = _inputs(Hv=kwargs.pop("Hv", H))
     alibi, rel = _alibi(positions=True), _relative(True)
 
-    def gathered(q, k, v, t=rel["table"]):
+    def gathered(q, k, v, t=rel["table"], s=sinks):
         return all_gather_attention(q, k, v, mask, mesh=mesh, batch_axes="data",
-                                    relative_bias=_rb(rel, t), **alibi, **kwargs)
+                                    relative_bias=_rb(rel, t), sinks=s, **alibi, **kwargs)
 
-    got = jax.jit(lambda *a: _out_and_grads(gathered, *a))(q, k, v, rel["table"], ct)
+    got = jax.jit(lambda *a: _out_and_grads(gathered, *a))(q, k, v, rel["table"], sinks, ct)
     want = jax.jit(lambda *a: _out_and_grads(
-        lambda q, k, v, t: attention_reference(q, k, v, mask, relative_bias=_rb(rel, t),
-                                               **alibi), *a))(q, k, v, rel["table"], ct)
+        lambda q, k, v, t, s: attention_reference(q, k, v, mask, relative_bias=_rb(rel, t),
+                                                  sinks=s, **alibi),
+        *a))(q, k, v, rel["table"], sinks, ct)
     np.testing.assert_allclose(got[0], want[0], atol=1e-5, rtol=1e-5)
-    for name, g, w in zip(["q", "k", "v", "table"], got[1:], want[1:]):
-        np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4, err_msg=f"d{name}")
+    for name, g, w in zip(["q", "k", "v", "table", "sinks"], got[1:], want[1:]):
+        if w is not None:
+            np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4, err_msg=f"d{name}")
     return gathered, (q, k, v)
 
 
 @pytest.mark.xla_optimized  # the compiled HLO is checked too
 def test_all_gather_attention_matches_reference(mesh2x4):
-    gathered, args = _all_gather_matches_reference(mesh2x4, block_q=8, block_kv=8)
+    gathered, args = _all_gather_matches_reference(mesh2x4, block_q=8, block_kv=8, sinks=SINKS,
+                                                   Hv=8)
     hlo = jax.jit(gathered).lower(*args).compile().as_text()
     assert "all-gather" in hlo and "collective-permute" not in hlo
 

@@ -124,6 +124,7 @@ class ModelConfig:
     num_heads: int = 4
     num_kv_heads: int = 0  # 0 -> num_heads (MHA); 1 -> MQA; else GQA
     head_dim: int = 0  # 0 -> d_model // num_heads
+    v_head_dim: int = 0  # values' head dim; 0 -> head_dim (DeepSeek: 128 against 192)
     d_ff: int = 256
     max_len: int = 2048  # learned / sinusoidal position tables
 
@@ -137,6 +138,7 @@ class ModelConfig:
     qk_norm: bool = False
     attn_scale: float = 0.0  # 0 -> 1/sqrt(head_dim)
     attn_softcap: float = 0.0  # 0 -> off; Gemma 2: 50
+    attention_sinks: bool = False  # a learned sink logit per head (gpt-oss; tfjax.ops.sinks)
     attention_impl: str = "auto"
     # Self-attention when the mesh splits the sequence (mesh.sequence > 1): "ring"
     # (ring attention, K/V circulate; O(S/n) memory) | "all_gather" (each device
@@ -203,6 +205,10 @@ class ModelConfig:
         return self.head_dim or self.d_model // self.num_heads
 
     @property
+    def value_head_size(self) -> int:
+        return self.v_head_dim or self.head_size
+
+    @property
     def encoder_layers(self) -> int:
         return self.num_encoder_layers or self.num_layers
 
@@ -231,7 +237,8 @@ def validate_model(c: ModelConfig, p: str) -> None:
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_len",
                  "norm_eps", "init_std"):
         positive(f"{p}.{name}", getattr(c, name))
-    for name in ("num_encoder_layers", "num_kv_heads", "head_dim", "attn_scale", "attn_softcap",
+    for name in ("num_encoder_layers", "num_kv_heads", "head_dim", "v_head_dim", "attn_scale",
+                 "attn_softcap",
                  "final_softcap", "sliding_window", "type_vocab_size", "num_classes"):
         non_negative(f"{p}.{name}", getattr(c, name))
     positive(f"{p}.logits_scale", c.logits_scale)

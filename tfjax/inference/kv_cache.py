@@ -136,9 +136,10 @@ class KVCache(LayerCache):
 
     @classmethod
     def empty(cls, batch: int, size: int, kv_heads: int, head_dim: int, dtype, *,
-              window: int = 0) -> "KVCache":
-        shape = (batch, size, kv_heads, head_dim)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
+              window: int = 0, v_head_dim: int | None = None) -> "KVCache":
+        shape = (batch, size, kv_heads)
+        return cls(jnp.zeros((*shape, head_dim), dtype),
+                   jnp.zeros((*shape, v_head_dim or head_dim), dtype),
                    jnp.zeros((batch,), jnp.int32), window)
 
     @property
@@ -199,10 +200,11 @@ class CrossKVCache(LayerCache):
     AXES = {"k": KV_AXES, "v": KV_AXES}
 
     @classmethod
-    def empty(cls, batch: int, length: int, kv_heads: int, head_dim: int,
-              dtype) -> "CrossKVCache":
-        shape = (batch, length, kv_heads, head_dim)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
+    def empty(cls, batch: int, length: int, kv_heads: int, head_dim: int, dtype, *,
+              v_head_dim: int | None = None) -> "CrossKVCache":
+        shape = (batch, length, kv_heads)
+        return cls(jnp.zeros((*shape, head_dim), dtype),
+                   jnp.zeros((*shape, v_head_dim or head_dim), dtype),
                    jnp.zeros((batch,), jnp.int32))
 
     def apply(self, attn, x, context=None, *, mask=None, bias=None, positions=None,

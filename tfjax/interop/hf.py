@@ -250,7 +250,8 @@ def _check_llama_exportable(cfg: ModelConfig) -> None:
     want = dict(arch="decoder", norm="rmsnorm", norm_placement="pre", block="sequential",
                 position="rope", activation="swiglu", qk_norm=False, attn_softcap=0.0,
                 final_softcap=0.0, scale_embeddings=False, embed_norm=False, logits_scale=1.0,
-                layer_pattern=("global",), ffn_pattern=("dense",), prefix_lm=False)
+                layer_pattern=("global",), ffn_pattern=("dense",), prefix_lm=False,
+                attention_sinks=False, v_head_dim=0)
     for field, value in want.items():
         if getattr(cfg, field) != value:
             raise ValueError(f"export: model.{field}={getattr(cfg, field)!r} has no Llama "

@@ -46,7 +46,8 @@ def _layer_state(cfg: ModelConfig, kind: str, batch: int, max_len: int, dtype,
             f"LayerKind a cache in tfjax.models.layer_kinds")
     state = {"attn": make(cfg, batch, max_len, dtype)}
     if encoder_len is not None:
-        state["cross"] = CrossKVCache.empty(batch, encoder_len, cfg.kv_heads, cfg.head_size, dtype)
+        state["cross"] = CrossKVCache.empty(batch, encoder_len, cfg.kv_heads, cfg.head_size, dtype,
+                                            v_head_dim=cfg.value_head_size)
     return state
 
 
@@ -92,15 +93,16 @@ def cache_bytes(cfg: ModelConfig, batch: int, length: int, *, dtype=None,
         if jnp.issubdtype(leaf.dtype, jnp.floating):
             total += int(np.prod(leaf.shape)) * leaf.dtype.itemsize
     if cross and not encoder_len:  # counted with S=1 above; take it out
-        total -= cfg.num_layers * 2 * batch * cfg.kv_heads * cfg.head_size * dtype.itemsize
+        total -= (cfg.num_layers * batch * cfg.kv_heads * (cfg.head_size + cfg.value_head_size)
+                  * dtype.itemsize)
     return total
 
 
 def kv_bytes_per_token(cfg: ModelConfig, *, dtype=None) -> int:
-    """2 (K and V) x layers x kv heads x head dim x bytes: one token's cache if every
+    """Layers x kv heads x (K's + V's head dims) x bytes: one token's cache if every
     layer were global (the textbook formula; local layers cost less past W)."""
     itemsize = jnp.dtype(dtype or cfg.dtype).itemsize
-    return 2 * cfg.num_layers * cfg.kv_heads * cfg.head_size * itemsize
+    return cfg.num_layers * cfg.kv_heads * (cfg.head_size + cfg.value_head_size) * itemsize
 
 
 @dataclasses.dataclass

@@ -103,7 +103,8 @@ def attention(cfg: ModelConfig, rngs: nnx.Rngs, *, positions: bool) -> MultiHead
     model's RoPE, if any) and the decoder's cross-attention (positions=False)."""
     return MultiHeadAttention(
         cfg.d_model, cfg.num_heads, num_kv_heads=cfg.kv_heads, head_dim=cfg.head_size,
-        qkv_bias=cfg.qkv_bias, out_bias=cfg.out_bias, qk_norm=cfg.qk_norm,
+        v_head_dim=cfg.value_head_size, sinks=cfg.attention_sinks, qkv_bias=cfg.qkv_bias,
+        out_bias=cfg.out_bias, qk_norm=cfg.qk_norm,
         qk_norm_kind="layernorm" if cfg.norm == "layernorm" else cfg.norm, norm_eps=cfg.norm_eps,
         scale=cfg.scale, softcap=cfg.attn_softcap or None,
         rope=_rope(cfg) if positions else None, implementation=cfg.attention_impl,
@@ -132,7 +133,8 @@ def _attention_kind(doc: str, window_of: Callable[[ModelConfig], int]) -> LayerK
 
     def cache(cfg, batch, max_len, dtype):
         size, window = slots(cfg, max_len)
-        return KVCache.empty(batch, size, cfg.kv_heads, cfg.head_size, dtype, window=window)
+        return KVCache.empty(batch, size, cfg.kv_heads, cfg.head_size, dtype, window=window,
+                             v_head_dim=cfg.value_head_size)
 
     return LayerKind(doc=doc, mixer=attention, mask=mask, cache=cache, slots=slots)
 

@@ -11,6 +11,9 @@ One module serves MHA (K = N), GQA (Ainslie et al. 2023, 1 < K < N) and MQA
 - Optional QK-norm (Dehghani et al. 2023; OLMo 2, Qwen3) normalises q and k per
   head over H before RoPE; soft-capping (Gemma 2) and a scale override
   (Gemma's query_pre_attn_scalar, T5's unscaled logits) pass to the op.
+- Values may have a head dim of their own (`v_head_dim`, DeepSeek's 128 against
+  q/k's 192); `sinks=True` learns gpt-oss's per-head sink logit (`[N]`, N(0, init_std)
+  at init as gpt-oss's: `tfjax.ops.sinks`), which every implementation and cache path receives.
 - The attention itself is `tfjax.ops.dot_product_attention`: the layer never
   chooses a kernel, `implementation` does (default "auto").
 - Context parallelism: under an active mesh whose rules split "length" over a
@@ -48,7 +51,8 @@ class MultiHeadAttention(nnx.Module):
     """`x [B,T,D]` (and `context [B,S,Dc]` for cross-attention) -> `[B,T,D]`."""
 
     def __init__(self, d_model: int, num_heads: int, *, num_kv_heads: int | None = None,
-                 head_dim: int | None = None, context_dim: int | None = None,
+                 head_dim: int | None = None, v_head_dim: int | None = None,
+                 context_dim: int | None = None, sinks: bool = False,
                  qkv_bias: bool = False, out_bias: bool = False, qk_norm: bool = False,
                  qk_norm_kind: str = "rmsnorm", norm_eps: float = 1e-6,
                  scale: float | None = None, softcap: float | None = None,
@@ -64,6 +68,7 @@ class MultiHeadAttention(nnx.Module):
             raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}; "
                              "pass head_dim")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, K, H
+        self.v_head_dim = v_head_dim or H
         self.scale = H ** -0.5 if scale is None else scale
         self.softcap = softcap or None
         self.rope = rope
@@ -77,9 +82,14 @@ class MultiHeadAttention(nnx.Module):
                              f"{', '.join(map(repr, ZIGZAG_MODES))}")
         self.zigzag = zigzag
         self.q, self.k, self.v, self.o = head_projections(
-            d_model, num_heads, K, H, context_dim=context_dim, qkv_bias=qkv_bias, out_bias=out_bias,
-            dtype=dtype, param_dtype=param_dtype, init_std=init_std, out_init_std=out_init_std,
-            rngs=rngs)
+            d_model, num_heads, K, H, v_head_dim=self.v_head_dim, context_dim=context_dim,
+            qkv_bias=qkv_bias, out_bias=out_bias, dtype=dtype, param_dtype=param_dtype,
+            init_std=init_std, out_init_std=out_init_std, rngs=rngs)
+        if sinks:
+            init = with_logical_axes(nnx.initializers.normal(init_std), ("heads",))
+            self.sinks = nnx.Param(init(rngs.params(), (num_heads,), param_dtype))
+        else:
+            self.sinks = None
         if qk_norm:
             self.q_norm = make_norm(qk_norm_kind, H, eps=norm_eps, dtype=dtype,
                                     param_dtype=param_dtype, rngs=rngs)
@@ -89,7 +99,7 @@ class MultiHeadAttention(nnx.Module):
             self.q_norm = self.k_norm = None
 
     def project(self, x, context=None, *, positions=None, kv_positions=None):
-        """q `[B,T,N,H]`, k/v `[B,S,K,H]` after QK-norm and RoPE."""
+        """q `[B,T,N,H]`, k `[B,S,K,H]`, v `[B,S,K,Hv]`; q and k after QK-norm and RoPE."""
         context = x if context is None else context
         q = shard(self.q(x), ("batch", "length", "heads", "head_dim"))
         k = shard(self.k(context), ("batch", "length", "kv_heads", "head_dim"))
@@ -109,6 +119,7 @@ class MultiHeadAttention(nnx.Module):
         a `tfjax.ops.RelativeBias` (T5; both evaluated per tile by the tiled
         implementations)."""
         out = None
+        sinks = None if self.sinks is None else self.sinks[...]
         is_alibi, is_relative = isinstance(bias, Alibi), isinstance(bias, RelativeBias)
         per_tile = bias is None or is_alibi or is_relative  # not an array
         if per_tile and _is_zero(q_offset) and _is_zero(kv_offset):
@@ -117,7 +128,8 @@ class MultiHeadAttention(nnx.Module):
                                              implementation=self.implementation,
                                              scale=self.scale, softcap=self.softcap,
                                              alibi=bias if is_alibi else None,
-                                             relative_bias=bias if is_relative else None)
+                                             relative_bias=bias if is_relative else None,
+                                             sinks=sinks)
         elif zigzag_data_devices():
             # The tokens are in zig-zag order; a bias [B,N,T,S] or offsets would be
             # read against the wrong positions by a mask in natural index order.
@@ -132,7 +144,7 @@ class MultiHeadAttention(nnx.Module):
             out = dot_product_attention(q, k, v, mask, bias=bias, scale=self.scale,
                                         softcap=self.softcap,
                                         implementation=self.implementation, q_offset=q_offset,
-                                        kv_offset=kv_offset, **extra)  # [B, T, N, H]
+                                        kv_offset=kv_offset, sinks=sinks, **extra)  # [B,T,N,Hv]
         return shard(self.o(out), ("batch", "length", "embed"))
 
     def project_query(self, x, *, positions=None):
@@ -157,15 +169,17 @@ class MultiHeadAttention(nnx.Module):
 
 
 def head_projections(d_model: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
-                     context_dim: int | None = None, qkv_bias: bool = False,
+                     v_head_dim: int | None = None, context_dim: int | None = None,
+                     qkv_bias: bool = False,
                      out_bias: bool = False, dtype: DType = jnp.float32,
                      param_dtype: DType = jnp.float32, init_std: float = 0.02,
                      out_init_std: float | None = None, rngs: nnx.Rngs):
-    """The four einsum projections of an attention-like mixer: q `[D, N, H]`, k and
-    v `[Dc, K, H]` (Dc: `context_dim`, default D), o `[N, H, D]`, each with its
+    """The four einsum projections of an attention-like mixer: q `[D, N, H]`, k
+    `[Dc, K, H]`, v `[Dc, K, Hv]` (Dc: `context_dim`, default D; Hv: `v_head_dim`,
+    default H), o `[N, Hv, D]`, each with its
     logical axis names ("embed", "heads" / "kv_heads", "head_dim") and an optional
     zero-initialised bias; N(0, init_std) kernels, o's N(0, out_init_std)."""
-    Dc = context_dim or d_model
+    Dc, Hv = context_dim or d_model, v_head_dim or head_dim
     normal = nnx.initializers.normal(init_std)
     out_normal = nnx.initializers.normal(init_std if out_init_std is None else out_init_std)
     zeros = nnx.initializers.zeros_init()
@@ -180,9 +194,9 @@ def head_projections(d_model: int, num_heads: int, num_kv_heads: int, head_dim: 
              ("heads", "head_dim"), normal, qkv_bias)
     k = proj("BSD,DKH->BSKH", (Dc, num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"),
              ("kv_heads", "head_dim"), normal, qkv_bias)
-    v = proj("BSD,DKH->BSKH", (Dc, num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"),
+    v = proj("BSD,DKH->BSKH", (Dc, num_kv_heads, Hv), ("embed", "kv_heads", "head_dim"),
              ("kv_heads", "head_dim"), normal, qkv_bias)
-    o = proj("BTNH,NHD->BTD", (num_heads, head_dim, d_model), ("heads", "head_dim", "embed"),
+    o = proj("BTNH,NHD->BTD", (num_heads, Hv, d_model), ("heads", "head_dim", "embed"),
              ("embed",), out_normal, out_bias)
     return q, k, v, o
 

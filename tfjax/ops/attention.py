@@ -2,9 +2,10 @@
 
     out = dot_product_attention(q, k, v, mask, bias=None, scale=None, softcap=None,
                                 alibi_slopes=None, alibi_positions=None,
-                                relative_bias=None, implementation="auto")
+                                relative_bias=None, sinks=None, implementation="auto")
 
-q `[B,T,N,H]`, k/v `[B,S,K,H]` with N % K == 0 (GQA / MQA without repeating K/V),
+q `[B,T,N,H]`, k `[B,S,K,H]`, v `[B,S,K,Hv]` -> `[B,T,N,Hv]`, with N % K == 0 (GQA /
+MQA without repeating K/V) and v's head dim free (DeepSeek's 192 / 128),
 `mask` a lazy `tfjax.ops.masks.Mask` (or None), `bias` additive `[B|1, N|1, T, S]`,
 `alibi_slopes` `[N]` or `[B, N]`: ALiBi's bias `-slope * |q_pos - kv_pos|` at the
 positions `alibi_positions = (q [B,T], kv [B,S])` or, without them, the global
@@ -14,7 +15,10 @@ a `tfjax.ops.RelativeBias`: T5's learned bias `table[bucket(kv_pos - q_pos), n]`
 evaluated per tile by the implementations whose record says `relative_bias=True`
 ("blockwise" and "pallas": the table gradient is summed per bucket) and
 materialised into `bias` for the others (the same values and gradients, O(T*S)
-memory).
+memory). `sinks` `[N]`: gpt-oss's learned per-head sink logits
+(`tfjax.ops.sinks`), added once to each row's finished softmax by the dispatch
+for every implementation that returns its logsumexp (the reference has them
+natively; xla and cudnn refuse them).
 
 The whole decision is the first screen of this module:
 
@@ -45,7 +49,7 @@ import functools
 import types
 from typing import Callable, Mapping
 
-from tfjax.ops import blockwise, cudnn, reference, target, xla
+from tfjax.ops import blockwise, cudnn, reference, sinks as sinks_lib, target, xla
 from tfjax.ops import masks as masks_lib
 from tfjax.ops import pallas
 from tfjax.ops.blockwise import DEFAULT_BLOCK
@@ -192,8 +196,9 @@ def _check_shapes(q, k, v, bias) -> None:
         raise ValueError(f"dot_product_attention: q, k, v must be [B,T,N,H], [B,S,K,H], [B,S,K,H]; "
                          f"got ranks {q.ndim}, {k.ndim}, {v.ndim}")
     B, T, N, H = q.shape
-    if k.shape != v.shape:
-        raise ValueError(f"dot_product_attention: k and v shapes differ: {k.shape} vs {v.shape}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"dot_product_attention: k and v differ in batch, length or heads: "
+                         f"{k.shape} vs {v.shape} (only the head dim of v may differ)")
     Bk, S, K, Hk = k.shape
     if Bk != B:
         raise ValueError(f"dot_product_attention: batch of q ({B}) and k/v ({Bk}) differ")
@@ -212,20 +217,22 @@ def _check_shapes(q, k, v, bias) -> None:
 
 def dot_product_attention(q, k, v, mask: masks_lib.Mask | None = None, *, bias=None, scale=None,
                           softcap=None, alibi_slopes=None, alibi_positions=None,
-                          relative_bias: RelativeBias | None = None,
+                          relative_bias: RelativeBias | None = None, sinks=None,
                           implementation: str = "auto", q_offset=0, kv_offset=0,
                           return_lse: bool = False):
     """Scaled dot-product attention (Vaswani et al. 2017) with GQA, lazy masks,
-    additive bias, ALiBi (Press et al. 2022) from per-head slopes, and logit
-    soft-capping (Gemma 2). Returns `[B,T,N,H]` in q's dtype, and the fp32
-    logsumexp `[B,N,T]` when `return_lse` (for merging partial results). Fully
-    masked query rows return zeros.
+    additive bias, ALiBi (Press et al. 2022) from per-head slopes, logit
+    soft-capping (Gemma 2) and learned sinks (gpt-oss). Returns `[B,T,N,Hv]` in q's
+    dtype, and the fp32 logsumexp `[B,N,T]` when `return_lse` (for merging partial
+    results; with sinks it includes them). Fully masked query rows return zeros,
+    with sinks too (the sink takes the whole row and has no value).
 
     logits = softcap * tanh(scale * q.k / softcap) + bias - slope * |q_pos - kv_pos|
              + relative_bias.table[bucket(kv_pos - q_pos)]
     (`alibi_slopes` `[N]` / `[B|1, N]`, no gradient; `alibi_positions` see the
     module docstring and `tfjax.ops.reference.make_alibi`; `relative_bias` a
-    `tfjax.ops.RelativeBias`, T5's bucketed bias, its table differentiable)."""
+    `tfjax.ops.RelativeBias`, T5's bucketed bias, its table differentiable;
+    `sinks` `[N]` float, differentiable)."""
     _check_shapes(q, k, v, bias)
     B, T, N, _ = q.shape
     try:
@@ -233,6 +240,7 @@ def dot_product_attention(q, k, v, mask: masks_lib.Mask | None = None, *, bias=N
         relative = check_relative_bias(relative_bias, B, N, T, k.shape[1])
     except ValueError as e:
         raise ValueError(f"dot_product_attention: {e}") from None
+    sinks = sinks_lib.check_sinks(sinks, N)
     if mask is not None and not isinstance(mask, masks_lib.Mask):
         raise TypeError(f"dot_product_attention: mask must be a tfjax.ops.masks.Mask or None, got "
                         f"{type(mask).__name__}; build one with tfjax.ops.masks (causal(), ...)")
@@ -247,7 +255,8 @@ def dot_product_attention(q, k, v, mask: masks_lib.Mask | None = None, *, bias=N
         offsets=not (isinstance(q_offset, int) and isinstance(kv_offset, int)
                      and q_offset == 0 and kv_offset == 0),
         return_lse=return_lse, has_alibi=alibi is not None,
-        has_relative_bias=relative is not None)
+        has_relative_bias=relative is not None, v_head_dim=v.shape[-1],
+        has_sinks=sinks is not None)
     name = select_implementation(request, implementation)
     impl = IMPLEMENTATIONS.get(name)
     kw = {}
@@ -256,11 +265,19 @@ def dot_product_attention(q, k, v, mask: masks_lib.Mask | None = None, *, bias=N
     elif relative is not None:  # materialised: [B|1, N, T, S], differentiable in the table
         dense = relative.dense(T, k.shape[1], q_offset, kv_offset)
         bias = dense if bias is None else bias + dense
+    add_sinks = sinks is not None and not impl.sinks
+    if sinks is not None and impl.sinks:
+        kw["sinks"] = sinks
     args = dict(bias=bias, alibi=alibi, scale=scale, softcap=softcap, q_offset=q_offset,
-                kv_offset=kv_offset, return_lse=return_lse, **kw)
+                kv_offset=kv_offset, return_lse=return_lse or add_sinks, **kw)
+    out = None
     per_device = None if impl.partitionable else target.per_device()
     if per_device is not None:  # None from it: nothing to split, run fn as is
         out = per_device(impl.fn, q, k, v, mask, **args)
-        if out is not None:
-            return out
-    return impl.fn(q, k, v, mask, **args)
+    if out is None:
+        out = impl.fn(q, k, v, mask, **args)
+    if not add_sinks:
+        return out
+    out, lse = sinks_lib.add_sinks(*out, sinks)
+    out = out.astype(q.dtype)
+    return (out, lse) if return_lse else out

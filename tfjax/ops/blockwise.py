@@ -290,7 +290,7 @@ def _example(cfg, q, k, bias, alibi, rel):
 
 def _forward_one(cfg, q, k, v, mask, bias, alibi, rel, qo, ko):
     (T, S, N, K, G, H, nq, nk), bias, alibi, rel = _example(cfg, q, k, bias, alibi, rel)
-    bq, bk = cfg.block_q, cfg.block_kv
+    bq, bk, Hv = cfg.block_q, cfg.block_kv, v.shape[-1]
     qp = pad_axis(q, 0, nq * bq).reshape(nq, bq, K, G, H)
     kp = pad_axis(k, 0, nk * bk)
     vp = pad_axis(v, 0, nk * bk)
@@ -319,7 +319,7 @@ def _forward_one(cfg, q, k, v, mask, bias, alibi, rel, qo, ko):
             return j + 1, m_new, l, alpha[..., None] * acc + pv
 
         init = (jnp.int32(0), jnp.full((K, G, bq), -jnp.inf, jnp.float32),
-                jnp.zeros((K, G, bq), jnp.float32), jnp.zeros((K, G, bq, H), jnp.float32))
+                jnp.zeros((K, G, bq), jnp.float32), jnp.zeros((K, G, bq, Hv), jnp.float32))
         _, m, l, acc = _loop(lambda c: c[0] < counts[qi], body, init, nk)
         has = l > 0
         out = jnp.where(has[..., None], acc / jnp.where(has, l, 1.0)[..., None], 0.0)
@@ -327,7 +327,7 @@ def _forward_one(cfg, q, k, v, mask, bias, alibi, rel, qo, ko):
         return None, (out.astype(q.dtype), lse)
 
     _, (out, lse) = _scan(q_tile, None, (jnp.arange(nq, dtype=jnp.int32), qp))
-    out = out.transpose(0, 3, 1, 2, 4).reshape(nq * bq, N, H)[:T]  # [nq,K,G,bq,H] -> [T,N,H]
+    out = out.transpose(0, 3, 1, 2, 4).reshape(nq * bq, N, Hv)[:T]  # [nq,K,G,bq,Hv] -> [T,N,Hv]
     lse = lse.transpose(1, 2, 0, 3).reshape(N, nq * bq)[:, :T]  # [nq,K,G,bq] -> [N,T]
     return out, lse
 
@@ -354,16 +354,16 @@ def _forward_for_grad(cfg, q, k, v, mask, bias, alibi, rel, offsets):
 def _backward_one(cfg, q, k, v, mask, bias, alibi, rel, qo, ko, out, lse, dout, dlse,
                   grad_dtype=None):
     (T, S, N, K, G, H, nq, nk), bias, alibi, rel = _example(cfg, q, k, bias, alibi, rel)
-    bq, bk = cfg.block_q, cfg.block_kv
+    bq, bk, Hv = cfg.block_q, cfg.block_kv, v.shape[-1]
     # D_i = sum_h dO*O - dlse_i: the softmax backward's row term (dlse enters here).
     delta = jnp.einsum("TNH,TNH->NT", dout.astype(jnp.float32), out.astype(jnp.float32)) - dlse
     qp = pad_axis(q, 0, nq * bq).reshape(nq, bq, K, G, H)
-    dop = pad_axis(dout, 0, nq * bq).reshape(nq, bq, K, G, H)
+    dop = pad_axis(dout, 0, nq * bq).reshape(nq, bq, K, G, Hv)
     lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
     lsep = pad_axis(lse, 1, nq * bq).reshape(K, G, nq, bq).transpose(2, 0, 1, 3)  # [nq,K,G,bq]
     dp_ = pad_axis(delta, 1, nq * bq).reshape(K, G, nq, bq).transpose(2, 0, 1, 3)
     kp = pad_axis(k, 0, nk * bk).reshape(nk, bk, K, H)
-    vp = pad_axis(v, 0, nk * bk).reshape(nk, bk, K, H)
+    vp = pad_axis(v, 0, nk * bk).reshape(nk, bk, K, Hv)
     Nb = None if bias is None else bias.shape[0]
     order_t, counts_t, codes_t = _tables(mask, T, S, bq, bk, qo, ko, transpose=True)
 
@@ -400,9 +400,10 @@ def _backward_one(cfg, q, k, v, mask, bias, alibi, rel, qo, ko, out, lse, dout, 
                                  preferred_element_type=jnp.float32)
             return i + 1, dq, dbias, dtable, dk, dv
 
-        zeros = jnp.zeros((bk, K, H), jnp.float32)
-        _, dq, dbias, dtable, dk, dv = _loop(lambda c: c[0] < counts_t[kj], body,
-                                             (jnp.int32(0), dq, dbias, dtable, zeros, zeros), nq)
+        _, dq, dbias, dtable, dk, dv = _loop(
+            lambda c: c[0] < counts_t[kj], body,
+            (jnp.int32(0), dq, dbias, dtable, jnp.zeros((bk, K, H), jnp.float32),
+             jnp.zeros((bk, K, Hv), jnp.float32)), nq)
         return (dq, dbias, dtable), (dk, dv)
 
     dq0 = jnp.zeros((nq, bq, K, G, H), jnp.float32)
@@ -412,7 +413,7 @@ def _backward_one(cfg, q, k, v, mask, bias, alibi, rel, qo, ko, out, lse, dout, 
                                           (jnp.arange(nk, dtype=jnp.int32), kp, vp))
     dq = dq.reshape(nq * bq, N, H)[:T].astype(grad_dtype or q.dtype)
     dk = dk.reshape(nk * bk, K, H)[:S].astype(grad_dtype or k.dtype)
-    dv = dv.reshape(nk * bk, K, H)[:S].astype(grad_dtype or v.dtype)
+    dv = dv.reshape(nk * bk, K, Hv)[:S].astype(grad_dtype or v.dtype)
     if dbias is not None:
         dbias = dbias[:, :T, :S]
     return dq, dk, dv, dbias, dtable

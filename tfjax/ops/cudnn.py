@@ -37,7 +37,11 @@ def supports(r: AttentionRequest) -> str | None:
         return "cuDNN attention has no q/kv position offsets"
     if r.return_lse:
         return "cuDNN attention does not return the logsumexp here"
+    if r.has_sinks:
+        return "cuDNN attention has no attention sinks (and returns no logsumexp here)"
     H = r.q_shape[-1]
+    if r.value_head_dim != H:
+        return f"this wrapper takes v's head dim equal to q/k's, got {r.value_head_dim} vs {H}"
     if H % 8 or H > 128:
         return f"cuDNN attention takes head dims that are multiples of 8 up to 128, got {H}"
     return None

@@ -10,12 +10,12 @@ themselves without importing the dispatch.
 `Implementation.fn` is called as
 
     fn(q, k, v, mask, *, bias, alibi, scale, softcap, q_offset, kv_offset, return_lse
-       [, relative_bias])
+       [, relative_bias] [, sinks])
 
-with q `[B,T,N,H]`, k/v `[B,S,K,H]`, `mask` a `tfjax.ops.masks.Mask` or None, `bias`
-`[B|1, N|1, T, S]` or None, `alibi` None or a checked `tfjax.ops.Alibi`, and returns
-out `[B,T,N,H]` (with `return_lse`, `(out, lse [B,N,T] fp32)`). It is only called
-for requests its `supports` accepted.
+with q `[B,T,N,H]`, k `[B,S,K,H]`, v `[B,S,K,Hv]`, `mask` a `tfjax.ops.masks.Mask`
+or None, `bias` `[B|1, N|1, T, S]` or None, `alibi` None or a checked
+`tfjax.ops.Alibi`, and returns out `[B,T,N,Hv]` (with `return_lse`, `(out, lse
+[B,N,T] fp32)`). It is only called for requests its `supports` accepted.
 """
 
 from __future__ import annotations
@@ -43,6 +43,12 @@ class AttentionRequest:
     return_lse: bool
     has_alibi: bool = False  # alibi_slopes given (bias computed from positions)
     has_relative_bias: bool = False  # a T5 RelativeBias (has_bias too: see below)
+    v_head_dim: int | None = None  # v's head dim; None: q/k's (q_shape[-1])
+    has_sinks: bool = False  # learned sinks (`tfjax.ops.sinks`; see `Implementation.sinks`)
+
+    @property
+    def value_head_dim(self) -> int:
+        return self.q_shape[-1] if self.v_head_dim is None else self.v_head_dim
 
 
 def _serves_every_request(request: AttentionRequest) -> str | None:
@@ -59,6 +65,11 @@ class Implementation:
     # True: fn takes relative_bias= (a checked RelativeBias) itself; False: the
     # dispatch materialises it into bias (so has_bias is set for a request with one)
     relative_bias: bool = False
+    # True: fn takes sinks= `[N]` itself; False: the dispatch asks fn for its
+    # logsumexp and adds the sinks to (out, lse) (`tfjax.ops.sinks.add_sinks`; the
+    # gradient flows through fn's logsumexp cotangent): an fn without a logsumexp
+    # refuses requests with `has_sinks`
+    sinks: bool = False
     # False: fn is a custom call XLA's SPMD partitioner cannot split (the Pallas
     # kernels); under an active per-device runner (`tfjax.ops.target.per_device`,
     # set by `use_rules`) the dispatch runs it once per device

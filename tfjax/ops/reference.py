@@ -24,15 +24,18 @@ __all__ = ["IMPLEMENTATION", "Alibi", "RelativeBias", "attention_reference", "ch
 
 def attention_reference(q, k, v, mask=None, *, bias=None, scale=None, softcap=None,
                         alibi_slopes=None, alibi_positions=None, relative_bias=None,
-                        q_offset=0, kv_offset=0, return_lse=False):
-    """q `[B,T,N,H]`, k/v `[B,S,K,H]` -> out `[B,T,N,H]` (and lse `[B,N,T]` fp32).
+                        sinks=None, q_offset=0, kv_offset=0, return_lse=False):
+    """q `[B,T,N,H]`, k `[B,S,K,H]`, v `[B,S,K,Hv]` -> out `[B,T,N,Hv]` (and lse
+    `[B,N,T]` fp32).
 
     logits = softcap * tanh(scale * q.k / softcap) + bias - slope * |q_pos - kv_pos|
     + table[bucket(kv_pos - q_pos)], masked, softmax over keys (ALiBi: see
-    `make_alibi`; the T5 bias: `RelativeBias`).
+    `make_alibi`; the T5 bias: `RelativeBias`). `sinks` `[N]`: one more logit per
+    row that has no value (`tfjax.ops.sinks`), here a literal extra column of the
+    softmax; a fully masked row then has lse = its sink.
     """
     B, T, N, H = q.shape
-    S, K = k.shape[1], k.shape[2]
+    S, K, Hv = k.shape[1], k.shape[2], v.shape[-1]
     G = N // K
     scale = H ** -0.5 if scale is None else scale
     qg = q.reshape(B, T, K, G, H)
@@ -54,13 +57,18 @@ def attention_reference(q, k, v, mask=None, *, bias=None, scale=None, softcap=No
     allowed = masks_lib.dense(mask, T, S, q_offset=q_offset, kv_offset=kv_offset)  # [B|1, T, S]
     allowed = allowed[:, None, None]
     logits = jnp.where(allowed, logits, -jnp.inf)
+    if sinks is not None:  # the sink column: a logit without a value
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, K, G, 1, 1), (B, K, G, T, 1))
+        logits = jnp.concatenate([logits, sink], axis=-1)
     row_max = jnp.max(logits, axis=-1, keepdims=True)
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
     p = jnp.exp(logits - jax.lax.stop_gradient(row_max))
     denom = jnp.sum(p, axis=-1, keepdims=True)
     probs = p / jnp.where(denom > 0, denom, 1.0)
+    if sinks is not None:
+        probs = probs[..., :S]
     out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v.astype(jnp.float32))
-    out = out.reshape(B, T, N, H).astype(q.dtype)
+    out = out.reshape(B, T, N, Hv).astype(q.dtype)
     if not return_lse:
         return out
     # row_max is a constant shift (stop_gradient): d lse / d logits is the softmax.
@@ -323,4 +331,4 @@ def _reference(q, k, v, mask, *, alibi, **kw):
     return attention_reference(q, k, v, mask, **kw, **Alibi.kwargs(alibi))
 
 
-IMPLEMENTATION = Implementation(_reference)
+IMPLEMENTATION = Implementation(_reference, sinks=True)

@@ -39,7 +39,7 @@ CONTEXT_PARALLEL_MODES = ("ring", "all_gather")
 def context_parallel_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mode: str = "ring",
                                zigzag: str = "data", implementation: str = "auto", scale=None,
                                softcap=None, alibi: Alibi | None = None,
-                               relative_bias: RelativeBias | None = None):
+                               relative_bias: RelativeBias | None = None, sinks=None):
     """Attention for a layer under an active mesh whose rules split "length" over a
     mesh axis of size n > 1: `ring_attention` (mode "ring") or
     `all_gather_attention` (mode "all_gather"), running `implementation` as the
@@ -56,7 +56,8 @@ def context_parallel_attention(q, k, v, mask: masks_lib.Mask | None = None, *, m
     "none": contiguous chunks, no balancing. Masks are evaluated on global natural
     positions either way (the ring passes each chunk's global offset). `alibi`: a
     `tfjax.ops.Alibi`, `relative_bias` a `tfjax.ops.RelativeBias` (T5; their explicit
-    positions are per-token arrays, laid out like the segment ids).
+    positions are per-token arrays, laid out like the segment ids); `sinks` `[N]`
+    learned sink logits (`tfjax.ops.sinks`).
     """
     if mode not in CONTEXT_PARALLEL_MODES:
         raise ValueError(f"context_parallel: got {mode!r}; allowed: "
@@ -91,7 +92,7 @@ def context_parallel_attention(q, k, v, mask: masks_lib.Mask | None = None, *, m
                          f"T % {2 * n} == 0)")
     common = dict(mesh=mesh, seq_axis=seq_axis, batch_axes=batch_axes, scale=scale,
                   softcap=softcap, implementation=implementation, relative_bias=relative_bias,
-                  **Alibi.kwargs(alibi))
+                  sinks=sinks, **Alibi.kwargs(alibi))
     if mode == "all_gather":
         return all_gather_attention(q, k, v, mask, **common)
     zz = bool(data_n) or (zigzag != "none" and mask is not None and T % (2 * n) == 0)

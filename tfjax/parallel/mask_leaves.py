@@ -15,7 +15,9 @@ flattens it into array leaves, each of one kind:
 - "other": per example (`[B|1, ...]`: lengths, prefix lengths, ALiBi slopes):
   split over the batch axes only.
 
-`unflatten` rebuilds the three from the (local) leaves. `shard_map` is
+`unflatten` rebuilds the three from the (local) leaves. `device_copies` is the
+per-device-copy transport by itself (ring and all-gather attention pass learned
+sinks `[N]` with it). `shard_map` is
 `jax.shard_map` without replication checks (the older `jax.experimental` one on
 jax versions without it).
 """
@@ -30,7 +32,8 @@ from jax.sharding import PartitionSpec as P
 from tfjax.ops.reference import Alibi
 
 __all__ = ["KV_LEAVES", "Q_LEAVES", "TABLE_LEAVES", "bias_kwargs", "copy_tables", "device_axes",
-           "leaf_kind", "local_leaves", "shard_map", "split_mask", "token_specs", "unflatten"]
+           "device_copies", "leaf_kind", "local_leaves", "shard_map", "split_mask", "token_specs",
+           "unflatten"]
 
 # Leaf names by kind (the fields of masks, Alibi and RelativeBias that hold them).
 Q_LEAVES, KV_LEAVES = ("q_segment_ids", "q_positions"), ("kv_segment_ids", "kv_positions")
@@ -89,12 +92,19 @@ def device_axes(batch_axes, seq_axis=None) -> tuple:
     return (*b, seq_axis) if seq_axis is not None else b
 
 
-def copy_tables(leaves, kinds, mesh, axes):
-    """T5's table as one copy per device of `axes` (`[D, nb, N]`, to be split over
-    them); the other leaves as they are."""
+def device_copies(x, mesh, axes):
+    """`x` as one copy per device of `axes` (`[D, *x.shape]`, to be split over them
+    with `P(axes)`): each device's copy receives that device's partial gradient,
+    and the broadcast's transpose sums them outside `shard_map`. None stays None."""
+    if x is None:
+        return None
     D = int(np.prod([mesh.shape[a] for a in axes]))
-    return [jnp.broadcast_to(x[None], (D, *x.shape)) if kd == "table" else x
-            for x, kd in zip(leaves, kinds)]
+    return jnp.broadcast_to(x[None], (D, *x.shape))
+
+
+def copy_tables(leaves, kinds, mesh, axes):
+    """T5's table as `device_copies` (`[D, nb, N]`); the other leaves as they are."""
+    return [device_copies(x, mesh, axes) if kd == "table" else x for x, kd in zip(leaves, kinds)]
 
 
 def local_leaves(leaves, kinds):

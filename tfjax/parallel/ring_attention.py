@@ -60,11 +60,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from tfjax.ops import masks as masks_lib
 from tfjax.ops.attention import dot_product_attention, select_ring_block
 from tfjax.ops.blockwise import DEFAULT_BLOCK, blockwise_attention
 from tfjax.ops.reference import RelativeBias, check_relative_bias, make_alibi
+from tfjax.ops.sinks import add_sinks, check_sinks, sinks_gradient
 from tfjax.ops.target import device_platform, targeting
 from tfjax.ops.vjp import zero_cotangent
 from tfjax.parallel import mask_leaves
@@ -97,16 +99,18 @@ def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axi
                    block_kv: int = DEFAULT_BLOCK, skip_masked_blocks: bool = True,
                    implementation: str = "auto", block_sizes=None, unroll: bool | None = None,
                    alibi_slopes=None, alibi_positions=None,
-                   relative_bias: RelativeBias | None = None):
-    """q `[B,T,N,H]`, k/v `[B,S,K,H]` (global arrays) -> out `[B,T,N,H]`.
+                   relative_bias: RelativeBias | None = None, sinks=None):
+    """q `[B,T,N,H]`, k `[B,S,K,H]`, v `[B,S,K,Hv]` (global arrays) -> out `[B,T,N,Hv]`.
 
     Same semantics as `attention_reference(q, k, v, mask, scale=, softcap=,
-    alibi_slopes=, alibi_positions=, relative_bias=)`; the sequence dims are split
+    alibi_slopes=, alibi_positions=, relative_bias=, sinks=)`; the sequence dims are split
     over `seq_axis` of `mesh` (and the batch over `batch_axes`, a mesh axis name or
     tuple of names, if given). ALiBi's and T5's explicit positions travel like
     segment ids (the kv ones rotate with K/V); index positions come from each
     chunk's global offset. T5's table (`relative_bias`): every device gets a copy and
-    returns its partial gradient, summed over the devices.
+    returns its partial gradient, summed over the devices; so do learned `sinks`
+    `[N]`, which join each query row once, after its ring of blocks is merged
+    (`tfjax.ops.sinks`).
 
     load_balance: "zigzag" (the default: 2n chunks, device i holds chunks i and
     2n-1-i, so causal work is even; needs T == S and T % 2n == 0) or "none" (device i
@@ -148,7 +152,9 @@ def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axi
         hint = "; or pass load_balance='none' (T, S divisible by n)" if pieces == 2 else ""
         raise ValueError(f"ring_attention: T={T} and S={S} must be divisible by "
                          f"{n * pieces} ({n} devices on {seq_axis!r} x {pieces} chunks){hint}")
+    Hv = v.shape[-1]
     scale = float(H ** -0.5 if scale is None else scale)
+    sinks = check_sinks(sinks, N, "ring_attention")
     # The mesh's platform, not the default backend: an AOT compile for a TPU topology
     # runs on a CPU host.
     platform = device_platform(mesh.devices.flat[0])
@@ -242,11 +248,11 @@ def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axi
         return q_seg, kv_leaves, other
 
     # ---- forward: saves only q, k, v, out and the fp32 lse --------------------- #
-    def fwd_impl(q, k, v, table, mleaves):
+    def fwd_impl(q, k, v, table, sink, mleaves):
         q_seg, kv_leaves, other = local_parts(q, mleaves, table)
         qs = cut(q, cq)
         b = q.shape[0]
-        acc = tuple((jnp.zeros((b, cq, N, H), jnp.float32),
+        acc = tuple((jnp.zeros((b, cq, N, Hv), jnp.float32),
                      jnp.full((b, N, cq), -jnp.inf, jnp.float32)) for _ in range(pieces))
 
         def step(acc, blk, src):
@@ -263,9 +269,11 @@ def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axi
             return visit(acc, kvl, src, q_seg, other, compute)
 
         acc = ring_loop(acc, (k, v, list(kv_leaves)), step)
-        out = jnp.concatenate([o for o, _ in acc], axis=1).astype(q.dtype)
+        out = jnp.concatenate([o for o, _ in acc], axis=1)
         lse = jnp.concatenate([lse for _, lse in acc], axis=2)
-        return out, lse
+        if sink is not None:  # once per row, on the merged result
+            out, lse = add_sinks(out, lse, sink)
+        return out.astype(q.dtype), lse
 
     # ---- backward: a second ring; dK/dV ride with K/V back to their owners ---- #
     def bwd_impl(q, k, v, table, mleaves, out, lse, dout):
@@ -275,7 +283,6 @@ def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axi
         dq0 = tuple(jnp.zeros((q.shape[0], cq, N, H), jnp.float32) for _ in range(pieces))
         # T5's table: this device's partial gradient, threaded with dQ
         dt0 = None if table is None else jnp.zeros(table.shape, jnp.float32)
-        zkv = jnp.zeros(k.shape, jnp.float32)
 
         def step(carry, blk, src):
             dq, dtable = carry
@@ -297,8 +304,8 @@ def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axi
             dq, dks, dvs, dtable = visit(state, kvl, src, q_seg, other, compute)
             return (dq, dtable), (jnp.concatenate(dks, axis=1), jnp.concatenate(dvs, axis=1))
 
-        (dq, dtable), dkv = ring_backward_loop((dq0, dt0), (zkv, zkv), (k, v, list(kv_leaves)),
-                                               step)
+        dkv0 = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+        (dq, dtable), dkv = ring_backward_loop((dq0, dt0), dkv0, (k, v, list(kv_leaves)), step)
         dq = jnp.concatenate(dq, axis=1).astype(q.dtype)
         dtable = None if table is None else dtable.astype(table.dtype)
         return dq, dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), dtable
@@ -328,21 +335,25 @@ def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axi
         return dq, dkv
 
     @jax.custom_vjp
-    def core(q, k, v, table, mleaves):
-        return fwd_impl(q, k, v, table, mleaves)[0]
+    def core(q, k, v, table, sink, mleaves):
+        return fwd_impl(q, k, v, table, sink, mleaves)[0]
 
-    def core_fwd(q, k, v, table, mleaves):
-        out, lse = fwd_impl(q, k, v, table, mleaves)
-        return out, (q, k, v, table, mleaves, out, lse)
+    def core_fwd(q, k, v, table, sink, mleaves):
+        out, lse = fwd_impl(q, k, v, table, sink, mleaves)
+        return out, (q, k, v, table, sink, mleaves, out, lse)
 
     def core_bwd(res, dout):
-        q, k, v, table, mleaves, out, lse = res
+        # From the final (with-sink) out and lse the blocks' backward is exact for
+        # q, k, v; the sinks' own gradient is `sinks_gradient`.
+        q, k, v, table, sink, mleaves, out, lse = res
         dq, dk, dv, dtable = bwd_impl(q, k, v, table, mleaves, out, lse, dout)
-        return dq, dk, dv, dtable, [None if x is None else zero_cotangent(x) for x in mleaves]
+        dsink = None if sink is None else sinks_gradient(out, lse, dout, sink).astype(sink.dtype)
+        return dq, dk, dv, dtable, dsink, [None if x is None else zero_cotangent(x)
+                                           for x in mleaves]
 
     core.defvjp(core_fwd, core_bwd)
 
-    def local(q, k, v, *mleaves):
+    def local(q, k, v, sink_copy, *mleaves):
         if reorder:
             to_zz = lambda x: relayout_local(x, n, seq_axis, "natural", "zigzag")
             q, k, v = to_zz(q), to_zz(k), to_zz(v)
@@ -351,14 +362,17 @@ def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axi
         if ti is not None:  # this device's copy; its leaf slot is filled in local_parts
             table, mleaves = mleaves[ti][0], [None if j == ti else x
                                               for j, x in enumerate(mleaves)]
-        out = core(q, k, v, table, list(mleaves))
+        sink = None if sink_copy is None else sink_copy[0]
+        out = core(q, k, v, table, sink, list(mleaves))
         if reorder:
             out = relayout_local(out, n, seq_axis, "zigzag", "natural")
         return out
 
-    fn = mask_leaves.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, *leaf_specs),
+    dev = mask_leaves.device_axes(batch_axes, seq_axis)
+    sink_spec = None if sinks is None else P(dev)
+    fn = mask_leaves.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, sink_spec, *leaf_specs),
                                out_specs=tok)
-    return fn(q, k, v, *leaves)
+    return fn(q, k, v, mask_leaves.device_copies(sinks, mesh, dev), *leaves)
 
 
 
@@ -372,7 +386,7 @@ def all_gather_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh,
                          seq_axis: str = "sequence", batch_axes=None, scale=None, softcap=None,
                          block_q: int = DEFAULT_BLOCK, block_kv: int = DEFAULT_BLOCK,
                          implementation: str = "auto", alibi_slopes=None, alibi_positions=None,
-                         relative_bias: RelativeBias | None = None):
+                         relative_bias: RelativeBias | None = None, sinks=None):
     """The simple context-parallel baseline: same arguments and result as
     `ring_attention` (natural order), but each device all-gathers the whole K/V
     (and kv segment ids and positions) over `seq_axis` and attends its own queries
@@ -392,34 +406,38 @@ def all_gather_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh,
                          f"devices on {seq_axis!r}")
     alibi = make_alibi(alibi_slopes, alibi_positions, q.shape[0], q.shape[2], T, S)
     rel = check_relative_bias(relative_bias, q.shape[0], q.shape[2], T, S)
+    sinks = check_sinks(sinks, q.shape[2], "all_gather_attention")
+    dev = mask_leaves.device_axes(batch_axes, seq_axis)
     leaves, treedef, kinds = mask_leaves.split_mask(mask, alibi, rel)
-    leaves = mask_leaves.copy_tables(leaves, kinds, mesh,
-                                     mask_leaves.device_axes(batch_axes, seq_axis))
+    leaves = mask_leaves.copy_tables(leaves, kinds, mesh, dev)
     tok, leaf_specs = mask_leaves.token_specs(leaves, kinds, batch_axes, seq_axis)
     platform = device_platform(mesh.devices.flat[0])
 
-    def attend(q, k, v, m, *, q_offset, **extras):
+    def attend(q, k, v, m, *, q_offset, sinks, **extras):
         if implementation in ("auto", "blockwise"):
-            return blockwise_attention(q, k, v, m, scale=scale, softcap=softcap,
-                                       q_offset=q_offset, block_q=block_q, block_kv=block_kv,
-                                       **extras)
+            out = blockwise_attention(q, k, v, m, scale=scale, softcap=softcap,
+                                      q_offset=q_offset, block_q=block_q, block_kv=block_kv,
+                                      return_lse=sinks is not None, **extras)
+            return out if sinks is None else add_sinks(*out, sinks)[0].astype(q.dtype)
         try:
             with targeting(platform):  # inside shard_map: no per-device runner
                 return dot_product_attention(q, k, v, m, scale=scale, softcap=softcap,
                                              q_offset=q_offset, implementation=implementation,
-                                             **extras)
+                                             sinks=sinks, **extras)
         except ValueError as e:
             raise ValueError(f"all_gather_attention (per device, queries at their global "
                              f"offset): {e}") from None
 
-    def local(q, k, v, *mleaves):
+    def local(q, k, v, sink_copy, *mleaves):
         gather = lambda x: lax.all_gather(x, seq_axis, axis=1, tiled=True)
         k, v = gather(k), gather(v)
         mleaves = [gather(x) if kd == "kv" else x for x, kd in zip(mleaves, kinds)]
         m, a, rl = mask_leaves.unflatten(treedef, mask_leaves.local_leaves(mleaves, kinds))
         qo = lax.axis_index(seq_axis) * q.shape[1]
-        return attend(q, k, v, m, q_offset=qo, **mask_leaves.bias_kwargs(a, rl))
+        return attend(q, k, v, m, q_offset=qo, sinks=None if sink_copy is None else sink_copy[0],
+                      **mask_leaves.bias_kwargs(a, rl))
 
-    fn = mask_leaves.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, *leaf_specs),
+    sink_spec = None if sinks is None else P(dev)
+    fn = mask_leaves.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, sink_spec, *leaf_specs),
                                out_specs=tok)
-    return fn(q, k, v, *leaves)
+    return fn(q, k, v, mask_leaves.device_copies(sinks, mesh, dev), *leaves)

@@ -38,11 +38,12 @@ PEAK_FLOPS = {
 
 
 def flops_per_token(m: ModelConfig, seq_len: int) -> float:
-    D, L, N, K, H, F, V = (m.d_model, m.num_layers, m.num_heads, m.kv_heads, m.head_size,
-                           m.d_ff, m.vocab_size)
-    p_matmul = L * (2 * D * N * H + 2 * D * K * H + (3 if m.activation in GATED else 2) * D * F)
+    D, L, N, K, H, Hv, F, V = (m.d_model, m.num_layers, m.num_heads, m.kv_heads, m.head_size,
+                               m.value_head_size, m.d_ff, m.vocab_size)
+    p_attn = D * N * H + D * K * H + D * K * Hv + N * Hv * D  # q, k, v, o
+    p_matmul = L * (p_attn + (3 if m.activation in GATED else 2) * D * F)
     p_matmul += D * V
-    forward = 2 * p_matmul + 2 * L * seq_len * N * H
+    forward = 2 * p_matmul + L * seq_len * N * (H + Hv)
     return 3.0 * forward
 
 

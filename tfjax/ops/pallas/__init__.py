@@ -120,6 +120,9 @@ def _gpu_kernel(which, choice, q, k, v, mask, has_bias, relative, interpret) -> 
     reason = supports(q.dtype, q.shape[-1], mask, has_bias)
     if reason is None and relative:
         reason = "the Hopper kernels take no relative_bias (T5's bias; the Triton kernels do)"
+    if reason is None and v.shape[-1] != q.shape[-1]:
+        reason = (f"the Hopper kernels take v's head dim equal to q/k's, got {v.shape[-1]} vs "
+                  f"{q.shape[-1]} (the Triton kernels take both)")
     if reason is None and not q.dtype == k.dtype == v.dtype:
         reason = f"the Hopper kernel takes one dtype for q, k, v, got {q.dtype}, {k.dtype}, {v.dtype}"
     if choice == "hopper":

@@ -46,8 +46,8 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True)
 class Dims:
-    """A kernel call's sizes: batch, lengths, heads, head dim (padded `Hp`),
-    tiles and padded lengths."""
+    """A kernel call's sizes: batch, lengths, heads, head dims (q/k's `H`, v's `Hv`;
+    both run padded to one `Hp`), tiles and padded lengths."""
 
     B: int
     T: int
@@ -60,6 +60,7 @@ class Dims:
     bk: int
     Tp: int
     Sp: int
+    Hv: int
 
     @property
     def G(self):

@@ -149,12 +149,13 @@ def flash_attention_tpu_backward(q, k, v, mask, out, lse, dout, *, scale=None, s
 # --------------------------------------------------------------------------- #
 
 
-def _dims(q, k, block_q, block_kv) -> Dims:
+def _dims(q, k, v, block_q, block_kv) -> Dims:
     B, T, N, H = q.shape
-    S, K = k.shape[1], k.shape[2]
+    S, K, Hv = k.shape[1], k.shape[2], v.shape[-1]
     bq = min(block_q, round_up(T, 8))
     bk = min(block_kv, round_up(S, LANES))
-    return Dims(B, T, S, N, K, H, round_up(H, LANES), bq, bk, round_up(T, bq), round_up(S, bk))
+    return Dims(B, T, S, N, K, H, round_up(max(H, Hv), LANES), bq, bk, round_up(T, bq),
+                round_up(S, bk), Hv)
 
 
 def _heads_major(x, n, Hp):
@@ -280,8 +281,8 @@ class _Call:
         return b if self.tab.batched else 0
 
 
-def _call(cfg, q, k, mask, alibi, rel, offs, block_q, block_kv, transpose=False) -> _Call:
-    d = _dims(q, k, block_q, block_kv)
+def _call(cfg, q, k, v, mask, alibi, rel, offs, block_q, block_kv, transpose=False) -> _Call:
+    d = _dims(q, k, v, block_q, block_kv)
     return _Call(d, call_tables(mask, d, cfg.static_offsets, offs, transpose),
                  MaskOperands(mask, d.B, d.Tp, d.Sp, offs, alibi, rel),
                  relative_tile_ranges(rel, d.bq, d.bk, d.Tp, d.Sp))
@@ -369,7 +370,7 @@ def _masked(s, q_tile, kv_tile, d, mask, mops, offs_ref, b, sref, qseg, kseg, *,
 
 
 def _forward(cfg, q, k, v, mask, bias, alibi, rel, offs):
-    c = _call(cfg, q, k, mask, alibi, rel, offs, cfg.block_sizes.block_q,
+    c = _call(cfg, q, k, v, mask, alibi, rel, offs, cfg.block_sizes.block_q,
               cfg.block_sizes.block_kv)
     d, tab, mops, ranges, rb = c.d, c.tab, c.mops, c.ranges, c.rb
     bq, ns, nseg, has_bias = d.bq, c.ns, mops.num_segments, bias is not None
@@ -433,7 +434,7 @@ def _forward(cfg, q, k, v, mask, bias, alibi, rel, offs):
         compiler_params=_compiler_params("parallel", "parallel", "parallel", "arbitrary"),
         name="tfjax_flash_fwd",
     )(tab.order, tab.count, tab.code, offs, *mops.scalars, *ranges, *operands)
-    out = out[:, :, :d.T, :d.H].transpose(0, 2, 1, 3)
+    out = out[:, :, :d.T, :d.Hv].transpose(0, 2, 1, 3)
     return out, lse[:, :, :d.T, 0]
 
 
@@ -444,7 +445,7 @@ def _forward(cfg, q, k, v, mask, bias, alibi, rel, offs):
 
 def _backward_dq(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta):
     """dq, and T5's table gradient `[nb, N]` fp32 (None without `rel`)."""
-    c = _call(cfg, q, k, mask, alibi, rel, offs, cfg.block_sizes.block_q_dq,
+    c = _call(cfg, q, k, v, mask, alibi, rel, offs, cfg.block_sizes.block_q_dq,
               cfg.block_sizes.block_kv_dq)
     d, tab, mops, ranges, rb = c.d, c.tab, c.mops, c.ranges, c.rb
     bq, ns, nseg, has_bias = d.bq, c.ns, mops.num_segments, bias is not None
@@ -543,7 +544,8 @@ def _backward_dq(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta):
 def _backward_dkv(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta):
     bs = cfg.block_sizes
     # query positions run along lanes here: the query tile is a multiple of 128
-    c = _call(cfg, q, k, mask, alibi, rel, offs, min(bs.block_q_dkv, round_up(q.shape[1], LANES)),
+    c = _call(cfg, q, k, v, mask, alibi, rel, offs,
+              min(bs.block_q_dkv, round_up(q.shape[1], LANES)),
               bs.block_kv_dkv, transpose=True)
     d, tab, mops, ranges, rb = c.d, c.tab, c.mops, c.ranges, c.rb
     G, bq, bk = d.G, d.bq, d.bk
@@ -656,7 +658,7 @@ def _backward_dkv(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta):
                                          "arbitrary"),
     )(tab.order, tab.count, tab.code, offs, *mops.scalars, *ranges, *operands)
     dk = outs[0][:, :, :d.S, :d.H].transpose(0, 2, 1, 3)
-    dv = outs[1][:, :, :d.S, :d.H].transpose(0, 2, 1, 3)
+    dv = outs[1][:, :, :d.S, :d.Hv].transpose(0, 2, 1, 3)
     dbias = None
     if has_bias:
         dbias = reduce_dbias(outs[2][:, :, :d.T, :d.S], bias)

@@ -103,7 +103,7 @@ def padded_head_dim(H: int) -> int:
 
 
 def supports(r) -> str | None:
-    H = r.q_shape[-1]
+    H = max(r.q_shape[-1], r.value_head_dim)
     if H > 256:
         return f"the Triton kernels take head dims up to 256, got {H}"
     return None
@@ -215,12 +215,13 @@ def flash_attention_triton(q, k, v, mask=None, *, bias=None, scale=None, softcap
     return (out, lse) if return_lse else out
 
 
-def _dims(q, k, block_q, block_kv):
+def _dims(q, k, v, block_q, block_kv):
     B, T, N, H = q.shape
-    S, K = k.shape[1], k.shape[2]
+    S, K, Hv = k.shape[1], k.shape[2], v.shape[-1]
     bq = max(16, min(_pow2(block_q), _pow2(T)))
     bk = max(16, min(_pow2(block_kv), _pow2(S)))
-    return Dims(B, T, S, N, K, H, padded_head_dim(H), bq, bk, round_up(T, bq), round_up(S, bk))
+    return Dims(B, T, S, N, K, H, padded_head_dim(max(H, Hv)), bq, bk, round_up(T, bq),
+                round_up(S, bk), Hv)
 
 
 def _pad_seq_head(x, n, Hp):
@@ -408,7 +409,8 @@ def _row_kernel(cfg, d, mask, mops, tab, has_bias, has_alibi, rel, backward, *re
 def _row_call(cfg, q, k, v, mask, bias, alibi, rel, offs, backward, do=None, lse=None,
               delta=None):
     bs = cfg.block_sizes
-    d = _dims(q, k, *((bs.block_q_dq, bs.block_kv_dq) if backward else (bs.block_q, bs.block_kv)))
+    tiles = (bs.block_q_dq, bs.block_kv_dq) if backward else (bs.block_q, bs.block_kv)
+    d = _dims(q, k, v, *tiles)
     G, bq = d.G, d.bq
     qi = lambda i: heavy_first(i, d.Tp // bq)  # grid index -> query tile (heaviest first)
     tab = call_tables(mask, d, cfg.static_offsets, offs)
@@ -464,7 +466,7 @@ def _row_call(cfg, q, k, v, mask, bias, alibi, rel, offs, backward, do=None, lse
     if backward:  # dq, and T5's table gradient [nb, N]
         dtable = None if rel is None else outs[1].sum(axis=(0, 2))[:, :rel.num_buckets].T
         return outs[0][:, :d.T, :, :d.H], dtable
-    return outs[0][:, :d.T, :, :d.H], outs[1][:, :, :d.T]
+    return outs[0][:, :d.T, :, :d.Hv], outs[1][:, :, :d.T]
 
 
 # --------------------------------------------------------------------------- #
@@ -527,7 +529,7 @@ def _dkv_kernel(cfg, d, mask, mops, tab, has_bias, has_alibi, rel, *refs):
 
 def _dkv_call(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta):
     bs = cfg.block_sizes
-    d = _dims(q, k, bs.block_q_dkv, bs.block_kv_dkv)
+    d = _dims(q, k, v, bs.block_q_dkv, bs.block_kv_dkv)
     bk = d.bk
     tab = call_tables(mask, d, cfg.static_offsets, offs, transpose=True)
     mops, bias_op, qp, kp, vp = _common_operands(mask, bias, alibi, rel, d, q, k, v, offs)
@@ -573,7 +575,7 @@ def _dkv_call(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta):
                                                                cfg.softcap)),
         name="tfjax_flash_dkv_gpu",
     )(*operands)
-    dk, dv = outs[0][:, :d.S, :, :d.H], outs[1][:, :d.S, :, :d.H]
+    dk, dv = outs[0][:, :d.S, :, :d.H], outs[1][:, :d.S, :, :d.Hv]
     dbias = None
     if has_bias:
         dbias = reduce_dbias(outs[2][:, :, :d.T, :d.S], bias)
