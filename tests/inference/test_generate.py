@@ -41,6 +41,14 @@ CASES = {
     # values of a head dim of their own (12 against 8), GQA 4/2.
     "sinks_value_head_dim": dict(attention_sinks=True, v_head_dim=12, num_kv_heads=2,
                                  layer_pattern=("local", "global"), sliding_window=3),
+    # Llama 4 / Gemma 3 / OLMo 2 attention: chunked layers (a one-chunk rolling cache),
+    # a local layer with its own RoPE base, a NoPE layer with the query temperature,
+    # QK-norm over the whole projection.
+    "chunked_local_nope": dict(layer_pattern=("chunked", "local", "nope"), num_layers=3,
+                               attention_chunk=4, sliding_window=3, local_rope_theta=50.0,
+                               nope_temperature_floor=3, nope_temperature_scale=0.5,
+                               qk_norm=True, qk_norm_over="projection", num_kv_heads=2,
+                               norm="rmsnorm"),
 }
 
 PROMPT_LENGTHS = [6, 3]  # right-padded to 6
@@ -96,6 +104,28 @@ def test_pallas_kernels_serve_the_cache_masks():
                               prompt_lengths=lengths, prefill_chunk=4))
     want = recompute_greedy(build(**kw, attention_impl="reference"), x, lengths, NEW)
     np.testing.assert_array_equal(got, want)
+    assert len(set(got.ravel().tolist())) > 4
+
+
+MLA = dict(layer_pattern=("mla", "local"), sliding_window=3, num_layers=3, norm="rmsnorm",
+           mla=dict(q_lora_rank=12, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                    v_head_dim=6))
+
+
+@pytest.mark.parametrize("prefill_chunk", [None, 4])
+def test_latent_attention_decodes_absorbed_from_its_latent_cache(prefill_chunk):
+    """DeepSeek's MLA layers (one scanned cycle of mla + local, one mla block): the
+    cache holds only the latent and the rotary key per token, prefill is
+    materialised, decode steps and prefill chunks run the absorbed form; cached
+    greedy decoding equals recomputation."""
+    model = build(**MLA)
+    cache = jax.eval_shape(lambda: model.init_cache(2, 40))
+    (mla, _), = [cache.layers["cycles"]]
+    assert mla["attn"].latent.shape == (1, 2, 40, 16 + 4)  # [cycles, B, S, r + dr]
+    x, lengths = prompts(seed=5), jnp.array(PROMPT_LENGTHS)
+    got = np.asarray(generate(model, x, max_new_tokens=NEW, prompt_lengths=lengths,
+                              prefill_chunk=prefill_chunk))
+    np.testing.assert_array_equal(got, recompute_greedy(model, x, lengths, NEW))
     assert len(set(got.ravel().tolist())) > 4
 
 
@@ -177,3 +207,9 @@ def test_cache_bytes_gqa_mqa_and_70b():
     split = model_config(dict(base, head_dim=192, v_head_dim=128, attention_sinks=True))
     assert models.cache_bytes(split, 1, T) == 80 * 64 * (192 + 128) * T * 2
     assert models.kv_bytes_per_token(split) == 80 * 64 * (192 + 128) * 2
+    # DeepSeek-V3's latent cache: (kv_lora_rank + qk_rope_head_dim) per token per layer
+    v3 = model_config(dict(base, num_layers=61, d_model=7168, num_heads=128, layer_pattern=("mla",),
+                           mla=dict(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                                    qk_rope_head_dim=64, v_head_dim=128)))
+    assert models.cache_bytes(v3, 1, T) == 61 * (512 + 64) * T * 2
+    assert models.kv_bytes_per_token(v3) == 61 * (512 + 64) * 2

@@ -130,3 +130,44 @@ def test_a_registered_kind_generates_as_it_computes(fake):
     got = np.asarray(generate(model, x, max_new_tokens=6))
     np.testing.assert_array_equal(got, _recompute_greedy(model, x, 6))
     assert len(set(got.ravel().tolist())) > 3
+
+
+def _dependence(model, tokens, t):
+    """Per source position s: whether changing token s changes the logits at t."""
+    f = nnx.jit(lambda m, x: m(x)[:, t])
+    base = f(model, tokens)
+    return np.array([not np.allclose(f(model, tokens.at[:, s].set((tokens[:, s] + 1) % 61)), base)
+                     for s in range(tokens.shape[1])])
+
+
+def test_the_attention_kinds_of_2024_26_models():
+    """chunked (Llama 4): a query sees only its own chunk, and its cache is one
+    chunk of slots; nope: no RoPE, Llama 4's query temperature; local with its own
+    RoPE base (Gemma 3: unscaled, while global layers keep the scaled RoPE); QK-norm
+    over the whole projection (OLMo 2)."""
+    C = 3
+    cfg = model_config(dict(TINY, num_layers=1, layer_pattern=("chunked",), attention_chunk=C))
+    model = models.build(cfg, rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.key(1), (1, 8), 0, 61)
+    got = attention_inputs.layer_masks(cfg, masks.causal())["chunked"].dense(8, 8)
+    np.testing.assert_array_equal(got, masks.chunked_causal(C).dense(8, 8))
+    dep = _dependence(model, tokens, 7)  # chunk [6, 9): positions 6, 7 only
+    assert not dep[:6].any() and dep[6:].all()
+    cache = jax.eval_shape(lambda: model.init_cache(2, 40))
+    assert cache.layers["cycles"][0]["attn"].k.shape == (1, 2, C, 2, cfg.head_size)
+    q, kv = jnp.array([[7]]), jnp.array([[6, 7, 5]])  # a 3-slot ring buffer after 8 tokens
+    m = attention_inputs.cache_masks(cfg, None, q, lambda size: kv, 40)[0]["chunked"]
+    np.testing.assert_array_equal(m.dense(1, 3)[0, 0], [True, True, False])
+    with pytest.raises(ValueError, match="model.attention_chunk"):
+        model_config(dict(TINY, layer_pattern=("chunked",)))
+
+    cfg = model_config(dict(TINY, num_layers=3, layer_pattern=("local", "global", "nope"),
+                            sliding_window=4, local_rope_theta=10.0, qk_norm=True,
+                            qk_norm_over="projection", nope_temperature_floor=4,
+                            rope=dict(theta=1e4, scaling="linear", factor=8.0)))
+    local, glob, nope = models.build(cfg, rngs=nnx.Rngs(0)).layers.cycles.layers
+    assert (local.attn.rope.theta, local.attn.rope.scaling) == (10.0, "none")
+    assert (glob.attn.rope.theta, glob.attn.rope.scaling, glob.attn.rope.factor) == \
+        (1e4, "linear", 8.0)
+    assert nope.attn.rope is None and nope.attn.temperature == (4, 0.1)
+    assert local.attn.temperature is None and glob.attn.q_norm.scale.shape == (1, 4 * 8)  # scanned

@@ -193,3 +193,26 @@ def test_block_errors():
         _block("post", parallel=True)
     with pytest.raises(ValueError, match="context"):
         _block("pre", cross=True)(rand((1, 3, 16), 0))
+
+
+def test_qk_norm_over_the_projection_and_the_nope_temperature():
+    """OLMo 2's QK-norm normalises all heads of q (and of k) at once; Llama 4's NoPE
+    layers scale q by 1 + scale * ln(1 + floor((p + 1) / floor)) at position p."""
+    D, N, K, H = 24, 4, 2, 8
+    layer = MultiHeadAttention(D, N, num_kv_heads=K, head_dim=H, qk_norm=True,
+                               qk_norm_over="projection", temperature=(3, 0.5),
+                               rngs=nnx.Rngs(0))
+    x = rand((2, 7, D), 1)
+    q, k, _ = layer.project(x)
+    p = params_of(layer)
+    rms = lambda y: y * jax.lax.rsqrt(jnp.mean(y * y, -1, keepdims=True) + 1e-6)
+    q_ref = rms(jnp.einsum("btd,dnh->btnh", x, p["q"]).reshape(2, 7, N * H)).reshape(2, 7, N, H)
+    k_ref = rms(jnp.einsum("bsd,dkh->bskh", x, p["k"]).reshape(2, 7, K * H)).reshape(2, 7, K, H)
+    t = 1.0 + 0.5 * np.log1p(np.floor((np.arange(7) + 1.0) / 3))  # 1, 1, 1+.5 ln 2, ...
+    np.testing.assert_allclose(q, q_ref * t[None, :, None, None], atol=1e-5)
+    np.testing.assert_allclose(k, k_ref, atol=1e-5)
+    with pytest.raises(ValueError, match="qk_norm_over"):
+        MultiHeadAttention(D, N, qk_norm=True, qk_norm_over="heads", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="no RoPE"):
+        MultiHeadAttention(D, N, temperature=(3, 0.5), rope=RotaryEmbedding(head_dim=6),
+                           rngs=nnx.Rngs(0))

@@ -1,5 +1,5 @@
 """The model's config: `ModelConfig` and its sections (`rope`, `moe`, `ssm`,
-`linear`, `t5`), frozen dataclasses, and their checks.
+`linear`, `mla`, `t5`), frozen dataclasses, and their checks.
 
 `validate_model` checks types, ranges and combinations of fields (each error names
 the field, `model.num_kv_heads`, and what would be right). Names that a registry
@@ -17,8 +17,8 @@ from typing import ClassVar
 
 from tfjax.config.checks import fail, non_negative, one_of, positive
 
-__all__ = ["DTYPES", "LinearConfig", "ModelConfig", "MoEConfig", "RopeConfig", "SSMConfig",
-           "T5Config", "validate_model"]
+__all__ = ["DTYPES", "LinearConfig", "MLAConfig", "ModelConfig", "MoEConfig", "RopeConfig",
+           "SSMConfig", "T5Config", "validate_model"]
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -88,6 +88,21 @@ class LinearConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head Latent Attention (DeepSeek-V2/V3; `tfjax.nn.latent_attention`): the
+    "mla" layers. Their RoPE (model.rope) rotates the qk_rope_head_dim part only."""
+
+    q_lora_rank: int = 0  # low-rank query (V3: 1536); 0 -> a full-rank query projection
+    kv_lora_rank: int = 32  # the cached latent's width r (V3: 512)
+    qk_nope_head_dim: int = 16  # per-head query/key dims without RoPE (V3: 128)
+    qk_rope_head_dim: int = 8  # the decoupled rotary dims, one key for all heads (V3: 64)
+    v_head_dim: int = 16  # per-head value dims (V3: 128)
+    # DeepSeek's YaRN softmax scale: scale *= (0.1 * mscale_all_dim * ln(rope.factor) + 1)^2
+    # when rope.scaling == "yarn" (V3: 1.0); 0 -> none
+    mscale_all_dim: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
 class T5Config:
     """T5's bucketed relative position bias (`model.position="t5"`)."""
 
@@ -136,6 +151,9 @@ class ModelConfig:
     qkv_bias: bool = False
     out_bias: bool = False
     qk_norm: bool = False
+    # "head": q and k normalised per head over head_dim (Qwen3, Gemma 3); "projection":
+    # over all heads at once, before the heads split (OLMo 2)
+    qk_norm_over: str = "head"
     attn_scale: float = 0.0  # 0 -> 1/sqrt(head_dim)
     attn_softcap: float = 0.0  # 0 -> off; Gemma 2: 50
     attention_sinks: bool = False  # a learned sink logit per head (gpt-oss; tfjax.ops.sinks)
@@ -151,9 +169,16 @@ class ModelConfig:
     # data, every layer re-lays out q, k, v, out) | "none".
     zigzag: str = "data"
     # Layer kinds (tfjax.models.layer_kinds), cycled over layers: global | local |
-    # mamba | linear (the last two decoder only).
+    # chunked | nope | mla | mamba | linear (chunked and the last two decoder only).
     layer_pattern: tuple[str, ...] = ("global",)
     sliding_window: int = 0  # keys before the query a "local" layer sees (plus itself)
+    attention_chunk: int = 0  # a "chunked" layer sees its own chunk (Llama 4: 8192)
+    # "local" layers' RoPE base, unscaled (Gemma 3: 10000); 0 -> model.rope as the others
+    local_rope_theta: float = 0.0
+    # Llama 4's query temperature on "nope" layers: q *= 1 + scale * ln(1 + floor((p + 1) /
+    # floor)) at position p (floor 8192, scale 0.1); floor 0 -> off
+    nope_temperature_floor: int = 0
+    nope_temperature_scale: float = 0.1
     prefix_lm: bool = False  # decoder: bidirectional over a prefix given at call time
     # What follows the mixer, cycled over layers independently of layer_pattern:
     # dense | moe | none. The scanned unit is lcm(len(layer_pattern), len(ffn_pattern)).
@@ -163,6 +188,7 @@ class ModelConfig:
     moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
     ssm: SSMConfig = dataclasses.field(default_factory=SSMConfig)
     linear: LinearConfig = dataclasses.field(default_factory=LinearConfig)
+    mla: MLAConfig = dataclasses.field(default_factory=MLAConfig)
 
     # Positions.
     position: str = "rope"  # none | sinusoidal | learned | rope | alibi | t5
@@ -230,6 +256,7 @@ class ModelConfig:
 def validate_model(c: ModelConfig, p: str) -> None:
     """Types were checked on conversion; here ranges and combinations."""
     one_of(f"{p}.context_parallel", c.context_parallel, ("ring", "all_gather"))
+    one_of(f"{p}.qk_norm_over", c.qk_norm_over, ("head", "projection"))
     one_of(f"{p}.zigzag", c.zigzag, ("data", "layer", "none"))
     one_of(f"{p}.dtype", c.dtype, DTYPES)
     one_of(f"{p}.param_dtype", c.param_dtype, DTYPES)
@@ -238,7 +265,8 @@ def validate_model(c: ModelConfig, p: str) -> None:
                  "norm_eps", "init_std"):
         positive(f"{p}.{name}", getattr(c, name))
     for name in ("num_encoder_layers", "num_kv_heads", "head_dim", "v_head_dim", "attn_scale",
-                 "attn_softcap",
+                 "attn_softcap", "attention_chunk", "local_rope_theta", "nope_temperature_floor",
+                 "nope_temperature_scale",
                  "final_softcap", "sliding_window", "type_vocab_size", "num_classes"):
         non_negative(f"{p}.{name}", getattr(c, name))
     positive(f"{p}.logits_scale", c.logits_scale)
@@ -259,6 +287,9 @@ def validate_model(c: ModelConfig, p: str) -> None:
     if "local" in c.layer_pattern and c.sliding_window < 1:
         fail(f"{p}.sliding_window", f"must be >= 1 when layer_pattern has 'local' layers, "
              f"got {c.sliding_window}")
+    if "chunked" in c.layer_pattern and c.attention_chunk < 1:
+        fail(f"{p}.attention_chunk", f"must be >= 1 when layer_pattern has 'chunked' layers, "
+             f"got {c.attention_chunk}")
     _validate_sections(c, p)
 
     if c.position == "rope":
@@ -302,7 +333,8 @@ def validate_model(c: ModelConfig, p: str) -> None:
 
 
 def _validate_sections(c: ModelConfig, p: str) -> None:
-    """The moe, ssm and linear sections' ranges, and what a "moe" layer needs."""
+    """The moe, ssm, linear and mla sections' ranges, and what "moe" and "mla" layers
+    need."""
     m, s, lin = c.moe, c.ssm, c.linear
     for name in ("d_ff", "shared_experts", "capacity_factor", "aux_loss_weight", "z_loss_weight"):
         non_negative(f"{p}.moe.{name}", getattr(m, name))
@@ -311,6 +343,20 @@ def _validate_sections(c: ModelConfig, p: str) -> None:
     for name in ("d_state", "d_conv", "expand"):
         positive(f"{p}.ssm.{name}", getattr(s, name))
     positive(f"{p}.linear.chunk", lin.chunk)
+    for name in ("kv_lora_rank", "qk_rope_head_dim", "v_head_dim"):
+        positive(f"{p}.mla.{name}", getattr(c.mla, name))
+    for name in ("q_lora_rank", "qk_nope_head_dim", "mscale_all_dim"):
+        non_negative(f"{p}.mla.{name}", getattr(c.mla, name))
+    if "mla" in c.layer_pattern:
+        if c.position not in ("rope", "none"):
+            fail(f"{p}.position", f"'mla' layers take their positions from RoPE on the decoupled "
+                 f"part: use 'rope' (or 'none'), got {c.position!r}")
+        if c.position == "rope" and c.rope.fraction != 1.0:
+            fail(f"{p}.rope.fraction", "'mla' layers rotate all of mla.qk_rope_head_dim: "
+                 f"use 1.0, got {c.rope.fraction!r}")
+        if c.mla.qk_rope_head_dim % 2:
+            fail(f"{p}.mla.qk_rope_head_dim", f"RoPE rotates pairs: must be even, got "
+                 f"{c.mla.qk_rope_head_dim}")
     if "moe" in c.ffn_pattern:
         if m.num_experts < 1:
             fail(f"{p}.moe.num_experts", f"ffn_pattern has 'moe' layers: set num_experts >= 1, "

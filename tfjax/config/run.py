@@ -31,6 +31,7 @@ DEFAULT_RULES: tuple[tuple[str, ...], ...] = (
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
     ("head_dim",),
+    ("latent",),  # latent attention's low-rank dims (q and kv latents)
     ("expert", "expert"),
     ("norm",),
     ("layers",),

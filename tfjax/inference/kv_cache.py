@@ -41,6 +41,9 @@ Scaling Transformer Inference"). Design:
   features (linear), and the conv window is gathered at each row's last real
   token, so a padded tail never enters the state; a decode step is the mixer's
   `step`. Their size does not depend on the length.
+- **Latent attention** (DeepSeek's MLA) keeps `LatentCache`: per token the
+  normalised kv latent and the rotated shared key (r + dr values, no per-head K/V),
+  decoded in the absorbed form (`tfjax.nn.latent_attention`).
 - **Cross-attention** (encoder-decoder) keeps the encoder output's K/V, computed
   once at the first step (when `context` is passed) and reused after.
 
@@ -71,6 +74,7 @@ from tfjax.parallel.sharding import shard
 __all__ = [
     "CrossKVCache",
     "KVCache",
+    "LatentCache",
     "LayerCache",
     "LinearCache",
     "MambaCache",
@@ -81,6 +85,7 @@ __all__ = [
 ]
 
 KV_AXES = ("batch", None, "kv_heads", "head_dim")  # [B, S, K, H]; S replicated
+LATENT_AXES = ("batch", None, "latent")  # [B, S, r + dr]
 
 
 def _pytree(cls):
@@ -165,28 +170,84 @@ class KVCache(LayerCache):
         return out, self._write(k, v, jnp.zeros_like(self.length))
 
     def _append(self, k, v):
-        B = k.shape[0]
-        slot = jnp.mod(self.length.astype(jnp.int32) - 1, self.size)  # [B]
-        rows = jnp.arange(B)
-        nk = self.k.at[rows, slot].set(k[:, 0].astype(self.k.dtype))
-        nv = self.v.at[rows, slot].set(v[:, 0].astype(self.v.dtype))
-        return self.replace(k=shard(nk, KV_AXES), v=shard(nv, KV_AXES))
+        nk, nv = append_slot(self.length, (self.k, self.v), (k, v), KV_AXES)
+        return self.replace(k=nk, v=nv)
 
     def _write(self, k, v, start):
-        """k/v `[B, T, K, H]` hold positions start[b].. of row b: store, per row, those
-        among the last `size` of its `length[b]` positions (the gather keeps right
-        padding out of a rolling buffer); other slots keep what they hold."""
-        T = k.shape[1]
-        pos = slot_positions(self.length, self.size)  # [B, size]
-        rel = pos - start.astype(jnp.int32)[:, None]  # index among the new keys
-        src = jnp.clip(rel, 0, T - 1)[:, :, None, None]
-        new = ((pos >= 0) & (rel >= 0))[:, :, None, None]
+        nk, nv = write_slots(self.length, start, (self.k, self.v), (k, v), KV_AXES)
+        return self.replace(k=nk, v=nv)
 
-        def take(x, old):
-            got = jnp.take_along_axis(x, src, axis=1).astype(old.dtype)
-            return shard(jnp.where(new, got, old), KV_AXES)
 
-        return self.replace(k=take(k, self.k), v=take(v, self.v))
+def append_slot(length, olds, news, axes):
+    """A decode step's write: each of `news` `[B, 1, ...]` into slot `(length - 1) %
+    size` of its row of the matching `olds` `[B, size, ...]` (sharded as `axes`)."""
+    size = olds[0].shape[1]
+    slot = jnp.mod(length.astype(jnp.int32) - 1, size)  # [B]
+    rows = jnp.arange(olds[0].shape[0])
+    return tuple(shard(o.at[rows, slot].set(n[:, 0].astype(o.dtype)), axes)
+                 for o, n in zip(olds, news))
+
+
+def write_slots(length, start, olds, news, axes):
+    """A prefill's or chunk's write: `news` `[B, T, ...]` hold positions start[b]..
+    of row b; store, per row, those among the last `size` of its `length[b]`
+    positions (the gather keeps right padding out of a rolling buffer); other slots
+    of `olds` `[B, size, ...]` keep what they hold."""
+    size, T = olds[0].shape[1], news[0].shape[1]
+    pos = slot_positions(length, size)  # [B, size]
+    rel = pos - start.astype(jnp.int32)[:, None]  # index among the new keys
+    out = []
+    for o, n in zip(olds, news):
+        tail = (1,) * (o.ndim - 2)
+        src = jnp.clip(rel, 0, T - 1).reshape(*rel.shape, *tail)
+        new = ((pos >= 0) & (rel >= 0)).reshape(*rel.shape, *tail)
+        got = jnp.take_along_axis(n, src, axis=1).astype(o.dtype)
+        out.append(shard(jnp.where(new, got, o), axes))
+    return tuple(out)
+
+
+@_pytree
+class LatentCache(LayerCache):
+    """Multi-head Latent Attention's cache (`tfjax.nn.latent_attention`): per token
+    only the normalised latent and the rotated shared key, `latent` `[B, size, r +
+    dr]`; slots as `KVCache`'s (a global layer: size = max_len). Prefill runs the
+    materialised form over the fresh tokens; a decode step or a chunk runs the
+    absorbed form over the slots (and the chunk's fresh latents)."""
+
+    latent: jax.Array
+    length: jax.Array
+    chunk: bool = _static(default=False)
+    AXES = {"latent": LATENT_AXES}
+
+    @classmethod
+    def empty(cls, batch: int, size: int, width: int, dtype) -> "LatentCache":
+        return cls(jnp.zeros((batch, size, width), dtype), jnp.zeros((batch,), jnp.int32))
+
+    @property
+    def size(self) -> int:
+        return self.latent.shape[1]
+
+    def for_step(self, length, *, chunk):
+        return super().for_step(length, chunk=chunk).replace(chunk=chunk)
+
+    def apply(self, attn, x, context=None, *, mask=None, bias=None, positions=None,
+              kv_positions=None):
+        if context is not None or bias is not None:
+            raise ValueError("a latent attention cache takes no context and no bias")
+        q_nope, q_pe = attn.queries(x, positions)
+        fresh = attn.latent(x, positions)  # [B, T, r + dr]
+        if self.chunk:  # [slots; fresh latents], then write
+            keys = jnp.concatenate([self.latent, fresh.astype(self.latent.dtype)], axis=1)
+            (new,) = write_slots(self.length, positions[:, 0], (self.latent,), (fresh,),
+                                 LATENT_AXES)
+            return attn.attend_absorbed(q_nope, q_pe, keys, mask), self.replace(latent=new)
+        if x.shape[1] == 1:  # decode: one slot per row, then attend over the cache
+            (new,) = append_slot(self.length, (self.latent,), (fresh,), LATENT_AXES)
+            return attn.attend_absorbed(q_nope, q_pe, new, mask), self.replace(latent=new)
+        out = attn.attend(q_nope, q_pe, fresh, mask)  # prefill: materialised, model masks
+        (new,) = write_slots(self.length, jnp.zeros_like(self.length), (self.latent,), (fresh,),
+                             LATENT_AXES)
+        return out, self.replace(latent=new)
 
 
 @_pytree

@@ -5,9 +5,10 @@ model's base mask (causal, prefix-LM, segments, padding; `layer_masks`). In a
 cached step, the keys are a KV cache's slots, so the mask is by position:
 `masks.Positions(q_positions, kv_positions, window)` over the positions each slot
 holds (`tfjax.inference.kv_cache.slot_positions`), the kind's window from its
-record's `slots` (`cache_masks`). ALiBi and T5 biases (`position_bias`) are lazy
-objects the tiled attention implementations evaluate per tile, from the same
-query and key positions; a kind whose record says `positions=False` gets none.
+record's `slots`, or its record's own `cache_mask` (`cache_masks`). ALiBi and T5
+biases (`position_bias`) are lazy objects the tiled attention implementations
+evaluate per tile, from the same query and key positions; a kind whose record says
+`positions=False` gets none.
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ def cache_masks(cfg: ModelConfig, rel_bias, q_positions: jax.Array,
             continue
         size, window = rec.slots(cfg, max_len)
         kv = kv_positions(size)
-        masks[kind] = masks_lib.Positions(q_positions, kv, window)
+        masks[kind] = (masks_lib.Positions(q_positions, kv, window) if rec.cache_mask is None
+                       else rec.cache_mask(cfg, q_positions, kv, window))
         biases[kind] = position_bias(cfg, rel_bias, q_positions, kv) if rec.positions else None
     return masks, biases

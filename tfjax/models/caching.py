@@ -99,10 +99,11 @@ def cache_bytes(cfg: ModelConfig, batch: int, length: int, *, dtype=None,
 
 
 def kv_bytes_per_token(cfg: ModelConfig, *, dtype=None) -> int:
-    """Layers x kv heads x (K's + V's head dims) x bytes: one token's cache if every
-    layer were global (the textbook formula; local layers cost less past W)."""
-    itemsize = jnp.dtype(dtype or cfg.dtype).itemsize
-    return cfg.num_layers * cfg.kv_heads * (cfg.head_size + cfg.value_head_size) * itemsize
+    """The bytes one more token adds to a short cache: one token's cache if every
+    layer were global (for K/V layers the textbook layers x kv heads x (K's + V's
+    head dims) x bytes; MLA layers their latent; recurrent states add nothing, and
+    local layers cost less past W)."""
+    return cache_bytes(cfg, 1, 2, dtype=dtype) - cache_bytes(cfg, 1, 1, dtype=dtype)
 
 
 @dataclasses.dataclass

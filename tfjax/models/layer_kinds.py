@@ -16,6 +16,9 @@ know about a kind is its record, and nothing outside this file names a kind:
                       (a `tfjax.inference.kv_cache.LayerCache`); None: no cache
       slots           (cfg, max_len) -> (size, window) of its KV cache, from which
                       the model builds its decode masks; None: a recurrent state
+      cache_mask      (cfg, q_positions, kv_positions, window) -> its mask in a
+                      cached step, by position (None: `masks.Positions(q, kv,
+                      window)`)
       decoder_only    a causal mixer: arch='decoder' only
       order_dependent its output depends on the tokens' order other than through
                       attention's position-aware mask (the trainer's zig-zag data
@@ -41,9 +44,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tfjax.config import ModelConfig
-from tfjax.inference.kv_cache import KVCache, LayerCache, LinearCache, MambaCache
+from tfjax.inference.kv_cache import KVCache, LatentCache, LayerCache, LinearCache, MambaCache
 from tfjax.nn.attention import MultiHeadAttention
 from tfjax.nn.ffn import FeedForward
+from tfjax.nn.latent_attention import MultiHeadLatentAttention, mla_scale
 from tfjax.nn.linear_attention import FEATURE_MAPS, LinearAttention
 from tfjax.nn.moe import MoE
 from tfjax.nn.positions import RotaryEmbedding
@@ -66,6 +70,7 @@ class LayerKind:
     positions: bool = True
     cache: Callable[[ModelConfig, int, int, Any], LayerCache] | None = None
     slots: Callable[[ModelConfig, int], tuple[int, int]] | None = None
+    cache_mask: Callable[..., "masks_lib.Mask"] | None = None
     decoder_only: bool = False
     order_dependent: bool = False
 
@@ -87,27 +92,40 @@ def _out_std(cfg: ModelConfig) -> float:
     return cfg.init_std / math.sqrt(2 * cfg.num_layers)
 
 
-def _rope(cfg: ModelConfig) -> RotaryEmbedding | None:
+def _rope(cfg: ModelConfig, head_dim: int | None = None,
+          theta: float = 0.0) -> RotaryEmbedding | None:
+    """The model's RoPE over `head_dim` (default the attention head dim), or None;
+    `theta` > 0: that base, unscaled, instead (Gemma 3's local layers)."""
     if cfg.position != "rope":
         return None
     r = cfg.rope
+    if theta:
+        return RotaryEmbedding(head_dim=head_dim or cfg.head_size, theta=theta,
+                               fraction=r.fraction, layout=r.layout)
     return RotaryEmbedding(
-        head_dim=cfg.head_size, theta=r.theta, fraction=r.fraction, layout=r.layout,
+        head_dim=head_dim or cfg.head_size, theta=r.theta, fraction=r.fraction, layout=r.layout,
         scaling=r.scaling, factor=r.factor, original_max_len=r.original_max_len,
         beta_fast=r.beta_fast, beta_slow=r.beta_slow, mscale=r.mscale,
         low_freq_factor=r.low_freq_factor, high_freq_factor=r.high_freq_factor)
 
 
-def attention(cfg: ModelConfig, rngs: nnx.Rngs, *, positions: bool) -> MultiHeadAttention:
+def attention(cfg: ModelConfig, rngs: nnx.Rngs, *, positions: bool, rope_theta: float = 0.0,
+              temperature: bool = False) -> MultiHeadAttention:
     """The model's attention: self-attention of the attention kinds (`positions`: the
-    model's RoPE, if any) and the decoder's cross-attention (positions=False)."""
+    model's RoPE, if any; `rope_theta` > 0: that base instead; `temperature`: Llama
+    4's NoPE query temperature when model.nope_temperature_floor > 0) and the
+    decoder's cross-attention (positions=False)."""
+    tempered = temperature and cfg.nope_temperature_floor > 0
     return MultiHeadAttention(
         cfg.d_model, cfg.num_heads, num_kv_heads=cfg.kv_heads, head_dim=cfg.head_size,
         v_head_dim=cfg.value_head_size, sinks=cfg.attention_sinks, qkv_bias=cfg.qkv_bias,
         out_bias=cfg.out_bias, qk_norm=cfg.qk_norm,
-        qk_norm_kind="layernorm" if cfg.norm == "layernorm" else cfg.norm, norm_eps=cfg.norm_eps,
+        qk_norm_kind="layernorm" if cfg.norm == "layernorm" else cfg.norm,
+        qk_norm_over=cfg.qk_norm_over, norm_eps=cfg.norm_eps,
+        temperature=(cfg.nope_temperature_floor, cfg.nope_temperature_scale) if tempered else None,
         scale=cfg.scale, softcap=cfg.attn_softcap or None,
-        rope=_rope(cfg) if positions else None, implementation=cfg.attention_impl,
+        rope=_rope(cfg, theta=rope_theta) if positions else None,
+        implementation=cfg.attention_impl,
         context_parallel=cfg.context_parallel, zigzag=cfg.zigzag,
         dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype),
         init_std=cfg.init_std, out_init_std=_out_std(cfg), rngs=rngs)
@@ -118,8 +136,16 @@ def attention(cfg: ModelConfig, rngs: nnx.Rngs, *, positions: bool) -> MultiHead
 # --------------------------------------------------------------------------- #
 
 
-def _attention_kind(doc: str, window_of: Callable[[ModelConfig], int]) -> LayerKind:
-    """An attention layer that sees `window_of(cfg)` keys before the query (0: all)."""
+def _attention_kind(doc: str, window_of: Callable[[ModelConfig], int], *,
+                    rope_theta_of: Callable[[ModelConfig], float] = lambda cfg: 0.0,
+                    positions: bool = True) -> LayerKind:
+    """An attention layer that sees `window_of(cfg)` keys before the query (0: all),
+    with RoPE of base `rope_theta_of(cfg)` (0: the model's) or, `positions=False`,
+    none (NoPE, with Llama 4's query temperature if configured)."""
+
+    def mixer(cfg, rngs, *, positions):
+        return attention(cfg, rngs, positions=positions, rope_theta=rope_theta_of(cfg),
+                         temperature=not positions)
 
     def mask(cfg, base, bidirectional):
         w = window_of(cfg)
@@ -136,13 +162,72 @@ def _attention_kind(doc: str, window_of: Callable[[ModelConfig], int]) -> LayerK
         return KVCache.empty(batch, size, cfg.kv_heads, cfg.head_size, dtype, window=window,
                              v_head_dim=cfg.value_head_size)
 
-    return LayerKind(doc=doc, mixer=attention, mask=mask, cache=cache, slots=slots)
+    return LayerKind(doc=doc, mixer=mixer, mask=mask, cache=cache, slots=slots,
+                     positions=positions)
 
 
 LAYER_KINDS.register("global", _attention_kind(
     "full attention under the model's mask", lambda cfg: 0))
 LAYER_KINDS.register("local", _attention_kind(
-    "sliding-window attention of model.sliding_window keys back", lambda cfg: cfg.sliding_window))
+    "sliding-window attention of model.sliding_window keys back (RoPE base "
+    "model.local_rope_theta if set)", lambda cfg: cfg.sliding_window,
+    rope_theta_of=lambda cfg: cfg.local_rope_theta))
+LAYER_KINDS.register("nope", _attention_kind(
+    "full attention without the model's position encoding (NoPE: Llama 4, SmolLM3; "
+    "model.nope_temperature_floor)", lambda cfg: 0, positions=False))
+
+
+def _chunked_mask(cfg, base, bidirectional):
+    return masks_lib.combine(base, masks_lib.chunked_causal(cfg.attention_chunk))
+
+
+def _chunked_cache_mask(cfg, q_positions, kv_positions, window):
+    """By position: causal within the query's own chunk (chunk index as a segment id;
+    an empty slot's -1 is in no chunk)."""
+    C = cfg.attention_chunk
+    return masks_lib.positions(q_positions, kv_positions) & masks_lib.segments(
+        q_positions // C, jnp.where(kv_positions >= 0, kv_positions // C, -1))
+
+
+def _chunked_cache(cfg, batch, max_len, dtype):
+    return KVCache.empty(batch, min(cfg.attention_chunk, max_len), cfg.kv_heads, cfg.head_size,
+                         dtype, v_head_dim=cfg.value_head_size)
+
+
+LAYER_KINDS.register("chunked", LayerKind(
+    "causal attention within chunks of model.attention_chunk positions (Llama 4): a rolling "
+    "cache of one chunk", lambda cfg, rngs, *, positions: attention(cfg, rngs,
+                                                                    positions=positions),
+    mask=_chunked_mask, cache=_chunked_cache,
+    slots=lambda cfg, max_len: (min(cfg.attention_chunk, max_len), 0),
+    cache_mask=_chunked_cache_mask, decoder_only=True))
+
+
+def _mla(cfg: ModelConfig, rngs: nnx.Rngs, *, positions: bool) -> MultiHeadLatentAttention:
+    m, r = cfg.mla, cfg.rope
+    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+    scale = cfg.attn_scale or mla_scale(qk, rope_scaling=r.scaling, rope_factor=r.factor,
+                                        mscale_all_dim=m.mscale_all_dim)
+    return MultiHeadLatentAttention(
+        cfg.d_model, cfg.num_heads, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
+        qk_nope_head_dim=m.qk_nope_head_dim, qk_rope_head_dim=m.qk_rope_head_dim,
+        v_head_dim=m.v_head_dim, scale=scale,
+        rope=_rope(cfg, m.qk_rope_head_dim) if positions else None, norm_eps=cfg.norm_eps,
+        implementation=cfg.attention_impl, context_parallel=cfg.context_parallel,
+        zigzag=cfg.zigzag, dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype),
+        init_std=cfg.init_std, out_init_std=_out_std(cfg), rngs=rngs)
+
+
+def _mla_cache(cfg: ModelConfig, batch: int, max_len: int, dtype) -> LatentCache:
+    return LatentCache.empty(batch, max_len, cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim,
+                             dtype)
+
+
+LAYER_KINDS.register("mla", LayerKind(
+    "DeepSeek's Multi-head Latent Attention under the model's mask (tfjax.nn.latent_attention; "
+    "model.mla): a latent cache, absorbed decode", _mla,
+    mask=lambda cfg, base, bidirectional: base, cache=_mla_cache,
+    slots=lambda cfg, max_len: (max_len, 0)))
 
 
 # --------------------------------------------------------------------------- #

@@ -26,6 +26,7 @@ from tfjax.models.layout import StackLayout
 from tfjax.nn import positions as pos_lib
 from tfjax.nn.blocks import TransformerBlock
 from tfjax.nn.norms import make_norm
+from tfjax.nn.positions import default_positions
 from tfjax.parallel.sharding import shard, with_logical_axes
 from tfjax.registry import Registry
 
@@ -42,11 +43,6 @@ REMAT_POLICIES.register("dots_no_batch", jax.checkpoint_policies.dots_with_no_ba
 
 def dtype_of(name: str):
     return jnp.dtype(name)
-
-
-def default_positions(tokens: jax.Array) -> jax.Array:
-    B, T = tokens.shape[:2]
-    return jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
 
 
 def build_norm(cfg: ModelConfig, rngs: nnx.Rngs, dim: int | None = None) -> nnx.Module:

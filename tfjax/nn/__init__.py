@@ -3,6 +3,7 @@
 from tfjax.nn.attention import MultiHeadAttention
 from tfjax.nn.blocks import BLOCKS, TransformerBlock
 from tfjax.nn.ffn import ACTIVATIONS, FeedForward
+from tfjax.nn.latent_attention import MultiHeadLatentAttention
 from tfjax.nn.linear_attention import FEATURE_MAPS, LinearAttention, LinearAttentionState
 from tfjax.nn.moe import MoE, MoEAux, moe_aux
 from tfjax.nn.norms import NORMS, RMSNormPlusOne, make_norm
@@ -20,7 +21,8 @@ from tfjax.nn.positions import (
 from tfjax.nn.ssm import Mamba, MambaState
 
 __all__ = [
-    "MultiHeadAttention", "TransformerBlock", "FeedForward", "make_norm", "RMSNormPlusOne",
+    "MultiHeadAttention", "MultiHeadLatentAttention", "TransformerBlock", "FeedForward",
+    "make_norm", "RMSNormPlusOne",
     "LearnedPositions", "RotaryEmbedding", "T5RelativeBias", "alibi_bias", "alibi_slopes",
     "relative_position_bucket", "sinusoidal_embedding",
     "ACTIVATIONS", "BLOCKS", "NORMS", "POSITIONS", "ROPE_SCALINGS",

@@ -8,12 +8,17 @@ One module serves MHA (K = N), GQA (Ainslie et al. 2023, 1 < K < N) and MQA
   "head_dim") and tensor parallelism splits heads with a rules change.
 - K/V are projected to K heads only and never repeated: the attention op groups
   the N query heads as [K, G] (the kv head of query head n is n // G).
-- Optional QK-norm (Dehghani et al. 2023; OLMo 2, Qwen3) normalises q and k per
-  head over H before RoPE; soft-capping (Gemma 2) and a scale override
-  (Gemma's query_pre_attn_scalar, T5's unscaled logits) pass to the op.
+- Optional QK-norm (Dehghani et al. 2023) normalises q and k before RoPE, per head
+  over H (`qk_norm_over="head"`: Qwen3, Gemma 3) or over the whole projection, all
+  heads at once (`"projection"`: OLMo 2); soft-capping (Gemma 2) and a scale
+  override (Gemma's query_pre_attn_scalar, T5's unscaled logits) pass to the op.
+- `temperature=(floor, scale)`: Llama 4's query temperature for layers without
+  RoPE, `q *= 1 + scale * ln(1 + floor((p + 1) / floor))` at query position p,
+  which keeps long-context attention sharp.
 - Values may have a head dim of their own (`v_head_dim`, DeepSeek's 128 against
-  q/k's 192); `sinks=True` learns gpt-oss's per-head sink logit (`[N]`, N(0, init_std)
-  at init as gpt-oss's: `tfjax.ops.sinks`), which every implementation and cache path receives.
+  q/k's 192); `sinks=True` learns gpt-oss's per-head sink logit (`[N]`, N(0,
+  init_std) at init as gpt-oss's; `tfjax.ops.sinks`), which every implementation
+  and cache path receives.
 - The attention itself is `tfjax.ops.dot_product_attention`: the layer never
   chooses a kernel, `implementation` does (default "auto").
 - Context parallelism: under an active mesh whose rules split "length" over a
@@ -31,12 +36,11 @@ One module serves MHA (K = N), GQA (Ainslie et al. 2023, 1 < K < N) and MQA
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from tfjax.nn.norms import make_norm
-from tfjax.nn.positions import RotaryEmbedding
+from tfjax.nn.positions import RotaryEmbedding, default_positions
 from tfjax.ops import Alibi, RelativeBias, dot_product_attention
 from tfjax.ops.masks import Mask
 from tfjax.parallel.context_parallel import CONTEXT_PARALLEL_MODES, context_parallel_attention
@@ -44,7 +48,7 @@ from tfjax.parallel.sharding import shard, with_logical_axes
 from tfjax.parallel.zigzag import ZIGZAG_MODES, zigzag_data_devices
 from tfjax.typing import DType
 
-__all__ = ["MultiHeadAttention", "head_projections"]
+__all__ = ["MultiHeadAttention", "attention", "head_projections"]
 
 
 class MultiHeadAttention(nnx.Module):
@@ -54,7 +58,8 @@ class MultiHeadAttention(nnx.Module):
                  head_dim: int | None = None, v_head_dim: int | None = None,
                  context_dim: int | None = None, sinks: bool = False,
                  qkv_bias: bool = False, out_bias: bool = False, qk_norm: bool = False,
-                 qk_norm_kind: str = "rmsnorm", norm_eps: float = 1e-6,
+                 qk_norm_kind: str = "rmsnorm", qk_norm_over: str = "head",
+                 norm_eps: float = 1e-6, temperature: tuple[int, float] | None = None,
                  scale: float | None = None, softcap: float | None = None,
                  rope: RotaryEmbedding | None = None, implementation: str = "auto",
                  context_parallel: str = "ring", zigzag: str = "data",
@@ -90,13 +95,21 @@ class MultiHeadAttention(nnx.Module):
             self.sinks = nnx.Param(init(rngs.params(), (num_heads,), param_dtype))
         else:
             self.sinks = None
+        if qk_norm_over not in ("head", "projection"):
+            raise ValueError(f"qk_norm_over: got {qk_norm_over!r}; allowed: 'head', 'projection'")
+        self.qk_norm_over = qk_norm_over
         if qk_norm:
-            self.q_norm = make_norm(qk_norm_kind, H, eps=norm_eps, dtype=dtype,
-                                    param_dtype=param_dtype, rngs=rngs)
-            self.k_norm = make_norm(qk_norm_kind, H, eps=norm_eps, dtype=dtype,
+            per = 1 if qk_norm_over == "head" else None  # "projection": N*H and K*H wide
+            self.q_norm = make_norm(qk_norm_kind, H * (per or num_heads), eps=norm_eps,
+                                    dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+            self.k_norm = make_norm(qk_norm_kind, H * (per or K), eps=norm_eps, dtype=dtype,
                                     param_dtype=param_dtype, rngs=rngs)
         else:
             self.q_norm = self.k_norm = None
+        if temperature is not None and (temperature[0] < 1 or rope is not None):
+            raise ValueError(f"temperature=(floor, scale) needs floor >= 1 and no RoPE (Llama 4's "
+                             f"NoPE layers), got {temperature} with rope={rope is not None}")
+        self.temperature = temperature
 
     def project(self, x, context=None, *, positions=None, kv_positions=None):
         """q `[B,T,N,H]`, k `[B,S,K,H]`, v `[B,S,K,Hv]`; q and k after QK-norm and RoPE."""
@@ -105,46 +118,39 @@ class MultiHeadAttention(nnx.Module):
         k = shard(self.k(context), ("batch", "length", "kv_heads", "head_dim"))
         v = shard(self.v(context), ("batch", "length", "kv_heads", "head_dim"))
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.rope is not None:
+            q, k = self._norm(self.q_norm, q), self._norm(self.k_norm, k)
+        if self.rope is not None or self.temperature is not None:
             if positions is None:
-                positions = _default_positions(x)
+                positions = default_positions(x)
             if kv_positions is None:
-                kv_positions = positions if context is x else _default_positions(context)
+                kv_positions = positions if context is x else default_positions(context)
+        if self.rope is not None:
             q, k = self.rope(q, positions), self.rope(k, kv_positions)
-        return q, k, v
+        return self._temper(q, positions), k, v
+
+    def _norm(self, norm, x):
+        """QK-norm of x `[B, L, n, H]`: per head, or over the whole projection."""
+        if self.qk_norm_over == "head":
+            return norm(x)
+        return norm(x.reshape(*x.shape[:2], -1)).reshape(x.shape)
+
+    def _temper(self, q, positions):
+        """Llama 4's NoPE query temperature at `positions` `[B, T]` (see the module)."""
+        if self.temperature is None:
+            return q
+        floor, scale = self.temperature
+        t = 1.0 + scale * jnp.log1p(jnp.floor((positions.astype(jnp.float32) + 1.0) / floor))
+        return (q * t[:, :, None, None]).astype(q.dtype)
 
     def attend(self, q, k, v, mask: Mask | None = None, bias=None, *, q_offset=0, kv_offset=0):
         """`bias`: None, an additive `[B|1, N|1, T, S]` array, a `tfjax.ops.Alibi` or
         a `tfjax.ops.RelativeBias` (T5; both evaluated per tile by the tiled
         implementations)."""
-        out = None
-        sinks = None if self.sinks is None else self.sinks[...]
-        is_alibi, is_relative = isinstance(bias, Alibi), isinstance(bias, RelativeBias)
-        per_tile = bias is None or is_alibi or is_relative  # not an array
-        if per_tile and _is_zero(q_offset) and _is_zero(kv_offset):
-            out = context_parallel_attention(q, k, v, mask, mode=self.context_parallel,
-                                             zigzag=self.zigzag,
-                                             implementation=self.implementation,
-                                             scale=self.scale, softcap=self.softcap,
-                                             alibi=bias if is_alibi else None,
-                                             relative_bias=bias if is_relative else None,
-                                             sinks=sinks)
-        elif zigzag_data_devices():
-            # The tokens are in zig-zag order; a bias [B,N,T,S] or offsets would be
-            # read against the wrong positions by a mask in natural index order.
-            raise ValueError("attention with a bias array or offsets cannot read a "
-                             "zig-zag ordered batch; use model.zigzag='layer'")
-        if out is None:
-            extra = {}  # a position bias evaluated per tile
-            if is_alibi:
-                extra, bias = Alibi.kwargs(bias), None
-            elif is_relative:
-                extra, bias = dict(relative_bias=bias), None
-            out = dot_product_attention(q, k, v, mask, bias=bias, scale=self.scale,
-                                        softcap=self.softcap,
-                                        implementation=self.implementation, q_offset=q_offset,
-                                        kv_offset=kv_offset, sinks=sinks, **extra)  # [B,T,N,Hv]
+        out = attention(q, k, v, mask, bias, scale=self.scale, softcap=self.softcap,
+                        sinks=None if self.sinks is None else self.sinks[...],
+                        implementation=self.implementation,
+                        context_parallel=self.context_parallel, zigzag=self.zigzag,
+                        q_offset=q_offset, kv_offset=kv_offset)
         return shard(self.o(out), ("batch", "length", "embed"))
 
     def project_query(self, x, *, positions=None):
@@ -152,10 +158,11 @@ class MultiHeadAttention(nnx.Module):
         reuse the cached K/V of the encoder output."""
         q = shard(self.q(x), ("batch", "length", "heads", "head_dim"))
         if self.q_norm is not None:
-            q = self.q_norm(q)
+            q = self._norm(self.q_norm, q)
+        positions = default_positions(x) if positions is None else positions
         if self.rope is not None:
-            q = self.rope(q, _default_positions(x) if positions is None else positions)
-        return q
+            q = self.rope(q, positions)
+        return self._temper(q, positions)
 
     def __call__(self, x, context=None, *, mask: Mask | None = None, bias=None, positions=None,
                  kv_positions=None, cache=None):
@@ -166,6 +173,39 @@ class MultiHeadAttention(nnx.Module):
                                kv_positions=kv_positions)
         q, k, v = self.project(x, context, positions=positions, kv_positions=kv_positions)
         return self.attend(q, k, v, mask, bias)
+
+
+def attention(q, k, v, mask: Mask | None = None, bias=None, *, scale: float,
+              softcap: float | None = None, sinks=None, implementation: str = "auto",
+              context_parallel: str = "ring", zigzag: str = "data", q_offset=0, kv_offset=0):
+    """A layer's attention of q `[B,T,N,H]`, k `[B,S,K,H]`, v `[B,S,K,Hv]` ->
+    `[B,T,N,Hv]`: context-parallel under a sequence-splitting mesh (`context_parallel`
+    and `zigzag` say how; only for a per-tile bias and no offsets), else
+    `dot_product_attention`. `bias`: None, an additive array, a `tfjax.ops.Alibi` or
+    a `tfjax.ops.RelativeBias`. Shared by every attention-like mixer."""
+    is_alibi, is_relative = isinstance(bias, Alibi), isinstance(bias, RelativeBias)
+    per_tile = bias is None or is_alibi or is_relative  # not an array
+    if per_tile and _is_zero(q_offset) and _is_zero(kv_offset):
+        out = context_parallel_attention(q, k, v, mask, mode=context_parallel, zigzag=zigzag,
+                                         implementation=implementation, scale=scale,
+                                         softcap=softcap, alibi=bias if is_alibi else None,
+                                         relative_bias=bias if is_relative else None,
+                                         sinks=sinks)
+        if out is not None:
+            return out
+    elif zigzag_data_devices():
+        # The tokens are in zig-zag order; a bias [B,N,T,S] or offsets would be
+        # read against the wrong positions by a mask in natural index order.
+        raise ValueError("attention with a bias array or offsets cannot read a "
+                         "zig-zag ordered batch; use model.zigzag='layer'")
+    extra = {}  # a position bias evaluated per tile
+    if is_alibi:
+        extra, bias = Alibi.kwargs(bias), None
+    elif is_relative:
+        extra, bias = dict(relative_bias=bias), None
+    return dot_product_attention(q, k, v, mask, bias=bias, scale=scale, softcap=softcap,
+                                 implementation=implementation, q_offset=q_offset,
+                                 kv_offset=kv_offset, sinks=sinks, **extra)
 
 
 def head_projections(d_model: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
@@ -203,8 +243,3 @@ def head_projections(d_model: int, num_heads: int, num_kv_heads: int, head_dim: 
 
 def _is_zero(offset) -> bool:
     return isinstance(offset, int) and offset == 0
-
-
-def _default_positions(x: jax.Array) -> jax.Array:
-    B, T = x.shape[:2]
-    return jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))

@@ -49,10 +49,17 @@ __all__ = [
     "RotaryEmbedding",
     "T5RelativeBias",
     "alibi_bias",
+    "default_positions",
     "alibi_slopes",
     "relative_position_bucket",
     "sinusoidal_embedding",
 ]
+
+
+def default_positions(x: jax.Array) -> jax.Array:
+    """`[B, T]` int32 positions 0..T-1 of every row of `x` `[B, T, ...]`."""
+    B, T = x.shape[:2]
+    return jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
 
 # Name -> where the encoding acts: "none" | "embedding" | "rotary" | "bias".
 POSITIONS: Registry[str] = Registry("position")

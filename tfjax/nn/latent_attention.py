@@ -1,0 +1,189 @@
+"""Multi-head Latent Attention (DeepSeek-V2, DeepSeek-AI 2024; DeepSeek-V3).
+
+Keys and values are compressed into one small latent per token: `c = RMSNorm(x
+W_dkv)` `[B, S, r]` (r = `kv_lora_rank`), from which each head's keys and values
+are up-projected, `k_nope = c W_uk` `[.., N, dn]` and `v = c W_uv` `[.., N, dv]`.
+RoPE cannot pass through that up-projection, so position enters through a
+decoupled part: one rotary key `k_pe = RoPE(x W_kr)` `[B, S, dr]` shared by all
+heads, and per-head rotary queries `q_pe` `[B, T, N, dr]`. A head's query is
+`[q_nope; q_pe]` (from `x`, or from a low-rank `RMSNorm(x W_dq)` when
+`q_lora_rank` > 0) and its key `[k_nope; k_pe]`:
+
+    logits = (q_nope . k_nope + q_pe . k_pe) * scale,   scale = (dn + dr)^-1/2 * m^2
+
+(m: DeepSeek's YaRN factor `0.1 * mscale_all_dim * ln(rope factor) + 1`, 1 without
+it). Two forms compute the same attention:
+
+- **materialised** (training, prefill): the per-head keys `[k_nope; k_pe]` and values
+  are built and attention runs as multi-head attention with q/k head dim dn + dr
+  and v head dim dv (`tfjax.nn.attention.attention`: every flash implementation,
+  the ring under a sequence mesh).
+- **absorbed** (decode over a cache): `q_nope . (c W_uk) = (q_nope W_uk^T) . c`, so
+  the key up-projection is folded into the query and attention runs as MQA over
+  the latents themselves: queries `[q_nope W_uk^T; q_pe]` `[B, T, N, r + dr]`, one
+  shared key `[c; k_pe]` and value `[c; k_pe]` `[B, S, 1, r + dr]` (the output's
+  first r dims are the latent output `p . c`; the value up-projection `W_uv` runs
+  after attention). No per-head K/V is rebuilt per step.
+
+The cache (`tfjax.inference.kv_cache.LatentCache`) stores only `[c; k_pe]`: r + dr
+values per token per layer (DeepSeek-V3: 512 + 64 = 576, where its 128 heads'
+keys and values would be 128 * (192 + 128) = 40,960).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+from tfjax.nn.attention import attention
+from tfjax.nn.norms import make_norm
+from tfjax.nn.positions import RotaryEmbedding, default_positions
+from tfjax.ops.masks import Mask
+from tfjax.parallel.sharding import shard, with_logical_axes
+from tfjax.typing import DType
+
+__all__ = ["MultiHeadLatentAttention", "mla_scale"]
+
+
+def mla_scale(qk_head_dim: int, *, rope_scaling: str = "none", rope_factor: float = 1.0,
+              mscale_all_dim: float = 0.0) -> float:
+    """DeepSeek's softmax scale: `qk_head_dim^-1/2`, times `m^2` with `m = 0.1 *
+    mscale_all_dim * ln(rope_factor) + 1` under YaRN (`rope_scaling="yarn"`,
+    factor > 1 and mscale_all_dim > 0)."""
+    scale = qk_head_dim ** -0.5
+    if rope_scaling == "yarn" and rope_factor > 1.0 and mscale_all_dim > 0:
+        m = 0.1 * mscale_all_dim * float(jnp.log(rope_factor)) + 1.0
+        scale *= m * m
+    return scale
+
+
+class MultiHeadLatentAttention(nnx.Module):
+    """`x [B,T,D]` -> `[B,T,D]` with DeepSeek's latent attention (see the module).
+
+    Parameters (logical axes in brackets): `q` `[D, N, dn+dr]` or `q_a` `[D, rq]` +
+    `q_norm` + `q_b` `[rq, N, dn+dr]`; `kv_a` `[D, r+dr]` (the latent and the rotary
+    key); `kv_norm` over r; `kv_b` `[r, N, dn+dv]`; `o` `[N, dv, D]`. No biases.
+    `rope` rotates the dr-dim parts (its head_dim must be `qk_rope_head_dim`);
+    None: no positions (the dr parts are then plain dot products)."""
+
+    def __init__(self, d_model: int, num_heads: int, *, kv_lora_rank: int,
+                 qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int,
+                 q_lora_rank: int = 0, scale: float | None = None,
+                 rope: RotaryEmbedding | None = None, norm_eps: float = 1e-6,
+                 implementation: str = "auto", context_parallel: str = "ring",
+                 zigzag: str = "data", dtype: DType = jnp.float32,
+                 param_dtype: DType = jnp.float32, init_std: float = 0.02,
+                 out_init_std: float | None = None, rngs: nnx.Rngs):
+        N, r, dn, dr, dv = num_heads, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        for name, value in (("kv_lora_rank", r), ("qk_rope_head_dim", dr), ("v_head_dim", dv)):
+            if value < 1:
+                raise ValueError(f"MultiHeadLatentAttention: {name} must be >= 1, got {value}")
+        if dn < 0 or q_lora_rank < 0:
+            raise ValueError("MultiHeadLatentAttention: qk_nope_head_dim and q_lora_rank must "
+                             f"be >= 0, got {dn} and {q_lora_rank}")
+        if rope is not None and rope.head_dim != dr:
+            raise ValueError(f"MultiHeadLatentAttention: rope.head_dim={rope.head_dim} must be "
+                             f"qk_rope_head_dim={dr} (RoPE rotates the decoupled part only)")
+        self.num_heads, self.kv_lora_rank = N, r
+        self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim = dn, dr, dv
+        self.scale = (dn + dr) ** -0.5 if scale is None else scale
+        self.rope, self.implementation = rope, implementation
+        self.context_parallel, self.zigzag = context_parallel, zigzag
+        normal = nnx.initializers.normal(init_std)
+        out_normal = nnx.initializers.normal(init_std if out_init_std is None else out_init_std)
+
+        def proj(spec, shape, names, init=normal):
+            return nnx.Einsum(spec, shape, None, dtype=dtype, param_dtype=param_dtype,
+                              kernel_init=with_logical_axes(init, names), rngs=rngs)
+
+        def norm(dim):
+            return make_norm("rmsnorm", dim, eps=norm_eps, dtype=dtype, param_dtype=param_dtype,
+                             rngs=rngs)
+
+        if q_lora_rank:
+            self.q_a = proj("BTD,DR->BTR", (d_model, q_lora_rank), ("embed", "latent"))
+            self.q_norm = norm(q_lora_rank)
+            self.q_b = proj("BTR,RNH->BTNH", (q_lora_rank, N, dn + dr),
+                            ("latent", "heads", "head_dim"))
+            self.q = None
+        else:
+            self.q_a = self.q_norm = self.q_b = None
+            self.q = proj("BTD,DNH->BTNH", (d_model, N, dn + dr), ("embed", "heads", "head_dim"))
+        self.kv_a = proj("BSD,DR->BSR", (d_model, r + dr), ("embed", "latent"))
+        self.kv_norm = norm(r)
+        self.kv_b = proj("BSR,RNH->BSNH", (r, N, dn + dv), ("latent", "heads", "head_dim"))
+        self.o = proj("BTNH,NHD->BTD", (N, dv, d_model), ("heads", "head_dim", "embed"),
+                      out_normal)
+
+    # -- the parts ---------------------------------------------------------- #
+
+    def _rotate(self, x, positions):
+        """RoPE of `x` `[B, T, n, dr]` at `positions` `[B, T]` (none without rope)."""
+        return x if self.rope is None else self.rope(x, positions)
+
+    def queries(self, x, positions):
+        """(q_nope `[B,T,N,dn]`, q_pe `[B,T,N,dr]` rotated)."""
+        q = self.q(x) if self.q is not None else self.q_b(self.q_norm(self.q_a(x)))
+        q = shard(q, ("batch", "length", "heads", "head_dim"))
+        dn = self.qk_nope_head_dim
+        return q[..., :dn], self._rotate(q[..., dn:], positions)
+
+    def latent(self, x, positions):
+        """`[B, S, r + dr]`: the normalised latent c and the rotated shared key k_pe, what
+        a cache stores per token."""
+        a = self.kv_a(x)
+        r = self.kv_lora_rank
+        k_pe = self._rotate(a[..., None, r:], positions)[..., 0, :]
+        return jnp.concatenate([self.kv_norm(a[..., :r]), k_pe.astype(a.dtype)], axis=-1)
+
+    def expand(self, latent):
+        """Per-head keys `[B,S,N,dn+dr]` and values `[B,S,N,dv]` from `latent` `[B,S,r+dr]`."""
+        r, dn = self.kv_lora_rank, self.qk_nope_head_dim
+        kv = self.kv_b(latent[..., :r])  # [B, S, N, dn + dv]
+        k_pe = jnp.broadcast_to(latent[..., None, r:], (*kv.shape[:3], self.qk_rope_head_dim))
+        k = jnp.concatenate([kv[..., :dn], k_pe.astype(kv.dtype)], axis=-1)
+        k = shard(k, ("batch", "length", "heads", "head_dim"))
+        return k, shard(kv[..., dn:], ("batch", "length", "heads", "head_dim"))
+
+    # -- the two forms -------------------------------------------------------- #
+
+    def attend(self, q_nope, q_pe, latent, mask: Mask | None = None, *, q_offset=0,
+               kv_offset=0):
+        """The materialised form: per-head K/V from `latent`, multi-head attention."""
+        k, v = self.expand(latent)
+        q = jnp.concatenate([q_nope, q_pe.astype(q_nope.dtype)], axis=-1)
+        out = attention(q, k, v, mask, scale=self.scale, implementation=self.implementation,
+                        context_parallel=self.context_parallel, zigzag=self.zigzag,
+                        q_offset=q_offset, kv_offset=kv_offset)  # [B, T, N, dv]
+        return shard(self.o(out), ("batch", "length", "embed"))
+
+    def attend_absorbed(self, q_nope, q_pe, latent, mask: Mask | None = None, *, q_offset=0,
+                        kv_offset=0):
+        """The absorbed form (decode): MQA over the latents, `W_uk` folded into the
+        queries and `W_uv` applied to the attended latent."""
+        r, dn = self.kv_lora_rank, self.qk_nope_head_dim
+        w = self.kv_b.kernel[...].astype(q_nope.dtype)  # [r, N, dn + dv]
+        q_lat = jnp.einsum("BTNH,RNH->BTNR", q_nope, w[..., :dn])
+        q = jnp.concatenate([q_lat, q_pe.astype(q_lat.dtype)], axis=-1)  # [B, T, N, r + dr]
+        kv = latent[:, :, None, :].astype(q.dtype)  # [B, S, 1, r + dr]
+        out = attention(q, kv, kv, mask, scale=self.scale, implementation=self.implementation,
+                        context_parallel=self.context_parallel, zigzag=self.zigzag,
+                        q_offset=q_offset, kv_offset=kv_offset)
+        out = jnp.einsum("BTNR,RNH->BTNH", out[..., :r], w[..., dn:])  # [B, T, N, dv]
+        return shard(self.o(out), ("batch", "length", "embed"))
+
+    def __call__(self, x, context=None, *, mask: Mask | None = None, bias=None, positions=None,
+                 kv_positions=None, cache=None):
+        """Self-attention only (`context` must be None; `bias`: None, RoPE is the
+        position signal). With `cache` (a `LatentCache`) the cache decides the form
+        and returns `(out, new_cache)`."""
+        if context is not None:
+            raise ValueError("MultiHeadLatentAttention is self-attention: it takes no context")
+        if bias is not None:
+            raise ValueError("MultiHeadLatentAttention takes no attention bias (model.position "
+                             "must be 'rope' or 'none' for 'mla' layers)")
+        if cache is not None:
+            return cache.apply(self, x, mask=mask, positions=positions)
+        positions = default_positions(x) if positions is None else positions
+        q_nope, q_pe = self.queries(x, positions)
+        return self.attend(q_nope, q_pe, self.latent(x, positions), mask)
