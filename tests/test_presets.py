@@ -36,6 +36,12 @@ PARAMS = {
     "mixtral": 46_702_792_704,  # Mixtral-8x7B-v0.1
     "mamba": 129_135_360,  # state-spaces/mamba-130m
     "jamba": 51_570_323_328,  # Jamba-v0.1: counted from its config.json (model card: 52B)
+    # Counted from the checkpoints' config.json (model cards: 1B, 3.88B text, 27B text; 3B; 7B)
+    "gemma3": 999_885_952,  # gemma-3-1b-pt
+    "gemma3:4b": 3_880_263_168,  # gemma-3-4b-pt, its text decoder
+    "gemma3:27b": 27_009_346_304,  # gemma-3-27b-pt, its text decoder
+    "smollm3": 3_075_098_624,  # SmolLM3-3B
+    "olmo2": 7_298_617_344,  # OLMo-2-1124-7B
 }
 ALL = sorted(p.stem for p in CONFIGS.glob("*.py") if not p.stem.startswith("_"))
 
@@ -52,7 +58,8 @@ def test_the_required_presets_exist():
 
 @pytest.mark.parametrize("name", sorted(PARAMS))
 def test_full_size_parameter_count(name):
-    cfg = run_config(load(name).get_config())
+    preset, _, variant = name.partition(":")
+    cfg = run_config(load(preset).get_config(variant or None))
     assert n_params(cfg.model) == PARAMS[name]
 
 

@@ -67,10 +67,12 @@ def test_matches_deepseeks_equations_forward_and_grads(q_lora_rank):
     x = jax.random.normal(jax.random.key(1), (2, 9, D))
     mask = M.causal() & M.segments(jnp.array([[0] * 4 + [1] * 5, [0] * 9]))
     allowed = mask.dense(9, 9)
-    np.testing.assert_allclose(m(x, mask=mask), reference(m, params_of(m), x, allowed),
+    ref = jax.jit(lambda p: reference(m, p, x, allowed))
+    np.testing.assert_allclose(nnx.jit(lambda m: m(x, mask=mask))(m), ref(params_of(m)),
                                atol=2e-5)
-    got = nnx.grad(lambda m: jnp.sum(jnp.sin(m(x, mask=mask))))(m)
-    want = jax.grad(lambda p: jnp.sum(jnp.sin(reference(m, p, x, allowed))))(params_of(m))
+    got = nnx.jit(nnx.grad(lambda m: jnp.sum(jnp.sin(m(x, mask=mask)))))(m)
+    want = jax.jit(jax.grad(lambda p: jnp.sum(jnp.sin(reference(m, p, x, allowed)))))(
+        params_of(m))
     np.testing.assert_allclose(got.kv_b.kernel[...], want["kv_b"], atol=1e-4, rtol=1e-4)
     np.testing.assert_allclose(got.kv_a.kernel[...], want["kv_a"], atol=1e-4, rtol=1e-4)
     q_got = got.q.kernel[...] if q_lora_rank == 0 else got.q_b.kernel[...]
@@ -92,10 +94,12 @@ def test_absorbed_form_equals_the_materialised_form(implementation):
     assert latent.shape == (B, S, R + DR)
     q_nope, q_pe = m.queries(x, pos)
     kv_pos = jnp.where(jnp.arange(S)[None] == 4, -1, pos)  # slot 4 empty
+    absorbed = nnx.jit(lambda m, *a: m.attend_absorbed(*a))
+    materialised = nnx.jit(lambda m, *a: m.attend(*a))
     for t in (slice(S - 1, S), slice(S - 3, S)):
         mask = M.positions(pos[:, t], kv_pos)
         args = (q_nope[:, t], q_pe[:, t], latent, mask)
-        np.testing.assert_allclose(m.attend_absorbed(*args), m.attend(*args), atol=2e-5)
+        np.testing.assert_allclose(absorbed(m, *args), materialised(m, *args), atol=2e-5)
 
 
 def test_refusals_and_the_yarn_scale():

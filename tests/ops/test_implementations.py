@@ -187,8 +187,6 @@ CASES = [
                 HC(block_kv=64), HB(), alibi="BN", q_offset=30, kv_offset=5),
     *mosaic_gpu(1, 70, 150, (2, 1), 64, "positions_window", "kv-cache-positions-window",
                 HC(block_kv=64), HB()),
-    *mosaic_gpu(1, 70, 100, (2, 1), 64, "padding_fully_masked", "sinks-fully-masked-rows",
-                HC(block_kv=64), HB(), sinks=True),
     # sweeps (slow): masks by heads (blockwise, 32 x 64 tiles), masks by head dim
     # (mosaic_tpu), each with a broadcast bias and a soft-cap
     *[p for mask, heads in (("window", (4, 4)), ("chunked", (8, 1)), ("segments", (8, 2)),

@@ -199,7 +199,7 @@ class ModelConfig:
     norm: str = "layernorm"  # layernorm | rmsnorm | rmsnorm_plus_one
     norm_eps: float = 1e-5
     norm_bias: bool = True  # LayerNorm only
-    norm_placement: str = "pre"  # pre | post | sandwich
+    norm_placement: str = "pre"  # pre | post | sandwich | output (OLMo 2)
     final_norm: bool = True  # norm after the last block (pre/sandwich models)
     embed_norm: bool = False  # norm after the embeddings (BLOOM, BERT)
     block: str = "sequential"  # sequential | parallel (PaLM, GPT-J, NeoX)

@@ -1,8 +1,9 @@
-"""Transformer blocks: sequential or parallel, with pre-, post- or sandwich norm.
+"""Transformer blocks: sequential or parallel, with pre-, post-, sandwich or output norm.
 
     pre       x = x + f(norm(x))                      (GPT-2, Llama; Xiong et al. 2020)
     post      x = norm(x + f(x))                      (the original Transformer, BERT)
     sandwich  x = x + post_norm(f(pre_norm(x)))       (Gemma 2; Ding et al. 2021)
+    output    x = x + norm(f(x))                      (OLMo 2's reordered norm)
     parallel  x = x + attn(n1(x)) + ffn(n2(x))        (GPT-J, PaLM with n1 = n2; NeoX two norms)
 
 for f in self-attention, cross-attention (decoder of an encoder-decoder) and the
@@ -27,7 +28,7 @@ BLOCKS: Registry[str] = Registry("block")
 BLOCKS.register("sequential", "attention then feed-forward, each with its own residual")
 BLOCKS.register("parallel", "attention and feed-forward read the same input (PaLM, GPT-J, NeoX)")
 
-PLACEMENTS = ("pre", "post", "sandwich")  # model.norm_placement
+PLACEMENTS = ("pre", "post", "sandwich", "output")  # model.norm_placement
 
 
 class TransformerBlock(nnx.Module):
@@ -60,6 +61,8 @@ class TransformerBlock(nnx.Module):
     def _sublayer(self, x, f, norm, post_norm):
         if self.placement == "post":
             return norm(x + self._drop(f(x)))
+        if self.placement == "output":
+            return x + self._drop(norm(f(x)))
         y = f(norm(x))
         if post_norm is not None:
             y = post_norm(y)
