@@ -183,7 +183,7 @@ CASES = [
     *mosaic_gpu(1, 70, 90, (2, 1), 256, "prefix",
                 "prefix-h256-overlap-alibi-positions-triton-backward",
                 HC(block_kv=64, overlap=True), None, alibi="pos"),
-    *mosaic_gpu(2, 200, 220, (2, 1), 64, "causal", "causal-alibi-offsets-pingpong-two-query-tiles",
+    *mosaic_gpu(2, 140, 150, (2, 1), 64, "causal", "causal-alibi-offsets-pingpong-two-query-tiles",
                 HC(block_kv=64), HB(), alibi="BN", q_offset=30, kv_offset=5),
     *mosaic_gpu(1, 70, 150, (2, 1), 64, "positions_window", "kv-cache-positions-window",
                 HC(block_kv=64), HB()),
