@@ -19,9 +19,8 @@
 
 from __future__ import annotations
 
-import time
-
 from common import Experiment
+from tinylm import best_of
 
 import jax
 import jax.numpy as jnp
@@ -57,15 +56,6 @@ def cache_rows():
         rows.append([name, per_token, per_token // (kw["num_layers"] * 2),
                      per_token / mha[family]])
     return rows
-
-
-def best_of(f, reps):
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(f())
-        times.append(time.perf_counter() - t)
-    return min(times)
 
 
 def decode_rows(dims, prefixes, reps):
