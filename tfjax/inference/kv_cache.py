@@ -79,9 +79,12 @@ __all__ = [
     "LinearCache",
     "MambaCache",
     "ModelCache",
+    "append_slot",
     "for_step",
     "logical_axes",
     "slot_positions",
+    "slot_step",
+    "write_slots",
 ]
 
 KV_AXES = ("batch", None, "kv_heads", "head_dim")  # [B, S, K, H]; S replicated
@@ -159,23 +162,29 @@ class KVCache(LayerCache):
         if context is not None:
             raise ValueError("a self-attention KV cache got a context (cross-attention)")
         q, k, v = attn.project(x, positions=positions)
-        if self.chunk:  # a chunk: [cache slots; fresh keys], then write
-            keys = jnp.concatenate([self.k, k.astype(self.k.dtype)], axis=1)
-            vals = jnp.concatenate([self.v, v.astype(self.v.dtype)], axis=1)
-            return attn.attend(q, keys, vals, mask, bias), self._write(k, v, positions[:, 0])
-        if x.shape[1] == 1:  # decode: one slot per row, then attend over the cache
-            new = self._append(k, v)
-            return attn.attend(q, new.k, new.v, mask, bias), new
-        out = attn.attend(q, k, v, mask, bias)  # prefill: the fresh keys, model masks
-        return out, self._write(k, v, jnp.zeros_like(self.length))
+        return slot_step(self, ("k", "v"), (k, v), positions, KV_AXES,
+                         lambda kv, cached: attn.attend(q, *kv, mask, bias))
 
-    def _append(self, k, v):
-        nk, nv = append_slot(self.length, (self.k, self.v), (k, v), KV_AXES)
-        return self.replace(k=nk, v=nv)
 
-    def _write(self, k, v, start):
-        nk, nv = write_slots(self.length, start, (self.k, self.v), (k, v), KV_AXES)
-        return self.replace(k=nk, v=nv)
+def slot_step(cache, names, fresh, positions, axes, attend):
+    """One call of a cache whose slots hold per-token arrays (the fields `names` of
+    `cache`, `[B, size, ...]`, sharded as `axes`), with this call's `fresh` arrays
+    `[B, T, ...]`: a chunk attends over `[slots; fresh]`, then writes; a decode step
+    (T = 1) writes its slot, then attends over the slots; a prefill attends over the
+    fresh arrays (the model's own masks), then writes. `attend(arrays, cached)` ->
+    the output; `cached` is False for the prefill. -> (output, the new cache)."""
+    olds = tuple(getattr(cache, n) for n in names)
+    if cache.chunk:
+        out = attend(tuple(jnp.concatenate([o, f.astype(o.dtype)], axis=1)
+                           for o, f in zip(olds, fresh)), True)
+        news = write_slots(cache.length, positions[:, 0], olds, fresh, axes)
+    elif fresh[0].shape[1] == 1:
+        news = append_slot(cache.length, olds, fresh, axes)
+        out = attend(news, True)
+    else:
+        out = attend(fresh, False)
+        news = write_slots(cache.length, jnp.zeros_like(cache.length), olds, fresh, axes)
+    return out, cache.replace(**dict(zip(names, news)))
 
 
 def append_slot(length, olds, news, axes):
@@ -235,19 +244,13 @@ class LatentCache(LayerCache):
         if context is not None or bias is not None:
             raise ValueError("a latent attention cache takes no context and no bias")
         q_nope, q_pe = attn.queries(x, positions)
-        fresh = attn.latent(x, positions)  # [B, T, r + dr]
-        if self.chunk:  # [slots; fresh latents], then write
-            keys = jnp.concatenate([self.latent, fresh.astype(self.latent.dtype)], axis=1)
-            (new,) = write_slots(self.length, positions[:, 0], (self.latent,), (fresh,),
-                                 LATENT_AXES)
-            return attn.attend_absorbed(q_nope, q_pe, keys, mask), self.replace(latent=new)
-        if x.shape[1] == 1:  # decode: one slot per row, then attend over the cache
-            (new,) = append_slot(self.length, (self.latent,), (fresh,), LATENT_AXES)
-            return attn.attend_absorbed(q_nope, q_pe, new, mask), self.replace(latent=new)
-        out = attn.attend(q_nope, q_pe, fresh, mask)  # prefill: materialised, model masks
-        (new,) = write_slots(self.length, jnp.zeros_like(self.length), (self.latent,), (fresh,),
-                             LATENT_AXES)
-        return out, self.replace(latent=new)
+
+        def attend(arrays, cached):  # the absorbed form over cached latents
+            form = attn.attend_absorbed if cached else attn.attend
+            return form(q_nope, q_pe, arrays[0], mask)
+
+        return slot_step(self, ("latent",), (attn.latent(x, positions),), positions,
+                         LATENT_AXES, attend)
 
 
 @_pytree

@@ -136,6 +136,12 @@ def attention(cfg: ModelConfig, rngs: nnx.Rngs, *, positions: bool, rope_theta: 
 # --------------------------------------------------------------------------- #
 
 
+def _kv_cache(cfg: ModelConfig, batch: int, size: int, window: int, dtype) -> KVCache:
+    """An attention kind's empty K/V cache of `size` slots (`window`: see `KVCache`)."""
+    return KVCache.empty(batch, size, cfg.kv_heads, cfg.head_size, dtype, window=window,
+                         v_head_dim=cfg.value_head_size)
+
+
 def _attention_kind(doc: str, window_of: Callable[[ModelConfig], int], *,
                     rope_theta_of: Callable[[ModelConfig], float] = lambda cfg: 0.0,
                     positions: bool = True) -> LayerKind:
@@ -158,9 +164,7 @@ def _attention_kind(doc: str, window_of: Callable[[ModelConfig], int], *,
         return (min(w + 1, max_len), w) if w else (max_len, 0)
 
     def cache(cfg, batch, max_len, dtype):
-        size, window = slots(cfg, max_len)
-        return KVCache.empty(batch, size, cfg.kv_heads, cfg.head_size, dtype, window=window,
-                             v_head_dim=cfg.value_head_size)
+        return _kv_cache(cfg, batch, *slots(cfg, max_len), dtype)
 
     return LayerKind(doc=doc, mixer=mixer, mask=mask, cache=cache, slots=slots,
                      positions=positions)
@@ -189,18 +193,16 @@ def _chunked_cache_mask(cfg, q_positions, kv_positions, window):
         q_positions // C, jnp.where(kv_positions >= 0, kv_positions // C, -1))
 
 
-def _chunked_cache(cfg, batch, max_len, dtype):
-    return KVCache.empty(batch, min(cfg.attention_chunk, max_len), cfg.kv_heads, cfg.head_size,
-                         dtype, v_head_dim=cfg.value_head_size)
+def _chunked_slots(cfg, max_len):  # a rolling buffer of one chunk
+    return min(cfg.attention_chunk, max_len), 0
 
 
 LAYER_KINDS.register("chunked", LayerKind(
     "causal attention within chunks of model.attention_chunk positions (Llama 4): a rolling "
-    "cache of one chunk", lambda cfg, rngs, *, positions: attention(cfg, rngs,
-                                                                    positions=positions),
-    mask=_chunked_mask, cache=_chunked_cache,
-    slots=lambda cfg, max_len: (min(cfg.attention_chunk, max_len), 0),
-    cache_mask=_chunked_cache_mask, decoder_only=True))
+    "cache of one chunk", attention, mask=_chunked_mask,
+    cache=lambda cfg, batch, max_len, dtype: _kv_cache(cfg, batch, *_chunked_slots(cfg, max_len),
+                                                       dtype),
+    slots=_chunked_slots, cache_mask=_chunked_cache_mask, decoder_only=True))
 
 
 def _mla(cfg: ModelConfig, rngs: nnx.Rngs, *, positions: bool) -> MultiHeadLatentAttention:
