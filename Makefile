@@ -1,5 +1,8 @@
 # tfjax on a fresh machine with Python >= 3.11 and pip:
-#   make test    create .venv if missing, install tfjax[test], run the suite
+#   make test    create .venv if missing, install tfjax[test], run the suite (all but
+#                the tests marked slow)
+#   make test-slow  the tests marked slow (multi-process, kill -9, notebooks, the
+#                largest interpret-mode kernel cases); CI runs both
 #   make train   create .venv if missing, train the tiny default decoder LM on the
 #                stdlib corpus (CPU, a few minutes); rerun to resume from WORKDIR
 #   make docs    create .venv if missing, install tfjax[docs], build docs/ into
@@ -11,7 +14,7 @@ PYTEST_ARGS ?= -n 2
 WORKDIR ?= workdirs/default
 TRAIN_ARGS ?=
 
-.PHONY: test train docs install clean
+.PHONY: test test-slow train docs install clean
 
 # Training needs the package; the tests also need pytest, libtpu (the `tpu`
 # extra, with which the TPU compiler runs on this CPU to check that the Pallas
@@ -35,7 +38,10 @@ $(VENV)/.installed-docs: $(VENV)/.installed
 install: $(VENV)/.installed
 
 test: $(VENV)/.installed-test
-	$(PY) -m pytest $(PYTEST_ARGS) tests
+	$(PY) -m pytest $(PYTEST_ARGS) -m "not slow" tests
+
+test-slow: $(VENV)/.installed-test
+	$(PY) -m pytest $(PYTEST_ARGS) -m slow tests
 
 train: $(VENV)/.installed
 	$(PY) -m tfjax.train --config configs/default.py --workdir $(WORKDIR) $(TRAIN_ARGS)

@@ -6,6 +6,19 @@ rescaled by d_model^-1/2. Default: t5-base (v1.0).
 
     model = tfjax.models.build(get_config("tiny").model)
     logits = model(encoder_tokens, decoder_tokens)
+
+Trains with T5's span corruption (`train.objective="span_corruption"`: noise density
+0.15, mean span 3, each span a sentinel in the encoder input; the decoder length
+follows from train.seq_len) on the stdlib corpus by default:
+
+    python -m tfjax.train --config configs/t5.py:tiny --workdir /tmp/t5
+
+(300 steps of 16 rows, encoder 128 / decoder 32 tokens: about 85 s on a busy 2-core
+CPU, then val_loss 3.27 nats per target token, val_accuracy 0.224)
+
+or on a jsonl of `input` / `target` pairs with `--config.train.objective=seq2seq
+--config.data.source=jsonl --config.data.paths="('pairs.jsonl',)"`. Sentinels are
+the ids after the byte tokenizer's 259, so "tiny" keeps vocab_size 512.
 """
 
 from tfjax.config import apply_variant, default_config
@@ -19,10 +32,12 @@ def get_config(arg=None):
         norm="rmsnorm", norm_eps=1e-6, norm_placement="pre", activation="relu",
         ffn_bias=False, qkv_bias=False, out_bias=False, attn_scale=1.0, tie_embeddings=True,
         logits_scale=768 ** -0.5, dropout_rate=0.1))
+    cfg.train.objective = "span_corruption"
     return apply_variant(cfg, arg, {
         "tiny": {"model": dict(vocab_size=512, d_model=64, num_layers=2, num_heads=4, d_ff=256,
                                t5=dict(num_buckets=16, max_distance=32), logits_scale=64 ** -0.5,
-                               dropout_rate=0.0)},
+                               dropout_rate=0.0),
+                 "train": dict(seq_len=128, batch_size=16, steps=300, warmup_steps=30)},
         "v1_1": {"model": dict(activation="geglu", tie_embeddings=False, logits_scale=1.0,
                                d_ff=2048, dropout_rate=0.0)},
     })

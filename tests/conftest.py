@@ -6,15 +6,17 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 
-# With libtpu installed (the `tpu` extra, for AOT compilation tests) jax would
-# probe for a TPU at start-up; on a machine without accelerators, say CPU outright.
-if "JAX_PLATFORMS" not in os.environ and not (
-    os.path.exists("/dev/accel0") or os.path.exists("/dev/nvidia0") or os.path.exists("/dev/vfio")
-):
-    os.environ["JAX_PLATFORMS"] = "cpu"
-
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+from tfjax.platforms import has_accelerator  # noqa: E402
+
+# With libtpu installed (the `tpu` extra, for AOT compilation tests) jax would
+# probe for a TPU at start-up; on a machine without accelerators, say CPU outright
+# (in the environment too, for the subprocesses tests start).
+if "JAX_PLATFORMS" not in os.environ and not has_accelerator():
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    jax.config.update("jax_platforms", "cpu")
 
 jax.config.update("jax_default_matmul_precision", "highest")
 

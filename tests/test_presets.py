@@ -91,3 +91,19 @@ def test_tiny_forward_backward(name):
 def test_unknown_variant_is_an_error():
     with pytest.raises(ValueError, match="tiny"):
         load("llama").get_config("huge")
+
+
+def test_presets_import_from_any_directory(tmp_path):
+    """`from configs import llama` in a script anywhere (the installed `configs`
+    package), not only from the repository root."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    script = tmp_path / "script.py"
+    script.write_text("from configs import llama\nprint(llama.get_config('tiny').model.arch)\n")
+    for cwd in (CONFIGS.parent / "experiments", tmp_path):
+        out = subprocess.run([sys.executable, str(script)], cwd=cwd, env=env, capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0 and out.stdout.strip() == "decoder", out.stderr

@@ -10,7 +10,11 @@ Subpackages: `ops` (attention entry point, masks, kernels), `nn` (layers),
 `inference`, `interop`.
 """
 
-from tfjax import config, models, nn, ops
+from tfjax import platforms
+
+platforms.cpu_without_accelerators()  # no libtpu start-up noise on CPU-only machines
+
+from tfjax import config, models, nn, ops  # noqa: E402
 from tfjax.ops import dot_product_attention
 
 __version__ = "0.1.0"

@@ -49,7 +49,9 @@ __all__ = ["load_hf", "load_run", "main", "run", "run_hf"]
 
 
 def load_run(workdir: str, step: int | None = None):
-    """(model, run config, tokenizer, step) from a training run directory."""
+    """(model, run config, tokenizer, step) from a training run directory: checkpoint
+    `step`, or the newest that restores. No checkpoint, a step not saved, a damaged
+    `step` or a model that does not fit the saved one is a one-line ValueError."""
     path = os.path.join(workdir, "config.json")
     if not os.path.exists(path):
         raise ValueError(f"--workdir: {path} not found; point --workdir at the directory a "
@@ -58,9 +60,14 @@ def load_run(workdir: str, step: int | None = None):
         cfg = run_config(upgrade_saved(json.load(f)))  # runs saved before a field moved
     ckpt = Checkpointer(workdir, dataclasses.replace(cfg.checkpoint, async_save=False))
     try:
-        step = ckpt.latest_step() if step is None else step
-        if step is None:
-            raise ValueError(f"--workdir: no finished checkpoint under {ckpt.directory}")
+        steps = ckpt.all_steps()
+        if not steps:
+            raise ValueError(f"--workdir: no finished checkpoint under {ckpt.directory} (a run "
+                             f"saves every checkpoint.every_steps steps and at its end)")
+        if step is not None and step not in steps:
+            raise ValueError(f"--step {step}: no checkpoint of that step under {ckpt.directory}; "
+                             f"saved steps: {', '.join(map(str, steps))} (omit --step for the "
+                             f"latest)")
 
         # The abstract train state exactly as the trainer lays it out, on one device.
         def make_model():
@@ -75,7 +82,10 @@ def load_run(workdir: str, step: int | None = None):
         one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         astate = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one),
                               astate)
-        state, _, step = ckpt.restore(astate, step)
+        # step None: the newest that restores; a damaged newer one is left in place, with
+        # a warning (the trainer moves it aside when it resumes).
+        state, _, step = ckpt.restore(astate, step, warn=lambda s: print(
+            f"warning: {s}", file=sys.stderr, flush=True))
     finally:
         ckpt.close()
     model = nnx.merge(graphdef, state["params"], state["rest"])

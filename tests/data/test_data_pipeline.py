@@ -169,6 +169,21 @@ def test_local_tokenizers_json(tmp_path):
     assert t.decode(ids) == "def f(x):"
     assert t.eos_id == tok.token_to_id("</s>") and t.token_bytes[t.eos_id] == 0
     assert t.token_bytes[ids].sum() == len(b"def f(x):")
+    # in tokenizers form (an export's tokenizer.json): BOS first, as training laid it out
+    assert t.hf_tokenizer().encode("def f(x):").ids == [t.bos_id, *ids.tolist()]
+
+
+def test_byte_tokenizer_in_tokenizers_form():
+    pytest.importorskip("tokenizers")  # the `hf` extra
+    tok = ByteTokenizer()
+    hf_tok = tok.hf_tokenizer()
+    text = "héllo <s> wörld 日本\n\t  x  " + "".join(map(chr, range(256)))
+    assert hf_tok.encode(text).ids == [tok.bos_id, *tok.encode(text).tolist()]
+    assert hf_tok.decode(tok.encode(text).tolist()) == text
+    every_byte = bytes(range(256))
+    assert hf_tok.decode(list(every_byte)) == tok.decode(list(every_byte))  # bad UTF-8 too
+    assert [hf_tok.token_to_id(t) for t in ("<|pad|>", "<|begin_of_text|>", "<|end_of_text|>")] == [
+        tok.pad_id, tok.bos_id, tok.eos_id]
 
 
 def test_local_sentencepiece_model(tmp_path):
@@ -189,3 +204,5 @@ def test_local_sentencepiece_model(tmp_path):
     # sentencepiece's dummy prefix (a space before the text, as in Llama's) is one more
     assert t.token_bytes[ids].sum() == len(sample.encode()) + 1
     assert t.token_bytes[[0, 1, 2, 3]].tolist() == [0, 0, 0, 0]
+    with pytest.raises(ValueError, match="sentencepiece model, which tfjax does not convert"):
+        t.hf_tokenizer()

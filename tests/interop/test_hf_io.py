@@ -172,3 +172,44 @@ def test_generate_cli_hf(tmp_path):
         assert main(["--hf", str(tmp_path), "--prompt", prompt, "--max_new_tokens", "6"]) == 0
     assert out.getvalue() == prompt + tok.decode(want) + "\n"
     assert main(["--hf", str(tmp_path / "missing"), "--prompt", "w1"]) == 2
+
+
+def test_export_with_tokenizer_runs_generate_cli(tmp_path):
+    """`hf.export(..., tokenizer=the run's)` writes what `python -m tfjax.generate --hf`
+    needs (tokenizer.json, bos / eos ids): its continuation is HF `generate`'s on the
+    same export, read with transformers' AutoTokenizer and generation_config.json."""
+    import contextlib
+
+    from tfjax.data import ByteTokenizer
+    from tfjax.generate import load_hf, main
+
+    tok = ByteTokenizer()
+    model = build(model_config(dict(LLAMA, vocab_size=tok.vocab_size, num_layers=1,
+                                    init_std=0.5)), rngs=nnx.Rngs(3))
+    hf.export(model, str(tmp_path), tokenizer=tok)
+    assert load_hf(str(tmp_path))[3] == (tok.eos_id,)
+    prompt = "héllo wörld"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["--hf", str(tmp_path), "--prompt", prompt, "--max_new_tokens", "8"]) == 0
+
+    auto = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    ids = auto(prompt, return_tensors="pt")["input_ids"]
+    assert ids[0].tolist() == [tok.bos_id, *tok.encode(prompt)]  # as training began documents
+    ref = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path)).eval()
+    assert (ref.generation_config.bos_token_id, ref.generation_config.eos_token_id) == (
+        tok.bos_id, tok.eos_id)
+    with torch.no_grad():
+        gen = ref.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:].tolist()
+    want = gen[:gen.index(tok.eos_id)] if tok.eos_id in gen else gen
+    assert out.getvalue() == prompt + tok.decode(want) + "\n"
+
+
+def test_export_refuses_a_tokenizer_larger_than_the_model(tmp_path):
+    from tfjax.data import ByteTokenizer
+
+    model = build(model_config(LLAMA), rngs=nnx.Rngs(0))  # vocab 80 < the byte tokenizer's 259
+    with pytest.raises(ValueError, match="export: the tokenizer has 259 ids but model.vocab_size "
+                                         "is 80"):
+        hf.export(model, str(tmp_path / "out"), tokenizer=ByteTokenizer())
+    assert not os.path.exists(tmp_path / "out")

@@ -20,6 +20,7 @@ def rand(shape, seed):
     return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
 
 
+@pytest.mark.bad_input
 def test_errors_name_the_problem():
     q, k = rand((1, 4, 3, 8), 0), rand((1, 4, 2, 8), 1)
     with pytest.raises(ValueError, match="multiple of kv heads"):
@@ -37,6 +38,31 @@ def test_errors_name_the_problem():
         dot_product_attention(q, k, k, M.padding(np.array([1, 2])))
     with pytest.raises(TypeError, match="Mask"):
         dot_product_attention(q, k, k, jnp.ones((1, 4, 4), bool))
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("impl", ["reference", "xla", "blockwise", "pallas", "auto"])
+def test_per_token_masks_and_dtypes_are_checked_in_every_implementation(impl):
+    """A segment-id / position array one token short (or long) would be silently
+    clamped by indexing; integer q/k/v would return integers. Both raise, naming the
+    array and both lengths, before any implementation runs."""
+    q, k = rand((1, 4, 4, 8), 0), rand((1, 6, 2, 8), 1)
+    ids = np.zeros((1, 4), np.int32)
+    cases = {
+        r"q_segment_ids has length 3 but the queries \(T\) have length 4":
+            M.segments(ids[:, :3], np.zeros((1, 6), np.int32)),
+        r"kv_segment_ids has length 5 but the keys \(S\) have length 6":
+            M.causal() & M.segments(ids, np.zeros((1, 5), np.int32)),
+        r"kv_positions has length 7 but the keys \(S\) have length 6":
+            M.positions(ids, np.zeros((1, 7), np.int32)) | M.causal(),
+    }
+    for message, mask in cases.items():
+        with pytest.raises(ValueError, match=message):
+            dot_product_attention(q, k, k, mask, implementation=impl)
+    with pytest.raises(TypeError, match="q, k, v must be floating point.*int32"):
+        dot_product_attention(*(x.astype(jnp.int32) for x in (q, k, k)), implementation=impl)
+    with pytest.raises(TypeError, match="^dot_product_attention: v must be floating point"):
+        dot_product_attention(q, k, k.astype(jnp.int8), implementation=impl)
 
 
 def test_auto_never_changes_semantics():
@@ -101,6 +127,7 @@ def test_sinks_through_the_dispatch_equal_the_reference(impl):
     assert float(jnp.abs(g[3]).min()) > 0  # every head's sink gets a gradient
 
 
+@pytest.mark.bad_input
 def test_sinks_and_value_head_dim_errors_and_refusals():
     q, k, v = rand((1, 4, 4, 8), 0), rand((1, 6, 2, 8), 1), rand((1, 6, 2, 12), 2)
     with pytest.raises(ValueError, match=r"sinks must have one logit per query head, shape \[4\]"):

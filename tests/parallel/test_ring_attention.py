@@ -346,6 +346,10 @@ def test_bad_arguments(mesh4):
 
     with pytest.raises(ValueError, match="divisible"):
         ring_attention(q[:, :62], k[:, :62], v[:, :62], mesh=mesh4)
+    short = masks.segments(np.zeros((B, T - 4), np.int32), np.zeros((B, T), np.int32))
+    for attend in (ring_attention, all_gather_attention):
+        with pytest.raises(ValueError, match=rf"q_segment_ids has length {T - 4} but the queries"):
+            attend(q, k, v, short, mesh=mesh4)
 
 
 @pytest.mark.xla_optimized  # compiled memory

@@ -51,6 +51,7 @@ def test_cli_trains_evaluates_and_samples(tmp_path):
     # (the same command resuming: test_two_processes_train_like_one_and_survive_sigterm)
 
 
+@pytest.mark.bad_input
 def test_cli_config_errors_are_clear(tmp_path):
     p = cli("--workdir", str(tmp_path), "--config.train.batch_size=3", "--config.mesh.data=2",
             devices=2)
@@ -59,6 +60,7 @@ def test_cli_config_errors_are_clear(tmp_path):
     assert "train.batch_size: 3 is not divisible by the 2 batch shards" in out
 
 
+@pytest.mark.bad_input
 def test_cli_names_and_moved_fields_are_one_line_errors(tmp_path):
     """Before anything compiles: a name no registry has (checked at build time, but the
     CLI asks first) and an override of a field that moved into a section (which the
@@ -70,6 +72,39 @@ def test_cli_names_and_moved_fields_are_one_line_errors(tmp_path):
               "config error: model.layer_pattern[1]: got 'ssm'")]
     procs = [cli("--workdir", str(tmp_path), arg) for arg, _ in cases]
     for p, (arg, message) in zip(procs, cases):
+        out = p.communicate(timeout=120)[0]
+        assert p.returncode == 2, out
+        assert message in out and "Traceback" not in out, out
+        assert len([line for line in out.splitlines() if "error" in line]) == 1, out
+
+
+@pytest.mark.bad_input
+def test_cli_input_errors_are_one_line_naming_the_file_or_field_and_the_fix(tmp_path):
+    """What would be a traceback (a preset file that is not there, the default one
+    outside the repository, a field that does not exist, a preset variant or a value
+    that does not parse, a negative device count) is one line and exit status 2."""
+    default = os.path.join(ROOT, "configs/default.py")
+    cases = [
+        ([f"--config={default}", "--config.model.num_layerz=3"], ROOT,
+         "config error: --config.model.num_layerz: model has no field 'num_layerz' (did you "
+         "mean 'num_layers'?)"),
+        (["--config", "configs/nope.py"], ROOT,
+         f"config error: --config configs/nope.py: no such file (relative to {ROOT}); presets "
+         f"are in {ROOT}/configs"),
+        ([], str(tmp_path), f"config error: no --config given, and the default "
+         f"configs/default.py: no such file (relative to {tmp_path}); did you mean {default}?"),
+        ([f"--config={default}:nosuch"], ROOT, "ValueError: unknown preset variant 'nosuch'; "
+         "allowed: quick, tiny"),
+        ([f"--config={default}", "--config.train.steps=abc"], ROOT,
+         "config error: flag --config.train.steps=abc: invalid literal for int()"),
+        ([f"--config={default}", "--cpu_devices=-1"], ROOT,
+         "error: --cpu_devices must be >= 0 (0: the machine's own devices), got -1"),
+    ]
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    procs = [subprocess.Popen([sys.executable, "-m", "tfjax.train", "--workdir", str(tmp_path),
+                               *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for args, cwd, _ in cases]
+    for p, (_, _, message) in zip(procs, cases):
         out = p.communicate(timeout=120)[0]
         assert p.returncode == 2, out
         assert message in out and "Traceback" not in out, out

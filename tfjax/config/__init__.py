@@ -19,7 +19,8 @@ imports nothing else of tfjax, so names that a registry owns (`model.activation`
 """
 
 from tfjax.config.convert import (apply_variant, default_config, from_dict, model_config,
-                                  moved_field, run_config, to_config_dict, upgrade_saved)
+                                  moved_field, run_config, to_config_dict, unknown_field,
+                                  upgrade_saved)
 from tfjax.config.model import (DTYPES, LinearConfig, ModelConfig, MoEConfig, RopeConfig,
                                 SSMConfig, T5Config)
 from tfjax.config.run import (DEFAULT_RULES, MESH_AXES, CheckpointConfig, DataConfig, MeshConfig,
@@ -47,5 +48,6 @@ __all__ = [
     "apply_variant",
     "from_dict",
     "moved_field",
+    "unknown_field",
     "to_config_dict",
 ]

@@ -3,13 +3,15 @@
 `from_dict` converts one section, coercing each value to its field's type; an
 unknown key, a wrong type, or a field that moved (`model.num_experts` is now
 `model.moe.num_experts`) raises `ValueError` naming the field. `model_config` and
-`run_config` convert and validate; `moved_field` answers for a dotted path (the
-command line asks it before applying `--config.<path>=` overrides).
+`run_config` convert and validate; `moved_field` and `unknown_field` answer for a
+dotted path (the command line asks them before applying `--config.<path>=`
+overrides).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import types
 import typing
 from typing import Any, Mapping
@@ -21,7 +23,7 @@ from tfjax.config.model import ModelConfig
 from tfjax.config.run import RunConfig
 
 __all__ = ["apply_variant", "default_config", "from_dict", "model_config", "moved_field",
-           "run_config", "to_config_dict", "upgrade_saved"]
+           "run_config", "to_config_dict", "unknown_field", "upgrade_saved"]
 
 
 def _convert(field: str, tp: Any, value: Any) -> Any:
@@ -103,6 +105,28 @@ def moved_field(path: str, root: type = RunConfig) -> str | None:
         if part not in hints:
             return None
         cls = hints[part]
+    return None
+
+
+def unknown_field(path: str, root: type = RunConfig) -> str | None:
+    """Why dotted `path` names no field (`"model.num_layerz"` -> "model has no field
+    'num_layerz' (did you mean 'num_layers'?)"), or None when it names one, names a
+    moved one (`moved_field` answers those) or goes below a section into a value
+    that is not a dataclass (a dict of rules, a tuple)."""
+    parts = path.split(".")
+    cls, where = root, []
+    for part in parts:
+        if not dataclasses.is_dataclass(cls):
+            return None
+        hints = typing.get_type_hints(cls)
+        if part not in hints:
+            if part in getattr(cls, "MOVED", {}):
+                return None
+            close = difflib.get_close_matches(part, [f.name for f in dataclasses.fields(cls)], n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            return f"{'.'.join(where) or 'the config'} has no field {part!r}{hint}"
+        cls = hints[part]
+        where.append(part)
     return None
 
 

@@ -54,6 +54,13 @@ class TrainConfig:
     z_loss: weight of log(Z)^2 (PaLM); 0 = off.
     peak_flops: per-device peak FLOP/s for MFU; 0 = from a table of chips, or a
       matmul measured at start on CPU.
+    objective: what the model learns (`tfjax.train.objectives`, which checks it
+      against model.arch): decoder "causal_lm" | "prefix_lm"; encoder "mlm" |
+      "classification"; encoder_decoder "span_corruption" | "seq2seq".
+    mlm_rate, whole_word_mask: MLM's share of real tokens selected (80/10/10), and
+      whether whole words are selected. noise_density, mean_span_length: span
+      corruption's (T5: 0.15, 3). target_len: the decoder length of the
+      encoder-decoder objectives; 0 = automatic.
     """
 
     steps: int = 1000
@@ -78,6 +85,12 @@ class TrainConfig:
     sample_prompt: str = "import "
     peak_flops: float = 0.0
     progress: bool = True
+    objective: str = "causal_lm"
+    mlm_rate: float = 0.15
+    whole_word_mask: bool = False
+    noise_density: float = 0.15
+    mean_span_length: float = 3.0
+    target_len: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,13 +133,18 @@ class MeshConfig:
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
     """orbax checkpoints under WORKDIR/checkpoints: every `every_steps` (0 = only at
-    the end) and on SIGTERM, keep the last `keep`; `resume` continues from the latest."""
+    the end) and on SIGTERM, keep the last `keep`; `resume` continues from the latest.
+    `fallback`: when the newest checkpoint cannot be read (truncated or missing files,
+    garbled metadata), resume from the newest older one that can, with a warning, and
+    move the damaged step whole to WORKDIR/damaged_checkpoints/; False stops the run
+    with an error naming the damaged step instead (`tfjax.train.checkpoint`)."""
 
     enabled: bool = True  # False: no checkpoints at all (quick experiments)
     every_steps: int = 500
     keep: int = 3
     async_save: bool = True
     resume: bool = True
+    fallback: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,8 +171,13 @@ def _validate_train(c: TrainConfig, p: str) -> None:
     for name in ("steps", "batch_size", "seq_len", "microbatches", "lr", "log_every", "eps"):
         positive(f"{p}.{name}", getattr(c, name))
     for name in ("warmup_steps", "weight_decay", "grad_clip", "z_loss", "eval_every",
-                 "eval_batches", "sample_tokens", "peak_flops"):
+                 "eval_batches", "sample_tokens", "peak_flops", "target_len"):
         non_negative(f"{p}.{name}", getattr(c, name))
+    for name in ("mlm_rate", "noise_density"):
+        if not 0.0 < getattr(c, name) < 1.0:
+            fail(f"{p}.{name}", f"must be in (0, 1), got {getattr(c, name)!r}")
+    if c.mean_span_length < 1.0:
+        fail(f"{p}.mean_span_length", f"must be >= 1, got {c.mean_span_length!r}")
     one_of(f"{p}.schedule", c.schedule, SCHEDULES)
     if not 0.0 <= c.lr_min_ratio <= 1.0:
         fail(f"{p}.lr_min_ratio", f"must be in [0, 1], got {c.lr_min_ratio!r}")

@@ -6,6 +6,13 @@ Splits are fixed by names, not by random draws: a stdlib file is in validation i
 separators); the same rule applies to text files (on the path relative to the
 glob's directory) and to jsonl records (on "relative path:line number"), unless
 `val_paths` names the validation files explicitly.
+
+Text and jsonl sources skip documents that are empty or whitespace only (a text file,
+a record's field), which would train on BOS/EOS alone. Everything is checked when
+the source is built, never mid-training inside a data worker: every jsonl line must
+be a JSON object whose `data.jsonl_field` is a string, or it is a ValueError naming
+the file, the 1-based line and the field; a split with no document left is a
+ValueError saying what was found.
 """
 
 from __future__ import annotations
@@ -63,7 +70,8 @@ def _expand(patterns: Sequence[str], field: str) -> list[tuple[str, str]]:
 
 class DocumentSource:
     """A random-access list of documents (bytes). Files are read when asked for, so
-    a large corpus is never held in memory; jsonl records are indexed by offset."""
+    a large corpus is never held in memory; jsonl records are indexed by offset (their
+    lines were checked when indexed: JSON objects whose `field` is a string)."""
 
     def __init__(self, files: Sequence[str] = (), records: Sequence[tuple[str, int]] = (),
                  field: str = "text"):
@@ -82,23 +90,85 @@ class DocumentSource:
         with open(path, "rb") as f:
             f.seek(offset)
             line = f.readline()
-        value = json.loads(line)[self._field]
-        return value.encode("utf-8") if isinstance(value, str) else bytes(value)
+        return json.loads(line)[self._field].encode("utf-8")
+
+
+_CHUNK = 1 << 16
+
+
+def _some(paths: Sequence[str], n: int = 3) -> str:
+    return ", ".join(paths[:n]) + (f", ... ({len(paths)} files)" if len(paths) > n else "")
+
+
+def _has_text(path: str) -> bool:
+    """Whether the file holds anything but whitespace (read in chunks, up to the first
+    byte that is not)."""
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            if chunk.strip():
+                return True
+    return False
+
+
+def _json_type(value) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
+            float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _jsonl_text(path: str, lineno: int, line: bytes, field: str) -> str:
+    """The `field` string of one jsonl line (`lineno` 1-based), or a ValueError naming
+    the file, the line, the field and the fix."""
+    where = f"{path}:{lineno}"
+    try:
+        record = json.loads(line)
+    except ValueError as e:  # json.JSONDecodeError, or bytes that are not UTF-8
+        detail = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else str(e)
+        raise ValueError(f"{where}: not a JSON line ({detail}); data.source='jsonl' reads one "
+                         "JSON object per line: fix or drop this line, or use data.source='text' "
+                         "for plain text files") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: the line is {_json_type(record)}, not a JSON object with "
+                         f"field {field!r}; data.source='jsonl' reads one object per line, e.g. "
+                         f'{{"{field}": "..."}}') from None
+    if field not in record:
+        strings = [k for k, v in record.items() if isinstance(v, str)]
+        hint = (f"set data.jsonl_field to the field that holds the text (e.g. "
+                f"--config.data.jsonl_field={strings[0]}; string fields here: "
+                f"{', '.join(strings)})" if strings else
+                "set data.jsonl_field=... to the field that holds the text")
+        raise ValueError(f"{where}: the record has no field {field!r} (data.jsonl_field); its "
+                         f"fields: {', '.join(record) or 'none'}; {hint}")
+    value = record[field]
+    if not isinstance(value, str):
+        raise ValueError(f"{where}: field {field!r} (data.jsonl_field) is {_json_type(value)}, "
+                         "not a string; point data.jsonl_field=... at the field that holds the "
+                         "text as a string")
+    return value
 
 
 def _jsonl_records(files: Sequence[tuple[str, str]], split: str | None,
-                   field: str) -> list[tuple[str, int]]:
+                   field: str) -> tuple[list[tuple[str, int]], str]:
+    """(path, byte offset) of the non-blank records of `split` (None: every line) and, for
+    an empty result, what was found. Every line of every file is checked (`_jsonl_text`),
+    whichever split it goes to, so a bad line fails the first split built."""
     out = []
+    lines = blank = empty = 0
     for path, key in files:
         with open(path, "rb") as f:
-            offset, lineno = 0, 0
-            for line in f:
-                if line.strip():
-                    if split is None or is_validation(f"{key}:{lineno}") == (split == "validation"):
-                        out.append((path, offset))
+            offset = 0
+            for lineno, line in enumerate(f):
+                mine = split is None or is_validation(f"{key}:{lineno}") == (split == "validation")
+                lines += mine
+                if not line.strip():
+                    blank += mine
+                elif not _jsonl_text(path, lineno + 1, line, field).strip():
+                    empty += mine
+                elif mine:
+                    out.append((path, offset))
                 offset += len(line)
-                lineno += 1
-    return out
+    found = (f"{lines} line(s) of this split in {_some([p for p, _ in files])}: {blank} blank, "
+             f"{empty} whose {field!r} (data.jsonl_field) is empty or whitespace only")
+    return out, found
 
 
 def documents(cfg: DataConfig, split: str) -> DocumentSource:
@@ -119,14 +189,20 @@ def documents(cfg: DataConfig, split: str) -> DocumentSource:
         if cfg.source == "text":
             if rule is not None:
                 files = [(f, k) for f, k in files if is_validation(k) == (rule == "validation")]
-            src = DocumentSource([f for f, _ in files])
+            has_text = [(f, _has_text(f)) for f, _ in files]
+            src = DocumentSource([f for f, ok in has_text if ok])
+            blank = [f for f, ok in has_text if not ok]
+            found = (f"{len(files)} file(s) of this split, {len(blank)} empty or whitespace only"
+                     + (f" ({_some(blank)})" if blank else ""))
         else:
-            src = DocumentSource(records=_jsonl_records(files, rule, cfg.jsonl_field),
-                                 field=cfg.jsonl_field)
+            records, found = _jsonl_records(files, rule, cfg.jsonl_field)
+            src = DocumentSource(records=records, field=cfg.jsonl_field)
         where = f"data.paths={cfg.paths!r}" + (f", data.val_paths={cfg.val_paths!r}" if explicit else "")
+        where += f": {found}"
     if len(src) == 0:
         field = "data.val_paths" if (split == "validation" and cfg.val_paths) else "data.paths"
-        hint = (" (1 in 50 files goes to validation by the sha1 rule; give more files or set "
-                "data.val_paths)" if split == "validation" and not cfg.val_paths else "")
+        hint = ("; 1 in 50 files (text) or lines (jsonl) goes to validation by the sha1 rule: "
+                "give more, or set data.val_paths" if split == "validation" and not cfg.val_paths
+                else f"; point {field} at files with text")
         raise ValueError(f"{field}: the {split} split is empty: no documents in {where}{hint}")
     return src

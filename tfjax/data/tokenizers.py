@@ -3,7 +3,10 @@
 Every tokenizer gives `encode(text) -> int32 ids`, `decode(ids) -> str`, the ids
 of its specials (`pad_id`, `bos_id`, `eos_id`), `vocab_size`, and
 `token_bytes`: for each id, how many UTF-8 bytes it stands for (0 for specials),
-which turns a loss in nats per token into bits per byte for any tokenizer.
+which turns a loss in nats per token into bits per byte for any tokenizer, and
+`hf_tokenizer()`: the same tokenizer as a `tokenizers.Tokenizer` (what an exported
+checkpoint's `tokenizer.json` holds), whose `encode(text).ids` is
+`[bos_id] + encode(text)`, as the training documents begin.
 """
 
 from __future__ import annotations
@@ -33,6 +36,41 @@ class ByteTokenizer:
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
 
+    def hf_tokenizer(self):
+        """This tokenizer in `tokenizers` form: GPT-2's byte-level alphabet with no merges,
+        so byte b is id b; specials `<|pad|>`, `<|begin_of_text|>`, `<|end_of_text|>` are
+        256, 257, 258 (as added tokens, so that text spelling one of them encodes to its
+        id); decoding replaces invalid UTF-8 as `decode` does."""
+        try:
+            from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+        except ImportError as e:  # pragma: no cover - depends on extras
+            raise ValueError("tokenizer.json is written with the `tokenizers` package: "
+                             "pip install 'tfjax[hf]'") from e
+
+        # GPT-2's byte -> character map: printable bytes stand for themselves, the rest
+        # take the alphabet's characters from U+0100 on, in byte order.
+        alphabet = set(pre_tokenizers.ByteLevel.alphabet())
+        extra = iter(sorted(c for c in alphabet if ord(c) >= 256))
+        vocab = {(chr(b) if chr(b) in alphabet else next(extra)): b for b in range(256)}
+        specials = {"<|pad|>": self.pad_id, "<|begin_of_text|>": self.bos_id,
+                    "<|end_of_text|>": self.eos_id}
+        tok = Tokenizer(models.BPE(vocab=vocab | specials, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+        return _with_bos(tok, self.bos_id)
+
+
+def _with_bos(tok, bos_id: int):
+    """`tok` with a post-processor that puts `bos_id` before the text (only), as
+    `PackedBatches` lays out each document."""
+    from tokenizers import processors
+
+    bos = tok.id_to_token(bos_id)
+    tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A $B",
+                                                       special_tokens=[(bos, bos_id)])
+    return tok
+
 
 class HFTokenizer:
     """A Hugging Face `tokenizers` JSON file (needs the `tokenizers` package: `pip install tokenizers`
@@ -43,7 +81,7 @@ class HFTokenizer:
             from tokenizers import Tokenizer
         except ImportError as e:  # pragma: no cover - depends on extras
             raise ValueError(f"data.tokenizer: {path!r} is a tokenizers JSON file, which needs the "
-                             "`tokenizers` package: pip install 'tfjax[hf]'") from e
+                             "`tokenizers` package: in the clone, .venv/bin/python -m pip install -e '.[hf]'") from e
         self.name = path
         self._tok = Tokenizer.from_file(path)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
@@ -75,6 +113,13 @@ class HFTokenizer:
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids])
+
+    def hf_tokenizer(self):
+        """A copy of the file's tokenizer whose post-processor puts `bos_id` before the
+        text and adds nothing else, as training saw it (`encode` adds no specials)."""
+        from tokenizers import Tokenizer
+
+        return _with_bos(Tokenizer.from_str(self._tok.to_str()), self.bos_id)
 
 
 class SentencePieceTokenizer:
@@ -110,6 +155,13 @@ class SentencePieceTokenizer:
 
     def decode(self, ids) -> str:
         return self._sp.decode([int(i) for i in ids])
+
+    def hf_tokenizer(self):
+        """Refused: converting a sentencepiece model to `tokenizers` form is not done here
+        (transformers' converters do it per model family)."""
+        raise ValueError(f"tokenizer: {self.name!r} is a sentencepiece model, which tfjax does "
+                         "not convert to tokenizer.json; export without tokenizer= and convert "
+                         "it with transformers (e.g. LlamaTokenizerFast(vocab_file=...))")
 
 
 def load_tokenizer(name: str):

@@ -191,15 +191,31 @@ def _read_config(path: str) -> dict:
     if not os.path.isdir(path) or not os.path.exists(file):
         raise ValueError(f"path: {path!r} is not a checkpoint directory with config.json "
                          "(as transformers' save_pretrained writes)")
-    with open(file) as f:
-        return json.load(f)
+    try:
+        with open(file, "rb") as f:
+            hf = json.load(f)
+    except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
+        raise ValueError(f"{file}: not valid JSON ({e}); fix the file or re-save the checkpoint "
+                         "with transformers' save_pretrained") from None
+    if not isinstance(hf, dict):
+        raise ValueError(f"{file}: holds {type(hf).__name__}, not the JSON object of a model "
+                         "config; re-save the checkpoint with transformers' save_pretrained")
+    return hf
 
 
-def config_from_hf(hf: dict, *, dtype: str | None = None) -> ModelConfig:
-    """The tfjax `ModelConfig` of an HF config dict (unsupported options raise)."""
+def config_from_hf(hf: dict, *, dtype: str | None = None,
+                   source: str = "config.json") -> ModelConfig:
+    """The tfjax `ModelConfig` of an HF config dict. Unsupported options raise
+    NotImplementedError; a key of the wrong JSON type (`hf_config.check_types`) or a
+    missing key the family needs is a ValueError naming `source` (the file) and the key."""
+    hf_config.check_types(hf, source)
     model_type = hf.get("model_type")
-    family = FAMILIES.get(model_type, field="config.json model_type")
-    c = family.config(hf)
+    family = FAMILIES.get(model_type, field=f"{source} model_type")
+    try:
+        c = family.config(hf)
+    except KeyError as e:  # the mappings read the keys a family cannot do without as hf[key]
+        raise ValueError(f"{source}: no key {e.args[0]!r}, which model_type={model_type!r} "
+                         f"needs; add it to {source} (save_pretrained writes every key)") from None
     name = dtype or hf.get("dtype") or hf.get("torch_dtype") or "float32"
     try:
         name = str(jnp.dtype(name))
@@ -222,7 +238,7 @@ def load(path: str, *, dtype: str | None = None, mesh=None, rules=DEFAULT_RULES)
     (`model(input_ids, decoder_input_ids) -> logits`).
     """
     hf = _read_config(path)
-    cfg = config_from_hf(hf, dtype=dtype)
+    cfg = config_from_hf(hf, dtype=dtype, source=os.path.join(path, "config.json"))
     family = FAMILIES.get(hf["model_type"], field="config.json model_type")
     prefix = PREFIXES.get(hf["model_type"])
     w = Weights(SafetensorsCheckpoint(path), (prefix,) if prefix else ())
@@ -283,11 +299,26 @@ def _rope_parameters(r) -> dict:
     return out
 
 
-def export(model: nnx.Module, path: str, *, dtype: str | None = None) -> None:
+def export(model: nnx.Module, path: str, *, dtype: str | None = None, tokenizer=None) -> None:
     """Write a Llama-family tfjax decoder as an HF checkpoint (`config.json` +
-    `model.safetensors`) that `transformers.LlamaForCausalLM.from_pretrained` loads."""
+    `model.safetensors`) that `transformers.LlamaForCausalLM.from_pretrained` loads.
+
+    tokenizer: the run's tokenizer (`tfjax.data.load_tokenizer(cfg.data.tokenizer)`,
+      as `tfjax.generate.load_run` returns it). Given, the directory also gets its
+      `tokenizer.json` (`hf_tokenizer()`: encoding puts BOS first, as training did) and
+      `tokenizer_config.json` (for transformers' `AutoTokenizer`), and its bos / eos /
+      pad ids go into `config.json` and `generation_config.json`, so that
+      `python -m tfjax.generate --hf PATH` (and HF `generate`) stop at its EOS. The byte
+      tokenizer and `tokenizers` JSON files are written; a sentencepiece model is a
+      ValueError (export without it). Everything is checked before anything is written.
+    """
     cfg: ModelConfig = model.config
     _check_llama_exportable(cfg)
+    if tokenizer is not None:
+        hf_tok = tokenizer.hf_tokenizer()
+        if tokenizer.vocab_size > cfg.vocab_size:
+            raise ValueError(f"export: the tokenizer has {tokenizer.vocab_size} ids but "
+                             f"model.vocab_size is {cfg.vocab_size}; pass the run's own tokenizer")
     flat = {p: v.get_value() for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
     out_dtype = np.dtype(jnp.dtype(dtype or cfg.param_dtype))
 
@@ -326,6 +357,19 @@ def export(model: nnx.Module, path: str, *, dtype: str | None = None) -> None:
               tie_word_embeddings=cfg.tie_embeddings, attention_bias=cfg.qkv_bias,
               mlp_bias=cfg.ffn_bias, rope_parameters=_rope_parameters(cfg.rope),
               dtype=str(out_dtype), attention_dropout=0.0)
+    if tokenizer is not None:
+        ids = dict(bos_token_id=int(tokenizer.bos_id), eos_token_id=int(tokenizer.eos_id),
+                   pad_token_id=int(tokenizer.pad_id))
+        hf.update(ids)
+        hf_tok.save(os.path.join(path, "tokenizer.json"))
+        name = hf_tok.id_to_token
+        tok_cfg = dict(tokenizer_class="PreTrainedTokenizerFast", bos_token=name(tokenizer.bos_id),
+                       eos_token=name(tokenizer.eos_id), pad_token=name(tokenizer.pad_id),
+                       model_max_length=cfg.max_len)
+        for file, content in (("generation_config.json", ids),
+                              ("tokenizer_config.json", tok_cfg)):
+            with open(os.path.join(path, file), "w") as f:
+                json.dump(content, f, indent=2)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf, f, indent=2)
 

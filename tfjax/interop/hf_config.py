@@ -9,17 +9,91 @@ converted here: HF's `sliding_window=w` lets a query see w keys including itself
 ours counts the keys before it (w - 1); HF's dynamic NTK rope grows from
 `max_position_embeddings`; every supported family uses the "half" (rotate_half)
 RoPE layout in its HF form, so no permutation is needed. `tfjax.interop.hf.FAMILIES`
-pairs these with the tensor mappings of `tfjax.interop.hf_weights`.
+pairs these with the tensor mappings of `tfjax.interop.hf_weights`. Before any of
+them runs, `check_types` checks the JSON type of every key they read (`KEY_TYPES`),
+so a damaged config.json is a ValueError naming the key, not a TypeError deep inside.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
-__all__ = ["bert_config", "bloom_config", "gemma2_config", "gpt2_config", "llama_config",
-           "mamba_config", "mixtral_config", "neox_config", "qwen3_config", "require",
-           "t5_config", "unsupported"]
+__all__ = ["KEY_TYPES", "ROPE_KEY_TYPES", "bert_config", "bloom_config", "check_types",
+           "gemma2_config", "gpt2_config", "llama_config", "mamba_config", "mixtral_config",
+           "neox_config", "qwen3_config", "require", "t5_config", "unsupported"]
+
+_NULL = type(None)
+_INT, _NUM, _BOOL, _STR = (int,), (int, float), (bool,), (str,)
+
+# The JSON type of every config.json key the mappings (and `tfjax.generate --hf`) read,
+# checked before any mapping runs (a key not listed is not checked). Sizes that build
+# the model are never null; keys read with a fallback may be null where HF writes it.
+KEY_TYPES: dict[str, tuple[type, ...]] = {
+    **dict.fromkeys((
+        "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+        "intermediate_size", "max_position_embeddings", "n_embd", "n_layer", "n_head",
+        "n_positions", "d_model", "d_kv", "d_ff", "num_layers", "num_heads", "state_size",
+        "conv_kernel", "num_local_experts", "num_experts_per_tok", "type_vocab_size",
+        "relative_attention_num_buckets", "relative_attention_max_distance"), _INT),
+    **dict.fromkeys(("num_key_value_heads", "head_dim", "n_inner", "sliding_window",
+                     "num_decoder_layers", "bos_token_id"), _INT + (_NULL,)),
+    "eos_token_id": (int, list, _NULL),
+    "time_step_rank": (int, str),
+    **dict.fromkeys(("rope_theta", "rotary_emb_base", "partial_rotary_factor", "rotary_pct",
+                     "rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon",
+                     "router_aux_loss_coef", "query_pre_attn_scalar"), _NUM),
+    **dict.fromkeys(("attn_logit_softcapping", "final_logit_softcapping"), _NUM + (_NULL,)),
+    **dict.fromkeys((
+        "tie_word_embeddings", "attention_bias", "mlp_bias", "use_parallel_residual",
+        "use_conv_bias", "use_bias", "scale_attn_weights", "scale_attn_by_inverse_layer_idx",
+        "add_cross_attention", "is_decoder", "apply_residual_connection_post_layernorm",
+        "scale_decoder_outputs"), _BOOL),
+    **dict.fromkeys(("use_bidirectional_attention", "use_sliding_window"), _BOOL + (_NULL,)),
+    **dict.fromkeys(("model_type", "activation_function", "feed_forward_proj"), _STR),
+    **dict.fromkeys(("hidden_act", "hidden_activation", "dense_act_fn",
+                     "position_embedding_type", "dtype", "torch_dtype"), _STR + (_NULL,)),
+    **dict.fromkeys(("rope_scaling", "rope_parameters"), (dict, _NULL)),
+    "layer_types": (list, _NULL),
+}
+# Inside `rope_scaling` / `rope_parameters`.
+ROPE_KEY_TYPES: dict[str, tuple[type, ...]] = {
+    **dict.fromkeys(("rope_type", "type"), _STR),
+    **dict.fromkeys(("rope_theta", "factor", "partial_rotary_factor", "low_freq_factor",
+                     "high_freq_factor", "beta_fast", "beta_slow", "attention_factor", "mscale",
+                     "mscale_all_dim"), _NUM + (_NULL,)),
+    "original_max_position_embeddings": _INT + (_NULL,),
+    "truncate": _BOOL + (_NULL,),
+}
+_TYPE_NAMES = {int: "an integer", float: "a number", bool: "true / false", str: "a string",
+               dict: "a JSON object", list: "a list", _NULL: "null"}
+
+
+def check_types(hf: dict, source: str = "config.json") -> None:
+    """Every key of `KEY_TYPES` (and `ROPE_KEY_TYPES` inside the rope sections) that
+    `hf` has holds a value of its JSON type, or a ValueError names `source`, the key,
+    what it holds and what it should hold. (JSON `true` is not an integer here.)"""
+
+    def check(key: str, value, types: tuple[type, ...]) -> None:
+        bad = isinstance(value, bool) and bool not in types or not isinstance(value, types)
+        if isinstance(value, list) and key == "eos_token_id":  # a list of ids
+            bad = not all(type(i) is int for i in value)
+        if bad:
+            names = [_TYPE_NAMES[t] for t in types if not (t is int and float in types)]
+            want = " or ".join(names).replace("a list", "a list of integers"
+                                              if key == "eos_token_id" else "a list")
+            got = _TYPE_NAMES.get(type(value), type(value).__name__)
+            raise ValueError(f"{source}: {key} is {json.dumps(value)} ({got}), but it must be "
+                             f"{want}; fix {key} in {source}")
+
+    for key, types in KEY_TYPES.items():
+        if key in hf:
+            check(key, hf[key], types)
+    for section in ("rope_scaling", "rope_parameters"):
+        for key, value in (hf.get(section) or {}).items():
+            if key in ROPE_KEY_TYPES:
+                check(f"{section}.{key}", value, ROPE_KEY_TYPES[key])
 
 
 def unsupported(option: str, value: Any, hint: str = "") -> None:

@@ -11,6 +11,7 @@ nothing is read before it is asked for. Sharded checkpoints
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from collections.abc import Iterator, Mapping
@@ -30,28 +31,78 @@ _NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
 
 
 def _read_header(path: str) -> tuple[dict, int]:
+    """(`{name: {dtype, shape, data_offsets}}`, byte where the data starts) of one file,
+    checked against the file: a header length past the end of the file, a header that
+    is not a JSON object of that layout, or a tensor whose bytes run past the end (a
+    truncated download) is a ValueError naming the file (and the tensor)."""
+    size = os.path.getsize(path)
+    redo = "re-download it, or re-save it with save_pretrained"
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) != 8:
-            raise ValueError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
+            raise ValueError(f"{path}: not a safetensors file ({size} bytes, shorter than its "
+                             f"8-byte header length); {redo}")
         (n,) = struct.unpack("<Q", raw)
-        header = json.loads(f.read(n))
+        if n > size - 8:
+            raise ValueError(f"{path}: not a safetensors file, or truncated: its first 8 bytes "
+                             f"give a header of {n:,} bytes but the file has {size:,}; {redo}")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
+            raise ValueError(f"{path}: not a safetensors file: its header is not JSON ({e}); "
+                             f"{redo}") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: not a safetensors file: its header is not a JSON object; {redo}")
     header.pop("__metadata__", None)
-    return header, 8 + n
+    start = 8 + n
+    for name, info in header.items():
+        ok = (isinstance(info, dict) and isinstance(info.get("dtype"), str)
+              and isinstance(info.get("shape"), list)
+              and all(type(d) is int and d >= 0 for d in info["shape"])
+              and isinstance(info.get("data_offsets"), list) and len(info["data_offsets"]) == 2
+              and all(type(o) is int for o in info["data_offsets"])
+              and 0 <= info["data_offsets"][0] <= info["data_offsets"][1])
+        if not ok:
+            raise ValueError(f"{path}: tensor {name!r} has a malformed header entry "
+                             f"{repr(info)[:200]} (want {{dtype, shape, data_offsets: [begin, "
+                             f"end]}}); the file is damaged: {redo}")
+        lo, hi = info["data_offsets"]
+        if start + hi > size:
+            raise ValueError(f"{path}: truncated: tensor {name!r} ends at byte {start + hi:,} but "
+                             f"the file has {size:,} bytes; {redo}")
+        dtype = _DTYPES.get(info["dtype"])
+        if dtype is not None and hi - lo != math.prod(info["shape"]) * np.dtype(dtype).itemsize:
+            raise ValueError(f"{path}: tensor {name!r} ({info['dtype']} {info['shape']}) has "
+                             f"{hi - lo:,} data bytes, not the "
+                             f"{math.prod(info['shape']) * np.dtype(dtype).itemsize:,} its shape "
+                             f"needs; the file is damaged: {redo}")
+    return header, start
 
 
 class SafetensorsCheckpoint(Mapping):
     """`{name: np.ndarray}` over the `*.safetensors` files of a directory (lazy, read-only).
 
     With `model.safetensors.index.json` the files are those its weight map names;
-    otherwise every `*.safetensors` file in the directory.
+    otherwise every `*.safetensors` file in the directory. Every file's header is
+    checked when the checkpoint is opened (`_read_header`), so a damaged or truncated
+    file is a ValueError naming it before any tensor is read.
     """
 
     def __init__(self, directory: str):
         index = os.path.join(directory, "model.safetensors.index.json")
         if os.path.exists(index):
-            with open(index) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
+            try:
+                with open(index) as f:
+                    weight_map = json.load(f)["weight_map"]
+                files = sorted(set(weight_map.values()))
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise ValueError(f"{index}: not a safetensors index (want JSON "
+                                 '{"weight_map": {tensor: file}}; ' f"{type(e).__name__}: {e}); "
+                                 "re-save the checkpoint with save_pretrained") from None
+            for name in files:
+                if not isinstance(name, str) or not os.path.isfile(os.path.join(directory, name)):
+                    raise ValueError(f"{index}: its weight_map names {name!r}, which is not a file "
+                                     f"in {directory}; download the missing shard")
         else:
             files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
         if not files:
@@ -68,8 +119,8 @@ class SafetensorsCheckpoint(Mapping):
     def __getitem__(self, key: str) -> np.ndarray:
         path, info, start = self._where[key]
         if info["dtype"] not in _DTYPES:
-            raise ValueError(f"{key}: safetensors dtype {info['dtype']} is not supported "
-                             f"(supported: {', '.join(_DTYPES)})")
+            raise ValueError(f"{path}: tensor {key!r} has safetensors dtype {info['dtype']}, "
+                             f"which tfjax does not read (supported: {', '.join(_DTYPES)})")
         if path not in self._maps:
             self._maps[path] = np.memmap(path, dtype=np.uint8, mode="r")
         lo, hi = info["data_offsets"]

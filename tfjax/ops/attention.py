@@ -49,6 +49,8 @@ import functools
 import types
 from typing import Callable, Mapping
 
+import jax.numpy as jnp
+
 from tfjax.ops import blockwise, cudnn, reference, sinks as sinks_lib, target, xla
 from tfjax.ops import masks as masks_lib
 from tfjax.ops import pallas
@@ -200,6 +202,12 @@ def _check_shapes(q, k, v, bias) -> None:
         raise ValueError(f"dot_product_attention: k and v differ in batch, length or heads: "
                          f"{k.shape} vs {v.shape} (only the head dim of v may differ)")
     Bk, S, K, Hk = k.shape
+    not_float = [n for n, x in (("q", q), ("k", k), ("v", v))
+                if not jnp.issubdtype(x.dtype, jnp.floating)]
+    if not_float:
+        raise TypeError(f"dot_product_attention: {', '.join(not_float)} must be floating point "
+                        f"(bfloat16, float16 or float32), got "
+                        f"{', '.join(str(x.dtype) for x in (q, k, v))}; cast with .astype()")
     if Bk != B:
         raise ValueError(f"dot_product_attention: batch of q ({B}) and k/v ({Bk}) differ")
     if Hk != H:
@@ -247,6 +255,7 @@ def dot_product_attention(q, k, v, mask: masks_lib.Mask | None = None, *, bias=N
     if mask is not None and mask.batch_size not in (None, q.shape[0]):
         raise ValueError(f"dot_product_attention: the mask's batch ({mask.batch_size}) differs "
                          f"from q's ({q.shape[0]})")
+    masks_lib.check_lengths(mask, T, k.shape[1], "dot_product_attention")
     softcap = float(softcap) if softcap else None
     request = AttentionRequest(
         q_shape=tuple(q.shape), k_shape=tuple(k.shape), dtype=str(q.dtype),

@@ -32,7 +32,7 @@ __all__ = [
     "Positions", "And", "Or",
     "causal", "sliding_window", "chunked_causal", "padding", "segments", "prefix_lm",
     "positions",
-    "dense", "combine",
+    "check_lengths", "dense", "combine",
     "Longformer", "RandomBlocks", "longformer", "bigbird",
 ]
 
@@ -126,6 +126,18 @@ class Mask:
     def batch_size(self) -> int | None:
         """The batch size the mask's data fixes, or None when it broadcasts."""
         return None
+
+    def token_arrays(self) -> list[tuple[str, str, jax.Array]]:
+        """Per-token data, (field, "q" | "kv", array): the fields `q_*` / `kv_*` of
+        shape `[B, T|S]` (segment ids, positions), of this mask and those it combines."""
+        out = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, Mask):
+                out += value.token_arrays()
+            elif f.name.startswith(("q_", "kv_")) and jnp.ndim(value) == 2:
+                out.append((f.name, f.name.split("_")[0], value))
+        return out
 
 
 # --------------------------------------------------------------------------- #
@@ -430,20 +442,20 @@ def combine(*masks: Mask | None) -> Mask | None:
     return out
 
 
+def check_lengths(mask: Mask | None, q_len: int, kv_len: int, caller: str) -> None:
+    """Raise unless each per-token array of `mask` is as long as the queries / keys."""
+    for name, side, array in mask.token_arrays() if mask is not None else ():
+        want, what = (q_len, "queries (T)") if side == "q" else (kv_len, "keys (S)")
+        if array.shape[-1] != want:
+            raise ValueError(f"{caller}: the mask's {name} has length {array.shape[-1]} but the "
+                             f"{what} have length {want}; give {name} as [B, {want}]")
+
+
 def dense(mask: Mask | None, q_len: int, kv_len: int, *, q_offset=0, kv_offset=0) -> jax.Array:
     """Dense view of an optional mask (None: everything visible), `[B|1, T, S]`."""
     if mask is None:
         return jnp.ones((1, q_len, kv_len), bool)
     return mask.dense(q_len, kv_len, q_offset=q_offset, kv_offset=kv_offset)
-
-
-def to_numpy_blocks(mask: Mask | None, q_len: int, kv_len: int, block_q: int, block_kv: int,
-                    **offsets) -> np.ndarray:
-    """Block view as a host numpy array (for kernels that build static tile tables)."""
-    if mask is None:
-        nq, nk = -(-q_len // block_q), -(-kv_len // block_kv)
-        return np.full((1, nq, nk), FULL, np.int8)
-    return np.asarray(mask.blocks(q_len, kv_len, block_q, block_kv, **offsets))
 
 
 # --------------------------------------------------------------------------- #
@@ -502,10 +514,8 @@ def _hash32(seed: int, a: jax.Array, b: jax.Array) -> jax.Array:
     u = jnp.uint32
     x = (u(seed & 0xFFFFFFFF) * u(0x9E3779B1)) ^ (a.astype(u) * u(0x85EBCA77)) ^ \
         (b.astype(u) * u(0xC2B2AE3D))
-    x = x ^ (x >> 16)
-    x = x * u(0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = x * u(0x846CA68B)
+    x = (x ^ (x >> 16)) * u(0x7FEB352D)
+    x = (x ^ (x >> 15)) * u(0x846CA68B)
     return x ^ (x >> 16)
 
 
@@ -575,12 +585,11 @@ def bigbird(window: int, num_global: int, num_random_blocks: int, block_size: in
     range the random blocks are drawn from, so every device of a ring sees the same
     pattern. Use tiles of `block_size` (or multiples) in kernels for exact FULL tiles.
     """
-    for name, v in (("window", window), ("num_global", num_global),
-                    ("num_random_blocks", num_random_blocks)):
-        if v < 0:
-            raise ValueError(f"bigbird: {name} must be >= 0, got {v}")
-    if block_size < 1:
-        raise ValueError(f"bigbird: block_size must be >= 1, got {block_size}")
+    for name, v, least in (("window", window, 0), ("num_global", num_global, 0),
+                           ("num_random_blocks", num_random_blocks, 0),
+                           ("block_size", block_size, 1)):
+        if v < least:
+            raise ValueError(f"bigbird: {name} must be >= {least}, got {v}")
     mask: Mask = Longformer(int(window), tuple(range(int(num_global))))
     if num_random_blocks:
         if not seq_len or seq_len < 1:

@@ -144,6 +144,7 @@ def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axi
     S, K = k.shape[1], k.shape[2]
     if N % K:
         raise ValueError(f"ring_attention: {N} query heads are not a multiple of {K} kv heads")
+    masks_lib.check_lengths(mask, T, S, "ring_attention")
     pieces = 2 if load_balance == "zigzag" else 1
     if load_balance == "zigzag" and T != S:
         raise ValueError(f"ring_attention: load_balance='zigzag' needs T == S, got T={T}, "
@@ -401,6 +402,7 @@ def all_gather_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh,
     offsets) raises a ValueError with the dispatch's reason while tracing."""
     n = mesh.shape[seq_axis]
     T, S = q.shape[1], k.shape[1]
+    masks_lib.check_lengths(mask, T, S, "all_gather_attention")
     if T % n or S % n:
         raise ValueError(f"all_gather_attention: T={T} and S={S} must be divisible by the {n} "
                          f"devices on {seq_axis!r}")

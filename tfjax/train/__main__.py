@@ -25,12 +25,13 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from tfjax.config import moved_field, run_config
+from tfjax.config import moved_field, run_config, unknown_field
 from tfjax.models import check_names
 from tfjax.train.aot import compile_only
 from tfjax.train.trainer import Trainer
 
 FLAGS = flags.FLAGS
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 config_flags.DEFINE_config_file("config", "configs/default.py", "preset: configs/<name>.py[:arg]",
                                 lock_config=True)
 flags.DEFINE_string("workdir", None, "checkpoints, metrics.jsonl and TensorBoard events go here")
@@ -50,6 +51,10 @@ def main(argv):
         logging.set_verbosity(logging.WARNING)
     if FLAGS.workdir is None and not FLAGS.compile_only:
         raise app.UsageError("--workdir is required (checkpoints and metrics are written there)")
+    if FLAGS.cpu_devices < 0:
+        print(f"error: --cpu_devices must be >= 0 (0: the machine's own devices), got "
+              f"{FLAGS.cpu_devices}", file=sys.stderr)
+        return 2
     if FLAGS.compile_only:  # libtpu's lockfile guards real chips; topologies need none
         os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     if FLAGS.cpu_devices:
@@ -71,28 +76,61 @@ def main(argv):
         return 2
     if FLAGS.compile_only:
         return compile_only(cfg, FLAGS.topology)
-    try:
+    try:  # a bad run (data, mesh, a checkpoint that cannot resume) is refused before compiling
         trainer = Trainer(cfg, FLAGS.workdir)
+        summary = trainer.train()
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    summary = trainer.train()
     return 143 if summary["preempted"] else 0
 
 
+def _config_error(message: str):
+    print(f"config error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _config_path(argv: list[str]) -> tuple[str, bool]:
+    """(the preset file `--config` names, without its `:arg`; whether it was given)."""
+    for i, arg in enumerate(argv[1:], 1):
+        if arg == "--config" and i + 1 < len(argv):
+            return argv[i + 1].split(":", 1)[0], True
+        if arg.startswith("--config="):
+            return arg[len("--config="):].split(":", 1)[0], True
+    return FLAGS["config"].default_as_str.strip("'\""), False
+
+
 def parse_flags(argv: list[str]) -> list[str]:
-    """absl's flag parsing, after one check of ours: an override of a field that
-    moved (`--config.model.moe_d_ff=...`) is a one-line error naming the new path
-    (the locked preset would otherwise fail with a traceback)."""
+    """absl's flag parsing, after checks of ours that turn what would be a traceback
+    into one line (exit status 2): a `--config` file that does not exist (also the
+    default, when `--config` is omitted outside the repository), an override of a
+    field that moved (`--config.model.moe_d_ff=...`, naming the new path) or does not
+    exist (`--config.model.num_layerz`, with the closest field), and whatever the
+    preset or an override value raises while loading."""
+    path, given = _config_path(argv)
+    if not os.path.isfile(path):
+        in_repo = os.path.join(REPO, path)
+        hint = (f"; did you mean {in_repo}?" if os.path.isfile(in_repo) else
+                f"; presets are in {os.path.join(REPO, 'configs')}" if os.path.isdir(
+                    os.path.join(REPO, "configs")) else "")
+        what = "--config" if given else "no --config given, and the default"
+        _config_error(f"{what} {path}: no such file (relative to {os.getcwd()}){hint}")
     for arg in argv[1:]:
         if arg.startswith("--config."):
-            path = arg[len("--config."):].split("=", 1)[0]
-            now = moved_field(path)
+            field = arg[len("--config."):].split("=", 1)[0]
+            now = moved_field(field)
             if now:
-                print(f"config error: {path} moved to {now} (--config.{now}=...)",
-                      file=sys.stderr)
-                sys.exit(2)
-    return FLAGS(argv)
+                _config_error(f"{field} moved to {now} (--config.{now}=...)")
+            unknown = unknown_field(field)
+            if unknown:
+                _config_error(f"--config.{field}: {unknown}")
+    try:
+        return FLAGS(argv)
+    except flags.Error as e:  # absl's "flag --config...: <message>", maybe with a traceback
+        lines = [line for line in str(e).splitlines() if line.strip()]
+        _config_error(lines[0] if len(lines) == 1 else f"{lines[0].split(': ')[0]}: {lines[-1]}")
+    except Exception as e:  # noqa: BLE001 -- the preset's own code raised while loading
+        _config_error(f"--config {path}: {type(e).__name__}: {str(e).splitlines()[0]}")
 
 
 if __name__ == "__main__":

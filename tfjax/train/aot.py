@@ -78,7 +78,8 @@ def tpu_devices(topology: str):
             wrap=tuple(d >= 4 for d in dims))
     except Exception as e:
         raise ValueError(f"--topology {topology}: libtpu could not describe this slice ({e}); "
-                         "install the tpu extra: pip install 'tfjax[tpu]'") from e
+                         "install libtpu: in the clone, .venv/bin/python -m pip install -e "
+                         "'.[tpu]'") from e
     return list(topo.devices), HBM_BYTES[chip]
 
 
@@ -132,8 +133,8 @@ def compile_only(cfg: RunConfig, topology: str | None, build_model=None, out=sys
     t = cfg.train
     abstract_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                   p.abstract_state, p.state_shardings)
-    batch = {k: jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jnp.int32, sharding=p.batch_sharding)
-             for k in ("inputs", "targets", "positions", "segment_ids", "mask", "target_bytes")}
+    batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=p.batch_shardings[k])
+             for k, shape in p.batch_shapes.items()}  # the objective's batch
     with _lowering_for(devices[0]):
         compiled = p.step.lower(abstract_state, batch).compile()
     mem = compiled.memory_analysis()

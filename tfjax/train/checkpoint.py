@@ -1,39 +1,84 @@
 """orbax checkpoints of the whole run: train state (params, optimizer, step, model
-RNG state) and the data iterator's position.
+RNG state) and the data iterator's position, under WORKDIR/checkpoints/<step>/.
 
-Saves are asynchronous (training continues while arrays are written) and atomic:
-orbax writes into a temporary directory and renames it when complete, and
-`latest_step()` only sees finished steps, so a half-written checkpoint (killed
-mid-save) is never restored. The last `keep` checkpoints are kept. Restoring takes
-the target shardings of the *current* mesh, so a checkpoint written on one mesh
-shape restores onto another.
+What a user can rely on:
+- Saves are asynchronous (training continues while arrays are written) and atomic:
+  orbax writes into `<step>.orbax-checkpoint-tmp-*` and renames it to `<step>` only
+  when every file is written, and `latest_step()` / `all_steps()` only see renamed
+  steps. A process killed mid-save (even `kill -9`) leaves the previous steps as
+  they were; the next `Checkpointer` on the directory removes the leftover tmp
+  directory. The last `keep` steps are kept.
+- Restoring checks the saved tree against the current one first (orbax's metadata,
+  no array is read): a parameter added, removed or of another shape (the model
+  config changed) is a one-line ValueError naming the parameter and both shapes.
+  That is not damage: nothing falls back and nothing is moved.
+- A step that cannot be read (truncated or deleted array files, missing or garbled
+  metadata) is *damaged*. Resuming takes the newest step that restores; with
+  `checkpoint.fallback` (default) a damaged newer step costs one warning line, and
+  the trainer moves it whole and untouched to WORKDIR/damaged_checkpoints/<step>/
+  (kept, never deleted), so that orbax neither tries it again, nor counts it among
+  the `keep` newest when it garbage-collects, nor collides with this run's own
+  save of that step number. Without fallback, or when no step restores, it is a
+  ValueError that names the step directory, the reason and the fix, and nothing on
+  disk is changed (never a silent fresh start over a workdir that has checkpoints).
+- Restoring takes the target shardings of the *current* mesh, so a checkpoint
+  written on one mesh shape restores onto another.
 """
 
 from __future__ import annotations
 
+import gc
 import os
+import re
+from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from tfjax.config import CheckpointConfig
 
-__all__ = ["Checkpointer"]
+__all__ = ["Checkpointer", "abstract_with_shardings"]
+
+
+class _Damaged(Exception):
+    """A step that cannot be read; the message is the reason in a few words."""
+
+
+class _Mismatch(ValueError):
+    """The saved tree does not fit the current one (the config changed: not damage)."""
 
 
 class Checkpointer:
+    """One run's checkpoints: `save` (asynchronous unless `wait`), `restore` (see the
+    module docstring for what is checked and what a damaged step does)."""
+
     def __init__(self, workdir: str, cfg: CheckpointConfig):
-        self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
+        self.workdir = os.path.abspath(workdir)
+        self.directory = os.path.join(self.workdir, "checkpoints")
+        self.damaged_directory = os.path.join(self.workdir, "damaged_checkpoints")
         self.cfg = cfg
         options = ocp.CheckpointManagerOptions(
             max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save, create=True,
             cleanup_tmp_directories=True)
+        # Handlers registered up front, so a fresh manager can read a step's metadata
+        # (the shape check) before anything was saved or restored through it.
+        registry = ocp.handlers.create_default_handler_registry(
+            state=ocp.StandardCheckpointHandler(), data=ocp.JsonCheckpointHandler())
         self.manager = ocp.CheckpointManager(self.directory, options=options,
-                                             item_names=("state", "data"))
+                                             handler_registry=registry)
 
     def latest_step(self) -> int | None:
+        """The newest *finished* step (a save still in flight, or killed, is not one)."""
         return self.manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        """Every finished step, oldest first."""
+        return sorted(self.manager.all_steps())
+
+    def step_directory(self, step: int) -> str:
+        return os.path.join(self.directory, str(step))
 
     def save(self, step: int, state: Any, data_state: dict, *, wait: bool = False) -> None:
         if step in self.manager.all_steps():
@@ -43,15 +88,135 @@ class Checkpointer:
         if wait:
             self.manager.wait_until_finished()
 
-    def restore(self, abstract_state: Any, step: int | None = None) -> tuple[Any, dict, int] | None:
-        """Restore `step` (default: the latest finished one) onto the shardings in
-        `abstract_state` (a tree of ShapeDtypeStructs with `.sharding`); None if none."""
-        step = self.latest_step() if step is None else step
-        if step is None:
-            return None
-        out = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
-        return out["state"], dict(out["data"]), step
+    def restore(self, abstract_state: Any, step: int | None = None, *,
+                fallback: bool | None = None, set_aside: bool = False,
+                warn: Callable[[str], None] | None = None) -> tuple[Any, dict, int] | None:
+        """(state, data_state, step) restored onto the shardings in `abstract_state` (a
+        tree of ShapeDtypeStructs with `.sharding`); None when there is no checkpoint.
+
+        `step`: exactly that step (not saved, or damaged: ValueError listing the saved
+        steps). None: the newest step that restores. A damaged newer step is skipped
+        when `fallback` (default `cfg.fallback`), reported through `warn` (one line per
+        step, after a step restored) and, with `set_aside`, moved whole to
+        WORKDIR/damaged_checkpoints/<step>/; without fallback it is a ValueError. A
+        tree that does not fit `abstract_state` is a ValueError at once (not damage),
+        as is no step restoring; neither changes anything on disk."""
+        steps = self.all_steps()
+        if step is not None:
+            if step not in steps:
+                raise ValueError(f"no checkpoint of step {step} under {self.directory}; "
+                                 f"saved steps: {_list(steps)}")
+            try:
+                return self._restore_step(abstract_state, step)
+            except _Damaged as e:
+                others = [s for s in steps if s != step]
+                raise ValueError(f"checkpoint step {step} ({self.step_directory(step)}) cannot "
+                                 f"be read ({e}); other saved steps: {_list(others)}") from None
+        fallback = self.cfg.fallback if fallback is None else fallback
+        damaged: list[tuple[int, str]] = []
+        for s in reversed(steps):
+            try:
+                got = self._restore_step(abstract_state, s)
+            except _Damaged as e:
+                if not fallback:
+                    raise ValueError(
+                        f"checkpoint step {s} ({self.step_directory(s)}) cannot be read ({e}); "
+                        f"resume from the newest readable older step with "
+                        f"--config.checkpoint.fallback=True, or remove {self.step_directory(s)}"
+                    ) from None
+                damaged.append((s, str(e)))
+                continue
+            for bad, reason in damaged:
+                where = self.step_directory(bad)
+                if set_aside:
+                    kept = f"kept, not deleted: moved to {self._set_aside(bad)}"
+                else:
+                    kept = "left in place"
+                (warn or print)(f"checkpoint step {bad} ({where}) cannot be read ({reason}); "
+                                f"restored step {s} instead; the damaged step was {kept}")
+            return got
+        if damaged:
+            raise ValueError(
+                f"no checkpoint under {self.directory} can be read: "
+                + "; ".join(f"step {s}: {r}" for s, r in damaged)
+                + "; nothing was changed: repair or remove them, or start over with a new "
+                  "--workdir")
+        return None
+
+    def _restore_step(self, abstract_state: Any, step: int) -> tuple[Any, dict, int]:
+        """Check the saved tree against `abstract_state` (ValueError: a different model),
+        then read both items; any failure to read is `_Damaged`. With several processes,
+        a step counts as restored only if it restored on every process."""
+        state = data = reason = None
+        try:
+            self._check_tree(abstract_state, step)
+            state = self.manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract_state)))["state"]
+            data = dict(self.manager.restore(step, args=ocp.args.Composite(
+                data=ocp.args.JsonRestore()))["data"])
+        except _Mismatch as e:  # a plain ValueError for the caller: a config error
+            raise ValueError(str(e)) from None
+        except _Damaged as e:
+            reason = str(e)
+        except Exception as e:  # noqa: BLE001 - any failure to read is damage (shapes are checked)
+            reason = f"{'arrays' if state is None else 'data position'}: {_reason(e)}"
+        if reason is not None:
+            # orbax's abandoned reads of the other arrays (coroutines in reference cycles
+            # with the traceback) are finalised now, not in a later collection inside
+            # unrelated code: their "Exception ignored" report formats a traceback, and
+            # CPython 3.11's ast.parse, if that is what the collection interrupted, fails
+            # with "AST constructor recursion depth mismatch".
+            gc.collect()
+        if not _on_every_process(reason is None):
+            raise _Damaged(reason or "it cannot be read on another process")
+        return state, data, step
+
+    def _check_tree(self, abstract_state: Any, step: int) -> None:
+        try:
+            saved = self.manager.item_metadata(step)["state"]
+        except Exception as e:  # noqa: BLE001
+            raise _Damaged(f"metadata: {_reason(e)}") from None
+        if saved is None:
+            raise _Damaged("metadata: state/_METADATA is missing")
+        have = {_name(p): getattr(x, "shape", None)
+                for p, x in jax.tree_util.tree_flatten_with_path(saved)[0]}
+        want = {_name(p): _stored_shape(x)
+                for p, x in jax.tree_util.tree_flatten_with_path(abstract_state)[0]}
+        diffs = []
+        names = [*want, *(n for n in have if n not in want)]  # tree order, parameters first
+        for name in sorted(names, key=lambda n: not n.startswith("params.")):
+            if name not in have:
+                diffs.append(f"{name} {tuple(want[name])} is in the current model but not in "
+                             f"the checkpoint")
+            elif name not in want:
+                diffs.append(f"{name} {tuple(have[name])} is in the checkpoint but not in the "
+                             f"current model")
+            elif have[name] is not None and tuple(have[name]) != tuple(want[name]):
+                diffs.append(f"{name} has shape {tuple(have[name])} in the checkpoint but "
+                             f"{tuple(want[name])} in the current model")
+        if diffs:
+            more = f" (and {len(diffs) - 1} more)" if len(diffs) > 1 else ""
+            raise _Mismatch(
+                f"checkpoint step {step} ({self.step_directory(step)}) does not fit the current "
+                f"model: {diffs[0]}{more}; the model config changed since it was saved: rerun "
+                f"with the saved config, or train the new model with a new --workdir")
+
+    def _set_aside(self, step: int) -> str:
+        """Move damaged step `step` whole to WORKDIR/damaged_checkpoints/ (process 0, on
+        the shared file system orbax needs anyway); the path it now has."""
+        dest = os.path.join(self.damaged_directory, str(step))
+        i = 0
+        while os.path.exists(dest):  # damaged once before: keep both
+            i += 1
+            dest = os.path.join(self.damaged_directory, f"{step}.{i}")
+        if jax.process_index() == 0:
+            os.makedirs(self.damaged_directory, exist_ok=True)
+            os.rename(self.step_directory(step), dest)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices(f"tfjax:set_aside:{step}")
+        self.manager.reload()
+        return dest
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
@@ -64,3 +229,49 @@ class Checkpointer:
 def abstract_with_shardings(abstract: Any, shardings: Any) -> Any:
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                         abstract, shardings)
+
+
+def _on_every_process(ok: bool) -> bool:
+    if jax.process_count() == 1:
+        return ok
+    from jax.experimental import multihost_utils
+    return bool(np.all(multihost_utils.process_allgather(np.int32(ok))))
+
+
+def _stored_shape(x: jax.ShapeDtypeStruct) -> tuple[int, ...]:
+    """The shape orbax stores: a typed PRNG key array is saved as its key data."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return jax.eval_shape(jax.random.key_data, x).shape
+    return x.shape
+
+
+def _name(path) -> str:
+    """A tree path as orbax names arrays (`params.blocks.0.q`), without the `.value` of
+    an NNX variable; the same for the saved tree (dict keys) and the live one."""
+    parts = []
+    for k in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    if parts and parts[-1] == "value":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _reason(e: BaseException) -> str:
+    """The root cause of a failed read in a few words (tensorstore's first line, without
+    its spec dump and file URL)."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    text = str(e).strip().split("\n")[0]
+    text = re.sub(r' in OCDBT database at local file "[^"]*"', "", text)
+    text = re.sub(r"\s*(\[tensorstore_spec|See full TensorStore details).*", "", text)
+    text = text if len(text) <= 140 else text[:137] + "..."
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _list(steps: list[int]) -> str:
+    return ", ".join(map(str, steps)) if steps else "none"

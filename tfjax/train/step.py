@@ -10,6 +10,10 @@ Gradient accumulation scans over `microbatches` slices of the batch and sums
 gradients of *sums* of token losses divided by the token count of the whole
 batch, so any number of microbatches gives the same update as one.
 Microbatch i takes rows i, i+M, i+2M, ... so every device keeps its own rows.
+
+How the model is called and what is summed is the objective's (`train.objective`,
+`tfjax.train.objectives`); "causal_lm" is `model(inputs, positions, segment_ids)`
+and the masked next-token cross-entropy of `losses.py`.
 """
 
 from __future__ import annotations
@@ -25,20 +29,21 @@ from flax import nnx
 from tfjax.config import TrainConfig
 from tfjax.nn.moe import moe_aux
 from tfjax.parallel.sharding import shard, use_rules
-from tfjax.train.losses import cross_entropy_sums
+from tfjax.train.objectives import OBJECTIVES, Objective
 
 __all__ = ["forward_sums", "make_eval_step", "make_train_step"]
 
 
-def forward_sums(graphdef, params, rest, batch) -> tuple[dict[str, jax.Array], Any]:
-    """Run the model on a batch; return the loss sums and the model's updated non-param state."""
+def forward_sums(graphdef, params, rest, batch, objective: Objective | None = None
+                 ) -> tuple[dict[str, jax.Array], Any]:
+    """Run the model on a batch as `objective` says (default causal_lm); return the
+    loss sums and the model's updated non-param state."""
     # Fresh Variables in this trace: `rest` (RNG counters, MoE statistics) enters from
     # outside value_and_grad, and nnx transforms inside the model (scan) refuse
     # Variables of another trace level.
     rest = jax.tree.map(lambda x: x, rest)
     model = nnx.merge(graphdef, params, rest)
-    logits = model(batch["inputs"], positions=batch["positions"], segment_ids=batch["segment_ids"])
-    sums = cross_entropy_sums(logits, batch["targets"], batch["mask"], batch["target_bytes"])
+    sums = (objective or OBJECTIVES.get("causal_lm")).forward(model, batch)
     # MoE load-balancing + router z-losses (already weighted; 0 without MoE layers),
     # as a sum over tokens so microbatches add up like the other sums.
     sums["moe_aux"] = moe_aux(model)["aux_loss"] * sums["tokens"]
@@ -46,16 +51,17 @@ def forward_sums(graphdef, params, rest, batch) -> tuple[dict[str, jax.Array], A
 
 
 def _constrain(batch):
-    return {k: shard(v, ("batch", "length")) for k, v in batch.items()}
+    return {k: shard(v, ("batch", "length")[:v.ndim]) for k, v in batch.items()}
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: TrainConfig,
                     mesh=None, rules=()) -> Callable:
     """A pure `train_step(state, batch) -> (state, metrics)` (not yet jitted)."""
     M = cfg.microbatches
+    objective = OBJECTIVES.get(cfg.objective, field="train.objective")
 
     def loss_fn(params, rest, batch, denom):
-        sums, rest = forward_sums(graphdef, params, rest, batch)
+        sums, rest = forward_sums(graphdef, params, rest, batch, objective)
         loss = (sums["nll"] + cfg.z_loss * sums["z"] + sums["moe_aux"]) / denom
         return loss, (sums, rest)
 
@@ -69,12 +75,12 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: TrainConfig
             if M == 1:
                 (_, (sums, rest)), grads = grad_fn(params, rest, batch, denom)
             else:
-                B = batch["inputs"].shape[0]
+                B = batch["mask"].shape[0]
                 micro = jax.tree.map(
                     lambda x: x.reshape(B // M, M, *x.shape[1:]).swapaxes(0, 1), batch)
                 zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
                 zsums = {k: jnp.zeros((), jnp.float32)
-                         for k in ("nll", "z", "tokens", "bytes", "moe_aux")}
+                         for k in ("nll", "z", "tokens", "bytes", "moe_aux", *objective.extra)}
 
                 def body(carry, mb):
                     acc, rest, tot = carry
@@ -94,18 +100,21 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: TrainConfig
                            z=sums["z"] / jnp.maximum(sums["tokens"], 1.0),
                            moe_aux=sums["moe_aux"] / jnp.maximum(sums["tokens"], 1.0),
                            nll_sum=sums["nll"], tokens=sums["tokens"], bytes=sums["bytes"],
-                           grad_norm=grad_norm)
+                           grad_norm=grad_norm, **{k: sums[k] for k in objective.extra})
             return new, metrics
 
     return train_step
 
 
-def make_eval_step(graphdef, mesh=None, rules=()) -> Callable:
-    """A pure `eval_step(state, batch) -> sums` (nll, z, tokens, bytes)."""
+def make_eval_step(graphdef, mesh=None, rules=(), objective: str = "causal_lm") -> Callable:
+    """A pure `eval_step(state, batch) -> sums` (nll, z, tokens, bytes, and the
+    objective's `extra` sums)."""
+    obj = OBJECTIVES.get(objective, field="train.objective")
 
     def eval_step(state, batch):
         with use_rules(mesh, rules) if mesh is not None else _nullcontext():
-            sums, _ = forward_sums(graphdef, state["params"], state["rest"], _constrain(batch))
+            sums, _ = forward_sums(graphdef, state["params"], state["rest"], _constrain(batch),
+                                   obj)
             return sums
 
     return eval_step

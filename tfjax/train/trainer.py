@@ -12,7 +12,10 @@ What happens, in order:
    materialised whole on one device.
 3. The pure step (`step.py`) is jitted with in/out shardings and donated state.
 4. Data (`tfjax.data`) is packed into rows; each process builds only the rows its
-   devices hold and they are assembled into one global array. With ring attention
+   devices hold and they are assembled into one global array. What the batches hold,
+   how the model is called and what evaluation reports is the objective's
+   (`train.objective`: causal_lm, prefix_lm, mlm, classification, span_corruption,
+   seq2seq; `tfjax.train.objectives`). With ring attention
    over a sequence axis of n devices and `model.zigzag="data"`, every per-token
    array of the batch is put in zig-zag order on the host first (`zigzag_devices`),
    and the steps are traced under `tfjax.parallel.zigzag.zigzag_data(n)`.
@@ -29,7 +32,6 @@ import dataclasses
 import gzip
 import json
 import lzma
-import math
 import os
 import signal
 import time
@@ -40,30 +42,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
 
 from tfjax.config import RunConfig
-from tfjax.data.pipeline import BATCH_KEYS, PackedBatches
-from tfjax.data.sources import documents
+from tfjax.data.pipeline import PackedBatches
 from tfjax.data.tokenizers import load_tokenizer
-from tfjax.models import FFN_KINDS, LAYER_KINDS, build, check_names
+from tfjax.models import build, check_names
 from tfjax.parallel.mesh import make_mesh
-from tfjax.parallel.rules import logical_rules, replicated, tree_shardings
-from tfjax.parallel.sharding import logical_to_spec, use_rules
-from tfjax.parallel.zigzag import zigzag_data, zigzag_order
+from tfjax.parallel.rules import logical_rules, replicated
+from tfjax.parallel.sharding import use_rules
 from tfjax.train.checkpoint import Checkpointer, abstract_with_shardings
 from tfjax.train.losses import LN2
 from tfjax.train.metrics import MetricWriter, ProgressBar, flops_per_token, peak_flops
-from tfjax.train.optim import lr_schedule, make_optimizer
-from tfjax.train.step import make_eval_step, make_train_step
+from tfjax.train.objectives import OBJECTIVES, check_objective, eval_line, eval_metrics
+from tfjax.train.optim import lr_schedule
+from tfjax.train.program import Program, _axes_size, build_program, zigzag_devices, zigzag_rows
 
 __all__ = ["Program", "Trainer", "build_program", "check_run", "compression_bits_per_byte",
+           "compression_report",
            "zigzag_devices", "zigzag_rows"]
-
-
-def _axes_size(mesh, rules, name: str) -> tuple[int, tuple[str, ...]]:
-    axes = tuple(a for a in (dict(rules).get(name) or ()))
-    return math.prod(mesh.shape[a] for a in axes), axes
 
 
 def check_run(cfg: RunConfig, mesh, tokenizer) -> None:
@@ -90,133 +86,34 @@ def check_run(cfg: RunConfig, mesh, tokenizer) -> None:
     if m.position in ("learned", "sinusoidal") and t.seq_len > m.max_len:
         raise ValueError(f"train.seq_len: {t.seq_len} > model.max_len={m.max_len} (the "
                          f"{m.position} position table); lower seq_len or raise max_len")
-    if m.arch != "decoder":
-        raise ValueError(f"model.arch: the trainer trains decoder language models; got "
-                         f"{m.arch!r} (encoder / encoder_decoder objectives are not wired yet)")
+    check_objective(cfg, tokenizer, ns)  # train.objective against model.arch, specials
     if t.batch_size % jax.process_count():
         raise ValueError(f"train.batch_size: {t.batch_size} is not divisible by the "
                          f"{jax.process_count()} processes")
 
 
-def zigzag_devices(cfg: RunConfig, mesh, build_model=None) -> tuple[int, str | None]:
-    """(n, note): n > 0 when the trainer feeds batches in zig-zag order over the n
-    devices of the sequence axis (`model.zigzag="data"`, ring attention, seq_len % 2n
-    == 0, a `tfjax.models.build` model), else 0. `note` says why "data" fell back to
-    natural order: layers whose result depends on token order other than through
-    attention's position-aware mask and position biases would see the tokens out of
-    order (their layer kind or ffn kind record says so: `order_dependent`,
-    `order_dependence`; ALiBi and T5's bias read the reordered positions in the ring
-    itself), and a custom `build_model` (e.g. a test double) may derive its mask or
-    positions from the array index."""
-    m, t = cfg.model, cfg.train
-    axes = [a for a in (dict(logical_rules(cfg.mesh.rules)).get("length") or ())
-            if mesh.shape[a] > 1]
-    if m.zigzag != "data" or m.context_parallel != "ring" or len(axes) != 1:
-        return 0, None
-    n = mesh.shape[axes[0]]
-    why = [f"layer_pattern has {k!r} layers" for k in dict.fromkeys(m.layer_pattern)
-           if LAYER_KINDS.get(k, field="model.layer_pattern").order_dependent]
-    if build_model is not None and build_model is not build:
-        why.append("a custom build_model, which may not read positions from the batch")
-    why += [reason for k in dict.fromkeys(m.ffn_pattern)
-            if (reason := FFN_KINDS.get(k, field="model.ffn_pattern").order_dependence(m))]
-    if t.seq_len % (2 * n):
-        why.append(f"train.seq_len={t.seq_len} is not divisible by 2 x {n} sequence devices")
-    if why:
-        return 0, (f"model.zigzag='data' not applied ({'; '.join(why)}): batches stay in "
-                   f"natural order; attention runs as with model.zigzag='layer'")
-    return n, None
-
-
-def zigzag_rows(x: np.ndarray, n: int) -> np.ndarray:
-    """`tfjax.parallel.zigzag.zigzag(x, n, axis=1)` in numpy, for a host batch `[B, T]`."""
-    B, T = x.shape
-    return x.reshape(B, 2 * n, T // (2 * n))[:, zigzag_order(n)].reshape(B, T)
-
-
 def compression_bits_per_byte(data: bytes) -> dict[str, float]:
-    """Bits per byte of gzip -9 and xz -9e on `data` (the baselines to beat)."""
-    n = max(len(data), 1)
+    """Bits per byte of gzip -9 and xz -9e on `data` (the baselines to beat); empty
+    `data` is a ValueError (a rate over zero bytes is no baseline)."""
+    if not data:
+        raise ValueError("compression_bits_per_byte: no bytes to compress (the validation "
+                         "split scored none)")
+    n = len(data)
     return dict(gzip=len(gzip.compress(data, 9)) * 8 / n,
                 xz=len(lzma.compress(data, preset=9 | lzma.PRESET_EXTREME)) * 8 / n)
 
 
-@dataclasses.dataclass
-class Program:
-    """The compiled-to-be pieces of a run on a mesh: jitted init / train step / eval step
-    with their shardings (what `--compile_only` lowers for a TPU topology)."""
-
-    graphdef: Any
-    eval_graphdef: Any
-    tx: Any
-    abstract_state: Any
-    state_shardings: Any
-    batch_sharding: NamedSharding
-    notes: list
-    num_params: int
-    init: Callable
-    step: Callable
-    eval: Callable
-    zigzag: int = 0  # > 0: batches must be in zig-zag order over this many devices
-
-
-def build_program(cfg: RunConfig, mesh, build_model) -> Program:
-    """Abstract model -> shardings (unknown logical axes fail here, before compiling) ->
-    the jitted, sharded, donating train step."""
-    rules = logical_rules(cfg.mesh.rules)
-    t = cfg.train
-
-    def make_model():
-        with nnx.use_eager_sharding(False):
-            return build_model(cfg.model, rngs=nnx.Rngs(cfg.seed))
-
-    abstract = nnx.eval_shape(make_model)
-    graphdef, aparams, arest = nnx.split(abstract, nnx.Param, ...)
-    abstract.eval()
-    eval_graphdef = nnx.split(abstract, nnx.Param, ...)[0]
-    tx = make_optimizer(t)
-    aopt = jax.eval_shape(tx.init, aparams)
-    abstract_state = dict(step=jax.ShapeDtypeStruct((), jnp.int32), params=aparams, opt=aopt,
-                          rest=arest)
-    notes: list[str] = []
-    state_shardings = tree_shardings(abstract_state, mesh, rules, notes)
-    num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(aparams))
-
-    def init():
-        with use_rules(mesh, rules):
-            model = make_model()
-            _, params, rest = nnx.split(model, nnx.Param, ...)
-            return dict(step=jnp.zeros((), jnp.int32), params=params, opt=tx.init(params),
-                        rest=rest)
-
-    # Batches: [B, T] split over the "batch" mesh axes; the step itself constrains
-    # activations to ("batch", "length") (sequence sharding).
-    batch_sharding = NamedSharding(mesh, logical_to_spec(("batch", None), rules))
-    rep = replicated(mesh)
-    zz, note = zigzag_devices(cfg, mesh, build_model)
-    if note:
-        notes.append(note)
-
-    def traced(f):  # the layers read the data layout while jit traces the step
-        if not zz:
-            return f
-
-        def g(*args):
-            with zigzag_data(zz):
-                return f(*args)
-        return g
-
-    return Program(
-        graphdef=graphdef, eval_graphdef=eval_graphdef, tx=tx, abstract_state=abstract_state,
-        state_shardings=state_shardings, batch_sharding=batch_sharding, notes=notes,
-        num_params=num_params,
-        init=jax.jit(init, out_shardings=state_shardings),
-        zigzag=zz,
-        step=jax.jit(traced(make_train_step(graphdef, tx, t, mesh, rules)),
-                     in_shardings=(state_shardings, batch_sharding),
-                     out_shardings=(state_shardings, rep), donate_argnums=0),
-        eval=jax.jit(traced(make_eval_step(eval_graphdef, mesh, rules)),
-                     in_shardings=(state_shardings, batch_sharding), out_shardings=rep))
+def compression_report(val_bpb: float, data: bytes) -> tuple[dict[str, float], str]:
+    """(summary entries, one log line) comparing the model's `val_bpb` with gzip / xz on
+    the same validation bytes `data`; with no bytes there is nothing to compare, and
+    the line says so instead (no entries)."""
+    if not data:
+        return {}, ("  no validation bytes were scored, so there is nothing to compare with "
+                    "gzip / xz (check data.paths / data.val_paths and train.eval_batches)")
+    base = compression_bits_per_byte(data)
+    return ({f"{k}_bpb": v for k, v in base.items()},
+            f"  same bytes: gzip -9 {base['gzip']:.4f} bits/byte, xz -9e {base['xz']:.4f} "
+            f"bits/byte; tfjax {'beats' if val_bpb < base['gzip'] else 'does not beat'} gzip")
 
 
 class Trainer:
@@ -235,14 +132,15 @@ class Trainer:
         self.rules = logical_rules(cfg.mesh.rules)
         check_run(cfg, self.mesh, self.tokenizer)
         t = cfg.train
-        self.train_docs = documents(cfg.data, "train")
-        self.val_docs = documents(cfg.data, "validation")
+        self.objective = OBJECTIVES.get(t.objective, field="train.objective")
+        self.train_docs = self.objective.source(cfg, "train")  # documents, or jsonl examples
+        self.val_docs = self.objective.source(cfg, "validation")
         p = build_program(cfg, self.mesh, self.build_model)
         self.graphdef, self.eval_graphdef, self.tx = p.graphdef, p.eval_graphdef, p.tx
         self.abstract_state, self.state_shardings = p.abstract_state, p.state_shardings
         self.batch_sharding, self.notes, self.num_params = p.batch_sharding, p.notes, p.num_params
         self._init, self._step, self._eval = p.init, p.step, p.eval
-        self.zigzag = p.zigzag
+        self.zigzag, self.batch_shardings = p.zigzag, p.batch_shardings
         self.local_rows = self._local_rows(t.batch_size)
         self._lr = lr_schedule(t)
         self.checkpointer = Checkpointer(workdir, cfg.checkpoint)
@@ -259,62 +157,73 @@ class Trainer:
         return sorted(rows)
 
     def train_iterator(self) -> PackedBatches:
-        t = self.cfg.train
-        return PackedBatches(self.train_docs, self.tokenizer, seq_len=t.seq_len,
-                             global_batch=t.batch_size, local_rows=self.local_rows,
-                             seed=self.cfg.seed, shuffle=self.cfg.data.shuffle, repeat=True)
+        """The objective's endless, checkpointable batches of the train split."""
+        return self.objective.batches(self.cfg, self.tokenizer, self.train_docs,
+                                      self.local_rows, True)
 
     def val_iterator(self, local: bool = True) -> PackedBatches:
-        t = self.cfg.train
-        return PackedBatches(self.val_docs, self.tokenizer, seq_len=t.seq_len,
-                             global_batch=t.batch_size,
-                             local_rows=self.local_rows if local else None,
-                             shuffle=False, repeat=False)
+        """One pass over the validation split, in order."""
+        return self.objective.batches(self.cfg, self.tokenizer, self.val_docs,
+                                      self.local_rows if local else None, False)
 
     def global_batch(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """This process's rows -> global arrays sharded over the batch axes (in zig-zag
         order along the sequence when `self.zigzag`, as the compiled steps expect)."""
         t = self.cfg.train
         if self.zigzag:
-            local = {k: zigzag_rows(local[k], self.zigzag) for k in BATCH_KEYS}
+            local = {k: zigzag_rows(v, self.zigzag) if v.ndim == 2 else v
+                     for k, v in local.items()}
         where = {r: i for i, r in enumerate(self.local_rows)}
 
-        def one(x):
+        def one(x, sharding):
             def piece(idx):
                 rows = range(*idx[0].indices(t.batch_size))
-                return x[[where[r] for r in rows]][:, idx[1]]
-            return jax.make_array_from_callback((t.batch_size, t.seq_len), self.batch_sharding, piece)
+                return x[[where[r] for r in rows]][(slice(None), *idx[1:])]
+            return jax.make_array_from_callback((t.batch_size, *x.shape[1:]), sharding, piece)
 
-        return {k: one(local[k]) for k in BATCH_KEYS}
+        return {k: one(local[k], s) for k, s in self.batch_shardings.items()}
 
     # ----------------------------------------------------------------- state
     def init_state(self):
         return self._init()
 
     def restore_or_init(self):
-        """(state, data_state, step): the latest checkpoint in WORKDIR, or a fresh start."""
-        if self.cfg.checkpoint.enabled and self.cfg.checkpoint.resume:
+        """(state, data_state, step): the newest checkpoint in WORKDIR that restores, or a
+        fresh start when WORKDIR has none (`Checkpointer.restore`, before anything
+        compiles). A damaged newer step is skipped with one warning line and moved to
+        WORKDIR/damaged_checkpoints/ (`checkpoint.fallback`), or stops the run; a
+        checkpoint of another model shape, or none that restores, is a ValueError. So is
+        `checkpoint.resume=False` over a WORKDIR that already has checkpoints: the fresh
+        run could not save the step numbers they hold (orbax never replaces a step), and
+        a later resume would mix the two runs."""
+        c = self.cfg.checkpoint
+        if c.enabled and c.resume:
             abstract = abstract_with_shardings(self.abstract_state, self.state_shardings)
-            got = self.checkpointer.restore(abstract)
+            got = self.checkpointer.restore(abstract, set_aside=True,
+                                            warn=lambda s: self.log(f"  warning: {s}"))
             if got is not None:
                 state, data_state, step = got
                 return state, data_state, step
+        elif c.enabled and (steps := self.checkpointer.all_steps()):
+            raise ValueError(
+                f"checkpoint.resume=False, but {self.checkpointer.directory} already holds "
+                f"steps {', '.join(map(str, steps))} of a run; a fresh run could not save over "
+                f"them: use a new --workdir, or remove {self.checkpointer.directory}")
         return self.init_state(), None, 0
 
     # ------------------------------------------------------------- evaluate
     def evaluate(self, state) -> dict[str, float]:
-        """val_loss (nats/token) and val_bpb over `train.eval_batches` batches (0: all)
-        of the validation split, read in order."""
-        sums = dict(nll=0.0, tokens=0.0, bytes=0.0)
+        """val_loss (nats per scored token or example) and, as the objective says
+        (`eval_metrics`), val_bpb / val_accuracy over `train.eval_batches` batches (0:
+        all) of the validation split, read in order."""
+        sums = dict.fromkeys(("nll", "tokens", "bytes", *self.objective.extra), 0.0)
         for i, local in enumerate(self.val_iterator()):
             if self.cfg.train.eval_batches and i >= self.cfg.train.eval_batches:
                 break
             out = self._eval(state, self.global_batch(local))
             for k in sums:
                 sums[k] += float(out[k])
-        return dict(val_loss=sums["nll"] / max(sums["tokens"], 1.0),
-                    val_bpb=sums["nll"] / LN2 / max(sums["bytes"], 1.0),
-                    val_bytes=sums["bytes"])
+        return eval_metrics(self.objective, sums)
 
     def validation_bytes(self) -> bytes:
         """The bytes `evaluate` scores (byte tokenizer), each row's stream in order (so
@@ -337,13 +246,16 @@ class Trainer:
         ids = [self.tokenizer.bos_id] + ids
         num_tokens = min(num_tokens, T - len(ids))
         graphdef = self.eval_graphdef
+        # prefix-LM: the prompt is the bidirectional prefix
+        prefix = dict(prefix_lengths=len(ids)) if self.cfg.model.prefix_lm else {}
 
         def next_id(params, rest, tokens, cur):
             with use_rules(self.mesh, self.rules):
                 model = nnx.merge(graphdef, params, rest)
                 B = tokens.shape[0]
                 logits = model(tokens, positions=jnp.broadcast_to(jnp.arange(T), (B, T)),
-                               segment_ids=jnp.ones((B, T), jnp.int32))
+                               segment_ids=jnp.ones((B, T), jnp.int32),
+                               **{k: jnp.full((B,), v) for k, v in prefix.items()})
                 return jnp.argmax(jax.lax.dynamic_index_in_dim(logits, cur - 1, 1, False), -1)
 
         f = jax.jit(next_id, in_shardings=(self.state_shardings["params"],
@@ -435,6 +347,11 @@ class Trainer:
             nbytes = sum(v["bytes"] for _, v in vals)
             rec = dict(loss=loss, bpb=nll / LN2 / max(nbytes, 1.0),
                        lr=float(self._lr(step - 1)), grad_norm=vals[-1][1]["grad_norm"])
+            if not self.objective.bits_per_byte:  # no code length of text (objectives.py)
+                del rec["bpb"]
+            if "correct" in vals[0][1]:
+                rec["accuracy"] = (sum(v["correct"] for _, v in vals)
+                                   / max(sum(v["tokens"] for _, v in vals), 1.0))
             if rate_steps > 0:
                 tps = tokens_per_step / dt
                 rec.update(tokens_per_s=tps, step_time_s=dt, mfu=fpt * tps / peak if peak else 0.0)
@@ -443,7 +360,8 @@ class Trainer:
             writer.write(step, **rec)
             speed = (f" {rec['tokens_per_s']:,.0f} tok/s mfu {100 * rec['mfu']:.1f}%"
                      if "mfu" in rec else "")
-            bar.update(step, f"loss {loss:.3f} bpb {rec['bpb']:.3f} lr {rec['lr']:.2e} "
+            shown = "".join(f" {k} {rec[k]:.3f}" for k in ("bpb", "accuracy") if k in rec)
+            bar.update(step, f"loss {loss:.3f}{shown} lr {rec['lr']:.2e} "
                              f"|g| {rec['grad_norm']:.2f}{speed}")
 
         try:
@@ -472,9 +390,8 @@ class Trainer:
                     flush()
                 if t.eval_every and step % t.eval_every == 0 and step < t.steps:
                     ev = self.evaluate(state)
-                    writer.write(step, val_loss=ev["val_loss"], val_bpb=ev["val_bpb"])
-                    log(f"\n  eval @ {step}: val_loss {ev['val_loss']:.4f} "
-                        f"val_bpb {ev['val_bpb']:.4f}")
+                    writer.write(step, **{k: v for k, v in ev.items() if k != "val_bytes"})
+                    log(f"\n  eval @ {step}: {eval_line(ev, final=False)}")
                     last_t = time.perf_counter()
                 every = cfg.checkpoint.every_steps
                 if cfg.checkpoint.enabled and every and step % every == 0 and step < t.steps:
@@ -484,19 +401,17 @@ class Trainer:
                 self.checkpointer.save(step, state, self._data_state(it), wait=True)
             if not preempted and t.eval_at_end:
                 ev = self.evaluate(state)
-                writer.write(step, val_loss=ev["val_loss"], val_bpb=ev["val_bpb"])
+                writer.write(step, **{k: v for k, v in ev.items() if k != "val_bytes"})
                 summary.update(ev)
-                log(f"step {step}: val_loss {ev['val_loss']:.4f} nats/token, "
-                    f"val_bpb {ev['val_bpb']:.4f} bits/byte on {int(ev['val_bytes']):,} "
-                    f"validation bytes")
-                if self.tokenizer.__class__.__name__ == "ByteTokenizer":
-                    base = compression_bits_per_byte(self.validation_bytes())
-                    summary.update({f"{k}_bpb": v for k, v in base.items()})
-                    log(f"  same bytes: gzip -9 {base['gzip']:.4f} bits/byte, "
-                        f"xz -9e {base['xz']:.4f} bits/byte; tfjax "
-                        f"{'beats' if ev['val_bpb'] < base['gzip'] else 'does not beat'} gzip")
+                log(f"step {step}: {eval_line(ev, final=True)}")
+                byte_level = self.tokenizer.__class__.__name__ == "ByteTokenizer"
+                if self.objective.compression and byte_level:
+                    base, line = compression_report(
+                        ev["val_bpb"], self.validation_bytes() if ev["val_bytes"] else b"")
+                    summary.update(base)
+                    log(line)
             if not preempted:
-                if t.sample_tokens:
+                if t.sample_tokens and self.objective.samples:
                     text = self.sample(state, t.sample_prompt, t.sample_tokens)
                     summary["sample"] = text
                     log("sample (greedy):\n" + text)

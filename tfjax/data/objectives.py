@@ -1,0 +1,462 @@
+"""The host side (numpy) of the training objectives: what each one makes of packed
+rows (`PackedBatches`) or of jsonl examples, as arrays `[rows, length]` per key.
+
+Special ids. An objective's specials sit *above* the tokenizer's vocabulary, so no
+tokenizer has to know them: with `V = tokenizer.vocab_size`, MLM's mask token is
+`V` and span corruption's sentinels are `V, V + 1, ...` (T5 counts its sentinels
+down from the top of its vocabulary; the order does not matter to training). The
+trainer checks that `model.vocab_size` has room for them (`special_ids`).
+
+Randomness. Every random choice is drawn from `row_rng(seed, batch, row, salt)`,
+the global batch index and the row's global index, never from a stream that
+carries over between batches, so the masks of a batch depend only on where the
+iterator is (its checkpointed state): resume is exact, and a row is the same
+whichever process builds it.
+
+- MLM (`mlm_row`, Devlin et al. 2019): round(rate x n) of a row's n real tokens
+  (tokenizer bytes > 0: no pad / bos / eos) are selected, as BERT's
+  `create_pretraining_data` does (at least one); of those 80 % become the mask
+  token, 10 % a uniformly random real token, 10 % stay. The loss is on the selected
+  ones. Whole-word masking selects whole words (byte tokenizer: a maximal run of
+  non-whitespace bytes; a whitespace byte is a unit of its own), skipping a word
+  that would overshoot the count, as BERT does; the 80/10/10 draw stays per token.
+- Prefix LM (`prefix_lengths`): each row's prefix length is uniform in [1, n - 1]
+  (n = the row's real inputs); targets inside the prefix are not scored.
+- Span corruption (`span_noise_mask`, `span_corrupt`, Raffel et al. 2020; T5's
+  `random_spans_noise_mask` and `span_corruption` preprocessors): of a row's n
+  tokens, round(density x n) are noise, in round(noise / mean_span) spans,
+  alternating with the same number of non-noise spans (non-noise first), both
+  segmentations uniformly random. Encoder input: the non-noise tokens with each
+  noise span replaced by its sentinel, then EOS; targets: each span's sentinel
+  followed by the span, then EOS (T5's released preprocessor; the paper's figure
+  draws one more, closing sentinel). `span_lengths` picks the raw row length whose
+  encoder input fills `seq_len` and the decoder length that holds every target
+  (T5's `random_spans_helper`). A row is one example, however many documents it
+  holds (T5 concatenates documents the same way).
+- Jsonl examples (`jsonl_examples`, `ExampleBatches`): classification rows are
+  `[bos] + text + [eos]`, truncated, one example per row (the pooler reads the first
+  token); seq2seq rows pack consecutive examples of the row's stream while both the
+  encoder and the decoder side fit, each example its own segment id on both sides
+  with positions from 0, so packing is exact: the encoder masks by segment, and the
+  decoder's self- and cross-attention pair segment k with segment k only.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterator, Sequence
+
+import grain
+import numpy as np
+
+from tfjax.config import DataConfig
+from tfjax.data.sources import _expand, is_validation
+
+__all__ = ["ExampleBatches", "MappedBatches", "classification_row", "jsonl_examples",
+           "mlm_row", "prefix_lengths", "row_rng", "seq2seq_row", "span_corrupt",
+           "span_lengths", "span_noise_mask", "special_ids", "token_bytes_of", "word_units"]
+
+# Salts: the objectives draw from different streams even with one seed.
+SALT = dict(mlm=1, prefix_lm=2, span_corruption=3)
+WHITESPACE = tuple(b" \t\n\r\x0b\x0c")
+
+
+def row_rng(seed: int, batch: int, row: int, salt: int) -> np.random.Generator:
+    """The generator of one row of one global batch (a pure function of its arguments)."""
+    return np.random.default_rng([salt, seed, batch, row])
+
+
+def special_ids(tokenizer, count: int) -> np.ndarray:
+    """The first `count` ids above the tokenizer's vocabulary."""
+    return np.arange(tokenizer.vocab_size, tokenizer.vocab_size + count, dtype=np.int32)
+
+
+def token_bytes_of(tokenizer, ids: np.ndarray) -> np.ndarray:
+    """UTF-8 bytes each id stands for; 0 for specials, including the objectives' own."""
+    table = tokenizer.token_bytes
+    return np.where(ids < len(table), table[np.minimum(ids, len(table) - 1)], 0).astype(np.int32)
+
+
+class MappedBatches(Iterator[dict]):
+    """`inner`'s batches through `fn(batch, batch_index, rows)`, `rows` the global row
+    indices of the local rows; the checkpointable state is the inner iterator's."""
+
+    def __init__(self, inner, fn: Callable[[dict, int, list[int]], dict]):
+        self.inner, self.fn = inner, fn
+        self.local_rows = inner.local_rows
+
+    def get_state(self) -> dict:
+        return self.inner.get_state()
+
+    def set_state(self, state: dict) -> None:
+        self.inner.set_state(state)
+
+    def num_batches(self) -> int:
+        return self.inner.num_batches()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        b = self.inner.get_state()["batch"]
+        return self.fn(next(self.inner), b, self.local_rows)
+
+
+# ----------------------------------------------------------------------- MLM
+def word_units(tokens: np.ndarray, real: np.ndarray, segment_ids: np.ndarray) -> np.ndarray:
+    """Unit id per token for whole-word masking (-1: not selectable): a maximal run of
+    real non-whitespace byte tokens within one segment is one unit; each real
+    whitespace byte is a unit of its own."""
+    word = real & ~np.isin(tokens, WHITESPACE)
+    prev_word = np.concatenate([[False], word[:-1]])
+    same_seg = np.concatenate([[False], segment_ids[1:] == segment_ids[:-1]])
+    start = real & ~(word & prev_word & same_seg)
+    return np.where(real, np.cumsum(start) - 1, -1)
+
+
+def mlm_row(tokens: np.ndarray, real: np.ndarray, rng: np.random.Generator, *, rate: float,
+            mask_id: int, random_ids: np.ndarray,
+            units: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """One row: (inputs with the selected tokens corrupted 80/10/10, selected `[T]` bool).
+    `units`: a unit id per token (-1: not selectable) for whole-word masking; None =
+    every real token is its own unit."""
+    T = tokens.shape[0]
+    n = int(real.sum())
+    selected = np.zeros(T, bool)
+    if n:
+        want = max(1, int(round(rate * n)))
+        if units is None:
+            idx = np.flatnonzero(real)
+            selected[idx[rng.permutation(n)[:want]]] = True
+        else:
+            num = int(units.max()) + 1
+            sizes = np.bincount(units[units >= 0], minlength=num)
+            got = 0
+            chosen = np.zeros(num, bool)
+            for u in rng.permutation(num):
+                if got + sizes[u] > want:
+                    continue
+                chosen[u] = True
+                got += sizes[u]
+                if got == want:
+                    break
+            selected = (units >= 0) & chosen[np.maximum(units, 0)]
+    u = rng.random(T)
+    rand = random_ids[rng.integers(0, len(random_ids), T)]
+    inputs = tokens.copy()
+    inputs[selected & (u < 0.8)] = mask_id
+    swap = selected & (u >= 0.8) & (u < 0.9)
+    inputs[swap] = rand[swap]
+    return inputs, selected
+
+
+def mlm_batch(packed: dict, batch: int, rows: Sequence[int], *, tokenizer, seed: int,
+              rate: float, whole_word: bool) -> dict:
+    """Packed rows -> MLM arrays: inputs (corrupted), targets (the original tokens),
+    positions, segment_ids, mask (selected), target_bytes."""
+    tokens, seg = packed["inputs"], packed["segment_ids"]
+    real = (token_bytes_of(tokenizer, tokens) > 0) & (seg > 0)
+    mask_id = int(special_ids(tokenizer, 1)[0])
+    random_ids = np.flatnonzero(tokenizer.token_bytes > 0).astype(np.int32)
+    inputs, selected = np.empty_like(tokens), np.zeros(tokens.shape, bool)
+    for i, r in enumerate(rows):
+        units = word_units(tokens[i], real[i], seg[i]) if whole_word else None
+        inputs[i], selected[i] = mlm_row(tokens[i], real[i], row_rng(seed, batch, r, SALT["mlm"]),
+                                         rate=rate, mask_id=mask_id, random_ids=random_ids,
+                                         units=units)
+    mask = selected.astype(np.int32)
+    return dict(inputs=inputs, targets=tokens, positions=packed["positions"], segment_ids=seg,
+                mask=mask, target_bytes=token_bytes_of(tokenizer, tokens) * mask)
+
+
+# ----------------------------------------------------------------- prefix LM
+def prefix_lengths(segment_ids: np.ndarray, batch: int, rows: Sequence[int], seed: int) -> np.ndarray:
+    """Per row, a prefix length uniform in [1, n - 1] (n: the row's real inputs; 1 when
+    n < 2)."""
+    out = np.ones(len(rows), np.int32)
+    for i, r in enumerate(rows):
+        n = int((segment_ids[i] > 0).sum())
+        if n >= 2:
+            out[i] = row_rng(seed, batch, r, SALT["prefix_lm"]).integers(1, n)
+    return out
+
+
+def prefix_lm_batch(packed: dict, batch: int, rows: Sequence[int], *, seed: int) -> dict:
+    """Packed LM rows + `prefix_lengths` `[B]`; the targets of prefix positions (t < P - 1:
+    their target is itself an input of the bidirectional prefix) are not scored."""
+    P = prefix_lengths(packed["segment_ids"], batch, rows, seed)
+    keep = np.arange(packed["mask"].shape[1])[None] >= (P[:, None] - 1)
+    mask = packed["mask"] * keep
+    return dict(packed, mask=mask.astype(np.int32), target_bytes=packed["target_bytes"] * keep,
+                prefix_lengths=P)
+
+
+# ----------------------------------------------------------- span corruption
+def span_counts(n: int, density: float, mean_span: float) -> tuple[int, int]:
+    """(noise tokens, noise spans) of a row of n >= 2 tokens."""
+    noise = min(max(int(round(n * density)), 1), n - 1)
+    spans = max(1, int(round(noise / mean_span)))
+    return noise, min(spans, n - noise)
+
+
+def span_lengths(seq_len: int, density: float, mean_span: float) -> tuple[int, int, int]:
+    """(raw tokens per row, decoder length, sentinels needed): the longest raw row
+    whose encoder input (non-noise + one sentinel per span + EOS) fits `seq_len`, and
+    its targets' length (noise + one sentinel per span + EOS)."""
+    def enc(n):
+        noise, spans = span_counts(n, density, mean_span)
+        return n - noise + spans + 1
+
+    n = seq_len
+    while enc(n + 1) <= seq_len:
+        n += 1
+    while n > 2 and enc(n) > seq_len:
+        n -= 1
+    noise, spans = span_counts(n, density, mean_span)
+    # A shorter (final, evaluation) row never needs more sentinels or decoder length.
+    return n, noise + spans + 1, spans
+
+
+def _segmentation(rng: np.random.Generator, items: int, segments: int) -> np.ndarray:
+    """`segments` positive lengths summing to `items`, uniformly over the compositions."""
+    cuts = np.sort(rng.choice(items - 1, segments - 1, replace=False)) + 1
+    return np.diff(np.concatenate([[0], cuts, [items]]))
+
+
+def span_noise_mask(n: int, rng: np.random.Generator, density: float,
+                    mean_span: float) -> np.ndarray:
+    """`[n]` bool: T5's random spans noise mask (non-noise span first)."""
+    noise, spans = span_counts(n, density, mean_span)
+    lengths = np.stack([_segmentation(rng, n - noise, spans),
+                        _segmentation(rng, noise, spans)], 1).reshape(-1)
+    return np.repeat(np.tile([False, True], spans), lengths)
+
+
+def span_corrupt(tokens: np.ndarray, noise: np.ndarray, sentinels: np.ndarray,
+                 eos: int) -> tuple[np.ndarray, np.ndarray]:
+    """(encoder input, targets): span i of `noise` becomes `sentinels[i]` in the input;
+    the targets are sentinel i + span i, for each span; both end with `eos`."""
+    prev = np.concatenate([[False], noise[:-1]])
+    first = noise & ~prev
+    span = np.cumsum(first) - 1
+    inputs = np.where(first, sentinels[np.maximum(span, 0)], tokens)[~(noise & prev)]
+    body = tokens[noise]
+    targets = np.insert(body, np.flatnonzero(first[noise]), sentinels[: int(first.sum())])
+    return (np.concatenate([inputs, [eos]]).astype(np.int32),
+            np.concatenate([targets, [eos]]).astype(np.int32))
+
+
+def _pad(x: np.ndarray, n: int, fill: int) -> np.ndarray:
+    out = np.full(n, fill, np.int32)
+    out[: len(x)] = x[:n]
+    return out
+
+
+def _encdec_row(enc: list[np.ndarray], tgt: list[np.ndarray], S: int, Td: int, pad: int,
+                start: int, token_bytes) -> dict:
+    """Examples (encoder ids, target ids) laid side by side into one row: segment k + 1
+    and positions from 0 for example k on both sides; decoder inputs = start + targets
+    shifted right, within each example."""
+    def lay(pieces, n):
+        ids = np.full(n, pad, np.int32)
+        seg, pos = np.zeros(n, np.int32), np.zeros(n, np.int32)
+        at = 0
+        for k, p in enumerate(pieces):
+            ids[at:at + len(p)], seg[at:at + len(p)] = p, k + 1
+            pos[at:at + len(p)] = np.arange(len(p))
+            at += len(p)
+        return ids, seg, pos
+
+    e, es, ep = lay(enc, S)
+    t, ts, tp = lay(tgt, Td)
+    d, _, _ = lay([np.concatenate([[start], p[:-1]]) for p in tgt], Td)
+    mask = (ts > 0).astype(np.int32)
+    return dict(encoder_inputs=e, encoder_segment_ids=es, encoder_positions=ep,
+                decoder_inputs=d, decoder_segment_ids=ts, decoder_positions=tp, targets=t,
+                mask=mask, target_bytes=token_bytes(t) * mask)
+
+
+ENCDEC_KEYS = ("encoder_inputs", "encoder_segment_ids", "encoder_positions", "decoder_inputs",
+               "decoder_segment_ids", "decoder_positions", "targets", "mask", "target_bytes")
+
+
+def span_corruption_batch(packed: dict, batch: int, rows: Sequence[int], *, tokenizer,
+                          seed: int, density: float, mean_span: float, seq_len: int,
+                          target_len: int, num_sentinels: int) -> dict:
+    """Packed rows of raw tokens (`packed["inputs"]`, the real ones first) -> encoder /
+    decoder arrays (`ENCDEC_KEYS`); a row with fewer than 2 real tokens is empty."""
+    sentinels = special_ids(tokenizer, num_sentinels)
+    out = []
+    for i, r in enumerate(rows):
+        n = int((packed["segment_ids"][i] > 0).sum())
+        enc, tgt = [], []
+        if n >= 2:
+            noise = span_noise_mask(n, row_rng(seed, batch, r, SALT["span_corruption"]),
+                                    density, mean_span)
+            e, t = span_corrupt(packed["inputs"][i][:n], noise, sentinels, tokenizer.eos_id)
+            enc, tgt = [e], [t]
+        out.append(_encdec_row(enc, tgt, seq_len, target_len, tokenizer.pad_id,
+                               tokenizer.pad_id, lambda x: token_bytes_of(tokenizer, x)))
+    return {k: np.stack([o[k] for o in out]) for k in ENCDEC_KEYS}
+
+
+# ------------------------------------------------------------ jsonl examples
+def _bad(path, lineno, msg):
+    raise ValueError(f"{path}:{lineno}: {msg}")
+
+
+def jsonl_examples(cfg: DataConfig, split: str, fields: dict[str, str],
+                   num_classes: int = 0) -> list[dict]:
+    """The examples of `split` from `data.paths` / `data.val_paths` (jsonl; the split
+    rule of `tfjax.data.sources`): one dict per line with `fields` (name -> "text" or
+    "label"). Every line is checked: a JSON object whose text fields are non-empty
+    strings and whose label is an integer in [0, num_classes), or a ValueError naming
+    the file, the 1-based line and the field."""
+    if cfg.source != "jsonl":
+        raise ValueError(f"data.source: {cfg.source!r}; this objective reads examples from "
+                         f"jsonl files with fields {', '.join(fields)}: set data.source='jsonl' "
+                         f"and data.paths")
+    explicit = bool(cfg.val_paths)
+    if split == "validation" and explicit:
+        files, rule = _expand(cfg.val_paths, "data.val_paths"), None
+    else:
+        files, rule = _expand(cfg.paths, "data.paths"), (None if explicit else split)
+    out = []
+    for path, key in files:
+        with open(path, "rb") as f:
+            for lineno, line in enumerate(f):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except ValueError as e:
+                    _bad(path, lineno + 1, f"not a JSON line ({e})")
+                if not isinstance(rec, dict):
+                    _bad(path, lineno + 1, f"expected a JSON object with fields "
+                         f"{', '.join(fields)}")
+                for name, kind in fields.items():
+                    v = rec.get(name)
+                    if kind == "text" and not (isinstance(v, str) and v.strip()):
+                        _bad(path, lineno + 1, f"field {name!r} must be a non-empty string, got "
+                             f"{v!r}")
+                    if kind == "label" and (isinstance(v, bool) or not isinstance(v, int)
+                                            or not 0 <= v < num_classes):
+                        _bad(path, lineno + 1, f"field {name!r} must be an integer class in "
+                             f"[0, {num_classes}) (model.num_classes={num_classes}), got {v!r}")
+                if rule is None or is_validation(f"{key}:{lineno}") == (rule == "validation"):
+                    out.append({name: rec[name] for name in fields})
+    if not out:
+        raise ValueError(f"data.paths: the {split} split has no examples (data.paths="
+                         f"{cfg.paths!r}, data.val_paths={cfg.val_paths!r}); 1 in 50 lines goes "
+                         f"to validation unless data.val_paths names files")
+    return out
+
+
+def classification_row(examples: list[dict], seq_len: int, tokenizer) -> dict:
+    """One example per row: `[bos] + text + [eos]` truncated to `seq_len`, `labels`,
+    `mask` 1 (0 for an empty row)."""
+    if not examples:
+        z = np.zeros(seq_len, np.int32)
+        return dict(inputs=np.full(seq_len, tokenizer.pad_id, np.int32), segment_ids=z,
+                    positions=z, labels=np.int32(0), mask=np.int32(0))
+    (ex,) = examples
+    ids = np.concatenate([[tokenizer.bos_id], ex["ids"][: seq_len - 2], [tokenizer.eos_id]])
+    seg = _pad(np.ones(len(ids), np.int32), seq_len, 0)
+    return dict(inputs=_pad(ids, seq_len, tokenizer.pad_id), segment_ids=seg,
+                positions=np.arange(seq_len, dtype=np.int32), labels=np.int32(ex["label"]),
+                mask=np.int32(1))
+
+
+def seq2seq_row(examples: list[dict], seq_len: int, target_len: int, tokenizer) -> dict:
+    return _encdec_row([e["enc"] for e in examples], [e["tgt"] for e in examples], seq_len,
+                       target_len, tokenizer.pad_id, tokenizer.pad_id,
+                       lambda x: token_bytes_of(tokenizer, x))
+
+
+class ExampleBatches(Iterator[dict]):
+    """Rows of examples: row r of every global batch reads examples r, r + B, r + 2B, ...
+    of the (shuffled, repeated) order, its stream, taking the next ones while
+    `fits(taken, next)` (`fits=None`: one per row). The state is one (example, 0)
+    cursor per stream, as `PackedBatches`'. repeat=False: exhausted streams give
+    empty rows and the iterator stops after `num_batches()` batches."""
+
+    def __init__(self, examples: Sequence[dict], encode: Callable[[dict], dict],
+                 make_row: Callable[[list[dict]], dict], *, global_batch: int,
+                 local_rows: Sequence[int] | None = None, seed: int = 0, shuffle: bool = True,
+                 repeat: bool = True, fits: Callable[[list[dict], dict], bool] | None = None):
+        self.global_batch, self.repeat = global_batch, repeat
+        self.local_rows = list(range(global_batch)) if local_rows is None else sorted(local_rows)
+        self._n = len(examples)
+        ds = grain.MapDataset.source(list(examples))
+        if shuffle:
+            ds = ds.shuffle(seed=seed)
+        if repeat:
+            ds = ds.repeat()
+        self._ex = ds.map(encode)
+        self.make_row, self.fits = make_row, fits
+        self._num_batches: int | None = None
+        self._state = dict(cursors=[[0, 0] for _ in range(global_batch)], batch=0)
+
+    def get_state(self) -> dict:
+        return dict(cursors=[list(c) for c in self._state["cursors"]], batch=self._state["batch"])
+
+    def set_state(self, state: dict) -> None:
+        cursors = [[int(j), int(o)] for j, o in state["cursors"]]
+        if len(cursors) != self.global_batch:
+            raise ValueError(f"data state has {len(cursors)} streams but train.batch_size is "
+                             f"{self.global_batch}; resume with the batch size it was saved with")
+        self._state = dict(cursors=cursors, batch=int(state["batch"]))
+
+    def _take(self, r: int, j: int) -> tuple[list[dict], int]:
+        """The examples row r takes from stream position j, and the next position."""
+        taken: list[dict] = []
+        while self.repeat or r + j * self.global_batch < self._n:
+            ex = self._ex[r + j * self.global_batch]
+            if taken and (self.fits is None or not self.fits(taken, ex)):
+                break
+            taken.append(ex)
+            j += 1
+            if self.fits is None:
+                break
+        return taken, j
+
+    def num_batches(self) -> int:
+        if self.repeat:
+            raise ValueError("an endless (repeat=True) stream has no number of batches")
+        if self._num_batches is None:
+            longest = 0
+            for r in range(min(self.global_batch, self._n)):
+                j = rows = 0
+                while r + j * self.global_batch < self._n:
+                    _, j = self._take(r, j)
+                    rows += 1
+                longest = max(longest, rows)
+            self._num_batches = longest
+        return self._num_batches
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        if not self.repeat and self._state["batch"] >= self.num_batches():
+            raise StopIteration
+        rows = []
+        for r in self.local_rows:
+            cursor = self._state["cursors"][r]
+            taken, cursor[0] = self._take(r, cursor[0])
+            rows.append(self.make_row(taken))
+        self._state["batch"] += 1
+        return {k: np.stack([row[k] for row in rows]) for k in rows[0]}
+
+
+def fits_both(seq_len: int, target_len: int) -> Callable[[list[dict], dict], bool]:
+    """Seq2seq packing: the next example joins the row while both sides still fit."""
+    def fits(taken, ex):
+        return (sum(len(e["enc"]) for e in taken) + len(ex["enc"]) <= seq_len
+                and sum(len(e["tgt"]) for e in taken) + len(ex["tgt"]) <= target_len)
+    return fits
+
+
+def round_up(n: int, multiple: int) -> int:
+    return int(math.ceil(n / multiple) * multiple)

@@ -1,0 +1,344 @@
+"""Training objectives: one record per `train.objective`, registered once in
+`OBJECTIVES` and read by the trainer (the data source, the batches and their
+shapes, the checks, what evaluation reports) and by the step (how to call the model,
+the loss sums). Adding an objective is one registration here (and its host-side
+transform in `tfjax.data.objectives`).
+
+| objective | model.arch | batches | loss on | eval |
+|---|---|---|---|---|
+| causal_lm (default) | decoder | packed documents | every next token | val_loss, val_bpb (+ gzip / xz) |
+| prefix_lm | decoder, `model.prefix_lm=True` | packed documents, a random prefix per row | the continuation | val_loss, val_bpb of the continuation |
+| mlm | encoder | packed documents, 15 % selected, 80/10/10 | the selected tokens | val_loss, val_accuracy |
+| classification | encoder, `model.num_classes` | jsonl `text` (data.jsonl_field) / `label` | the class | val_loss, val_accuracy |
+| span_corruption | encoder_decoder | packed documents, T5's noise spans | sentinels + spans | val_loss, val_accuracy |
+| seq2seq | encoder_decoder | jsonl `input` / `target`, packed exactly | the target | val_loss, val_bpb of the target |
+
+Bits per byte are reported only where the loss is a code length of text: the
+next-token loss of causal_lm, and the conditional one of prefix_lm's continuation
+and seq2seq's target (bits per byte *given* the prefix / the input, so there is no
+gzip baseline beside them). A masked token's or a noise span's loss, under 80/10/10
+corruption and with sentinels, is not a code length of the text, so MLM and span
+corruption report the loss and the accuracy of the scored tokens instead.
+
+Specials come from above the tokenizer's vocabulary (`tfjax.data.objectives`):
+MLM's mask token is `tokenizer.vocab_size`, span corruption's sentinels the next
+ids; `check_objective` asks `model.vocab_size` for room. Encoder-decoder batches
+have two lengths: `train.seq_len` (encoder) and `train.target_len` (decoder; 0 =
+automatic: for span corruption the targets' length that `seq_len` implies, rounded
+up to a multiple of 8; for seq2seq `seq_len`). The decoder starts from the pad id,
+T5's convention (its decoder_start_token_id is its pad).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from tfjax.config import RunConfig
+from tfjax.data import objectives as D
+from tfjax.data.pipeline import BATCH_KEYS, PackedBatches
+from tfjax.data.sources import documents
+from tfjax.registry import Registry
+from tfjax.train.losses import LN2, cross_entropy_sums
+
+__all__ = ["OBJECTIVES", "Objective", "check_objective", "encdec_lengths", "eval_line",
+           "eval_metrics"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """What the trainer and the step need to know of one objective.
+
+    arch: the `model.arch` it trains. source(cfg, split): the documents or examples.
+    batches(cfg, tokenizer, source, local_rows, train): a checkpointable iterator of
+    numpy batches (`get_state` / `set_state`). shapes(cfg): each batch key's global
+    shape. forward(model, batch): the loss sums (nll, z, tokens, bytes, and `extra`).
+    specials(cfg): ids it needs above the tokenizer's vocabulary, and what they are.
+    check(cfg, tokenizer, n_seq): its own config checks (n_seq: sequence shards).
+    """
+
+    arch: str
+    source: Callable
+    batches: Callable
+    shapes: Callable
+    forward: Callable
+    specials: Callable[[RunConfig], tuple[int, str]] = lambda cfg: (0, "")
+    check: Callable = lambda cfg, tokenizer, n_seq: None
+    extra: tuple[str, ...] = ()  # sums beyond nll, z, tokens, bytes (e.g. "correct")
+    bits_per_byte: bool = False  # val_bpb is reported
+    compression: bool = False  # ... beside gzip / xz on the same bytes
+    samples: bool = False  # a greedy sample at the end (decoder LMs)
+    zigzag: bool = False  # batches may be put in zig-zag order (`model.zigzag="data"`)
+
+
+OBJECTIVES: Registry[Objective] = Registry("objective")
+
+
+def _documents(cfg, split):
+    return documents(cfg.data, split)
+
+
+def _packed(cfg, tokenizer, source, local_rows, train, seq_len=None):
+    t = cfg.train
+    if train:
+        return PackedBatches(source, tokenizer, seq_len=seq_len or t.seq_len,
+                             global_batch=t.batch_size, local_rows=local_rows, seed=cfg.seed,
+                             shuffle=cfg.data.shuffle, repeat=True)
+    return PackedBatches(source, tokenizer, seq_len=seq_len or t.seq_len,
+                         global_batch=t.batch_size, local_rows=local_rows, shuffle=False,
+                         repeat=False)
+
+
+def _lm_shapes(cfg, extra=()):
+    t = cfg.train
+    return {**{k: (t.batch_size, t.seq_len) for k in BATCH_KEYS},
+            **{k: (t.batch_size,) for k in extra}}
+
+
+def _correct(logits, targets, mask):
+    hit = jnp.argmax(logits, -1) == targets
+    return (hit * mask.astype(jnp.float32)).sum()
+
+
+# ---------------------------------------------------------------- causal_lm
+def _causal_lm_forward(model, b):
+    logits = model(b["inputs"], positions=b["positions"], segment_ids=b["segment_ids"])
+    return cross_entropy_sums(logits, b["targets"], b["mask"], b["target_bytes"])
+
+
+def _causal_lm_check(cfg, tokenizer, n_seq):
+    if cfg.model.prefix_lm:
+        raise ValueError("train.objective: 'causal_lm' trains a causal decoder, but "
+                         "model.prefix_lm=True; set --config.train.objective=prefix_lm")
+
+
+OBJECTIVES.register("causal_lm", Objective(
+    arch="decoder", source=_documents, batches=_packed, shapes=_lm_shapes,
+    forward=_causal_lm_forward, check=_causal_lm_check, bits_per_byte=True, compression=True,
+    samples=True, zigzag=True))
+
+
+# ---------------------------------------------------------------- prefix_lm
+def _prefix_lm_batches(cfg, tokenizer, source, local_rows, train):
+    return D.MappedBatches(_packed(cfg, tokenizer, source, local_rows, train),
+                           lambda b, i, rows: D.prefix_lm_batch(b, i, rows, seed=cfg.seed))
+
+
+def _prefix_lm_forward(model, b):
+    logits = model(b["inputs"], positions=b["positions"], segment_ids=b["segment_ids"],
+                   prefix_lengths=b["prefix_lengths"])
+    return cross_entropy_sums(logits, b["targets"], b["mask"], b["target_bytes"])
+
+
+def _prefix_lm_check(cfg, tokenizer, n_seq):
+    if not cfg.model.prefix_lm:
+        raise ValueError("train.objective: 'prefix_lm' needs the decoder's bidirectional "
+                         "prefix: set --config.model.prefix_lm=True")
+
+
+OBJECTIVES.register("prefix_lm", Objective(
+    arch="decoder", source=_documents, batches=_prefix_lm_batches,
+    shapes=lambda cfg: _lm_shapes(cfg, ("prefix_lengths",)), forward=_prefix_lm_forward,
+    check=_prefix_lm_check, bits_per_byte=True, samples=True))
+
+
+# ---------------------------------------------------------------------- mlm
+def _mlm_batches(cfg, tokenizer, source, local_rows, train):
+    t = cfg.train
+    return D.MappedBatches(
+        _packed(cfg, tokenizer, source, local_rows, train),
+        lambda b, i, rows: D.mlm_batch(b, i, rows, tokenizer=tokenizer, seed=cfg.seed,
+                                       rate=t.mlm_rate, whole_word=t.whole_word_mask))
+
+
+def _mlm_forward(model, b):
+    logits = model(b["inputs"], segment_ids=b["segment_ids"], positions=b["positions"])
+    sums = cross_entropy_sums(logits, b["targets"], b["mask"], b["target_bytes"])
+    sums["correct"] = _correct(logits, b["targets"], b["mask"])
+    return sums
+
+
+def _mlm_check(cfg, tokenizer, n_seq):
+    if cfg.train.whole_word_mask and tokenizer.__class__.__name__ != "ByteTokenizer":
+        raise ValueError(f"train.whole_word_mask: words are defined for data.tokenizer='byte' "
+                         f"(a maximal run of non-whitespace bytes), not {cfg.data.tokenizer!r}")
+
+
+OBJECTIVES.register("mlm", Objective(
+    arch="encoder", source=_documents, batches=_mlm_batches, shapes=_lm_shapes,
+    forward=_mlm_forward, specials=lambda cfg: (1, "the mask token"), check=_mlm_check,
+    extra=("correct",)))
+
+
+# ----------------------------------------------------------- classification
+def _classification_source(cfg, split):
+    return D.jsonl_examples(cfg.data, split, {cfg.data.jsonl_field: "text", "label": "label"},
+                            num_classes=cfg.model.num_classes)
+
+
+def _classification_batches(cfg, tokenizer, source, local_rows, train):
+    t, field = cfg.train, cfg.data.jsonl_field
+    return D.ExampleBatches(
+        source, lambda ex: dict(ids=tokenizer.encode(ex[field]), label=ex["label"]),
+        lambda exs: D.classification_row(exs, t.seq_len, tokenizer), global_batch=t.batch_size,
+        local_rows=local_rows, seed=cfg.seed, shuffle=train and cfg.data.shuffle, repeat=train)
+
+
+def _classification_forward(model, b):
+    logits = model.classify(b["inputs"], segment_ids=b["segment_ids"], positions=b["positions"])
+    sums = cross_entropy_sums(logits[:, None], b["labels"][:, None], b["mask"][:, None])
+    sums["correct"] = _correct(logits, b["labels"], b["mask"])
+    return sums
+
+
+def _classification_check(cfg, tokenizer, n_seq):
+    if not cfg.model.num_classes:
+        raise ValueError("train.objective: 'classification' needs a classification head: set "
+                         "--config.model.num_classes to the number of labels")
+
+
+def _classification_shapes(cfg):
+    t = cfg.train
+    return {**{k: (t.batch_size, t.seq_len) for k in ("inputs", "segment_ids", "positions")},
+            "labels": (t.batch_size,), "mask": (t.batch_size,)}
+
+
+OBJECTIVES.register("classification", Objective(
+    arch="encoder", source=_classification_source, batches=_classification_batches,
+    shapes=_classification_shapes, forward=_classification_forward,
+    check=_classification_check, extra=("correct",)))
+
+
+# ---------------------------------------------------------- encoder-decoder
+def encdec_lengths(cfg: RunConfig) -> tuple[int, int, int]:
+    """(raw tokens per row, decoder length, sentinels) of span corruption; seq2seq:
+    (seq_len, decoder length, 0)."""
+    t = cfg.train
+    if t.objective == "span_corruption":
+        raw, need, spans = D.span_lengths(t.seq_len, t.noise_density, t.mean_span_length)
+        return raw, t.target_len or D.round_up(need, 8), spans
+    return t.seq_len, t.target_len or t.seq_len, 0
+
+
+def _encdec_forward(model, b):
+    logits = model(b["encoder_inputs"], b["decoder_inputs"], b["encoder_segment_ids"],
+                   b["decoder_segment_ids"], b["encoder_positions"], b["decoder_positions"])
+    sums = cross_entropy_sums(logits, b["targets"], b["mask"], b["target_bytes"])
+    sums["correct"] = _correct(logits, b["targets"], b["mask"])
+    return sums
+
+
+def _encdec_shapes(cfg):
+    B, S, (_, Td, _) = cfg.train.batch_size, cfg.train.seq_len, encdec_lengths(cfg)
+    return {k: (B, S if k.startswith("encoder") else Td) for k in D.ENCDEC_KEYS}
+
+
+def _encdec_check(cfg, tokenizer, n_seq):
+    t = cfg.train
+    raw, Td, _ = encdec_lengths(cfg)
+    if t.objective == "span_corruption":
+        need = D.span_lengths(t.seq_len, t.noise_density, t.mean_span_length)[1]
+        if Td < need:
+            raise ValueError(f"train.target_len: {Td} cannot hold span corruption's targets of "
+                             f"train.seq_len={t.seq_len} ({need} tokens); set it to {need} or "
+                             f"more, or 0 (automatic)")
+    m = cfg.model
+    if m.position in ("learned", "sinusoidal") and Td > m.max_len:
+        raise ValueError(f"train.target_len: the decoder length {Td} > model.max_len={m.max_len} "
+                         f"(the {m.position} position table); lower it or raise max_len")
+    if Td % n_seq:
+        raise ValueError(f"train.target_len: the decoder length {Td} is not divisible by the "
+                         f"sequence axis ({n_seq}); set --config.train.target_len to a multiple "
+                         f"of {n_seq}")
+
+
+def _span_batches(cfg, tokenizer, source, local_rows, train):
+    t = cfg.train
+    raw, Td, spans = encdec_lengths(cfg)
+    return D.MappedBatches(
+        _packed(cfg, tokenizer, source, local_rows, train, seq_len=raw),
+        lambda b, i, rows: D.span_corruption_batch(
+            b, i, rows, tokenizer=tokenizer, seed=cfg.seed, density=t.noise_density,
+            mean_span=t.mean_span_length, seq_len=t.seq_len, target_len=Td,
+            num_sentinels=spans))
+
+
+OBJECTIVES.register("span_corruption", Objective(
+    arch="encoder_decoder", source=_documents, batches=_span_batches, shapes=_encdec_shapes,
+    forward=_encdec_forward, check=_encdec_check, extra=("correct",),
+    specials=lambda cfg: (encdec_lengths(cfg)[2], "the sentinels")))
+
+
+def _seq2seq_source(cfg, split):
+    return D.jsonl_examples(cfg.data, split, {"input": "text", "target": "text"})
+
+
+def _seq2seq_batches(cfg, tokenizer, source, local_rows, train):
+    t, (_, Td, _) = cfg.train, encdec_lengths(cfg)
+    eos = [tokenizer.eos_id]
+
+    def encode(ex):
+        return dict(enc=np.concatenate([tokenizer.encode(ex["input"])[: t.seq_len - 1], eos]),
+                    tgt=np.concatenate([tokenizer.encode(ex["target"])[: Td - 1], eos]))
+
+    return D.ExampleBatches(
+        source, encode, lambda exs: D.seq2seq_row(exs, t.seq_len, Td, tokenizer),
+        global_batch=t.batch_size, local_rows=local_rows, seed=cfg.seed,
+        shuffle=train and cfg.data.shuffle, repeat=train, fits=D.fits_both(t.seq_len, Td))
+
+
+OBJECTIVES.register("seq2seq", Objective(
+    arch="encoder_decoder", source=_seq2seq_source, batches=_seq2seq_batches,
+    shapes=_encdec_shapes, forward=_encdec_forward, check=_encdec_check, extra=("correct",),
+    bits_per_byte=True))
+
+
+# ------------------------------------------------------------------- shared
+def check_objective(cfg: RunConfig, tokenizer, n_seq: int = 1) -> Objective:
+    """The record of `train.objective`, after its checks against the model, the
+    tokenizer and the sequence shards; each error names the field and the fix."""
+    t, m = cfg.train, cfg.model
+    obj = OBJECTIVES.get(t.objective, field="train.objective")
+    if obj.arch != m.arch:
+        mine = [n for n in OBJECTIVES if OBJECTIVES.get(n).arch == m.arch]
+        raise ValueError(f"train.objective: {t.objective!r} trains arch={obj.arch!r} models, "
+                         f"but model.arch={m.arch!r}; objectives for {m.arch!r}: "
+                         f"{', '.join(map(repr, mine))}")
+    count, what = obj.specials(cfg)
+    need = tokenizer.vocab_size + count
+    if count and m.vocab_size < need:
+        raise ValueError(f"model.vocab_size: {m.vocab_size} has no room for {what} of "
+                         f"train.objective={t.objective!r} ({count} id(s) from "
+                         f"{tokenizer.vocab_size}, above the tokenizer's vocabulary); set "
+                         f"--config.model.vocab_size={need} or more")
+    obj.check(cfg, tokenizer, n_seq)
+    return obj
+
+
+def eval_metrics(obj: Objective, sums: dict[str, float]) -> dict[str, float]:
+    """Summed eval outputs -> val_loss (nats per scored token or example), val_bpb and
+    val_bytes where meaningful (`bits_per_byte`), val_accuracy where counted."""
+    tokens = max(sums["tokens"], 1.0)
+    out = dict(val_loss=sums["nll"] / tokens)
+    if obj.bits_per_byte:
+        out.update(val_bpb=sums["nll"] / LN2 / max(sums["bytes"], 1.0), val_bytes=sums["bytes"])
+    if "correct" in sums:
+        out["val_accuracy"] = sums["correct"] / tokens
+    return out
+
+
+def eval_line(ev: dict[str, Any], final: bool) -> str:
+    """The log text of an evaluation (`final`: the end-of-run line, with units)."""
+    if final:
+        parts = [f"val_loss {ev['val_loss']:.4f} nats/token"]
+        if "val_bpb" in ev:
+            parts.append(f"val_bpb {ev['val_bpb']:.4f} bits/byte on {int(ev['val_bytes']):,} "
+                         f"validation bytes")
+        if "val_accuracy" in ev:
+            parts.append(f"val_accuracy {ev['val_accuracy']:.4f}")
+        return ", ".join(parts)
+    return " ".join(f"{k} {ev[k]:.4f}" for k in ("val_loss", "val_bpb", "val_accuracy") if k in ev)
