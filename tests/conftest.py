@@ -56,9 +56,17 @@ def _xla_optimized(request):
         jax.config.update("jax_disable_most_optimizations", True)
 
 
+# Measured slow tests (tests/slow_tests.txt: ids or id prefixes), marked `slow` here.
+SLOW_TESTS = tuple(line.strip() for line in open(os.path.join(os.path.dirname(__file__),
+                                                               "slow_tests.txt"))
+                   if line.strip() and not line.startswith("#"))
+
+
 def pytest_collection_modifyitems(config, items):
     on_accelerator = jax.default_backend() in ("gpu", "tpu")
     skip = pytest.mark.skip(reason="needs a TPU or GPU (jax backend is cpu)")
     for item in items:
+        if item.nodeid.startswith(SLOW_TESTS):
+            item.add_marker(pytest.mark.slow)
         if "accelerator" in item.keywords and not on_accelerator:
             item.add_marker(skip)

@@ -227,3 +227,20 @@ def test_gpu_topologies_parse_and_name_the_plugin():
     else:
         assert len(devices) == 8 and devices[0].device_kind == "NVIDIA H200"
         assert hbm == GPU_HBM_BYTES["h200"]
+
+
+@pytest.mark.bad_input
+def test_tpu_topologies_without_libtpu_name_the_install_command(monkeypatch):
+    """Where libtpu cannot describe the slice (not installed), the error gives the
+    command that installs it from a clone (not a PyPI name tfjax does not have)."""
+    from jax.experimental import topologies
+
+    from tfjax.train.aot import tpu_devices
+
+    def no_libtpu(**_):
+        raise RuntimeError("Unable to initialize backend 'tpu'")
+
+    monkeypatch.setattr(topologies, "get_topology_desc", no_libtpu)
+    with pytest.raises(ValueError, match=r"--topology v5p:2x2x1: libtpu could not describe this "
+                                         r"slice .*pip install -e '\.\[tpu\]'"):
+        tpu_devices("v5p:2x2x1")

@@ -371,3 +371,24 @@ def test_objective_errors_name_the_field(tmp_path, train, model, message):
     cfg = tiny_config(model=model, train=train)
     with pytest.raises(ValueError, match=re.escape(message)):
         Trainer(cfg, str(tmp_path), devices=devices(1), log=lambda s: None)
+
+
+@pytest.mark.parametrize("objective", sorted(MODEL))
+def test_every_objectives_batches_resume_exactly(jsonl, objective):
+    """What a checkpoint holds of the data (the iterator's JSON state) continues every
+    objective's batches exactly: the masking, corruption and prefix draws included."""
+    cfg = config(objective, data=jsonl_data(jsonl, objective) if objective in jsonl else {})
+    obj = OBJECTIVES.get(objective)
+    source = obj.source(cfg, "train")
+    rows = range(cfg.train.batch_size)
+    it = obj.batches(cfg, TOK, source, rows, True)
+    for _ in range(3):
+        next(it)
+    state = json.loads(json.dumps(it.get_state()))
+    want = [next(it) for _ in range(3)]
+    resumed = obj.batches(cfg, TOK, source, rows, True)
+    resumed.set_state(state)
+    for w, g in zip(want, (next(resumed) for _ in range(3))):
+        assert sorted(w) == sorted(g)
+        for key in w:
+            np.testing.assert_array_equal(g[key], w[key], err_msg=key)
