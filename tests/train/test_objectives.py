@@ -392,3 +392,21 @@ def test_every_objectives_batches_resume_exactly(jsonl, objective):
         assert sorted(w) == sorted(g)
         for key in w:
             np.testing.assert_array_equal(g[key], w[key], err_msg=key)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("objective", ["span_corruption", "seq2seq", "classification"])
+def test_objective_on_a_data_fsdp_mesh_matches_one_device(tmp_path, jsonl, objective):
+    """The encoder-decoder and classification batches shard like the decoder's: 3 steps
+    on data=2 x fsdp=4 equal one device's."""
+    data = jsonl_data(jsonl, objective) if objective in jsonl else {}
+
+    def three_steps(mesh, n, name):
+        cfg = config(objective, train=dict(batch_size=8, steps=3), mesh=mesh, data=data)
+        return run(tmp_path, cfg, n_devices=n, name=name)
+
+    _, one = three_steps(dict(data=1), 1, "one")
+    tr, s = three_steps(dict(data=2, fsdp=4), 8, "mesh")
+    emb = tr.state["params"]["embed"]["tokens"]["embedding"].get_value()
+    assert "fsdp" in str(emb.sharding.spec)
+    np.testing.assert_allclose(losses(s), losses(one), rtol=2e-5, atol=2e-5)
