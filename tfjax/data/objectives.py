@@ -47,10 +47,10 @@ import json
 import math
 from collections.abc import Callable, Iterator, Sequence
 
-import grain
 import numpy as np
 
 from tfjax.config import DataConfig
+from tfjax.data.pipeline import RowStreams
 from tfjax.data.sources import _expand, is_validation
 
 __all__ = ["ExampleBatches", "MappedBatches", "classification_row", "jsonl_examples",
@@ -374,7 +374,7 @@ def seq2seq_row(examples: list[dict], seq_len: int, target_len: int, tokenizer) 
                        lambda x: token_bytes_of(tokenizer, x))
 
 
-class ExampleBatches(Iterator[dict]):
+class ExampleBatches(RowStreams):
     """Rows of examples: row r of every global batch reads examples r, r + B, r + 2B, ...
     of the (shuffled, repeated) order, its stream, taking the next ones while
     `fits(taken, next)` (`fits=None`: one per row). The state is one (example, 0)
@@ -385,28 +385,11 @@ class ExampleBatches(Iterator[dict]):
                  make_row: Callable[[list[dict]], dict], *, global_batch: int,
                  local_rows: Sequence[int] | None = None, seed: int = 0, shuffle: bool = True,
                  repeat: bool = True, fits: Callable[[list[dict], dict], bool] | None = None):
-        self.global_batch, self.repeat = global_batch, repeat
-        self.local_rows = list(range(global_batch)) if local_rows is None else sorted(local_rows)
         self._n = len(examples)
-        ds = grain.MapDataset.source(list(examples))
-        if shuffle:
-            ds = ds.shuffle(seed=seed)
-        if repeat:
-            ds = ds.repeat()
-        self._ex = ds.map(encode)
+        self._start(list(examples), encode, global_batch=global_batch, local_rows=local_rows,
+                    seed=seed, shuffle=shuffle, repeat=repeat)
+        self._ex = self._items
         self.make_row, self.fits = make_row, fits
-        self._num_batches: int | None = None
-        self._state = dict(cursors=[[0, 0] for _ in range(global_batch)], batch=0)
-
-    def get_state(self) -> dict:
-        return dict(cursors=[list(c) for c in self._state["cursors"]], batch=self._state["batch"])
-
-    def set_state(self, state: dict) -> None:
-        cursors = [[int(j), int(o)] for j, o in state["cursors"]]
-        if len(cursors) != self.global_batch:
-            raise ValueError(f"data state has {len(cursors)} streams but train.batch_size is "
-                             f"{self.global_batch}; resume with the batch size it was saved with")
-        self._state = dict(cursors=cursors, batch=int(state["batch"]))
 
     def _take(self, r: int, j: int) -> tuple[list[dict], int]:
         """The examples row r takes from stream position j, and the next position."""
@@ -434,9 +417,6 @@ class ExampleBatches(Iterator[dict]):
                 longest = max(longest, rows)
             self._num_batches = longest
         return self._num_batches
-
-    def __iter__(self):
-        return self
 
     def __next__(self) -> dict:
         if not self.repeat and self._state["batch"] >= self.num_batches():

@@ -28,12 +28,45 @@ import numpy as np
 
 from tfjax.data.sources import DocumentSource
 
-__all__ = ["BATCH_KEYS", "PackedBatches"]
+__all__ = ["BATCH_KEYS", "PackedBatches", "RowStreams"]
 
 BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "mask", "target_bytes")
 
 
-class PackedBatches(Iterator[dict]):
+class RowStreams(Iterator[dict]):
+    """The part every per-row streaming iterator shares: row r of every global batch
+    reads items r, r + B, r + 2B, ... of one (shuffled, repeated) order, and the
+    checkpointable state is one [item, offset] cursor per row plus the batch count
+    (JSON). Subclasses call `_start` and implement `__next__`."""
+
+    def _start(self, items, transform, *, global_batch: int, local_rows, seed: int,
+               shuffle: bool, repeat: bool) -> None:
+        self.global_batch, self.repeat = global_batch, repeat
+        self.local_rows = list(range(global_batch)) if local_rows is None else sorted(local_rows)
+        ds = grain.MapDataset.source(items)
+        if shuffle:
+            ds = ds.shuffle(seed=seed)
+        if repeat:
+            ds = ds.repeat()
+        self._items = ds.map(transform)
+        self._num_batches: int | None = None
+        self._state = dict(cursors=[[0, 0] for _ in range(global_batch)], batch=0)
+
+    def get_state(self) -> dict:
+        return dict(cursors=[list(c) for c in self._state["cursors"]], batch=self._state["batch"])
+
+    def set_state(self, state: dict) -> None:
+        cursors = [[int(j), int(o)] for j, o in state["cursors"]]
+        if len(cursors) != self.global_batch:
+            raise ValueError(f"data state has {len(cursors)} streams but train.batch_size is "
+                             f"{self.global_batch}; resume with the batch size it was saved with")
+        self._state = dict(cursors=cursors, batch=int(state["batch"]))
+
+    def __iter__(self):
+        return self
+
+
+class PackedBatches(RowStreams):
     """Batches `{inputs, targets, positions, segment_ids, mask, target_bytes}` of shape
     `[len(local_rows), seq_len]` (int32): the rows `local_rows` of each global batch.
 
@@ -45,33 +78,14 @@ class PackedBatches(Iterator[dict]):
     def __init__(self, source: DocumentSource, tokenizer, *, seq_len: int, global_batch: int,
                  local_rows: Sequence[int] | None = None, seed: int = 0, shuffle: bool = True,
                  repeat: bool = True):
-        self.seq_len, self.global_batch = seq_len, global_batch
-        self.local_rows = list(range(global_batch)) if local_rows is None else sorted(local_rows)
-        self.tokenizer = tokenizer
-        self.repeat = repeat
+        self.seq_len, self.tokenizer = seq_len, tokenizer
         self._num_docs = len(source)
         bos, eos = tokenizer.bos_id, tokenizer.eos_id
-        ds = grain.MapDataset.source(source)
-        if shuffle:
-            ds = ds.shuffle(seed=seed)
-        if repeat:
-            ds = ds.repeat()
-        self._docs = ds.map(lambda text: np.concatenate(
-            [[bos], tokenizer.encode(text), [eos]]).astype(np.int32))
+        self._start(source, lambda text: np.concatenate(
+            [[bos], tokenizer.encode(text), [eos]]).astype(np.int32), global_batch=global_batch,
+            local_rows=local_rows, seed=seed, shuffle=shuffle, repeat=repeat)
+        self._docs = self._items
         self._cache: dict[int, tuple[int, np.ndarray]] = {}
-        self._num_batches: int | None = None
-        self._state = dict(cursors=[[0, 0] for _ in range(global_batch)], batch=0)
-
-    # -- checkpointable state ------------------------------------------------
-    def get_state(self) -> dict:
-        return dict(cursors=[list(c) for c in self._state["cursors"]], batch=self._state["batch"])
-
-    def set_state(self, state: dict) -> None:
-        cursors = [[int(d), int(o)] for d, o in state["cursors"]]
-        if len(cursors) != self.global_batch:
-            raise ValueError(f"data state has {len(cursors)} streams but train.batch_size is "
-                             f"{self.global_batch}; resume with the batch size it was saved with")
-        self._state = dict(cursors=cursors, batch=int(state["batch"]))
 
     # -- packing -------------------------------------------------------------
     def _doc(self, r: int, j: int) -> np.ndarray | None:
@@ -140,9 +154,6 @@ class PackedBatches(Iterator[dict]):
         return dict(inputs=np.full(T, self.tokenizer.pad_id, np.int32),
                     targets=np.full(T, self.tokenizer.pad_id, np.int32),
                     positions=z, segment_ids=z, mask=z, target_bytes=z)
-
-    def __iter__(self):
-        return self
 
     def __next__(self) -> dict:
         if not self.repeat and self._state["batch"] >= self.num_batches():
