@@ -11,11 +11,13 @@ import numpy as np
 import pytest
 from jax import lax
 from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 from tfjax.ops import masks
 from tfjax.ops import RelativeBias
 from tfjax.ops.reference import attention_reference
 from tfjax.ops.pallas import BlockSizes
+from tfjax.parallel import mask_leaves
 from tfjax.parallel.ring_attention import all_gather_attention, ring_attention
 from tfjax.parallel.zigzag import unzigzag, zigzag
 
@@ -387,3 +389,36 @@ def test_per_device_memory_is_flat_and_below_single_device():
     ring4_same_length = temp(4, tpd=512)
     assert ring8 <= 0.7 * ring4_same_length, (ring8, ring4_same_length)
     assert ring8 <= 0.9 * single, (ring8, single)
+
+
+def test_batch_axes_are_inferred_not_gathered(mesh2x4):
+    """Without batch_axes, a data x sequence mesh splits the batch over "data" (as if
+    named) instead of every data shard computing the whole batch; () replicates."""
+    q, k, v, _ = _inputs()
+
+    def flops(**kw):
+        fn = jax.jit(lambda q, k, v: ring_attention(q, k, v, masks.causal(), mesh=mesh2x4,
+                                                    block_q=8, block_kv=8, **kw))
+        cost = fn.lower(q, k, v).compile().cost_analysis()
+        return (cost[0] if isinstance(cost, list) else cost)["flops"]
+
+    inferred, named, replicated = flops(), flops(batch_axes="data"), flops(batch_axes=())
+    assert inferred == named
+    assert replicated > 1.5 * named
+    with pytest.raises(ValueError, match="include the sequence axis"):
+        ring_attention(q, k, v, mesh=mesh2x4, batch_axes=("data", "sequence"))
+
+
+def test_infer_batch_axes(mesh2x4):
+    from jax.sharding import NamedSharding
+    x = jnp.zeros((B, T, N, H))
+    # a committed array: the axes its batch dim is split over
+    split = jax.device_put(x, NamedSharding(mesh2x4, P("data", "sequence")))
+    assert mask_leaves.infer_batch_axes(split, mesh2x4, "sequence") == ("data",)
+    whole = jax.device_put(x, NamedSharding(mesh2x4, P(None, "sequence")))
+    assert mask_leaves.infer_batch_axes(whole, mesh2x4, "sequence") == ()
+    # not committed to this mesh: tfjax's batch rule's axes in the mesh
+    assert mask_leaves.infer_batch_axes(x, mesh2x4, "sequence") == ("data",)
+    assert mask_leaves.infer_batch_axes(x[:1], mesh2x4, "sequence") == ()  # 1 % 2
+    foreign = _mesh((2, 4), ("dp", "sp"))  # a mesh without tfjax's names: all but seq
+    assert mask_leaves.infer_batch_axes(x, foreign, "sp") == ("dp",)

@@ -73,6 +73,7 @@ def context_parallel_attention(q, k, v, mask: masks_lib.Mask | None = None, *, m
     seq_axes = ()
     if mesh is not None and q.shape[1] == k.shape[1]:
         batch_axes, seq_axes = tuple(logical_to_spec(("batch", "length")))
+        batch_axes = () if batch_axes is None else batch_axes  # the rules' word, not inferred
         seq_axes = (seq_axes,) if isinstance(seq_axes, str) else tuple(seq_axes or ())
         seq_axes = tuple(a for a in seq_axes if mesh.shape[a] > 1)
     if not seq_axes:

@@ -29,6 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from tfjax.config import DEFAULT_RULES
+
 from tfjax.ops.reference import Alibi
 
 __all__ = ["KV_LEAVES", "Q_LEAVES", "TABLE_LEAVES", "bias_kwargs", "copy_tables", "device_axes",
@@ -82,6 +84,32 @@ def unflatten(treedef, leaves) -> tuple:
 def bias_kwargs(alibi, rel) -> dict:
     """The ALiBi / T5-bias keyword arguments of an attention call."""
     return {**Alibi.kwargs(alibi), **({} if rel is None else dict(relative_bias=rel))}
+
+
+def infer_batch_axes(x, mesh, seq_axis):
+    """The mesh axes a sequence-parallel call splits the batch over, when its caller
+    named none (`batch_axes=None`): those `x`'s sharding splits its batch dim over
+    (a committed array on a mesh with these axis names); else, traced, the mesh
+    axes of tfjax's "batch" rule (`tfjax.config.DEFAULT_RULES`) present in `mesh`,
+    or, on a mesh without them, every axis but `seq_axis`. Axes of size 1 are
+    dropped and the rest kept, in order, while their product divides the batch; ()
+    when none do (the batch is replicated)."""
+    B = x.shape[0]
+    sharding = None if isinstance(x, jax.core.Tracer) else getattr(x, "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding) and \
+            tuple(sharding.mesh.axis_names) == tuple(mesh.axis_names):
+        first = sharding.spec[0] if len(sharding.spec) else None
+        candidates = () if first is None else (first,) if isinstance(first, str) else first
+    else:
+        rule = dict((r[0], r[1:]) for r in DEFAULT_RULES)["batch"]
+        candidates = tuple(a for a in rule if a in mesh.shape) or tuple(mesh.axis_names)
+    axes, n = [], 1
+    for a in candidates:
+        size = mesh.shape[a]
+        if a != seq_axis and size > 1 and B % (n * size) == 0:
+            axes.append(a)
+            n *= size
+    return tuple(axes)
 
 
 def device_axes(batch_axes, seq_axis=None) -> tuple:

@@ -93,6 +93,19 @@ def _merge(o, lse, o_new, lse_new):
 # --------------------------------------------------------------------------- #
 
 
+def _batch_axes(batch_axes, q, mesh, seq_axis):
+    """The caller's batch axes (a name or tuple; () = the batch replicated), or, for
+    None, those `mask_leaves.infer_batch_axes` finds; None when there are none."""
+    if batch_axes is None:
+        batch_axes = mask_leaves.infer_batch_axes(q, mesh, seq_axis)
+    if isinstance(batch_axes, str):
+        batch_axes = (batch_axes,)
+    if seq_axis in batch_axes:
+        raise ValueError(f"ring_attention: batch_axes {batch_axes} include the sequence axis "
+                         f"{seq_axis!r}; name the mesh axes the batch is split over")
+    return tuple(batch_axes) or None
+
+
 def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axis: str = "sequence",
                    batch_axes=None, scale=None, softcap=None, load_balance: str = "zigzag",
                    natural_order: bool = True, block_q: int = DEFAULT_BLOCK,
@@ -104,8 +117,10 @@ def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axi
 
     Same semantics as `attention_reference(q, k, v, mask, scale=, softcap=,
     alibi_slopes=, alibi_positions=, relative_bias=, sinks=)`; the sequence dims are split
-    over `seq_axis` of `mesh` (and the batch over `batch_axes`, a mesh axis name or
-    tuple of names, if given). ALiBi's and T5's explicit positions travel like
+    over `seq_axis` of `mesh` and the batch over `batch_axes` (a mesh axis name, a
+    tuple of names, or () to replicate the batch; None, the default: inferred by
+    `mask_leaves.infer_batch_axes` from q's sharding, or traced from the mesh's
+    data axes, so no device computes examples another one holds). ALiBi's and T5's explicit positions travel like
     segment ids (the kv ones rotate with K/V); index positions come from each
     chunk's global offset. T5's table (`relative_bias`): every device gets a copy and
     returns its partial gradient, summed over the devices; so do learned `sinks`
@@ -154,6 +169,7 @@ def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axi
         raise ValueError(f"ring_attention: T={T} and S={S} must be divisible by "
                          f"{n * pieces} ({n} devices on {seq_axis!r} x {pieces} chunks){hint}")
     Hv = v.shape[-1]
+    batch_axes = _batch_axes(batch_axes, q, mesh, seq_axis)
     scale = float(H ** -0.5 if scale is None else scale)
     sinks = check_sinks(sinks, N, "ring_attention")
     # The mesh's platform, not the default backend: an AOT compile for a TPU topology
@@ -409,6 +425,7 @@ def all_gather_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh,
     alibi = make_alibi(alibi_slopes, alibi_positions, q.shape[0], q.shape[2], T, S)
     rel = check_relative_bias(relative_bias, q.shape[0], q.shape[2], T, S)
     sinks = check_sinks(sinks, q.shape[2], "all_gather_attention")
+    batch_axes = _batch_axes(batch_axes, q, mesh, seq_axis)
     dev = mask_leaves.device_axes(batch_axes, seq_axis)
     leaves, treedef, kinds = mask_leaves.split_mask(mask, alibi, rel)
     leaves = mask_leaves.copy_tables(leaves, kinds, mesh, dev)
