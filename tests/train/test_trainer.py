@@ -189,3 +189,23 @@ def test_bf16_compute_tracks_fp32(tmp_path):
     dtypes = {str(x.dtype) for x in jax.tree.leaves((state["params"], state["opt"]))
               if hasattr(x, "dtype") and x.dtype.kind == "f"}
     assert dtypes == {"float32"}, dtypes
+
+
+def test_rerun_compiles_nothing_new(tmp_path):
+    """train.compilation_cache="workdir": the first run stores its executables under
+    WORKDIR/compilation_cache, a rerun of the same command finds every one of them
+    (no new entry) and trains the same; JAX's own setting is restored after."""
+    import jax
+
+    before = jax.config.jax_compilation_cache_dir
+    _, first = run(tmp_path, "w", n_devices=2, mesh=dict(data=2))
+    cache = tmp_path / "w" / "compilation_cache"
+    stored = sorted(os.listdir(cache))
+    assert any(name.startswith("jit_train_step") for name in stored), stored
+    _, again = run(tmp_path, "w", n_devices=2, mesh=dict(data=2))
+    assert sorted(os.listdir(cache)) == stored
+    assert again["history"] == first["history"]
+    assert jax.config.jax_compilation_cache_dir == before
+    _, off = run(tmp_path, "off", n_devices=2, mesh=dict(data=2),
+                 train=dict(compilation_cache=""))
+    assert not (tmp_path / "off" / "compilation_cache").exists()

@@ -85,6 +85,9 @@ class TrainConfig:
     sample_prompt: str = "import "
     peak_flops: float = 0.0
     progress: bool = True
+    # JAX's persistent compilation cache (tfjax.train.compile_cache): "workdir" ->
+    # WORKDIR/compilation_cache, a path -> that directory, "" -> off
+    compilation_cache: str = "workdir"
     objective: str = "causal_lm"
     mlm_rate: float = 0.15
     whole_word_mask: bool = False

@@ -51,6 +51,7 @@ from tfjax.parallel.mesh import make_mesh
 from tfjax.parallel.rules import logical_rules, replicated
 from tfjax.parallel.sharding import use_rules
 from tfjax.train.checkpoint import Checkpointer, abstract_with_shardings
+from tfjax.train.compile_cache import persistent_compilation_cache
 from tfjax.train.losses import LN2
 from tfjax.train.metrics import MetricWriter, ProgressBar, flops_per_token, peak_flops
 from tfjax.train.objectives import OBJECTIVES, check_objective, eval_line, eval_metrics
@@ -293,6 +294,13 @@ class Trainer:
         return dict(st, cursors=every.max(0).tolist())  # a row's holders agree; others -1
 
     def train(self) -> dict[str, Any]:
+        """Run to `train.steps` (resuming from the latest checkpoint), compiling through
+        the persistent cache `train.compilation_cache` names; returns the summary
+        (final metrics, `compile_s`: the first step's compile + run, ...)."""
+        with persistent_compilation_cache(self.cfg.train.compilation_cache, self.workdir):
+            return self._train()
+
+    def _train(self) -> dict[str, Any]:
         cfg, t = self.cfg, self.cfg.train
         log = self.log
         log(f"tfjax.train: {self.num_params / 1e6:.2f}M parameters, mesh "
