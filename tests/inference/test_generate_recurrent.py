@@ -1,7 +1,7 @@
-"""Generation through recurrent layers (Mamba, linear attention), hybrids (Jamba),
-prefix-LM prompts and chunked prefill: cached greedy decoding equals argmax decoding
-by full recomputation at every step; batched prompts equal each alone; recurrent
-state does not grow with the length.
+"""Generation through recurrent layers (Mamba, linear attention, Gated DeltaNet),
+hybrids (Jamba, Qwen3-Next-style), prefix-LM prompts and chunked prefill: cached
+greedy decoding equals argmax decoding by full recomputation at every step; batched
+prompts equal each alone; recurrent state does not grow with the length.
 
 Tiny random models with a large init scale (so greedy decoding does not collapse
 to one repeated token). Models are module-scoped; each generate shape compiles once.
@@ -23,9 +23,18 @@ TINY = dict(vocab_size=64, d_model=32, num_layers=2, num_heads=4, d_ff=48, max_l
             init_std=1.0, tie_embeddings=False, norm="rmsnorm", position="none",
             ssm=dict(d_state=4, d_conv=3, dt_rank=4))
 
+GDN = dict(num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=6, chunk=4)
+
+MAMBA2 = dict(d_state=4, head_dim=16, n_groups=2, d_conv=3, chunk=4)
+
 CASES = {
     # Mamba-only (configs/mamba.py): mixer-only layers, scanned.
     "mamba": dict(layer_pattern=("mamba",), ffn_pattern=("none",)),
+    # Mamba-2 only (4 heads of 16 in 2 groups; the 6-token prompt pads to chunks of 4), scanned.
+    "mamba2": dict(layer_pattern=("mamba2",), ffn_pattern=("none",), mamba2=MAMBA2),
+    # Mamba-2 + GQA RoPE attention with dense ffns, unscanned.
+    "mamba2_hybrid": dict(layer_pattern=("mamba2", "global"), num_kv_heads=2, position="rope",
+                          mamba2=MAMBA2, scan_layers=False),
     # Jamba-style: mamba + GQA attention + (dense, MoE) ffns; Jamba's dt/B/C norms;
     # unscanned (scanned recurrent caches: "mamba"; it builds and compiles faster).
     "jamba": dict(layer_pattern=("mamba", "global"), ffn_pattern=("dense", "moe"),
@@ -35,6 +44,15 @@ CASES = {
     # causal linear attention (GQA) with a RoPE sliding-window layer, unscanned.
     "linear": dict(layer_pattern=("linear", "local"), sliding_window=3, num_kv_heads=2,
                    position="rope", scan_layers=False, linear=dict(chunk=4)),
+    # Gated DeltaNet only (Hv = 2 Hk; the 6-token prompt pads to chunks of 4), scanned.
+    "gdn": dict(layer_pattern=("gated_deltanet",), ffn_pattern=("none",), gdn=GDN),
+    # Qwen3-Next-style: 3 Gated DeltaNet : 1 attention (GQA, RoPE, QK-norm), MoE ffns
+    # with a shared expert, unscanned.
+    "qwen3_next": dict(layer_pattern=3 * ("gated_deltanet",) + ("global",), num_layers=4,
+                       ffn_pattern=("moe",), num_kv_heads=2, position="rope", qk_norm=True,
+                       moe=dict(num_experts=4, experts_per_token=2, shared_experts=1,
+                                impl="dense"),
+                       activation="swiglu", gdn=GDN, scan_layers=False),
 }
 
 NEW = 8
@@ -82,7 +100,9 @@ def test_batched_prompts_equal_each_alone(built, greedy):
     np.testing.assert_array_equal(greedy["jamba"][b], alone[0])
 
 
-@pytest.mark.parametrize("name,chunk", [("jamba", 4), ("linear", 2), ("mamba", 1)])
+@pytest.mark.parametrize("name,chunk", [("jamba", 4), ("linear", 2), ("mamba", 1),
+                                        ("mamba2_hybrid", 4),
+                                        ("qwen3_next", 4)])
 def test_chunked_prefill_equals_one_shot(built, greedy, name, chunk):
     """Chunks over the 6-token prompt: row 1 (3 tokens) ends early and takes no token
     in the last chunk(s); the attention caches (global; local W=3 with 4 slots), the
@@ -119,15 +139,15 @@ def _allocated(model, B, n):
 
 
 def test_recurrent_cache_size_does_not_grow(built):
-    for name in ("mamba", "linear", "jamba"):
+    for name in ("mamba", "linear", "jamba", "gdn", "qwen3_next"):
         cfg, model = built[name]
         sizes = {n: models.cache_bytes(cfg, 2, n) for n in (16, 4096)}
         for n, b in sizes.items():
             assert _allocated(model, 2, n) == b  # cache_bytes counts what init_cache makes
-        if name == "jamba":  # only the one attention layer's K/V grows with the length
+        if name in ("jamba", "qwen3_next"):  # only the attention layer's K/V grows
             grow = 2 * 2 * cfg.kv_heads * cfg.head_size * 4 * (4096 - 16)
             assert sizes[4096] - sizes[16] == grow
-        else:  # mamba; linear (+ a local layer's W+1 slots): flat
+        else:  # mamba; gdn; linear (+ a local layer's W+1 slots): flat
             assert sizes[16] == sizes[4096]
     cfg, model = built["mamba"]
     cache = jax.eval_shape(lambda: model.init_cache(2, 100))
@@ -138,3 +158,38 @@ def test_recurrent_cache_size_does_not_grow(built):
     assert models.cache_bytes(cfg, 2, 16) == 2 * 2 * 4 * di * (cfg.ssm.d_conv - 1 + cfg.ssm.d_state)
     axes = kv_cache.logical_axes(cache)
     assert axes.layers["cycles"][0]["attn"].ssm == ("layers", "batch", "mlp", None)
+    # Gated DeltaNet: q/k/v conv windows and S [B, Hv, dk, dv] per layer.
+    cfg, model = built["gdn"]
+    cache = jax.eval_shape(lambda: model.init_cache(2, 100))
+    (c,) = cache.layers["cycles"]
+    assert c["attn"].conv_k.shape == (2, 2, 3, 2, 8) and c["attn"].conv_v.shape == (2, 2, 3, 4, 6)
+    assert c["attn"].S.shape == (2, 2, 4, 8, 6) and c["attn"].S.dtype == jnp.float32
+    assert models.cache_bytes(cfg, 2, 16) == 2 * 2 * 4 * (3 * (2 * 2 * 8 + 4 * 6) + 4 * 8 * 6)
+    axes = kv_cache.logical_axes(cache).layers["cycles"][0]["attn"]
+    assert axes.S == ("layers", "batch", "heads", None, None)
+
+
+def test_mamba2_cache_is_flat_in_the_length():
+    """Mamba-2's state per layer: conv inputs `[B, d_conv - 1, Di + 2GN]` and the SSM
+    state `[B, H, P, N]` float32; only the hybrid's attention K/V grows."""
+    cases = {}
+    for name in ("mamba2", "mamba2_hybrid"):
+        cfg, model = build(**CASES[name])  # no compile: shapes only
+        sizes = {n: models.cache_bytes(cfg, 2, n) for n in (16, 4096)}
+        for n, b in sizes.items():
+            assert _allocated(model, 2, n) == b
+        cases[name] = cfg, model, sizes
+    cfg, model, sizes = cases["mamba2_hybrid"]
+    assert sizes[4096] - sizes[16] == 2 * 2 * cfg.kv_heads * cfg.head_size * 4 * (4096 - 16)
+    cfg, model, sizes = cases["mamba2"]
+    assert sizes[16] == sizes[4096]
+    cache = jax.eval_shape(lambda: model.init_cache(2, 100))
+    (c,) = cache.layers["cycles"]
+    di, s = 2 * cfg.d_model, cfg.mamba2
+    conv_dim = di + 2 * s.n_groups * s.d_state
+    assert c["attn"].conv.shape == (2, 2, s.d_conv - 1, conv_dim)  # [cycles, B, d_conv-1, C]
+    assert c["attn"].ssm.shape == (2, 2, di // s.head_dim, s.head_dim, s.d_state)
+    assert c["attn"].ssm.dtype == jnp.float32
+    assert sizes[16] == 2 * 2 * 4 * ((s.d_conv - 1) * conv_dim + di * s.d_state)
+    axes = kv_cache.logical_axes(cache).layers["cycles"][0]["attn"]
+    assert axes.ssm == ("layers", "batch", "heads", None, None)

@@ -21,8 +21,8 @@ imports nothing else of tfjax, so names that a registry owns (`model.activation`
 from tfjax.config.convert import (apply_variant, default_config, from_dict, model_config,
                                   moved_field, run_config, to_config_dict, unknown_field,
                                   upgrade_saved)
-from tfjax.config.model import (DTYPES, LinearConfig, ModelConfig, MoEConfig, RopeConfig,
-                                SSMConfig, T5Config)
+from tfjax.config.model import (DTYPES, GatedDeltaNetConfig, LinearConfig, Mamba2Config,
+                                ModelConfig, MoEConfig, RopeConfig, SSMConfig, T5Config)
 from tfjax.config.run import (DEFAULT_RULES, MESH_AXES, CheckpointConfig, DataConfig, MeshConfig,
                               RunConfig, TrainConfig)
 
@@ -31,7 +31,9 @@ __all__ = [
     "RopeConfig",
     "MoEConfig",
     "SSMConfig",
+    "Mamba2Config",
     "LinearConfig",
+    "GatedDeltaNetConfig",
     "T5Config",
     "ModelConfig",
     "TrainConfig",

@@ -1,5 +1,5 @@
 """The model's config: `ModelConfig` and its sections (`rope`, `moe`, `ssm`,
-`linear`, `mla`, `t5`), frozen dataclasses, and their checks.
+`mamba2`, `linear`, `gdn`, `mla`, `t5`), frozen dataclasses, and their checks.
 
 `validate_model` checks types, ranges and combinations of fields (each error names
 the field, `model.num_kv_heads`, and what would be right). Names that a registry
@@ -17,8 +17,8 @@ from typing import ClassVar
 
 from tfjax.config.checks import fail, non_negative, one_of, positive
 
-__all__ = ["DTYPES", "LinearConfig", "MLAConfig", "ModelConfig", "MoEConfig", "RopeConfig",
-           "SSMConfig", "T5Config", "validate_model"]
+__all__ = ["DTYPES", "GatedDeltaNetConfig", "LinearConfig", "MLAConfig", "Mamba2Config",
+           "ModelConfig", "MoEConfig", "RopeConfig", "SSMConfig", "T5Config", "validate_model"]
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -80,11 +80,51 @@ class SSMConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class Mamba2Config:
+    """The Mamba-2 SSD mixer (`tfjax.nn.mamba2`): the "mamba2" layers. Heads H =
+    expand * d_model / head_dim, each with a scalar decay; B and C shared by the
+    heads of each of n_groups groups."""
+
+    d_state: int = 16  # state size N (Mamba-2 models: 64-128)
+    head_dim: int = 16  # head dim P (Mamba-2 models: 64)
+    expand: int = 2  # inner width = expand * d_model
+    n_groups: int = 1  # groups of B and C (must divide the heads)
+    d_conv: int = 4  # depthwise causal conv width over (x, B, C)
+    chunk: int = 64  # SSD chunk length (the quadratic form within, a scan across)
+    conv_bias: bool = True
+    proj_bias: bool = False  # in/out projection biases
+    norm_groups: int = 0  # groups of the gated RMSNorm; 0 -> n_groups (HF, mamba_ssm)
+    dt_min: float = 0.001  # dt_bias init: softplus(dt_bias) log-uniform in [dt_min, dt_max]
+    dt_max: float = 0.1
+    dt_min_limit: float = 0.0  # dt clipped to [dt_min_limit, dt_max_limit]
+    dt_max_limit: float = 0.0  # 0 -> no upper limit
+
+
+@dataclasses.dataclass(frozen=True)
 class LinearConfig:
     """Causal linear attention (`tfjax.nn.linear_attention`): the "linear" layers."""
 
     feature_map: str = "elu_plus_one"  # phi: elu_plus_one | relu | softplus
     chunk: int = 64  # causal linear attention chunk
+
+
+@dataclasses.dataclass(frozen=True)
+class GatedDeltaNetConfig:
+    """Gated DeltaNet (`tfjax.nn.gated_deltanet`; Qwen3-Next's linear-attention layers):
+    the "gated_deltanet" layers. Zero derives from the model (`dims`)."""
+
+    num_k_heads: int = 0  # q/k heads; 0 -> model.num_heads (Qwen3-Next: 16)
+    num_v_heads: int = 0  # a multiple of num_k_heads; 0 -> num_k_heads (Qwen3-Next: 32)
+    head_k_dim: int = 0  # 0 -> model.head_dim (d_model // num_heads) (Qwen3-Next: 128)
+    head_v_dim: int = 0  # 0 -> head_k_dim (Qwen3-Next: 128)
+    d_conv: int = 4  # causal depthwise conv width on q, k, v
+    chunk: int = 64  # chunked (WY) training form: steps per chunk
+
+    def dims(self, num_heads: int, head_size: int) -> tuple[int, int, int, int]:
+        """(num_k_heads, num_v_heads, head_k_dim, head_v_dim) with zeros derived."""
+        hk = self.num_k_heads or num_heads
+        dk = self.head_k_dim or head_size
+        return hk, self.num_v_heads or hk, dk, self.head_v_dim or dk
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,7 +209,8 @@ class ModelConfig:
     # data, every layer re-lays out q, k, v, out) | "none".
     zigzag: str = "data"
     # Layer kinds (tfjax.models.layer_kinds), cycled over layers: global | local |
-    # chunked | nope | mla | mamba | linear (chunked and the last two decoder only).
+    # chunked | nope | mla | mamba | mamba2 | linear | gated_deltanet (chunked and the
+    # recurrent kinds decoder only).
     layer_pattern: tuple[str, ...] = ("global",)
     sliding_window: int = 0  # keys before the query a "local" layer sees (plus itself)
     attention_chunk: int = 0  # a "chunked" layer sees its own chunk (Llama 4: 8192)
@@ -187,7 +228,9 @@ class ModelConfig:
     # Mixer sections.
     moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
     ssm: SSMConfig = dataclasses.field(default_factory=SSMConfig)
+    mamba2: Mamba2Config = dataclasses.field(default_factory=Mamba2Config)
     linear: LinearConfig = dataclasses.field(default_factory=LinearConfig)
+    gdn: GatedDeltaNetConfig = dataclasses.field(default_factory=GatedDeltaNetConfig)
     mla: MLAConfig = dataclasses.field(default_factory=MLAConfig)
 
     # Positions.
@@ -332,9 +375,37 @@ def validate_model(c: ModelConfig, p: str) -> None:
              f"(arch={c.arch!r}); use num_layers")
 
 
+def _validate_mamba2(c: ModelConfig, p: str) -> None:
+    """The mamba2 section's ranges, and the head and group divisibility "mamba2"
+    layers need."""
+    m2, q = c.mamba2, f"{p}.mamba2"
+    for name in ("d_state", "head_dim", "expand", "n_groups", "d_conv", "chunk", "dt_min",
+                 "dt_max"):
+        positive(f"{q}.{name}", getattr(m2, name))
+    for name in ("norm_groups", "dt_min_limit", "dt_max_limit"):
+        non_negative(f"{q}.{name}", getattr(m2, name))
+    if m2.dt_max < m2.dt_min:
+        fail(f"{q}.dt_max", f"must be >= dt_min={m2.dt_min!r}, got {m2.dt_max!r}")
+    if m2.dt_max_limit and m2.dt_max_limit <= m2.dt_min_limit:
+        fail(f"{q}.dt_max_limit", f"must be > dt_min_limit={m2.dt_min_limit!r} (or 0: no upper "
+             f"limit), got {m2.dt_max_limit!r}")
+    if "mamba2" not in c.layer_pattern:
+        return
+    inner = m2.expand * c.d_model
+    if inner % m2.head_dim:
+        fail(f"{q}.head_dim", f"must divide the inner width expand * d_model = {inner}, got "
+             f"{m2.head_dim}")
+    heads = inner // m2.head_dim
+    if heads % m2.n_groups:
+        fail(f"{q}.n_groups", f"must divide the heads expand * d_model / head_dim = {heads}, "
+             f"got {m2.n_groups}")
+    if inner % (m2.norm_groups or m2.n_groups):
+        fail(f"{q}.norm_groups", f"must divide the inner width {inner}, got {m2.norm_groups}")
+
+
 def _validate_sections(c: ModelConfig, p: str) -> None:
-    """The moe, ssm, linear and mla sections' ranges, and what "moe" and "mla" layers
-    need."""
+    """The moe, ssm, linear, gdn and mla sections' ranges, and what "moe" and "mla"
+    layers need."""
     m, s, lin = c.moe, c.ssm, c.linear
     for name in ("d_ff", "shared_experts", "capacity_factor", "aux_loss_weight", "z_loss_weight"):
         non_negative(f"{p}.moe.{name}", getattr(m, name))
@@ -342,7 +413,17 @@ def _validate_sections(c: ModelConfig, p: str) -> None:
         non_negative(f"{p}.ssm.{name}", getattr(s, name))
     for name in ("d_state", "d_conv", "expand"):
         positive(f"{p}.ssm.{name}", getattr(s, name))
+    _validate_mamba2(c, p)
     positive(f"{p}.linear.chunk", lin.chunk)
+    gdn = c.gdn
+    for name in ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim"):
+        non_negative(f"{p}.gdn.{name}", getattr(gdn, name))
+    for name in ("d_conv", "chunk"):
+        positive(f"{p}.gdn.{name}", getattr(gdn, name))
+    hk, hv, _, _ = gdn.dims(c.num_heads, c.head_size)
+    if hv % hk:
+        fail(f"{p}.gdn.num_v_heads", f"must be a multiple of num_k_heads={hk} (each q/k head "
+             f"serves num_v_heads / num_k_heads value heads), got {hv}")
     for name in ("kv_lora_rank", "qk_rope_head_dim", "v_head_dim"):
         positive(f"{p}.mla.{name}", getattr(c.mla, name))
     for name in ("q_lora_rank", "qk_nope_head_dim", "mscale_all_dim"):

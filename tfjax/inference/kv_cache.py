@@ -35,12 +35,15 @@ Scaling Transformer Inference"). Design:
   and a rolling buffer needs no more than its W + 1 slots.
 - **Recurrent layers** (Mamba, linear attention) keep an O(1) state instead of
   keys: `MambaCache` (the last d_conv - 1 conv inputs and the SSM state `[B, Di,
-  N]`), `LinearCache` (the sums S `[B, K, H', Hv]` and z `[B, K, H']`). A prefill
-  or chunk runs the mixer's parallel form from the state with per-row `lengths`:
-  padding steps get dt = 0 (Mamba: exp(0 A) = 1 and no input) or zero key
-  features (linear), and the conv window is gathered at each row's last real
-  token, so a padded tail never enters the state; a decode step is the mixer's
-  `step`. Their size does not depend on the length.
+  N]`), `Mamba2Cache` (the same for Mamba-2: conv inputs `[B, d_conv - 1, Di +
+  2GN]`, SSM state `[B, H, P, N]`), `LinearCache` (the sums S `[B, K, H', Hv]` and z `[B, K, H']`),
+  `GatedDeltaNetCache` (q/k/v conv windows and the delta-rule state S `[B, Hv, dk,
+  dv]`). A prefill or chunk runs the mixer's parallel form from the state with
+  per-row `lengths`: padding steps get dt = 0 (Mamba: exp(0 A) = 1 and no input),
+  zero key features (linear) or beta = g = 0 (Gated DeltaNet: no write, no decay),
+  and the conv window is gathered at each row's last real token, so a padded tail
+  never enters the state; a decode step is the mixer's `step`. Their size does not
+  depend on the length.
 - **Latent attention** (DeepSeek's MLA) keeps `LatentCache`: per token the
   normalised kv latent and the rotated shared key (r + dr values, no per-head K/V),
   decoded in the absorbed form (`tfjax.nn.latent_attention`).
@@ -67,16 +70,20 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from tfjax.nn.gated_deltanet import GatedDeltaNetState
 from tfjax.nn.linear_attention import LinearAttentionState
+from tfjax.nn.mamba2 import Mamba2State
 from tfjax.nn.ssm import MambaState
 from tfjax.parallel.sharding import shard
 
 __all__ = [
     "CrossKVCache",
+    "GatedDeltaNetCache",
     "KVCache",
     "LatentCache",
     "LayerCache",
     "LinearCache",
+    "Mamba2Cache",
     "MambaCache",
     "ModelCache",
     "append_slot",
@@ -309,7 +316,11 @@ def _run_recurrent(cache, mixer, x, positions, state):
 
 
 MAMBA_AXES = {"conv": ("batch", None, "mlp"), "ssm": ("batch", "mlp", None)}
+MAMBA2_AXES = {"conv": ("batch", None, None), "ssm": ("batch", "heads", None, None)}
 LINEAR_AXES = {"S": ("batch", "kv_heads", None, None), "z": ("batch", "kv_heads", None)}
+GDN_AXES = {"conv_q": ("batch", None, "kv_heads", "head_dim"),
+            "conv_k": ("batch", None, "kv_heads", "head_dim"),
+            "conv_v": ("batch", None, "heads", "head_dim"), "S": ("batch", "heads", None, None)}
 
 
 @_pytree
@@ -339,6 +350,34 @@ class MambaCache(LayerCache):
 
 
 @_pytree
+class Mamba2Cache(LayerCache):
+    """A Mamba-2 layer's state (`tfjax.nn.mamba2`): conv `[B, d_conv - 1, Di + 2GN]`
+    (the last conv inputs of x, B and C) and ssm `[B, H, P, N]` (float32). O(1) in
+    the length."""
+
+    conv: jax.Array
+    ssm: jax.Array
+    length: jax.Array
+    AXES = MAMBA2_AXES
+
+    @classmethod
+    def empty(cls, batch: int, d_conv: int, conv_dim: int, num_heads: int, head_dim: int,
+              d_state: int, dtype) -> "Mamba2Cache":
+        return cls(jnp.zeros((batch, d_conv - 1, conv_dim), dtype),
+                   jnp.zeros((batch, num_heads, head_dim, d_state), jnp.float32),
+                   jnp.zeros((batch,), jnp.int32))
+
+    def apply(self, mixer, x, context=None, *, mask=None, bias=None, positions=None,
+              kv_positions=None):
+        if context is not None:
+            raise ValueError("a Mamba-2 layer cache got a context (Mamba-2 is a self mixer)")
+        y, new = _run_recurrent(self, mixer, x, positions, Mamba2State(self.conv, self.ssm))
+        return (shard(y, ("batch", "length", "embed")),
+                self.replace(conv=shard(new.conv.astype(self.conv.dtype), MAMBA2_AXES["conv"]),
+                             ssm=shard(new.ssm.astype(self.ssm.dtype), MAMBA2_AXES["ssm"])))
+
+
+@_pytree
 class LinearCache(LayerCache):
     """A causal linear-attention layer's running sums: S `[B, K, H', Hv]` = sum
     phi(k) v^T and z `[B, K, H']` = sum phi(k) (float32). O(1) in the length."""
@@ -365,6 +404,39 @@ class LinearCache(LayerCache):
         y, new = _run_recurrent(self, mixer, x, positions, LinearAttentionState(self.S, self.z))
         return (shard(y, ("batch", "length", "embed")),
                 self.replace(S=shard(new.S, LINEAR_AXES["S"]), z=shard(new.z, LINEAR_AXES["z"])))
+
+
+@_pytree
+class GatedDeltaNetCache(LayerCache):
+    """A Gated DeltaNet layer's state (`tfjax.nn.gated_deltanet`): the last d_conv - 1
+    conv inputs conv_q, conv_k `[B, d_conv - 1, Hk, dk]`, conv_v `[B, d_conv - 1, Hv,
+    dv]`, and the delta-rule state S `[B, Hv, dk, dv]` (float32). O(1) in the length."""
+
+    conv_q: jax.Array
+    conv_k: jax.Array
+    conv_v: jax.Array
+    S: jax.Array
+    length: jax.Array
+    AXES = GDN_AXES
+
+    @classmethod
+    def empty(cls, batch: int, d_conv: int, num_k_heads: int, num_v_heads: int,
+              head_k_dim: int, head_v_dim: int, dtype) -> "GatedDeltaNetCache":
+        qk = (batch, d_conv - 1, num_k_heads, head_k_dim)
+        return cls(jnp.zeros(qk, dtype), jnp.zeros(qk, dtype),
+                   jnp.zeros((batch, d_conv - 1, num_v_heads, head_v_dim), dtype),
+                   jnp.zeros((batch, num_v_heads, head_k_dim, head_v_dim), jnp.float32),
+                   jnp.zeros((batch,), jnp.int32))
+
+    def apply(self, mixer, x, context=None, *, mask=None, bias=None, positions=None,
+              kv_positions=None):
+        if context is not None:
+            raise ValueError("a Gated DeltaNet layer cache got a context (a self mixer)")
+        state = GatedDeltaNetState(self.conv_q, self.conv_k, self.conv_v, self.S)
+        y, new = _run_recurrent(self, mixer, x, positions, state)
+        new = {f: shard(getattr(new, f).astype(getattr(self, f).dtype), axes)
+               for f, axes in GDN_AXES.items()}
+        return shard(y, ("batch", "length", "embed")), self.replace(**new)
 
 
 @_pytree

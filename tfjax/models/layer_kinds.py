@@ -45,10 +45,14 @@ from flax import nnx
 
 from tfjax.config import ModelConfig
 from tfjax.inference.kv_cache import KVCache, LatentCache, LayerCache, LinearCache, MambaCache
+from tfjax.inference.kv_cache import Mamba2Cache
 from tfjax.nn.attention import MultiHeadAttention
+from tfjax.inference.kv_cache import GatedDeltaNetCache
 from tfjax.nn.ffn import FeedForward
+from tfjax.nn.gated_deltanet import GatedDeltaNet
 from tfjax.nn.latent_attention import MultiHeadLatentAttention, mla_scale
 from tfjax.nn.linear_attention import FEATURE_MAPS, LinearAttention
+from tfjax.nn.mamba2 import Mamba2
 from tfjax.nn.moe import MoE
 from tfjax.nn.positions import RotaryEmbedding
 from tfjax.nn.ssm import Mamba
@@ -251,6 +255,24 @@ def _mamba_cache(cfg: ModelConfig, batch: int, max_len: int, dtype) -> MambaCach
     return MambaCache.empty(batch, s.d_conv, s.expand * cfg.d_model, s.d_state, dtype)
 
 
+def _mamba2(cfg: ModelConfig, rngs: nnx.Rngs, *, positions: bool) -> Mamba2:
+    s = cfg.mamba2
+    return Mamba2(cfg.d_model, d_state=s.d_state, head_dim=s.head_dim, expand=s.expand,
+                  n_groups=s.n_groups, d_conv=s.d_conv, chunk_size=s.chunk,
+                  conv_bias=s.conv_bias, proj_bias=s.proj_bias, norm_groups=s.norm_groups,
+                  norm_eps=cfg.norm_eps, dt_min=s.dt_min, dt_max=s.dt_max,
+                  dt_limit=(s.dt_min_limit, s.dt_max_limit or math.inf),
+                  dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype),
+                  init_std=cfg.init_std, out_init_std=_out_std(cfg), rngs=rngs)
+
+
+def _mamba2_cache(cfg: ModelConfig, batch: int, max_len: int, dtype) -> Mamba2Cache:
+    s = cfg.mamba2
+    inner = s.expand * cfg.d_model
+    return Mamba2Cache.empty(batch, s.d_conv, inner + 2 * s.n_groups * s.d_state,
+                             inner // s.head_dim, s.head_dim, s.d_state, dtype)
+
+
 def _linear(cfg: ModelConfig, rngs: nnx.Rngs, *, positions: bool) -> LinearAttention:
     return LinearAttention(cfg.d_model, cfg.num_heads, num_kv_heads=cfg.kv_heads,
                            head_dim=cfg.head_size, qkv_bias=cfg.qkv_bias, out_bias=cfg.out_bias,
@@ -268,9 +290,33 @@ def _linear_cache(cfg: ModelConfig, batch: int, max_len: int, dtype) -> LinearCa
 LAYER_KINDS.register("mamba", LayerKind(
     "Mamba selective SSM mixer (tfjax.nn.ssm; model.ssm; decoder only)", _mamba,
     positions=False, cache=_mamba_cache, decoder_only=True, order_dependent=True))
+LAYER_KINDS.register("mamba2", LayerKind(
+    "Mamba-2 state-space-duality mixer (tfjax.nn.mamba2; model.mamba2; decoder only)", _mamba2,
+    positions=False, cache=_mamba2_cache, decoder_only=True, order_dependent=True))
 LAYER_KINDS.register("linear", LayerKind(
     "causal linear attention (tfjax.nn.linear_attention; model.linear; decoder only)", _linear,
     positions=False, cache=_linear_cache, decoder_only=True, order_dependent=True))
+
+
+def _gdn(cfg: ModelConfig, rngs: nnx.Rngs, *, positions: bool) -> GatedDeltaNet:
+    d = cfg.gdn
+    hk, hv, dk, dv = d.dims(cfg.num_heads, cfg.head_size)
+    return GatedDeltaNet(cfg.d_model, num_k_heads=hk, num_v_heads=hv, head_k_dim=dk,
+                         head_v_dim=dv, d_conv=d.d_conv, chunk_size=d.chunk,
+                         norm_eps=cfg.norm_eps, dtype=jnp.dtype(cfg.dtype),
+                         param_dtype=jnp.dtype(cfg.param_dtype), init_std=cfg.init_std,
+                         out_init_std=_out_std(cfg), rngs=rngs)
+
+
+def _gdn_cache(cfg: ModelConfig, batch: int, max_len: int, dtype) -> GatedDeltaNetCache:
+    return GatedDeltaNetCache.empty(batch, cfg.gdn.d_conv,
+                                    *cfg.gdn.dims(cfg.num_heads, cfg.head_size), dtype)
+
+
+LAYER_KINDS.register("gated_deltanet", LayerKind(
+    "Gated DeltaNet, the gated delta rule (Qwen3-Next's linear attention; "
+    "tfjax.nn.gated_deltanet; model.gdn; decoder only)", _gdn,
+    positions=False, cache=_gdn_cache, decoder_only=True, order_dependent=True))
 
 
 # --------------------------------------------------------------------------- #

@@ -1,0 +1,394 @@
+"""Gated DeltaNet (Yang, Kautz & Hatamizadeh 2024, "Gated Delta Networks: Improving
+Mamba2 with Delta Rule", arXiv:2412.06464), the linear-attention mixer of
+Qwen3-Next (`Qwen3NextGatedDeltaNet`).
+
+Per value head, with a state S `[d_k, d_v]` (the convention of fla's
+`chunk_gated_delta_rule` and Qwen3-Next):
+
+    S_t = alpha_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T
+        = S~ + k_t u_t^T,  S~ = alpha_t S_{t-1},  u_t = beta_t (v_t - S~^T k_t)
+    o_t = S_t^T q_t
+
+    q, k, v = silu(causal_depthwise_conv(proj(x)))    # kernel d_conv, per channel
+    q, k    = l2norm(q) / sqrt(d_k), l2norm(k)         # per head
+    alpha_t = exp(g_t), g = -exp(A_log) * softplus(a_proj(x) + dt_bias)   # [B, T, Hv]
+    beta_t  = sigmoid(b_proj(x))                                           # [B, T, Hv]
+    out     = out_proj(rmsnorm(o) * silu(z_proj(x)))   # the norm per head, over d_v
+
+The delta rule writes the correction of what the state already predicts for k_t
+(a rank-one update of a fast-weight memory); alpha_t forgets (Mamba-2's gate).
+
+Design choices:
+- Training runs the chunked form `gated_delta_rule` (float32): within a chunk of
+  c steps the updates are condensed by the WY / UT transform, one unit lower
+  triangular solve `(I + A) [U | W] = [beta v | beta d k]` per chunk with
+  A_ij = beta_i Gamma_ij (k_i . k_j) (j < i), Gamma_ij = exp(g_{j+1} + .. + g_i) and
+  d_i = exp(g_1 + .. + g_i) (from the chunk start); the solves and the in-chunk
+  attention `Gamma * (q k^T)` are taken for all chunks at once and a `lax.scan`
+  across chunks only carries S (u = U - W S). Lengths that are not a multiple of
+  the chunk are padded internally (beta = g = 0: no write, no decay). The decays
+  are formed from differences of in-chunk cumulative sums masked before the exp,
+  so they are <= 1 and no exp(-cumsum) ever overflows. Its ground truth is the
+  sequential loop `gated_delta_rule_reference` (`lax.scan` over T).
+- GVA (Qwen3-Next): num_v_heads = G * num_k_heads; value head h reads q/k head
+  h // G (`repeat_interleave` in HF), kept as `[.., K, G, ..]` axes, never repeated.
+- Decoding is O(1) per token, with Mamba's interface: `init_state(batch)` gives a
+  `GatedDeltaNetState` (the last d_conv - 1 conv inputs of q, k, v and S `[B, Hv,
+  d_k, d_v]` in float32), `step(x_t, state)` advances one token, `forward(x, state,
+  positions=, lengths=)` runs a prompt from a state (prefill) with the same
+  numerics. In a model, `tfjax.inference.kv_cache.GatedDeltaNetCache` holds it.
+- Packed documents: given `positions` (restarting at 0 in each document, as the
+  model passes them), the convs do not read across a position-0 boundary and the
+  state is reset there (in the chunked form: decays and the carried state are
+  masked across documents), so packed rows equal separate ones. `lengths [B]`:
+  right padding gets beta = g = 0 (state unchanged) and the conv windows are
+  gathered at each row's last real step, so a padded tail never enters the state.
+- Parameters (separate projections, not HF's fused, head-interleaved
+  `in_proj_qkvz` / `in_proj_ba`): q_proj, k_proj `[D, Hk, dk]`, v_proj, z_proj
+  `[D, Hv, dv]`, b_proj, a_proj `[D, Hv]`, conv_q, conv_k `[d_conv, Hk, dk]`,
+  conv_v `[d_conv, Hv, dv]` (no bias), A_log, dt_bias `[Hv]`, norm scale `[dv]`,
+  out_proj `[Hv, dv, D]`; heads shard on "kv_heads" / "heads".
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tfjax.nn.norms import make_norm
+from tfjax.parallel.sharding import shard, with_logical_axes
+from tfjax.typing import DType
+
+__all__ = ["GatedDeltaNet", "GatedDeltaNetState", "gated_delta_rule",
+           "gated_delta_rule_reference", "gated_delta_step", "l2_normalize"]
+
+QK_AXES = ("batch", "length", "kv_heads", "head_dim")
+V_AXES = ("batch", "length", "heads", "head_dim")
+
+
+class GatedDeltaNetState(NamedTuple):
+    """Decoding state of one layer: the last d_conv - 1 conv inputs, conv_q, conv_k
+    `[B, d_conv - 1, Hk, dk]`, conv_v `[B, d_conv - 1, Hv, dv]`, and S `[B, Hv, dk, dv]`
+    (float32)."""
+
+    conv_q: jax.Array
+    conv_k: jax.Array
+    conv_v: jax.Array
+    S: jax.Array
+
+
+def l2_normalize(x, eps: float = 1e-6):
+    """x / sqrt(sum x^2 + eps) over the last axis (fla's and HF's l2norm)."""
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def _grouped(q, k, v, g, beta, state):
+    """float32 and value heads split as `[.., K, G, ..]`: v `[B,T,K,G,M]`, g, beta
+    `[B,T,K,G]`, S `[B,K,G,H,M]` (zeros if `state` is None)."""
+    f32 = jnp.float32
+    B, T, K, H = k.shape
+    N, M = v.shape[2:]
+    if N % K or q.shape != k.shape:
+        raise ValueError(f"gated delta rule: q and k `[B,T,K,H]` alike and num_v_heads={N} "
+                         f"a multiple of num_k_heads={K}; got q {q.shape}, k {k.shape}")
+    G = N // K
+    S = (jnp.zeros((B, K, G, H, M), f32) if state is None
+         else state.astype(f32).reshape(B, K, G, H, M))
+    return (q.astype(f32), k.astype(f32), v.astype(f32).reshape(B, T, K, G, M),
+            g.astype(f32).reshape(B, T, K, G), beta.astype(f32).reshape(B, T, K, G), S)
+
+
+def gated_delta_step(q_t, k_t, v_t, alpha_t, beta_t, S):
+    """One step in grouped shapes: q_t, k_t `[B,K,H]`, v_t `[B,K,G,M]`, alpha_t, beta_t
+    `[B,K,G]`, S `[B,K,G,H,M]` -> (o_t `[B,K,G,M]`, S_t)."""
+    S = alpha_t[..., None, None] * S
+    u = beta_t[..., None] * (v_t - jnp.einsum("BKH,BKGHM->BKGM", k_t, S))
+    S = S + jnp.einsum("BKH,BKGM->BKGHM", k_t, u)
+    return jnp.einsum("BKH,BKGHM->BKGM", q_t, S), S
+
+
+def gated_delta_rule_reference(q, k, v, g, beta, *, state=None, reset=None):
+    """The sequential recurrence (a `lax.scan` over T; ground truth for tests).
+
+    q, k `[B,T,Hk,H]` (normalised and scaled by the caller), v `[B,T,Hv,M]`, g (log
+    decay, <= 0) and beta `[B,T,Hv]`, state `[B,Hv,H,M]` or None, reset `[B,T]` bool
+    (the state is zeroed before that step) or None -> (o `[B,T,Hv,M]` float32, S_T)."""
+    B, T, _, H = k.shape
+    N, M = v.shape[2:]
+    q, k, v, g, beta, S = _grouped(q, k, v, g, beta, state)
+    alpha = jnp.exp(g)
+    if reset is not None:
+        alpha = jnp.where(reset[:, :, None, None], 0.0, alpha)
+
+    def body(S, xs):
+        o, S = gated_delta_step(*xs, S)
+        return S, o
+
+    S, o = jax.lax.scan(body, S, tuple(a.swapaxes(0, 1) for a in (q, k, v, alpha, beta)))
+    return o.swapaxes(0, 1).reshape(B, T, N, M), S.reshape(B, N, H, M)
+
+
+def gated_delta_rule(q, k, v, g, beta, *, chunk_size: int = 64, state=None, reset=None):
+    """The chunked (WY / UT transform) form; arguments and result as the reference's.
+
+    Chunks of `chunk_size` steps (T padded internally to a multiple): a triangular
+    solve per chunk, all chunks at once, then a `lax.scan` across chunks carrying S.
+    `reset [B,T]`: a document starts at that step (nothing before it is seen)."""
+    B, T, K, H = k.shape
+    N, M = v.shape[2:]
+    q, k, v, g, beta, S0 = _grouped(q, k, v, g, beta, state)
+    # The document of each step; the state entering the call belongs to document 0.
+    doc = (jnp.zeros((B, T), jnp.int32) if reset is None
+           else jnp.cumsum(reset.astype(jnp.int32), axis=1))
+    c = max(1, min(chunk_size, T))
+    pad = (-T) % c
+    n = (T + pad) // c
+
+    def chunks(a, mode="constant"):  # [B, T, ...] -> [B, n, c, ...]; zeros: no write, no decay
+        a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2), mode=mode)
+        return a.reshape(B, n, c, *a.shape[2:])
+
+    q, k, v, g, beta, doc = (chunks(q), chunks(k), chunks(v), chunks(g), chunks(beta),
+                             chunks(doc, "edge"))
+    # The document the carried state belongs to when each chunk starts.
+    prev = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), doc[:, :-1, -1]], axis=1)  # [B, n]
+    cum = jnp.cumsum(g, axis=2)  # [B, n, c, K, G]: log decay from the chunk start
+    tril = jnp.tril(jnp.ones((c, c), bool))
+    same = ((doc[:, :, :, None] == doc[:, :, None, :]) & tril)[..., None, None]  # [B,n,I,J,1,1]
+    diff = cum[:, :, :, None] - cum[:, :, None, :]  # [B, n, I, J, K, G]
+    decay = jnp.where(same, jnp.exp(jnp.where(same, diff, 0.0)), 0.0)  # Gamma_ij, j <= i
+    live = (doc == prev[..., None])[..., None, None]  # [B, n, c, 1, 1]: sees the carried state
+    d = jnp.where(live, jnp.exp(cum), 0.0)  # [B, n, c, K, G]
+
+    strict = ~jnp.eye(c, dtype=bool)[..., None, None]
+    kk = jnp.einsum("BnIKH,BnJKH->BnIJK", k, k)[..., None]
+    A = jnp.where(strict, beta[:, :, :, None] * decay * kk, 0.0)  # [B, n, I, J, K, G]
+    L = jnp.moveaxis(A, (2, 3), (4, 5)) + jnp.eye(c)  # [B, n, K, G, I, J], unit lower
+    rhs = jnp.concatenate([beta[..., None] * v,  # [B, n, c, K, G, M + H]
+                           (beta * d)[..., None] * k[:, :, :, :, None, :]], axis=-1)
+    UW = jax.lax.linalg.triangular_solve(L, jnp.moveaxis(rhs, 2, 4), left_side=True,
+                                         lower=True, unit_diagonal=True)  # [B,n,K,G,c,M+H]
+    U, W = UW[..., :M], UW[..., M:]
+    P = decay * jnp.einsum("BnIKH,BnJKH->BnIJK", q, k)[..., None]  # in-chunk attention
+    qd = q[:, :, :, :, None, :] * d[..., None]  # [B, n, c, K, G, H]: queries of the carried S
+    kd = k[:, :, :, :, None, :] * decay[:, :, -1][..., None]  # keys decayed to the chunk end
+    dend = d[:, :, -1]  # [B, n, K, G]: the carried S's decay over the whole chunk
+
+    @jax.checkpoint
+    def body(S, xs):
+        U, W, P, qd, kd, dend = xs
+        u = U - jnp.einsum("BKGJH,BKGHM->BKGJM", W, S)
+        o = (jnp.einsum("BIKGH,BKGHM->BIKGM", qd, S)
+             + jnp.einsum("BIJKG,BKGJM->BIKGM", P, u))
+        S = dend[..., None, None] * S + jnp.einsum("BJKGH,BKGJM->BKGHM", kd, u)
+        return S, o
+
+    S, o = jax.lax.scan(body, S0, tuple(a.swapaxes(0, 1) for a in (U, W, P, qd, kd, dend)))
+    o = o.swapaxes(0, 1).reshape(B, n * c, N, M)[:, :T]
+    return o, S.reshape(B, N, H, M)
+
+
+def _causal_conv(x, window, w, positions):
+    """silu(depthwise causal conv) of x `[B,T,...]` after `window` `[B,W-1,...]` (the
+    inputs before it) with taps w `[W,...]`; taps do not read before a position-0
+    step when `positions` is given. -> (y, the padded inputs `[B, W-1+T, ...]`)."""
+    T, W = x.shape[1], w.shape[0]
+    xpad = jnp.concatenate([window.astype(x.dtype), x], axis=1)
+    y = jnp.zeros_like(x)
+    for j in range(W):  # tap j reads x[t - (W-1-j)]
+        tap = xpad[:, j:j + T] * w[j].astype(x.dtype)
+        lag = W - 1 - j
+        if positions is not None and lag > 0:
+            tap = jnp.where((positions >= lag).reshape(*positions.shape, *(1,) * (x.ndim - 2)),
+                            tap, 0)
+        y = y + tap
+    return jax.nn.silu(y), xpad
+
+
+def _last_inputs(xpad, end, W):
+    """The W-1 conv inputs before step `end` `[B]` of each row (from the padded inputs)."""
+    if W == 1:
+        return xpad[:, :0]
+    idx = end[:, None] + jnp.arange(W - 1, dtype=jnp.int32)[None, :]  # [B, W-1] into xpad
+    return jnp.take_along_axis(xpad, idx.reshape(*idx.shape, *(1,) * (xpad.ndim - 2)), axis=1)
+
+
+class GatedDeltaNet(nnx.Module):
+    """`[B, T, D] -> [B, T, D]` Gated DeltaNet mixer (a drop-in for attention in a block)."""
+
+    def __init__(self, d_model: int, *, num_k_heads: int = 4, num_v_heads: int = 0,
+                 head_k_dim: int = 16, head_v_dim: int = 0, d_conv: int = 4,
+                 chunk_size: int = 64, norm_eps: float = 1e-6, dt_min: float = 1e-3,
+                 dt_max: float = 0.1, dt_init_floor: float = 1e-4, dtype: DType = jnp.float32,
+                 param_dtype: DType = jnp.float32, init_std: float = 0.02,
+                 out_init_std: float | None = None, rngs: nnx.Rngs):
+        """num_v_heads 0 -> num_k_heads; head_v_dim 0 -> head_k_dim; chunk_size 0 -> the
+        sequential recurrence (`gated_delta_rule_reference`) instead of the chunked form."""
+        Hv, dv = num_v_heads or num_k_heads, head_v_dim or head_k_dim
+        for name, val in (("d_model", d_model), ("num_k_heads", num_k_heads), ("num_v_heads", Hv),
+                          ("head_k_dim", head_k_dim), ("head_v_dim", dv), ("d_conv", d_conv)):
+            if val < 1:
+                raise ValueError(f"{name} must be >= 1, got {val}")
+        if chunk_size < 0:
+            raise ValueError(f"chunk_size must be >= 0 (0: sequential), got {chunk_size}")
+        if Hv % num_k_heads:
+            raise ValueError(f"num_v_heads={Hv} must be a multiple of num_k_heads={num_k_heads}")
+        D, Hk, dk = d_model, num_k_heads, head_k_dim
+        self.d_model, self.num_k_heads, self.num_v_heads = D, Hk, Hv
+        self.head_k_dim, self.head_v_dim, self.d_conv = dk, dv, d_conv
+        self.chunk_size, self.dtype = chunk_size, dtype
+        normal = nnx.initializers.normal(init_std)
+
+        def param(init, shape, names):
+            return nnx.Param(with_logical_axes(init, names)(rngs.params(), shape, param_dtype))
+
+        def uniform(lo, hi):
+            return lambda key, shape, dt=jnp.float32: jax.random.uniform(key, shape, dt, lo, hi)
+
+        self.q_proj = param(normal, (D, Hk, dk), ("embed", "kv_heads", "head_dim"))
+        self.k_proj = param(normal, (D, Hk, dk), ("embed", "kv_heads", "head_dim"))
+        self.v_proj = param(normal, (D, Hv, dv), ("embed", "heads", "head_dim"))
+        self.z_proj = param(normal, (D, Hv, dv), ("embed", "heads", "head_dim"))
+        self.b_proj = param(normal, (D, Hv), ("embed", "heads"))
+        self.a_proj = param(normal, (D, Hv), ("embed", "heads"))
+        bound = d_conv ** -0.5
+        qk_conv = (None, "kv_heads", "head_dim")
+        self.conv_q = param(uniform(-bound, bound), (d_conv, Hk, dk), qk_conv)
+        self.conv_k = param(uniform(-bound, bound), (d_conv, Hk, dk), qk_conv)
+        self.conv_v = param(uniform(-bound, bound), (d_conv, Hv, dv), (None, "heads", "head_dim"))
+        # A uniform in [1, 16] (fla's A_init_range), A_log = log A.
+        self.A_log = param(lambda key, shape, dt=jnp.float32: jnp.log(
+            jax.random.uniform(key, shape, jnp.float32, 1.0, 16.0)).astype(dt), (Hv,), ("heads",))
+
+        def dt_bias_init(key, shape, dt=jnp.float32):
+            # softplus(bias) log-uniform in [dt_min, dt_max] (Mamba's and fla's init).
+            u = jax.random.uniform(key, shape, jnp.float32)
+            step = jnp.exp(u * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+            step = jnp.maximum(step, dt_init_floor)
+            return (step + jnp.log(-jnp.expm1(-step))).astype(dt)
+
+        self.dt_bias = param(dt_bias_init, (Hv,), ("heads",))
+        self.norm = make_norm("rmsnorm", dv, eps=norm_eps, dtype=jnp.float32,
+                              param_dtype=param_dtype, rngs=rngs)
+        out_std = init_std if out_init_std is None else out_init_std
+        self.out_proj = param(nnx.initializers.normal(out_std), (Hv, dv, D),
+                              ("heads", "head_dim", "embed"))
+
+    # -- pieces -------------------------------------------------------------------
+    def _in(self, x):
+        """x `[..., D]` -> q, k `[..., Hk, dk]`, v, z `[..., Hv, dv]`, b, a `[..., Hv]`."""
+        x = x.astype(self.dtype)
+
+        def proj(w, spec):
+            return jnp.einsum(spec, x, w[...].astype(self.dtype))
+
+        heads = "...D,DNH->...NH"
+        return (proj(self.q_proj, heads), proj(self.k_proj, heads), proj(self.v_proj, heads),
+                proj(self.z_proj, heads), proj(self.b_proj, "...D,DN->...N"),
+                proj(self.a_proj, "...D,DN->...N"))
+
+    def _qk(self, q, k):
+        """L2-normalised per head (float32); q also scaled by 1/sqrt(dk)."""
+        q = l2_normalize(q.astype(jnp.float32)) * self.head_k_dim ** -0.5
+        return q, l2_normalize(k.astype(jnp.float32))
+
+    def _gates(self, b, a):
+        """-> g (log decay) and beta `[..., Hv]` in float32."""
+        a = a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)
+        g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a)
+        return g, jax.nn.sigmoid(b.astype(jnp.float32))
+
+    def _out(self, o, z):
+        """o `[..., Hv, dv]` (float32) -> norm(o) * silu(z) -> out_proj -> `[..., D]`."""
+        y = (self.norm(o) * jax.nn.silu(z.astype(jnp.float32))).astype(self.dtype)
+        return jnp.einsum("...NM,NMD->...D", y, self.out_proj[...].astype(self.dtype))
+
+    def init_state(self, batch: int, dtype: DType = jnp.float32) -> GatedDeltaNetState:
+        W, Hk, Hv, dk, dv = (self.d_conv, self.num_k_heads, self.num_v_heads, self.head_k_dim,
+                             self.head_v_dim)
+        return GatedDeltaNetState(conv_q=jnp.zeros((batch, W - 1, Hk, dk), dtype),
+                                  conv_k=jnp.zeros((batch, W - 1, Hk, dk), dtype),
+                                  conv_v=jnp.zeros((batch, W - 1, Hv, dv), dtype),
+                                  S=jnp.zeros((batch, Hv, dk, dv), jnp.float32))
+
+    # -- sequence and step ----------------------------------------------------------
+    def forward(self, x, state: GatedDeltaNetState | None = None, *, positions=None,
+                lengths=None):
+        """x `[B,T,D]` from `state` (None: empty) -> (y `[B,T,D]`, final state).
+
+        `positions [B,T]`: a step at position 0 starts a new document (no conv input
+        or state carried into it). `lengths [B]`: row b has lengths[b] real steps, then
+        right padding; the final state is the state after its last real step."""
+        B, T, _ = x.shape
+        state = self.init_state(B, self.dtype) if state is None else state
+        q, k, v, z, b, a = self._in(x)
+        q, k = shard(q, QK_AXES), shard(k, QK_AXES)
+        v, z = shard(v, V_AXES), shard(z, V_AXES)
+        (q, qpad), (k, kpad), (v, vpad) = (
+            _causal_conv(t, window, w[...], positions)
+            for t, window, w in ((q, state.conv_q, self.conv_q), (k, state.conv_k, self.conv_k),
+                                 (v, state.conv_v, self.conv_v)))
+        q, k = self._qk(q, k)
+        g, beta = self._gates(b, a)
+        reset = None if positions is None else positions == 0
+        end = jnp.full((B,), T, jnp.int32)
+        if lengths is not None:  # padding: no write (beta = 0), no decay (g = 0), no reset
+            end = jnp.asarray(lengths, jnp.int32)
+            valid = jnp.arange(T)[None, :] < end[:, None]
+            g, beta = jnp.where(valid[..., None], g, 0.0), jnp.where(valid[..., None], beta, 0.0)
+            reset = None if reset is None else reset & valid
+        if self.chunk_size:
+            o, S = gated_delta_rule(q, k, v, g, beta, chunk_size=self.chunk_size, state=state.S,
+                                    reset=reset)
+        else:
+            o, S = gated_delta_rule_reference(q, k, v, g, beta, state=state.S, reset=reset)
+        W = self.d_conv
+        new = GatedDeltaNetState(
+            conv_q=_last_inputs(qpad, end, W).astype(state.conv_q.dtype),
+            conv_k=_last_inputs(kpad, end, W).astype(state.conv_k.dtype),
+            conv_v=_last_inputs(vpad, end, W).astype(state.conv_v.dtype), S=S)
+        return self._out(o, z), new
+
+    def step(self, x_t, state: GatedDeltaNetState):
+        """One token: x_t `[B, D]` -> (y_t `[B, D]`, new state). O(1) in the length."""
+        B = x_t.shape[0]
+        Hk, Hv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        q, k, v, z, b, a = self._in(x_t)
+
+        def conv(t, window, w):
+            win = jnp.concatenate([window.astype(t.dtype), t[:, None]], axis=1)  # [B, W, ...]
+            return jax.nn.silu(jnp.einsum("BW...,W...->B...", win, w[...].astype(t.dtype))), win
+
+        (q, wq), (k, wk), (v, wv) = (conv(q, state.conv_q, self.conv_q),
+                                     conv(k, state.conv_k, self.conv_k),
+                                     conv(v, state.conv_v, self.conv_v))
+        q, k = self._qk(q, k)
+        g, beta = self._gates(b, a)
+        G = Hv // Hk
+        o, S = gated_delta_step(q, k, v.astype(jnp.float32).reshape(B, Hk, G, dv),
+                                jnp.exp(g).reshape(B, Hk, G), beta.reshape(B, Hk, G),
+                                state.S.astype(jnp.float32).reshape(B, Hk, G, dk, dv))
+        new = GatedDeltaNetState(conv_q=wq[:, 1:].astype(state.conv_q.dtype),
+                                 conv_k=wk[:, 1:].astype(state.conv_k.dtype),
+                                 conv_v=wv[:, 1:].astype(state.conv_v.dtype),
+                                 S=S.reshape(B, Hv, dk, dv))
+        return self._out(o.reshape(B, Hv, dv), z), new
+
+    def __call__(self, x, *, mask=None, bias=None, positions=None,
+                 cache: GatedDeltaNetState | None = None, **_):
+        """Block interface (as attention's): causal by construction, so `mask` and
+        `bias` are unused; `positions` mark document starts (see `forward`). With
+        `cache` (a `GatedDeltaNetState`, e.g. `init_state(B)`) it returns `(y,
+        new_state)`; a cache object with an `apply` method (tfjax.inference's
+        LayerCache protocol) is called as `cache.apply(self, x, None, mask=, bias=,
+        positions=)` instead."""
+        if cache is not None and hasattr(cache, "apply"):
+            return cache.apply(self, x, None, mask=mask, bias=bias, positions=positions)
+        del mask, bias
+        y, state = self.forward(x, cache, positions=positions)
+        y = shard(y, ("batch", "length", "embed"))
+        return y if cache is None else (y, state)

@@ -1,0 +1,326 @@
+"""Mamba-2: the state-space-duality (SSD) layer (Dao & Gu 2024, arXiv:2405.21060).
+
+    z, xBC, dt = in_proj(u)                     # [B,T,Di], [B,T,Di + 2GN], [B,T,H]
+    x, B, C    = silu(causal_depthwise_conv(xBC))   # x [B,T,H,P]; B, C [B,T,G,N]
+    dt         = clip(softplus(dt + dt_bias), dt_limit)          # [B, T, H]
+    h_t        = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T   # A = -exp(A_log) [H]; h [H, P, N]
+    y_t        = h_t C_t + D x_t                            # D [H]
+    out        = out_proj(rmsnorm_grouped(y * silu(z)))
+
+Di = expand * D inner channels in H = Di / P heads of head dim P; each head has
+one scalar decay A (Mamba-1 has one per channel and state), and B, C are shared
+by the H / G heads of each of G groups (head h reads group h // (H / G)).
+
+Design choices:
+- The training form is SSD's chunked algorithm (`ssd`): within a chunk of c
+  tokens the output is the quadratic, attention-like form `(C B^T o L) (dt x)`
+  with the decay mask L[l, s] = exp(sum_{s<k<=l} dt_k A); each chunk's final
+  state is a low-rank sum; a `lax.scan` over chunks carries the state between
+  them, and each chunk reads its incoming state through C. All in float32; a
+  length not a multiple of c is padded with dt = 0 (decay 1, no input), so the
+  state passes through the padding. It equals the sequential recurrence
+  `ssd_reference` (a `lax.scan` over T), forward and gradients.
+- Decoding is O(1) per token, as Mamba's (`tfjax.nn.ssm`): `init_state(batch)`
+  gives a `Mamba2State` (the last d_conv - 1 conv inputs `[B, d_conv - 1, Di +
+  2GN]` and the SSM state `[B, H, P, N]` float32), `step(u_t, state)` advances
+  one token, and `forward(u, state, positions=, lengths=)` runs a prompt from a
+  state with the same numerics. `tfjax.inference.kv_cache.Mamba2Cache` holds it.
+- Packed sequences: with `positions` (restarting at 0 in each document) the conv
+  does not read across a position-0 boundary and the state is reset there
+  (within a chunk: a segment mask on L; across chunks: no carry). `lengths`
+  keeps a right-padded tail out of the final state (dt = 0 there, the conv
+  window gathered at each row's last real step).
+- Layout and numerics are mamba_ssm's / Hugging Face's `Mamba2Mixer`: one
+  in_proj of width 2 Di + 2 G N + H (z, x, B, C, dt in that order), the conv over
+  (x, B, C), dt_bias initialised so softplus(dt_bias) is log-uniform in
+  [dt_min, dt_max], A = uniform(A_init_range), the gated RMSNorm normalising
+  groups of Di / norm_groups channels after the gate (norm_before_gate=False).
+- Parameters: in_proj `[D, 2Di + 2GN + H]` ("embed", None: its output
+  concatenates parts of different widths), conv `[d_conv, Di + 2GN]`, dt_bias,
+  A_log, D `[H]` ("heads"), norm `[Di]` ("mlp"), out_proj `[Di, D]` ("mlp",
+  "embed"); heads and inner channels both shard on the tensor axis.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tfjax.parallel.sharding import shard, with_logical_axes
+from tfjax.typing import DType
+
+__all__ = ["Mamba2", "Mamba2State", "ssd", "ssd_reference"]
+
+
+class Mamba2State(NamedTuple):
+    """Decoding state of one Mamba-2 layer: conv `[B, d_conv - 1, Di + 2GN]`, ssm
+    `[B, H, P, N]` (float32)."""
+
+    conv: jax.Array
+    ssm: jax.Array
+
+
+def _f32(*arrays):
+    return tuple(a.astype(jnp.float32) for a in arrays)
+
+
+def ssd(x, dt, A, Bm, Cm, Dskip, h0=None, *, chunk_size: int = 64, reset=None):
+    """y_t = h_t C_t + D x_t with h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T, chunked.
+
+    x `[B,T,H,P]`; dt `[B,T,H]` (>= 0); A `[H]` (negative); Bm, Cm `[B,T,G,N]` (H %
+    G == 0); Dskip `[H]`; h0 `[B,H,P,N]` or None; reset `[B,T]` bool or None (the
+    state is zeroed before that step). Returns y `[B,T,H,P]`, h_T `[B,H,P,N]`, float32.
+    """
+    x, dt, A, Bm, Cm = _f32(x, dt, A, Bm, Cm)
+    Bsz, T, H, P = x.shape
+    G, N = Bm.shape[-2:]
+    R = H // G  # heads per group
+    h0 = jnp.zeros((Bsz, H, P, N), jnp.float32) if h0 is None else h0.astype(jnp.float32)
+    c = max(1, min(chunk_size, T))
+    pad = (-T) % c  # dt = 0 on padding: decay exp(0) = 1 and no input
+
+    def chunks(a, fill=0):  # [B, T, ...] -> [B, nc, c, ...]
+        a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2), constant_values=fill)
+        return a.reshape(Bsz, -1, c, *a.shape[2:])
+
+    xdt = chunks((x * dt[..., None]).reshape(Bsz, T, G, R, P))  # [B, nc, c, G, R, P]
+    Bc, Cc = chunks(Bm), chunks(Cm)  # [B, nc, c, G, N]
+    cum = jnp.cumsum(chunks(dt * A), axis=2).reshape(*xdt.shape[:3], G, R)  # [B,nc,c,G,R]
+    last = cum[:, :, -1:]  # [B, nc, 1, G, R]
+    ones = jnp.ones(xdt.shape[:3], bool)
+    if reset is None:  # same segment: no reset in (s, l]; first: no reset in [0, l]
+        seg = None
+        first, to_end = ones, ones
+    else:
+        seg = jnp.cumsum(chunks(reset, False).astype(jnp.int32), axis=2)  # [B, nc, c]
+        first, to_end = seg == 0, seg == seg[:, :, -1:]
+    causal = jnp.tril(jnp.ones((c, c), bool))
+    same = causal if seg is None else causal & (seg[..., :, None] == seg[..., None, :])
+
+    def decay(exponent, keep):  # exp where kept, exactly 0 elsewhere (no inf * 0 in grads)
+        return jnp.exp(jnp.where(keep, exponent, -jnp.inf))
+
+    # 1. Within chunks: the quadratic (attention-like) form.
+    L = decay(cum[:, :, :, None] - cum[:, :, None], same[..., None, None])  # [B,nc,l,s,G,R]
+    CB = jnp.einsum("BZLGN,BZSGN->BZLSG", Cc, Bc)
+    y = jnp.einsum("BZLSG,BZLSGR,BZSGRP->BZLGRP", CB, L, xdt)
+    # 2. Each chunk's own contribution to its final state.
+    w_end = decay(last - cum, to_end[..., None, None])  # [B, nc, c, G, R]
+    states = jnp.einsum("BZSGN,BZSGR,BZSGRP->BZGRPN", Bc, w_end, xdt)
+    carry = decay(last[:, :, 0], True if seg is None else (seg[:, :, -1] == 0)[..., None, None])
+
+    # 3. Across chunks: h_in[z + 1] = carry[z] h_in[z] + states[z].
+    def body(h, xs):
+        a, s = xs
+        return a[..., None, None] * h + s, h
+
+    h, h_in = jax.lax.scan(body, h0.reshape(Bsz, G, R, P, N),
+                           (carry.swapaxes(0, 1), states.swapaxes(0, 1)))
+    h_in = h_in.swapaxes(0, 1)  # [B, nc, G, R, P, N]: the state entering each chunk
+    # 4. The incoming state read out through C, decayed to each step.
+    w_in = decay(cum, first[..., None, None])  # [B, nc, c, G, R]
+    y = y + jnp.einsum("BZLGN,BZLGR,BZGRPN->BZLGRP", Cc, w_in, h_in)
+    y = y.reshape(Bsz, -1, H, P)[:, :T]
+    return y + Dskip.astype(jnp.float32)[:, None] * x, h.reshape(Bsz, H, P, N)
+
+
+def ssd_reference(x, dt, A, Bm, Cm, Dskip, h0=None, reset=None):
+    """The sequential recurrence (a `lax.scan` over T; ground truth for tests), same
+    signature and results as `ssd`."""
+    x, dt, A, Bm, Cm = _f32(x, dt, A, Bm, Cm)
+    Bsz, T, H, P = x.shape
+    G, N = Bm.shape[-2:]
+    h0 = jnp.zeros((Bsz, H, P, N), jnp.float32) if h0 is None else h0.astype(jnp.float32)
+    Bh, Ch = (jnp.repeat(a, H // G, axis=2) for a in (Bm, Cm))  # [B, T, H, N]
+    reset = jnp.zeros((Bsz, T), bool) if reset is None else reset
+
+    def body(h, xs):
+        x_t, dt_t, B_t, C_t, r_t = xs
+        h = jnp.where(r_t[:, None, None, None], 0.0, h)
+        h = (jnp.exp(dt_t * A)[..., None, None] * h
+             + jnp.einsum("BHP,BHN->BHPN", x_t * dt_t[..., None], B_t))
+        return h, jnp.einsum("BHPN,BHN->BHP", h, C_t)
+
+    h, ys = jax.lax.scan(body, h0, tuple(a.swapaxes(0, 1) for a in (x, dt, Bh, Ch, reset)))
+    return ys.swapaxes(0, 1) + Dskip.astype(jnp.float32)[:, None] * x, h
+
+
+class Mamba2(nnx.Module):
+    """`[B, T, D] -> [B, T, D]` SSD mixer (a drop-in for attention in a block)."""
+
+    def __init__(self, d_model: int, *, d_state: int = 16, head_dim: int = 16, expand: int = 2,
+                 n_groups: int = 1, d_conv: int = 4, chunk_size: int = 64,
+                 conv_bias: bool = True, proj_bias: bool = False, norm_groups: int = 0,
+                 norm_eps: float = 1e-5, dt_min: float = 1e-3, dt_max: float = 0.1,
+                 dt_init_floor: float = 1e-4, dt_limit: tuple[float, float] = (0.0, math.inf),
+                 A_init_range: tuple[float, float] = (1.0, 16.0),
+                 dtype: DType = jnp.float32, param_dtype: DType = jnp.float32,
+                 init_std: float = 0.02, out_init_std: float | None = None, rngs: nnx.Rngs):
+        for name, v in (("d_model", d_model), ("d_state", d_state), ("head_dim", head_dim),
+                        ("expand", expand), ("n_groups", n_groups), ("d_conv", d_conv),
+                        ("chunk_size", chunk_size)):
+            if v < 1:
+                raise ValueError(f"{name} must be >= 1, got {v}")
+        D, Di, N, G = d_model, expand * d_model, d_state, n_groups
+        if Di % head_dim:
+            raise ValueError(f"head_dim={head_dim} must divide the inner width expand * d_model "
+                             f"= {Di}")
+        H = Di // head_dim
+        if H % G:
+            raise ValueError(f"n_groups={G} must divide the number of heads {H} (= expand * "
+                             f"d_model / head_dim)")
+        norm_groups = norm_groups or G
+        if Di % norm_groups:
+            raise ValueError(f"norm_groups={norm_groups} must divide the inner width {Di}")
+        self.d_model, self.d_inner, self.d_state, self.d_conv = D, Di, N, d_conv
+        self.num_heads, self.head_dim, self.n_groups, self.norm_groups = H, head_dim, G, norm_groups
+        self.conv_dim = Di + 2 * G * N
+        self.chunk_size, self.norm_eps, self.dtype = chunk_size, norm_eps, dtype
+        self.dt_limit = tuple(float(v) for v in dt_limit)
+        normal = nnx.initializers.normal(init_std)
+        zeros = nnx.initializers.zeros_init()
+
+        def param(init, shape, names):
+            return nnx.Param(with_logical_axes(init, names)(rngs.params(), shape, param_dtype))
+
+        def uniform(lo, hi):
+            return lambda key, shape, dt=jnp.float32: jax.random.uniform(key, shape, dt, lo, hi)
+
+        width = 2 * Di + 2 * G * N + H  # z, x, B, C, dt
+        self.in_proj = param(normal, (D, width), ("embed", None))
+        self.in_bias = param(zeros, (width,), (None,)) if proj_bias else None
+        bound = d_conv ** -0.5
+        self.conv_w = param(uniform(-bound, bound), (d_conv, self.conv_dim), (None, None))
+        self.conv_b = param(zeros, (self.conv_dim,), (None,)) if conv_bias else None
+
+        def dt_bias_init(key, shape, dt=jnp.float32):
+            # softplus(bias) log-uniform in [dt_min, dt_max] (mamba_ssm's init).
+            u = jax.random.uniform(key, shape, jnp.float32)
+            step = jnp.exp(u * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+            step = jnp.maximum(step, dt_init_floor)
+            return (step + jnp.log(-jnp.expm1(-step))).astype(dt)
+
+        self.dt_bias = param(dt_bias_init, (H,), ("heads",))
+        a_lo, a_hi = A_init_range
+        self.A_log = param(lambda key, shape, dt=jnp.float32: jnp.log(
+            jax.random.uniform(key, shape, jnp.float32, a_lo, a_hi)).astype(dt), (H,), ("heads",))
+        self.D = param(nnx.initializers.ones_init(), (H,), ("heads",))
+        self.norm_w = param(nnx.initializers.ones_init(), (Di,), ("mlp",))
+        out_std = init_std if out_init_std is None else out_init_std
+        self.out_proj = param(nnx.initializers.normal(out_std), (Di, D), ("mlp", "embed"))
+        self.out_bias = param(zeros, (D,), ("embed",)) if proj_bias else None
+
+    # -- pieces -------------------------------------------------------------------
+    def _in(self, u):
+        """u `[..., D]` -> z `[..., Di]`, xBC `[..., Di + 2GN]`, dt (raw) `[..., H]`."""
+        p = jnp.einsum("...D,DW->...W", u.astype(self.dtype), self.in_proj[...].astype(self.dtype))
+        if self.in_bias is not None:
+            p = p + self.in_bias[...].astype(self.dtype)
+        Di = self.d_inner
+        return p[..., :Di], p[..., Di:Di + self.conv_dim], p[..., Di + self.conv_dim:]
+
+    def _split(self, xBC, dt):
+        """Conv output `[..., Di + 2GN]` and raw dt `[..., H]` -> x `[..., H, P]`, B, C
+        `[..., G, N]`, dt `[..., H]` (softplus, clipped), all float32."""
+        Di, G, N = self.d_inner, self.n_groups, self.d_state
+        xBC = xBC.astype(jnp.float32)
+        x = xBC[..., :Di].reshape(*xBC.shape[:-1], self.num_heads, self.head_dim)
+        Bm = xBC[..., Di:Di + G * N].reshape(*xBC.shape[:-1], G, N)
+        Cm = xBC[..., Di + G * N:].reshape(*xBC.shape[:-1], G, N)
+        dt = jax.nn.softplus(dt.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
+        lo, hi = self.dt_limit
+        if lo > 0.0 or hi < math.inf:
+            dt = jnp.clip(dt, lo, hi)
+        return x, Bm, Cm, dt
+
+    def _out(self, y, z):
+        """y `[..., H, P]` (float32), z `[..., Di]` -> `[..., D]`: the gated RMSNorm
+        (norm(y * silu(z)) over groups of Di / norm_groups), then out_proj."""
+        y = y.reshape(*y.shape[:-2], self.d_inner) * jax.nn.silu(z.astype(jnp.float32))
+        g = y.reshape(*y.shape[:-1], self.norm_groups, -1)
+        g = g * jax.lax.rsqrt(jnp.mean(g * g, axis=-1, keepdims=True) + self.norm_eps)
+        y = (g.reshape(y.shape) * self.norm_w[...].astype(jnp.float32)).astype(self.dtype)
+        out = jnp.einsum("...I,ID->...D", y, self.out_proj[...].astype(self.dtype))
+        if self.out_bias is not None:
+            out = out + self.out_bias[...].astype(self.dtype)
+        return out
+
+    def _A(self):
+        return -jnp.exp(self.A_log[...].astype(jnp.float32))
+
+    def init_state(self, batch: int, dtype: DType = jnp.float32) -> Mamba2State:
+        return Mamba2State(
+            conv=jnp.zeros((batch, self.d_conv - 1, self.conv_dim), dtype),
+            ssm=jnp.zeros((batch, self.num_heads, self.head_dim, self.d_state), jnp.float32))
+
+    # -- sequence and step ----------------------------------------------------------
+    def forward(self, u, state: Mamba2State | None = None, *, positions=None, lengths=None):
+        """u `[B,T,D]` from `state` (None: empty) -> (y `[B,T,D]`, final `Mamba2State`).
+
+        `positions [B,T]`: a step at position 0 starts a new document (no conv or
+        state carried into it). `lengths [B]`: row b has lengths[b] real steps, then
+        right padding; the final state is the state after its last real step."""
+        Bsz, T, _ = u.shape
+        K = self.d_conv
+        state = self.init_state(Bsz, self.dtype) if state is None else state
+        z, xBC, dt = self._in(u)
+        z = shard(z, ("batch", "length", "mlp"))
+        xpad = jnp.concatenate([state.conv.astype(xBC.dtype), xBC], axis=1)  # [B, K-1+T, C]
+        w = self.conv_w[...].astype(xBC.dtype)
+        xc = jnp.zeros_like(xBC)
+        for j in range(K):  # tap j reads xBC[t - (K-1-j)]
+            tap = xpad[:, j:j + T] * w[j]
+            if positions is not None and K - 1 - j > 0:
+                tap = jnp.where((positions >= K - 1 - j)[..., None], tap, 0)
+            xc = xc + tap
+        if self.conv_b is not None:
+            xc = xc + self.conv_b[...].astype(xc.dtype)
+        x, Bm, Cm, dt = self._split(jax.nn.silu(xc), dt)
+        x = shard(x, ("batch", "length", "heads", None))
+        if lengths is not None:  # dt = 0 on padding: decay 1 and no input
+            valid = jnp.arange(T)[None, :] < jnp.asarray(lengths, jnp.int32)[:, None]
+            dt = jnp.where(valid[..., None], dt, 0.0)
+        reset = None if positions is None else positions == 0
+        y, h = ssd(x, dt, self._A(), Bm, Cm, self.D[...], state.ssm,
+                   chunk_size=self.chunk_size, reset=reset)
+        if K == 1:
+            conv = state.conv
+        else:  # the last K-1 conv inputs up to each row's last real step
+            end = (jnp.full((Bsz,), T, jnp.int32) if lengths is None
+                   else jnp.asarray(lengths, jnp.int32))
+            idx = end[:, None] + jnp.arange(K - 1, dtype=jnp.int32)[None, :]  # [B, K-1] into xpad
+            conv = jnp.take_along_axis(xpad, idx[..., None], axis=1)
+        return self._out(y, z), Mamba2State(conv=conv.astype(state.conv.dtype), ssm=h)
+
+    def step(self, u_t, state: Mamba2State):
+        """One token: u_t `[B, D]` -> (y_t `[B, D]`, new state). O(1) in the length."""
+        z, xBC, dt = self._in(u_t)
+        window = jnp.concatenate([state.conv.astype(xBC.dtype), xBC[:, None]], axis=1)  # [B,K,C]
+        xc = jnp.einsum("BKC,KC->BC", window, self.conv_w[...].astype(xBC.dtype))
+        if self.conv_b is not None:
+            xc = xc + self.conv_b[...].astype(xc.dtype)
+        x, Bm, Cm, dt = self._split(jax.nn.silu(xc), dt)  # x [B,H,P], B, C [B,G,N], dt [B,H]
+        R = self.num_heads // self.n_groups
+        Bh, Ch = jnp.repeat(Bm, R, axis=1), jnp.repeat(Cm, R, axis=1)  # [B, H, N]
+        h = (jnp.exp(dt * self._A())[..., None, None] * state.ssm
+             + jnp.einsum("BHP,BHN->BHPN", x * dt[..., None], Bh))
+        y = jnp.einsum("BHPN,BHN->BHP", h, Ch) + self.D[...].astype(jnp.float32)[:, None] * x
+        return self._out(y, z), Mamba2State(conv=window[:, 1:].astype(state.conv.dtype), ssm=h)
+
+    def __call__(self, x, *, mask=None, bias=None, positions=None,
+                 cache: Mamba2State | None = None, **_):
+        """Block interface (as attention's): causal by construction, so `mask` and
+        `bias` are unused; `positions` mark document starts (see `forward`). With
+        `cache` (a `Mamba2State`, e.g. `init_state(B)`) it returns `(y, new_state)`;
+        a cache object with an `apply` method (tfjax.inference's LayerCache protocol)
+        is called as `cache.apply(self, x, None, mask=, bias=, positions=)` instead."""
+        if cache is not None and hasattr(cache, "apply"):
+            return cache.apply(self, x, None, mask=mask, bias=bias, positions=positions)
+        del mask, bias
+        y, state = self.forward(x, cache, positions=positions)
+        y = shard(y, ("batch", "length", "embed"))
+        return y if cache is None else (y, state)
