@@ -198,14 +198,17 @@ def test_rerun_compiles_nothing_new(tmp_path):
     import jax
 
     before = jax.config.jax_compilation_cache_dir
-    _, first = run(tmp_path, "w", n_devices=2, mesh=dict(data=2))
+    here = dict(compilation_cache="workdir")  # not the trainer tests' shared cache
+    _, first = run(tmp_path, "w", n_devices=2, mesh=dict(data=2), train=here)
     cache = tmp_path / "w" / "compilation_cache"
     stored = sorted(os.listdir(cache))
     assert any(name.startswith("jit_train_step") for name in stored), stored
-    _, again = run(tmp_path, "w", n_devices=2, mesh=dict(data=2))
+    _, again = run(tmp_path, "w", n_devices=2, mesh=dict(data=2), train=here)
     assert sorted(os.listdir(cache)) == stored
     assert again["history"] == first["history"]
     assert jax.config.jax_compilation_cache_dir == before
     _, off = run(tmp_path, "off", n_devices=2, mesh=dict(data=2),
                  train=dict(compilation_cache=""))
     assert not (tmp_path / "off" / "compilation_cache").exists()
+    _, auto = run(tmp_path, "auto", n_devices=2, mesh=dict(data=2))  # JAX's (conftest's) dir
+    assert not (tmp_path / "auto" / "compilation_cache").exists()

@@ -85,9 +85,9 @@ class TrainConfig:
     sample_prompt: str = "import "
     peak_flops: float = 0.0
     progress: bool = True
-    # JAX's persistent compilation cache (tfjax.train.compile_cache): "workdir" ->
-    # WORKDIR/compilation_cache, a path -> that directory, "" -> off
-    compilation_cache: str = "workdir"
+    # JAX's persistent compilation cache (tfjax.train.compile_cache): "auto" -> JAX's
+    # configured directory, else WORKDIR/compilation_cache; "workdir"; a path; "" -> off
+    compilation_cache: str = "auto"
     objective: str = "causal_lm"
     mlm_rate: float = 0.15
     whole_word_mask: bool = False

@@ -4,7 +4,10 @@ A rerun or a resume of the same command finds its compiled steps on disk instead
 of compiling them again: `persistent_compilation_cache(setting, workdir)` points
 JAX's cache (`jax_compilation_cache_dir`) at
 
-- "workdir" (the default): WORKDIR/compilation_cache, kept with the run;
+- "auto" (the default): the directory JAX is already configured with
+  (`JAX_COMPILATION_CACHE_DIR` or `jax_compilation_cache_dir`), else
+  WORKDIR/compilation_cache;
+- "workdir": WORKDIR/compilation_cache, kept with the run;
 - any other non-empty string: that directory (e.g. one shared by many runs);
 - "" : off (JAX's own setting, if the user made one, is left as it is);
 
@@ -33,6 +36,8 @@ def cache_directory(setting: str, workdir: str) -> str | None:
     """The directory `setting` names for a run in `workdir` (None: off)."""
     if not setting:
         return None
+    if setting == "auto":
+        setting = jax.config.jax_compilation_cache_dir or "workdir"
     if setting == "workdir":
         return os.path.join(workdir, "compilation_cache")
     return os.path.expanduser(setting)
