@@ -52,7 +52,6 @@ Design choices:
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import jax
@@ -60,6 +59,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tfjax.nn.norms import make_norm
+from tfjax.nn.ssm import causal_conv, dt_bias_init, last_conv_inputs
 from tfjax.parallel.sharding import shard, with_logical_axes
 from tfjax.typing import DType
 
@@ -192,31 +192,6 @@ def gated_delta_rule(q, k, v, g, beta, *, chunk_size: int = 64, state=None, rese
     return o, S.reshape(B, N, H, M)
 
 
-def _causal_conv(x, window, w, positions):
-    """silu(depthwise causal conv) of x `[B,T,...]` after `window` `[B,W-1,...]` (the
-    inputs before it) with taps w `[W,...]`; taps do not read before a position-0
-    step when `positions` is given. -> (y, the padded inputs `[B, W-1+T, ...]`)."""
-    T, W = x.shape[1], w.shape[0]
-    xpad = jnp.concatenate([window.astype(x.dtype), x], axis=1)
-    y = jnp.zeros_like(x)
-    for j in range(W):  # tap j reads x[t - (W-1-j)]
-        tap = xpad[:, j:j + T] * w[j].astype(x.dtype)
-        lag = W - 1 - j
-        if positions is not None and lag > 0:
-            tap = jnp.where((positions >= lag).reshape(*positions.shape, *(1,) * (x.ndim - 2)),
-                            tap, 0)
-        y = y + tap
-    return jax.nn.silu(y), xpad
-
-
-def _last_inputs(xpad, end, W):
-    """The W-1 conv inputs before step `end` `[B]` of each row (from the padded inputs)."""
-    if W == 1:
-        return xpad[:, :0]
-    idx = end[:, None] + jnp.arange(W - 1, dtype=jnp.int32)[None, :]  # [B, W-1] into xpad
-    return jnp.take_along_axis(xpad, idx.reshape(*idx.shape, *(1,) * (xpad.ndim - 2)), axis=1)
-
-
 class GatedDeltaNet(nnx.Module):
     """`[B, T, D] -> [B, T, D]` Gated DeltaNet mixer (a drop-in for attention in a block)."""
 
@@ -263,15 +238,7 @@ class GatedDeltaNet(nnx.Module):
         # A uniform in [1, 16] (fla's A_init_range), A_log = log A.
         self.A_log = param(lambda key, shape, dt=jnp.float32: jnp.log(
             jax.random.uniform(key, shape, jnp.float32, 1.0, 16.0)).astype(dt), (Hv,), ("heads",))
-
-        def dt_bias_init(key, shape, dt=jnp.float32):
-            # softplus(bias) log-uniform in [dt_min, dt_max] (Mamba's and fla's init).
-            u = jax.random.uniform(key, shape, jnp.float32)
-            step = jnp.exp(u * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
-            step = jnp.maximum(step, dt_init_floor)
-            return (step + jnp.log(-jnp.expm1(-step))).astype(dt)
-
-        self.dt_bias = param(dt_bias_init, (Hv,), ("heads",))
+        self.dt_bias = param(dt_bias_init(dt_min, dt_max, dt_init_floor), (Hv,), ("heads",))
         self.norm = make_norm("rmsnorm", dv, eps=norm_eps, dtype=jnp.float32,
                               param_dtype=param_dtype, rngs=rngs)
         out_std = init_std if out_init_std is None else out_init_std
@@ -328,17 +295,16 @@ class GatedDeltaNet(nnx.Module):
         q, k, v, z, b, a = self._in(x)
         q, k = shard(q, QK_AXES), shard(k, QK_AXES)
         v, z = shard(v, V_AXES), shard(z, V_AXES)
-        (q, qpad), (k, kpad), (v, vpad) = (
-            _causal_conv(t, window, w[...], positions)
-            for t, window, w in ((q, state.conv_q, self.conv_q), (k, state.conv_k, self.conv_k),
-                                 (v, state.conv_v, self.conv_v)))
+        convs = [causal_conv(t, window, w[...], positions)
+                 for t, window, w in ((q, state.conv_q, self.conv_q),
+                                      (k, state.conv_k, self.conv_k),
+                                      (v, state.conv_v, self.conv_v))]
+        (q, qpad), (k, kpad), (v, vpad) = [(jax.nn.silu(y), pad) for y, pad in convs]
         q, k = self._qk(q, k)
         g, beta = self._gates(b, a)
         reset = None if positions is None else positions == 0
-        end = jnp.full((B,), T, jnp.int32)
         if lengths is not None:  # padding: no write (beta = 0), no decay (g = 0), no reset
-            end = jnp.asarray(lengths, jnp.int32)
-            valid = jnp.arange(T)[None, :] < end[:, None]
+            valid = jnp.arange(T)[None, :] < jnp.asarray(lengths, jnp.int32)[:, None]
             g, beta = jnp.where(valid[..., None], g, 0.0), jnp.where(valid[..., None], beta, 0.0)
             reset = None if reset is None else reset & valid
         if self.chunk_size:
@@ -348,9 +314,9 @@ class GatedDeltaNet(nnx.Module):
             o, S = gated_delta_rule_reference(q, k, v, g, beta, state=state.S, reset=reset)
         W = self.d_conv
         new = GatedDeltaNetState(
-            conv_q=_last_inputs(qpad, end, W).astype(state.conv_q.dtype),
-            conv_k=_last_inputs(kpad, end, W).astype(state.conv_k.dtype),
-            conv_v=_last_inputs(vpad, end, W).astype(state.conv_v.dtype), S=S)
+            conv_q=last_conv_inputs(qpad, lengths, W).astype(state.conv_q.dtype),
+            conv_k=last_conv_inputs(kpad, lengths, W).astype(state.conv_k.dtype),
+            conv_v=last_conv_inputs(vpad, lengths, W).astype(state.conv_v.dtype), S=S)
         return self._out(o, z), new
 
     def step(self, x_t, state: GatedDeltaNetState):

@@ -50,6 +50,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from tfjax.nn.ssm import causal_conv, dt_bias_init, last_conv_inputs
 from tfjax.parallel.sharding import shard, with_logical_axes
 from tfjax.typing import DType
 
@@ -196,15 +197,7 @@ class Mamba2(nnx.Module):
         bound = d_conv ** -0.5
         self.conv_w = param(uniform(-bound, bound), (d_conv, self.conv_dim), (None, None))
         self.conv_b = param(zeros, (self.conv_dim,), (None,)) if conv_bias else None
-
-        def dt_bias_init(key, shape, dt=jnp.float32):
-            # softplus(bias) log-uniform in [dt_min, dt_max] (mamba_ssm's init).
-            u = jax.random.uniform(key, shape, jnp.float32)
-            step = jnp.exp(u * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
-            step = jnp.maximum(step, dt_init_floor)
-            return (step + jnp.log(-jnp.expm1(-step))).astype(dt)
-
-        self.dt_bias = param(dt_bias_init, (H,), ("heads",))
+        self.dt_bias = param(dt_bias_init(dt_min, dt_max, dt_init_floor), (H,), ("heads",))
         a_lo, a_hi = A_init_range
         self.A_log = param(lambda key, shape, dt=jnp.float32: jnp.log(
             jax.random.uniform(key, shape, jnp.float32, a_lo, a_hi)).astype(dt), (H,), ("heads",))
@@ -269,16 +262,8 @@ class Mamba2(nnx.Module):
         state = self.init_state(Bsz, self.dtype) if state is None else state
         z, xBC, dt = self._in(u)
         z = shard(z, ("batch", "length", "mlp"))
-        xpad = jnp.concatenate([state.conv.astype(xBC.dtype), xBC], axis=1)  # [B, K-1+T, C]
-        w = self.conv_w[...].astype(xBC.dtype)
-        xc = jnp.zeros_like(xBC)
-        for j in range(K):  # tap j reads xBC[t - (K-1-j)]
-            tap = xpad[:, j:j + T] * w[j]
-            if positions is not None and K - 1 - j > 0:
-                tap = jnp.where((positions >= K - 1 - j)[..., None], tap, 0)
-            xc = xc + tap
-        if self.conv_b is not None:
-            xc = xc + self.conv_b[...].astype(xc.dtype)
+        xc, xpad = causal_conv(xBC, state.conv, self.conv_w[...], positions,
+                               None if self.conv_b is None else self.conv_b[...])
         x, Bm, Cm, dt = self._split(jax.nn.silu(xc), dt)
         x = shard(x, ("batch", "length", "heads", None))
         if lengths is not None:  # dt = 0 on padding: decay 1 and no input
@@ -287,13 +272,7 @@ class Mamba2(nnx.Module):
         reset = None if positions is None else positions == 0
         y, h = ssd(x, dt, self._A(), Bm, Cm, self.D[...], state.ssm,
                    chunk_size=self.chunk_size, reset=reset)
-        if K == 1:
-            conv = state.conv
-        else:  # the last K-1 conv inputs up to each row's last real step
-            end = (jnp.full((Bsz,), T, jnp.int32) if lengths is None
-                   else jnp.asarray(lengths, jnp.int32))
-            idx = end[:, None] + jnp.arange(K - 1, dtype=jnp.int32)[None, :]  # [B, K-1] into xpad
-            conv = jnp.take_along_axis(xpad, idx[..., None], axis=1)
+        conv = last_conv_inputs(xpad, lengths, K)  # up to each row's last real step
         return self._out(y, z), Mamba2State(conv=conv.astype(state.conv.dtype), ssm=h)
 
     def step(self, u_t, state: Mamba2State):

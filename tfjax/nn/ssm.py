@@ -43,7 +43,49 @@ from tfjax.nn.norms import make_norm
 from tfjax.parallel.sharding import shard, with_logical_axes
 from tfjax.typing import DType
 
-__all__ = ["Mamba", "MambaState", "selective_scan", "selective_scan_reference"]
+__all__ = ["Mamba", "MambaState", "causal_conv", "dt_bias_init", "last_conv_inputs",
+           "selective_scan", "selective_scan_reference"]
+
+
+def causal_conv(x, window, w, positions=None, bias=None):
+    """Depthwise causal conv of x `[B,T,...]` after `window` `[B,W-1,...]` (the inputs
+    before it) with taps w `[W,...]` (+ bias), before any activation; taps do not read
+    before a position-0 step when `positions` `[B,T]` is given (packed documents).
+    -> (y `[B,T,...]`, the padded inputs `[B, W-1+T, ...]` for `last_conv_inputs`)."""
+    T, W = x.shape[1], w.shape[0]
+    xpad = jnp.concatenate([window.astype(x.dtype), x], axis=1)
+    y = jnp.zeros_like(x)
+    for j in range(W):  # tap j reads x[t - (W-1-j)]
+        tap = xpad[:, j:j + T] * w[j].astype(x.dtype)
+        lag = W - 1 - j
+        if positions is not None and lag > 0:
+            tap = jnp.where((positions >= lag).reshape(*positions.shape, *(1,) * (x.ndim - 2)),
+                            tap, 0)
+        y = y + tap
+    return (y if bias is None else y + bias.astype(y.dtype)), xpad
+
+
+def last_conv_inputs(xpad, lengths, W):
+    """The W-1 conv inputs before step `lengths` `[B]` of each row (None: the end),
+    from `causal_conv`'s padded inputs: the next call's window."""
+    if W == 1:
+        return xpad[:, :0]
+    B, T = xpad.shape[0], xpad.shape[1] - (W - 1)
+    end = jnp.full((B,), T, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
+    idx = end[:, None] + jnp.arange(W - 1, dtype=jnp.int32)[None, :]  # [B, W-1] into xpad
+    return jnp.take_along_axis(xpad, idx.reshape(*idx.shape, *(1,) * (xpad.ndim - 2)), axis=1)
+
+
+def dt_bias_init(dt_min: float, dt_max: float, floor: float):
+    """Initializer of a dt bias: softplus(bias) log-uniform in [dt_min, dt_max], at least
+    `floor` (Mamba's init, also Mamba-2's and Gated DeltaNet's)."""
+    def init(key, shape, dt=jnp.float32):
+        u = jax.random.uniform(key, shape, jnp.float32)
+        step = jnp.exp(u * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+        step = jnp.maximum(step, floor)
+        return (step + jnp.log(-jnp.expm1(-step))).astype(dt)
+
+    return init
 
 
 class MambaState(NamedTuple):
@@ -154,15 +196,7 @@ class Mamba(nnx.Module):
         self.conv_b = param(zeros, (Di,), ("mlp",)) if conv_bias else None
         self.x_proj = param(normal, (Di, R + 2 * N), ("mlp", None))
         self.dt_proj = param(uniform(R ** -0.5), (R, Di), (None, "mlp"))
-
-        def dt_bias_init(key, shape, dt=jnp.float32):
-            # softplus(bias) log-uniform in [dt_min, dt_max] (the paper's init).
-            u = jax.random.uniform(key, shape, jnp.float32)
-            step = jnp.exp(u * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
-            step = jnp.maximum(step, dt_init_floor)
-            return (step + jnp.log(-jnp.expm1(-step))).astype(dt)
-
-        self.dt_bias = param(dt_bias_init, (Di,), ("mlp",))
+        self.dt_bias = param(dt_bias_init(dt_min, dt_max, dt_init_floor), (Di,), ("mlp",))
         a_init = lambda key, shape, dt=jnp.float32: jnp.broadcast_to(
             jnp.log(jnp.arange(1, N + 1, dtype=jnp.float32)), shape).astype(dt)
         self.A_log = param(a_init, (Di, N), ("mlp", None))
@@ -223,16 +257,8 @@ class Mamba(nnx.Module):
         state = self.init_state(Bsz, self.dtype) if state is None else state
         x, z = self._in(u)  # [B, T, Di]
         x = shard(x, ("batch", "length", "mlp"))
-        xpad = jnp.concatenate([state.conv.astype(x.dtype), x], axis=1)  # [B, K-1+T, Di]
-        w = self.conv_w[...].astype(x.dtype)
-        xc = jnp.zeros_like(x)
-        for j in range(K):  # tap j reads x[t - (K-1-j)]
-            tap = xpad[:, j:j + T] * w[j]
-            if positions is not None and K - 1 - j > 0:
-                tap = jnp.where((positions >= K - 1 - j)[..., None], tap, 0)
-            xc = xc + tap
-        if self.conv_b is not None:
-            xc = xc + self.conv_b[...].astype(x.dtype)
+        xc, xpad = causal_conv(x, state.conv, self.conv_w[...], positions,
+                               None if self.conv_b is None else self.conv_b[...])
         xc = jax.nn.silu(xc)
         dt, Bm, Cm = self._ssm_inputs(xc)
         if lengths is not None:  # dt = 0 on padding: exp(0 * A) = 1 and no input
@@ -241,12 +267,7 @@ class Mamba(nnx.Module):
         reset = None if positions is None else positions == 0
         y, h = selective_scan(xc, dt, self._A(), Bm, Cm, self.D[...], state.ssm,
                               chunk_size=self.chunk_size, reset=reset)
-        if K == 1:
-            conv = state.conv
-        else:  # the last K-1 conv inputs up to each row's last real step
-            end = jnp.full((Bsz,), T, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
-            idx = end[:, None] + jnp.arange(K - 1, dtype=jnp.int32)[None, :]  # [B, K-1] into xpad
-            conv = jnp.take_along_axis(xpad, idx[..., None], axis=1)
+        conv = last_conv_inputs(xpad, lengths, K)  # up to each row's last real step
         return self._out(y, z), MambaState(conv=conv.astype(state.conv.dtype), ssm=h)
 
     def step(self, u_t, state: MambaState):
