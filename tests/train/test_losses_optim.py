@@ -71,7 +71,7 @@ def test_flops_formula():
 @pytest.mark.parametrize("section,values,message", [
     ("train", dict(batch_size=0), "train.batch_size: must be > 0"),
     ("train", dict(batch_size=10, microbatches=4), "train.batch_size: 10 is not divisible by train.microbatches=4"),
-    ("train", dict(schedule="linear"), "train.schedule: got 'linear'; allowed: 'cosine', 'constant'"),
+    ("train", dict(schedule="step"), "train.schedule: got 'step'; allowed: 'cosine', 'constant', 'linear', 'wsd'"),
     ("train", dict(b2=1.0), r"train.b2: must be in \[0, 1\)"),
     ("data", dict(source="web"), "data.source: got 'web'"),
     ("data", dict(source="text"), "data.paths: data.source='text' needs files"),

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from tiny_setup import devices, tiny_config
+from tiny_setup import devices, preempt_after, tiny_config
 
 from tfjax.data import objectives as D
 from tfjax.data.tokenizers import ByteTokenizer
@@ -283,15 +283,7 @@ def test_mlm_resume_is_exact(tmp_path, mlm_reference):
                  checkpoint=dict(enabled=True, every_steps=2, keep=2))
     wd = str(tmp_path / "killed")
     tr = Trainer(cfg, wd, devices=devices(1), log=lambda s: None)
-    step_fn, calls = tr._step, []
-
-    def killed_after_3(state, batch):
-        calls.append(1)
-        if len(calls) == 3:
-            tr._on_sigterm(15, None)
-        return step_fn(state, batch)
-
-    tr._step = killed_after_3
+    preempt_after(tr, 3)
     assert tr.train()["step"] == 3
     tr2 = Trainer(cfg, wd, devices=devices(1), log=lambda s: None)
     s2 = tr2.train()

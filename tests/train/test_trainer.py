@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tiny_decoder
 from jax.sharding import PartitionSpec as P
-from tiny_setup import devices, tiny_config
+from tiny_setup import devices, preempt_after, tiny_config
 
 from tfjax.train import Trainer
 
@@ -72,15 +72,7 @@ def test_resume_is_exact_and_ignores_half_written(tmp_path):
     cfg = tiny_config(**sections)
     wd = str(tmp_path / "killed")
     tr = Trainer(cfg, wd, build_model=tiny_decoder.build, devices=devices(8), log=lambda s: None)
-    step_fn, calls = tr._step, []
-
-    def killed_after_3(state, batch):  # the SIGTERM handler's flag, raised after step 3
-        calls.append(1)
-        if len(calls) == 3:
-            tr._on_sigterm(15, None)
-        return step_fn(state, batch)
-
-    tr._step = killed_after_3
+    preempt_after(tr, 3)
     s1 = tr.train()
     assert s1["preempted"] and s1["step"] == 3
     ckpt = os.path.join(wd, "checkpoints")
@@ -108,15 +100,7 @@ def test_restore_onto_another_mesh(tmp_path):
     wd = str(tmp_path / "moved")
     cfg = tiny_config(mesh=dict(data=8), **sections)
     tr = Trainer(cfg, wd, build_model=tiny_decoder.build, devices=devices(8), log=lambda s: None)
-    step_fn, calls = tr._step, []
-
-    def killed_after_2(state, batch):
-        calls.append(1)
-        if len(calls) == 2:
-            tr._on_sigterm(15, None)
-        return step_fn(state, batch)
-
-    tr._step = killed_after_2
+    preempt_after(tr, 2)
     assert tr.train()["step"] == 2
     cfg2 = tiny_config(mesh=dict(data=2, fsdp=2, tensor=2), **sections)
     tr2 = Trainer(cfg2, wd, build_model=tiny_decoder.build, devices=devices(8), log=lambda s: None)

@@ -22,3 +22,17 @@ def tiny_config(**sections):
 
 def devices(n):
     return jax.devices()[:n]
+
+
+def preempt_after(trainer, n):
+    """Make `trainer` stop as SIGTERM would after its n-th step (the handler's flag is
+    raised inside step n, so step n still completes and is checkpointed)."""
+    step_fn, calls = trainer._step, []
+
+    def step(state, batch):
+        calls.append(1)
+        if len(calls) == n:
+            trainer._on_sigterm(15, None)
+        return step_fn(state, batch)
+
+    trainer._step = step

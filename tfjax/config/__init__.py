@@ -24,7 +24,7 @@ from tfjax.config.convert import (apply_variant, default_config, from_dict, mode
 from tfjax.config.model import (DTYPES, GatedDeltaNetConfig, LinearConfig, Mamba2Config,
                                 ModelConfig, MoEConfig, RopeConfig, SSMConfig, T5Config)
 from tfjax.config.run import (DEFAULT_RULES, MESH_AXES, CheckpointConfig, DataConfig, MeshConfig,
-                              RunConfig, TrainConfig)
+                              ParamGroup, RunConfig, TrainConfig, parse_param_groups)
 
 __all__ = [
     "upgrade_saved",
@@ -37,6 +37,8 @@ __all__ = [
     "T5Config",
     "ModelConfig",
     "TrainConfig",
+    "ParamGroup",
+    "parse_param_groups",
     "DataConfig",
     "MeshConfig",
     "CheckpointConfig",

@@ -10,11 +10,13 @@ import dataclasses
 from tfjax.config.checks import fail, non_negative, one_of, positive
 from tfjax.config.model import ModelConfig, validate_model
 
-__all__ = ["CheckpointConfig", "DataConfig", "DEFAULT_RULES", "MESH_AXES", "MeshConfig",
-           "RunConfig", "TrainConfig"]
+__all__ = ["CheckpointConfig", "DataConfig", "DEFAULT_RULES", "DECAY_SHAPES", "MESH_AXES",
+           "MeshConfig", "ParamGroup", "RunConfig", "SCHEDULES", "TrainConfig",
+           "parse_param_groups"]
 
 MESH_AXES = ("data", "fsdp", "sequence", "tensor", "expert")
-SCHEDULES = ("cosine", "constant")
+SCHEDULES = ("cosine", "constant", "linear", "wsd")
+DECAY_SHAPES = ("linear", "cosine", "1-sqrt")  # the decay of the wsd schedule
 DATA_SOURCES = ("stdlib", "text", "jsonl")
 
 # Logical axis name -> mesh axes (first entry the logical name, then zero or more
@@ -46,8 +48,35 @@ DEFAULT_RULES: tuple[tuple[str, ...], ...] = (
 class TrainConfig:
     """Optimisation and loop settings of `tfjax.train` (sizes are global, over all devices).
 
-    lr schedule: linear warmup over `warmup_steps` to `lr`, then cosine decay to
-      `lr * lr_min_ratio` at `steps` (or constant).
+    optimizer (`tfjax.train.optim.OPTIMIZERS`, one record each): "adamw" (default;
+      b1, b2, eps) | "muon" (orthogonalised momentum for the matrices, AdamW with
+      b1, b2, eps for embeddings, the output head, norms, biases and other
+      non-matrices; muon_beta, muon_ns_steps, muon_nesterov, muon_rms) | "adafactor"
+      (factored second moments; adafactor_decay, adafactor_min_dim, adafactor_clip)
+      | "lion" (sign of the b1-interpolated momentum, momentum decay b2) | "sgd"
+      (momentum, nesterov; momentum=0 is plain SGD).
+    weight_decay: decoupled, as AdamW's for every optimizer: each step subtracts
+      lr(step) * weight_decay * param, on matrices only (parameters with >= 2 logical
+      axes other than "layers"), never on norm scales and biases.
+    grad_clip: global-norm clipping before the optimizer; 0 = off.
+    muon_rms: Muon's update scale: sqrt(max(fan_in, fan_out)) * muon_rms, so its
+      update RMS matches AdamW's and `lr` is shared by both halves (0.2, Moonlight);
+      0 = Keller Jordan's sqrt(max(1, fan_out / fan_in)) (then use a larger `lr`).
+    lr schedule: linear warmup over `warmup_steps` to `lr`, then "cosine" decay to
+      `lr * lr_min_ratio` at `steps`, "linear" decay to it, "constant", or "wsd"
+      (warmup-stable-decay): constant `lr` until the last `decay_fraction` of `steps`,
+      then down to `lr * lr_min_ratio` at `steps` in `decay_shape` ("linear",
+      "cosine" or "1-sqrt": lr * (1 - sqrt(fraction of the decay done))).
+    param_groups: per-parameter learning-rate multipliers and weight decay, e.g.
+      "embed:lr=0.5,wd=0;@norm:lr=2" (`tfjax.train.optim.param_labels`): groups
+      separated by ";", each "PATTERN:key=value,...". PATTERN "@AXIS" matches the
+      parameters with logical axis AXIS ("@norm", "@vocab", "@expert"); any other
+      PATTERN matches the parameters whose path (keys joined by "/", e.g.
+      "embed/tokens/embedding", "layers/cycles/layers/0/attn/q/kernel") contains it.
+      A parameter takes the first group that matches it. lr=X multiplies the
+      schedule; wd=X is the group's absolute weight decay, applied to every
+      parameter of the group (matrix or not); without wd the group keeps
+      `weight_decay` on its matrices. A group that matches no parameter is an error.
     microbatches: gradient accumulation; each step sums the gradients of
       `microbatches` slices of the global batch (same result as one big batch).
     Activation checkpointing is `model.remat` (per scanned layer, in the model).
@@ -76,6 +105,19 @@ class TrainConfig:
     b2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0  # global-norm clipping; 0 = off
+    optimizer: str = "adamw"
+    momentum: float = 0.9  # sgd
+    nesterov: bool = False  # sgd
+    muon_beta: float = 0.95
+    muon_ns_steps: int = 5
+    muon_nesterov: bool = True
+    muon_rms: float = 0.2
+    adafactor_decay: float = 0.8  # second-moment decay 1 - step^-adafactor_decay
+    adafactor_min_dim: int = 128  # factor only dims at least this large
+    adafactor_clip: float = 1.0  # update clipping by block RMS; 0 = off
+    decay_fraction: float = 0.2  # wsd
+    decay_shape: str = "linear"  # wsd
+    param_groups: str = ""
     z_loss: float = 0.0
     log_every: int = 10
     eval_every: int = 0  # 0 -> evaluate at the end only
@@ -182,6 +224,20 @@ def _validate_train(c: TrainConfig, p: str) -> None:
     if c.mean_span_length < 1.0:
         fail(f"{p}.mean_span_length", f"must be >= 1, got {c.mean_span_length!r}")
     one_of(f"{p}.schedule", c.schedule, SCHEDULES)
+    one_of(f"{p}.decay_shape", c.decay_shape, DECAY_SHAPES)
+    if not 0.0 <= c.decay_fraction <= 1.0:
+        fail(f"{p}.decay_fraction", f"must be in [0, 1], got {c.decay_fraction!r}")
+    for name in ("momentum", "muon_beta"):
+        if not 0.0 <= getattr(c, name) < 1.0:
+            fail(f"{p}.{name}", f"must be in [0, 1), got {getattr(c, name)!r}")
+    positive(f"{p}.muon_ns_steps", c.muon_ns_steps)
+    positive(f"{p}.adafactor_decay", c.adafactor_decay)
+    positive(f"{p}.adafactor_min_dim", c.adafactor_min_dim)
+    for name in ("muon_rms", "adafactor_clip"):
+        non_negative(f"{p}.{name}", getattr(c, name))
+    if c.optimizer == "sgd" and c.nesterov and not c.momentum:
+        fail(f"{p}.nesterov", "Nesterov momentum needs train.momentum > 0")
+    parse_param_groups(c.param_groups, f"{p}.param_groups")
     if not 0.0 <= c.lr_min_ratio <= 1.0:
         fail(f"{p}.lr_min_ratio", f"must be in [0, 1], got {c.lr_min_ratio!r}")
     for name in ("b1", "b2"):
@@ -190,6 +246,47 @@ def _validate_train(c: TrainConfig, p: str) -> None:
     if c.batch_size % c.microbatches:
         fail(f"{p}.batch_size", f"{c.batch_size} is not divisible by train.microbatches="
               f"{c.microbatches}; use a multiple of it")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamGroup:
+    """One group of `TrainConfig.param_groups`: its pattern, lr multiplier and weight
+    decay (None: not set)."""
+
+    pattern: str
+    lr: float | None = None
+    wd: float | None = None
+
+
+def parse_param_groups(text: str, field: str = "train.param_groups") -> tuple[ParamGroup, ...]:
+    """"embed:lr=0.5,wd=0;@norm:wd=0" -> ParamGroups, in order; malformed text fails
+    naming `field`. Which parameters a pattern matches is `tfjax.train.optim`'s."""
+    form = ("write groups as 'PATTERN:lr=X,wd=Y;PATTERN:...' (PATTERN a piece of a "
+            "parameter path, or @AXIS for a logical axis name)")
+    groups: list[ParamGroup] = []
+    for part in (p.strip() for p in text.split(";")):
+        if not part:
+            continue
+        pattern, sep, opts = (x.strip() for x in part.partition(":"))
+        if not sep or not pattern or pattern == "@":
+            fail(field, f"group {part!r} has no 'PATTERN:'; {form}")
+        if any(g.pattern == pattern for g in groups):
+            fail(field, f"pattern {pattern!r} appears twice; keep one group per pattern")
+        values: dict[str, float] = {}
+        for item in (x.strip() for x in opts.split(",")):
+            key, eq, value = (x.strip() for x in item.partition("="))
+            if not eq or key not in ("lr", "wd"):
+                fail(field, f"group {part!r}: {item!r} is not lr=X or wd=X; {form}")
+            if key in values:
+                fail(field, f"group {part!r} sets {key} twice")
+            try:
+                values[key] = float(value)
+            except ValueError:
+                fail(field, f"group {part!r}: {key}={value!r} is not a number")
+            if values[key] < 0:
+                fail(field, f"group {part!r}: {key} must be >= 0, got {value}")
+        groups.append(ParamGroup(pattern, values.get("lr"), values.get("wd")))
+    return tuple(groups)
 
 
 def _validate_data(c: DataConfig, p: str) -> None:

@@ -76,13 +76,16 @@ def tree_shardings(tree: Any, mesh: Mesh, rules: LogicalRules,
     """A tree of NamedShardings matching `tree` (Variables keep their wrapper).
 
     Annotated Variables follow the rules; anything else (optimizer counters, RNG
-    keys, unannotated arrays) is replicated.
+    keys, unannotated arrays) is replicated; a Variable that holds no array (the
+    `optax.MaskedNode` of a parameter another partition of the optimizer owns) stays.
     """
 
     def one(path, x):
         names = variable_axes(x)
         shape = getattr(x, "shape", None)
         if isinstance(x, nnx.Variable):
+            if not jax.tree.leaves(x):  # holds no array (optax's MaskedNode in a state)
+                return x
             shape = x.get_value().shape if hasattr(x.get_value(), "shape") else None
         if names is None or shape is None:
             s = replicated(mesh)
