@@ -40,6 +40,9 @@ myst_heading_anchors = 3
 autodoc_member_order = "bysource"
 autodoc_typehints = "none"  # signatures carry them; jaxtyping aliases render poorly
 autodoc_default_options = {"members": True}
+# tfjax.eval.harness subclasses lm-eval's model class; lm_eval is the `eval` extra, not
+# the `docs` one.
+autodoc_mock_imports = ["lm_eval"]
 
 try:
     import furo  # noqa: F401

@@ -1,0 +1,49 @@
+"""Shared by the evaluation tests: a random tiny Hugging Face Llama with a byte-level
+tokenizer.json (tfjax's `ByteTokenizer`), saved as `save_pretrained` writes it; a
+tfjax training run directory; torch on one thread. They need the `hf` extra (torch,
+transformers)."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+from eval_fixtures import make_run, save_tiny_llama
+
+torch = pytest.importorskip("torch", reason="the hf extra (torch) is not installed")
+transformers = pytest.importorskip("transformers", reason="the hf extra (transformers) is not "
+                                   "installed")
+
+
+@pytest.fixture(autouse=True, scope="package")
+def _one_torch_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="package")
+def hf_dir(tmp_path_factory):
+    """(directory, the transformers model) of a random tiny Llama, float32."""
+    path = tmp_path_factory.mktemp("tiny_llama")
+    return str(path), save_tiny_llama(str(path))
+
+
+@pytest.fixture(scope="package")
+def run_dir(tmp_path_factory):
+    """A tfjax training run directory (checkpoint step 3, byte tokenizer, seq_len 32)."""
+    return make_run(tmp_path_factory.mktemp("run"))
+
+
+@pytest.fixture(scope="package")
+def task_dir(tmp_path_factory):
+    """lm-eval task YAMLs (tests/eval/data) with the dataset's absolute path and a
+    scratch datasets cache: tfjax_tiny_mc, tfjax_tiny_rolling, tfjax_tiny_gen."""
+    data = pathlib.Path(__file__).parent / "data"
+    out = tmp_path_factory.mktemp("tasks")
+    for name in ("tiny_mc", "tiny_rolling", "tiny_gen"):
+        text = (data / f"{name}.yaml").read_text()
+        text = text.replace("DATA", str(data / "tiny_tasks.jsonl"))
+        (out / f"{name}.yaml").write_text(text.replace("CACHE", str(out / "cache")))
+    return str(out)
