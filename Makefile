@@ -20,7 +20,8 @@ TRAIN_ARGS ?=
 # extra, with which the TPU compiler runs on this CPU to check that the Pallas
 # kernels and sharded steps really compile for TPUs), torch + transformers (the
 # `hf` extra: checkpoint-import parity tests) and nbclient (the `notebooks` extra:
-# colab/ notebooks run top to bottom).
+# colab/ notebooks run top to bottom), wandb (the `tracking` extra: offline W&B runs) and
+# lm_eval (the `eval` extra: the lm-eval-harness backend's parity test).
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -28,7 +29,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(PY) -m pip install -q -e ".[test,tpu,hf,notebooks]"
+	$(PY) -m pip install -q -e ".[test,tpu,hf,notebooks,tracking,eval]"
 	touch $@
 
 $(VENV)/.installed-docs: $(VENV)/.installed

@@ -82,6 +82,10 @@ PUBLISHED = {
     "mixtral": ("Mixtral-8x7B-v0.1", 46_702_792_704),
     "mamba": ("mamba-130m", 129_135_360),
     "jamba": ("Jamba-v0.1", 51_570_323_328),
+    "mamba2": ("mamba2-130m", 128_989_632),
+    "qwen3_next": ("Qwen3-Next-80B-A3B", 79_674_391_296),
+    "gpt_oss": ("gpt-oss-20b", 20_914_757_184),
+    "deepseek_v3": ("DeepSeek-V3 (without MTP)", 671_026_404_352),
     "transformer": ("Vaswani et al. base (paper: '65M')", None),
     "default": ("tfjax's `make train` model (docstring: 0.82M)", None),
 }
@@ -112,7 +116,8 @@ for name, arch, n, published, what in rows:
 assert all(n == published for _, _, n, published, _ in rows if published)
 
 # %% [markdown]
-# Every published count is matched to the parameter. Mixtral and Jamba are sparse:
+# Every published count is matched to the parameter. The MoE presets (Mixtral,
+# Jamba, Qwen3-Next, gpt-oss, DeepSeek-V3) are sparse:
 # their *total* counts include all experts, while a token only runs through
 # `moe.experts_per_token` of them.
 

@@ -11,7 +11,7 @@ Layers (a module may import its own layer and those below it):
     4  tfjax.inference                                  caches, sampling, decode loop
     5  tfjax.models                                     architectures, layer kinds
     6  tfjax.data, tfjax.train, tfjax.interop,          the programs built on models
-       tfjax.generate
+       tfjax.generate, tfjax.export, tfjax.eval
 
 Only module-level imports count for layers and circles (a function-local tfjax
 import is reported on its own: it is where circles hide).
@@ -30,7 +30,8 @@ LAYERS = (
     ("tfjax.nn",),
     ("tfjax.inference",),
     ("tfjax.models",),
-    ("tfjax.data", "tfjax.train", "tfjax.interop", "tfjax.generate"),
+    ("tfjax.data", "tfjax.train", "tfjax.interop", "tfjax.generate", "tfjax.export",
+     "tfjax.eval"),
 )
 # Files allowed past MAX_LINES: each is one kernel (its forward and backward
 # passes), where splitting would separate code that is read together.

@@ -35,6 +35,15 @@ PARAMS = {
     "t5": 222_903_552,  # t5-base
     "mixtral": 46_702_792_704,  # Mixtral-8x7B-v0.1
     "mamba": 129_135_360,  # state-spaces/mamba-130m
+    # state-spaces/mamba2-130m / -370m: counted from their config (transformers'
+    # Mamba2ForCausalLM of the converted config has the same count)
+    "mamba2": 128_989_632,
+    "mamba2:370m": 368_346_624,
+    # Qwen3-Next-80B-A3B: transformers' Qwen3NextForCausalLM of its config (model card: 80B)
+    "qwen3_next": 79_674_391_296,
+    # transformers' GptOssForCausalLM / DeepseekV3ForCausalLM of the checkpoints' configs
+    "gpt_oss": 20_914_757_184,  # gpt-oss-20b (model card: 21B)
+    "deepseek_v3": 671_026_404_352,  # DeepSeek-V3 without its MTP module (report: 671B)
     "jamba": 51_570_323_328,  # Jamba-v0.1: counted from its config.json (model card: 52B)
     # Counted from the checkpoints' config.json (model cards: 1B, 3.88B text, 27B text; 3B; 7B)
     "gemma3": 999_885_952,  # gemma-3-1b-pt

@@ -33,7 +33,6 @@ import sys
 from typing import TextIO
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -43,15 +42,25 @@ from tfjax.inference import stream
 from tfjax.interop import hf
 from tfjax.models import build
 from tfjax.train.checkpoint import Checkpointer
-from tfjax.train.optim import make_optimizer
+from tfjax.train.lora import model_params, train_state_shape
 
 __all__ = ["load_hf", "load_run", "main", "run", "run_hf"]
 
 
 def load_run(workdir: str, step: int | None = None):
     """(model, run config, tokenizer, step) from a training run directory: checkpoint
-    `step`, or the newest that restores. No checkpoint, a step not saved, a damaged
-    `step` or a model that does not fit the saved one is a one-line ValueError."""
+    `step`, or the newest that restores (a LoRA run's base merged with its adapters).
+    No checkpoint, a step not saved, a damaged `step` or a model that does not fit the
+    saved one is a one-line ValueError."""
+    cfg, graphdef, state, lora, step = restore_run(workdir, step)
+    model = nnx.merge(graphdef, model_params(lora, state), state["rest"])
+    model.eval()
+    return model, cfg, load_tokenizer(cfg.data.tokenizer), step
+
+
+def restore_run(workdir: str, step: int | None = None):
+    """(run config, graphdef, train state, `tfjax.train.lora.Lora` or None, step): the
+    checkpoint `load_run` reads, as the trainer lays it out, on one device."""
     path = os.path.join(workdir, "config.json")
     if not os.path.exists(path):
         raise ValueError(f"--workdir: {path} not found; point --workdir at the directory a "
@@ -76,9 +85,7 @@ def load_run(workdir: str, step: int | None = None):
 
         abstract = nnx.eval_shape(make_model)
         graphdef, aparams, arest = nnx.split(abstract, nnx.Param, ...)
-        aopt = jax.eval_shape(make_optimizer(cfg.train).init, aparams)
-        astate = dict(step=jax.ShapeDtypeStruct((), jnp.int32), params=aparams, opt=aopt,
-                      rest=arest)
+        astate, lora, _ = train_state_shape(cfg, aparams, arest)
         one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         astate = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one),
                               astate)
@@ -88,9 +95,7 @@ def load_run(workdir: str, step: int | None = None):
             f"warning: {s}", file=sys.stderr, flush=True))
     finally:
         ckpt.close()
-    model = nnx.merge(graphdef, state["params"], state["rest"])
-    model.eval()
-    return model, cfg, load_tokenizer(cfg.data.tokenizer), step
+    return cfg, graphdef, state, lora, step
 
 
 def run(workdir: str, prompt: str, *, max_new_tokens: int = 200, temperature: float = 0.0,

@@ -13,7 +13,7 @@ import pytest
 
 EXPERIMENTS = os.path.join(os.path.dirname(__file__), "..", "..", "experiments")
 NAMES = ("memory_wall", "positions", "components", "gqa", "linear_vs_softmax",
-         "sparse_attention", "launch_order", "mla_cache")
+         "sparse_attention", "launch_order", "mla_cache", "recurrent_scaling", "mup")
 
 
 def _load(name):

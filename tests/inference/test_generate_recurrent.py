@@ -46,12 +46,15 @@ CASES = {
                    position="rope", scan_layers=False, linear=dict(chunk=4)),
     # Gated DeltaNet only (Hv = 2 Hk; the 6-token prompt pads to chunks of 4), scanned.
     "gdn": dict(layer_pattern=("gated_deltanet",), ffn_pattern=("none",), gdn=GDN),
-    # Qwen3-Next-style: 3 Gated DeltaNet : 1 attention (GQA, RoPE, QK-norm), MoE ffns
-    # with a shared expert, unscanned.
+    # Qwen3-Next-style (configs/qwen3_next.py): 3 Gated DeltaNet : 1 gated attention
+    # (GQA, RoPE on half of each head, QK-norm, output gate), zero-centred norms, MoE
+    # ffns with a sigmoid-gated shared expert, unscanned.
     "qwen3_next": dict(layer_pattern=3 * ("gated_deltanet",) + ("global",), num_layers=4,
                        ffn_pattern=("moe",), num_kv_heads=2, position="rope", qk_norm=True,
+                       attn_output_gate=True, norm="rmsnorm_plus_one",
+                       rope=dict(fraction=0.5),
                        moe=dict(num_experts=4, experts_per_token=2, shared_experts=1,
-                                impl="dense"),
+                                shared_gate=True, impl="dense"),
                        activation="swiglu", gdn=GDN, scan_layers=False),
 }
 

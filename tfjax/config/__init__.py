@@ -23,8 +23,10 @@ from tfjax.config.convert import (apply_variant, default_config, from_dict, mode
                                   upgrade_saved)
 from tfjax.config.model import (DTYPES, GatedDeltaNetConfig, LinearConfig, Mamba2Config,
                                 ModelConfig, MoEConfig, RopeConfig, SSMConfig, T5Config)
-from tfjax.config.run import (DEFAULT_RULES, MESH_AXES, CheckpointConfig, DataConfig, MeshConfig,
-                              ParamGroup, RunConfig, TrainConfig, parse_param_groups)
+from tfjax.config.run import (DEFAULT_RULES, MESH_AXES, CheckpointConfig, DataConfig,
+                              LoraConfig, MeshConfig,
+                              ParamGroup, RunConfig, TrainConfig, parse_param_groups,
+                              parse_profile_steps)
 
 __all__ = [
     "upgrade_saved",
@@ -39,9 +41,11 @@ __all__ = [
     "TrainConfig",
     "ParamGroup",
     "parse_param_groups",
+    "parse_profile_steps",
     "DataConfig",
     "MeshConfig",
     "CheckpointConfig",
+    "LoraConfig",
     "RunConfig",
     "DEFAULT_RULES",
     "DTYPES",

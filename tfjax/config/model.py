@@ -63,6 +63,20 @@ class MoEConfig:
     impl: str = "ragged"  # dropless dispatch: ragged (grouped matmul) | dense (every expert)
     aux_loss_weight: float = 0.01  # load-balancing loss (Switch), 1.0 when balanced
     z_loss_weight: float = 0.001  # router z-loss (ST-MoE)
+    # Routers of the 2024-26 families (tfjax.nn.moe docstring, docs/moe.md).
+    score: str = "softmax"  # softmax | sigmoid (DeepSeek-V3, Llama 4)
+    n_group: int = 1  # DeepSeek-V3 group-limited top-k: experts in n_group groups ...
+    topk_group: int = 1  # ... of which the top topk_group (by their top-2 scores) are kept
+    score_bias: bool = False  # e_score_correction_bias: added for choosing experts, not gates
+    bias_update_rate: float = 0.0  # aux-loss-free balancing gamma (DeepSeek-V3 0.001); 0 = off
+    routed_scaling_factor: float = 1.0  # gates multiplied by this (DeepSeek-V3 2.5)
+    router_bias: bool = False  # bias on the router logits (gpt-oss)
+    glu: str = "standard"  # standard | clamped (gpt-oss SwiGLU: (clip(up)+1) * g sigmoid(a g))
+    glu_alpha: float = 1.702  # clamped: alpha
+    glu_limit: float = 7.0  # clamped: gate <= limit, |up| <= limit
+    gate_input: bool = False  # Llama 4: the gate scales the expert's input, not its output
+    shared_d_ff: int = 0  # one shared expert's width; 0 -> moe.d_ff (then model.d_ff)
+    shared_gate: bool = False  # Qwen2-MoE / Qwen3-Next: shared(x) * sigmoid(x @ [D, 1])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,6 +212,17 @@ class ModelConfig:
     attn_softcap: float = 0.0  # 0 -> off; Gemma 2: 50
     attention_sinks: bool = False  # a learned sink logit per head (gpt-oss; tfjax.ops.sinks)
     attention_impl: str = "auto"
+    # Differential attention (Ye et al. 2024): each head's queries and keys split in two
+    # halves of head_dim / 2, out = RMSNorm(softmax(q1 k1) v - lambda softmax(q2 k2) v)
+    # * (1 - lambda_init), lambda learned per layer (tfjax.nn.attention; decoder only)
+    diff_attn: bool = False
+    # Value-residual learning (ResFormer, Zhou et al. 2024): every layer after the first
+    # mixes the first layer's values in, v_n <- l1 v_n + l2 v_1: "none" | "fixed"
+    # (l1 = l2 = 0.5, the paper's) | "learned" (l1, l2 per layer, from 0.5; decoder only)
+    value_residual: str = "none"
+    # Gated attention (Qwen3-Next; Qiu et al. 2025): the attention output times
+    # sigmoid(x @ W_gate) per head and channel, before the output projection
+    attn_output_gate: bool = False
     # Self-attention when the mesh splits the sequence (mesh.sequence > 1): "ring"
     # (ring attention, K/V circulate; O(S/n) memory) | "all_gather" (each device
     # gathers the whole K/V; the simple baseline). Ignored without a sequence axis.
@@ -261,6 +286,10 @@ class ModelConfig:
     dtype: str = "float32"  # compute dtype
     param_dtype: str = "float32"
     init_std: float = 0.02
+    # μP (tfjax.models.mup): the base width whose standard model this one scales (init,
+    # per-class Adam learning rates, logits x base/d_model, attention 1/head_dim); 0 = off
+    mup_base_width: int = 0
+    mup_base_head_dim: int = 0  # the base model's head dim; 0 -> head_dim * base / d_model
     scan_layers: bool = True  # scan over repeats of layer_pattern (compile time flat in depth)
     remat: str = "none"  # none | full | dots | dots_no_batch (activation checkpointing)
 
@@ -283,7 +312,22 @@ class ModelConfig:
 
     @property
     def scale(self) -> float:
-        return self.attn_scale or 1.0 / math.sqrt(self.head_size)
+        """1/sqrt of the q.k width: head_dim, or its half with model.diff_attn (or
+        `attn_scale`); with μP that scale at the base head dim, times base / head dim."""
+        width = self.head_size // (2 if self.diff_attn else 1)
+        if not self.mup_base_width:
+            return self.attn_scale or 1.0 / math.sqrt(width)
+        base = (self.mup_base_head_dim or self.head_size * self.mup_base_width / self.d_model)
+        base /= 2 if self.diff_attn else 1
+        return (self.attn_scale or 1.0 / math.sqrt(base)) * base / width
+
+    @property
+    def logits_multiplier(self) -> float:
+        """What the final hidden state is multiplied by before the output projection:
+        `logits_scale`, times base / d_model with μP (its readout multiplier)."""
+        if not self.mup_base_width:
+            return self.logits_scale
+        return self.logits_scale * self.mup_base_width / self.d_model
 
     def ffn_kind(self, i: int) -> str:
         return self.ffn_pattern[i % len(self.ffn_pattern)]
@@ -301,12 +345,15 @@ def validate_model(c: ModelConfig, p: str) -> None:
     one_of(f"{p}.context_parallel", c.context_parallel, ("ring", "all_gather"))
     one_of(f"{p}.qk_norm_over", c.qk_norm_over, ("head", "projection"))
     one_of(f"{p}.zigzag", c.zigzag, ("data", "layer", "none"))
+    one_of(f"{p}.value_residual", c.value_residual, ("none", "fixed", "learned"))
     one_of(f"{p}.dtype", c.dtype, DTYPES)
     one_of(f"{p}.param_dtype", c.param_dtype, DTYPES)
 
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_len",
                  "norm_eps", "init_std"):
         positive(f"{p}.{name}", getattr(c, name))
+    for name in ("mup_base_width", "mup_base_head_dim"):
+        non_negative(f"{p}.{name}", getattr(c, name))
     for name in ("num_encoder_layers", "num_kv_heads", "head_dim", "v_head_dim", "attn_scale",
                  "attn_softcap", "attention_chunk", "local_rope_theta", "nope_temperature_floor",
                  "nope_temperature_scale",
@@ -334,6 +381,7 @@ def validate_model(c: ModelConfig, p: str) -> None:
         fail(f"{p}.attention_chunk", f"must be >= 1 when layer_pattern has 'chunked' layers, "
              f"got {c.attention_chunk}")
     _validate_sections(c, p)
+    _validate_variants(c, p)
 
     if c.position == "rope":
         r, rp = c.rope, f"{p}.rope"
@@ -375,6 +423,29 @@ def validate_model(c: ModelConfig, p: str) -> None:
              f"(arch={c.arch!r}); use num_layers")
 
 
+def _validate_variants(c: ModelConfig, p: str) -> None:
+    """model.diff_attn and model.value_residual: what they need of the attention (which
+    layer kinds carry them is `tfjax.models.check_names`'s)."""
+    for name, on in (("diff_attn", c.diff_attn), ("value_residual", c.value_residual != "none")):
+        if on and c.arch != "decoder":
+            fail(f"{p}.{name}", f"is for arch='decoder' only (arch={c.arch!r})")
+    if not c.diff_attn:
+        return
+    if c.head_size % 2:
+        fail(f"{p}.diff_attn", f"splits each head's queries and keys in two halves: head_dim "
+             f"must be even, got {c.head_size}")
+    if c.attention_sinks:
+        fail(f"{p}.attention_sinks", "does not combine with model.diff_attn (two softmax maps "
+             "per head); set one of them")
+    if c.qk_norm:
+        fail(f"{p}.qk_norm", "does not combine with model.diff_attn (not implemented: the "
+             "norm would be per half-head); set one of them")
+    if c.position == "rope" and (c.rope.fraction * c.head_size / 2) % 2:
+        fail(f"{p}.rope.fraction", f"model.diff_attn rotates each half-head of head_dim / 2 = "
+             f"{c.head_size // 2}: fraction * head_dim / 2 must be even, got "
+             f"{c.rope.fraction * c.head_size / 2:g}")
+
+
 def _validate_mamba2(c: ModelConfig, p: str) -> None:
     """The mamba2 section's ranges, and the head and group divisibility "mamba2"
     layers need."""
@@ -407,8 +478,11 @@ def _validate_sections(c: ModelConfig, p: str) -> None:
     """The moe, ssm, linear, gdn and mla sections' ranges, and what "moe" and "mla"
     layers need."""
     m, s, lin = c.moe, c.ssm, c.linear
-    for name in ("d_ff", "shared_experts", "capacity_factor", "aux_loss_weight", "z_loss_weight"):
+    for name in ("d_ff", "shared_experts", "capacity_factor", "aux_loss_weight", "z_loss_weight",
+                 "bias_update_rate", "shared_d_ff", "glu_alpha", "glu_limit"):
         non_negative(f"{p}.moe.{name}", getattr(m, name))
+    for name in ("n_group", "topk_group"):
+        positive(f"{p}.moe.{name}", getattr(m, name))
     for name in ("dt_rank", "chunk"):
         non_negative(f"{p}.ssm.{name}", getattr(s, name))
     for name in ("d_state", "d_conv", "expand"):
@@ -445,3 +519,27 @@ def _validate_sections(c: ModelConfig, p: str) -> None:
         if not 1 <= m.experts_per_token <= m.num_experts:
             fail(f"{p}.moe.experts_per_token", f"must be in [1, num_experts={m.num_experts}], "
                  f"got {m.experts_per_token}")
+        _validate_moe_routing(m, f"{p}.moe", c.activation)
+
+
+def _validate_moe_routing(m: MoEConfig, q: str, activation: str) -> None:
+    """The router options of "moe" layers (tfjax.nn.moe): names and how they combine."""
+    for name, allowed in (("score", ("softmax", "sigmoid")), ("glu", ("standard", "clamped"))):
+        if getattr(m, name) not in allowed:
+            fail(f"{q}.{name}", f"must be one of {', '.join(allowed)}, got {getattr(m, name)!r}")
+    if m.glu == "clamped" and activation != "swiglu":
+        fail(f"{q}.glu", f"'clamped' is gpt-oss's SwiGLU: needs model.activation='swiglu', "
+             f"got {activation!r}")
+    if m.num_experts % m.n_group or (m.n_group > 1 and m.num_experts // m.n_group < 2):
+        fail(f"{q}.n_group", f"must divide num_experts={m.num_experts} into groups of >= 2 "
+             f"(a group scores its top-2), got {m.n_group}")
+    if m.topk_group > m.n_group:
+        fail(f"{q}.topk_group", f"must be in [1, n_group={m.n_group}], got {m.topk_group}")
+    if m.experts_per_token > m.topk_group * (m.num_experts // m.n_group):
+        fail(f"{q}.experts_per_token", f"the topk_group={m.topk_group} kept groups hold "
+             f"{m.topk_group * (m.num_experts // m.n_group)} experts, got {m.experts_per_token}")
+    if m.gate_input and m.capacity_factor > 0:
+        fail(f"{q}.gate_input", "Llama 4's input gating needs dropless dispatch: set "
+             "moe.capacity_factor=0")
+    if m.shared_gate and not m.shared_experts:
+        fail(f"{q}.shared_gate", "gates the shared expert: set moe.shared_experts >= 1")

@@ -10,14 +10,16 @@ import dataclasses
 from tfjax.config.checks import fail, non_negative, one_of, positive
 from tfjax.config.model import ModelConfig, validate_model
 
-__all__ = ["CheckpointConfig", "DataConfig", "DEFAULT_RULES", "DECAY_SHAPES", "MESH_AXES",
-           "MeshConfig", "ParamGroup", "RunConfig", "SCHEDULES", "TrainConfig",
-           "parse_param_groups"]
+__all__ = ["CheckpointConfig", "DataConfig", "DEFAULT_RULES", "DECAY_SHAPES", "LoraConfig",
+           "MESH_AXES", "MeshConfig", "ParamGroup", "RunConfig", "SCHEDULES", "TrainConfig",
+           "parse_param_groups", "parse_profile_steps"]
 
 MESH_AXES = ("data", "fsdp", "sequence", "tensor", "expert")
 SCHEDULES = ("cosine", "constant", "linear", "wsd")
 DECAY_SHAPES = ("linear", "cosine", "1-sqrt")  # the decay of the wsd schedule
 DATA_SOURCES = ("stdlib", "text", "jsonl")
+DATA_FORMATS = ("document", "instruction")
+WANDB_MODES = ("online", "offline", "disabled")
 
 # Logical axis name -> mesh axes (first entry the logical name, then zero or more
 # mesh axes; none = replicated). Parameters and activations share the table: a mesh
@@ -130,6 +132,19 @@ class TrainConfig:
     # JAX's persistent compilation cache (tfjax.train.compile_cache): "auto" -> JAX's
     # configured directory, else WORKDIR/compilation_cache; "workdir"; a path; "" -> off
     compilation_cache: str = "auto"
+    # Weights & Biases (tfjax.train.metrics.MetricWriter): the project to log to ("" =
+    # off); wandb_mode "online" | "offline" (no network: WORKDIR/wandb, `wandb sync`
+    # later) | "disabled" | "" (wandb's own default: WANDB_MODE, else online)
+    wandb: str = ""
+    wandb_mode: str = ""
+    # "A,B": a jax.profiler trace of steps A..B (1-based, inclusive) in WORKDIR/profile
+    profile_steps: str = ""
+    # lm-eval-harness tasks scored at every evaluation ("a,b"; tfjax.eval.harness, the
+    # `eval` extra), from lm-eval's own and the task YAMLs in eval_tasks_path;
+    # eval_tasks_limit documents per task (0 = all)
+    eval_tasks: str = ""
+    eval_tasks_path: str = ""
+    eval_tasks_limit: int = 0
     objective: str = "causal_lm"
     mlm_rate: float = 0.15
     whole_word_mask: bool = False
@@ -147,8 +162,12 @@ class DataConfig:
       in `paths`, one document per file) | jsonl (one document per line, field
       `jsonl_field`). For text/jsonl, `val_paths` names the validation files; if
       empty, the same sha1 rule splits files (text) or lines (jsonl).
-    tokenizer: "byte" (256 bytes + specials) or a local file: a `tokenizers` JSON
-      or a sentencepiece `.model`.
+    tokenizer: "byte" (256 bytes + specials), a local file: a `tokenizers` JSON
+      or a sentencepiece `.model`, or "init_from": the tokenizer of the checkpoint
+      `init_from` names (its tokenizer.json, or the tfjax run's data.tokenizer).
+    format: "document" (every token is a target) | "instruction" (jsonl only: each
+      line a "prompt" and a "completion" string, laid out as one packed document,
+      the loss on the completion tokens only; `tfjax.data.pipeline`).
     """
 
     source: str = "stdlib"
@@ -157,6 +176,7 @@ class DataConfig:
     jsonl_field: str = "text"
     tokenizer: str = "byte"
     shuffle: bool = True
+    format: str = "document"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,15 +213,42 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """LoRA (Hu et al. 2021) fine-tuning (`tfjax.train.lora`): the base weights frozen,
+    each targeted matrix W trained as W + (alpha / rank) * A @ B.
+
+    rank: r, the adapters' inner dimension; 0 = off (train every parameter).
+    alpha: the scale is alpha / rank; 0 = alpha equals rank (scale 1).
+    targets: comma-separated names of the matrices to adapt: q, k, v, o (attention),
+      gate, up, down (FFN), or the groups attn, mlp, all (`tfjax.train.lora.TARGETS`
+      maps each to tfjax's parameter paths). A name that matches no parameter of the
+      model is an error.
+    """
+
+    rank: int = 0
+    alpha: float = 0.0
+    targets: str = "q,v"
+
+
+@dataclasses.dataclass(frozen=True)
 class RunConfig:
-    """A whole run: the model plus the sections the trainer owns (train, data, mesh, ...)."""
+    """A whole run: the model plus the sections the trainer owns (train, data, mesh, ...).
+
+    init_from: fine-tuning: a Hugging Face checkpoint directory (config.json +
+      safetensors) or a tfjax training workdir to take the model and its weights from
+      (`tfjax.train.init_from`, which says how the model section must agree); "" =
+      train from scratch.
+    lora: LoRA fine-tuning (`LoraConfig`, `tfjax.train.lora`); lora.rank=0 = off.
+    """
 
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     seed: int = 0
+    init_from: str = ""
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
 
     def validate(self) -> "RunConfig":
         validate_model(self.model, "model")
@@ -209,6 +256,15 @@ class RunConfig:
         _validate_data(self.data, "data")
         _validate_mesh(self.mesh, "mesh")
         _validate_checkpoint(self.checkpoint, "checkpoint")
+        _validate_lora(self.lora, "lora")
+        if self.data.tokenizer == "init_from" and not self.init_from:
+            fail("data.tokenizer", "'init_from' takes the tokenizer of the checkpoint that "
+                 "init_from names, but init_from is empty; set --config.init_from=DIR or name "
+                 "a tokenizer ('byte' or a file)")
+        if self.data.format == "instruction" and self.train.objective != "causal_lm":
+            fail("data.format", f"'instruction' scores the completions of a causal LM, but "
+                 f"train.objective={self.train.objective!r}; set --config.train.objective="
+                 f"causal_lm or data.format='document'")
         return self
 
 
@@ -238,6 +294,13 @@ def _validate_train(c: TrainConfig, p: str) -> None:
     if c.optimizer == "sgd" and c.nesterov and not c.momentum:
         fail(f"{p}.nesterov", "Nesterov momentum needs train.momentum > 0")
     parse_param_groups(c.param_groups, f"{p}.param_groups")
+    if c.wandb_mode:
+        one_of(f"{p}.wandb_mode", c.wandb_mode, WANDB_MODES)
+    parse_profile_steps(c.profile_steps, c.steps, f"{p}.profile_steps")
+    non_negative(f"{p}.eval_tasks_limit", c.eval_tasks_limit)
+    if c.eval_tasks and c.objective != "causal_lm":
+        fail(f"{p}.eval_tasks", f"lm-eval tasks score a causal LM; train.objective is "
+             f"{c.objective!r}")
     if not 0.0 <= c.lr_min_ratio <= 1.0:
         fail(f"{p}.lr_min_ratio", f"must be in [0, 1], got {c.lr_min_ratio!r}")
     for name in ("b1", "b2"):
@@ -246,6 +309,22 @@ def _validate_train(c: TrainConfig, p: str) -> None:
     if c.batch_size % c.microbatches:
         fail(f"{p}.batch_size", f"{c.batch_size} is not divisible by train.microbatches="
               f"{c.microbatches}; use a multiple of it")
+
+
+def parse_profile_steps(text: str, steps: int,
+                        field: str = "train.profile_steps") -> tuple[int, int] | None:
+    """"A,B" -> (A, B), the first and last step (1-based, inclusive) to trace; "" ->
+    None. Anything else, or a range outside 1..steps, fails naming `field`."""
+    if not text.strip():
+        return None
+    parts = text.split(",")
+    try:
+        first, last = (int(x) for x in parts)
+    except ValueError:
+        fail(field, f"got {text!r}; write 'A,B' (first and last step to trace, e.g. '5,7')")
+    if not 1 <= first <= last <= steps:
+        fail(field, f"got {text!r}; need 1 <= A <= B <= train.steps={steps}")
+    return first, last
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,6 +380,10 @@ def _validate_data(c: DataConfig, p: str) -> None:
         fail(f"{p}.tokenizer", "use 'byte' or a path to a tokenizers .json / sentencepiece .model")
     if c.source == "jsonl" and not c.jsonl_field:
         fail(f"{p}.jsonl_field", "name the JSON field that holds the text, e.g. 'text'")
+    one_of(f"{p}.format", c.format, DATA_FORMATS)
+    if c.format == "instruction" and c.source != "jsonl":
+        fail(f"{p}.format", f"'instruction' reads jsonl lines with \"prompt\" and "
+             f"\"completion\", but data.source={c.source!r}; set --config.data.source=jsonl")
 
 
 def _validate_mesh(c: MeshConfig, p: str) -> None:
@@ -326,6 +409,17 @@ def _validate_mesh(c: MeshConfig, p: str) -> None:
                       f"{', '.join(MESH_AXES)}")
         if len(set(rule[1:])) != len(rule[1:]):
             fail(f, f"mesh axis repeated in {rule!r}")
+
+
+def _validate_lora(c: LoraConfig, p: str) -> None:
+    if c.rank < 0 or (c.rank == 0 and c.alpha):
+        fail(f"{p}.rank", f"got {c.rank}{f' with lora.alpha={c.alpha}' if c.alpha else ''}; "
+             f"LoRA needs a rank > 0 (e.g. --config.lora.rank=8), or leave lora.rank=0 "
+             f"(and lora.alpha=0) to train every parameter")
+    non_negative(f"{p}.alpha", c.alpha)
+    if c.rank and not [t for t in c.targets.split(",") if t.strip()]:
+        fail(f"{p}.targets", "names no matrix; give e.g. --config.lora.targets=q,v (or attn, "
+             "mlp, all)")
 
 
 def _validate_checkpoint(c: CheckpointConfig, p: str) -> None:

@@ -13,6 +13,15 @@ one, so every token is a target exactly once. Inside a row each document piece
 gets its own segment id (1, 2, ...; 0 = padding) and positions counted from 0, so
 attention never crosses a document and `mask` drops the target that would.
 
+Instruction examples (`data.format="instruction"`: the source yields `(prompt,
+completion)` pairs) are laid out as `[bos] + encode(prompt) + encode(completion) +
+[eos]`, the two halves tokenized separately (so the boundary is exact), and packed
+as documents are; `mask` is 1 only on targets that are completion tokens or the EOS
+after them, so the loss (`tfjax.train.losses`, a mean over `mask`) and `val_bpb`
+count the completions alone, while the prompt still conditions them. Internally a
+tokenized item is `[2, n]`: its ids and, per token, whether it is scored as a target
+(all 1 for a plain document, so documents pack exactly as before).
+
 A process only runs the streams of the rows its devices hold, so each process
 loads only its share, and a batch is the same whatever the number of processes
 (a 2-process run trains exactly like a 1-process run). The state is one
@@ -28,9 +37,24 @@ import numpy as np
 
 from tfjax.data.sources import DocumentSource
 
-__all__ = ["BATCH_KEYS", "PackedBatches", "RowStreams"]
+__all__ = ["BATCH_KEYS", "PackedBatches", "RowStreams", "encode_item"]
 
 BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "mask", "target_bytes")
+
+
+def encode_item(tokenizer, item) -> np.ndarray:
+    """One source item -> `[2, n]` int32: the ids `[bos] + ... + [eos]` and whether each
+    is scored as a target. A document (str / bytes) is scored throughout; a `(prompt,
+    completion)` pair only on the completion and its EOS."""
+    bos, eos = [tokenizer.bos_id], [tokenizer.eos_id]
+    if isinstance(item, tuple):
+        prompt, completion = (tokenizer.encode(x) for x in item)
+        ids = np.concatenate([bos, prompt, completion, eos])
+        scored = np.concatenate([np.zeros(1 + len(prompt)), np.ones(len(completion) + 1)])
+    else:
+        ids = np.concatenate([bos, tokenizer.encode(item), eos])
+        scored = np.ones(len(ids))
+    return np.stack([ids, scored]).astype(np.int32)
 
 
 class RowStreams(Iterator[dict]):
@@ -80,10 +104,8 @@ class PackedBatches(RowStreams):
                  repeat: bool = True):
         self.seq_len, self.tokenizer = seq_len, tokenizer
         self._num_docs = len(source)
-        bos, eos = tokenizer.bos_id, tokenizer.eos_id
-        self._start(source, lambda text: np.concatenate(
-            [[bos], tokenizer.encode(text), [eos]]).astype(np.int32), global_batch=global_batch,
-            local_rows=local_rows, seed=seed, shuffle=shuffle, repeat=repeat)
+        self._start(source, lambda item: encode_item(tokenizer, item), global_batch=global_batch,
+                    local_rows=local_rows, seed=seed, shuffle=shuffle, repeat=repeat)
         self._docs = self._items
         self._cache: dict[int, tuple[int, np.ndarray]] = {}
 
@@ -105,14 +127,16 @@ class PackedBatches(RowStreams):
         if self._num_batches is None:
             longest = 0
             for r in range(self.global_batch):
-                n = sum(len(self._docs[k]) for k in range(r, self._num_docs, self.global_batch))
+                n = sum(self._docs[k].shape[1]
+                        for k in range(r, self._num_docs, self.global_batch))
                 longest = max(longest, -(-(n - 1) // self.seq_len) if n > 1 else 0)
             self._num_batches = longest
         return self._num_batches
 
-    def _next_row(self, r: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    def _next_row(self, r: int) -> tuple[np.ndarray, ...] | None:
         need = self.seq_len + 1
         toks = np.full(need, self.tokenizer.pad_id, np.int32)
+        score = np.zeros(need, np.int32)
         seg = np.zeros(need, np.int32)
         pos = np.zeros(need, np.int32)
         cursor = self._state["cursors"][r]
@@ -122,14 +146,15 @@ class PackedBatches(RowStreams):
             doc = self._doc(r, j)
             if doc is None:
                 break
-            n = min(len(doc) - o, need - filled)
-            toks[filled:filled + n] = doc[o:o + n]
+            n = min(doc.shape[1] - o, need - filled)
+            toks[filled:filled + n] = doc[0, o:o + n]
+            score[filled:filled + n] = doc[1, o:o + n]
             piece += 1
             seg[filled:filled + n] = piece
             pos[filled:filled + n] = np.arange(n)
             filled += n
             last = (j, o + n)
-            j, o = (j + 1, 0) if o + n == len(doc) else (j, o + n)
+            j, o = (j + 1, 0) if o + n == doc.shape[1] else (j, o + n)
         if filled <= 1 and not self.repeat:  # nothing left to predict
             cursor[:] = [j, o]
             return None
@@ -137,12 +162,12 @@ class PackedBatches(RowStreams):
             cursor[:] = [last[0], last[1] - 1]
         else:
             cursor[:] = [j, 0]
-        return toks, seg, pos
+        return toks, seg, pos, score
 
     def _row_arrays(self, row):
-        toks, seg, pos = row
+        toks, seg, pos, score = row
         T = self.seq_len
-        mask = (seg[:T] == seg[1:]) & (seg[:T] > 0)
+        mask = (seg[:T] == seg[1:]) & (seg[:T] > 0) & (score[1:] > 0)
         targets = toks[1:]
         tb = self.tokenizer.token_bytes[np.minimum(targets, len(self.tokenizer.token_bytes) - 1)]
         return dict(inputs=toks[:T], targets=targets, positions=pos[:T], segment_ids=seg[:T],

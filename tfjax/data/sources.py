@@ -8,10 +8,14 @@ glob's directory) and to jsonl records (on "relative path:line number"), unless
 `val_paths` names the validation files explicitly.
 
 Text and jsonl sources skip documents that are empty or whitespace only (a text file,
-a record's field), which would train on BOS/EOS alone. Everything is checked when
-the source is built, never mid-training inside a data worker: every jsonl line must
-be a JSON object whose `data.jsonl_field` is a string, or it is a ValueError naming
-the file, the 1-based line and the field; a split with no document left is a
+a record's field), which would train on BOS/EOS alone. With `data.format="instruction"`
+a jsonl line is one example, a `prompt` and a `completion` string (the prompt may be
+empty; a line whose completion is blank is skipped), and the source yields `(prompt,
+completion)` pairs, which `tfjax.data.pipeline` scores on the completion only.
+Everything is checked when the source is built, never mid-training inside a data
+worker: every jsonl line must be a JSON object whose `data.jsonl_field` is a string
+(instruction: `prompt` and `completion` strings), or it is a ValueError naming the
+file, the 1-based line and the field; a split with no document left is a
 ValueError saying what was found.
 """
 
@@ -26,9 +30,11 @@ from collections.abc import Sequence
 
 from tfjax.config import DataConfig
 
-__all__ = ["DocumentSource", "documents", "is_validation", "stdlib_files"]
+__all__ = ["INSTRUCTION_FIELDS", "DocumentSource", "documents", "is_validation",
+           "stdlib_files"]
 
 VAL_MODULUS = 50
+INSTRUCTION_FIELDS = ("prompt", "completion")  # data.format="instruction": one pair per line
 SKIP_DIRS = ("site-packages", "test")
 
 
@@ -71,10 +77,12 @@ def _expand(patterns: Sequence[str], field: str) -> list[tuple[str, str]]:
 class DocumentSource:
     """A random-access list of documents (bytes). Files are read when asked for, so
     a large corpus is never held in memory; jsonl records are indexed by offset (their
-    lines were checked when indexed: JSON objects whose `field` is a string)."""
+    lines were checked when indexed: JSON objects whose `field` is a string). With
+    `field` a tuple of names (instruction examples: `INSTRUCTION_FIELDS`), a record is
+    the tuple of those strings."""
 
     def __init__(self, files: Sequence[str] = (), records: Sequence[tuple[str, int]] = (),
-                 field: str = "text"):
+                 field: str | tuple[str, ...] = "text"):
         self._files = list(files)
         self._records = list(records)  # (path, byte offset of the line)
         self._field = field
@@ -82,7 +90,7 @@ class DocumentSource:
     def __len__(self) -> int:
         return len(self._files) + len(self._records)
 
-    def __getitem__(self, i: int) -> bytes:
+    def __getitem__(self, i: int) -> bytes | tuple[str, ...]:
         if i < len(self._files):
             with open(self._files[i], "rb") as f:
                 return f.read()
@@ -90,7 +98,10 @@ class DocumentSource:
         with open(path, "rb") as f:
             f.seek(offset)
             line = f.readline()
-        return json.loads(line)[self._field].encode("utf-8")
+        record = json.loads(line)
+        if isinstance(self._field, tuple):
+            return tuple(record[f] for f in self._field)
+        return record[self._field].encode("utf-8")
 
 
 _CHUNK = 1 << 16
@@ -146,8 +157,31 @@ def _jsonl_text(path: str, lineno: int, line: bytes, field: str) -> str:
     return value
 
 
+def _jsonl_pair(path: str, lineno: int, line: bytes) -> str:
+    """The completion of one instruction line (after checking that it is a JSON object
+    with a `prompt` and a `completion` string), or a ValueError naming the file, the
+    line, the field and the fix."""
+    where, form = f"{path}:{lineno}", ('data.format=\'instruction\' reads one JSON object per '
+                                       'line with a "prompt" and a "completion" string')
+    try:
+        record = json.loads(line)
+    except ValueError as e:
+        raise ValueError(f"{where}: not a JSON line ({e}); {form}: fix or drop this line") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: the line is {_json_type(record)}, not a JSON object; {form}")
+    for name in INSTRUCTION_FIELDS:
+        if name not in record:
+            raise ValueError(f"{where}: the record has no field {name!r}; {form} (its fields: "
+                             f"{', '.join(record) or 'none'}): add {name!r}, or train on plain "
+                             f"documents with data.format='document'")
+        if not isinstance(record[name], str):
+            raise ValueError(f"{where}: field {name!r} is {_json_type(record[name])}, not a "
+                             f"string; {form}")
+    return record["completion"]
+
+
 def _jsonl_records(files: Sequence[tuple[str, str]], split: str | None,
-                   field: str) -> tuple[list[tuple[str, int]], str]:
+                   field: str | tuple[str, ...]) -> tuple[list[tuple[str, int]], str]:
     """(path, byte offset) of the non-blank records of `split` (None: every line) and, for
     an empty result, what was found. Every line of every file is checked (`_jsonl_text`),
     whichever split it goes to, so a bad line fails the first split built."""
@@ -161,13 +195,15 @@ def _jsonl_records(files: Sequence[tuple[str, str]], split: str | None,
                 lines += mine
                 if not line.strip():
                     blank += mine
-                elif not _jsonl_text(path, lineno + 1, line, field).strip():
+                elif not (_jsonl_pair(path, lineno + 1, line) if isinstance(field, tuple)
+                          else _jsonl_text(path, lineno + 1, line, field)).strip():
                     empty += mine
                 elif mine:
                     out.append((path, offset))
                 offset += len(line)
+    what = ("'completion'" if isinstance(field, tuple) else f"{field!r} (data.jsonl_field)")
     found = (f"{lines} line(s) of this split in {_some([p for p, _ in files])}: {blank} blank, "
-             f"{empty} whose {field!r} (data.jsonl_field) is empty or whitespace only")
+             f"{empty} whose {what} is empty or whitespace only")
     return out, found
 
 
@@ -195,8 +231,9 @@ def documents(cfg: DataConfig, split: str) -> DocumentSource:
             found = (f"{len(files)} file(s) of this split, {len(blank)} empty or whitespace only"
                      + (f" ({_some(blank)})" if blank else ""))
         else:
-            records, found = _jsonl_records(files, rule, cfg.jsonl_field)
-            src = DocumentSource(records=records, field=cfg.jsonl_field)
+            field = INSTRUCTION_FIELDS if cfg.format == "instruction" else cfg.jsonl_field
+            records, found = _jsonl_records(files, rule, field)
+            src = DocumentSource(records=records, field=field)
         where = f"data.paths={cfg.paths!r}" + (f", data.val_paths={cfg.val_paths!r}" if explicit else "")
         where += f": {found}"
     if len(src) == 0:

@@ -165,12 +165,17 @@ class KVCache(LayerCache):
         return super().for_step(length, chunk=chunk).replace(chunk=chunk)
 
     def apply(self, attn, x, context=None, *, mask=None, bias=None, positions=None,
-              kv_positions=None):
+              kv_positions=None, layer=None, first_values=None):
+        """`layer` / `first_values`: a layer stack's, for differential attention and
+        the value residual (`MultiHeadAttention`); the mixed values are stored."""
         if context is not None:
             raise ValueError("a self-attention KV cache got a context (cross-attention)")
-        q, k, v = attn.project(x, positions=positions)
+        depth = {} if layer is None and first_values is None else dict(
+            layer=layer, first_values=first_values)
+        q, k, v = attn.project(x, positions=positions, **depth)
+        extra = {} if layer is None else dict(layer=layer)
         return slot_step(self, ("k", "v"), (k, v), positions, KV_AXES,
-                         lambda kv, cached: attn.attend(q, *kv, mask, bias))
+                         lambda kv, cached: attn.attend(q, *kv, mask, bias, x=x, **extra))
 
 
 def slot_step(cache, names, fresh, positions, axes, attend):
@@ -286,7 +291,7 @@ class CrossKVCache(LayerCache):
                                v=shard(v.astype(self.v.dtype), KV_AXES))
         else:
             q, new = attn.project_query(x, positions=positions), self
-        return attn.attend(q, new.k, new.v, mask, bias), new
+        return attn.attend(q, new.k, new.v, mask, bias, x=x), new
 
 
 def _new_tokens(cache: LayerCache, positions, T: int) -> jax.Array:

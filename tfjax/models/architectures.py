@@ -19,6 +19,7 @@ from tfjax.config import ModelConfig, model_config
 from tfjax.models.decoder import DecoderLM
 from tfjax.models.encoder import EncoderModel
 from tfjax.models.encoder_decoder import EncoderDecoderModel
+from tfjax.models import mup
 from tfjax.models.layer_kinds import FFN_KINDS, LAYER_KINDS
 from tfjax.models.stack import REMAT_POLICIES
 from tfjax.nn.blocks import BLOCKS, PLACEMENTS
@@ -69,10 +70,18 @@ def check_names(cfg: ModelConfig, prefix: str = "model") -> ModelConfig:
     if causal and c.arch != "decoder":
         raise ValueError(f"{p}.layer_pattern: {', '.join(map(repr, sorted(causal)))} layers are "
                          f"causal mixers for arch='decoder' (arch={c.arch!r})")
+    for name, on in (("diff_attn", c.diff_attn), ("value_residual", c.value_residual != "none")):
+        other = [k for k in dict.fromkeys(c.layer_pattern) if not LAYER_KINDS.get(k).variants]
+        if on and other:
+            carry = [k for k in LAYER_KINDS if LAYER_KINDS.get(k).variants]
+            raise ValueError(f"{p}.{name}: {', '.join(map(repr, other))} layers cannot carry it; "
+                             f"use layer kinds {', '.join(map(repr, carry))}")
     return cfg
 
 
 def build(model_cfg, *, rngs: nnx.Rngs | None = None) -> nnx.Module:
     """A model from `cfg.model` (ConfigDict, dict or ModelConfig), checked first."""
     cfg = check_names(model_config(model_cfg))
-    return ARCHITECTURES.get(cfg.arch, field="model.arch")(cfg, rngs=rngs or nnx.Rngs(0))
+    mup.check(cfg)
+    model = ARCHITECTURES.get(cfg.arch, field="model.arch")(cfg, rngs=rngs or nnx.Rngs(0))
+    return mup.rescale_init(model, cfg)

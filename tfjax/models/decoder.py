@@ -51,6 +51,12 @@ class DecoderLM(nnx.Module):
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
                  segment_ids: jax.Array | None = None, prefix_lengths: jax.Array | None = None):
         """tokens `[B,T]` int -> logits `[B,T,V]` float32."""
+        return self.embed.logits(self.features(tokens, positions, segment_ids, prefix_lengths))
+
+    def features(self, tokens: jax.Array, positions: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None, prefix_lengths: jax.Array | None = None):
+        """tokens `[B,T]` int -> the final hidden states `[B,T,D]` (after the final norm):
+        what the output head reads (probes, embeddings, μP's coordinate check)."""
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [B, T] integers, got shape {tokens.shape}")
         positions = default_positions(tokens) if positions is None else positions
@@ -60,7 +66,7 @@ class DecoderLM(nnx.Module):
         x = self.layers(x, masks=masks, biases=biases, positions=positions)
         if self.final_norm is not None:
             x = self.final_norm(x)
-        return self.embed.logits(x)
+        return x
 
     def init_cache(self, batch: int, max_len: int, *, dtype=None) -> ModelCache:
         """An empty inference cache: `batch` rows of up to `max_len` tokens (prompt +

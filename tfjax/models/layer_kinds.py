@@ -23,6 +23,8 @@ know about a kind is its record, and nothing outside this file names a kind:
       order_dependent its output depends on the tokens' order other than through
                       attention's position-aware mask (the trainer's zig-zag data
                       layout would change it)
+      variants        its mixer is a `MultiHeadAttention` that carries
+                      model.diff_attn and model.value_residual
     FfnKind
       build             (cfg, rngs) -> the feed-forward module, or None
       order_dependence  (cfg) -> why its output depends on the tokens' order, or None
@@ -77,6 +79,7 @@ class LayerKind:
     cache_mask: Callable[..., "masks_lib.Mask"] | None = None
     decoder_only: bool = False
     order_dependent: bool = False
+    variants: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,8 +121,11 @@ def attention(cfg: ModelConfig, rngs: nnx.Rngs, *, positions: bool, rope_theta: 
     """The model's attention: self-attention of the attention kinds (`positions`: the
     model's RoPE, if any; `rope_theta` > 0: that base instead; `temperature`: Llama
     4's NoPE query temperature when model.nope_temperature_floor > 0) and the
-    decoder's cross-attention (positions=False)."""
+    decoder's cross-attention (positions=False). model.diff_attn and
+    model.value_residual (decoder only, so never a cross-attention) reach every one:
+    differential attention rotates half-heads, a RoPE of head_dim / 2."""
     tempered = temperature and cfg.nope_temperature_floor > 0
+    rope_dims = cfg.head_size // 2 if cfg.diff_attn else None
     return MultiHeadAttention(
         cfg.d_model, cfg.num_heads, num_kv_heads=cfg.kv_heads, head_dim=cfg.head_size,
         v_head_dim=cfg.value_head_size, sinks=cfg.attention_sinks, qkv_bias=cfg.qkv_bias,
@@ -128,9 +134,11 @@ def attention(cfg: ModelConfig, rngs: nnx.Rngs, *, positions: bool, rope_theta: 
         qk_norm_over=cfg.qk_norm_over, norm_eps=cfg.norm_eps,
         temperature=(cfg.nope_temperature_floor, cfg.nope_temperature_scale) if tempered else None,
         scale=cfg.scale, softcap=cfg.attn_softcap or None,
-        rope=_rope(cfg, theta=rope_theta) if positions else None,
+        rope=_rope(cfg, rope_dims, theta=rope_theta) if positions else None,
         implementation=cfg.attention_impl,
         context_parallel=cfg.context_parallel, zigzag=cfg.zigzag,
+        differential=cfg.diff_attn, value_residual=cfg.value_residual,
+        output_gate=cfg.attn_output_gate,
         dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype),
         init_std=cfg.init_std, out_init_std=_out_std(cfg), rngs=rngs)
 
@@ -171,7 +179,7 @@ def _attention_kind(doc: str, window_of: Callable[[ModelConfig], int], *,
         return _kv_cache(cfg, batch, *slots(cfg, max_len), dtype)
 
     return LayerKind(doc=doc, mixer=mixer, mask=mask, cache=cache, slots=slots,
-                     positions=positions)
+                     positions=positions, variants=True)
 
 
 LAYER_KINDS.register("global", _attention_kind(
@@ -206,7 +214,7 @@ LAYER_KINDS.register("chunked", LayerKind(
     "cache of one chunk", attention, mask=_chunked_mask,
     cache=lambda cfg, batch, max_len, dtype: _kv_cache(cfg, batch, *_chunked_slots(cfg, max_len),
                                                        dtype),
-    slots=_chunked_slots, cache_mask=_chunked_cache_mask, decoder_only=True))
+    slots=_chunked_slots, cache_mask=_chunked_cache_mask, decoder_only=True, variants=True))
 
 
 def _mla(cfg: ModelConfig, rngs: nnx.Rngs, *, positions: bool) -> MultiHeadLatentAttention:
@@ -340,7 +348,12 @@ def _moe(cfg: ModelConfig, rngs: nnx.Rngs) -> MoE:
                experts_per_token=m.experts_per_token, shared_experts=m.shared_experts,
                renormalize=m.router_renormalize, capacity_factor=m.capacity_factor,
                implementation=m.impl, aux_loss_weight=m.aux_loss_weight,
-               z_loss_weight=m.z_loss_weight, **_ffn_kw(cfg, rngs))
+               z_loss_weight=m.z_loss_weight, shared_d_ff=m.shared_d_ff or None, score=m.score,
+               n_group=m.n_group, topk_group=m.topk_group, score_bias=m.score_bias,
+               bias_update_rate=m.bias_update_rate, routed_scaling_factor=m.routed_scaling_factor,
+               router_bias=m.router_bias, glu=m.glu, glu_alpha=m.glu_alpha,
+               glu_limit=m.glu_limit, gate_input=m.gate_input, shared_gate=m.shared_gate,
+               **_ffn_kw(cfg, rngs))
 
 
 def _moe_order(cfg: ModelConfig) -> str | None:

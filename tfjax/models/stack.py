@@ -76,11 +76,20 @@ class _Cycle(nnx.Module):
 class LayerStack(nnx.Module):
     """`num_layers` blocks laid out as `self.layout` says: `self.cycles.layers[j]`
     (parameters stacked over the scanned cycles) and `self.blocks[j]` (unrolled);
-    `self.pattern` is the layer kinds of one cycle."""
+    `self.pattern` is the layer kinds of one cycle.
+
+    Depth inputs (`model.diff_attn`, `model.value_residual`): every block then gets
+    its layer index `layer` (an int, traced under the scan: cycle * cycle length +
+    position) and, with the value residual, `first_values`, the first layer's values
+    of the same tokens (`TransformerBlock.mixer_values` of layer 0's input, carried
+    through the scan; inside the scan it is projected at position 0 of every cycle
+    and kept from cycle 0, one extra [D, K, Hv] projection per cycle)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, *, num_layers: int, cross: bool = False):
         self.layout = layout = StackLayout.of(cfg, num_layers)
         self.remat = cfg.remat
+        self.depth_inputs = cfg.diff_attn or cfg.value_residual != "none"
+        self.value_residual = cfg.value_residual != "none"
         if layout.num_cycles:
             @nnx.split_rngs(splits=layout.num_cycles)
             @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
@@ -100,6 +109,26 @@ class LayerStack(nnx.Module):
     def _block_kind(self, j: int) -> str:
         return self.layout.kind(self.layout.block_layer(j))
 
+    def _depth(self, block, x, layer, first, cycle=None):
+        """(the depth kwargs of the block at `layer`, the first layer's values) given
+        its input x and the first values so far; `cycle`: the traced cycle index of
+        a scanned block at position 0 (layer 0 is cycle 0's)."""
+        if not self.depth_inputs:
+            return {}, first
+        if self.value_residual and cycle is not None:
+            first = jnp.where(cycle == 0, block.mixer_values(x), first)
+        elif self.value_residual and isinstance(layer, int) and layer == 0:  # unrolled
+            first = block.mixer_values(x)
+        return dict(layer=layer, first_values=first), first
+
+    def _first_init(self, x):
+        """The carried first-layer values before layer 0 (zeros of their shape)."""
+        if not (self.value_residual and self.cycles is not None):
+            return None
+        block = self.cycles.layers[0]
+        K, Hv = block.attn.num_kv_heads, block.attn.v_head_dim
+        return jnp.zeros((*x.shape[:2], K, Hv), x.dtype)
+
     def __call__(self, x, *, masks: dict, biases: dict, cache=None, **kwargs):
         """`masks[kind]` / `biases[kind]` are the mask and position bias of layers of
         that kind (`attention_inputs`); kwargs go to every block.
@@ -113,48 +142,63 @@ class LayerStack(nnx.Module):
             return self._call_cached(x, masks, biases, cache, kwargs)
         policy = REMAT_POLICIES.get(self.remat, field="model.remat")
 
-        def apply(block, x, mask, bias):
-            return block(x, mask=mask, bias=bias, **kwargs)
+        def apply(block, x, mask, bias, depth):
+            return block(x, mask=mask, bias=bias, **depth, **kwargs)
 
         if self.remat != "none":
             apply = nnx.remat(apply, policy=policy)
 
+        first, L = self._first_init(x), self.layout.cycle_length
         if self.cycles is not None:
             pattern = self.pattern
 
-            def body(x, cycle):
-                for kind, block in zip(pattern, cycle.layers):
-                    x = apply(block, x, masks[kind], biases[kind])
-                return x
+            def body(carry, cycle, c):
+                x, first = carry
+                for j, (kind, block) in enumerate(zip(pattern, cycle.layers)):
+                    depth, first = self._depth(block, x, c * L + j, first,
+                                               cycle=c if j == 0 else None)
+                    x = apply(block, x, masks[kind], biases[kind], depth)
+                return x, first
 
-            x = nnx.scan(body, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry,
-                         transform_metadata={nnx.PARTITION_NAME: "layers"})(x, self.cycles)
+            x, first = nnx.scan(body, in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry,
+                                transform_metadata={nnx.PARTITION_NAME: "layers"})(
+                                    (x, first), self.cycles, self._cycle_index())
         for j, block in enumerate(self.blocks):
             kind = self._block_kind(j)
-            x = apply(block, x, masks[kind], biases[kind])
+            depth, first = self._depth(block, x, self.layout.block_layer(j), first)
+            x = apply(block, x, masks[kind], biases[kind], depth)
         return x
 
+    def _cycle_index(self):
+        return jnp.arange(self.layout.num_cycles, dtype=jnp.int32)
+
     def _call_cached(self, x, masks, biases, cache, kwargs):
-        pattern = self.pattern
+        pattern, L = self.pattern, self.layout.cycle_length
 
-        def apply(block, x, kind, c):
-            return block(x, mask=masks[kind], bias=biases[kind], cache=c, **kwargs)
+        def apply(block, x, kind, c, depth):
+            return block(x, mask=masks[kind], bias=biases[kind], cache=c, **depth, **kwargs)
 
+        first = self._first_init(x)
         cycles = cache.get("cycles")
         if self.cycles is not None:
-            def body(x, cycle, cc):
+            def body(carry, cycle, cc, i):
+                x, first = carry
                 new = []
-                for kind, block, c in zip(pattern, cycle.layers, cc):
-                    x, c = apply(block, x, kind, c)
+                for j, (kind, block, c) in enumerate(zip(pattern, cycle.layers, cc)):
+                    depth, first = self._depth(block, x, i * L + j, first,
+                                               cycle=i if j == 0 else None)
+                    x, c = apply(block, x, kind, c, depth)
                     new.append(c)
-                return x, tuple(new)
+                return (x, first), tuple(new)
 
-            x, cycles = nnx.scan(body, in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0),
-                                 transform_metadata={nnx.PARTITION_NAME: "layers"})(
-                                     x, self.cycles, tuple(cycles))
+            (x, first), cycles = nnx.scan(
+                body, in_axes=(nnx.Carry, 0, 0, 0), out_axes=(nnx.Carry, 0),
+                transform_metadata={nnx.PARTITION_NAME: "layers"})(
+                    (x, first), self.cycles, tuple(cycles), self._cycle_index())
         blocks = []
         for j, (block, c) in enumerate(zip(self.blocks, cache["blocks"])):
-            x, c = apply(block, x, self._block_kind(j), c)
+            depth, first = self._depth(block, x, self.layout.block_layer(j), first)
+            x, c = apply(block, x, self._block_kind(j), c, depth)
             blocks.append(c)
         return x, {"cycles": cycles, "blocks": tuple(blocks)}
 
@@ -171,7 +215,7 @@ class Embedder(nnx.Module):
         self.d_model, self.dtype = cfg.d_model, dt
         self.position = cfg.position
         self.scale = math.sqrt(cfg.d_model) if cfg.scale_embeddings else 1.0
-        self.logits_scale, self.final_softcap = cfg.logits_scale, cfg.final_softcap
+        self.logits_scale, self.final_softcap = cfg.logits_multiplier, cfg.final_softcap
         normal = nnx.initializers.normal(cfg.init_std)
         self.tokens = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=dt, param_dtype=pdt,
                                 embedding_init=with_logical_axes(normal, ("vocab", "embed")), rngs=rngs)

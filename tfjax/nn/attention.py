@@ -32,10 +32,30 @@ One module serves MHA (K = N), GQA (Ainslie et al. 2023, 1 < K < N) and MQA
   so no per-layer re-layout), "layer" or "none".
 - `project(...)` and `attend(...)` are separate so a KV cache can sit between
   them (the inference code stores k, v after RoPE).
+- `differential=True`: differential attention (Ye et al. 2024, arXiv:2410.05258).
+  Head n's query and key split into contiguous halves of H/2 (q1 = q[..., :H/2]),
+  each half-head rotated by a RoPE of H/2 dims, and
+      out_n = RMSNorm(softmax(q1 k1) v - lam softmax(q2 k2) v) * (1 - lam_init)
+      lam = exp(lq1 . lk1) - exp(lq2 . lk2) + lam_init,
+      lam_init = 0.8 - 0.6 exp(-0.3 l)   (l = the 0-based layer index; the paper's l - 1)
+  with one learned lam per layer (`diff_lambda`, rows lq1, lk1, lq2, lk2 of H/2,
+  N(0, 0.1)) and one RMSNorm over Hv shared by the heads (`diff_norm`; the
+  reference code's `subln`). Since (A1 - lam A2) V = A1 V - lam A2 V, it is two
+  calls of the attention op on the split heads, so every implementation, mask,
+  bias, GQA layout and KV cache carries it (the cache stores k whole, both halves
+  rotated); the default scale is (H/2)^-0.5. `attend` takes the layer index
+  `layer` (traced under a scanned stack; None: 0).
+- `value_residual="fixed" | "learned"`: value-residual learning (ResFormer, Zhou
+  et al. 2024, arXiv:2410.17897): `project(..., first_values=v1, layer=l)` returns
+  v = l1 v + l2 v1 for l > 0 (v1: the first layer's values of the same tokens,
+  `values(x)` of layer 0's input), fixed l1 = l2 = 0.5 or learned (`value_lambda`
+  `[2]`, from 0.5). The mixed values are what a KV cache stores, so a decode step
+  only needs v1 of its own new tokens.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -48,7 +68,10 @@ from tfjax.parallel.sharding import shard, with_logical_axes
 from tfjax.parallel.zigzag import ZIGZAG_MODES, zigzag_data_devices
 from tfjax.typing import DType
 
-__all__ = ["MultiHeadAttention", "attention", "head_projections"]
+__all__ = ["VALUE_RESIDUALS", "MultiHeadAttention", "attention", "diff_lambda_init",
+           "head_projections"]
+
+VALUE_RESIDUALS = ("none", "fixed", "learned")  # value_residual=
 
 
 class MultiHeadAttention(nnx.Module):
@@ -63,6 +86,8 @@ class MultiHeadAttention(nnx.Module):
                  scale: float | None = None, softcap: float | None = None,
                  rope: RotaryEmbedding | None = None, implementation: str = "auto",
                  context_parallel: str = "ring", zigzag: str = "data",
+                 differential: bool = False, value_residual: str = "none",
+                 output_gate: bool = False,
                  dtype: DType = jnp.float32, param_dtype: DType = jnp.float32,
                  init_std: float = 0.02, out_init_std: float | None = None, rngs: nnx.Rngs):
         K = num_kv_heads or num_heads
@@ -74,7 +99,11 @@ class MultiHeadAttention(nnx.Module):
                              "pass head_dim")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, K, H
         self.v_head_dim = v_head_dim or H
-        self.scale = H ** -0.5 if scale is None else scale
+        if differential and (H % 2 or sinks or qk_norm):
+            raise ValueError(f"differential attention splits each head's q and k in halves: it "
+                             f"needs an even head_dim (got {H}), no sinks and no qk_norm")
+        self.differential = differential
+        self.scale = (H // (2 if differential else 1)) ** -0.5 if scale is None else scale
         self.softcap = softcap or None
         self.rope = rope
         self.implementation = implementation
@@ -110,13 +139,55 @@ class MultiHeadAttention(nnx.Module):
             raise ValueError(f"temperature=(floor, scale) needs floor >= 1 and no RoPE (Llama 4's "
                              f"NoPE layers), got {temperature} with rope={rope is not None}")
         self.temperature = temperature
+        if differential:  # rows lq1, lk1, lq2, lk2 (the module docstring)
+            init = with_logical_axes(nnx.initializers.normal(0.1), (None, "head_dim"))
+            self.diff_lambda = nnx.Param(init(rngs.params(), (4, H // 2), param_dtype))
+            self.diff_norm = make_norm("rmsnorm", self.v_head_dim, eps=norm_eps, dtype=dtype,
+                                       param_dtype=param_dtype, rngs=rngs)
+        else:
+            self.diff_lambda = self.diff_norm = None
+        if value_residual not in VALUE_RESIDUALS:
+            raise ValueError(f"value_residual: got {value_residual!r}; allowed: "
+                             f"{', '.join(map(repr, VALUE_RESIDUALS))}")
+        self.value_residual = value_residual
+        self.value_lambda = (nnx.Param(jnp.full((2,), 0.5, param_dtype))
+                             if value_residual == "learned" else None)
+        # Qwen3-Next's gated attention: out * sigmoid(x @ gate) per head, before o
+        self.gate = nnx.Einsum(
+            "BTD,DNH->BTNH", (d_model, num_heads, self.v_head_dim),
+            (num_heads, self.v_head_dim) if qkv_bias else None, dtype=dtype,
+            param_dtype=param_dtype,
+            kernel_init=with_logical_axes(nnx.initializers.normal(init_std),
+                                          ("embed", "heads", "head_dim")),
+            bias_init=with_logical_axes(nnx.initializers.zeros_init(), ("heads", "head_dim")),
+            rngs=rngs) if output_gate else None
 
-    def project(self, x, context=None, *, positions=None, kv_positions=None):
-        """q `[B,T,N,H]`, k `[B,S,K,H]`, v `[B,S,K,Hv]`; q and k after QK-norm and RoPE."""
+    def values(self, x):
+        """v `[B,S,K,Hv]` of `x` as projected, before any value residual: what the
+        first layer gives the others (`first_values`)."""
+        return shard(self.v(x), ("batch", "length", "kv_heads", "head_dim"))
+
+    def mix_values(self, v, first_values, layer):
+        """Value residual: `l1 v + l2 first_values`, or v itself at layer 0."""
+        if self.value_residual == "none":
+            raise ValueError("first_values given to an attention layer built with "
+                             "value_residual='none'")
+        l1, l2 = ((0.5, 0.5) if self.value_lambda is None else
+                  (self.value_lambda[0], self.value_lambda[1]))
+        mixed = (l1 * v + l2 * first_values.astype(v.dtype)).astype(v.dtype)
+        return mixed if layer is None else jnp.where(jnp.asarray(layer) == 0, v, mixed)
+
+    def project(self, x, context=None, *, positions=None, kv_positions=None, layer=None,
+                first_values=None):
+        """q `[B,T,N,H]`, k `[B,S,K,H]`, v `[B,S,K,Hv]`; q and k after QK-norm and RoPE
+        (per half-head when differential); v mixed with `first_values` (the first
+        layer's v of the same tokens) when given and `layer` (None: not 0) > 0."""
         context = x if context is None else context
         q = shard(self.q(x), ("batch", "length", "heads", "head_dim"))
         k = shard(self.k(context), ("batch", "length", "kv_heads", "head_dim"))
-        v = shard(self.v(context), ("batch", "length", "kv_heads", "head_dim"))
+        v = self.values(context)
+        if first_values is not None:
+            v = self.mix_values(v, first_values, layer)
         if self.q_norm is not None:
             q, k = self._norm(self.q_norm, q), self._norm(self.k_norm, k)
         if self.rope is not None or self.temperature is not None:
@@ -125,8 +196,15 @@ class MultiHeadAttention(nnx.Module):
             if kv_positions is None:
                 kv_positions = positions if context is x else default_positions(context)
         if self.rope is not None:
-            q, k = self.rope(q, positions), self.rope(k, kv_positions)
+            q, k = self._rotate(q, positions), self._rotate(k, kv_positions)
         return self._temper(q, positions), k, v
+
+    def _rotate(self, x, positions):
+        """RoPE of x `[B, L, n, H]`; differential: each half-head on its own."""
+        if not self.differential:
+            return self.rope(x, positions)
+        B, L, n, H = x.shape
+        return self.rope(x.reshape(B, L, 2 * n, H // 2), positions).reshape(x.shape)
 
     def _norm(self, norm, x):
         """QK-norm of x `[B, L, n, H]`: per head, or over the whole projection."""
@@ -142,15 +220,35 @@ class MultiHeadAttention(nnx.Module):
         t = 1.0 + scale * jnp.log1p(jnp.floor((positions.astype(jnp.float32) + 1.0) / floor))
         return (q * t[:, :, None, None]).astype(q.dtype)
 
-    def attend(self, q, k, v, mask: Mask | None = None, bias=None, *, q_offset=0, kv_offset=0):
+    def attend(self, q, k, v, mask: Mask | None = None, bias=None, *, q_offset=0, kv_offset=0,
+               layer=None, x=None):
         """`bias`: None, an additive `[B|1, N|1, T, S]` array, a `tfjax.ops.Alibi` or
         a `tfjax.ops.RelativeBias` (T5; both evaluated per tile by the tiled
-        implementations)."""
-        out = attention(q, k, v, mask, bias, scale=self.scale, softcap=self.softcap,
-                        sinks=None if self.sinks is None else self.sinks[...],
-                        implementation=self.implementation,
-                        context_parallel=self.context_parallel, zigzag=self.zigzag,
-                        q_offset=q_offset, kv_offset=kv_offset)
+        implementations). `layer`: the layer index (differential attention's
+        lam_init; None: 0). `x`: the queries' input `[B,T,D]`, which the output gate
+        (`output_gate`) reads; required then."""
+        def run(q, k):
+            return attention(q, k, v, mask, bias, scale=self.scale, softcap=self.softcap,
+                             sinks=None if self.sinks is None else self.sinks[...],
+                             implementation=self.implementation,
+                             context_parallel=self.context_parallel, zigzag=self.zigzag,
+                             q_offset=q_offset, kv_offset=kv_offset)
+
+        if not self.differential:
+            out = run(q, k)
+        else:  # two maps over the same values, on the halves of each head
+            half = self.head_dim // 2
+            a1, a2 = run(q[..., :half], k[..., :half]), run(q[..., half:], k[..., half:])
+            init = diff_lambda_init(0 if layer is None else layer)
+            lq1, lk1, lq2, lk2 = self.diff_lambda[...].astype(jnp.float32)
+            lam = jnp.exp(jnp.sum(lq1 * lk1)) - jnp.exp(jnp.sum(lq2 * lk2)) + init
+            out = (a1.astype(jnp.float32) - lam * a2.astype(jnp.float32)).astype(a1.dtype)
+            out = (self.diff_norm(out) * (1.0 - init)).astype(a1.dtype)
+        if self.gate is not None:
+            if x is None:
+                raise ValueError("an attention layer with an output gate needs attend(..., x=) "
+                                 "(the queries' input)")
+            out = (out * jax.nn.sigmoid(self.gate(x).astype(jnp.float32))).astype(out.dtype)
         return shard(self.o(out), ("batch", "length", "embed"))
 
     def project_query(self, x, *, positions=None):
@@ -165,14 +263,19 @@ class MultiHeadAttention(nnx.Module):
         return self._temper(q, positions)
 
     def __call__(self, x, context=None, *, mask: Mask | None = None, bias=None, positions=None,
-                 kv_positions=None, cache=None):
+                 kv_positions=None, cache=None, layer=None, first_values=None):
         """With `cache` (a `tfjax.inference.kv_cache` layer cache), the cache decides
-        what to project, store and attend over, and this returns `(out, new_cache)`."""
+        what to project, store and attend over, and this returns `(out, new_cache)`.
+        `layer` (the layer index) and `first_values` (the first layer's v): a
+        layer stack's, for differential attention and the value residual."""
+        depth = {} if layer is None and first_values is None else dict(
+            layer=layer, first_values=first_values)
         if cache is not None:
             return cache.apply(self, x, context, mask=mask, bias=bias, positions=positions,
-                               kv_positions=kv_positions)
-        q, k, v = self.project(x, context, positions=positions, kv_positions=kv_positions)
-        return self.attend(q, k, v, mask, bias)
+                               kv_positions=kv_positions, **depth)
+        q, k, v = self.project(x, context, positions=positions, kv_positions=kv_positions,
+                               **depth)
+        return self.attend(q, k, v, mask, bias, layer=layer, x=x)
 
 
 def attention(q, k, v, mask: Mask | None = None, bias=None, *, scale: float,
@@ -239,6 +342,12 @@ def head_projections(d_model: int, num_heads: int, num_kv_heads: int, head_dim: 
     o = proj("BTNH,NHD->BTD", (num_heads, Hv, d_model), ("heads", "head_dim", "embed"),
              ("embed",), out_normal, out_bias)
     return q, k, v, o
+
+
+def diff_lambda_init(layer):
+    """Differential attention's lam_init of 0-based layer `layer` (an int, or traced
+    under a scanned stack): 0.8 - 0.6 exp(-0.3 layer), the paper's l - 1 = layer."""
+    return 0.8 - 0.6 * jnp.exp(-0.3 * jnp.asarray(layer, jnp.float32))
 
 
 def _is_zero(offset) -> bool:

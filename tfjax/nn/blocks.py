@@ -68,10 +68,18 @@ class TransformerBlock(nnx.Module):
             y = post_norm(y)
         return x + self._drop(y)
 
+    def mixer_values(self, x: jax.Array) -> jax.Array:
+        """The values `[B,T,K,Hv]` this block's self-attention projects from the block
+        input x (through its norm, as the placement says): the first layer's values of
+        a value-residual stack (`MultiHeadAttention.values`)."""
+        return self.attn.values(x if self.placement in ("post", "output") else self.attn_norm(x))
+
     def __call__(self, x: jax.Array, *, mask=None, bias=None, positions=None,
                  context=None, context_mask=None, context_bias=None, context_positions=None,
-                 cache=None):
+                 cache=None, layer=None, first_values=None):
         """x `[B,T,D]`; `context [B,S,D]` is the encoder output for cross-attention.
+        `layer` (the layer index) and `first_values` (the first layer's values), when
+        given, go to the self-attention (differential attention, value residual).
 
         Inference: `cache` is a dict of sublayer states ("attn", and "cross" with
         cross-attention; see `tfjax.inference.kv_cache`), each passed to its sublayer
@@ -86,8 +94,10 @@ class TransformerBlock(nnx.Module):
             y, new_cache[name] = module(*args, cache=cache[name], **kw)
             return y
 
+        depth = {} if layer is None and first_values is None else dict(
+            layer=layer, first_values=first_values)
         attn = lambda h: call("attn", self.attn, h, mask=mask, bias=bias,  # noqa: E731
-                              positions=positions)
+                              positions=positions, **depth)
         if self.parallel:
             h = self.attn_norm(x)
             h2 = h if self.ffn_norm is None else self.ffn_norm(x)

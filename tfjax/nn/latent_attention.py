@@ -32,6 +32,8 @@ keys and values would be 128 * (192 + 128) = 40,960).
 
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 from flax import nnx
 
@@ -52,7 +54,7 @@ def mla_scale(qk_head_dim: int, *, rope_scaling: str = "none", rope_factor: floa
     factor > 1 and mscale_all_dim > 0)."""
     scale = qk_head_dim ** -0.5
     if rope_scaling == "yarn" and rope_factor > 1.0 and mscale_all_dim > 0:
-        m = 0.1 * mscale_all_dim * float(jnp.log(rope_factor)) + 1.0
+        m = 0.1 * mscale_all_dim * math.log(rope_factor) + 1.0  # a Python float: traceable
         scale *= m * m
     return scale
 

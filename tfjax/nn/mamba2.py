@@ -43,12 +43,14 @@ Design choices:
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from tfjax.nn.ssm import causal_conv, dt_bias_init, last_conv_inputs
 from tfjax.parallel.sharding import shard, with_logical_axes
@@ -75,7 +77,18 @@ def ssd(x, dt, A, Bm, Cm, Dskip, h0=None, *, chunk_size: int = 64, reset=None):
     x `[B,T,H,P]`; dt `[B,T,H]` (>= 0); A `[H]` (negative); Bm, Cm `[B,T,G,N]` (H %
     G == 0); Dskip `[H]`; h0 `[B,H,P,N]` or None; reset `[B,T]` bool or None (the
     state is zeroed before that step). Returns y `[B,T,H,P]`, h_T `[B,H,P,N]`, float32.
+
+    For its gradient it keeps only its inputs and the state entering each chunk
+    (`[B, T/c, H, P, N]`): the within-chunk decay matrices and products (`[B, T, c,
+    H]` each) are recomputed in the backward pass (`jax.checkpoint`), as mamba_ssm's
+    kernels do, instead of being saved per layer.
     """
+    return _ssd_checkpointed(x, dt, A, Bm, Cm, Dskip, h0, reset, chunk_size)
+
+
+@functools.partial(jax.checkpoint, static_argnums=(8,),
+                   policy=jax.checkpoint_policies.save_only_these_names("ssd_chunk_states"))
+def _ssd_checkpointed(x, dt, A, Bm, Cm, Dskip, h0, reset, chunk_size):
     x, dt, A, Bm, Cm = _f32(x, dt, A, Bm, Cm)
     Bsz, T, H, P = x.shape
     G, N = Bm.shape[-2:]
@@ -121,7 +134,7 @@ def ssd(x, dt, A, Bm, Cm, Dskip, h0=None, *, chunk_size: int = 64, reset=None):
 
     h, h_in = jax.lax.scan(body, h0.reshape(Bsz, G, R, P, N),
                            (carry.swapaxes(0, 1), states.swapaxes(0, 1)))
-    h_in = h_in.swapaxes(0, 1)  # [B, nc, G, R, P, N]: the state entering each chunk
+    h_in = checkpoint_name(h_in.swapaxes(0, 1), "ssd_chunk_states")  # [B,nc,G,R,P,N]: in
     # 4. The incoming state read out through C, decayed to each step.
     w_in = decay(cum, first[..., None, None])  # [B, nc, c, G, R]
     y = y + jnp.einsum("BZLGN,BZLGR,BZGRPN->BZLGRP", Cc, w_in, h_in)

@@ -1,12 +1,42 @@
 """Mixture of Experts feed-forward (Shazeer et al. 2017; GShard, Lepikhin et al. 2020;
 Switch, Fedus et al. 2021; Mixtral, Jiang et al. 2024; ST-MoE, Zoph et al. 2022).
 
-    probs = softmax(x @ router)            # [B, T, E], float32
-    gates, experts = top_k(probs, k)       # renormalised over the k when `renormalize`
-    y = sum_j gates_j * expert_{experts_j}(x) + shared(x)
+    scores = softmax | sigmoid(x @ router + router_bias)   # [B, T, E], float32
+    experts = top_k(scores + score_bias, k)  # within the top `topk_group` of `n_group` groups
+    gates = scores[experts]                  # / sum(gates) when `renormalize`; * routed_scaling
+    y = sum_j gates_j * expert_{experts_j}(x) + sigmoid(x @ shared_gate) * shared(x)
+
+Routers of the 2024-26 families, as `MoE` keyword arguments (`model.moe` fields):
+- Mixtral / Qwen-MoE: softmax, top-k, `renormalize` (Qwen's `norm_topk_prob`).
+- gpt-oss: softmax over the top-k *logits* only, which is softmax-then-top-k with the
+  k gates renormalised (the same numbers), plus `router_bias`, expert biases
+  (`use_bias`) and `glu="clamped"`: g = min(gate, limit), u = clip(up, -limit, limit),
+  h = (u + 1) * g * sigmoid(alpha * g) (alpha 1.702, limit 7; Hugging Face's
+  interleaved gate/up columns are de-interleaved into `wi_gate` / `wi_up` on import).
+- DeepSeek-V3: `score="sigmoid"`; group-limited top-k (`n_group` groups of E/n_group
+  experts, a group's score the sum of its top-2 biased scores, the top `topk_group`
+  groups kept, then the top-k experts within them); `score_bias` (DeepSeek's
+  `e_score_correction_bias`) is added to the scores for choosing experts only, never
+  to the gates; `renormalize` (`norm_topk_prob`, +1e-20 in the denominator as
+  DeepSeek) and `routed_scaling_factor` multiply the gates.
+- DeepSeek-V3's auxiliary-loss-free balancing (`bias_update_rate` = gamma > 0, which
+  implies `score_bias`): the bias is a `MoEBias` variable, not a Param (no gradient, no
+  optimizer); the forward only records each expert's load (`expert_load`, as
+  before) and `balance_experts(rest)` -- called once per train step after the
+  optimizer update (`tfjax.train.step`) on the model's non-Param state -- applies
+  bias_e += gamma * sign(mean_e' load - load_e). It is pure on that state (the rate
+  travels as the variable's metadata), so eval and generation never move the bias.
+  Under gradient accumulation the load is the last microbatch's.
+- Llama 4: `score="sigmoid"`, k = 1, `gate_input=True`: the routed expert's *input*
+  is scaled by its gate and its output added unscaled (not the same as scaling the
+  output: the experts are not linear); with a shared expert always on.
+- Qwen2-MoE / Qwen3-Next: `shared_gate=True`, a `[D, 1]` projection:
+  y += sigmoid(x @ shared_gate) * shared(x); `shared_d_ff` the shared expert width.
+- Dense-only layers (DeepSeek `first_k_dense_replace`, Qwen `mlp_only_layers` /
+  `decoder_sparse_step`) are `model.ffn_pattern` (docs/presets.md).
 
 Design choices:
-- Softmax then top-k (Mixtral, Jamba, Switch). `renormalize=True` divides the k
+- Scores then top-k (Mixtral, Jamba, Switch). `renormalize=True` divides the k
   gates by their sum (Mixtral); False keeps the raw probabilities (Jamba).
 - Two dispatches, one semantics each:
   * dropless (`capacity_factor=0`): every assignment is computed. Assignments are
@@ -31,7 +61,8 @@ Design choices:
 - Auxiliary losses (computed over all tokens of the call):
   load balance (Switch) `E * sum_e f_e * P_e` with f_e the share of the B*T*k
   assignments routed to e and P_e the mean router probability of e (1.0 when
-  perfectly balanced; Hugging Face's Mixtral loss is k times this), and router
+  perfectly balanced; Hugging Face's Mixtral loss is k times this; sigmoid scores are
+  normalised over E for P_e), and router
   z-loss (ST-MoE) `mean(logsumexp(logits)^2)`.
 - The losses and metrics leave the forward pass through `MoEAux` variables that
   each call overwrites (they survive `nnx.scan` over layers, stacked per layer).
@@ -52,22 +83,67 @@ from tfjax.nn.ffn import ACTIVATIONS, FeedForward
 from tfjax.parallel.sharding import shard, with_logical_axes
 from tfjax.typing import Array, DType, Float
 
-__all__ = ["MoE", "MoEAux", "moe_aux", "route", "capacity_slots", "MOE_IMPLEMENTATIONS"]
+__all__ = ["MoE", "MoEAux", "MoEBias", "moe_aux", "route", "balance_experts", "capacity_slots",
+           "MOE_IMPLEMENTATIONS", "MOE_SCORES", "MOE_GLUS"]
 
 MOE_IMPLEMENTATIONS = ("ragged", "dense")  # dropless dispatch; capacity_factor > 0 always gathers
+MOE_SCORES = ("softmax", "sigmoid")
+MOE_GLUS = ("standard", "clamped")  # clamped: gpt-oss's SwiGLU
 
 
 class MoEAux(nnx.Variable):
     """Per-forward MoE statistics (auxiliary losses and metrics), overwritten each call."""
 
 
-def route(logits: jax.Array, k: int, renormalize: bool):
-    """Router logits `[..., E]` -> (probs `[..., E]`, gates `[..., k]`, experts `[..., k]`)."""
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    gates, experts = jax.lax.top_k(probs, k)
+class MoEBias(nnx.Variable):
+    """The expert-choice score bias `[E]` (DeepSeek-V3): state, not a Param (no gradient);
+    metadata `update_rate` is the aux-loss-free balancing rate (0 = fixed)."""
+
+
+def route(logits: jax.Array, k: int, renormalize: bool, *, score: str = "softmax",
+          bias: jax.Array | None = None, n_group: int = 1, topk_group: int = 1,
+          scale: float = 1.0):
+    """Router logits `[..., E]` -> (scores `[..., E]`, gates `[..., k]`, experts `[..., k]`).
+
+    `bias` `[E]` moves the choice only; groups: the top `topk_group` of `n_group` groups
+    by the sum of their top-2 (biased) scores, then the top k within them.
+    """
+    logits = logits.astype(jnp.float32)
+    scores = jax.nn.sigmoid(logits) if score == "sigmoid" else jax.nn.softmax(logits, axis=-1)
+    choice = scores if bias is None else scores + bias.astype(jnp.float32)
+    if n_group > 1:
+        E = scores.shape[-1]
+        grouped = choice.reshape(*choice.shape[:-1], n_group, E // n_group)
+        group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [..., n_group]
+        top_groups = jax.lax.top_k(group_scores, topk_group)[1]
+        kept = jnp.any(top_groups[..., None] == jnp.arange(n_group), axis=-2)  # [..., n_group]
+        choice = jnp.where(jnp.repeat(kept, E // n_group, axis=-1), choice, -jnp.inf)
+    experts = jax.lax.top_k(choice, k)[1]
+    gates = jnp.take_along_axis(scores, experts, axis=-1)
     if renormalize:
-        gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
-    return probs, gates, experts.astype(jnp.int32)
+        eps = 1e-20 if score == "sigmoid" else 0.0  # DeepSeek-V3's guard
+        gates = gates / (jnp.sum(gates, axis=-1, keepdims=True) + eps)
+    if scale != 1.0:
+        gates = gates * scale
+    return scores, gates, experts.astype(jnp.int32)
+
+
+def balance_experts(rest: nnx.State) -> nnx.State:
+    """DeepSeek-V3's auxiliary-loss-free balancing, once per train step: every `MoEBias`
+    with `update_rate` gamma > 0 moves by gamma * sign(mean load - load_e), from the
+    sibling `expert_load` of the last forward pass. `rest` is a model's non-Param state
+    (`nnx.state(model, nnx.Not(nnx.Param))`); pure, works on scanned `[L, E]` stacks."""
+    flat = dict(nnx.to_flat_state(rest))
+    changed = False
+    for path, var in flat.items():
+        rate = getattr(var, "update_rate", 0.0) if isinstance(var, MoEBias) else 0.0
+        if not rate:
+            continue
+        load = flat[path[:-1] + ("expert_load",)][...].astype(jnp.float32)
+        step = rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
+        flat[path] = var.replace(value=(var[...] + step).astype(var[...].dtype))
+        changed = True
+    return nnx.from_flat_state(list(flat.items())) if changed else rest
 
 
 def capacity_slots(experts: jax.Array, num_experts: int, capacity: int):
@@ -93,6 +169,11 @@ class MoE(nnx.Module):
                  shared_d_ff: int | None = None, renormalize: bool = True,
                  capacity_factor: float = 0.0, implementation: str = "ragged",
                  aux_loss_weight: float = 0.01, z_loss_weight: float = 0.001,
+                 score: str = "softmax", n_group: int = 1, topk_group: int = 1,
+                 score_bias: bool = False, bias_update_rate: float = 0.0,
+                 routed_scaling_factor: float = 1.0, router_bias: bool = False,
+                 glu: str = "standard", glu_alpha: float = 1.702, glu_limit: float = 7.0,
+                 gate_input: bool = False, shared_gate: bool = False,
                  dtype: DType = jnp.float32, param_dtype: DType = jnp.float32,
                  init_std: float = 0.02, out_init_std: float | None = None, rngs: nnx.Rngs):
         _, gated = ACTIVATIONS.get(activation, field="activation")
@@ -106,8 +187,37 @@ class MoE(nnx.Module):
         if implementation not in MOE_IMPLEMENTATIONS:
             raise ValueError(f"implementation={implementation!r}; allowed: "
                              f"{', '.join(MOE_IMPLEMENTATIONS)}")
+        if score not in MOE_SCORES:
+            raise ValueError(f"score={score!r}; allowed: {', '.join(MOE_SCORES)}")
+        if glu not in MOE_GLUS:
+            raise ValueError(f"glu={glu!r}; allowed: {', '.join(MOE_GLUS)}")
+        if glu == "clamped" and activation != "swiglu":
+            raise ValueError(f"glu='clamped' is gpt-oss's SwiGLU: needs activation='swiglu', "
+                             f"got {activation!r}")
+        if n_group < 1 or num_experts % n_group:
+            raise ValueError(f"n_group must divide num_experts={num_experts}, got {n_group}")
+        if n_group > 1 and num_experts // n_group < 2:
+            raise ValueError(f"n_group={n_group}: a group scores its top-2 experts, so needs "
+                             f">= 2 experts per group (num_experts={num_experts})")
+        if not 1 <= topk_group <= n_group:
+            raise ValueError(f"topk_group must be in [1, n_group={n_group}], got {topk_group}")
+        if experts_per_token > topk_group * (num_experts // n_group):
+            raise ValueError(f"experts_per_token={experts_per_token} exceeds the experts of the "
+                             f"topk_group={topk_group} kept groups "
+                             f"({topk_group * (num_experts // n_group)})")
+        if bias_update_rate < 0:
+            raise ValueError(f"bias_update_rate must be >= 0 (0 = off), got {bias_update_rate}")
+        if gate_input and capacity_factor > 0:
+            raise ValueError("gate_input=True (Llama 4) needs dropless dispatch: set "
+                             "capacity_factor=0")
+        if shared_gate and not shared_experts:
+            raise ValueError("shared_gate=True gates the shared expert: set shared_experts >= 1")
         E, D, F = num_experts, d_model, d_ff
         self.num_experts, self.k = E, experts_per_token
+        self.score, self.n_group, self.topk_group = score, int(n_group), int(topk_group)
+        self.routed_scaling_factor = float(routed_scaling_factor)
+        self.glu, self.glu_alpha, self.glu_limit = glu, float(glu_alpha), float(glu_limit)
+        self.gate_input = bool(gate_input)
         self.activation, self.gated, self.use_bias = activation, gated, use_bias
         self.renormalize, self.capacity_factor = renormalize, float(capacity_factor)
         self.implementation = implementation
@@ -120,6 +230,10 @@ class MoE(nnx.Module):
             return nnx.Param(with_logical_axes(init, names)(rngs.params(), shape, param_dtype))
 
         self.router = param((D, E), ("embed", None), init_std)
+        self.router_bias = param((E,), (None,), 0.0) if router_bias else None
+        self.score_bias = (MoEBias(jnp.zeros((E,), jnp.float32),
+                                   update_rate=float(bias_update_rate))
+                           if score_bias or bias_update_rate > 0 else None)
         if gated:
             self.wi_gate = param((E, D, F), ("expert", "embed", "mlp"), init_std)
             self.wi_up = param((E, D, F), ("expert", "embed", "mlp"), init_std)
@@ -138,6 +252,7 @@ class MoE(nnx.Module):
                                    use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
                                    init_std=init_std, out_init_std=out_init_std, rngs=rngs)
                        if shared_experts else None)
+        self.shared_gate = param((D, 1), ("embed", None), init_std) if shared_gate else None
         f32 = jnp.float32
         self.load_balance_loss = MoEAux(jnp.zeros((), f32))
         self.router_z_loss = MoEAux(jnp.zeros((), f32))
@@ -149,6 +264,10 @@ class MoE(nnx.Module):
         return getattr(self, name)[...].astype(self.dtype)
 
     def _expert_hidden(self, h_gate, h_up=None):
+        if self.glu == "clamped":  # gpt-oss
+            g = jnp.minimum(h_gate, self.glu_limit)
+            u = jnp.clip(h_up, -self.glu_limit, self.glu_limit)
+            return (u + 1) * g * jax.nn.sigmoid(self.glu_alpha * g)
         act, _ = ACTIVATIONS.get(self.activation)
         return act(h_gate) * h_up if self.gated else act(h_gate)
 
@@ -201,7 +320,13 @@ class MoE(nnx.Module):
         x = x.astype(self.dtype)
         logits = jnp.einsum("BTD,DE->BTE", x.astype(jnp.float32),
                             self.router[...].astype(jnp.float32))
-        probs, gates, experts = route(logits, k, self.renormalize)  # [B,T,E], [B,T,k], [B,T,k]
+        if self.router_bias is not None:
+            logits = logits + self.router_bias[...].astype(jnp.float32)
+        scores, gates, experts = route(  # [B,T,E], [B,T,k], [B,T,k]
+            logits, k, self.renormalize, score=self.score,
+            bias=None if self.score_bias is None else self.score_bias[...],
+            n_group=self.n_group, topk_group=self.topk_group, scale=self.routed_scaling_factor)
+        probs = scores if self.score == "softmax" else scores / jnp.sum(scores, -1, keepdims=True)
 
         counts = jnp.sum(jax.nn.one_hot(experts, E, dtype=jnp.float32), axis=(0, 1, 2))  # [E]
         load = counts / (B * T * k)
@@ -216,7 +341,10 @@ class MoE(nnx.Module):
             y = self._dropless_forward(x, gates, experts)
             self.dropped_fraction[...] = jnp.zeros((), jnp.float32)
         if self.shared is not None:
-            y = y + self.shared(x)
+            s = self.shared(x)
+            if self.shared_gate is not None:
+                s = s * jax.nn.sigmoid(jnp.einsum("BTD,DO->BTO", x, self._w("shared_gate")))
+            y = y + s
         return shard(y.astype(self.dtype), ("batch", "length", "embed"))
 
     def _dropless_forward(self, x, gates, experts):
@@ -225,6 +353,11 @@ class MoE(nnx.Module):
         xf = x.reshape(M, D)
         g = gates.reshape(M, k).astype(self.dtype)
         if self.implementation == "dense":
+            if self.gate_input:  # Llama 4: each assignment's own scaled input
+                ye = self._experts_dense((xf[:, None] * g[..., None]).reshape(M * k, D))
+                ye = ye.reshape(M, k, E, D)
+                picked = jnp.take_along_axis(ye, experts.reshape(M, k)[..., None, None], axis=2)
+                return jnp.sum(picked[:, :, 0], axis=1).reshape(B, T, D)
             ye = self._experts_dense(xf)  # [M, E, D]
             picked = jnp.take_along_axis(ye, experts.reshape(M, k)[..., None], axis=1)  # [M,k,D]
             return jnp.einsum("MKD,MK->MD", picked, g).reshape(B, T, D)
@@ -232,8 +365,13 @@ class MoE(nnx.Module):
         order = jnp.argsort(ids, stable=True)  # assignments grouped by expert
         token = order // k
         group_sizes = jnp.bincount(ids, length=E).astype(jnp.int32)
-        ys = self._experts_ragged(xf[token], ids[order], group_sizes)  # [A, D]
+        xs = xf[token]
+        if self.gate_input:
+            xs = xs * g.reshape(M * k)[order][:, None]
+        ys = self._experts_ragged(xs, ids[order], group_sizes)  # [A, D]
         y = jnp.zeros_like(ys).at[order].set(ys).reshape(M, k, D)
+        if self.gate_input:
+            return jnp.sum(y, axis=1).reshape(B, T, D)
         return jnp.einsum("MKD,MK->MD", y, g).reshape(B, T, D)
 
     def _capacity_forward(self, x, gates, experts):

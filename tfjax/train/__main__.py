@@ -8,6 +8,10 @@ Multi-process (one command per process; gloo collectives on CPU):
   python -m tfjax.train ... --coordinator_address=localhost:1234 --num_processes=2 --process_id=0
 On a TPU pod or a SLURM cluster, `--distributed` lets jax find its peers.
 Rerunning the same command resumes from the latest checkpoint in WORKDIR.
+Fine-tuning (`tfjax.train.init_from`): start from a Hugging Face checkpoint or a
+tfjax workdir, then export the result for transformers (`python -m tfjax.export`):
+  python -m tfjax.train --config configs/finetune.py --workdir W --config.init_from=DIR \\
+      --config.data.paths="('train.jsonl',)"
 
 A config error (a bad value, an unknown name, a field that moved, such as
 `--config.model.num_experts`, now `--config.model.moe.num_experts`) is printed as
@@ -18,6 +22,7 @@ at the first device query in `main`, not when it is imported.
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 
@@ -28,6 +33,7 @@ from ml_collections import config_flags
 from tfjax.config import moved_field, run_config, unknown_field
 from tfjax.models import check_names
 from tfjax.train.aot import compile_only
+from tfjax.train.init_from import resolve_init_from
 from tfjax.train.trainer import Trainer
 
 FLAGS = flags.FLAGS
@@ -69,7 +75,7 @@ def main(argv):
         jax.distributed.initialize()
 
     try:
-        cfg = run_config(FLAGS.config)
+        cfg = resolve_init_from(run_config(FLAGS.config))  # fine-tuning: the checkpoint's model
         check_names(cfg.model)
     except ValueError as e:
         print(f"config error: {e}", file=sys.stderr)
@@ -77,12 +83,27 @@ def main(argv):
     if FLAGS.compile_only:
         return compile_only(cfg, FLAGS.topology)
     try:  # a bad run (data, mesh, a checkpoint that cannot resume) is refused before compiling
-        trainer = Trainer(cfg, FLAGS.workdir)
+        trainer = Trainer(cfg, FLAGS.workdir, eval_hooks=eval_hooks(cfg))
         summary = trainer.train()
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 143 if summary["preempted"] else 0
+
+
+def eval_hooks(cfg) -> list:
+    """`train.eval_tasks`: lm-eval-harness tasks scored at every evaluation
+    (`tfjax.eval.harness.training_evaluator`; lm_eval is the optional `eval` extra, so
+    it is imported only when tasks are named). Unknown tasks fail here."""
+    t = cfg.train
+    if not t.eval_tasks:
+        return []
+    try:
+        harness = importlib.import_module("tfjax.eval.harness")
+    except ImportError as e:
+        raise ValueError(f"train.eval_tasks needs lm_eval: pip install 'tfjax[eval]' ({e})") from e
+    return [harness.training_evaluator(t.eval_tasks, include_path=t.eval_tasks_path,
+                                       limit=t.eval_tasks_limit, batch_size=8)]
 
 
 def _config_error(message: str):

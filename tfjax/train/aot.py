@@ -138,7 +138,8 @@ def compile_only(cfg: RunConfig, topology: str | None, build_model=None, out=sys
     with _lowering_for(devices[0]):
         compiled = p.step.lower(abstract_state, batch).compile()
     mem = compiled.memory_analysis()
-    params = _per_device_bytes(p.abstract_state["params"], p.state_shardings["params"])
+    params = sum(_per_device_bytes(p.abstract_state[k], p.state_shardings[k])  # LoRA: + frozen
+                 for k in ("params", "frozen") if k in p.abstract_state)
     opt = _per_device_bytes(p.abstract_state["opt"], p.state_shardings["opt"])
     temp = int(getattr(mem, "temp_size_in_bytes", 0) or 0) if mem is not None else 0
     code = int(getattr(mem, "generated_code_size_in_bytes", 0) or 0) if mem is not None else 0

@@ -1,4 +1,5 @@
-"""Training metrics: FLOPs and MFU, a terminal progress bar, metrics.jsonl and TensorBoard.
+"""Training metrics: FLOPs and MFU, the wall-time split, a terminal progress bar, and
+the records: metrics.jsonl, TensorBoard and (with `train.wandb`) Weights & Biases.
 
 FLOPs per trained token (decoder LM, dense), the formula MFU uses:
   forward  = 2 * P_matmul + 2 * L * T * N * H
@@ -14,17 +15,20 @@ matmul measured at start, once for all simulated devices since they share cores)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import time
+import uuid
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from tfjax.config import ModelConfig
 
-__all__ = ["MetricWriter", "ProgressBar", "flops_per_token", "peak_flops"]
+__all__ = ["MetricWriter", "ProgressBar", "WallClock", "flops_per_token", "peak_flops"]
 
 GATED = ("swiglu", "geglu", "geglu_tanh", "reglu")
 
@@ -74,14 +78,91 @@ def peak_flops(per_device: float = 0.0) -> tuple[float, str]:
     return 0.0, f"unknown device {kind!r} (set train.peak_flops)"
 
 
-class MetricWriter:
-    """One JSON record per logged step in WORKDIR/metrics.jsonl, and TensorBoard event files
-    (tensorboardX) in WORKDIR/tb. Only process 0 writes."""
+# JAX's compile-time events (jax._src.dispatch): tracing, lowering, XLA compilation
+# (a persistent-cache hit is timed as the compilation it replaces)
+COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
+                  "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                  "/jax/core/compile/backend_compile_duration")
+WALL_PARTS = ("data", "checkpoint", "eval", "compile")  # the rest of the wall time: step
 
-    def __init__(self, workdir: str, resume_step: int = 0):
+
+class WallClock:
+    """Where the training loop's wall time goes: `split()` returns the seconds since
+    the previous split as time_data_s (waiting for the next batch), time_checkpoint_s
+    (saving), time_eval_s (evaluation), time_compile_s (tracing, lowering and
+    compiling, wherever it happens: the union of the spans of JAX's own compile
+    events, so a jit traced inside another is counted once) and time_step_s, the
+    rest (dispatching and running steps, fetching their metrics), with wall_s their
+    sum; `totals` sums every split. A part timed with `timing(part)` excludes the
+    compilation inside it. Use it as a context manager: it listens to JAX's events
+    while open."""
+
+    def __init__(self):
+        self._parts = dict.fromkeys(WALL_PARTS, 0.0)
+        self._spans: list[tuple[float, float]] = []  # compile events since the split
+        self._since = time.time()  # the clock JAX's event spans use
+        self.totals: dict[str, float] = {}
+
+    def _on_span(self, event: str, start: float, end: float, **_) -> None:
+        if event in COMPILE_EVENTS:
+            self._spans.append((start, end))
+
+    def _compile_within(self, lo: float, hi: float) -> float:
+        """Seconds of [lo, hi] covered by at least one compile span."""
+        total, reach = 0.0, lo
+        for s, e in sorted(self._spans):
+            s, e = max(s, reach), min(e, hi)
+            if e > s:
+                total, reach = total + e - s, e
+        return total
+
+    def __enter__(self) -> WallClock:
+        jax.monitoring.register_event_time_span_listener(self._on_span)
+        self._since = time.time()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        jax.monitoring.unregister_event_time_span_listener(self._on_span)
+
+    @contextlib.contextmanager
+    def timing(self, part: str):
+        start = time.time()
+        try:
+            yield
+        finally:
+            end = time.time()
+            self._parts[part] += end - start - self._compile_within(start, end)
+
+    def split(self) -> dict[str, float]:
+        now = time.time()
+        wall = now - self._since
+        parts = {**self._parts, "compile": self._compile_within(self._since, now)}
+        out = {f"time_{k}_s": v for k, v in parts.items()}
+        out["time_step_s"] = max(wall - sum(parts.values()), 0.0)
+        out["wall_s"] = wall
+        self._parts = dict.fromkeys(WALL_PARTS, 0.0)
+        self._spans, self._since = [], now
+        for k, v in out.items():
+            self.totals[k] = self.totals.get(k, 0.0) + v
+        return out
+
+
+class MetricWriter:
+    """One JSON record per logged step in WORKDIR/metrics.jsonl, TensorBoard event files
+    (tensorboardX) in WORKDIR/tb, and with `wandb` (a project name) the same records in
+    a Weights & Biases run kept under WORKDIR/wandb. The run's id is stored in
+    WORKDIR/wandb_run_id, so a resumed training run continues the same W&B run (W&B
+    keeps the values it already has for the steps between the checkpoint and the
+    stop). W&B holds one row per step: records written at the same step (the last
+    train step and the evaluation after it) are merged, their wall-time parts
+    (`WallClock`) added. Only process 0 writes."""
+
+    def __init__(self, workdir: str, resume_step: int = 0, *, wandb: str = "",
+                 wandb_mode: str = "", config: dict[str, Any] | None = None):
         self.active = jax.process_index() == 0
         self.path = os.path.join(workdir, "metrics.jsonl")
-        self._tb = None
+        self._tb = self._wandb = None
+        self._wandb_row: tuple[int, dict[str, float]] = (-1, {})  # step, its time parts
         if not self.active:
             return
         os.makedirs(workdir, exist_ok=True)
@@ -96,6 +177,8 @@ class MetricWriter:
             self._tb = SummaryWriter(os.path.join(workdir, "tb"))
         except Exception:  # noqa: BLE001 - TensorBoard is a convenience
             self._tb = None
+        if wandb:
+            self._wandb = _wandb_run(workdir, wandb, wandb_mode, config or {})
 
     def write(self, step: int, **values) -> None:
         if not self.active:
@@ -109,10 +192,42 @@ class MetricWriter:
                 if k != "step" and not isinstance(v, str):
                     self._tb.add_scalar(k, v, step)
             self._tb.flush()
+        if self._wandb is not None:
+            row = {k: v for k, v in record.items() if k != "step"}
+            times = {k: v for k, v in row.items() if k.startswith("time_") or k == "wall_s"}
+            if self._wandb_row[0] == step:  # the same W&B row: successive intervals add
+                prev = self._wandb_row[1]
+                times = {**prev, **{k: v + prev.get(k, 0.0) for k, v in times.items()}}
+                row.update(times)
+            self._wandb_row = (int(step), times)
+            self._wandb.log(row, step=int(step))
 
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+
+def _wandb_run(workdir: str, project: str, mode: str, config: dict[str, Any]):
+    """A W&B run for `workdir`: a new one, or the one WORKDIR/wandb_run_id names."""
+    try:
+        import wandb
+    except ImportError as e:
+        raise ImportError("train.wandb needs the wandb package: pip install 'tfjax[tracking]' "
+                          "(or wandb), or leave train.wandb empty") from e
+    id_file = os.path.join(workdir, "wandb_run_id")
+    if os.path.exists(id_file):
+        with open(id_file) as f:
+            run_id = f.read().strip()
+    else:
+        run_id = uuid.uuid4().hex[:12]
+        with open(id_file, "w") as f:
+            f.write(run_id)
+    return wandb.init(project=project, id=run_id, resume="allow", dir=workdir,
+                      mode=mode or None, config=config,
+                      name=os.path.basename(os.path.abspath(workdir)))
 
 
 class ProgressBar:

@@ -46,16 +46,18 @@ import optax
 from flax import nnx
 from optax.contrib import MuonDimensionNumbers, scale_by_muon
 
-from tfjax.config import ParamGroup, TrainConfig, parse_param_groups
+from tfjax.config import ModelConfig, ParamGroup, TrainConfig, parse_param_groups
+from tfjax.models import mup
 from tfjax.parallel.rules import variable_axes
 from tfjax.registry import Registry
 
-__all__ = ["OPTIMIZERS", "Optimizer", "decay_mask", "lr_schedule", "make_optimizer",
-           "muon_dims", "param_labels"]
+__all__ = ["MUP_OPTIMIZERS", "OPTIMIZERS", "Optimizer", "decay_mask", "lr_schedule",
+           "make_optimizer", "muon_dims", "param_labels", "scale_by_mup"]
 
 STACK_AXES = ("layers", "expert")  # stacked copies: one matrix per index
 MODEL_AXES = ("embed", "latent")  # a Muon matrix maps into or out of one of these
 TABLE_AXES = ("vocab", "max_len", "relpos_buckets", "type_vocab", "classes")
+MUP_OPTIMIZERS = ("adamw", "adafactor", "lion")  # whose lr μP's Adam rules scale
 
 
 def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
@@ -299,24 +301,50 @@ OPTIMIZERS: Registry[Optimizer] = Registry("optimizer", {
 })
 
 
-def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+def make_optimizer(cfg: TrainConfig, model: ModelConfig | None = None
+                   ) -> optax.GradientTransformation:
     """Clipping, then `train.optimizer` with the schedule; with `train.param_groups`,
     one copy of the optimizer per group (`optax.partition`, labels `param_labels`) at
-    its lr multiple and weight decay. Unknown names and malformed groups fail here,
-    a group that matches no parameter at `init` (both before anything compiles)."""
+    its lr multiple and weight decay; with μP (`model.mup_base_width`), each update
+    times its parameter class's lr multiplier (`scale_by_mup`). Unknown names and
+    malformed groups fail here, a group that matches no parameter at `init` (both
+    before anything compiles)."""
     opt = OPTIMIZERS.get(cfg.optimizer, field="train.optimizer")
     groups = parse_param_groups(cfg.param_groups)
     schedule = lr_schedule(cfg)
     parts = []
     if cfg.grad_clip > 0:
         parts.append(optax.clip_by_global_norm(cfg.grad_clip))
+    if model is not None and model.mup_base_width:
+        if cfg.optimizer not in MUP_OPTIMIZERS:
+            raise ValueError(
+                f"train.optimizer: μP (model.mup_base_width) scales Adam-type learning rates "
+                f"({', '.join(MUP_OPTIMIZERS)}), not {cfg.optimizer!r}; choose one of those "
+                f"or set model.mup_base_width=0")
+        mup_tail = [scale_by_mup(mup.width_multiplier(model))]
+    else:
+        mup_tail = []
     if not groups:
         parts.append(opt.build(cfg, schedule, cfg.weight_decay, decay_mask))
-        return optax.chain(*parts)
+        return optax.chain(*parts, *mup_tail)
     txs = {"other": opt.build(cfg, schedule, cfg.weight_decay, decay_mask)}
     for i, g in enumerate(groups):
         lr = schedule if g.lr is None else (lambda s, m=g.lr: schedule(s) * m)
         wd, mask = (cfg.weight_decay, decay_mask) if g.wd is None else (g.wd, None)
         txs[f"group{i}"] = opt.build(cfg, lr, wd, mask)
     parts.append(optax.partition(txs, lambda params: param_labels(groups, params)))
-    return optax.chain(*parts)
+    return optax.chain(*parts, *mup_tail)
+
+
+def scale_by_mup(m: float) -> optax.GradientTransformation:
+    """Each update times its parameter's μP learning-rate multiplier at width
+    multiplier `m` (`tfjax.models.mup.lr_multiplier`: hidden and router matrices
+    1/m); after the optimizer, so the decoupled weight decay scales with its lr."""
+    def one(x):
+        c = mup.lr_multiplier(mup.classify(x), m)
+        return x if c == 1.0 else x.replace(x.get_value() * c)
+
+    def update(updates, state, params=None):
+        return jax.tree.map(one, updates, is_leaf=_is_var), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)

@@ -23,8 +23,8 @@ from tfjax.models import FFN_KINDS, LAYER_KINDS, build
 from tfjax.parallel.rules import logical_rules, replicated, tree_shardings
 from tfjax.parallel.sharding import logical_to_spec, use_rules
 from tfjax.parallel.zigzag import zigzag_data, zigzag_order
+from tfjax.train.lora import Lora, train_state_shape
 from tfjax.train.objectives import OBJECTIVES
-from tfjax.train.optim import make_optimizer
 from tfjax.train.step import make_eval_step, make_train_step
 
 __all__ = ["Program", "build_program", "zigzag_devices", "zigzag_rows"]
@@ -92,6 +92,8 @@ class Program:
     zigzag: int = 0  # > 0: batches must be in zig-zag order over this many devices
     batch_shapes: dict | None = None  # the objective's batch: key -> global shape
     batch_shardings: dict | None = None  # key -> NamedSharding (rows over the batch axes)
+    lora: Lora | None = None  # LoRA: `params` are the adapters, `frozen` the base
+    start: Callable | None = None  # (model params, rest) -> the step-0 state (not jitted)
 
 
 def build_program(cfg: RunConfig, mesh, build_model) -> Program:
@@ -108,20 +110,25 @@ def build_program(cfg: RunConfig, mesh, build_model) -> Program:
     graphdef, aparams, arest = nnx.split(abstract, nnx.Param, ...)
     abstract.eval()
     eval_graphdef = nnx.split(abstract, nnx.Param, ...)[0]
-    tx = make_optimizer(t)
-    aopt = jax.eval_shape(tx.init, aparams)
-    abstract_state = dict(step=jax.ShapeDtypeStruct((), jnp.int32), params=aparams, opt=aopt,
-                          rest=arest)
-    notes: list[str] = []
+    # with LoRA (`tfjax.train.lora`) the optimizer sees the adapters alone
+    abstract_state, lora, tx = train_state_shape(cfg, aparams, arest)
+    notes: list[str] = [lora.summary(aparams)] if lora else []
     state_shardings = tree_shardings(abstract_state, mesh, rules, notes)
     num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(aparams))
+
+    def start(params, rest):
+        if lora is None:
+            return dict(step=jnp.zeros((), jnp.int32), params=params, opt=tx.init(params),
+                        rest=rest)
+        adapters = lora.init(params, jax.random.key(cfg.seed))
+        return dict(step=jnp.zeros((), jnp.int32), params=adapters, opt=tx.init(adapters),
+                    rest=rest, frozen=params)
 
     def init():
         with use_rules(mesh, rules):
             model = make_model()
             _, params, rest = nnx.split(model, nnx.Param, ...)
-            return dict(step=jnp.zeros((), jnp.int32), params=params, opt=tx.init(params),
-                        rest=rest)
+            return start(params, rest)
 
     # Batches: [B, T] split over the "batch" mesh axes; the step itself constrains
     # activations to ("batch", "length") (sequence sharding).
@@ -148,9 +155,10 @@ def build_program(cfg: RunConfig, mesh, build_model) -> Program:
         state_shardings=state_shardings, batch_sharding=batch_sharding, notes=notes,
         num_params=num_params,
         init=jax.jit(init, out_shardings=state_shardings),
-        zigzag=zz, batch_shapes=shapes, batch_shardings=shardings,
-        step=jax.jit(traced(make_train_step(graphdef, tx, t, mesh, rules)),
+        zigzag=zz, batch_shapes=shapes, batch_shardings=shardings, lora=lora, start=start,
+        step=jax.jit(traced(make_train_step(graphdef, tx, t, mesh, rules, lora and lora.merge)),
                      in_shardings=(state_shardings, shardings),
                      out_shardings=(state_shardings, rep), donate_argnums=0),
-        eval=jax.jit(traced(make_eval_step(eval_graphdef, mesh, rules, t.objective)),
+        eval=jax.jit(traced(make_eval_step(eval_graphdef, mesh, rules, t.objective,
+                                           lora and lora.merge)),
                      in_shardings=(state_shardings, shardings), out_shardings=rep))

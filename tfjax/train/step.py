@@ -2,7 +2,8 @@
 
 `state` is a plain dict pytree {step, params, opt, rest}: `params` are the
 model's `nnx.Param`s, `rest` its other state (e.g. dropout RNG counters), `opt`
-the optax state. The model's structure (`graphdef`) is static and closed over,
+the optax state; with LoRA (`tfjax.train.lora`) `params` are the adapters and
+`frozen` the base they adapt. The model's structure (`graphdef`) is static and closed over,
 so the trainer can `jax.jit` these with in/out shardings and donate `state`.
 
 Activation checkpointing lives in the model (`model.remat`, per scanned layer).
@@ -27,7 +28,7 @@ import optax
 from flax import nnx
 
 from tfjax.config import TrainConfig
-from tfjax.nn.moe import moe_aux
+from tfjax.nn.moe import balance_experts, moe_aux
 from tfjax.parallel.sharding import shard, use_rules
 from tfjax.train.objectives import OBJECTIVES, Objective
 
@@ -55,13 +56,18 @@ def _constrain(batch):
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: TrainConfig,
-                    mesh=None, rules=()) -> Callable:
-    """A pure `train_step(state, batch) -> (state, metrics)` (not yet jitted)."""
+                    mesh=None, rules=(), merge: Callable | None = None) -> Callable:
+    """A pure `train_step(state, batch) -> (state, metrics)` (not yet jitted). With
+    `merge` (LoRA, `tfjax.train.lora`), `state["params"]` are the trainable adapters
+    and the model computes with `merge(state["frozen"], params)`: the frozen base gets
+    no gradient and no update."""
     M = cfg.microbatches
     objective = OBJECTIVES.get(cfg.objective, field="train.objective")
 
-    def loss_fn(params, rest, batch, denom):
-        sums, rest = forward_sums(graphdef, params, rest, batch, objective)
+    def loss_fn(params, rest, batch, denom, frozen):
+        # the frozen base enters from outside value_and_grad, like `rest` (forward_sums)
+        full = params if merge is None else merge(jax.tree.map(lambda x: x, frozen), params)
+        sums, rest = forward_sums(graphdef, full, rest, batch, objective)
         loss = (sums["nll"] + cfg.z_loss * sums["z"] + sums["moe_aux"]) / denom
         return loss, (sums, rest)
 
@@ -70,10 +76,10 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: TrainConfig
     def train_step(state, batch):
         with use_rules(mesh, rules) if mesh is not None else _nullcontext():
             batch = _constrain(batch)
-            params, rest = state["params"], state["rest"]
+            params, rest, frozen = state["params"], state["rest"], state.get("frozen")
             denom = jnp.maximum(batch["mask"].astype(jnp.float32).sum(), 1.0)
             if M == 1:
-                (_, (sums, rest)), grads = grad_fn(params, rest, batch, denom)
+                (_, (sums, rest)), grads = grad_fn(params, rest, batch, denom, frozen)
             else:
                 B = batch["mask"].shape[0]
                 micro = jax.tree.map(
@@ -85,7 +91,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: TrainConfig
                 def body(carry, mb):
                     acc, rest, tot = carry
                     mb = _constrain(mb)
-                    (_, (sums, rest)), g = grad_fn(params, rest, mb, denom)
+                    (_, (sums, rest)), g = grad_fn(params, rest, mb, denom, frozen)
                     acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc, g)
                     tot = {k: tot[k] + sums[k] for k in tot}
                     return (acc, rest, tot), None
@@ -95,7 +101,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: TrainConfig
             grad_norm = optax.global_norm(grads)
             updates, opt = tx.update(grads, state["opt"], params)
             params = optax.apply_updates(params, updates)
-            new = dict(step=state["step"] + 1, params=params, opt=opt, rest=rest)
+            rest = balance_experts(rest)  # MoE aux-loss-free balancing (a no-op without)
+            new = dict(state, step=state["step"] + 1, params=params, opt=opt, rest=rest)
             metrics = dict(loss=sums["nll"] / jnp.maximum(sums["tokens"], 1.0),
                            z=sums["z"] / jnp.maximum(sums["tokens"], 1.0),
                            moe_aux=sums["moe_aux"] / jnp.maximum(sums["tokens"], 1.0),
@@ -106,15 +113,17 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: TrainConfig
     return train_step
 
 
-def make_eval_step(graphdef, mesh=None, rules=(), objective: str = "causal_lm") -> Callable:
+def make_eval_step(graphdef, mesh=None, rules=(), objective: str = "causal_lm",
+                   merge: Callable | None = None) -> Callable:
     """A pure `eval_step(state, batch) -> sums` (nll, z, tokens, bytes, and the
-    objective's `extra` sums)."""
+    objective's `extra` sums); `merge` as for `make_train_step`."""
     obj = OBJECTIVES.get(objective, field="train.objective")
 
     def eval_step(state, batch):
         with use_rules(mesh, rules) if mesh is not None else _nullcontext():
-            sums, _ = forward_sums(graphdef, state["params"], state["rest"], _constrain(batch),
-                                   obj)
+            params = state["params"] if merge is None else merge(state["frozen"],
+                                                                 state["params"])
+            sums, _ = forward_sums(graphdef, params, state["rest"], _constrain(batch), obj)
             return sums
 
     return eval_step

@@ -23,11 +23,15 @@ What happens, in order:
    end; rerunning the same command resumes exactly. SIGTERM saves, then exits (the
    CLI with 143); sent to any one process of a multi-process run, it stops every
    process at the same step through JAX's preemption sync point (checked every step).
-6. Metrics go to the terminal (progress bar), WORKDIR/metrics.jsonl and TensorBoard.
+6. Metrics go to the terminal (progress bar), WORKDIR/metrics.jsonl, TensorBoard and,
+   with `train.wandb`, Weights & Biases. Each record splits the wall time since the
+   previous one into step, data wait, checkpoint, eval and compile (`WallClock`);
+   `train.profile_steps` traces a range of steps with jax.profiler into WORKDIR/profile.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gzip
 import json
@@ -35,7 +39,7 @@ import lzma
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -43,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tfjax.config import RunConfig
+from tfjax.config import RunConfig, parse_profile_steps
 from tfjax.data.pipeline import PackedBatches
 from tfjax.data.tokenizers import load_tokenizer
 from tfjax.models import build, check_names
@@ -52,8 +56,11 @@ from tfjax.parallel.rules import logical_rules, replicated
 from tfjax.parallel.sharding import use_rules
 from tfjax.train.checkpoint import Checkpointer, abstract_with_shardings
 from tfjax.train.compile_cache import persistent_compilation_cache
+from tfjax.train.init_from import check_tokenizer, initial_state, resolve_init_from
+from tfjax.train.lora import model_params
 from tfjax.train.losses import LN2
-from tfjax.train.metrics import MetricWriter, ProgressBar, flops_per_token, peak_flops
+from tfjax.train.metrics import (MetricWriter, ProgressBar, WallClock, flops_per_token,
+                                 peak_flops)
 from tfjax.train.objectives import OBJECTIVES, check_objective, eval_line, eval_metrics
 from tfjax.train.optim import lr_schedule
 from tfjax.train.program import Program, _axes_size, build_program, zigzag_devices, zigzag_rows
@@ -122,13 +129,17 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, workdir: str, *,
                  build_model: Callable[..., nnx.Module] | None = None,
-                 devices=None, log: Callable[[str], None] | None = None):
-        self.cfg = cfg.validate()
+                 devices=None, log: Callable[[str], None] | None = None,
+                 eval_hooks: Sequence[Callable[[Trainer, Any], dict[str, float]]] = ()):
+        # fine-tuning (`init_from`): the model and tokenizer come from the checkpoint
+        self.cfg = cfg = resolve_init_from(cfg.validate())
         self.workdir = workdir
+        self.eval_hooks = tuple(eval_hooks)  # hook(trainer, state) -> more eval metrics
         self.log = log or (lambda s: print(s, flush=True) if jax.process_index() == 0 else None)
         check_names(cfg.model)  # registry-owned names, before anything is built
         self.build_model = build_model or build
         self.tokenizer = load_tokenizer(cfg.data.tokenizer)
+        check_tokenizer(cfg, self.tokenizer)
         self.mesh = make_mesh(cfg.mesh, devices)
         self.rules = logical_rules(cfg.mesh.rules)
         check_run(cfg, self.mesh, self.tokenizer)
@@ -142,6 +153,7 @@ class Trainer:
         self.batch_sharding, self.notes, self.num_params = p.batch_sharding, p.notes, p.num_params
         self._init, self._step, self._eval = p.init, p.step, p.eval
         self.zigzag, self.batch_shardings = p.zigzag, p.batch_shardings
+        self.lora, self._start = p.lora, p.start  # LoRA: tfjax.train.lora
         self.local_rows = self._local_rows(t.batch_size)
         self._lr = lr_schedule(t)
         self.checkpointer = Checkpointer(workdir, cfg.checkpoint)
@@ -186,7 +198,9 @@ class Trainer:
 
     # ----------------------------------------------------------------- state
     def init_state(self):
-        return self._init()
+        """A fresh start: the program's init, or the weights `init_from` names
+        (`tfjax.train.init_from`: never called when WORKDIR has a checkpoint)."""
+        return initial_state(self) if self.cfg.init_from else self._init()
 
     def restore_or_init(self):
         """(state, data_state, step): the newest checkpoint in WORKDIR that restores, or a
@@ -224,7 +238,14 @@ class Trainer:
             out = self._eval(state, self.global_batch(local))
             for k in sums:
                 sums[k] += float(out[k])
-        return eval_metrics(self.objective, sums)
+        metrics = eval_metrics(self.objective, sums)
+        for hook in self.eval_hooks:  # e.g. lm-eval tasks (`tfjax.eval.harness`)
+            metrics.update(hook(self, state))
+        return metrics
+
+    def model(self, state) -> nnx.Module:
+        """The model in eval mode computing with `state`'s parameters (on the mesh)."""
+        return nnx.merge(self.eval_graphdef, model_params(self.lora, state), state["rest"])
 
     def validation_bytes(self) -> bytes:
         """The bytes `evaluate` scores (byte tokenizer), each row's stream in order (so
@@ -259,16 +280,18 @@ class Trainer:
                                **{k: jnp.full((B,), v) for k, v in prefix.items()})
                 return jnp.argmax(jax.lax.dynamic_index_in_dim(logits, cur - 1, 1, False), -1)
 
-        f = jax.jit(next_id, in_shardings=(self.state_shardings["params"],
-                                           self.state_shardings["rest"], self.batch_sharding, None),
+        psh = self.state_shardings["frozen" if self.lora else "params"]
+        f = jax.jit(next_id, in_shardings=(psh, self.state_shardings["rest"], self.batch_sharding,
+                                           None),
                     out_shardings=replicated(self.mesh))
         rows, _ = _axes_size(self.mesh, self.rules, "batch")  # one row per batch shard
         buf = np.full((rows, T), self.tokenizer.pad_id, np.int32)
         start = len(ids)
         buf[:, :start] = ids
+        params = model_params(self.lora, state)  # LoRA: the base merged with the adapters
         for cur in range(start, start + num_tokens):
             tokens = jax.make_array_from_callback(buf.shape, self.batch_sharding, lambda i: buf[i])
-            nxt = int(np.asarray(f(state["params"], state["rest"], tokens, cur))[0])
+            nxt = int(np.asarray(f(params, state["rest"], tokens, cur))[0])
             if nxt == self.tokenizer.eos_id:
                 break
             buf[:, cur] = nxt
@@ -315,7 +338,11 @@ class Trainer:
         if data_state is not None:
             it.set_state(data_state)
             log(f"  resumed from step {start} ({self.checkpointer.directory})")
-        writer = MetricWriter(self.workdir, resume_step=start)
+        writer = MetricWriter(self.workdir, resume_step=start, wandb=t.wandb,
+                              wandb_mode=t.wandb_mode, config=_plain(cfg))
+        profile = parse_profile_steps(t.profile_steps, t.steps)
+        tracing = False
+        clock = WallClock().__enter__()
         if jax.process_index() == 0:
             os.makedirs(self.workdir, exist_ok=True)
             with open(os.path.join(self.workdir, "config.json"), "w") as f:
@@ -365,7 +392,7 @@ class Trainer:
                 rec.update(tokens_per_s=tps, step_time_s=dt, mfu=fpt * tps / peak if peak else 0.0)
             if t.z_loss:
                 rec["z_loss"] = float(np.mean([v["z"] for _, v in vals]))
-            writer.write(step, **rec)
+            writer.write(step, **rec, **clock.split())
             speed = (f" {rec['tokens_per_s']:,.0f} tok/s mfu {100 * rec['mfu']:.1f}%"
                      if "mfu" in rec else "")
             shown = "".join(f" {k} {rec[k]:.3f}" for k in ("bpb", "accuracy") if k in rec)
@@ -385,10 +412,22 @@ class Trainer:
                         log("\n" + msg)
                     preempted = True
                     break
-                batch = self.global_batch(next(it))
-                state, metrics = self._step(state, batch)
+                with clock.timing("data"):
+                    batch = self.global_batch(next(it))
+                if profile and not tracing and profile[0] <= step + 1 <= profile[1]:
+                    jax.profiler.start_trace(os.path.join(self.workdir, "profile"))
+                    tracing = True
+                with (jax.profiler.StepTraceAnnotation("train", step_num=step + 1) if tracing
+                      else contextlib.nullcontext()):
+                    state, metrics = self._step(state, batch)
                 step += 1
                 pending.append((step, metrics))
+                if tracing and step == profile[1]:
+                    jax.block_until_ready(metrics)
+                    jax.profiler.stop_trace()
+                    tracing = False
+                    log(f"\n  jax.profiler trace of steps {profile[0]}-{step}: "
+                        f"{os.path.join(self.workdir, 'profile')}")
                 if compile_s is None:
                     jax.block_until_ready(metrics)
                     compile_s = time.perf_counter() - last_t
@@ -397,19 +436,24 @@ class Trainer:
                 if step % t.log_every == 0 or step == t.steps:
                     flush()
                 if t.eval_every and step % t.eval_every == 0 and step < t.steps:
-                    ev = self.evaluate(state)
+                    with clock.timing("eval"):
+                        ev = self.evaluate(state)
                     writer.write(step, **{k: v for k, v in ev.items() if k != "val_bytes"})
                     log(f"\n  eval @ {step}: {eval_line(ev, final=False)}")
                     last_t = time.perf_counter()
                 every = cfg.checkpoint.every_steps
                 if cfg.checkpoint.enabled and every and step % every == 0 and step < t.steps:
-                    self.checkpointer.save(step, state, self._data_state(it))
+                    with clock.timing("checkpoint"):
+                        self.checkpointer.save(step, state, self._data_state(it))
             bar.close()
             if not preempted and cfg.checkpoint.enabled:
-                self.checkpointer.save(step, state, self._data_state(it), wait=True)
+                with clock.timing("checkpoint"):
+                    self.checkpointer.save(step, state, self._data_state(it), wait=True)
             if not preempted and t.eval_at_end:
-                ev = self.evaluate(state)
-                writer.write(step, **{k: v for k, v in ev.items() if k != "val_bytes"})
+                with clock.timing("eval"):
+                    ev = self.evaluate(state)
+                writer.write(step, **{k: v for k, v in ev.items() if k != "val_bytes"},
+                             **clock.split())
                 summary.update(ev)
                 log(f"step {step}: {eval_line(ev, final=True)}")
                 byte_level = self.tokenizer.__class__.__name__ == "ByteTokenizer"
@@ -425,7 +469,14 @@ class Trainer:
                     log("sample (greedy):\n" + text)
                 log(f"MFU peak: {peak / 1e9:.1f} GFLOP/s ({peak_src}); "
                     f"{fpt / 1e6:.2f} MFLOP per trained token")
+            clock.split()
+            summary["wall_time"] = dict(clock.totals)
+            log("wall time: " + ", ".join(f"{k[5:-2]} {v:.1f}s" for k, v in
+                                          clock.totals.items() if k.startswith("time_")))
         finally:
+            if tracing:
+                jax.profiler.stop_trace()
+            clock.__exit__(None, None, None)
             if old_handler is not None:
                 signal.signal(signal.SIGTERM, old_handler)
             self.checkpointer.close()

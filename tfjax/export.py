@@ -1,0 +1,80 @@
+"""`python -m tfjax.export --workdir W --out DIR [--step STEP] [--dtype DTYPE]`
+
+Writes a training run (pretraining or a fine-tune, `tfjax.train.init_from`) as a
+Hugging Face checkpoint: the newest checkpoint of W that restores (or `--step`),
+through `tfjax.interop.hf.export` (the Llama family: `config.json`,
+`model.safetensors`), with the run's tokenizer (`tokenizer.json`,
+`tokenizer_config.json`, `generation_config.json`), so that
+`transformers.AutoModelForCausalLM.from_pretrained(DIR)` and
+`python -m tfjax.generate --hf DIR` read it and give the run's logits.
+
+    python -m tfjax.export --workdir workdirs/ft --out workdirs/ft/hf
+    python -m tfjax.export --workdir workdirs/ft --out /tmp/ft-bf16 --dtype bfloat16
+
+A LoRA run (`tfjax.train.lora`) is exported merged by default: each adapted matrix
+is W + (alpha / r) * A @ B, every other tensor the base's own. `--adapters_only`
+writes the adapters alone in PEFT's format instead (`adapter_config.json` +
+`adapter_model.safetensors`, for `peft.PeftModel.from_pretrained` on the base model):
+
+    python -m tfjax.export --workdir workdirs/lora --out workdirs/lora/adapters --adapters_only
+
+`--dtype` is the dtype on disk (default: the run's `model.param_dtype`). A run
+directory without a finished checkpoint, a model with no Llama equivalent, or a
+sentencepiece tokenizer is one line on stderr (exit status 2), before anything is
+written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tfjax.generate import load_run, restore_run
+from tfjax.interop import hf
+from tfjax.train.lora import write_peft
+
+__all__ = ["export_run", "main"]
+
+
+def export_run(workdir: str, out: str, *, step: int | None = None,
+               dtype: str | None = None, adapters_only: bool = False) -> int:
+    """Export checkpoint `step` (None: the newest that restores) of the run in
+    `workdir` to the HF directory `out`, with its tokenizer (a LoRA run merged), or
+    with `adapters_only` its LoRA adapters in PEFT's format; returns the step."""
+    if adapters_only:
+        cfg, _, state, lora, step = restore_run(workdir, step)
+        if lora is None:
+            raise ValueError(f"--adapters_only: the run in {workdir} has no LoRA adapters "
+                             f"(lora.rank=0); export it whole, without --adapters_only")
+        write_peft(lora, cfg, state, out, dtype)
+        return step
+    model, _, tokenizer, step = load_run(workdir, step)
+    hf.export(model, out, dtype=dtype, tokenizer=tokenizer)
+    return step
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tfjax.export",
+                                description="Write a tfjax training run as a Hugging Face "
+                                            "checkpoint (Llama family) with its tokenizer.")
+    p.add_argument("--workdir", required=True, help="the training run's directory")
+    p.add_argument("--out", required=True, help="the HF checkpoint directory to write")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                   help="dtype on disk (default: the run's model.param_dtype)")
+    p.add_argument("--adapters_only", action="store_true",
+                   help="a LoRA run: write its adapters alone in PEFT's format (default: "
+                        "the model with the adapters merged)")
+    a = p.parse_args(argv)
+    try:
+        step = export_run(a.workdir, a.out, step=a.step, dtype=a.dtype,
+                          adapters_only=a.adapters_only)
+    except (ValueError, NotImplementedError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"tfjax.export: step {step} of {a.workdir} -> {a.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,262 @@
+"""Fine-tuning: a run that starts from a checkpoint (`--config.init_from=DIR`).
+
+    python -m tfjax.train --config configs/finetune.py --workdir W --config.init_from=DIR
+
+DIR is either
+- a Hugging Face checkpoint directory (`config.json` + `*.safetensors`, as
+  `save_pretrained` writes it; any `model_type` that `tfjax.interop.hf` reads), or
+- a tfjax training workdir (`config.json` + `checkpoints/`): the parameters of its
+  newest checkpoint that restores. Its optimizer state, step and data position are
+  not taken: the fine-tune starts at step 0 with a fresh optimizer.
+
+The model section. The model comes from the checkpoint: its config (the HF
+`config.json` through `tfjax.interop.hf.config_from_hf`, or the run's saved
+`model` section) *overrides* the config file's `model` section, with two
+exceptions:
+- the run-time fields `RUNTIME_FIELDS` (compute and parameter dtype, attention
+  implementation, context parallelism, zig-zag, remat, dropout, init_std, MoE
+  dispatch) are always the config's: they change neither the parameters nor what
+  the model computes, only how (so an HF bfloat16 checkpoint is fine-tuned in the
+  config's `model.param_dtype`, float32 by default, and cast back on export);
+- any other model field that the config sets away from `ModelConfig`'s default
+  must *agree* with the checkpoint's, or it is a ValueError naming the field and
+  both values (the fix: drop the override). A field left at its default takes the
+  checkpoint's value silently.
+
+Tokenizer. `data.tokenizer="init_from"` (configs/finetune.py) takes the
+checkpoint's own: DIR/tokenizer.json, or the tfjax run's `data.tokenizer`. A
+tokenizer with more ids than the checkpoint's `vocab_size` is a ValueError.
+
+Resume. The weights are read only when WORKDIR has no checkpoint of its own
+(`Trainer.init_state`, called by `restore_or_init` for a fresh start); a fine-tune
+killed and rerun with the same command continues from WORKDIR's checkpoint,
+exactly as pretraining does, and never re-reads DIR's weights (DIR's config is
+still read, to rebuild the same model).
+
+LoRA (`lora.rank`, `tfjax.train.lora`): the weights read become the frozen base,
+and fresh adapters (B = 0) the trainable parameters; a tfjax workdir of a LoRA run
+gives its base merged with its adapters.
+
+Every check here runs before anything compiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+from typing import Any
+
+import jax
+from flax import nnx
+
+from tfjax.config import ModelConfig, RunConfig, model_config, run_config, upgrade_saved
+from tfjax.interop import hf
+from tfjax.interop.hf_weights import PREFIXES, Weights
+from tfjax.interop.safetensors_io import SafetensorsCheckpoint
+from tfjax.models import build
+from tfjax.parallel.rules import logical_rules, tree_shardings
+from tfjax.train.checkpoint import Checkpointer, abstract_with_shardings
+from tfjax.train.lora import model_params, train_state_shape
+
+__all__ = ["RUNTIME_FIELDS", "check_tokenizer", "checkpoint_kind", "initial_state",
+           "merge_model", "resolve_init_from"]
+
+# How the model runs, not what it is: always the config file's (see the docstring).
+RUNTIME_FIELDS = ("dtype", "param_dtype", "attention_impl", "context_parallel", "zigzag",
+                  "remat", "dropout_rate", "init_std", "moe.impl")
+
+
+def checkpoint_kind(path: str) -> str:
+    """"hf" (config.json + safetensors) or "tfjax" (a training workdir: config.json +
+    checkpoints/); anything else is a ValueError naming `init_from` and the fix."""
+    fix = ("point --config.init_from at a Hugging Face checkpoint directory (config.json + "
+           "*.safetensors, as save_pretrained writes) or at a tfjax training --workdir "
+           "(config.json + checkpoints/)")
+    if not path or not os.path.isdir(path):
+        raise ValueError(f"init_from: {path!r} is not a directory; {fix}")
+    has_config = os.path.isfile(os.path.join(path, "config.json"))
+    steps = os.path.join(path, "checkpoints")
+    if has_config and os.path.isdir(steps):
+        if not any(d.isdigit() for d in os.listdir(steps)):
+            raise ValueError(f"init_from: {path} is a tfjax workdir without a finished "
+                             f"checkpoint under {steps}; let that run save one (every "
+                             f"checkpoint.every_steps and at its end), or point init_from "
+                             f"elsewhere")
+        return "tfjax"
+    if has_config and glob.glob(os.path.join(path, "*.safetensors")):
+        return "hf"
+    found = sorted(os.listdir(path))[:6]
+    raise ValueError(f"init_from: {path} is not a checkpoint (it holds "
+                     f"{', '.join(found) or 'nothing'}): no config.json with *.safetensors and "
+                     f"no tfjax checkpoints/ directory; {fix}")
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path, "rb") as f:
+            out = json.load(f)
+    except ValueError as e:
+        raise ValueError(f"init_from: {path} is not valid JSON ({e})") from None
+    if not isinstance(out, dict):
+        raise ValueError(f"init_from: {path} holds {type(out).__name__}, not a JSON object")
+    return out
+
+
+def _source(path: str) -> tuple[str, ModelConfig, str | None, Any]:
+    """(kind, the checkpoint's model config, its tokenizer or None, its HF dict or
+    its RunConfig)."""
+    kind = checkpoint_kind(path)
+    config = os.path.join(path, "config.json")
+    if kind == "hf":
+        d = _read_json(config)
+        try:
+            m = hf.config_from_hf(d, source=config)
+        except NotImplementedError as e:
+            raise ValueError(f"init_from: {e}") from None
+        tok = os.path.join(path, "tokenizer.json")
+        return kind, m, tok if os.path.isfile(tok) else None, d
+    src = run_config(upgrade_saved(_read_json(config)))
+    return kind, src.model, src.data.tokenizer, src
+
+
+def _flat(x, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for f in dataclasses.fields(x):
+        v = getattr(x, f.name)
+        if dataclasses.is_dataclass(v):
+            out.update(_flat(v, f"{prefix}{f.name}."))
+        else:
+            out[f"{prefix}{f.name}"] = v
+    return out
+
+
+def merge_model(mine: ModelConfig, theirs: ModelConfig, where: str) -> ModelConfig:
+    """The checkpoint's model config `theirs` with the run-time fields of `mine`; a
+    field `mine` sets away from the default that disagrees with `theirs` is a
+    ValueError naming it (`where`: the checkpoint, for the message)."""
+    a, b, default = _flat(mine), _flat(theirs), _flat(ModelConfig())
+    out = dict(b)
+    for k, v in a.items():
+        if k in RUNTIME_FIELDS:
+            out[k] = v
+        elif v != default[k] and v != b[k]:
+            raise ValueError(f"model.{k}: the config sets {v!r}, but the checkpoint init_from="
+                             f"{where} has {b[k]!r}, and a fine-tune takes its model from the "
+                             f"checkpoint; drop --config.model.{k} (or set it to {b[k]!r})")
+    nested: dict[str, Any] = {}
+    for k, v in out.items():
+        *sections, name = k.split(".")
+        d = nested
+        for s in sections:
+            d = d.setdefault(s, {})
+        d[name] = v
+    return model_config(nested)
+
+
+def resolve_init_from(cfg: RunConfig) -> RunConfig:
+    """`cfg` with its model taken from `cfg.init_from` (`merge_model`) and
+    `data.tokenizer="init_from"` replaced by the checkpoint's tokenizer; `cfg` itself
+    when `init_from` is empty."""
+    if not cfg.init_from:
+        return cfg
+    kind, theirs, tok, _ = _source(cfg.init_from)
+    data = cfg.data
+    if data.tokenizer == "init_from":
+        if tok is None:
+            raise ValueError(f"data.tokenizer: 'init_from', but {cfg.init_from} has no "
+                             f"tokenizer.json; put the model's tokenizer.json there or name a "
+                             f"tokenizer file with --config.data.tokenizer=PATH")
+        data = dataclasses.replace(data, tokenizer=tok)
+    model = merge_model(cfg.model, theirs, cfg.init_from)
+    return dataclasses.replace(cfg, model=model, data=data).validate()
+
+
+def check_tokenizer(cfg: RunConfig, tokenizer) -> None:
+    """A fine-tune's tokenizer must fit the checkpoint's vocabulary (ValueError)."""
+    if cfg.init_from and tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ValueError(
+            f"data.tokenizer: {cfg.data.tokenizer!r} has {tokenizer.vocab_size} ids, more than "
+            f"the checkpoint's vocabulary (vocab_size {cfg.model.vocab_size}, init_from="
+            f"{cfg.init_from}); use the checkpoint's own tokenizer: "
+            f"--config.data.tokenizer=init_from")
+
+
+def _hf_params(path: str, hf_dict: dict, m: ModelConfig, mesh, rules):
+    """The parameters of an HF checkpoint as the tfjax model of `m` holds them, each
+    read from the memory-mapped files and put on `mesh` by its logical axes."""
+    model_type = hf_dict["model_type"]
+    family = hf.FAMILIES.get(model_type, field="init_from config.json model_type")
+    prefix = PREFIXES.get(model_type)
+    w = Weights(SafetensorsCheckpoint(path), (prefix,) if prefix else ())
+    arrays = family.weights(w, m, hf_dict)
+    if left := w.leftovers():
+        raise ValueError(f"init_from: {path} has tensors the {model_type} mapping does not "
+                         f"read: {', '.join(left[:8])}")
+    allow = (("pooler",),) if model_type == "bert" and ("pooler", "kernel") not in arrays else ()
+    model = hf.load_state(arrays, m, mesh=mesh, rules=rules, allow_missing=allow)
+    return nnx.split(model, nnx.Param, ...)[1]
+
+
+def _tfjax_params(path: str, src: RunConfig, mesh, rules, log):
+    """The parameters of the newest checkpoint of a tfjax run that restores, placed
+    on `mesh` by `rules` (as the fine-tune's own program places them)."""
+    def make_model():
+        with nnx.use_eager_sharding(False):
+            return build(src.model, rngs=nnx.Rngs(src.seed))
+
+    _, aparams, arest = nnx.split(nnx.eval_shape(make_model), nnx.Param, ...)
+    astate, lora, _ = train_state_shape(src, aparams, arest)  # a LoRA run: base + adapters
+    abstract = abstract_with_shardings(astate, tree_shardings(astate, mesh, rules, []))
+    ckpt = Checkpointer(path, dataclasses.replace(src.checkpoint, async_save=False))
+    try:
+        got = ckpt.restore(abstract, warn=lambda s: log(f"  warning: init_from: {s}"))
+    finally:
+        ckpt.close()
+    if got is None:
+        raise ValueError(f"init_from: {path} has no finished checkpoint under "
+                         f"{os.path.join(path, 'checkpoints')}; let that run save one, or point "
+                         f"init_from elsewhere")
+    state, _, step = got
+    return model_params(lora, state), step  # a LoRA run's base merged with its adapters
+
+
+def initial_state(trainer) -> dict:
+    """The fine-tune's step-0 state on the trainer's shardings: parameters from
+    `init_from` cast to `model.param_dtype`, a fresh optimizer state, and the rest of
+    the model state (RNG counters, ...) of a fresh init."""
+    cfg = trainer.cfg
+    path = cfg.init_from
+    kind, _, _, source = _source(path)
+    sh = trainer.state_shardings
+    base = "frozen" if trainer.lora else "params"  # LoRA: the checkpoint is the frozen base
+    aparams = trainer.abstract_state[base]
+    if kind == "hf":
+        loaded = _hf_params(path, source, cfg.model, trainer.mesh, cfg.mesh.rules)
+        where = f"Hugging Face {source['model_type']}"
+    else:
+        loaded, step = _tfjax_params(path, source, trainer.mesh, logical_rules(cfg.mesh.rules),
+                                     trainer.log)
+        where = f"step {step} of the tfjax run"
+    if jax.tree.structure(loaded) != jax.tree.structure(aparams):
+        raise ValueError(f"init_from: the parameters in {path} do not form the tree of "
+                         f"this run's model (check model.scan_layers and the layer layout)")
+    pairs = zip(jax.tree_util.tree_leaves_with_path(loaded), jax.tree.leaves(aparams))
+    bad = [f"{jax.tree_util.keystr(p)}: {x.shape} != {a.shape}" for (p, x), a in pairs
+           if x.shape != a.shape]
+    if bad:
+        raise ValueError(f"init_from: parameter shapes differ from this run's model: {bad[0]}")
+    # onto the program's shardings (a no-op where the placement already agrees)
+    loaded = jax.device_put(loaded, sh[base])
+
+    def combine(params, rest):
+        params = jax.tree.map(lambda x, a: x.astype(a.dtype), params, aparams)
+        return trainer._start(params, rest)  # fresh optimizer (and LoRA adapters)
+
+    fresh = trainer._init()
+    state = jax.jit(combine, in_shardings=(sh[base], sh["rest"]), out_shardings=sh)(
+        loaded, fresh["rest"])
+    trainer.log(f"  init_from: {trainer.num_params / 1e6:.2f}M parameters from {path} ({where}); "
+                f"optimizer state fresh")
+    return state
