@@ -86,6 +86,7 @@ PUBLISHED = {
     "qwen3_next": ("Qwen3-Next-80B-A3B", 79_674_391_296),
     "gpt_oss": ("gpt-oss-20b", 20_914_757_184),
     "deepseek_v3": ("DeepSeek-V3 (without MTP)", 671_026_404_352),
+    "llama4": ("Llama-4-Scout-17B-16E, text", 107_769_861_120),
     "transformer": ("Vaswani et al. base (paper: '65M')", None),
     "default": ("tfjax's `make train` model (docstring: 0.82M)", None),
 }
@@ -117,7 +118,7 @@ assert all(n == published for _, _, n, published, _ in rows if published)
 
 # %% [markdown]
 # Every published count is matched to the parameter. The MoE presets (Mixtral,
-# Jamba, Qwen3-Next, gpt-oss, DeepSeek-V3) are sparse:
+# Jamba, Qwen3-Next, gpt-oss, DeepSeek-V3, Llama 4) are sparse:
 # their *total* counts include all experts, while a token only runs through
 # `moe.experts_per_token` of them.
 

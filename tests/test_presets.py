@@ -44,6 +44,7 @@ PARAMS = {
     # transformers' GptOssForCausalLM / DeepseekV3ForCausalLM of the checkpoints' configs
     "gpt_oss": 20_914_757_184,  # gpt-oss-20b (model card: 21B)
     "deepseek_v3": 671_026_404_352,  # DeepSeek-V3 without its MTP module (report: 671B)
+    "llama4": 107_769_861_120,  # Llama-4-Scout's text model (Llama4ForCausalLM of its config)
     "jamba": 51_570_323_328,  # Jamba-v0.1: counted from its config.json (model card: 52B)
     # Counted from the checkpoints' config.json (model cards: 1B, 3.88B text, 27B text; 3B; 7B)
     "gemma3": 999_885_952,  # gemma-3-1b-pt

@@ -172,3 +172,27 @@ def test_the_attention_kinds_of_2024_26_models():
         (1e4, "linear", 8.0)
     assert nope.attn.rope is None and nope.attn.temperature == (4, 0.1)
     assert local.attn.temperature is None and glob.attn.q_norm.scale.shape == (1, 4 * 8)  # scanned
+
+
+def test_llama4_qk_norm_is_weightless_and_on_the_rope_layers_only():
+    """`qk_norm_layers="rope"` with `qk_norm_kind="rmsnorm_unit"` (Llama 4): the
+    chunked (RoPE) layers normalise q and k by their RMS with no parameters, the NoPE
+    layer has no QK-norm; the model still differs from one without the norm."""
+    base = dict(vocab_size=61, d_model=32, num_layers=4, num_heads=4, num_kv_heads=2, d_ff=48,
+                max_len=64, layer_pattern=3 * ("chunked",) + ("nope",), attention_chunk=4,
+                qk_norm=True, qk_norm_kind="rmsnorm_unit", qk_norm_layers="rope",
+                scan_layers=False)
+    model = models.build(model_config(base), rngs=nnx.Rngs(0))
+    norms = [node.q_norm for _, node in nnx.iter_graph(model) if hasattr(node, "q_norm")]
+    assert [n is not None for n in norms] == [True, True, True, False]
+    assert not nnx.state(norms[0], nnx.Param)  # weightless
+    x = jax.random.normal(jax.random.key(0), (2, 3, 4, 8))
+    want = x / jnp.sqrt(jnp.mean(x * x, -1, keepdims=True) + model.config.norm_eps)
+    np.testing.assert_allclose(norms[0](x), want, rtol=1e-5, atol=1e-6)
+    tokens = jax.random.randint(jax.random.key(1), (1, 9), 0, 61)
+    plain = models.build(model_config({**base, "qk_norm": False}), rngs=nnx.Rngs(0))
+    assert not np.allclose(model(tokens), plain(tokens), atol=1e-4)
+    with pytest.raises(ValueError, match="model.qk_norm_layers: got 'nope'"):
+        models.build(model_config({**base, "qk_norm_layers": "nope"}), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="model.qk_norm_kind: got 'l2'"):
+        models.build(model_config({**base, "qk_norm_kind": "l2"}), rngs=nnx.Rngs(0))

@@ -263,10 +263,21 @@ def test_params_carry_logical_axis_names(kind):
 
 
 def test_registry_and_unknown_kind():
-    assert NORMS.names() == tuple(sorted(KINDS))
+    assert NORMS.names() == tuple(sorted(KINDS + ("rmsnorm_unit",)))
     with pytest.raises(ValueError) as err:
         make_norm("batchnorm", 8, rngs=nnx.Rngs(0))
     msg = str(err.value)
     assert "norm='batchnorm'" in msg
     for kind in KINDS:
         assert kind in msg
+
+
+def test_rmsnorm_unit_has_no_parameters_and_divides_by_the_rms():
+    """Llama 4's L2 QK-norm: x / sqrt(mean(x^2) + eps), in float32 then `dtype`."""
+    norm = make_norm("rmsnorm_unit", 8, eps=1e-6, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    assert not nnx.state(norm, nnx.Param)
+    x = jax.random.normal(jax.random.key(0), (3, 8)) * 5
+    want = x / jnp.sqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6)
+    got = norm(x.astype(jnp.bfloat16))
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2e-2, atol=2e-2)

@@ -208,6 +208,10 @@ class ModelConfig:
     # "head": q and k normalised per head over head_dim (Qwen3, Gemma 3); "projection":
     # over all heads at once, before the heads split (OLMo 2)
     qk_norm_over: str = "head"
+    # the QK-norm's kind ("" -> model.norm; "rmsnorm_unit": no scale, Llama 4's L2 norm)
+    # and which attention layers have one: "all", or "rope" (those that rotate: Llama 4)
+    qk_norm_kind: str = ""
+    qk_norm_layers: str = "all"
     attn_scale: float = 0.0  # 0 -> 1/sqrt(head_dim)
     attn_softcap: float = 0.0  # 0 -> off; Gemma 2: 50
     attention_sinks: bool = False  # a learned sink logit per head (gpt-oss; tfjax.ops.sinks)
@@ -344,6 +348,7 @@ def validate_model(c: ModelConfig, p: str) -> None:
     """Types were checked on conversion; here ranges and combinations."""
     one_of(f"{p}.context_parallel", c.context_parallel, ("ring", "all_gather"))
     one_of(f"{p}.qk_norm_over", c.qk_norm_over, ("head", "projection"))
+    one_of(f"{p}.qk_norm_layers", c.qk_norm_layers, ("all", "rope"))
     one_of(f"{p}.zigzag", c.zigzag, ("data", "layer", "none"))
     one_of(f"{p}.value_residual", c.value_residual, ("none", "fixed", "learned"))
     one_of(f"{p}.dtype", c.dtype, DTYPES)

@@ -52,6 +52,8 @@ def check_names(cfg: ModelConfig, prefix: str = "model") -> ModelConfig:
     _one_of(f"{p}.arch", c.arch, ARCHITECTURES)
     _one_of(f"{p}.activation", c.activation, ACTIVATIONS)
     _one_of(f"{p}.norm", c.norm, NORMS)
+    if c.qk_norm_kind:
+        _one_of(f"{p}.qk_norm_kind", c.qk_norm_kind, NORMS)
     _one_of(f"{p}.norm_placement", c.norm_placement, PLACEMENTS)
     _one_of(f"{p}.position", c.position, POSITIONS)
     _one_of(f"{p}.block", c.block, BLOCKS)

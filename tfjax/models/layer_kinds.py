@@ -129,8 +129,9 @@ def attention(cfg: ModelConfig, rngs: nnx.Rngs, *, positions: bool, rope_theta: 
     return MultiHeadAttention(
         cfg.d_model, cfg.num_heads, num_kv_heads=cfg.kv_heads, head_dim=cfg.head_size,
         v_head_dim=cfg.value_head_size, sinks=cfg.attention_sinks, qkv_bias=cfg.qkv_bias,
-        out_bias=cfg.out_bias, qk_norm=cfg.qk_norm,
-        qk_norm_kind="layernorm" if cfg.norm == "layernorm" else cfg.norm,
+        out_bias=cfg.out_bias,
+        qk_norm=cfg.qk_norm and (cfg.qk_norm_layers == "all" or bool(positions)),
+        qk_norm_kind=cfg.qk_norm_kind or ("layernorm" if cfg.norm == "layernorm" else cfg.norm),
         qk_norm_over=cfg.qk_norm_over, norm_eps=cfg.norm_eps,
         temperature=(cfg.nope_temperature_floor, cfg.nope_temperature_scale) if tempered else None,
         scale=cfg.scale, softcap=cfg.attn_softcap or None,

@@ -153,6 +153,23 @@ class RMSNormPlusOne(nnx.Module):
         return jnp.asarray(y * (1.0 + scale), self.dtype)
 
 
+@NORMS.register("rmsnorm_unit")
+def rms_norm_unit(
+    dim: int,
+    *,
+    eps: float = 1e-5,
+    use_bias: bool = True,
+    dtype: DType = jnp.float32,
+    param_dtype: DType = jnp.float32,
+    rngs: nnx.Rngs,
+) -> nnx.RMSNorm:
+    """RMS normalisation without a learned scale, x / sqrt(mean(x^2) + eps): Llama 4's
+    L2 QK-norm (`Llama4TextL2Norm`). No parameters."""
+    del use_bias
+    return nnx.RMSNorm(dim, epsilon=eps, use_scale=False, dtype=dtype, param_dtype=param_dtype,
+                       promote_dtype=_promote_to_float32, rngs=rngs)
+
+
 @NORMS.register("rmsnorm_plus_one")
 def rms_norm_plus_one(
     dim: int,
