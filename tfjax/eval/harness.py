@@ -38,6 +38,7 @@ import os
 import jax
 from jax.sharding import Mesh
 # lm-eval's own models first: it loads them only into a registry that is still empty.
+import lm_eval
 import lm_eval.models  # noqa: F401
 import numpy as np
 from flax import nnx
@@ -46,10 +47,11 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.models.utils import (handle_stop_sequences, normalize_gen_kwargs,
                                   postprocess_generated_text)
+from lm_eval.tasks import TaskManager
 from tqdm import tqdm
 
 from tfjax.config import MeshConfig
-from tfjax.eval.loading import Source, check_context, eval_mesh, load_source
+from tfjax.eval.loading import Source, check_context, eval_mesh, load_source, run_source
 from tfjax.eval.perplexity import Scorer
 from tfjax.inference import generate
 from tfjax.parallel.rules import logical_rules, tree_shardings
@@ -240,8 +242,6 @@ def task_manager(names: list[str], include_path: str = "", field: str = "train.e
     `include_path` alone when they are all there, which skips indexing lm-eval's
     hundreds of built-in tasks; else those too); an unknown name is a ValueError
     naming `field`."""
-    from lm_eval.tasks import TaskManager
-
     if include_path and not os.path.isdir(include_path):
         raise ValueError(f"{field}_path: {include_path} is not a directory of lm-eval task "
                          f"YAMLs")
@@ -270,16 +270,8 @@ def training_evaluator(tasks: str, *, include_path: str = "", limit: int = 0,
     manager = task_manager(names, include_path)
 
     def hook(trainer, state) -> dict[str, float]:
-        import lm_eval
-
-        tok = trainer.tokenizer
-        src = Source(model=trainer.model(state),
-                     encode=lambda text, specials=True: ([tok.bos_id] if specials else [])
-                     + [int(i) for i in tok.encode(text)],
-                     decode=lambda ids: tok.decode(ids), vocab_size=trainer.cfg.model.vocab_size,
-                     context=trainer.cfg.train.seq_len, bos_id=tok.bos_id,
-                     eos_ids=(tok.eos_id,), rules=trainer.cfg.mesh.rules,
-                     description=f"{trainer.workdir} (training)")
+        src = run_source(trainer.model(state), trainer.cfg, trainer.tokenizer,
+                         description=f"{trainer.workdir} (training)")
         lm = TfjaxLM(source=src, mesh=trainer.mesh, batch_size=batch_size)
         out = lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=manager,
                                       limit=limit or None, log_samples=False,

@@ -27,7 +27,7 @@ from tfjax.config import DEFAULT_RULES, MESH_AXES, MeshConfig
 from tfjax.generate import load_hf, load_run
 from tfjax.parallel.mesh import make_mesh
 
-__all__ = ["Source", "check_context", "eval_mesh", "load_source", "parse_mesh"]
+__all__ = ["Source", "check_context", "eval_mesh", "load_source", "parse_mesh", "run_source"]
 
 
 @dataclasses.dataclass
@@ -78,18 +78,25 @@ def load_source(*, hf: str | None = None, workdir: str | None = None,
                              f"directory a `python -m tfjax.train --workdir ...` run wrote")
         model, cfg, tok, step = load_run(workdir, step)
         n_tok = tok.vocab_size
-        src = Source(model=model,
-                     encode=lambda text, specials=True: ([tok.bos_id] if specials else [])
-                     + [int(i) for i in tok.encode(text)],
-                     decode=lambda ids: tok.decode(ids), vocab_size=cfg.model.vocab_size,
-                     context=cfg.train.seq_len, bos_id=tok.bos_id, eos_ids=(tok.eos_id,),
-                     rules=cfg.mesh.rules, description=f"step {step} of {workdir}", step=step)
+        src = run_source(model, cfg, tok, description=f"step {step} of {workdir}", step=step)
         where = f"--workdir {workdir}: data.tokenizer {cfg.data.tokenizer!r}"
     if n_tok > src.vocab_size:
         raise ValueError(f"{where} has {n_tok} ids but the model's vocab_size is "
                          f"{src.vocab_size}: the tokenizer is not this model's; use the "
                          f"tokenizer the checkpoint was trained with")
     return src
+
+
+def run_source(model, cfg, tok, *, description: str, step: int | None = None) -> Source:
+    """The Source of a tfjax training run's `model` (its RunConfig `cfg`, tokenizer
+    `tok`): text as `[bos] + encode(text)`, as the run's documents begin; the context
+    `train.seq_len`; the run's mesh rules."""
+    return Source(model=model,
+                  encode=lambda text, specials=True: ([tok.bos_id] if specials else [])
+                  + [int(i) for i in tok.encode(text)],
+                  decode=lambda ids: tok.decode(ids), vocab_size=cfg.model.vocab_size,
+                  context=cfg.train.seq_len, bos_id=tok.bos_id, eos_ids=(tok.eos_id,),
+                  rules=cfg.mesh.rules, description=description, step=step)
 
 
 def check_context(src: Source, context: int, flag: str = "--context") -> int:

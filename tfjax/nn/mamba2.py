@@ -52,7 +52,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from tfjax.nn.ssm import causal_conv, dt_bias_init, last_conv_inputs
+from tfjax.nn.ssm import causal_conv, dt_bias_init, last_conv_inputs, recurrent_block_call
 from tfjax.parallel.sharding import shard, with_logical_axes
 from tfjax.typing import DType
 
@@ -310,9 +310,5 @@ class Mamba2(nnx.Module):
         `cache` (a `Mamba2State`, e.g. `init_state(B)`) it returns `(y, new_state)`;
         a cache object with an `apply` method (tfjax.inference's LayerCache protocol)
         is called as `cache.apply(self, x, None, mask=, bias=, positions=)` instead."""
-        if cache is not None and hasattr(cache, "apply"):
-            return cache.apply(self, x, None, mask=mask, bias=bias, positions=positions)
-        del mask, bias
-        y, state = self.forward(x, cache, positions=positions)
-        y = shard(y, ("batch", "length", "embed"))
-        return y if cache is None else (y, state)
+        return recurrent_block_call(self, x, mask=mask, bias=bias, positions=positions,
+                                    cache=cache)

@@ -44,7 +44,7 @@ from tfjax.parallel.sharding import shard, with_logical_axes
 from tfjax.typing import DType
 
 __all__ = ["Mamba", "MambaState", "causal_conv", "dt_bias_init", "last_conv_inputs",
-           "selective_scan", "selective_scan_reference"]
+           "recurrent_block_call", "selective_scan", "selective_scan_reference"]
 
 
 def causal_conv(x, window, w, positions=None, bias=None):
@@ -63,6 +63,18 @@ def causal_conv(x, window, w, positions=None, bias=None):
                             tap, 0)
         y = y + tap
     return (y if bias is None else y + bias.astype(y.dtype)), xpad
+
+
+def recurrent_block_call(mixer, x, *, mask=None, bias=None, positions=None, cache=None):
+    """The block interface of a recurrent mixer (Mamba, Mamba-2, Gated DeltaNet), as
+    attention's: `mask` and `bias` are unused (causal by construction); `cache` None ->
+    `mixer.forward(x)`'s y; a state -> `(y, new_state)`; a cache object with an `apply`
+    method (tfjax.inference's LayerCache protocol) -> `cache.apply(mixer, x, None, ...)`."""
+    if cache is not None and hasattr(cache, "apply"):
+        return cache.apply(mixer, x, None, mask=mask, bias=bias, positions=positions)
+    y, state = mixer.forward(x, cache, positions=positions)
+    y = shard(y, ("batch", "length", "embed"))
+    return y if cache is None else (y, state)
 
 
 def last_conv_inputs(xpad, lengths, W):
@@ -291,9 +303,5 @@ class Mamba(nnx.Module):
         `cache` (a `MambaState`, e.g. `init_state(B)`) it returns `(y, new_state)`;
         a cache object with an `apply` method (tfjax.inference's LayerCache protocol)
         is called as `cache.apply(self, x, None, mask=, bias=, positions=)` instead."""
-        if cache is not None and hasattr(cache, "apply"):
-            return cache.apply(self, x, None, mask=mask, bias=bias, positions=positions)
-        del mask, bias
-        y, state = self.forward(x, cache, positions=positions)
-        y = shard(y, ("batch", "length", "embed"))
-        return y if cache is None else (y, state)
+        return recurrent_block_call(self, x, mask=mask, bias=bias, positions=positions,
+                                    cache=cache)
