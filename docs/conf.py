@@ -42,7 +42,7 @@ autodoc_typehints = "none"  # signatures carry them; jaxtyping aliases render po
 autodoc_default_options = {"members": True}
 # tfjax.eval.harness subclasses lm-eval's model class; lm_eval is the `eval` extra, not
 # the `docs` one.
-autodoc_mock_imports = ["lm_eval"]
+autodoc_mock_imports = ["lm_eval", "tqdm"]  # the `eval` extra (tfjax.eval.harness)
 
 try:
     import furo  # noqa: F401
