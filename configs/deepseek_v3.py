@@ -31,7 +31,10 @@ def get_config(arg=None):
         norm_eps=1e-6, activation="swiglu", ffn_bias=False, tie_embeddings=False,
         layer_pattern=("mla",), ffn_pattern=3 * ("dense",) + 58 * ("moe",),
         rope=dict(theta=10000.0, scaling="yarn", factor=40.0, original_max_len=4096,
-                  beta_fast=32.0, beta_slow=1.0, mscale=1.0),
+                  layout="interleaved",  # HF's rope_interleave
+                  # HF's mscale = mscale_all_dim = 1: cos / sin untempered (0 here), the
+                  # softmax scaled by mla.mscale_all_dim's factor squared
+                  beta_fast=32.0, beta_slow=1.0, mscale=0.0),
         mla=dict(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
                  qk_rope_head_dim=64, v_head_dim=128, mscale_all_dim=1.0),
         moe=dict(num_experts=256, experts_per_token=8, d_ff=2048, shared_experts=1,

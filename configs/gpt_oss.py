@@ -27,9 +27,10 @@ def get_config(arg=None):
         num_kv_heads=8, head_dim=64, d_ff=2880, max_len=131072, position="rope",
         norm="rmsnorm", norm_eps=1e-5, activation="swiglu", ffn_bias=True, qkv_bias=True,
         out_bias=True, attention_sinks=True, tie_embeddings=False,
-        layer_pattern=("local", "global"), sliding_window=128, ffn_pattern=("moe",),
+        # HF's sliding_window=128 counts the query: 127 keys before it, here
+        layer_pattern=("local", "global"), sliding_window=127, ffn_pattern=("moe",),
         rope=dict(theta=150000.0, scaling="yarn", factor=32.0, original_max_len=4096,
-                  beta_fast=32.0, beta_slow=1.0),
+                  beta_fast=32.0, beta_slow=1.0, truncate=False),
         moe=dict(num_experts=32, experts_per_token=4, router_bias=True, glu="clamped",
                  glu_alpha=1.702, glu_limit=7.0, router_renormalize=True)))
     return apply_variant(cfg, arg, {

@@ -31,7 +31,7 @@ def get_config(arg=None):
         qk_norm_layers="rope", layer_pattern=3 * ("chunked",) + ("nope",),
         attention_chunk=8192, nope_temperature_floor=8192, nope_temperature_scale=0.1,
         ffn_pattern=("moe",),
-        rope=dict(theta=500000.0),
+        rope=dict(theta=500000.0, layout="interleaved"),  # complex pairs, as Meta's
         moe=dict(num_experts=16, experts_per_token=1, score="sigmoid", gate_input=True,
                  shared_experts=1, router_renormalize=False)))
     return apply_variant(cfg, arg, {

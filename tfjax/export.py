@@ -2,8 +2,8 @@
 
 Writes a training run (pretraining or a fine-tune, `tfjax.train.init_from`) as a
 Hugging Face checkpoint: the newest checkpoint of W that restores (or `--step`),
-through `tfjax.interop.hf.export` (the Llama family: `config.json`,
-`model.safetensors`), with the run's tokenizer (`tokenizer.json`,
+through `tfjax.interop.hf.export` (any family `tfjax.interop.hf.load` reads:
+`config.json`, `model.safetensors`), with the run's tokenizer (`tokenizer.json`,
 `tokenizer_config.json`, `generation_config.json`), so that
 `transformers.AutoModelForCausalLM.from_pretrained(DIR)` and
 `python -m tfjax.generate --hf DIR` read it and give the run's logits.
@@ -19,9 +19,10 @@ writes the adapters alone in PEFT's format instead (`adapter_config.json` +
     python -m tfjax.export --workdir workdirs/lora --out workdirs/lora/adapters --adapters_only
 
 `--dtype` is the dtype on disk (default: the run's `model.param_dtype`). A run
-directory without a finished checkpoint, a model with no Llama equivalent, or a
-sentencepiece tokenizer is one line on stderr (exit status 2), before anything is
-written.
+directory without a finished checkpoint, a model no Hugging Face family holds (the
+line names the fields), a sentencepiece tokenizer, or a missing `hf` extra (torch,
+transformers: export builds transformers' model on the meta device for the tensor
+names) is one line on stderr (exit status 2), before anything is written.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def export_run(workdir: str, out: str, *, step: int | None = None,
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m tfjax.export",
                                 description="Write a tfjax training run as a Hugging Face "
-                                            "checkpoint (Llama family) with its tokenizer.")
+                                            "checkpoint (any family tfjax.interop.hf "
+                                            "reads) with its tokenizer.")
     p.add_argument("--workdir", required=True, help="the training run's directory")
     p.add_argument("--out", required=True, help="the HF checkpoint directory to write")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
@@ -69,7 +71,7 @@ def main(argv=None) -> int:
     try:
         step = export_run(a.workdir, a.out, step=a.step, dtype=a.dtype,
                           adapters_only=a.adapters_only)
-    except (ValueError, NotImplementedError) as e:
+    except (ValueError, NotImplementedError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"tfjax.export: step {step} of {a.workdir} -> {a.out}", file=sys.stderr)

@@ -19,14 +19,23 @@ Examples:
 (`tfjax.interop.hf.load`: config.json + *.safetensors) and its `tokenizer.json`
 (through `tokenizers`); the prompt is encoded as that tokenizer does (its
 post-processor adds BOS where the model expects it) and generation stops at the
-config's `eos_token_id` (any of them, when it is a list):
+EOS ids of `generation_config.json` (as HF `generate`; else config.json's
+`eos_token_id`), any of them when they are a list:
   python -m tfjax.generate --hf ~/models/llama --prompt "The capital of France is"
+
+`--chat` (with `--hf`) renders the checkpoint's chat template (`chat_template.jinja`,
+or `chat_template` in tokenizer_config.json, as transformers saves them) over the
+prompt as one user message with the generation prompt added, encodes the result
+without adding special tokens (the template writes them), and prints only the reply
+(`chat_prompt`; rendering needs jinja2, part of the hf extra):
+  python -m tfjax.generate --hf ~/models/llama-instruct --chat --prompt "Name three rivers."
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import json
 import os
 import sys
@@ -44,7 +53,7 @@ from tfjax.models import build
 from tfjax.train.checkpoint import Checkpointer
 from tfjax.train.lora import model_params, train_state_shape
 
-__all__ = ["load_hf", "load_run", "main", "run", "run_hf"]
+__all__ = ["chat_prompt", "load_hf", "load_run", "main", "run", "run_hf"]
 
 
 def load_run(workdir: str, step: int | None = None):
@@ -126,32 +135,132 @@ def load_hf(path: str):
     if cfg.arch != "decoder":
         raise ValueError(f"--hf: {path} is a {cfg.arch} model; the CLI generates with causal "
                          "LMs only")
-    with open(os.path.join(path, "config.json")) as f:
-        eos = json.load(f).get("eos_token_id")
-    eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
-    return model, cfg, tokenizers.Tokenizer.from_file(tok_file), eos
+    return model, cfg, tokenizers.Tokenizer.from_file(tok_file), _eos_ids(path)
+
+
+def _read_json(file: str, what: str) -> dict:
+    try:
+        with open(file, "rb") as f:
+            data = json.load(f)
+    except ValueError as e:
+        raise ValueError(f"--hf: {file} is not valid JSON ({e}); fix or re-save it") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--hf: {file} holds {type(data).__name__}, not the JSON object of "
+                         f"{what}")
+    return data
+
+
+def _eos_ids(path: str) -> tuple[int, ...]:
+    """The ids HF `generate` stops at: generation_config.json's `eos_token_id` (an id
+    or a list: a chat model's end-of-turn tokens), else config.json's."""
+    eos = None
+    for name, what in (("generation_config.json", "a generation config"),
+                       ("config.json", "a model config")):
+        file = os.path.join(path, name)
+        if os.path.exists(file):
+            eos = _read_json(file, what).get("eos_token_id")
+            if eos is not None:
+                break
+    ids = [] if eos is None else eos if isinstance(eos, list) else [eos]
+    if not all(type(i) is int for i in ids):
+        raise ValueError(f"--hf: {file}: eos_token_id is {json.dumps(eos)}, but it must be an "
+                         "integer or a list of integers")
+    return tuple(ids)
+
+
+def _chat_template(path: str) -> str:
+    """The checkpoint's chat template: chat_template.jinja, else tokenizer_config.json's
+    `chat_template` (a string, or a list of named templates: "default")."""
+    jinja = os.path.join(path, "chat_template.jinja")
+    if os.path.exists(jinja):
+        with open(jinja, encoding="utf-8") as f:
+            return f.read()
+    cfg_file = os.path.join(path, "tokenizer_config.json")
+    cfg = (_read_json(cfg_file, "a tokenizer config") if os.path.exists(cfg_file) else {})
+    template = cfg.get("chat_template")
+    if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default", next(iter(named.values())) if len(named) == 1 else None)
+    if not isinstance(template, str) or not template:
+        raise ValueError(f"--chat: {cfg_file} has no chat_template (and there is no "
+                         f"chat_template.jinja); drop --chat, or use an instruction-tuned "
+                         f"checkpoint whose tokenizer_config.json has one")
+    return template
+
+
+def _special_tokens(path: str) -> dict[str, str]:
+    """tokenizer_config.json's special tokens by name (bos_token, eos_token, ...), as
+    chat templates read them; a token saved as an AddedToken object gives its content."""
+    file = os.path.join(path, "tokenizer_config.json")
+    cfg = _read_json(file, "a tokenizer config") if os.path.exists(file) else {}
+    out = {}
+    for key, value in cfg.items():
+        if key.endswith("_token") and isinstance(value, dict):
+            value = value.get("content")
+        if key.endswith("_token") and isinstance(value, str):
+            out[key] = value
+    return out
+
+
+def chat_prompt(path: str, prompt: str) -> str:
+    """`prompt` as the one user message of the checkpoint's chat template, with the
+    generation prompt added: the text to encode without adding special tokens. Rendered
+    as transformers' `apply_chat_template` renders (a sandboxed jinja2 environment with
+    trim_blocks, lstrip_blocks, loop controls, `tojson`, `raise_exception`,
+    `strftime_now`, the tokenizer's special tokens)."""
+    template = _chat_template(path)
+    try:
+        import jinja2.ext
+        import jinja2.sandbox
+    except ImportError:
+        raise ValueError("--chat: rendering the chat template needs jinja2; install the hf "
+                         "extra (pip install 'tfjax[hf]', whose transformers brings it) or "
+                         "jinja2 itself") from None
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception,
+                       strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
+    try:
+        return env.from_string(template).render(
+            messages=[{"role": "user", "content": prompt}], add_generation_prompt=True,
+            **_special_tokens(path))
+    except jinja2.exceptions.TemplateError as e:
+        raise ValueError(f"--chat: the chat template of {path} does not render: {e}") from None
 
 
 def run_hf(path: str, prompt: str, *, max_new_tokens: int = 200, temperature: float = 0.0,
            top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-           stop_at_eos: bool = True, out: TextIO | None = None) -> str:
-    """`run` for an HF checkpoint directory (`--hf PATH`)."""
+           stop_at_eos: bool = True, chat: bool = False, out: TextIO | None = None) -> str:
+    """`run` for an HF checkpoint directory (`--hf PATH`); `chat`: through its chat
+    template (`chat_prompt`), printing only the reply."""
     out = sys.stdout if out is None else out
+    text = chat_prompt(path, prompt) if chat else prompt  # before the model loads
     model, cfg, tok, eos = load_hf(path)
-    ids = np.asarray(tok.encode(prompt).ids, np.int32)[None]
+    ids = np.asarray(tok.encode(text, add_special_tokens=not chat).ids, np.int32)[None]
     if ids.shape[1] == 0:
         raise ValueError("--prompt: encodes to no tokens; give a non-empty prompt")
-    print(f"[tfjax.generate: {path}, {ids.shape[1]} prompt tokens]", file=sys.stderr, flush=True)
-    return _emit(model, ids, tok.decode, prompt, eos if stop_at_eos else (), out,
+    print(f"[tfjax.generate: {path}, {ids.shape[1]} prompt tokens"
+          f"{', chat template' if chat else ''}]", file=sys.stderr, flush=True)
+    return _emit(model, ids, tok.decode, "" if chat else prompt, eos if stop_at_eos else (), out,
                  max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                  top_p=top_p, seed=seed)
 
 
-def _emit(model, ids, decode, prompt: str, eos: tuple, out: TextIO, **kw) -> str:
-    """Stream the continuation of `ids` to `out` as text; stop at any id in `eos`."""
+def _emit(model, ids, decode, echo: str, eos: tuple, out: TextIO, **kw) -> str:
+    """Write `echo`, then stream the continuation of `ids` to `out` as text; stop at any
+    id in `eos`."""
     generated: list[int] = []
     shown = ""
-    out.write(prompt)
+    out.write(echo)
     for t in stream(model, ids, eos_id=eos[0] if eos else None, **kw):
         t = int(t[0])
         if t in eos:
@@ -185,6 +294,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     p.add_argument("--noeos", action="store_true", help="do not stop at the EOS token")
+    p.add_argument("--chat", action="store_true", help="with --hf: the prompt as a user message "
+                   "of the checkpoint's chat template; print only the reply")
     a = p.parse_args(argv)
     try:
         kw = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
@@ -192,8 +303,11 @@ def main(argv=None) -> int:
         if a.hf:
             if a.step is not None:
                 raise ValueError("--step is for --workdir runs; an HF checkpoint has one state")
-            run_hf(a.hf, a.prompt, **kw)
+            run_hf(a.hf, a.prompt, chat=a.chat, **kw)
         else:
+            if a.chat:
+                raise ValueError("--chat is for --hf checkpoints (a chat template comes with "
+                                 "an HF tokenizer); a --workdir run has none")
             run(a.workdir, a.prompt, step=a.step, **kw)
     except (ValueError, NotImplementedError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -40,7 +40,8 @@ def test_registries():
     assert {n: POSITIONS.get(n) for n in POSITIONS} == {
         "none": "none", "sinusoidal": "embedding", "learned": "embedding",
         "rope": "rotary", "alibi": "bias", "t5": "bias"}
-    assert set(ROPE_SCALINGS.names()) == {"none", "linear", "ntk", "dynamic_ntk", "yarn", "llama3"}
+    assert set(ROPE_SCALINGS.names()) == {"none", "linear", "ntk", "dynamic_ntk", "yarn", "llama3",
+                                          "longrope"}
 
 
 # ----------------------------------------------------------------------------- sinusoidal
@@ -276,13 +277,17 @@ def test_rope_dynamic_ntk():
     np.testing.assert_array_equal(dyn.inv_freq(), plain.inv_freq())  # no length: plain
 
 
-def _yarn_ref(d, theta, s, L, beta_fast, beta_slow):
+def _yarn_ref(d, theta, s, L, beta_fast, beta_slow, truncate=True):
     """YaRN NTK-by-parts: pair i rotates L / wavelength_i times over the original context;
     the band edges are the pair indices where that count equals beta_fast / beta_slow,
-    widened to whole pairs; ramp 0 keeps theta_i, ramp 1 gives theta_i / s."""
+    widened to whole pairs (unless not `truncate`: gpt-oss); ramp 0 keeps theta_i, ramp 1
+    gives theta_i / s."""
     def edge(beta):  # solve L / (2 pi theta^(2i/d)) == beta for i
         return math.log(L / (2 * math.pi * beta)) / math.log(theta) * d / 2
-    lo, hi = max(math.floor(edge(beta_fast)), 0), min(math.ceil(edge(beta_slow)), d - 1)
+    lo, hi = edge(beta_fast), edge(beta_slow)
+    if truncate:
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, d - 1)
     out = []
     for i in range(d // 2):
         f = theta ** (-2 * i / d)
@@ -322,6 +327,18 @@ def test_rope_yarn_inv_freq_and_mscale(beta_fast, beta_slow):
                         scale=m)
         np.testing.assert_allclose(_apply(r, x, jnp.asarray(p)), ref, atol=1e-5)
     assert RotaryEmbedding(8, scaling="yarn", factor=1.0).attention_factor == 1.0
+
+
+def test_rope_yarn_untruncated_edges():
+    # gpt-oss (theta 150k, s 32, 4096 original): the ramp runs between the fractional band
+    # edges, which differ from the rounded ones inside the band.
+    d, theta, s, L = 64, 150000.0, 32.0, 4096
+    kw = dict(theta=theta, scaling="yarn", factor=s, original_max_len=L)
+    exact = np.asarray(RotaryEmbedding(d, truncate=False, **kw).inv_freq())
+    np.testing.assert_allclose(exact, _yarn_ref(d, theta, s, L, 32.0, 1.0, truncate=False),
+                               rtol=1e-5)
+    rounded = np.asarray(RotaryEmbedding(d, **kw).inv_freq())
+    assert np.max(np.abs(exact - rounded) / rounded) > 1e-3
 
 
 def test_rope_llama3_inv_freq():

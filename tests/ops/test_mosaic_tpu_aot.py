@@ -9,6 +9,7 @@ per-device memory is checked to stay O(T). Skipped when libtpu is missing.
 """
 
 import os
+import re
 
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # pytest-xdist workers share libtpu
 
@@ -193,3 +194,47 @@ def test_auto_under_a_tpu_mesh_compiles_the_kernels_per_device():
     assert text.count("tpu_custom_call") >= 3 and "all-gather" not in text  # fwd, dq, dk/dv
     per_chip = 2 * 512 * (8 + 2 * 2) * 128 * 2  # q, k, v of two examples, bf16
     assert compiled.memory_analysis().argument_size_in_bytes == per_chip
+
+
+def test_explicit_pallas_compiled_for_a_tpu_runs_mosaic_whatever_the_host():
+    """`implementation="pallas"` compiled for a TPU from this CPU host runs the Mosaic
+    kernels or raises, never interpret mode: inside a shard_map over the topology's
+    devices with no mesh context (the abstract mesh names the TPU), Mosaic; in a jit
+    whose inputs carry the topology's shardings, outside a shard_map, a one-line
+    error (Mosaic kernels are not partitioned automatically); lowered for "tpu" with
+    nothing naming the target, the kernel calls are staged for both platforms:
+    lowering for the TPU takes Mosaic's (which raises here for want of a chip to
+    lower for), lowering for the CPU the interpreted ones."""
+    from tfjax.ops import dot_product_attention
+
+    mesh = _mesh("v5e:2x2")
+    D = mesh.devices.size
+    sh = NamedSharding(mesh, P("data"))
+    shapes = [(D, 256, 4, 64), (D, 256, 2, 64), (D, 256, 2, 64)]
+
+    def grads(q, k, v):
+        loss = lambda *a: dot_product_attention(*a, M.causal(), implementation="pallas").astype(
+            jnp.float32).sum()
+        return jax.grad(loss, (0, 1, 2))(q, k, v)
+
+    sharded = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=sh) for s in shapes]
+    in_shard_map = jax.jit(_shard_map(grads, mesh, (P("data"),) * 3, (P("data"),) * 3))
+    assert in_shard_map.lower(*sharded).compile().as_text().count("tpu_custom_call") >= 3
+    with pytest.raises(ValueError, match="not inside a shard_map"):
+        jax.jit(grads).lower(*sharded)
+    plain = jax.jit(grads).trace(*[jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes])
+    with pytest.raises(ValueError, match="TPU device kind"):  # Mosaic's, not interpreted
+        plain.lower(lowering_platforms=("tpu",))
+    assert "tpu_custom_call" not in plain.lower(lowering_platforms=("cpu",)).as_text()
+
+
+def test_no_lane_padded_statistics_or_segment_ids():
+    """The logsumexp, delta and segment ids travel lane-major (`[.., 1, T]`): the
+    compiled fwd+bwd holds no f32 / s32 `[.., T, 1]` array, which the TPU would pad to
+    128 lanes."""
+    T = 1024
+    text = compile_attention("v5e:2x2", T=T, S=T, N=4, K=2, H=128, dtype=jnp.bfloat16,
+                             mask_name="causal&segments",
+                             block_sizes=BlockSizes(*(512,) * 6)).as_text()
+    column = re.compile(rf"(f32|s32)\[[0-9,]*{T},1\]")
+    assert "tpu_custom_call" in text and not column.search(text), column.findall(text)

@@ -81,3 +81,26 @@ def test_sm_count_follows_the_lowering_target():
         with gpu_lowering_target("B200"):
             assert sm_count() == 148
         assert sm_count() == 108
+
+
+def test_the_traced_mesh_names_the_target():
+    """Without a `targeting`, the mesh being traced under names the platform (a
+    shard_map over a TPU topology's devices on this CPU host), then an input's
+    sharding; nothing named: None, and `target_platform` is the default backend."""
+    from jax.sharding import AbstractDevice, AbstractMesh, NamedSharding, PartitionSpec
+
+    tpu = AbstractMesh((2,), ("data",), abstract_device=AbstractDevice(
+        device_kind="TPU v5 lite", num_cores=1, platform="tpu"))
+    assert target.traced_platform() is None
+    assert target.target_platform() == jax.default_backend()
+    with jax.sharding.use_abstract_mesh(tpu):
+        assert target.traced_platform() == target.target_platform() == "tpu"
+        with target.targeting("gpu"):  # an explicit targeting comes first
+            assert target.traced_platform() == "gpu"
+    seen = []
+    x = jax.ShapeDtypeStruct((4,), jax.numpy.float32,
+                             sharding=NamedSharding(jax.make_mesh((1,), ("data",)),
+                                                    PartitionSpec()))
+    jax.jit(lambda x: seen.append((target.traced_platform(), target.traced_platform(x)))
+            or x).trace(x)
+    assert seen == [(None, jax.default_backend())]

@@ -1,5 +1,6 @@
 """A small NNX decoder LM that honours the model contract (logical axis names,
-`model(tokens, positions, segment_ids)`), used to test the trainer on its own."""
+`model(tokens, positions, segment_ids)`, which is `model.head(model.features(...))`),
+used to test the trainer on its own."""
 
 import jax
 import jax.numpy as jnp
@@ -83,6 +84,19 @@ class TinyDecoder(nnx.Module):
         self.blocks = nnx.List([Block(cfg, draw, rngs) for _ in range(cfg.num_layers)])
 
     def __call__(self, tokens, positions=None, segment_ids=None):
+        return self.head(self.features(tokens, positions, segment_ids))
+
+    def head(self, x):
+        logits = jnp.einsum("BTD,VD->BTV", x, self.embed[...]) / jnp.sqrt(x.shape[-1])
+        return shard(logits, ("batch", "length", "vocab"))
+
+    def features(self, tokens, positions=None, segment_ids=None):
+        return self.head_input(self.hidden(tokens, positions, segment_ids))
+
+    def head_input(self, hidden):  # no final norm
+        return hidden
+
+    def hidden(self, tokens, positions=None, segment_ids=None):
         B, T = tokens.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(T), (B, T))
@@ -92,8 +106,7 @@ class TinyDecoder(nnx.Module):
         x = shard(x, ("batch", "length", "embed"))
         for blk in self.blocks:
             x = blk(x, positions, segment_ids)
-        logits = jnp.einsum("BTD,VD->BTV", x, self.embed[...]) / jnp.sqrt(x.shape[-1])
-        return shard(logits, ("batch", "length", "vocab"))
+        return x
 
 
 def build(model_cfg, rngs):

@@ -32,7 +32,9 @@ class RopeConfig:
     fraction: share of the head dim that is rotated (partial rotary: NeoX 0.25).
     scaling: none | linear (position interpolation, Chen et al. 2023) | ntk
       (NTK-aware base change) | dynamic_ntk (NTK base grown with the length seen)
-      | yarn (Peng et al. 2023, with its attention temperature) | llama3.
+      | yarn (Peng et al. 2023, with its attention temperature) | llama3 | longrope
+      (Ding et al. 2024, Phi-3: per-pair factors, cos/sin times
+      sqrt(1 + ln s / ln original_max_len)).
     factor: context extension factor s (>= 1).
     original_max_len: pre-training context of the scaled model (dynamic_ntk, yarn, llama3).
     """
@@ -46,8 +48,13 @@ class RopeConfig:
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     mscale: float = 1.0  # yarn: attention temperature multiplier (0.1 * mscale * ln s + 1)
+    truncate: bool = True  # yarn: ramp edges rounded out to whole pairs; False: exact (gpt-oss)
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
+    # longrope (LongRoPE, Phi-3): per-pair frequency divisors, short_factor while the
+    # longest position seen is within original_max_len, long_factor beyond it
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,6 +281,10 @@ class ModelConfig:
     norm_placement: str = "pre"  # pre | post | sandwich | output (OLMo 2)
     final_norm: bool = True  # norm after the last block (pre/sandwich models)
     embed_norm: bool = False  # norm after the embeddings (BLOOM, BERT)
+    # True: layer 0's attn_norm also normalises the residual stream, x <- attn_norm(x),
+    # x + attn(x) (pre norm, sequential block): ModernBERT's embedding norm before a
+    # layer 0 that has no attention norm of its own
+    first_norm_residual: bool = False
     block: str = "sequential"  # sequential | parallel (PaLM, GPT-J, NeoX)
     parallel_shared_norm: bool = True  # parallel block: one norm (GPT-J) or two (NeoX)
 
@@ -282,8 +293,17 @@ class ModelConfig:
     scale_embeddings: bool = False  # multiply embeddings by sqrt(d_model)
     final_softcap: float = 0.0  # 0 -> off; Gemma 2: 30
     logits_scale: float = 1.0  # multiply the final hidden state before the output projection
+    # DeepSeek-V3's multi-token prediction (tfjax.models.mtp): D sequential modules
+    # predicting tokens i+2..i+D+1, their loss weighted by mtp_loss_weight / D;
+    # decoder only; the draft of tfjax.inference.speculative
+    mtp_depth: int = 0
+    mtp_loss_weight: float = 0.3
     type_vocab_size: int = 0  # encoder: token-type (segment A/B) embeddings; 0 -> none
     num_classes: int = 0  # encoder: classification head on the pooled [CLS]; 0 -> none
+    # encoder: biases of the MLM head's dense layer and of its logits (BERT: both;
+    # ModernBERT: classifier_bias, decoder_bias)
+    mlm_dense_bias: bool = True
+    mlm_output_bias: bool = True
 
     # Numerics and structure.
     dropout_rate: float = 0.0  # residual and embedding dropout
@@ -295,7 +315,9 @@ class ModelConfig:
     mup_base_width: int = 0
     mup_base_head_dim: int = 0  # the base model's head dim; 0 -> head_dim * base / d_model
     scan_layers: bool = True  # scan over repeats of layer_pattern (compile time flat in depth)
-    remat: str = "none"  # none | full | dots | dots_no_batch (activation checkpointing)
+    # activation checkpointing per layer (tfjax.models.stack.REMAT_POLICIES): none | full |
+    # dots | dots_no_batch | attn | qkv_attn | dots_attn | attn_offload | qkv_attn_offload
+    remat: str = "none"
 
     # Derived values ----------------------------------------------------------
     @property
@@ -362,8 +384,13 @@ def validate_model(c: ModelConfig, p: str) -> None:
     for name in ("num_encoder_layers", "num_kv_heads", "head_dim", "v_head_dim", "attn_scale",
                  "attn_softcap", "attention_chunk", "local_rope_theta", "nope_temperature_floor",
                  "nope_temperature_scale",
-                 "final_softcap", "sliding_window", "type_vocab_size", "num_classes"):
+                 "final_softcap", "sliding_window", "type_vocab_size", "num_classes",
+                 "mtp_depth", "mtp_loss_weight"):
         non_negative(f"{p}.{name}", getattr(c, name))
+    if c.mtp_depth and (c.arch != "decoder" or c.prefix_lm):
+        fail(f"{p}.mtp_depth", f"multi-token prediction is for causal decoders (arch="
+             f"'decoder', prefix_lm=False); got arch={c.arch!r}, prefix_lm={c.prefix_lm}; "
+             "set model.mtp_depth=0")
     positive(f"{p}.logits_scale", c.logits_scale)
     if not 0.0 <= c.dropout_rate < 1.0:
         fail(f"{p}.dropout_rate", f"must be in [0, 1), got {c.dropout_rate!r}")
@@ -399,16 +426,26 @@ def validate_model(c: ModelConfig, p: str) -> None:
                  f"even integer (head_dim={c.head_size})")
         if r.factor < 1.0:
             fail(f"{rp}.factor", f"must be >= 1 (the context extension factor), got {r.factor!r}")
-        if r.scaling != "none" and r.factor == 1.0 and r.scaling != "dynamic_ntk":
+        if r.scaling != "none" and r.factor == 1.0 and r.scaling not in ("dynamic_ntk",
+                                                                          "longrope"):
             fail(f"{rp}.factor", f"scaling={r.scaling!r} needs factor > 1, got 1.0")
         positive(f"{rp}.original_max_len", r.original_max_len)
-        if r.scaling == "llama3" and r.high_freq_factor <= r.low_freq_factor:
-            fail(f"{rp}.high_freq_factor", "must be > rope.low_freq_factor")
+        if r.scaling == "llama3" and r.high_freq_factor < r.low_freq_factor:
+            fail(f"{rp}.high_freq_factor", "must be >= rope.low_freq_factor")
         if r.scaling == "yarn" and r.beta_fast <= r.beta_slow:
             fail(f"{rp}.beta_fast", "must be > rope.beta_slow")
+        for name in ("short_factor", "long_factor"):
+            factors = getattr(r, name)
+            if r.scaling == "longrope" and (len(factors) * 2 != int(rotary)
+                                            or not all(f > 0 for f in factors)):
+                fail(f"{rp}.{name}", f"longrope needs rotary dims / 2 = {int(rotary) // 2} "
+                     f"positive factors, got {len(factors)}")
     if c.block == "parallel" and c.norm_placement != "pre":
         fail(f"{p}.norm_placement", f"block='parallel' needs norm_placement='pre', got "
              f"{c.norm_placement!r}")
+    if c.first_norm_residual and (c.norm_placement != "pre" or c.block != "sequential"):
+        fail(f"{p}.first_norm_residual", "needs norm_placement='pre' and block='sequential' "
+             f"(layer 0's pre-attention norm), got {c.norm_placement!r}, {c.block!r}")
     if c.block == "parallel" and c.arch == "encoder_decoder":
         fail(f"{p}.block", "an encoder-decoder needs block='sequential' (its decoder "
              "blocks have cross-attention)")

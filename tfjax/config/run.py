@@ -83,6 +83,11 @@ class TrainConfig:
       `microbatches` slices of the global batch (same result as one big batch).
     Activation checkpointing is `model.remat` (per scanned layer, in the model).
     z_loss: weight of log(Z)^2 (PaLM); 0 = off.
+    loss_chunk: the decoder objectives' next-token loss computes the logits of at
+      most this many positions of a row at once, recomputing them in the backward
+      (`tfjax.train.losses.chunked_cross_entropy_sums`): no `[B, T, V]` float32
+      logits in memory; 0 (or >= seq_len) = all at once. The same sums (bitwise in
+      float32) and gradients within rounding.
     peak_flops: per-device peak FLOP/s for MFU; 0 = from a table of chips, or a
       matmul measured at start on CPU.
     objective: what the model learns (`tfjax.train.objectives`, which checks it
@@ -121,6 +126,7 @@ class TrainConfig:
     decay_shape: str = "linear"  # wsd
     param_groups: str = ""
     z_loss: float = 0.0
+    loss_chunk: int = 512  # chosen from experiments/results/vs_maxtext.md
     log_every: int = 10
     eval_every: int = 0  # 0 -> evaluate at the end only
     eval_batches: int = 8  # 0 -> the whole validation split
@@ -271,7 +277,7 @@ class RunConfig:
 def _validate_train(c: TrainConfig, p: str) -> None:
     for name in ("steps", "batch_size", "seq_len", "microbatches", "lr", "log_every", "eps"):
         positive(f"{p}.{name}", getattr(c, name))
-    for name in ("warmup_steps", "weight_decay", "grad_clip", "z_loss", "eval_every",
+    for name in ("warmup_steps", "weight_decay", "grad_clip", "z_loss", "loss_chunk", "eval_every",
                  "eval_batches", "sample_tokens", "peak_flops", "target_len"):
         non_negative(f"{p}.{name}", getattr(c, name))
     for name in ("mlm_rate", "noise_density"):

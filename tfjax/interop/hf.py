@@ -2,12 +2,12 @@
 
     model, cfg = tfjax.interop.hf.load("path/to/checkpoint")       # config.json + *.safetensors
     logits = model(input_ids)                                       # causal LMs: [B, T, V]
-    tfjax.interop.hf.export(model, "out/")                          # Llama family -> HF
+    tfjax.interop.hf.export(model, "out/")                          # any family -> HF
 
 `load` reads a local directory as `save_pretrained` writes it: `config.json` and
 `model.safetensors` (or shards with `model.safetensors.index.json`), without torch
 (`tfjax.interop.safetensors_io` memory-maps the files; bfloat16 comes out as an
-`ml_dtypes` array). Each supported `model_type` is a `Family` in `FAMILIES`, two
+`ml_dtypes` array). Each supported `model_type` is a `Family` in `FAMILIES`, three
 functions:
 
 - **config** (`tfjax.interop.hf_config`): the HF config dict -> `ModelConfig`
@@ -15,20 +15,36 @@ functions:
   `NotImplementedError` naming it.
 - **weights** (`tfjax.interop.hf_weights`): the checkpoint -> `{our parameter path:
   array}`, per-layer paths `(stack, i, ...)`; a tensor left unread is an error.
+- **to_hf** (`tfjax.interop.hf_export`): a `ModelConfig` -> the HF config dict, the
+  inverse of config, which makes the family exportable.
 
 Placement (here) puts layer i of each stack where the stack's layout says
 (`tfjax.models.StackLayout.where`: a scanned cycle position and its index on the
 stacked axis, or an unrolled block), checks every shape, casts to `dtype` and,
 with a `mesh`, puts each parameter on the mesh with the sharding its logical axis
-names give (`tfjax.parallel.rules`). Each converted convention is checked by a
-parity test in tests/interop; BLOOM's ALiBi `m * k` equals our `-m * |q - k|` up to
-a per-query constant (softmax-invariant). Loaded models are for inference: dropout
-is off. `export` writes the Llama family back.
+names give (`tfjax.parallel.rules`). Memory: without a mesh each parameter is made
+whole in host memory in turn (its stack over layers, then its cast: a few times the
+largest parameter beyond the model, plus what the mapping stacks, such as MoE
+experts, held throughout); with a mesh the mapping runs on symbolic
+tensors (`tfjax.interop.hf_invert.Symbolic`, from the safetensors headers) and each
+parameter is read from the memory-mapped files device block by device block
+(`_place_blocks`), so the host holds a few device blocks at a time. Each converted
+convention is checked by a parity test in tests/interop; BLOOM's ALiBi `m * k`
+equals our `-m * |q - k|` up to a per-query constant (softmax-invariant). Loaded
+models are for inference: dropout is off.
+
+`export` writes a model of any family with a `to_hf` back (every family here): the
+family is the one whose `to_hf` -> config round trip gives the model's config back
+(`hf_export.config_diff`; a model no family holds is refused naming each differing
+field), and the tensors are the family's weights mapping run backwards
+(`tfjax.interop.hf_invert`: no per-family export code), with names and shapes from
+transformers' model on the meta device, so export needs the `hf` extra.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -40,9 +56,14 @@ import numpy as np
 from flax import nnx
 
 from tfjax.config import DEFAULT_RULES, DTYPES, ModelConfig, model_config
-from tfjax.interop import hf_config, hf_weights
+from tfjax.interop import hf_config, hf_export, hf_weights
+from tfjax.interop.hf_invert import Inverse, Symbolic, hf_shapes, stack, symbolic_checkpoint
+from tfjax.interop import hf_dense
+from tfjax.interop import hf_encoder
+from tfjax.interop import hf_recurrent
+from tfjax.interop import hf_moe
 from tfjax.interop.hf_weights import PREFIXES, Weights
-from tfjax.interop.safetensors_io import SafetensorsCheckpoint, save_file
+from tfjax.interop.safetensors_io import SafetensorsCheckpoint, write_file
 from tfjax.models import EncoderModel, StackLayout, build, check_names
 from tfjax.parallel.rules import logical_rules, spec_for, variable_axes
 from tfjax.registry import Registry
@@ -52,24 +73,58 @@ __all__ = ["FAMILIES", "Family", "HFEncoder", "config_from_hf", "export", "load"
 
 @dataclasses.dataclass(frozen=True)
 class Family:
-    """One `model_type`: its config mapping and its tensor mapping."""
+    """One `model_type`: its config mapping, its tensor mapping and (optionally) the
+    inverse of its config mapping, `to_hf(cfg) -> config.json dict` (model_type,
+    architectures and every field), which makes the family exportable."""
 
     config: Callable[[dict], dict]
     weights: Callable[[Weights, ModelConfig, dict], dict]
+    to_hf: Callable[[ModelConfig], dict] | None = None
 
 
 FAMILIES: Registry[Family] = Registry("Hugging Face model_type")
 for _names, _fam in (
-        (("llama", "mistral"), Family(hf_config.llama_config, hf_weights.llama_weights)),
-        (("qwen3",), Family(hf_config.qwen3_config, hf_weights.llama_weights)),
-        (("mixtral",), Family(hf_config.mixtral_config, hf_weights.llama_weights)),
-        (("gemma2",), Family(hf_config.gemma2_config, hf_weights.llama_weights)),
-        (("gpt2",), Family(hf_config.gpt2_config, hf_weights.gpt2_weights)),
-        (("gpt_neox",), Family(hf_config.neox_config, hf_weights.neox_weights)),
-        (("bloom",), Family(hf_config.bloom_config, hf_weights.bloom_weights)),
-        (("bert",), Family(hf_config.bert_config, hf_weights.bert_weights)),
-        (("t5",), Family(hf_config.t5_config, hf_weights.t5_weights)),
-        (("mamba",), Family(hf_config.mamba_config, hf_weights.mamba_weights))):
+        (("llama", "mistral"), Family(hf_config.llama_config, hf_weights.llama_weights,
+                                      hf_export.llama_to_hf)),
+        (("qwen3",), Family(hf_config.qwen3_config, hf_weights.llama_weights,
+                            hf_export.qwen3_to_hf)),
+        (("mixtral",), Family(hf_config.mixtral_config, hf_weights.llama_weights,
+                              hf_export.mixtral_to_hf)),
+        (("gemma2",), Family(hf_config.gemma2_config, hf_weights.llama_weights,
+                             hf_export.gemma2_to_hf)),
+        (("qwen2",), Family(hf_dense.qwen2_config, hf_weights.llama_weights,
+                            hf_dense.qwen2_to_hf)),
+        (("olmo2",), Family(hf_dense.olmo2_config, hf_dense.olmo2_weights, hf_dense.olmo2_to_hf)),
+        (("smollm3",), Family(hf_dense.smollm3_config, hf_weights.llama_weights,
+                              hf_dense.smollm3_to_hf)),
+        (("gemma3_text",), Family(hf_dense.gemma3_text_config, hf_weights.llama_weights,
+                                  hf_dense.gemma3_text_to_hf)),
+        (("phi3",), Family(hf_dense.phi3_config, hf_dense.phi3_weights, hf_dense.phi3_to_hf)),
+        (("qwen3_moe",), Family(hf_dense.qwen3_moe_config, hf_dense.qwen3_moe_weights,
+                                hf_dense.qwen3_moe_to_hf)),
+        (("gpt_oss",), Family(hf_moe.gpt_oss_config, hf_moe.gpt_oss_weights,
+                              hf_moe.gpt_oss_to_hf)),
+        (("llama4_text",), Family(hf_moe.llama4_config, hf_moe.llama4_weights,
+                                  hf_moe.llama4_to_hf)),
+        (("deepseek_v3",), Family(hf_moe.deepseek_v3_config, hf_moe.deepseek_v3_weights,
+                                  hf_moe.deepseek_v3_to_hf)),
+        (("gpt2",), Family(hf_config.gpt2_config, hf_weights.gpt2_weights, hf_export.gpt2_to_hf)),
+        (("gpt_neox",), Family(hf_config.neox_config, hf_weights.neox_weights,
+                               hf_export.neox_to_hf)),
+        (("bloom",), Family(hf_config.bloom_config, hf_weights.bloom_weights,
+                            hf_export.bloom_to_hf)),
+        (("bert",), Family(hf_config.bert_config, hf_weights.bert_weights, hf_export.bert_to_hf)),
+        (("modernbert",), Family(hf_encoder.modernbert_config, hf_encoder.modernbert_weights,
+                                 hf_encoder.modernbert_to_hf)),
+        (("t5",), Family(hf_config.t5_config, hf_weights.t5_weights, hf_export.t5_to_hf)),
+        (("mamba",), Family(hf_config.mamba_config, hf_weights.mamba_weights,
+                            hf_export.mamba_to_hf)),
+        (("mamba2",), Family(hf_recurrent.mamba2_config, hf_recurrent.mamba2_weights,
+                             hf_recurrent.mamba2_to_hf)),
+        (("qwen3_next",), Family(hf_recurrent.qwen3_next_config, hf_recurrent.qwen3_next_weights,
+                                 hf_recurrent.qwen3_next_to_hf)),
+        (("jamba",), Family(hf_recurrent.jamba_config, hf_recurrent.jamba_weights,
+                            hf_recurrent.jamba_to_hf))):
     for _n in _names:
         FAMILIES.register(_n, _fam)
 
@@ -105,11 +160,39 @@ def _abstract(cfg: ModelConfig):
         return nnx.eval_shape(lambda: build(cfg, rngs=nnx.Rngs(0)))
 
 
+def _place_blocks(sym: Symbolic, dtype, sharding, tensor: Callable[[str], np.ndarray]):
+    """The jax array of `sym` (an expression over the checkpoint's tensors) in `dtype`
+    with `sharding`, built one device block at a time: each distinct block (devices
+    that replicate it share one) is read from `tensor(name)` (memory-mapped), cast,
+    put on its devices and let go before the next."""
+    shape = sym.shape
+    blocks: dict[tuple, list] = {}
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        key = tuple((s.indices(n)[0], s.indices(n)[1]) for s, n in zip(index, shape))
+        blocks.setdefault(key, []).append(device)
+    shards = []
+    for key, devices in blocks.items():
+        block = sym.block(tuple(slice(a, b) for a, b in key), tensor, dtype)
+        placed = [jax.device_put(block, d) for d in devices]
+        shards += jax.block_until_ready(placed)  # the copies done before the block goes
+        del block
+    return jax.make_array_from_single_device_arrays(shape, sharding, shards)
+
+
 def load_state(arrays: dict, cfg: ModelConfig, *, mesh=None, rules=DEFAULT_RULES,
-               allow_missing: tuple[tuple, ...] = ()) -> nnx.Module:
+               allow_missing: tuple[tuple, ...] = (),
+               tensor: Callable[[str], np.ndarray] | None = None) -> nnx.Module:
     """Build the model of `cfg` with its parameters from `arrays` (`{our key: array}`,
     per-layer keys `(stack, i, ...)`), cast to `cfg.param_dtype`, on `mesh` if given.
-    Every parameter must be given (except paths in `allow_missing`, left at init)."""
+    Every parameter must be given (except paths in `allow_missing`, left at init).
+
+    tensor: with a `mesh`, `arrays` may instead hold `hf_invert.Symbolic` expressions
+      over checkpoint tensors, `tensor(name)` giving each (memory-mapped): every
+      parameter is then built device block by device block (`_place_blocks`), never
+      whole in host memory, with the same values as from the arrays."""
+    if tensor is not None and mesh is None:
+        raise ValueError("load_state: tensor= (symbolic arrays) needs a mesh; without one "
+                         "pass the arrays themselves")
     abstract = _abstract(cfg)
     graphdef, state = nnx.split(abstract)
     flat = dict(nnx.to_flat_state(state))
@@ -131,12 +214,21 @@ def load_state(arrays: dict, cfg: ModelConfig, *, mesh=None, rules=DEFAULT_RULES
     out = []
     for path, var in flat.items():
         aval = var.get_value()
+        sharding = None
+        if mesh is not None:
+            names = variable_axes(var)
+            spec = (spec_for(".".join(map(str, path)), names, aval.shape, mesh, lrules)
+                    if names and len(names) == aval.ndim else jax.sharding.PartitionSpec())
+            sharding = jax.sharding.NamedSharding(mesh, spec)
         if path in values:
             v = values[path]
             if isinstance(v, list):
                 if any(a is None for a in v):
                     raise ValueError(f"{path}: layers missing from the checkpoint")
-                v = np.stack([np.asarray(a) for a in v])
+                v = stack(v) if tensor is not None else np.stack([np.asarray(a) for a in v])
+            if tensor is not None:
+                out.append((path, var.replace(_place_blocks(v, aval.dtype, sharding, tensor))))
+                continue
             v = np.asarray(v).astype(aval.dtype)
         elif isinstance(var, nnx.Param) and not any(path[:len(m)] == m for m in allow_missing):
             raise ValueError(f"parameter {'.'.join(map(str, path))} not found in the checkpoint")
@@ -145,13 +237,7 @@ def load_state(arrays: dict, cfg: ModelConfig, *, mesh=None, rules=DEFAULT_RULES
                            aval.dtype)
         else:  # bookkeeping state (MoE statistics): zeros
             v = np.zeros(aval.shape, aval.dtype)
-        if mesh is None:
-            v = jnp.asarray(v)
-        else:
-            names = variable_axes(var)
-            spec = (spec_for(".".join(map(str, path)), names, v.shape, mesh, lrules)
-                    if names and len(names) == v.ndim else jax.sharding.PartitionSpec())
-            v = jax.device_put(v, jax.sharding.NamedSharding(mesh, spec))
+        v = jnp.asarray(v) if mesh is None else jax.device_put(v, sharding)
         out.append((path, var.replace(v)))
     model = nnx.merge(graphdef, nnx.from_flat_state(out))
     model.eval()
@@ -164,7 +250,7 @@ def load_state(arrays: dict, cfg: ModelConfig, *, mesh=None, rules=DEFAULT_RULES
 
 
 class HFEncoder(nnx.Module):
-    """A BERT checkpoint called as transformers calls it:
+    """A BERT / ModernBERT checkpoint called as transformers calls it:
     `model(input_ids, token_type_ids=None, attention_mask=None) -> MLM logits [B,T,V]`,
     `model.pooled_output(...) -> [B, D]` (when the checkpoint has the pooler)."""
 
@@ -232,7 +318,9 @@ def load(path: str, *, dtype: str | None = None, mesh=None, rules=DEFAULT_RULES)
 
     dtype: compute and parameter dtype (default: the checkpoint's `dtype`).
     mesh: a `jax.sharding.Mesh`; each parameter is placed with the sharding its
-      logical axes give under `rules` (default `tfjax.config.DEFAULT_RULES`).
+      logical axes give under `rules` (default `tfjax.config.DEFAULT_RULES`), built
+      from the memory-mapped checkpoint one device block at a time (host memory: a
+      few device blocks, not the model nor a whole parameter; same values as without).
     Causal LMs come back as `DecoderLM` (`model(input_ids) -> logits [B,T,V]`, usable
     with `tfjax.inference.generate`); BERT as `HFEncoder`; T5 as `EncoderDecoderModel`
     (`model(input_ids, decoder_input_ids) -> logits`).
@@ -241,7 +329,10 @@ def load(path: str, *, dtype: str | None = None, mesh=None, rules=DEFAULT_RULES)
     cfg = config_from_hf(hf, dtype=dtype, source=os.path.join(path, "config.json"))
     family = FAMILIES.get(hf["model_type"], field="config.json model_type")
     prefix = PREFIXES.get(hf["model_type"])
-    w = Weights(SafetensorsCheckpoint(path), (prefix,) if prefix else ())
+    ckpt = SafetensorsCheckpoint(path)
+    lazy = mesh is not None  # the mapping runs on the tensors' names and shapes alone
+    source = symbolic_checkpoint({n: ckpt.shape(n) for n in ckpt}) if lazy else ckpt
+    w = Weights(source, (prefix,) if prefix else ())
     arrays = family.weights(w, cfg, hf)
     left = w.leftovers()
     if left:
@@ -249,60 +340,70 @@ def load(path: str, *, dtype: str | None = None, mesh=None, rules=DEFAULT_RULES)
             f"{path}: checkpoint tensors not used by the {hf['model_type']} mapping (a feature "
             f"tfjax.interop.hf does not support?): {', '.join(left[:8])}"
             f"{' ...' if len(left) > 8 else ''}")
-    if hf["model_type"] == "bert":
+    tensor = ckpt.__getitem__ if lazy else None
+    if cfg.arch == "encoder":  # BERT, ModernBERT
         has_pooler = ("pooler", "kernel") in arrays
-        model = load_state(arrays, cfg, mesh=mesh, rules=rules,
+        model = load_state(arrays, cfg, mesh=mesh, rules=rules, tensor=tensor,
                            allow_missing=() if has_pooler else (("pooler",),))
         return HFEncoder(model, has_pooler), cfg
-    return load_state(arrays, cfg, mesh=mesh, rules=rules), cfg
+    return load_state(arrays, cfg, mesh=mesh, rules=rules, tensor=tensor), cfg
 
 
 # --------------------------------------------------------------------------- #
-# Export (Llama family).
+# Export: every family with a `to_hf`.
 # --------------------------------------------------------------------------- #
+
+
+def _exportable(cfg: ModelConfig, family: str | None) -> tuple[str, Family, dict]:
+    """`(model_type, family, config.json dict)` for `cfg`: the family named, or the
+    first family by name whose `to_hf` -> `config` round trip gives `cfg` back (in every
+    field of `hf_export.computation`); else a one-line ValueError naming each field
+    where the closest family differs."""
+    if family is not None and FAMILIES.get(family, field="export family").to_hf is None:
+        raise ValueError(f"export: model_type {family!r} is read but not written (its Family "
+                         f"has no to_hf); exportable: {', '.join(_writable())}")
+    tried, seen = [], set()
+    for name in [family] if family is not None else list(FAMILIES):
+        fam = FAMILIES.get(name)
+        if fam.to_hf is None or id(fam) in seen:
+            continue
+        seen.add(id(fam))
+        try:
+            hf = fam.to_hf(cfg)
+            diff = hf_export.config_diff(cfg, config_from_hf(hf, dtype="float32",
+                                                             source=f"{name} config"), name)
+            rank = len(diff)
+        except (ValueError, NotImplementedError, KeyError, TypeError) as e:
+            diff, rank = [f"{type(e).__name__}: {e}"], math.inf  # not a near miss
+        if not diff:
+            return hf["model_type"], fam, hf
+        tried.append((rank, name, diff))
+    _, name, diff = min(tried)
+    where = (f"model_type {family!r} cannot hold this model" if family is not None else
+             f"no Hugging Face family holds this model (the closest is {name})")
+    raise ValueError(f"export: {where}: {'; '.join(diff)}")
 
 
 def _check_llama_exportable(cfg: ModelConfig) -> None:
-    want = dict(arch="decoder", norm="rmsnorm", norm_placement="pre", block="sequential",
-                position="rope", activation="swiglu", qk_norm=False, attn_softcap=0.0,
-                final_softcap=0.0, scale_embeddings=False, embed_norm=False, logits_scale=1.0,
-                layer_pattern=("global",), ffn_pattern=("dense",), prefix_lm=False,
-                attention_sinks=False, v_head_dim=0)
-    for field, value in want.items():
-        if getattr(cfg, field) != value:
-            raise ValueError(f"export: model.{field}={getattr(cfg, field)!r} has no Llama "
-                             f"equivalent (needs {value!r})")
-    if cfg.qkv_bias != cfg.out_bias:
-        raise ValueError("export: Llama's attention_bias covers q, k, v and o together; "
-                         f"got qkv_bias={cfg.qkv_bias}, out_bias={cfg.out_bias}")
-    if cfg.rope.layout != "half" or cfg.rope.fraction != 1.0:
-        raise ValueError("export: Llama uses rope.layout='half' and rope.fraction=1.0")
-    if cfg.attn_scale and abs(cfg.attn_scale - cfg.head_size ** -0.5) > 1e-12:
-        raise ValueError(f"export: attn_scale={cfg.attn_scale} is not 1/sqrt(head_dim)")
+    """A ValueError naming each field where `cfg` is not a Llama / Mistral, whose module
+    names (`q_proj`, `down_proj`, ...) `tfjax.train.lora.write_peft` writes adapters under."""
+    _exportable(cfg, "llama")
 
 
-def _rope_parameters(r) -> dict:
-    out: dict[str, Any] = {"rope_theta": r.theta, "rope_type": "default"}
-    if r.scaling == "linear":
-        out.update(rope_type="linear", factor=r.factor)
-    elif r.scaling == "llama3":
-        out.update(rope_type="llama3", factor=r.factor, low_freq_factor=r.low_freq_factor,
-                   high_freq_factor=r.high_freq_factor,
-                   original_max_position_embeddings=r.original_max_len)
-    elif r.scaling == "yarn":
-        out.update(rope_type="yarn", factor=r.factor, beta_fast=r.beta_fast, beta_slow=r.beta_slow,
-                   original_max_position_embeddings=r.original_max_len,
-                   attention_factor=0.1 * r.mscale * math.log(r.factor) + 1.0)
-    elif r.scaling != "none":
-        raise ValueError(f"export: rope.scaling={r.scaling!r} is not exported (none, linear, "
-                         "llama3, yarn are)")
-    return out
+def _writable() -> list[str]:
+    return [n for n in FAMILIES if FAMILIES.get(n).to_hf is not None]
 
 
-def export(model: nnx.Module, path: str, *, dtype: str | None = None, tokenizer=None) -> None:
-    """Write a Llama-family tfjax decoder as an HF checkpoint (`config.json` +
-    `model.safetensors`) that `transformers.LlamaForCausalLM.from_pretrained` loads.
+def export(model: nnx.Module, path: str, *, family: str | None = None, dtype: str | None = None,
+           tokenizer=None) -> None:
+    """Write a tfjax model as an HF checkpoint (`config.json` + `model.safetensors`) that
+    transformers' `from_pretrained` (and `load`) reads: any model of a family with a
+    `to_hf` (every family `load` reads, listed in `FAMILIES`).
 
+    family: the HF `model_type` to write; None: the first family, by name, that holds
+      the model exactly. A model no family holds (ALiBi with SwiGLU, a layer pattern
+      the family lacks, ...) is a ValueError naming each differing `model.` field.
+    dtype: the dtype on disk (default `model.param_dtype`).
     tokenizer: the run's tokenizer (`tfjax.data.load_tokenizer(cfg.data.tokenizer)`,
       as `tfjax.generate.load_run` returns it). Given, the directory also gets its
       `tokenizer.json` (`hf_tokenizer()`: encoding puts BOS first, as training did) and
@@ -310,53 +411,62 @@ def export(model: nnx.Module, path: str, *, dtype: str | None = None, tokenizer=
       pad ids go into `config.json` and `generation_config.json`, so that
       `python -m tfjax.generate --hf PATH` (and HF `generate`) stop at its EOS. The byte
       tokenizer and `tokenizers` JSON files are written; a sentencepiece model is a
-      ValueError (export without it). Everything is checked before anything is written.
+      ValueError (export without it).
+
+    The tensors are the family's `weights` mapping run backwards
+    (`tfjax.interop.hf_invert`): their names and shapes come from transformers' model
+    built on the meta device, so export needs the `hf` extra (torch, transformers;
+    ImportError without it). Everything is checked before anything is written; the
+    file is written one tensor at a time. A BERT `HFEncoder` with its pooler is
+    written as `BertForPreTraining` (its NSP head, which tfjax lacks, is left for
+    transformers to initialise), any other encoder as `BertForMaskedLM`.
     """
-    cfg: ModelConfig = model.config
-    _check_llama_exportable(cfg)
+    inner = model.model if isinstance(model, HFEncoder) else model
+    cfg: ModelConfig = inner.config
+    model_type, fam, hf = _exportable(cfg, family)
+    pooler = isinstance(model, HFEncoder) and model.has_pooler and model_type == "bert"
+    if pooler:
+        hf["architectures"] = ["BertForPreTraining"]
+    unwritten = (("pooler",),) if cfg.arch == "encoder" and not pooler else ()
     if tokenizer is not None:
         hf_tok = tokenizer.hf_tokenizer()
         if tokenizer.vocab_size > cfg.vocab_size:
             raise ValueError(f"export: the tokenizer has {tokenizer.vocab_size} ids but "
                              f"model.vocab_size is {cfg.vocab_size}; pass the run's own tokenizer")
-    flat = {p: v.get_value() for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
     out_dtype = np.dtype(jnp.dtype(dtype or cfg.param_dtype))
-
-    def get(key):
+    shapes = hf_shapes(hf)
+    inverse = Inverse(fam.weights, cfg, hf, shapes, family=model_type)
+    state = dict(nnx.to_flat_state(nnx.state(inner)))  # Params, and state a mapping reads
+    flat = {p: v.get_value() for p, v in state.items()}  # (DeepSeek's MoE score bias)
+    layers: dict[tuple, set] = {}
+    for key, sym in inverse.params.items():
         p, idx = _target(cfg, key)
-        a = np.asarray(jax.device_get(flat[p]))
-        return a if idx is None else a[idx]
+        if p not in flat:
+            raise ValueError(f"export: the {model_type} mapping makes {key}, which this model "
+                             f"does not have ({'.'.join(map(str, p))})")
+        want = flat[p].shape if idx is None else flat[p].shape[1:]
+        if sym.shape != tuple(want):
+            raise ValueError(f"export: {key}: {hf['architectures'][0]} gives it shape "
+                             f"{sym.shape}, the model has {tuple(want)}")
+        layers.setdefault(p, set()).add(idx)
+    for p, arr in flat.items():
+        if not isinstance(state[p], nnx.Param) or any(p[:len(u)] == u for u in unwritten):
+            continue
+        if p not in layers or None not in layers[p] and len(layers[p]) != arr.shape[0]:
+            raise ValueError(f"export: parameter {'.'.join(map(str, p))} has no place in the "
+                             f"{model_type} checkpoint ({hf['architectures'][0]})")
+    inverse.check()
 
-    N, K, H, D = cfg.num_heads, cfg.kv_heads, cfg.head_size, cfg.d_model
-    t: dict[str, np.ndarray] = {"model.embed_tokens.weight": get(("embed", "tokens", "embedding")),
-                                "model.norm.weight": get(("final_norm", "scale"))}
-    if not cfg.tie_embeddings:
-        t["lm_head.weight"] = get(("embed", "head", "kernel")).T
-    for i in range(cfg.num_layers):
-        p, L = f"model.layers.{i}.", ("layers", i)
-        for ours, theirs, heads in (("q", "q_proj", N), ("k", "k_proj", K), ("v", "v_proj", K)):
-            t[f"{p}self_attn.{theirs}.weight"] = get(L + ("attn", ours, "kernel")).reshape(D, heads * H).T
-            if cfg.qkv_bias:
-                t[f"{p}self_attn.{theirs}.bias"] = get(L + ("attn", ours, "bias")).reshape(-1)
-        t[f"{p}self_attn.o_proj.weight"] = get(L + ("attn", "o", "kernel")).reshape(N * H, D).T
-        if cfg.out_bias:
-            t[f"{p}self_attn.o_proj.bias"] = get(L + ("attn", "o", "bias"))
-        t[f"{p}input_layernorm.weight"] = get(L + ("attn_norm", "scale"))
-        t[f"{p}post_attention_layernorm.weight"] = get(L + ("ffn_norm", "scale"))
-        for ours, theirs in (("wi_gate", "gate_proj"), ("wi_up", "up_proj"), ("wo", "down_proj")):
-            t[f"{p}mlp.{theirs}.weight"] = get(L + ("ffn", ours, "kernel")).T
-            if cfg.ffn_bias:
-                t[f"{p}mlp.{theirs}.bias"] = get(L + ("ffn", ours, "bias"))
+    @functools.lru_cache(maxsize=1)
+    def value(key):  # our key's array, one layer of a stack at a time
+        p, idx = _target(cfg, key)
+        return np.asarray(jax.device_get(flat[p] if idx is None else flat[p][idx]))
+
     os.makedirs(path, exist_ok=True)
-    save_file({k: np.ascontiguousarray(v.astype(out_dtype)) for k, v in t.items()},
-              os.path.join(path, "model.safetensors"))
-    hf = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=cfg.vocab_size,
-              hidden_size=D, intermediate_size=cfg.d_ff, num_hidden_layers=cfg.num_layers,
-              num_attention_heads=N, num_key_value_heads=K, head_dim=H, hidden_act="silu",
-              max_position_embeddings=cfg.max_len, rms_norm_eps=cfg.norm_eps,
-              tie_word_embeddings=cfg.tie_embeddings, attention_bias=cfg.qkv_bias,
-              mlp_bias=cfg.ffn_bias, rope_parameters=_rope_parameters(cfg.rope),
-              dtype=str(out_dtype), attention_dropout=0.0)
+    write_file({n: (shapes[n], out_dtype) for n in inverse.written},
+               lambda n: inverse.tensor(n, value, out_dtype),
+               os.path.join(path, "model.safetensors"))
+    hf["dtype"] = str(out_dtype)
     if tokenizer is not None:
         ids = dict(bos_token_id=int(tokenizer.bos_id), eos_token_id=int(tokenizer.eos_id),
                    pad_token_id=int(tokenizer.pad_id))
@@ -372,4 +482,3 @@ def export(model: nnx.Module, path: str, *, dtype: str | None = None, tokenizer=
                 json.dump(content, f, indent=2)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf, f, indent=2)
-

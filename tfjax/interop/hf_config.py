@@ -70,10 +70,12 @@ _TYPE_NAMES = {int: "an integer", float: "a number", bool: "true / false", str: 
                dict: "a JSON object", list: "a list", _NULL: "null"}
 
 
-def check_types(hf: dict, source: str = "config.json") -> None:
-    """Every key of `KEY_TYPES` (and `ROPE_KEY_TYPES` inside the rope sections) that
-    `hf` has holds a value of its JSON type, or a ValueError names `source`, the key,
-    what it holds and what it should hold. (JSON `true` is not an integer here.)"""
+def check_types(hf: dict, source: str = "config.json",
+                key_types: dict[str, tuple[type, ...]] | None = None) -> None:
+    """Every key of `KEY_TYPES` (or of `key_types`: a family's own keys; and
+    `ROPE_KEY_TYPES` inside the rope sections) that `hf` has holds a value of its JSON
+    type, or a ValueError names `source`, the key, what it holds and what it should
+    hold. (JSON `true` is not an integer here.)"""
 
     def check(key: str, value, types: tuple[type, ...]) -> None:
         bad = isinstance(value, bool) and bool not in types or not isinstance(value, types)
@@ -87,7 +89,7 @@ def check_types(hf: dict, source: str = "config.json") -> None:
             raise ValueError(f"{source}: {key} is {json.dumps(value)} ({got}), but it must be "
                              f"{want}; fix {key} in {source}")
 
-    for key, types in KEY_TYPES.items():
+    for key, types in (KEY_TYPES if key_types is None else key_types).items():
         if key in hf:
             check(key, hf[key], types)
     for section in ("rope_scaling", "rope_parameters"):
@@ -147,8 +149,6 @@ def _rope(hf: dict) -> dict:
     elif kind == "yarn":
         orig = int(p.get("original_max_position_embeddings") or max_pos)
         factor = float(factor if factor is not None else max_pos / orig)
-        if p.get("truncate", True) is False:
-            unsupported("rope_parameters.truncate", False, "yarn with truncate=True only")
 
         def get_mscale(scale, m=1.0):
             return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
@@ -166,7 +166,8 @@ def _rope(hf: dict) -> dict:
                 mscale = (attn - 1.0) / (0.1 * math.log(factor))
         out.update(scaling="yarn", factor=factor, original_max_len=orig, mscale=mscale,
                    beta_fast=float(p.get("beta_fast") or 32.0),
-                   beta_slow=float(p.get("beta_slow") or 1.0))
+                   beta_slow=float(p.get("beta_slow") or 1.0),
+                   truncate=p.get("truncate", True) is not False)
     else:
         unsupported("rope_parameters.rope_type", kind,
                     "supported: default, linear, dynamic, yarn, llama3")

@@ -19,7 +19,8 @@ import numpy as np
 from tfjax.config import ModelConfig
 
 __all__ = ["PREFIXES", "Weights", "bert_weights", "bloom_weights", "gpt2_weights",
-           "llama_weights", "mamba_weights", "neox_weights", "t5_weights"]
+           "llama_weights", "mamba_mixer_weights", "mamba_weights", "neox_weights",
+           "t5_weights"]
 
 
 class Weights:
@@ -126,11 +127,14 @@ def llama_weights(w: Weights, cfg: ModelConfig, hf: dict) -> dict:
     return out
 
 
-def _mixtral_experts(w: Weights, p: str, L: tuple, cfg: ModelConfig) -> dict:
+def _mixtral_experts(w: Weights, p: str, L: tuple, cfg: ModelConfig, *, router: str = "gate",
+                     names: tuple[str, str, str] = ("w1", "w3", "w2")) -> dict:
+    """Router `p + router` and experts `p + experts.{e}.{name}` stacked over E; `names`
+    the gate, up and down Linears (Mixtral's w1, w3, w2; Qwen / Jamba: gate_proj, ...)."""
     E = cfg.moe.num_experts
-    out = {L + ("router",): w[p + "gate.weight"].T}  # [E, D] -> [D, E]
-    # The per-expert layout save_pretrained writes: w1 gate, w3 up, w2 down, each [out, in].
-    for ours, theirs in (("wi_gate", "w1"), ("wi_up", "w3"), ("wo", "w2")):
+    out = {L + ("router",): w[p + router + ".weight"].T}  # [E, D] -> [D, E]
+    # The per-expert layout save_pretrained writes: gate, up, down, each [out, in].
+    for ours, theirs in zip(("wi_gate", "wi_up", "wo"), names):
         out[L + (ours,)] = np.stack([w[f"{p}experts.{e}.{theirs}.weight"].T for e in range(E)])
     return out
 
@@ -276,7 +280,6 @@ def t5_weights(w: Weights, cfg: ModelConfig, hf: dict) -> dict:
 
 
 def mamba_weights(w: Weights, cfg: ModelConfig, hf: dict) -> dict:
-    D, Di = cfg.d_model, cfg.ssm.expand * cfg.d_model
     out = {("embed", "tokens", "embedding"): w["backbone.embeddings.weight"],
            **_norm(w, "backbone.norm_f", ("final_norm",), cfg)}
     out.update(_head(w, "lm_head.weight", cfg))
@@ -284,23 +287,37 @@ def mamba_weights(w: Weights, cfg: ModelConfig, hf: dict) -> dict:
         p, L = f"backbone.layers.{i}.", ("layers", i)
         M = L + ("attn",)  # the mixer sits where attention does
         out.update(_norm(w, p + "norm", L + ("attn_norm",), cfg))
-        m = p + "mixer."
-        out[M + ("in_proj",)] = w[m + "in_proj.weight"].T.reshape(D, 2, Di)  # rows: x then z
-        if cfg.ssm.proj_bias:
-            out[M + ("in_bias",)] = w[m + "in_proj.bias"].reshape(2, Di)
-            out[M + ("out_bias",)] = w[m + "out_proj.bias"]
-        out[M + ("conv_w",)] = w[m + "conv1d.weight"][:, 0, :].T  # [Di, 1, K] -> [K, Di]
-        if cfg.ssm.conv_bias:
-            out[M + ("conv_b",)] = w[m + "conv1d.bias"]
-        out[M + ("x_proj",)] = w[m + "x_proj.weight"].T  # [R + 2N, Di] -> [Di, R + 2N]
-        out[M + ("dt_proj",)] = w[m + "dt_proj.weight"].T  # [Di, R] -> [R, Di]
-        out[M + ("dt_bias",)] = w[m + "dt_proj.bias"]
-        out[M + ("A_log",)] = w[m + "A_log"]
-        out[M + ("D",)] = w[m + "D"]
-        out[M + ("out_proj",)] = w[m + "out_proj.weight"].T
+        out.update(mamba_mixer_weights(w, p + "mixer.", M, cfg))
+    return out
+
+
+def mamba_mixer_weights(w: Weights, m: str, M: tuple, cfg: ModelConfig) -> dict:
+    """One Mamba mixer `m` (HF `MambaMixer` / `JambaMambaMixer`) -> our `Mamba` at `M`;
+    with `model.ssm.inner_norm`, Jamba's dt / B / C RMSNorms too."""
+    D, Di = cfg.d_model, cfg.ssm.expand * cfg.d_model
+    out = {M + ("in_proj",): w[m + "in_proj.weight"].T.reshape(D, 2, Di)}  # rows: x then z
+    if cfg.ssm.proj_bias:
+        out[M + ("in_bias",)] = w[m + "in_proj.bias"].reshape(2, Di)
+        out[M + ("out_bias",)] = w[m + "out_proj.bias"]
+    out[M + ("conv_w",)] = w[m + "conv1d.weight"][:, 0, :].T  # [Di, 1, K] -> [K, Di]
+    if cfg.ssm.conv_bias:
+        out[M + ("conv_b",)] = w[m + "conv1d.bias"]
+    out[M + ("x_proj",)] = w[m + "x_proj.weight"].T  # [R + 2N, Di] -> [Di, R + 2N]
+    out[M + ("dt_proj",)] = w[m + "dt_proj.weight"].T  # [Di, R] -> [R, Di]
+    out[M + ("dt_bias",)] = w[m + "dt_proj.bias"]
+    out[M + ("A_log",)] = w[m + "A_log"]
+    out[M + ("D",)] = w[m + "D"]
+    out[M + ("out_proj",)] = w[m + "out_proj.weight"].T
+    if cfg.ssm.inner_norm:
+        for ours, theirs in (("dt_norm", "dt_layernorm"), ("b_norm", "b_layernorm"),
+                             ("c_norm", "c_layernorm")):
+            out[M + (ours, "scale")] = w[f"{m}{theirs}.weight"]
     return out
 
 
 PREFIXES = {"llama": "model.", "mistral": "model.", "qwen3": "model.", "mixtral": "model.",
              "gemma2": "model.", "gpt2": "transformer.", "gpt_neox": "gpt_neox.",
-             "bloom": "transformer.", "bert": "bert.", "mamba": "backbone."}
+             "bloom": "transformer.", "bert": "bert.", "mamba": "backbone.",
+             "mamba2": "backbone.", "qwen3_next": "model.", "jamba": "model.",
+             **dict.fromkeys(("qwen2", "olmo2", "smollm3", "gemma3_text", "phi3", "qwen3_moe"),
+                             "model.")}

@@ -14,12 +14,12 @@ import json
 import math
 import os
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import ml_dtypes
 import numpy as np
 
-__all__ = ["SafetensorsCheckpoint", "save_file"]
+__all__ = ["SafetensorsCheckpoint", "save_file", "write_file"]
 
 _DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -142,21 +142,35 @@ class SafetensorsCheckpoint(Mapping):
 
 def save_file(tensors: Mapping[str, np.ndarray], path: str, metadata: dict | None = None) -> None:
     """Write `{name: array}` as one safetensors file (the layout transformers reads)."""
+    arrays = {name: np.ascontiguousarray(np.asarray(tensors[name])) for name in sorted(tensors)}
+    write_file({n: (a.shape, a.dtype) for n, a in arrays.items()}, arrays.__getitem__, path,
+               metadata)
+
+
+def write_file(specs: Mapping[str, tuple[tuple[int, ...], np.dtype]],
+               tensor: Callable[[str], np.ndarray], path: str,
+               metadata: dict | None = None) -> None:
+    """Write one safetensors file tensor by tensor: `specs` gives each name's shape and
+    dtype (the header) in the order the data is laid out, `tensor(name)` its array,
+    asked for in that order, so one tensor at a time need be in memory."""
     header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
     offset = 0
-    arrays = []
-    for name in sorted(tensors):
-        a = np.ascontiguousarray(np.asarray(tensors[name]))
-        if a.dtype not in _NAMES:
-            raise ValueError(f"{name}: dtype {a.dtype} cannot be written to safetensors")
-        header[name] = {"dtype": _NAMES[a.dtype], "shape": list(a.shape),
-                        "data_offsets": [offset, offset + a.nbytes]}
-        offset += a.nbytes
-        arrays.append(a)
+    for name, (shape, dtype) in specs.items():
+        dtype = np.dtype(dtype)
+        if dtype not in _NAMES:
+            raise ValueError(f"{name}: dtype {dtype} cannot be written to safetensors")
+        nbytes = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": _NAMES[dtype], "shape": list(shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
-        for a in arrays:
+        for name, (shape, dtype) in specs.items():
+            a = np.ascontiguousarray(tensor(name))
+            if a.shape != tuple(shape) or a.dtype != np.dtype(dtype):
+                raise ValueError(f"{name}: got {a.dtype}{list(a.shape)}, the header says "
+                                 f"{np.dtype(dtype)}{list(shape)}")
             f.write(a.tobytes())

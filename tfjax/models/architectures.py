@@ -72,7 +72,8 @@ def check_names(cfg: ModelConfig, prefix: str = "model") -> ModelConfig:
     if causal and c.arch != "decoder":
         raise ValueError(f"{p}.layer_pattern: {', '.join(map(repr, sorted(causal)))} layers are "
                          f"causal mixers for arch='decoder' (arch={c.arch!r})")
-    for name, on in (("diff_attn", c.diff_attn), ("value_residual", c.value_residual != "none")):
+    for name, on in (("diff_attn", c.diff_attn), ("value_residual", c.value_residual != "none"),
+                     ("first_norm_residual", c.first_norm_residual)):  # they see the layer
         other = [k for k in dict.fromkeys(c.layer_pattern) if not LAYER_KINDS.get(k).variants]
         if on and other:
             carry = [k for k in LAYER_KINDS if LAYER_KINDS.get(k).variants]

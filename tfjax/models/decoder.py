@@ -6,6 +6,9 @@ Causal self-attention over the tokens; `segment_ids` `[B,T]` keep packed
 documents apart (with `positions` restarting per document); in prefix-LM mode
 (`prefix_lm=True`, Raffel et al. 2020 / UniLM) the first `prefix_lengths[b]`
 tokens attend bidirectionally. Layers of kind "local" add a sliding window.
+`model.mtp_depth` > 0 adds DeepSeek-V3's multi-token prediction modules
+(`self.mtp`, `tfjax.models.mtp`), trained beside the next-token loss and used as
+the draft of `tfjax.inference.speculative`.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from tfjax.config import ModelConfig
 from tfjax.inference.kv_cache import ModelCache
 from tfjax.models import caching
 from tfjax.models.attention_inputs import layer_biases, layer_masks, relative_bias
+from tfjax.models.mtp import MTPModule, block_config
 from tfjax.models.stack import Embedder, LayerStack, build_norm, default_positions
 from tfjax.ops import masks as masks_lib
 
@@ -31,6 +35,8 @@ class DecoderLM(nnx.Module):
         self.rel_bias = relative_bias(cfg, rngs, bidirectional=False)
         self.layers = LayerStack(cfg, rngs, num_layers=cfg.num_layers)
         self.final_norm = build_norm(cfg, rngs) if cfg.final_norm else None
+        self.mtp = (nnx.List([MTPModule(cfg, rngs) for _ in range(cfg.mtp_depth)])
+                    if cfg.mtp_depth else None)
 
     def mask(self, tokens, segment_ids=None, prefix_lengths=None) -> masks_lib.Mask:
         """The base (global-layer) mask: causal or prefix-LM, within segments."""
@@ -51,22 +57,40 @@ class DecoderLM(nnx.Module):
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
                  segment_ids: jax.Array | None = None, prefix_lengths: jax.Array | None = None):
         """tokens `[B,T]` int -> logits `[B,T,V]` float32."""
-        return self.embed.logits(self.features(tokens, positions, segment_ids, prefix_lengths))
+        return self.head(self.features(tokens, positions, segment_ids, prefix_lengths))
+
+    def head(self, x: jax.Array) -> jax.Array:
+        """The output head: final hidden states `[B,T,D]` (`features`) -> logits
+        `[B,T,V]` float32, row by row (the chunked loss calls it on chunks of T)."""
+        return self.embed.logits(x)
 
     def features(self, tokens: jax.Array, positions: jax.Array | None = None,
                  segment_ids: jax.Array | None = None, prefix_lengths: jax.Array | None = None):
         """tokens `[B,T]` int -> the final hidden states `[B,T,D]` (after the final norm):
         what the output head reads (probes, embeddings, μP's coordinate check)."""
+        return self.head_input(self.hidden(tokens, positions, segment_ids, prefix_lengths))
+
+    def head_input(self, hidden: jax.Array) -> jax.Array:
+        """The last layer's output -> what the head reads (after the final norm)."""
+        return hidden if self.final_norm is None else self.final_norm(hidden)
+
+    def hidden(self, tokens: jax.Array, positions: jax.Array | None = None,
+               segment_ids: jax.Array | None = None, prefix_lengths: jax.Array | None = None):
+        """tokens `[B,T]` int -> the last layer's output `[B,T,D]` (before the final
+        norm: what the multi-token prediction modules read)."""
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [B, T] integers, got shape {tokens.shape}")
         positions = default_positions(tokens) if positions is None else positions
         masks = layer_masks(self.config, self.mask(tokens, segment_ids, prefix_lengths))
         biases = layer_biases(self.config, self.rel_bias, positions, positions)
         x = self.embed(tokens, positions)
-        x = self.layers(x, masks=masks, biases=biases, positions=positions)
-        if self.final_norm is not None:
-            x = self.final_norm(x)
-        return x
+        return self.layers(x, masks=masks, biases=biases, positions=positions)
+
+    def mtp_attention_inputs(self, tokens, positions, segment_ids):
+        """The masks and biases of the MTP modules' layers (causal within documents)."""
+        cfg = block_config(self.config)
+        masks = layer_masks(cfg, masks_lib.causal() & masks_lib.segments(segment_ids))
+        return masks, layer_biases(cfg, self.rel_bias, positions, positions)
 
     def init_cache(self, batch: int, max_len: int, *, dtype=None) -> ModelCache:
         """An empty inference cache: `batch` rows of up to `max_len` tokens (prompt +
@@ -74,7 +98,7 @@ class DecoderLM(nnx.Module):
         return caching.empty_cache(self.config, self.layers.layout, batch, max_len, dtype=dtype)
 
     def step(self, tokens: jax.Array, cache: ModelCache, lengths: jax.Array | None = None, *,
-             all_logits: bool = False, extend: bool = False):
+             all_logits: bool = False, extend: bool = False, return_hidden: bool = False):
         """Inference: append `tokens` `[B,T]` to `cache` (`init_cache`).
 
         T > 1 is a prefill into an empty cache (row b: `lengths[b]` real tokens,
@@ -82,7 +106,9 @@ class DecoderLM(nnx.Module):
         a decode step. `extend=True`: a chunk of a chunked prefill, appended causally
         to a non-empty cache (row b: `lengths[b]` >= 0 real tokens; not prefix-LM).
         Returns (logits `[B,1,V]` at each row's last real token, or `[B,T,V]` with
-        `all_logits`, the new cache).
+        `all_logits`, the new cache), and with `return_hidden` also the last layer's
+        output `[B,T,D]` for every new token (before the final norm; speculative
+        decoding's MTP draft reads it).
         """
         prefix = None
         if extend and self.config.prefix_lm:
@@ -94,10 +120,8 @@ class DecoderLM(nnx.Module):
         s = caching.begin_step(self.config, cache, tokens, lengths, rel_bias=self.rel_bias,
                                base_mask=base, extend=extend)
         x = self.embed(tokens, s.positions)
-        x, layers = self.layers(x, masks=s.masks, biases=s.biases, positions=s.positions,
-                                cache=s.layers)
-        if not all_logits:
-            x = caching.last_token(x, s.last)
-        if self.final_norm is not None:
-            x = self.final_norm(x)
-        return self.embed.logits(x), s.finish(layers)
+        hidden, layers = self.layers(x, masks=s.masks, biases=s.biases, positions=s.positions,
+                                     cache=s.layers)
+        x = hidden if all_logits else caching.last_token(hidden, s.last)
+        out = self.head(self.head_input(x)), s.finish(layers)
+        return out + (hidden,) if return_hidden else out

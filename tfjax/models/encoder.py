@@ -6,8 +6,11 @@
     class_logits = model.classify(tokens, ...)       # [B, num_classes]
 
 Bidirectional self-attention; `attention_mask` `[B,T]` (1 = real token, 0 =
-padding) hides padding keys; `segment_ids` keep packed sequences apart. The MLM
-head is BERT's: dense + GELU + norm, then the tied embedding and an output bias.
+padding) hides padding keys; `segment_ids` keep packed sequences apart. Layer kinds come from
+`model.layer_pattern` as in a decoder, with bidirectional masks: a "local" layer
+sees `model.sliding_window` keys on each side (ModernBERT). The MLM head is BERT's:
+dense + GELU + norm, then the tied embedding and an output bias (either bias off:
+model.mlm_dense_bias, model.mlm_output_bias).
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ from tfjax.parallel.sharding import with_logical_axes
 __all__ = ["EncoderModel"]
 
 
-def _dense(d_in, d_out, cfg, rngs, names):
-    return nnx.Linear(d_in, d_out, dtype=dtype_of(cfg.dtype), param_dtype=dtype_of(cfg.param_dtype),
+def _dense(d_in, d_out, cfg, rngs, names, use_bias=True):
+    return nnx.Linear(d_in, d_out, use_bias=use_bias, dtype=dtype_of(cfg.dtype),
+                      param_dtype=dtype_of(cfg.param_dtype),
                       kernel_init=with_logical_axes(nnx.initializers.normal(cfg.init_std), names),
                       bias_init=with_logical_axes(nnx.initializers.zeros_init(), names[1:]),
                       rngs=rngs)
@@ -40,9 +44,11 @@ class EncoderModel(nnx.Module):
         self.layers = LayerStack(cfg, rngs, num_layers=cfg.num_layers)
         self.final_norm = (build_norm(cfg, rngs)
                            if cfg.final_norm and cfg.norm_placement != "post" else None)
-        self.mlm_dense = _dense(cfg.d_model, cfg.d_model, cfg, rngs, ("embed", "mlp"))
+        self.mlm_dense = _dense(cfg.d_model, cfg.d_model, cfg, rngs, ("embed", "mlp"),
+                                use_bias=cfg.mlm_dense_bias)
         self.mlm_norm = build_norm(cfg, rngs)
-        self.mlm_bias = nnx.Param(jnp.zeros((cfg.vocab_size,), dtype_of(cfg.param_dtype)))
+        self.mlm_bias = (nnx.Param(jnp.zeros((cfg.vocab_size,), dtype_of(cfg.param_dtype)))
+                         if cfg.mlm_output_bias else None)
         self.pooler = _dense(cfg.d_model, cfg.d_model, cfg, rngs, ("embed", "mlp"))
         self.classifier = (_dense(cfg.d_model, cfg.num_classes, cfg, rngs, ("embed", None))
                            if cfg.num_classes else None)
@@ -66,7 +72,8 @@ class EncoderModel(nnx.Module):
 
     def mlm_logits(self, hidden):
         h = self.mlm_norm(jax.nn.gelu(self.mlm_dense(hidden), approximate=False))
-        return self.embed.logits(h) + self.mlm_bias[...].astype(jnp.float32)
+        logits = self.embed.logits(h)
+        return logits if self.mlm_bias is None else logits + self.mlm_bias[...].astype(jnp.float32)
 
     def pool(self, hidden):
         """BERT pooler: tanh(dense(hidden of the first ([CLS]) token)) -> `[B, D]`."""

@@ -113,7 +113,8 @@ def _rope(cfg: ModelConfig, head_dim: int | None = None,
         head_dim=head_dim or cfg.head_size, theta=r.theta, fraction=r.fraction, layout=r.layout,
         scaling=r.scaling, factor=r.factor, original_max_len=r.original_max_len,
         beta_fast=r.beta_fast, beta_slow=r.beta_slow, mscale=r.mscale,
-        low_freq_factor=r.low_freq_factor, high_freq_factor=r.high_freq_factor)
+        low_freq_factor=r.low_freq_factor, high_freq_factor=r.high_freq_factor,
+        truncate=r.truncate, short_factor=r.short_factor, long_factor=r.long_factor)
 
 
 def attention(cfg: ModelConfig, rngs: nnx.Rngs, *, positions: bool, rope_theta: float = 0.0,

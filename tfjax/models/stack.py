@@ -33,12 +33,37 @@ from tfjax.registry import Registry
 __all__ = ["REMAT_POLICIES", "LayerStack", "Embedder", "build_block", "build_norm",
            "default_positions", "dtype_of"]
 
-# Named rematerialisation policies for the scanned layer body.
+# Named rematerialisation policies for the scanned layer body (`model.remat`): what
+# the backward of a layer keeps from its forward; the rest it recomputes from the
+# layer's input. Names are set where the values are made: "attn_q", "attn_k",
+# "attn_v" (q, k, v as the attention reads them, after QK-norm and RoPE:
+# `tfjax.nn.attention.MultiHeadAttention.project`), "attn_out" and "attn_lse" (the
+# tiled attentions' output and logsumexp, the residuals of their backward:
+# `tfjax.ops.vjp`; keeping both is what spares the forward kernel in the backward).
+# "*_offload" keeps the same values in host memory (`save_and_offload_only_these_names`,
+# for platforms with pinned host memory: TPU, GPU). Measured per chip:
+# experiments/results/vs_maxtext.md.
+_ATTN, _QKV = ("attn_out", "attn_lse"), ("attn_q", "attn_k", "attn_v")
+_cp = jax.checkpoint_policies
+
+
+def _offload(names):
+    return _cp.save_and_offload_only_these_names(
+        names_which_can_be_saved=(), names_which_can_be_offloaded=names,
+        offload_src="device", offload_dst="pinned_host")
+
+
 REMAT_POLICIES: Registry = Registry("remat policy")
-REMAT_POLICIES.register("none", None)
-REMAT_POLICIES.register("full", jax.checkpoint_policies.nothing_saveable)
-REMAT_POLICIES.register("dots", jax.checkpoint_policies.dots_saveable)
-REMAT_POLICIES.register("dots_no_batch", jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+REMAT_POLICIES.register("none", None)  # no checkpointing: keep everything
+REMAT_POLICIES.register("full", _cp.nothing_saveable)
+REMAT_POLICIES.register("dots", _cp.dots_saveable)
+REMAT_POLICIES.register("dots_no_batch", _cp.dots_with_no_batch_dims_saveable)
+REMAT_POLICIES.register("attn", _cp.save_only_these_names(*_ATTN))
+REMAT_POLICIES.register("qkv_attn", _cp.save_only_these_names(*_QKV, *_ATTN))
+REMAT_POLICIES.register("dots_attn", _cp.save_from_both_policies(
+    _cp.dots_with_no_batch_dims_saveable, _cp.save_only_these_names(*_ATTN)))
+REMAT_POLICIES.register("attn_offload", _offload(_ATTN))
+REMAT_POLICIES.register("qkv_attn_offload", _offload(_QKV + _ATTN))
 
 
 def dtype_of(name: str):
@@ -62,7 +87,8 @@ def build_block(cfg: ModelConfig, rngs: nnx.Rngs, *, cross: bool = False,
         make_norm=lambda: build_norm(cfg, rngs),
         cross_attn=attention(cfg, rngs, positions=False) if cross else None,
         placement=cfg.norm_placement, parallel=cfg.block == "parallel",
-        parallel_shared_norm=cfg.parallel_shared_norm, dropout_rate=cfg.dropout_rate, rngs=rngs)
+        parallel_shared_norm=cfg.parallel_shared_norm,
+        first_norm_residual=cfg.first_norm_residual, dropout_rate=cfg.dropout_rate, rngs=rngs)
 
 
 class _Cycle(nnx.Module):
@@ -78,7 +104,8 @@ class LayerStack(nnx.Module):
     (parameters stacked over the scanned cycles) and `self.blocks[j]` (unrolled);
     `self.pattern` is the layer kinds of one cycle.
 
-    Depth inputs (`model.diff_attn`, `model.value_residual`): every block then gets
+    Depth inputs (`model.diff_attn`, `model.value_residual`,
+    `model.first_norm_residual`): every block then gets
     its layer index `layer` (an int, traced under the scan: cycle * cycle length +
     position) and, with the value residual, `first_values`, the first layer's values
     of the same tokens (`TransformerBlock.mixer_values` of layer 0's input, carried
@@ -88,7 +115,8 @@ class LayerStack(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, *, num_layers: int, cross: bool = False):
         self.layout = layout = StackLayout.of(cfg, num_layers)
         self.remat = cfg.remat
-        self.depth_inputs = cfg.diff_attn or cfg.value_residual != "none"
+        self.depth_inputs = (cfg.diff_attn or cfg.value_residual != "none"
+                             or cfg.first_norm_residual)
         self.value_residual = cfg.value_residual != "none"
         if layout.num_cycles:
             @nnx.split_rngs(splits=layout.num_cycles)

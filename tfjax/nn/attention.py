@@ -31,7 +31,9 @@ One module serves MHA (K = N), GQA (Ainslie et al. 2023, 1 < K < N) and MQA
   ring: "data" (inside the trainer's steps the batch is already in zig-zag order,
   so no per-layer re-layout), "layer" or "none".
 - `project(...)` and `attend(...)` are separate so a KV cache can sit between
-  them (the inference code stores k, v after RoPE).
+  them (the inference code stores k, v after RoPE). What `project` returns is
+  named "attn_q", "attn_k", "attn_v" (`checkpoint_name`) for the rematerialisation
+  policies that keep it (`tfjax.models.stack.REMAT_POLICIES`).
 - `differential=True`: differential attention (Ye et al. 2024, arXiv:2410.05258).
   Head n's query and key split into contiguous halves of H/2 (q1 = q[..., :H/2]),
   each half-head rotated by a RoPE of H/2 dims, and
@@ -58,6 +60,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from tfjax.nn.norms import make_norm
 from tfjax.nn.positions import RotaryEmbedding, default_positions
@@ -197,7 +200,8 @@ class MultiHeadAttention(nnx.Module):
                 kv_positions = positions if context is x else default_positions(context)
         if self.rope is not None:
             q, k = self._rotate(q, positions), self._rotate(k, kv_positions)
-        return self._temper(q, positions), k, v
+        return (checkpoint_name(self._temper(q, positions), "attn_q"),
+                checkpoint_name(k, "attn_k"), checkpoint_name(v, "attn_v"))
 
     def _rotate(self, x, positions):
         """RoPE of x `[B, L, n, H]`; differential: each half-head on its own."""

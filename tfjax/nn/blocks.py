@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from tfjax.registry import Registry
@@ -32,19 +33,26 @@ PLACEMENTS = ("pre", "post", "sandwich", "output")  # model.norm_placement
 
 
 class TransformerBlock(nnx.Module):
-    """One layer. `make_norm()` builds a fresh norm (called once per norm needed)."""
+    """One layer. `make_norm()` builds a fresh norm (called once per norm needed).
+    `first_norm_residual` (pre norm): at layer 0 (the `layer` its stack passes) the
+    residual stream becomes `attn_norm(x)` too, `x <- n(x); x + attn(x)` (ModernBERT:
+    its embedding norm, then a layer 0 without an attention norm)."""
 
     def __init__(self, *, attn: nnx.Module, ffn: nnx.Module | None, make_norm: Callable[[], nnx.Module],
                  cross_attn: nnx.Module | None = None, placement: str = "pre",
                  parallel: bool = False, parallel_shared_norm: bool = True,
-                 dropout_rate: float = 0.0, rngs: nnx.Rngs | None = None):
+                 first_norm_residual: bool = False, dropout_rate: float = 0.0,
+                 rngs: nnx.Rngs | None = None):
         if placement not in PLACEMENTS:
             raise ValueError(f"norm_placement={placement!r}; allowed: {', '.join(PLACEMENTS)}")
         if parallel and placement != "pre":
             raise ValueError(f"a parallel block needs norm_placement='pre', got {placement!r}")
         if parallel and cross_attn is not None:
             raise ValueError("a parallel block has no cross-attention; use block='sequential'")
+        if first_norm_residual and (parallel or placement != "pre"):
+            raise ValueError("first_norm_residual needs a sequential block with placement='pre'")
         self.placement, self.parallel = placement, parallel
+        self.first_norm_residual = first_norm_residual
         self.attn, self.ffn, self.cross_attn = attn, ffn, cross_attn
         self.attn_norm = make_norm()
         self.ffn_norm = None if (parallel and parallel_shared_norm) or ffn is None else make_norm()
@@ -67,6 +75,18 @@ class TransformerBlock(nnx.Module):
         if post_norm is not None:
             y = post_norm(y)
         return x + self._drop(y)
+
+    def _first_norm_residual(self, x, attn, layer):
+        """The attention sublayer with `first_norm_residual`: h = attn_norm(x), and at
+        layer 0 the residual is h (`layer` traced under a scan: a select)."""
+        if layer is None:
+            raise ValueError("first_norm_residual: the block needs its layer index (layer=)")
+        h = self.attn_norm(x)
+        if isinstance(layer, int):
+            x = h if layer == 0 else x
+        else:
+            x = jnp.where(layer == 0, h, x)
+        return x + self._drop(attn(h))
 
     def mixer_values(self, x: jax.Array) -> jax.Array:
         """The values `[B,T,K,Hv]` this block's self-attention projects from the block
@@ -104,7 +124,10 @@ class TransformerBlock(nnx.Module):
             x = x + self._drop(attn(h))
             x = x if self.ffn is None else x + self._drop(self.ffn(h2))
             return x if cache is None else (x, new_cache)
-        x = self._sublayer(x, attn, self.attn_norm, self.post_attn_norm)
+        if self.first_norm_residual:
+            x = self._first_norm_residual(x, attn, layer)
+        else:
+            x = self._sublayer(x, attn, self.attn_norm, self.post_attn_norm)
         if self.cross_attn is not None:
             if context is None and cache is None:
                 raise ValueError("this block has cross-attention: pass context (the encoder output)")

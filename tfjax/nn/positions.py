@@ -7,7 +7,8 @@ Papers:
   RoPE         Su et al. 2021, "RoFormer"; partial rotary as GPT-NeoX (Black et al. 2022).
   scalings     linear: Chen et al. 2023 (position interpolation); ntk: bloc97 2023
                (NTK-aware base change); dynamic_ntk: emozilla 2023 (as HF transformers);
-               yarn: Peng et al. 2023 ("YaRN"); llama3: Meta 2024 (Llama 3.1 recipe).
+               yarn: Peng et al. 2023 ("YaRN"); llama3: Meta 2024 (Llama 3.1 recipe);
+               longrope: Ding et al. 2024 ("LongRoPE", as Phi-3 in HF transformers).
   ALiBi        Press et al. 2022, "Train Short, Test Long".
   T5 bias      Raffel et al. 2020, bucketing as mesh-tensorflow's `_relative_position_bucket`.
 
@@ -160,6 +161,11 @@ class RotaryEmbedding:
     mscale: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
+    truncate: bool = True  # yarn: round the ramp's edges out to whole pairs (False: gpt-oss)
+    # longrope: divisors of the pairs' frequencies, short while the longest position seen
+    # is within original_max_len, long beyond (as HF: the switch is per call)
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
 
     def __post_init__(self):
         if self.head_dim <= 0:
@@ -190,8 +196,13 @@ class RotaryEmbedding:
         if self.scaling == "yarn" and not self.beta_fast > self.beta_slow > 0:
             raise ValueError(f"beta_fast must be > beta_slow > 0 for yarn, got "
                              f"beta_fast={self.beta_fast}, beta_slow={self.beta_slow}")
-        if self.scaling == "llama3" and not self.high_freq_factor > self.low_freq_factor > 0:
-            raise ValueError(f"high_freq_factor must be > low_freq_factor > 0 for llama3, got "
+        if self.scaling == "longrope" and not (
+                len(self.short_factor) == len(self.long_factor) == self.rotary_dim // 2):
+            raise ValueError(f"short_factor and long_factor: longrope needs rotary_dim / 2 = "
+                             f"{self.rotary_dim // 2} factors each, got "
+                             f"{len(self.short_factor)} and {len(self.long_factor)}")
+        if self.scaling == "llama3" and not self.high_freq_factor >= self.low_freq_factor > 0:
+            raise ValueError(f"high_freq_factor must be >= low_freq_factor > 0 for llama3, got "
                              f"high_freq_factor={self.high_freq_factor}, "
                              f"low_freq_factor={self.low_freq_factor}")
 
@@ -201,15 +212,19 @@ class RotaryEmbedding:
 
     @property
     def attention_factor(self) -> float:
-        """Multiplier on cos and sin: YaRN's temperature 0.1 * mscale * ln(s) + 1, else 1."""
+        """Multiplier on cos and sin: YaRN's temperature 0.1 * mscale * ln(s) + 1,
+        LongRoPE's sqrt(1 + ln(s) / ln(original_max_len)), else 1."""
         if self.scaling == "yarn" and self.factor > 1.0:
             return 0.1 * self.mscale * math.log(self.factor) + 1.0
+        if self.scaling == "longrope" and self.factor > 1.0:
+            return math.sqrt(1.0 + math.log(self.factor) / math.log(self.original_max_len))
         return 1.0
 
     def inv_freq(self, seq_len: jax.Array | int | None = None) -> Float[Array, " R"]:
         """Angular frequency of each rotated pair, [rotary_dim // 2], float32.
 
-        `seq_len` (may be traced) is the current length, used only by dynamic_ntk.
+        `seq_len` (may be traced) is the current length, used only by dynamic_ntk and
+        longrope.
         """
         return ROPE_SCALINGS.get(self.scaling, field="scaling")(self, seq_len)
 
@@ -223,8 +238,10 @@ class RotaryEmbedding:
             raise ValueError(f"positions must be [B, T] for x [B, T, N, H]; got positions "
                              f"{positions.shape} and x {x.shape}")
         r = self.rotary_dim
-        # dynamic_ntk grows the base with the longest position in the batch, as HF does.
-        seq_len = jnp.max(positions) + 1 if self.scaling == "dynamic_ntk" else None
+        # dynamic_ntk grows the base with the longest position in the batch, as HF does;
+        # longrope picks its factors by it.
+        seq_len = (jnp.max(positions) + 1 if self.scaling in ("dynamic_ntk", "longrope")
+                   else None)
         inv_freq = self.inv_freq(seq_len)  # [R/2]
         angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, R/2]
         cos = (jnp.cos(angles) * self.attention_factor)[..., None, :]  # [B, T, 1, R/2]
@@ -285,6 +302,16 @@ def _rope_dynamic_ntk(rope: RotaryEmbedding, seq_len=None) -> jax.Array:
     return _inv_freq_from_base(base, d)
 
 
+@ROPE_SCALINGS.register("longrope")
+def _rope_longrope(rope: RotaryEmbedding, seq_len=None) -> jax.Array:
+    plain = _inv_freq_from_base(rope.theta, rope.rotary_dim)
+    short = jnp.asarray(rope.short_factor, jnp.float32)
+    if seq_len is None:
+        return plain / short
+    longer = jnp.asarray(seq_len) > rope.original_max_len
+    return plain / jnp.where(longer, jnp.asarray(rope.long_factor, jnp.float32), short)
+
+
 @ROPE_SCALINGS.register("yarn")
 def _rope_yarn(rope: RotaryEmbedding, seq_len=None) -> jax.Array:
     # NTK-by-parts: pairs that rotate more than beta_fast times over the original context
@@ -292,6 +319,7 @@ def _rope_yarn(rope: RotaryEmbedding, seq_len=None) -> jax.Array:
     # interpolated by s, and a ramp blends between. The ramp is linear in the pair index
     # between floor/ceil of the band edges, as the authors' released code and HF do (the
     # paper's eq. writes it linear in the rotation count); checkpoints were trained so.
+    # truncate=False keeps the fractional edges (gpt-oss; HF's rope_parameters.truncate).
     d = rope.rotary_dim
     inv_freq = _inv_freq_from_base(rope.theta, d)
 
@@ -300,8 +328,10 @@ def _rope_yarn(rope: RotaryEmbedding, seq_len=None) -> jax.Array:
         return (d * math.log(rope.original_max_len / (num_rotations * 2 * math.pi))
                 / (2 * math.log(rope.theta)))
 
-    low = max(math.floor(edge(rope.beta_fast)), 0)
-    high = min(math.ceil(edge(rope.beta_slow)), d - 1)
+    low, high = edge(rope.beta_fast), edge(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
     if low == high:
         high += 0.001  # avoid a zero-width ramp
     ramp = jnp.clip((jnp.arange(d // 2, dtype=jnp.float32) - low) / (high - low), 0.0, 1.0)
@@ -313,12 +343,12 @@ def _rope_yarn(rope: RotaryEmbedding, seq_len=None) -> jax.Array:
 def _rope_llama3(rope: RotaryEmbedding, seq_len=None) -> jax.Array:
     # Wavelengths longer than original_max_len / low_freq_factor are interpolated by s,
     # shorter than original_max_len / high_freq_factor kept, and the band between blended
-    # by the rotation count.
+    # by the rotation count (no band when the two are equal: Llama 4 Scout's 1 / 1).
     inv_freq = _inv_freq_from_base(rope.theta, rope.rotary_dim)
     orig = float(rope.original_max_len)
     wavelen = 2 * math.pi / inv_freq
     lo, hi = rope.low_freq_factor, rope.high_freq_factor
-    smooth = (orig / wavelen - lo) / (hi - lo)  # rotations over the original context, rescaled
+    smooth = (orig / wavelen - lo) / ((hi - lo) or 1.0)  # rotations over the original context
     blended = (1.0 - smooth) * inv_freq / rope.factor + smooth * inv_freq
     out = jnp.where(wavelen > orig / lo, inv_freq / rope.factor, inv_freq)
     is_medium = (wavelen >= orig / hi) & (wavelen <= orig / lo)

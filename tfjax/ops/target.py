@@ -3,8 +3,14 @@
 Attention dispatch and the kernels decide by the *target*, not by the machine
 tracing: an AOT compile for a TPU slice or a GPU runs on a CPU host.
 
-- `target_platform()`: "cpu", "gpu" or "tpu". The platform of the innermost
-  active `targeting(platform)`, else jax's default backend.
+- `target_platform(*arrays)`: "cpu", "gpu" or "tpu": `traced_platform(*arrays)`,
+  else jax's default backend.
+- `traced_platform(*arrays)`: the platform the trace itself names, or None: the
+  innermost active `targeting(platform)`'s, else that of the mesh being traced
+  under (`jax.sharding.get_abstract_mesh()`: inside a `shard_map` over a TPU
+  topology's devices, or `jax.set_mesh`), else that of the first of `arrays`
+  whose sharding has a mesh with devices (a `jit` lowered with a TPU topology's
+  shardings). Abstract meshes carry their devices' platform in jax >= 0.6.
 - `targeting(platform, per_device=...)`: the context that sets it. The sharding
   context of the layer above, `use_rules(mesh, rules)`, enters it with the mesh's
   platform and a `per_device` runner it builds: the runner is handed down, so
@@ -38,7 +44,8 @@ from typing import Callable, Iterator
 import jax
 
 __all__ = ["GPU_COMPUTE_CAPABILITY", "GPU_SMS", "device_platform", "gpu_lowering_target",
-           "is_hopper", "per_device", "sm_count", "target_platform", "targeting"]
+           "is_hopper", "per_device", "sm_count", "target_platform", "targeting",
+           "traced_platform"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,11 +80,40 @@ def targeting(platform: str | None = None, *, per_device: Callable | None = None
         _ACTIVE.target = saved
 
 
-def target_platform() -> str:
-    """The platform what is being traced will run on: the active `targeting`'s
-    (`use_rules`: that of the mesh's devices), else jax's default backend."""
-    platform = _ACTIVE.target.platform
+def target_platform(*arrays) -> str:
+    """The platform what is being traced will run on: `traced_platform(*arrays)`,
+    else jax's default backend."""
+    platform = traced_platform(*arrays)
     return platform if platform is not None else jax.default_backend()
+
+
+def traced_platform(*arrays) -> str | None:
+    """The platform the trace names (see the module): the active `targeting`'s
+    (`use_rules`: that of the mesh's devices), the abstract mesh's, or the mesh of
+    one of `arrays`' shardings; None when none does."""
+    if _ACTIVE.target.platform is not None:
+        return _ACTIVE.target.platform
+    platform = _mesh_platform(jax.sharding.get_abstract_mesh())
+    for x in arrays:
+        if platform is not None:
+            break
+        try:
+            sharding = jax.typeof(x).sharding
+        except (AttributeError, TypeError):  # not an array (a python scalar, None)
+            continue
+        platform = _mesh_platform(getattr(sharding, "mesh", None))
+    return platform
+
+
+def _mesh_platform(mesh) -> str | None:
+    """The platform of a (concrete or abstract) mesh's devices, or None (no mesh, an
+    empty one, or an abstract mesh built without devices)."""
+    if mesh is None or getattr(mesh, "empty", True):
+        return None
+    device = getattr(mesh, "abstract_device", None)
+    if device is None and getattr(mesh, "devices", None) is not None:  # a concrete Mesh
+        device = mesh.devices.flat[0]
+    return device_platform(device) if device is not None else None
 
 
 def per_device() -> Callable | None:

@@ -17,10 +17,12 @@ and key 0). The implementation supplies
 and optionally `forward_for_grad` (same signature as `forward`), the forward run
 when the call is differentiated (blockwise lays out a batch of one differently
 there). The saved residuals are the inputs, out and lse (O(T*H) activation
-memory); the logsumexp is differentiable (`dlse`, which ring attention's merge
-of partial results needs). Cotangents: the mask, ALiBi's slopes and the offsets
-get zeros (float0 for integers); T5's table gets `dtable` in its dtype, its
-positions zeros.
+memory), out and lse named "attn_out" and "attn_lse" (`checkpoint_name`) so a
+rematerialisation policy can keep them and never rerun the forward kernel in the
+backward (`tfjax.models.stack.REMAT_POLICIES`); the logsumexp is differentiable
+(`dlse`, which ring attention's merge of partial results needs). Cotangents: the
+mask, ALiBi's slopes and the offsets get zeros (float0 for integers); T5's table
+gets `dtable` in its dtype, its positions zeros.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 __all__ = ["attention_vjp", "backward_rows", "zero_cotangent", "zero_cotangents"]
 
@@ -70,6 +73,7 @@ def attention_vjp(forward: Callable, backward: Callable, *,
 
     def attention_fwd(cfg, *args):
         out, lse = (forward_for_grad or forward)(cfg, *args)
+        out, lse = checkpoint_name(out, "attn_out"), checkpoint_name(lse, "attn_lse")
         return (out, lse), (*args, out, lse)
 
     def attention_bwd(cfg, res, cts):

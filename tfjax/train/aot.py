@@ -26,7 +26,8 @@ from tfjax.ops.target import gpu_lowering_target
 from tfjax.parallel.mesh import make_mesh
 from tfjax.train.trainer import build_program, check_run
 
-__all__ = ["GPU_TARGET_CONFIGS", "HBM_BYTES", "compile_only", "gpu_devices", "tpu_devices"]
+__all__ = ["GPU_TARGET_CONFIGS", "HBM_BYTES", "compile_only", "compile_step", "gpu_devices",
+           "step_figures", "tpu_devices"]
 
 GiB = 1024 ** 3
 # HBM per chip.
@@ -121,7 +122,10 @@ def _per_device_bytes(abstract, shardings) -> int:
     return total
 
 
-def compile_only(cfg: RunConfig, topology: str | None, build_model=None, out=sys.stdout) -> int:
+def compile_step(cfg: RunConfig, topology: str | None, build_model=None):
+    """AOT-compile the run's sharded train step for `topology` (None: the local
+    devices): (the compiled step, its `Program`, the mesh, HBM bytes per device or
+    None)."""
     check_names(cfg.validate().model)
     if topology:
         devices, hbm = topology_devices(topology)
@@ -130,28 +134,49 @@ def compile_only(cfg: RunConfig, topology: str | None, build_model=None, out=sys
     mesh = make_mesh(cfg.mesh, devices)
     check_run(cfg, mesh, load_tokenizer(cfg.data.tokenizer))
     p = build_program(cfg, mesh, build_model or build)
-    t = cfg.train
     abstract_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                   p.abstract_state, p.state_shardings)
     batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=p.batch_shardings[k])
              for k, shape in p.batch_shapes.items()}  # the objective's batch
     with _lowering_for(devices[0]):
         compiled = p.step.lower(abstract_state, batch).compile()
+    return compiled, p, mesh, hbm
+
+
+def step_figures(compiled, p) -> dict[str, float]:
+    """Per-device bytes of a compiled step of `Program` p: params (with LoRA's frozen
+    base), opt, temp (XLA's temporaries), code, total, and arguments (XLA's count of
+    the step's inputs: the state and the batch); and XLA's own step-time estimate,
+    `optimal_seconds` (`cost_analysis()`; 0 where the backend has none)."""
     mem = compiled.memory_analysis()
-    params = sum(_per_device_bytes(p.abstract_state[k], p.state_shardings[k])  # LoRA: + frozen
+    params = sum(_per_device_bytes(p.abstract_state[k], p.state_shardings[k])
                  for k in ("params", "frozen") if k in p.abstract_state)
     opt = _per_device_bytes(p.abstract_state["opt"], p.state_shardings["opt"])
     temp = int(getattr(mem, "temp_size_in_bytes", 0) or 0) if mem is not None else 0
     code = int(getattr(mem, "generated_code_size_in_bytes", 0) or 0) if mem is not None else 0
-    total = params + opt + temp + code
+    cost = compiled.cost_analysis()
+    cost = (cost[0] if isinstance(cost, (list, tuple)) and cost else cost) or {}
+    arguments = int(getattr(mem, "argument_size_in_bytes", 0) or 0) if mem is not None else 0
+    return dict(params=params, opt=opt, temp=temp, code=code, total=params + opt + temp + code,
+                arguments=arguments, optimal_seconds=float(cost.get("optimal_seconds", 0.0) or 0.0))
+
+
+def compile_only(cfg: RunConfig, topology: str | None, build_model=None, out=sys.stdout) -> int:
+    compiled, p, mesh, hbm = compile_step(cfg, topology, build_model)
+    devices, t = list(mesh.devices.flat), cfg.train
+    f = step_figures(compiled, p)
+    total = f["total"]
     where = topology or f"{len(devices)} local {devices[0].platform} device(s)"
     lines = [
         f"compiled train step for {where}, mesh {dict(mesh.shape)}",
         f"  model: {p.num_params / 1e6:,.1f}M parameters ({cfg.model.param_dtype}), "
         f"global batch {t.batch_size} x {t.seq_len}",
-        f"  per device: parameters {_fmt(params)}, optimizer {_fmt(opt)}, "
-        f"temporaries {_fmt(temp)}, code {_fmt(code)} -> {_fmt(total)}",
+        f"  per device: parameters {_fmt(f['params'])}, optimizer {_fmt(f['opt'])}, "
+        f"temporaries {_fmt(f['temp'])}, code {_fmt(f['code'])} -> {_fmt(total)}",
     ]
+    if f["optimal_seconds"]:
+        lines.append(f"  XLA's step-time estimate (optimal_seconds): "
+                     f"{f['optimal_seconds'] * 1e3:,.1f} ms")
     if hbm:
         lines.append(f"  HBM per chip {hbm / GiB:.0f} GiB: "
                      f"{'FITS' if total <= hbm else 'DOES NOT FIT'} ({100 * total / hbm:.0f}%)")

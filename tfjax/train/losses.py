@@ -5,18 +5,48 @@ padding and for the first token of every document in a packed row (its "previous
 token" belongs to another document), so no gradient crosses a document boundary.
 Sums (not means) are returned so gradient accumulation over microbatches and
 evaluation over many batches weight every token equally.
+
+`chunked_cross_entropy_sums` computes the same sums from the final hidden states
+and the output head without ever holding the `[B, T, V]` logits: a `lax.scan`
+over chunks of positions, each chunk's logits recomputed in the backward
+(`jax.checkpoint`), so the loss holds O(B x chunk x V) instead of the float32
+logits of the whole batch (1.96 GiB per chip for Llama-3.2-1B's 128,256 tokens at
+2 x 2048 rows; experiments/results/vs_maxtext.md). Chunk j holds the positions
+j, j + n, j + 2n, ... (n chunks), so a sequence-sharded row keeps every device's
+positions in every chunk. Both reduce the same per-token float32 terms the same
+way, so in float32 the sums are bitwise those of the materialised logits, and the
+gradients equal within rounding (the head's gradient is summed chunk by chunk).
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
-__all__ = ["bits_per_byte", "cross_entropy_sums"]
+__all__ = ["bits_per_byte", "chunked_cross_entropy_sums", "cross_entropy_sums"]
 
 LN2 = math.log(2.0)
+
+
+def _token_terms(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """logits [..., V] -> (log Z, the target's logit), float32 [...]."""
+    logits = logits.astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    target_logit = jnp.take_along_axis(logits, targets[..., None].astype(jnp.int32), -1)[..., 0]
+    return lse, target_logit
+
+
+def _sums(lse, target_logit, mask, target_bytes) -> dict[str, jax.Array]:
+    mask = mask.astype(jnp.float32)
+    nll = (lse - target_logit) * mask
+    out = dict(nll=nll.sum(), z=(jnp.square(lse) * mask).sum(), tokens=mask.sum())
+    out["bytes"] = (target_bytes.astype(jnp.float32) * mask).sum() if target_bytes is not None \
+        else out["tokens"]
+    return out
 
 
 def cross_entropy_sums(logits: jax.Array, targets: jax.Array, mask: jax.Array,
@@ -27,15 +57,45 @@ def cross_entropy_sums(logits: jax.Array, targets: jax.Array, mask: jax.Array,
     tokens (number of counted targets) and bytes (UTF-8 bytes those targets stand
     for; 0 for special tokens), all float32 scalars.
     """
-    logits = logits.astype(jnp.float32)
-    mask = mask.astype(jnp.float32)
-    lse = jax.nn.logsumexp(logits, axis=-1)  # [B, T]
-    target_logit = jnp.take_along_axis(logits, targets[..., None].astype(jnp.int32), -1)[..., 0]
-    nll = (lse - target_logit) * mask
-    out = dict(nll=nll.sum(), z=(jnp.square(lse) * mask).sum(), tokens=mask.sum())
-    out["bytes"] = (target_bytes.astype(jnp.float32) * mask).sum() if target_bytes is not None \
-        else out["tokens"]
-    return out
+    return _sums(*_token_terms(logits, targets), mask, target_bytes)
+
+
+def chunked_cross_entropy_sums(head: Callable[[jax.Array], jax.Array], x: jax.Array,
+                               targets: jax.Array, mask: jax.Array,
+                               target_bytes: jax.Array | None = None, *,
+                               chunk: int) -> dict[str, jax.Array]:
+    """`cross_entropy_sums(head(x), targets, mask, target_bytes)` with the logits of
+    at most `chunk` positions of each row alive at once (see the module).
+
+    head: final hidden states `[B, c, D]` -> logits `[B, c, V]` (any c; row-wise, as
+    an output projection is). x `[B, T, D]`; targets, mask, target_bytes `[B, T]`.
+    T <= chunk (or chunk <= 0) calls `head(x)` once, the plain formula. T not a
+    multiple of the chunk count is padded with masked positions.
+    """
+    B, T = targets.shape
+    n = -(-T // chunk) if chunk > 0 else 1
+    if n <= 1:
+        return cross_entropy_sums(head(x), targets, mask, target_bytes)
+    c = -(-T // n)  # positions per chunk
+    pad = n * c - T
+    if pad:
+        x = jnp.pad(x, ((0, 0), (0, pad), (0, 0)))
+        targets = jnp.pad(targets, ((0, 0), (0, pad)))
+    # chunk j: positions i * n + j, i < c  ->  [n, B, c, ...]
+    xs = x.reshape(B, c, n, x.shape[-1]).transpose(2, 0, 1, 3)
+    ts = targets.reshape(B, c, n).transpose(2, 0, 1)
+
+    # the backward recomputes a chunk's logits instead of saving them
+    @functools.partial(jax.checkpoint, prevent_cse=False)
+    def terms(xc, tc):
+        return _token_terms(head(xc), tc)
+
+    _, (lse, target_logit) = jax.lax.scan(lambda carry, xt: (carry, terms(*xt)), None, (xs, ts))
+
+    def unchunk(y):  # [n, B, c] -> [B, T]
+        return y.transpose(1, 2, 0).reshape(B, n * c)[:, :T]
+
+    return _sums(unchunk(lse), unchunk(target_logit), mask, target_bytes)
 
 
 def bits_per_byte(nll_sum, num_bytes):

@@ -42,8 +42,9 @@ from tfjax.config import RunConfig
 from tfjax.data import objectives as D
 from tfjax.data.pipeline import BATCH_KEYS, PackedBatches
 from tfjax.data.sources import documents
+from tfjax.models.mtp import mtp_predictions
 from tfjax.registry import Registry
-from tfjax.train.losses import LN2, cross_entropy_sums
+from tfjax.train.losses import LN2, chunked_cross_entropy_sums, cross_entropy_sums
 
 __all__ = ["OBJECTIVES", "Objective", "check_objective", "encdec_lengths", "eval_line",
            "eval_metrics"]
@@ -56,7 +57,10 @@ class Objective:
     arch: the `model.arch` it trains. source(cfg, split): the documents or examples.
     batches(cfg, tokenizer, source, local_rows, train): a checkpointable iterator of
     numpy batches (`get_state` / `set_state`). shapes(cfg): each batch key's global
-    shape. forward(model, batch): the loss sums (nll, z, tokens, bytes, and `extra`).
+    shape. forward(model, batch, loss_chunk=0): the loss sums (nll, z, tokens, bytes,
+    and `extra`); `loss_chunk` (`train.loss_chunk`) is read by the decoder objectives,
+    whose next-token loss then goes through the model's `features` and `head`
+    (`chunked_cross_entropy_sums`); the others materialise their logits.
     specials(cfg): ids it needs above the tokenizer's vocabulary, and what they are.
     check(cfg, tokenizer, n_seq): its own config checks (n_seq: sequence shards).
     """
@@ -104,10 +108,41 @@ def _correct(logits, targets, mask):
     return (hit * mask.astype(jnp.float32)).sum()
 
 
+def _head_sums(model, features, targets, mask, target_bytes, loss_chunk):
+    """The head's cross-entropy sums over `features` `[B,T,D]`; with `loss_chunk` (and
+    T > loss_chunk) a chunk of positions at a time."""
+    if loss_chunk and targets.shape[1] > loss_chunk:
+        return chunked_cross_entropy_sums(model.head, features, targets, mask, target_bytes,
+                                          chunk=loss_chunk)
+    return cross_entropy_sums(model.head(features), targets, mask, target_bytes)
+
+
+def _next_token_sums(model, b, loss_chunk, **kwargs):
+    """A decoder's next-token loss sums; with `loss_chunk` (and T > loss_chunk) from
+    `model.features` and `model.head` (`model(...) == model.head(model.features(...))`)
+    a chunk of positions at a time. A model with multi-token prediction modules
+    (`model.mtp_depth`, `tfjax.models.mtp`) adds `mtp`: model.mtp_loss_weight / D x
+    the sum over depths of their nll sums (added to the loss beside the main nll,
+    normalised by the same token count)."""
+    args = dict(positions=b["positions"], segment_ids=b["segment_ids"], **kwargs)
+    chunked = loss_chunk and b["targets"].shape[1] > loss_chunk
+    if getattr(model, "mtp", None) is None and not chunked:
+        return cross_entropy_sums(model(b["inputs"], **args), b["targets"], b["mask"],
+                                  b["target_bytes"])
+    hidden = model.hidden(b["inputs"], **args)
+    sums = _head_sums(model, model.head_input(hidden), b["targets"], b["mask"],
+                      b["target_bytes"], loss_chunk)
+    if getattr(model, "mtp", None) is not None:
+        depths = mtp_predictions(model, hidden, b)
+        nll = sum(_head_sums(model, d["features"], d["targets"], d["mask"], d["target_bytes"],
+                             loss_chunk)["nll"] for d in depths)
+        sums["mtp"] = model.config.mtp_loss_weight / len(depths) * nll
+    return sums
+
+
 # ---------------------------------------------------------------- causal_lm
-def _causal_lm_forward(model, b):
-    logits = model(b["inputs"], positions=b["positions"], segment_ids=b["segment_ids"])
-    return cross_entropy_sums(logits, b["targets"], b["mask"], b["target_bytes"])
+def _causal_lm_forward(model, b, loss_chunk=0):
+    return _next_token_sums(model, b, loss_chunk)
 
 
 def _causal_lm_check(cfg, tokenizer, n_seq):
@@ -128,10 +163,8 @@ def _prefix_lm_batches(cfg, tokenizer, source, local_rows, train):
                            lambda b, i, rows: D.prefix_lm_batch(b, i, rows, seed=cfg.seed))
 
 
-def _prefix_lm_forward(model, b):
-    logits = model(b["inputs"], positions=b["positions"], segment_ids=b["segment_ids"],
-                   prefix_lengths=b["prefix_lengths"])
-    return cross_entropy_sums(logits, b["targets"], b["mask"], b["target_bytes"])
+def _prefix_lm_forward(model, b, loss_chunk=0):
+    return _next_token_sums(model, b, loss_chunk, prefix_lengths=b["prefix_lengths"])
 
 
 def _prefix_lm_check(cfg, tokenizer, n_seq):
@@ -155,7 +188,7 @@ def _mlm_batches(cfg, tokenizer, source, local_rows, train):
                                        rate=t.mlm_rate, whole_word=t.whole_word_mask))
 
 
-def _mlm_forward(model, b):
+def _mlm_forward(model, b, loss_chunk=0):
     logits = model(b["inputs"], segment_ids=b["segment_ids"], positions=b["positions"])
     sums = cross_entropy_sums(logits, b["targets"], b["mask"], b["target_bytes"])
     sums["correct"] = _correct(logits, b["targets"], b["mask"])
@@ -188,7 +221,7 @@ def _classification_batches(cfg, tokenizer, source, local_rows, train):
         local_rows=local_rows, seed=cfg.seed, shuffle=train and cfg.data.shuffle, repeat=train)
 
 
-def _classification_forward(model, b):
+def _classification_forward(model, b, loss_chunk=0):
     logits = model.classify(b["inputs"], segment_ids=b["segment_ids"], positions=b["positions"])
     sums = cross_entropy_sums(logits[:, None], b["labels"][:, None], b["mask"][:, None])
     sums["correct"] = _correct(logits, b["labels"], b["mask"])
@@ -224,7 +257,7 @@ def encdec_lengths(cfg: RunConfig) -> tuple[int, int, int]:
     return t.seq_len, t.target_len or t.seq_len, 0
 
 
-def _encdec_forward(model, b):
+def _encdec_forward(model, b, loss_chunk=0):
     logits = model(b["encoder_inputs"], b["decoder_inputs"], b["encoder_segment_ids"],
                    b["decoder_segment_ids"], b["encoder_positions"], b["decoder_positions"])
     sums = cross_entropy_sums(logits, b["targets"], b["mask"], b["target_bytes"])

@@ -160,5 +160,5 @@ def build_program(cfg: RunConfig, mesh, build_model) -> Program:
                      in_shardings=(state_shardings, shardings),
                      out_shardings=(state_shardings, rep), donate_argnums=0),
         eval=jax.jit(traced(make_eval_step(eval_graphdef, mesh, rules, t.objective,
-                                           lora and lora.merge)),
+                                           lora and lora.merge, t.loss_chunk)),
                      in_shardings=(state_shardings, shardings), out_shardings=rep))

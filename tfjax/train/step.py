@@ -14,7 +14,8 @@ Microbatch i takes rows i, i+M, i+2M, ... so every device keeps its own rows.
 
 How the model is called and what is summed is the objective's (`train.objective`,
 `tfjax.train.objectives`); "causal_lm" is `model(inputs, positions, segment_ids)`
-and the masked next-token cross-entropy of `losses.py`.
+and the masked next-token cross-entropy of `losses.py` (with `train.loss_chunk`, the
+model's `features` and `head` a chunk of positions at a time).
 """
 
 from __future__ import annotations
@@ -35,19 +36,21 @@ from tfjax.train.objectives import OBJECTIVES, Objective
 __all__ = ["forward_sums", "make_eval_step", "make_train_step"]
 
 
-def forward_sums(graphdef, params, rest, batch, objective: Objective | None = None
-                 ) -> tuple[dict[str, jax.Array], Any]:
-    """Run the model on a batch as `objective` says (default causal_lm); return the
-    loss sums and the model's updated non-param state."""
+def forward_sums(graphdef, params, rest, batch, objective: Objective | None = None,
+                 loss_chunk: int = 0) -> tuple[dict[str, jax.Array], Any]:
+    """Run the model on a batch as `objective` says (default causal_lm; `loss_chunk`:
+    `train.loss_chunk`); return the loss sums and the model's updated non-param state."""
     # Fresh Variables in this trace: `rest` (RNG counters, MoE statistics) enters from
     # outside value_and_grad, and nnx transforms inside the model (scan) refuse
     # Variables of another trace level.
     rest = jax.tree.map(lambda x: x, rest)
     model = nnx.merge(graphdef, params, rest)
-    sums = (objective or OBJECTIVES.get("causal_lm")).forward(model, batch)
+    sums = (objective or OBJECTIVES.get("causal_lm")).forward(model, batch, loss_chunk)
     # MoE load-balancing + router z-losses (already weighted; 0 without MoE layers),
     # as a sum over tokens so microbatches add up like the other sums.
     sums["moe_aux"] = moe_aux(model)["aux_loss"] * sums["tokens"]
+    # multi-token prediction (already weighted; 0 without MTP modules)
+    sums.setdefault("mtp", jnp.zeros((), jnp.float32))
     return sums, nnx.state(model, nnx.Not(nnx.Param))
 
 
@@ -67,8 +70,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: TrainConfig
     def loss_fn(params, rest, batch, denom, frozen):
         # the frozen base enters from outside value_and_grad, like `rest` (forward_sums)
         full = params if merge is None else merge(jax.tree.map(lambda x: x, frozen), params)
-        sums, rest = forward_sums(graphdef, full, rest, batch, objective)
-        loss = (sums["nll"] + cfg.z_loss * sums["z"] + sums["moe_aux"]) / denom
+        sums, rest = forward_sums(graphdef, full, rest, batch, objective, cfg.loss_chunk)
+        loss = (sums["nll"] + cfg.z_loss * sums["z"] + sums["moe_aux"] + sums["mtp"]) / denom
         return loss, (sums, rest)
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
@@ -86,7 +89,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: TrainConfig
                     lambda x: x.reshape(B // M, M, *x.shape[1:]).swapaxes(0, 1), batch)
                 zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
                 zsums = {k: jnp.zeros((), jnp.float32)
-                         for k in ("nll", "z", "tokens", "bytes", "moe_aux", *objective.extra)}
+                         for k in ("nll", "z", "tokens", "bytes", "moe_aux", "mtp",
+                                   *objective.extra)}
 
                 def body(carry, mb):
                     acc, rest, tot = carry
@@ -106,6 +110,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: TrainConfig
             metrics = dict(loss=sums["nll"] / jnp.maximum(sums["tokens"], 1.0),
                            z=sums["z"] / jnp.maximum(sums["tokens"], 1.0),
                            moe_aux=sums["moe_aux"] / jnp.maximum(sums["tokens"], 1.0),
+                           mtp=sums["mtp"] / jnp.maximum(sums["tokens"], 1.0),
                            nll_sum=sums["nll"], tokens=sums["tokens"], bytes=sums["bytes"],
                            grad_norm=grad_norm, **{k: sums[k] for k in objective.extra})
             return new, metrics
@@ -114,16 +119,18 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: TrainConfig
 
 
 def make_eval_step(graphdef, mesh=None, rules=(), objective: str = "causal_lm",
-                   merge: Callable | None = None) -> Callable:
+                   merge: Callable | None = None, loss_chunk: int = 0) -> Callable:
     """A pure `eval_step(state, batch) -> sums` (nll, z, tokens, bytes, and the
-    objective's `extra` sums); `merge` as for `make_train_step`."""
+    objective's `extra` sums); `merge` as for `make_train_step`, `loss_chunk` is
+    `train.loss_chunk`."""
     obj = OBJECTIVES.get(objective, field="train.objective")
 
     def eval_step(state, batch):
         with use_rules(mesh, rules) if mesh is not None else _nullcontext():
             params = state["params"] if merge is None else merge(state["frozen"],
                                                                  state["params"])
-            sums, _ = forward_sums(graphdef, params, state["rest"], _constrain(batch), obj)
+            sums, _ = forward_sums(graphdef, params, state["rest"], _constrain(batch), obj,
+                                   loss_chunk)
             return sums
 
     return eval_step

@@ -392,6 +392,8 @@ class Trainer:
                 rec.update(tokens_per_s=tps, step_time_s=dt, mfu=fpt * tps / peak if peak else 0.0)
             if t.z_loss:
                 rec["z_loss"] = float(np.mean([v["z"] for _, v in vals]))
+            if self.cfg.model.mtp_depth:  # weighted multi-token prediction loss per token
+                rec["mtp_loss"] = float(np.mean([v["mtp"] for _, v in vals]))
             writer.write(step, **rec, **clock.split())
             speed = (f" {rec['tokens_per_s']:,.0f} tok/s mfu {100 * rec['mfu']:.1f}%"
                      if "mfu" in rec else "")

@@ -8,7 +8,8 @@ Masks in kernels: positional masks (causal, windows, chunks) become iota
 arithmetic on global positions; per-example scalars (padding and prefix lengths)
 become scalar-prefetch operands; segment ids, explicit positions (`Positions`,
 a KV cache's mask) and Longformer's global-position flags become blocked VMEM
-operands (`[B, Tp, 1]` and `[B, 1, Sp]`); BigBird's random blocks are re-drawn
+operands (`[B, Tp]` and `[B, Sp]`, blocked as each kernel's tiles need: lane-major
+`[B, 1, L]` in the Mosaic TPU kernels); BigBird's random blocks are re-drawn
 in the tile by the mask's own seeded hash (int32 arithmetic). A mask kind this
 module does not know is refused by `mask_support` (the "pallas" implementation
 then declines the request).

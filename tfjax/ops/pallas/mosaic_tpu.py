@@ -17,10 +17,18 @@ Design choices:
   K/V are never repeated. dk/dv accumulate over the G query heads of a kv head
   inside the kernel (grid axis g).
 - **Any length / head dim**: sequences are padded to the tile size and the tail
-  tiles are marked PARTIAL (padding masked); head dims are zero-padded to a
-  multiple of 128 lanes (zeros change no dot product).
-- Layout `[B, N, T, H]`; the logsumexp travels as `[B, N, T, 1]` (forward, dq)
-  and `[B, N, 1, T]` (dk/dv, where query positions run along lanes).
+  tiles are marked PARTIAL (padding masked). Head dims run unpadded (q/k's and v's
+  at the wider of the two, the other zero-padded: zeros change no dot product):
+  every block spans the whole head axis, which Mosaic takes at any width (compiled
+  for v5e and v5p at H = 32, 64, 80, 96, 192; padding H = 64 to 128 lanes only
+  doubled the heads-major copies).
+- Layout `[B, N, T, H]`. **Lane-major statistics and segment ids**: the logsumexp
+  and delta travel as `[B, N, 1, T]` and query / key segment ids as `[B, 1, T]`, so
+  the positions run along lanes (a `[.., T, 1]` array would be padded to 128 lanes
+  in HBM: 128x its size); each kernel copies the row of its tile into a `[bq, 1]`
+  VMEM column once per tile (a lane-to-sublane transpose) where its logits need
+  one. Query tiles are therefore the whole sequence or multiples of 128
+  (`_query_tile`).
 - ALiBi (`alibi_slopes` `[B|1, N]`, fp32 in SMEM): `-slope * |q_pos - kv_pos|` is
   formed in every visited tile from iotas (index positions) or from the
   positions' tiles (`alibi_positions`, blocked like segment ids), never read
@@ -38,7 +46,11 @@ Design choices:
 - Fully masked rows: output 0, lse -inf. dbias is written tile by tile into a
   zero-initialised aliased buffer (EMPTY tiles stay 0).
 - On CPU the same kernels run in interpret mode (`interpret=True`, or pass
-  `pltpu.InterpretParams()` for the TPU-semantics interpreter).
+  `pltpu.InterpretParams()` for the TPU-semantics interpreter). `interpret=None`
+  follows the target, never the host alone (`_config`): what the trace names
+  (`tfjax.ops.target.traced_platform`: a `targeting`, the mesh of a shard_map over
+  a TPU topology's devices), else, on a CPU host, the lowering platform (each
+  kernel call staged for both with `lax.platform_dependent`).
 - Shared with the other tiled implementations: a tile's logits (`tiles.logits`),
   the `custom_vjp` (`tfjax.ops.vjp`), and with the Triton kernels the fp32 dot
   products and the call's offsets and tables (`common`). Mosaic-only: the
@@ -61,7 +73,7 @@ from tfjax.ops.reference import (Alibi, RelativeBias, check_relative_bias, const
                                   make_alibi, relative_position_bucket, relative_tile_ranges)
 from tfjax.ops.pallas.common import (BlockSizes, Dims, KernelConfig, MaskOperands, call_tables,
                                      dot, dot_nt, offsets, reduce_dbias)
-from tfjax.ops.target import target_platform
+from tfjax.ops.target import traced_platform
 from tfjax.ops.tiles import logit_scaling, logits, pad_axis, round_up
 from tfjax.ops.vjp import attention_vjp, backward_rows
 
@@ -85,16 +97,42 @@ def _vmem(shape, dtype):
     return pltpu.VMEM(shape, dtype)
 
 
+def _pallas_call(cfg, kernel, **kw):
+    """`pl.pallas_call` in `cfg`'s interpret mode; under `AT_LOWERING` the Mosaic call
+    for a TPU lowering and the interpreted one for a CPU lowering (any other platform
+    is a lowering error: the kernels are TPU kernels)."""
+    if cfg.interpret != AT_LOWERING:
+        return pl.pallas_call(kernel, interpret=cfg.interpret, **kw)
+    mosaic = pl.pallas_call(kernel, interpret=False, **kw)
+    interpreted = pl.pallas_call(kernel, interpret=True, **kw)
+    return lambda *args: lax.platform_dependent(*args, tpu=mosaic, cpu=interpreted)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Config(KernelConfig):
     grad_dtype: Any = None  # dq/dk/dv dtype; None: the input dtypes
 
 
+# `_Config.interpret` when nothing traced names the target and the host is a CPU: each
+# kernel call is staged for both (`lax.platform_dependent`) and lowering keeps one.
+AT_LOWERING = "at lowering"
+
+
 def _config(q, scale, softcap, q_offset, kv_offset, block_sizes, interpret, grad_dtype=None):
-    """The kernels' static config and the `[2]` int32 offsets operand. `interpret=None`
-    interprets on CPU; python-int offsets build the tile tables at trace time."""
-    if interpret is None:  # the target platform (an AOT compile's, under use_rules)
-        interpret = target_platform() == "cpu"
+    """The kernels' static config and the `[2]` int32 offsets operand; python-int
+    offsets build the tile tables at trace time. `interpret=None`: by the target
+    (`tfjax.ops.target.traced_platform`: a `targeting`, the mesh of a shard_map or of
+    q's sharding), interpreting on a CPU target, Mosaic on a TPU; with no target named
+    on a CPU host, decided when lowering (`AT_LOWERING`), never by the host alone."""
+    if interpret is None:
+        platform, host = traced_platform(q), jax.default_backend()
+        if platform == "tpu" and host != "tpu" and traced_platform() is None:
+            raise ValueError(
+                "flash_attention_tpu: q's sharding names a TPU mesh but the call is not inside "
+                "a shard_map over it (Mosaic kernels are not partitioned automatically); call "
+                "it in one (tfjax.parallel.sharding.use_rules does)")
+        interpret = AT_LOWERING if platform is None and host == "cpu" else \
+            (platform or host) == "cpu"
     H = q.shape[-1]
     static, offs = offsets(q_offset, kv_offset)
     cfg = _Config(*logit_scaling(H, scale, softcap), block_sizes or DEFAULT_BLOCK_SIZES,
@@ -110,7 +148,8 @@ def flash_attention_tpu(q, k, v, mask=None, *, bias=None, scale=None, softcap=No
     """q `[B,T,N,H]`, k/v `[B,S,K,H]` -> out `[B,T,N,H]` (and lse `[B,N,T]` fp32).
     `relative_bias`: T5's bias per tile (its table differentiable).
 
-    `interpret=None` interprets on CPU and compiles with Mosaic elsewhere."""
+    `interpret=None` interprets for a CPU target and compiles with Mosaic for a TPU
+    (the target as `_config` decides it)."""
     cfg, offs = _config(q, scale, softcap, q_offset, kv_offset, block_sizes, interpret)
     B, T, N = q.shape[:3]
     alibi = make_alibi(alibi_slopes, alibi_positions, B, N, T, k.shape[1])
@@ -149,13 +188,23 @@ def flash_attention_tpu_backward(q, k, v, mask, out, lse, dout, *, scale=None, s
 # --------------------------------------------------------------------------- #
 
 
+def _query_tile(block_q: int, T: int) -> int:
+    """The query tile: the whole sequence (8-row padded) when it fits in `block_q`,
+    else `block_q` rounded up to 128: query positions run along lanes in the
+    statistics' and segment ids' blocks (`[1, bq]`), which Mosaic takes when the
+    block is a multiple of 128 or the whole padded axis."""
+    whole = round_up(T, 8)
+    return whole if whole <= block_q else round_up(block_q, LANES)
+
+
 def _dims(q, k, v, block_q, block_kv) -> Dims:
     B, T, N, H = q.shape
     S, K, Hv = k.shape[1], k.shape[2], v.shape[-1]
-    bq = min(block_q, round_up(T, 8))
+    bq = _query_tile(block_q, T)
     bk = min(block_kv, round_up(S, LANES))
-    return Dims(B, T, S, N, K, H, round_up(max(H, Hv), LANES), bq, bk, round_up(T, bq),
-                round_up(S, bk), Hv)
+    # one head dim for q/k and v, the wider (the other zero-padded); not padded to 128
+    # lanes: the blocks span the whole head axis, which Mosaic takes at any width
+    return Dims(B, T, S, N, K, H, max(H, Hv), bq, bk, round_up(T, bq), round_up(S, bk), Hv)
 
 
 def _heads_major(x, n, Hp):
@@ -325,9 +374,9 @@ def _row_inputs(c: _Call, q, k, v, bias, alibi, rel, extra=()):
     for spec, x in extra:
         in_specs.append(spec)
         operands.append(x)
-    for qs in c.mops.q_segments:
-        in_specs.append(pl.BlockSpec((None, d.bq, 1), lambda b, h, i, j, *_: (b, i, 0)))
-        operands.append(qs[:, :, None])
+    for qs in c.mops.q_segments:  # lane-major; the kernel keeps a column copy per tile
+        in_specs.append(pl.BlockSpec((None, 1, d.bq), lambda b, h, i, j, *_: (b, 0, i)))
+        operands.append(qs[:, None, :])
     for ks in c.mops.kv_segments:
         in_specs.append(pl.BlockSpec((None, 1, d.bk),
                                      lambda b, h, i, j, order, *_: (b, 0, order[rb(b), i, j])))
@@ -349,8 +398,21 @@ def _split_refs(refs, n_scalars, has_bias, has_alibi, has_rel, n_seg, n_extra_in
     qseg, kseg = take(n_seg), take(n_seg)
     outs = take(n_out)
     scratch = take(n_scratch)
+    columns = take(n_seg)  # the column copies of the lane-major segment tiles
     return (order, count, code, offs, sref, q_ref, k_ref, v_ref, (bias_ref, alibi_ref, rel_ref),
-            extra, qseg, kseg, outs, scratch)
+            extra, (qseg, columns), kseg, outs, scratch)
+
+
+def _columns(rows, columns):
+    """Copy lane-major tiles `[1, n]` into their column scratch `[n, 1]` (once per
+    tile of the sequence axis they run along: a lane-to-sublane transpose)."""
+    for row, col in zip(rows, columns):
+        col[...] = row[...].T
+
+
+def _column_scratch(operands, n):
+    """VMEM scratch `[n, 1]` for each `[B, 1, L]` lane-major operand."""
+    return [_vmem((n, 1), x.dtype) for x in operands]
 
 
 def _masked(s, q_tile, kv_tile, d, mask, mops, offs_ref, b, sref, qseg, kseg, *, kv_major=False):
@@ -378,13 +440,14 @@ def _forward(cfg, q, k, v, mask, bias, alibi, rel, offs):
 
     def kernel(*refs):
         (order, count, code, offs_ref, sref, q_ref, k_ref, v_ref, (bias_ref, alibi_ref, rel_ref),
-         _, qseg, kseg, (o_ref, lse_ref), (m_sc, l_sc, acc_sc)) = _split_refs(
+         _, (qrows, qseg), kseg, (o_ref, lse_ref), (m_sc, l_sc, acc_sc)) = _split_refs(
             refs, ns, has_bias, has_alibi, has_rel, nseg, 0, 2, 3)
         b, h, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
         r = rb(b)
 
         @pl.when(j == 0)
         def _init():
+            _columns(qrows, qseg)
             m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, jnp.float32)
             l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
             acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
@@ -417,25 +480,26 @@ def _forward(cfg, q, k, v, mask, bias, alibi, rel, offs):
             has = l > 0
             l_safe = jnp.where(has, l, 1.0)
             o_ref[...] = jnp.where(has, acc_sc[...] / l_safe, 0.0).astype(o_ref.dtype)
-            lse_ref[...] = jnp.where(has, m_sc[...] + jnp.log(l_safe), -jnp.inf)
+            lse_ref[...] = jnp.where(has, m_sc[...] + jnp.log(l_safe), -jnp.inf).T  # lane-major
 
     in_specs, operands = _row_inputs(c, q, k, v, bias, alibi, rel)
     out_specs = [pl.BlockSpec((None, None, bq, d.Hp), lambda b, h, i, j, *_: (b, h, i, 0)),
-                 pl.BlockSpec((None, None, bq, 1), lambda b, h, i, j, *_: (b, h, i, 0))]
+                 pl.BlockSpec((None, None, 1, bq), lambda b, h, i, j, *_: (b, h, 0, i))]
     out_shape = [jax.ShapeDtypeStruct((d.B, d.N, d.Tp, d.Hp), q.dtype),
-                 jax.ShapeDtypeStruct((d.B, d.N, d.Tp, 1), jnp.float32)]
+                 jax.ShapeDtypeStruct((d.B, d.N, 1, d.Tp), jnp.float32)]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=4 + ns, grid=(d.B, d.N, d.Tp // bq, tab.steps),
         in_specs=in_specs, out_specs=out_specs,
         scratch_shapes=[_vmem((bq, 1), jnp.float32), _vmem((bq, 1), jnp.float32),
-                        _vmem((bq, d.Hp), jnp.float32)])
-    out, lse = pl.pallas_call(
-        kernel, grid_spec=grid_spec, out_shape=out_shape, interpret=cfg.interpret,
+                        _vmem((bq, d.Hp), jnp.float32),
+                        *_column_scratch(mops.q_segments, bq)])
+    out, lse = _pallas_call(
+        cfg, kernel, grid_spec=grid_spec, out_shape=out_shape,
         compiler_params=_compiler_params("parallel", "parallel", "parallel", "arbitrary"),
         name="tfjax_flash_fwd",
     )(tab.order, tab.count, tab.code, offs, *mops.scalars, *ranges, *operands)
     out = out[:, :, :d.T, :d.Hv].transpose(0, 2, 1, 3)
-    return out, lse[:, :, :d.T, 0]
+    return out, lse[:, :, 0, :d.T]
 
 
 # --------------------------------------------------------------------------- #
@@ -455,14 +519,15 @@ def _backward_dq(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta):
 
     def kernel(*refs):
         (order, count, code, offs_ref, sref, q_ref, k_ref, v_ref, (bias_ref, alibi_ref, rel_ref),
-         (do_ref, lse_ref, delta_ref), qseg, kseg, outs, (acc_sc,)) = _split_refs(
-            refs, ns, has_bias, has_alibi, has_rel, nseg, 3, 2 if has_rel else 1, 1)
+         (do_ref, lse_row, delta_row), (qrows, qseg), kseg, outs, (acc_sc, lse_ref, delta_ref)
+         ) = _split_refs(refs, ns, has_bias, has_alibi, has_rel, nseg, 3, 2 if has_rel else 1, 3)
         dq_ref = outs[0]
         b, h, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
         r = rb(b)
 
         @pl.when(j == 0)
         def _init():
+            _columns((lse_row, delta_row, *qrows), (lse_ref, delta_ref, *qseg))
             acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
 
         if has_rel:  # one [nbp, 128] accumulator per (b, h), over all tiles of the head
@@ -509,10 +574,11 @@ def _backward_dq(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta):
             dq_ref[...] = acc_sc[...].astype(dq_ref.dtype)
 
     row = lambda b, h, i, j, *_: (b, h, i, 0)
+    lane_row = lambda b, h, i, j, *_: (b, h, 0, i)  # lse, delta: query positions on lanes
     in_specs, operands = _row_inputs(c, q, k, v, bias, alibi, rel, extra=[
         (pl.BlockSpec((None, None, bq, d.Hp), row), _heads_major(do, d.Tp, d.Hp)),
-        (pl.BlockSpec((None, None, bq, 1), row), pad_axis(lse, 2, d.Tp)[..., None]),
-        (pl.BlockSpec((None, None, bq, 1), row), pad_axis(delta, 2, d.Tp)[..., None])])
+        (pl.BlockSpec((None, None, 1, bq), lane_row), pad_axis(lse, 2, d.Tp)[:, :, None, :]),
+        (pl.BlockSpec((None, None, 1, bq), lane_row), pad_axis(delta, 2, d.Tp)[:, :, None, :])])
     out_specs = [pl.BlockSpec((None, None, bq, d.Hp), row)]
     out_shape = [jax.ShapeDtypeStruct((d.B, d.N, d.Tp, d.Hp), cfg.grad_dtype or q.dtype)]
     if has_rel:  # accumulated over the query tiles too, which then run in order
@@ -522,10 +588,10 @@ def _backward_dq(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta):
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=4 + ns, grid=(d.B, d.N, d.Tp // bq, tab.steps),
         in_specs=in_specs, out_specs=out_specs,
-        scratch_shapes=[_vmem((bq, d.Hp), jnp.float32)])
-    outs = pl.pallas_call(
-        kernel, grid_spec=grid_spec, out_shape=out_shape,
-        interpret=cfg.interpret, name="tfjax_flash_dq",
+        scratch_shapes=[_vmem((bq, d.Hp), jnp.float32), _vmem((bq, 1), jnp.float32),
+                        _vmem((bq, 1), jnp.float32), *_column_scratch(mops.q_segments, bq)])
+    outs = _pallas_call(
+        cfg, kernel, grid_spec=grid_spec, out_shape=out_shape, name="tfjax_flash_dq",
         compiler_params=_compiler_params("parallel", "parallel",
                                          "arbitrary" if has_rel else "parallel", "arbitrary"),
     )(tab.order, tab.count, tab.code, offs, *mops.scalars, *ranges, *operands)
@@ -543,10 +609,9 @@ def _backward_dq(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta):
 
 def _backward_dkv(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta):
     bs = cfg.block_sizes
-    # query positions run along lanes here: the query tile is a multiple of 128
-    c = _call(cfg, q, k, v, mask, alibi, rel, offs,
-              min(bs.block_q_dkv, round_up(q.shape[1], LANES)),
-              bs.block_kv_dkv, transpose=True)
+    # query positions run along lanes here (`_query_tile`)
+    c = _call(cfg, q, k, v, mask, alibi, rel, offs, bs.block_q_dkv, bs.block_kv_dkv,
+              transpose=True)
     d, tab, mops, ranges, rb = c.d, c.tab, c.mops, c.ranges, c.rb
     G, bq, bk = d.G, d.bq, d.bk
     ns, nseg, has_bias = c.ns, mops.num_segments, bias is not None
@@ -555,7 +620,7 @@ def _backward_dkv(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta):
 
     def kernel(*refs):
         (order, count, code, offs_ref, sref, q_ref, k_ref, v_ref, (bias_ref, alibi_ref, rel_ref),
-         extra, qseg, kseg, outs, (dk_sc, dv_sc)) = _split_refs(
+         extra, (qseg, kseg), krows, outs, (dk_sc, dv_sc)) = _split_refs(  # kseg: krows' columns
             refs, ns, has_bias, has_alibi, has_rel, nseg, 4 if has_bias else 3, n_out, 2)
         do_ref, lse_ref, delta_ref = extra[:3]
         dk_ref, dv_ref = outs[:2]
@@ -566,6 +631,7 @@ def _backward_dkv(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta):
 
         @pl.when((g == 0) & (j == 0))
         def _init():
+            _columns(krows, kseg)
             dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
             dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
 
@@ -635,9 +701,9 @@ def _backward_dkv(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta):
         in_specs.append(pl.BlockSpec(
             (None, 1, bq), lambda b, kh, kj, g, j, order, *_: (b, 0, order[rb(b), kj, j])))
         operands.append(qs[:, None, :])
-    for ks in mops.kv_segments:
-        in_specs.append(pl.BlockSpec((None, bk, 1), lambda b, kh, kj, g, j, *_: (b, kj, 0)))
-        operands.append(ks[:, :, None])
+    for ks in mops.kv_segments:  # lane-major; the kernel keeps a column copy per kv tile
+        in_specs.append(pl.BlockSpec((None, 1, bk), lambda b, kh, kj, g, j, *_: (b, 0, kj)))
+        operands.append(ks[:, None, :])
     out_specs = [pl.BlockSpec((None, None, bk, d.Hp), kv_row),
                  pl.BlockSpec((None, None, bk, d.Hp), kv_row)]
     out_shape = [jax.ShapeDtypeStruct((d.B, d.K, d.Sp, d.Hp), cfg.grad_dtype or k.dtype),
@@ -650,9 +716,10 @@ def _backward_dkv(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta):
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=4 + ns, grid=(d.B, d.K, d.Sp // bk, G, tab.steps),
         in_specs=in_specs, out_specs=out_specs,
-        scratch_shapes=[_vmem((bk, d.Hp), jnp.float32), _vmem((bk, d.Hp), jnp.float32)])
-    outs = pl.pallas_call(
-        kernel, grid_spec=grid_spec, out_shape=out_shape, interpret=cfg.interpret,
+        scratch_shapes=[_vmem((bk, d.Hp), jnp.float32), _vmem((bk, d.Hp), jnp.float32),
+                        *_column_scratch(mops.kv_segments, bk)])
+    outs = _pallas_call(
+        cfg, kernel, grid_spec=grid_spec, out_shape=out_shape,
         input_output_aliases=io_aliases, name="tfjax_flash_dkv",
         compiler_params=_compiler_params("parallel", "parallel", "parallel", "arbitrary",
                                          "arbitrary"),
