@@ -50,6 +50,7 @@ import numpy as np
 from tfjax.config import ModelConfig
 from tfjax.interop.hf_config import (check_types, gemma2_config, llama_config, qwen3_config,
                                      unsupported)
+from tfjax.interop.hf_export import _rope_parameters
 from tfjax.interop.hf_weights import (Weights, _attention, _head, _heads_in, _heads_out, _linear,
                                       _norm)
 
@@ -367,36 +368,19 @@ def _need(section, family: str, prefix: str = "model", **want: Any) -> None:
 
 
 def _rope_to_hf(cfg: ModelConfig, family: str) -> dict:
-    """`model.rope` as HF `rope_parameters` (the inverse of `hf_config._rope`, and of
-    `_longrope` for Phi-3)."""
+    """`model.rope` as HF `rope_parameters` (`hf_export`'s, LongRoPE for Phi-3), or a
+    ValueError for what these families cannot hold."""
     r = cfg.rope
     if r.layout != "half":
         raise ValueError(f"export: {family} rotates halves: needs model.rope.layout='half', got "
                          f"{r.layout!r}")
-    out: dict[str, Any] = {"rope_theta": r.theta, "rope_type": "default"}
-    if r.fraction != 1.0:
-        out["partial_rotary_factor"] = r.fraction
-    if r.scaling == "linear":
-        out.update(rope_type="linear", factor=r.factor)
-    elif r.scaling == "llama3":
-        out.update(rope_type="llama3", factor=r.factor, low_freq_factor=r.low_freq_factor,
-                   high_freq_factor=r.high_freq_factor,
-                   original_max_position_embeddings=r.original_max_len)
-    elif r.scaling == "yarn":
-        out.update(rope_type="yarn", factor=r.factor, beta_fast=r.beta_fast, beta_slow=r.beta_slow,
-                   original_max_position_embeddings=r.original_max_len,
-                   attention_factor=0.1 * r.mscale * math.log(r.factor) + 1.0)
-    elif r.scaling == "dynamic_ntk" and r.original_max_len == cfg.max_len:
-        out.update(rope_type="dynamic", factor=r.factor)
-    elif r.scaling == "longrope" and family == "Phi-3":
-        out.update(rope_type="longrope", factor=r.factor, short_factor=list(r.short_factor),
-                   long_factor=list(r.long_factor),
-                   original_max_position_embeddings=r.original_max_len)
-    elif r.scaling != "none":
+    if r.scaling not in ("none", "linear", "llama3", "yarn") and not (
+            (r.scaling == "dynamic_ntk" and r.original_max_len == cfg.max_len)
+            or (r.scaling == "longrope" and family == "Phi-3")):
         raise ValueError(f"export: model.rope.scaling={r.scaling!r} has no {family} form "
                          "(none, linear, llama3, yarn, dynamic_ntk from max_len are; "
                          "longrope for Phi-3)")
-    return out
+    return _rope_parameters(cfg, partial=r.fraction != 1.0, longrope=family == "Phi-3")
 
 
 def _hf_window(cfg: ModelConfig) -> int | None:

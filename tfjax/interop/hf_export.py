@@ -154,7 +154,12 @@ def _act(cfg: ModelConfig, gated: bool) -> str:
     return names[0] if names else ("silu" if gated else "gelu")
 
 
-def _rope_parameters(cfg: ModelConfig, *, partial: bool = False) -> dict:
+def _rope_parameters(cfg: ModelConfig, *, partial: bool = False, truncate: bool = False,
+                     longrope: bool = False) -> dict:
+    """`model.rope` as HF `rope_parameters` (the inverse of `hf_config._rope`): the
+    scalings every family shares; `partial` adds `partial_rotary_factor`, `truncate`
+    YaRN's `truncate` (gpt-oss), `longrope` Phi-3's LongRoPE. Any other scaling comes
+    out as "default", which the round trip of `config_diff` then names."""
     r = cfg.rope
     out: dict[str, Any] = {"rope_theta": r.theta, "rope_type": "default"}
     if partial:
@@ -171,6 +176,12 @@ def _rope_parameters(cfg: ModelConfig, *, partial: bool = False) -> dict:
         out.update(rope_type="yarn", factor=r.factor, beta_fast=r.beta_fast, beta_slow=r.beta_slow,
                    original_max_position_embeddings=r.original_max_len,
                    attention_factor=0.1 * r.mscale * math.log(r.factor) + 1.0)
+        if truncate:
+            out["truncate"] = r.truncate
+    elif r.scaling == "longrope" and longrope:
+        out.update(rope_type="longrope", factor=r.factor, short_factor=list(r.short_factor),
+                   long_factor=list(r.long_factor),
+                   original_max_position_embeddings=r.original_max_len)
     return out
 
 

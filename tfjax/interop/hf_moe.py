@@ -98,10 +98,7 @@ def _mlp(w: Weights, p: str, L: tuple) -> dict:
 
 def _rope_to_hf(cfg: ModelConfig) -> dict:
     """`rope_parameters` of `model.rope` (`hf_export`'s, with YaRN's `truncate`)."""
-    out = _rope_parameters(cfg)
-    if cfg.rope.scaling == "yarn":
-        out["truncate"] = cfg.rope.truncate
-    return out
+    return _rope_parameters(cfg, truncate=True)
 
 
 def _to_hf(cfg: ModelConfig, model_type: str, architecture: str, **fields) -> dict:
