@@ -15,13 +15,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from test_hf import CASES, V, _close, _save
+from test_hf import CASES, V, _save
 
 torch = pytest.importorskip("torch", reason="the hf extra (torch) is not installed")
 transformers = pytest.importorskip("transformers", reason="the hf extra (transformers) is not "
                                    "installed")
 
 from tfjax.config import model_config  # noqa: E402
+from hf_parity import assert_logits_close  # noqa: E402
 from tfjax.interop import hf  # noqa: E402
 from tfjax.interop.hf_export import computation  # noqa: E402
 from tfjax.interop.hf_invert import Inverse  # noqa: E402
@@ -115,7 +116,7 @@ def test_export_round_trip(name, tmp_path):
 
     back = type(ref).from_pretrained(str(tmp_path / "out"), attn_implementation="eager").eval()
     ids = torch.tensor(np.random.default_rng(0).integers(3, V, size=(2, 10)))
-    _close(_logits(back, kind, ids).numpy(), _logits(ref, kind, ids))
+    assert_logits_close(_logits(back, kind, ids).numpy(), _logits(ref, kind, ids))
 
     again, cfg2 = hf.load(str(tmp_path / "out"))
     assert computation(cfg2) == computation(cfg)
@@ -144,7 +145,7 @@ def test_native_model_exports_under_the_family_that_holds_it(tmp_path):
     ids = np.random.default_rng(1).integers(0, 80, size=(2, 12))
     with torch.no_grad():
         theirs = ref(torch.tensor(ids)).logits
-    _close(model(jnp.asarray(ids)), theirs)
+    assert_logits_close(model(jnp.asarray(ids)), theirs)
 
 
 def _abstract(fields):  # a model with no values: what refusals read is its config

@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers", reason="the hf extra (transfo
                                    "installed")
 
 from tfjax.config import model_config  # noqa: E402
+from hf_parity import assert_logits_close  # noqa: E402
 from tfjax.interop import hf  # noqa: E402
 from tfjax.interop.hf_encoder import modernbert_to_hf  # noqa: E402
 from tfjax.interop.hf_encoder import modernbert_weights  # noqa: E402
@@ -62,13 +63,6 @@ def _save(kw: dict, path):
     return model
 
 
-def _close(ours, theirs):
-    ours, theirs = np.asarray(ours), theirs.detach().numpy()
-    assert ours.shape == theirs.shape
-    err = np.max(np.abs(ours - theirs))
-    assert err <= 1e-4 * np.max(np.abs(theirs)), (err, np.max(np.abs(theirs)))
-
-
 def _inputs():
     ids = np.random.default_rng(0).integers(3, V, size=(2, T))
     mask = np.ones_like(ids)
@@ -89,7 +83,7 @@ def test_mlm_logits_match_transformers(name, tmp_path):
     ids, mask = _inputs()
     ours = np.asarray(model(jnp.asarray(ids), attention_mask=jnp.asarray(mask)))
     theirs = _mlm(ref, ids, mask)
-    _close(ours[mask == 1], theirs[torch.tensor(mask) == 1])
+    assert_logits_close(ours[mask == 1], theirs[torch.tensor(mask) == 1])
     # The window matters: all-global layers give other logits.
     assert np.max(np.abs(_mlm(_all_global(ref), ids, mask).numpy() - theirs.numpy())) > 1e-3
 
@@ -134,7 +128,7 @@ def test_export_round_trip(name, tmp_path):
         str(tmp_path / "out"), attn_implementation="eager").eval()
     ids, mask = _inputs()
     real = torch.tensor(mask) == 1
-    _close(_mlm(back, ids, mask).numpy()[mask == 1], _mlm(ref, ids, mask)[real])
+    assert_logits_close(_mlm(back, ids, mask).numpy()[mask == 1], _mlm(ref, ids, mask)[real])
     assert hf.config_from_hf(modernbert_to_hf(cfg)) == cfg
     with pytest.raises(ValueError, match="model.first_norm_residual"):
         modernbert_to_hf(dataclasses.replace(cfg, first_norm_residual=False))

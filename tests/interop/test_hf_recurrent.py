@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers", reason="the hf extra (transfo
                                    "installed")
 
 from tfjax.config import run_config  # noqa: E402
-from tfjax.inference import generate  # noqa: E402
+from hf_parity import assert_greedy_equal, assert_logits_close  # noqa: E402
 from tfjax.interop import hf  # noqa: E402
 from tfjax.interop.safetensors_io import SafetensorsCheckpoint, save_file  # noqa: E402
 from tfjax.models import build  # noqa: E402
@@ -104,13 +104,6 @@ def _save(name, path):
     return model, kind
 
 
-def _close(ours, theirs):
-    ours, theirs = np.asarray(ours), theirs.detach().numpy()
-    assert ours.shape == theirs.shape
-    err = np.max(np.abs(ours - theirs))
-    assert err <= 1e-4 * np.max(np.abs(theirs)), (err, np.max(np.abs(theirs)))
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_parity(name, tmp_path):
     ref, kind = _save(name, tmp_path)
@@ -119,13 +112,10 @@ def test_parity(name, tmp_path):
     ids = rng.integers(3, V, size=(2, 10))
     t_ids = torch.tensor(ids)
     with torch.no_grad():
-        _close(model(jnp.asarray(ids)), ref(t_ids).logits)
+        assert_logits_close(model(jnp.asarray(ids)), ref(t_ids).logits)
         if kind != "lm":
             return
-        ref.generation_config.eos_token_id = None
-        theirs = ref.generate(t_ids, max_new_tokens=20, do_sample=False, pad_token_id=0)
-    ours = generate(model, jnp.asarray(ids), max_new_tokens=20)
-    np.testing.assert_array_equal(np.asarray(ours), theirs[:, ids.shape[1]:].numpy())
+    assert_greedy_equal(model, ref, ids)
 
 
 def _hf_dict(config) -> dict:
@@ -186,7 +176,7 @@ def test_to_hf_describes_the_preset(preset, tmp_path):
     ids = np.random.default_rng(0).integers(3, cfg.vocab_size, size=(2, 10))
     with torch.no_grad():
         theirs = ref(torch.tensor(ids)).logits
-    _close(twin(jnp.asarray(ids)), theirs)
+    assert_logits_close(twin(jnp.asarray(ids)), theirs)
 
 
 def _params(model):
@@ -206,7 +196,7 @@ def test_export_round_trip(name, tmp_path):
     back = type(ref).from_pretrained(str(tmp_path / "out"), attn_implementation="eager").eval()
     ids = torch.tensor(np.random.default_rng(0).integers(3, V, size=(2, 10)))
     with torch.no_grad():
-        _close(back(ids).logits.numpy(), ref(ids).logits)
+        assert_logits_close(back(ids).logits.numpy(), ref(ids).logits)
     again, _ = hf.load(str(tmp_path / "out"))
     a, b = _params(model), _params(again)
     assert a.keys() == b.keys()
