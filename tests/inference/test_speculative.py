@@ -93,6 +93,10 @@ def test_windowed_and_recurrent_layers_are_refused():
         speculative_generate(_model(mtp_depth=0), jnp.zeros((1, 4), jnp.int32), max_new_tokens=4)
     with pytest.raises(ValueError, match="model.mtp_depth"):
         model_config({**TINY, "arch": "encoder"})
+    longrope = _model(rope=dict(scaling="longrope", factor=2.0, original_max_len=8,
+                                short_factor=(1.0,) * 4, long_factor=(2.0,) * 4))
+    with pytest.raises(ValueError, match="crosses model.rope.original_max_len=8"):
+        speculative_generate(longrope, jnp.zeros((1, 4), jnp.int32), max_new_tokens=8)
 
 
 def test_trained_drafts_are_accepted_and_the_loss_trains_them():

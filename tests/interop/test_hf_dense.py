@@ -20,6 +20,7 @@ transformers = pytest.importorskip("transformers", reason="the hf extra (transfo
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 
 from hf_parity import assert_greedy_equal, assert_logits_close  # noqa: E402
+from tfjax.inference import generate, stream  # noqa: E402
 from tfjax.interop import hf  # noqa: E402
 from tfjax.interop.safetensors_io import SafetensorsCheckpoint, save_file  # noqa: E402
 from tfjax.nn.positions import RotaryEmbedding  # noqa: E402
@@ -251,3 +252,19 @@ def test_a_bare_base_model_checkpoint_loads(tmp_path):
     with torch.no_grad():
         hidden = ref(torch.tensor(ids)).last_hidden_state
         assert_logits_close(model(jnp.asarray(ids)), hidden @ ref.embed_tokens.weight.T)
+
+
+def test_longrope_generation_across_the_switch_matches_transformers(tmp_path):
+    """A 5-token prompt generating 12 tokens crosses original_max_position_embeddings=8:
+    HF drops its cache there and re-encodes with the long factors; ours rebuilds its
+    cache at the same step (`generate` and `stream` alike), so all tokens agree."""
+    ref = _save("phi3_longrope", tmp_path)
+    model, _ = hf.load(str(tmp_path))
+    rng = np.random.default_rng(1)
+    for ids in (rng.integers(3, V, size=(8, 5)), rng.integers(3, V, size=(8, 3))):
+        assert_greedy_equal(model, ref, ids, new_tokens=12)
+    streamed = np.stack(list(stream(model, jnp.asarray(ids), max_new_tokens=12)), axis=1)
+    np.testing.assert_array_equal(streamed, np.asarray(generate(model, jnp.asarray(ids),
+                                                                max_new_tokens=12)))
+    with pytest.raises(ValueError, match="prefill_chunk=4: a LongRoPE prompt of 10 tokens"):
+        generate(model, jnp.zeros((1, 10), jnp.int32), max_new_tokens=2, prefill_chunk=4)

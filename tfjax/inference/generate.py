@@ -29,6 +29,13 @@
 - **Sharding**: under `tfjax.parallel.sharding.use_rules(mesh, rules)` (and with
   the model's state placed on the mesh) activations and caches follow the logical
   axis rules: cache rows over the batch axes, kv heads over `tensor`.
+- **LongRoPE** (`model.rope.scaling="longrope"`, Phi-3): the rotation switches from
+  the short to the long factors once the batch's longest sequence passes
+  `rope.original_max_len`, for every position. At the decode step whose token sits
+  at position `original_max_len` (when the prompt was within it), the cache is
+  rebuilt by one prefill of every row's tokens so far (prompt + generated), as HF
+  transformers' Phi-3 drops its cache there, so keys rotated with the short factors
+  never meet queries rotated with the long ones.
 - `stream(...)` yields each step's `[B]` tokens as they are produced (a jitted
   single step per token, for the CLI); it produces the same tokens as `generate`.
 """
@@ -51,6 +58,17 @@ __all__ = ["generate", "stream"]
 
 def _is_encoder_decoder(model) -> bool:
     return getattr(model.config, "arch", "decoder") == "encoder_decoder"
+
+
+def longrope_switch(model, prompt_len: int, cache_len: int) -> int | None:
+    """The position whose decode step must rebuild the cache with LongRoPE's long
+    factors (`rope.original_max_len`), or None when generation never crosses it (no
+    longrope, the prompt already past it, or the sequence never reaching it)."""
+    rope = getattr(model.config, "rope", None)
+    if _is_encoder_decoder(model) or rope is None or rope.scaling != "longrope":
+        return None
+    switch = int(rope.original_max_len)
+    return switch if prompt_len <= switch < cache_len - 1 else None
 
 
 @functools.lru_cache(maxsize=16)
@@ -110,36 +128,63 @@ def _programs(graphdef, mesh=None):
         logits, cache = merge(state).step(tok[:, None], cache)
         return sample(jax.random.fold_in(key, i), logits[:, 0], **settings), cache
 
-    def loop(state, cache, tok, key, settings, eos_id, pad_id, *, n):
+    def reencode(state, seq, n_real, key, i, settings):
+        """The decode step of LongRoPE's switch: one prefill of `seq` `[B, cache_len]`
+        (row b: `n_real[b]` tokens so far, the last one the token being decoded) into
+        an empty cache; positions reach cache_len - 1, so every key is rotated with
+        the long factors."""
+        B, cache_len = seq.shape
+        cache = merge(state).init_cache(B, cache_len)
+        logits, cache = prefill(state, seq, n_real, cache, 0)
+        return sample(jax.random.fold_in(key, i), logits[:, 0], **settings), cache
+
+    def loop(state, cache, tok, key, settings, eos_id, pad_id, prompt, lengths, *, n,
+             cache_len, switch):
         B = tok.shape[0]
+        # LongRoPE: every row's tokens so far, for the one re-encoding step.
+        seq = (None if switch is None else
+               jnp.pad(prompt, ((0, 0), (0, cache_len - prompt.shape[1]))))
+        switch_at = None if switch is None else switch - jnp.max(lengths)  # loop index
 
         # The parameters ride in the carry: nnx transforms inside the body (the
         # scanned layers) need their variables at the body's trace level.
         def cond(c):
-            i, _, _, _, done, _ = c
+            i, _, _, _, done, _, _ = c
             return (i < n) & ~jnp.all(done)
 
         def body(c):
-            i, tok, cache, out, done, state = c
+            i, tok, cache, out, done, state, seq = c
             out = out.at[:, i].set(jnp.where(done, pad_id, tok))
             done = done | (tok == eos_id)
-            tok, cache = step(state, cache, tok, key, i + 1, settings)
-            return i + 1, tok, cache, out, done, state
+            if switch is None:
+                tok, cache = step(state, cache, tok, key, i + 1, settings)
+            else:  # tok sits at position lengths + i
+                seq = seq.at[jnp.arange(B), lengths + i].set(tok)
+                # The parameters are operands of the branches too (nnx trace levels).
+                tok, cache = jax.lax.cond(
+                    i == switch_at,
+                    lambda state, cache, tok: reencode(state, seq, lengths + i + 1, key, i + 1,
+                                                       settings),
+                    lambda state, cache, tok: step(state, cache, tok, key, i + 1, settings),
+                    state, cache, tok)
+            return i + 1, tok, cache, out, done, state, seq
 
         init = (jnp.int32(0), tok, cache, jnp.full((B, n), pad_id, jnp.int32),
-                jnp.zeros((B,), bool), state)
+                jnp.zeros((B,), bool), state, seq)
         return jax.lax.while_loop(cond, body, init)[3]
 
     def run(state, prompt, lengths, key, settings, eos_id, pad_id, *, cache_len, n,
-            decoder_start_id, prefill_chunk=0):
+            decoder_start_id, prefill_chunk=0, switch=None):
         tok, cache = start(state, prompt, lengths, key, settings, cache_len=cache_len,
                            decoder_start_id=decoder_start_id, prefill_chunk=prefill_chunk)
-        return loop(state, cache, tok, key, settings, eos_id, pad_id, n=n)
+        return loop(state, cache, tok, key, settings, eos_id, pad_id, prompt, lengths, n=n,
+                    cache_len=cache_len, switch=switch)
 
     return (jax.jit(start, static_argnames=("cache_len", "decoder_start_id", "prefill_chunk")),
             jax.jit(step, donate_argnums=1),
             jax.jit(run, static_argnames=("cache_len", "n", "decoder_start_id",
-                                          "prefill_chunk")))
+                                          "prefill_chunk", "switch")),
+            jax.jit(reencode))
 
 
 def _check_chunk(model, prefill_chunk, T) -> int:
@@ -151,6 +196,12 @@ def _check_chunk(model, prefill_chunk, T) -> int:
     if _is_encoder_decoder(model):
         raise ValueError("prefill_chunk: an encoder-decoder encodes its prompt at once; chunked "
                          "prefill is for decoder-only models (pass prefill_chunk=None)")
+    rope = getattr(model.config, "rope", None)
+    if rope is not None and rope.scaling == "longrope" and prefill_chunk < T > rope.original_max_len:
+        raise ValueError(f"prefill_chunk={prefill_chunk}: a LongRoPE prompt of {T} tokens, past "
+                         f"model.rope.original_max_len={rope.original_max_len}, is rotated with the "
+                         f"long factors throughout; chunks would rotate the first ones with the "
+                         f"short factors (pass prefill_chunk=None)")
     if getattr(model.config, "prefix_lm", False) and T > prefill_chunk:
         raise ValueError(f"prefill_chunk={prefill_chunk} < prompt length {T}: a prefix-LM "
                          f"prompt is one bidirectional prefix and cannot be split; pass "
@@ -214,7 +265,8 @@ def generate(model, prompt_tokens, *, max_new_tokens: int, prompt_lengths=None,
     run = _programs(graphdef, active_mesh())[2]  # prefill and decode loop: one program, one dispatch
     return run(state, prompt, lengths, key, settings, eos, pad, cache_len=cache_len,
                n=int(max_new_tokens), decoder_start_id=int(decoder_start_id),
-               prefill_chunk=chunk)
+               prefill_chunk=chunk,
+               switch=longrope_switch(model, prompt.shape[1], cache_len))
 
 
 def stream(model, prompt_tokens, *, max_new_tokens: int, prompt_lengths=None,
@@ -228,9 +280,14 @@ def stream(model, prompt_tokens, *, max_new_tokens: int, prompt_lengths=None,
         model, prompt_tokens, max_new_tokens, prompt_lengths, temperature, top_k, top_p, eos_id,
         pad_id, seed)
     chunk = _check_chunk(model, prefill_chunk, prompt.shape[1])
-    start, step, _ = _programs(graphdef, active_mesh())
+    start, step, _, reencode = _programs(graphdef, active_mesh())
     tok, cache = start(state, prompt, lengths, key, settings, cache_len=cache_len,
                        decoder_start_id=int(decoder_start_id), prefill_chunk=chunk)
+    switch = longrope_switch(model, prompt.shape[1], cache_len)
+    if switch is not None:  # every row's tokens so far, for LongRoPE's re-encoding step
+        n_real = np.asarray(lengths)
+        seq = np.zeros((prompt.shape[0], cache_len), np.int32)
+        seq[:, :prompt.shape[1]] = np.asarray(prompt)
     done = np.zeros(prompt.shape[0], bool)
     for i in range(max_new_tokens):
         t = np.asarray(tok)
@@ -238,4 +295,10 @@ def stream(model, prompt_tokens, *, max_new_tokens: int, prompt_lengths=None,
         done |= t == int(eos)
         if done.all() or i + 1 == max_new_tokens:
             return
+        if switch is not None:
+            seq[np.arange(len(t)), n_real + i] = t
+            if int(n_real.max()) + i == switch:
+                tok, cache = reencode(state, jnp.asarray(seq), jnp.asarray(n_real + i + 1), key,
+                                      jnp.int32(i + 1), settings)
+                continue
         tok, cache = step(state, cache, tok, key, jnp.int32(i + 1), settings)

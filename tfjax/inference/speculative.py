@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tfjax.inference import kv_cache
+from tfjax.inference.generate import longrope_switch
 from tfjax.inference.kv_cache import KVCache, LatentCache, LayerCache
 
 __all__ = ["check_rewindable", "speculative_generate"]
@@ -186,6 +187,10 @@ def speculative_generate(model, prompt, *, max_new_tokens: int, prompt_lengths=N
     B, T = prompt.shape
     lengths = (jnp.full((B,), T, jnp.int32) if prompt_lengths is None
                else jnp.asarray(prompt_lengths, jnp.int32))
+    if longrope_switch(model, T, T + max_new_tokens) is not None:
+        raise ValueError(f"speculative decoding: prompt {T} + max_new_tokens {max_new_tokens} "
+                         f"crosses model.rope.original_max_len={cfg.rope.original_max_len}, where "
+                         f"LongRoPE re-encodes the sequence; use generate() or stay within it")
     graphdef, state = nnx.split(model)
     out, stats = _program(graphdef, int(max_new_tokens), T)(state, prompt, lengths,
                                                             eos_id=eos_id)
