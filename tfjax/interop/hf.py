@@ -80,6 +80,8 @@ class Family:
     config: Callable[[dict], dict]
     weights: Callable[[Weights, ModelConfig, dict], dict]
     to_hf: Callable[[ModelConfig], dict] | None = None
+    # (config dict, checkpoint tensor names) -> the `model.mtp_depth` its tensors hold
+    mtp_depth: Callable[[dict, Any], int] | None = None
 
 
 FAMILIES: Registry[Family] = Registry("Hugging Face model_type")
@@ -107,7 +109,7 @@ for _names, _fam in (
         (("llama4_text",), Family(hf_moe.llama4_config, hf_moe.llama4_weights,
                                   hf_moe.llama4_to_hf)),
         (("deepseek_v3",), Family(hf_moe.deepseek_v3_config, hf_moe.deepseek_v3_weights,
-                                  hf_moe.deepseek_v3_to_hf)),
+                                  hf_moe.deepseek_v3_to_hf, hf_moe.deepseek_v3_mtp_depth)),
         (("gpt2",), Family(hf_config.gpt2_config, hf_weights.gpt2_weights, hf_export.gpt2_to_hf)),
         (("gpt_neox",), Family(hf_config.neox_config, hf_weights.neox_weights,
                                hf_export.neox_to_hf)),
@@ -330,6 +332,8 @@ def load(path: str, *, dtype: str | None = None, mesh=None, rules=DEFAULT_RULES)
     family = FAMILIES.get(hf["model_type"], field="config.json model_type")
     prefix = PREFIXES.get(hf["model_type"])
     ckpt = SafetensorsCheckpoint(path)
+    if family.mtp_depth is not None and family.mtp_depth(hf, ckpt):  # DeepSeek-V3's MTP
+        cfg = dataclasses.replace(cfg, mtp_depth=family.mtp_depth(hf, ckpt))
     lazy = mesh is not None  # the mapping runs on the tensors' names and shapes alone
     source = symbolic_checkpoint({n: ckpt.shape(n) for n in ckpt}) if lazy else ckpt
     w = Weights(source, (prefix,) if prefix else ())

@@ -35,7 +35,10 @@ Every MoE loads dropless (`moe.capacity_factor=0`), as transformers routes.
   top-k (`n_group` / `topk_group`), `e_score_correction_bias` for the choice only
   (`moe.score_bias`, fixed here: no balancing updates), `norm_topk_prob`,
   `routed_scaling_factor`, `n_shared_experts`. Multi-token-prediction layers past
-  `num_hidden_layers` are not used for inference and are dropped.
+  `num_hidden_layers` (DeepSeek's releases hold one; transformers' saves none) load
+  into `model.mtp` (`model.mtp_depth`, `deepseek_v3_mtp_depth`), for the MTP loss and
+  `tfjax.inference.speculative_generate`; such a model has no transformers
+  equivalent to export to.
 """
 
 from __future__ import annotations
@@ -320,37 +323,70 @@ def deepseek_v3_config(hf: dict) -> dict:
 
 def deepseek_v3_weights(w: Weights, cfg: ModelConfig, hf: dict) -> dict:
     out = _embed_and_head(w, cfg)
+    n = cfg.num_layers
+    for i in range(n):
+        out.update(_deepseek_layer(w, cfg, f"model.layers.{i}.", ("layers", i), cfg.ffn_kind(i)))
+    # Multi-token prediction (tfjax.models.mtp): hub layer n + k is module k, its block
+    # of the last layer's kinds; eh_proj reads [enorm(embedding); hnorm(hidden)], our
+    # proj [hidden; embedding]. Its embed_tokens and shared_head.head are copies of
+    # the model's own (shared in tfjax) and are not read twice.
+    D = cfg.d_model
+    for k in range(cfg.mtp_depth):
+        p, M = f"model.layers.{n + k}.", ("mtp", k)
+        out.update(_deepseek_layer(w, cfg, p, M + ("layers", "blocks", 0), cfg.ffn_kind(n - 1)))
+        out.update(_norm(w, p + "enorm", M + ("embed_norm",), cfg))
+        out.update(_norm(w, p + "hnorm", M + ("hidden_norm",), cfg))
+        out.update(_norm(w, p + "shared_head.norm", M + ("norm",), cfg))
+        eh = w[p + "eh_proj.weight"]  # [D, 2D]
+        out[M + ("proj", "kernel")] = np.concatenate([eh[:, D:].T, eh[:, :D].T])  # [2D, D]
+        w.ignore(p + "embed_tokens.weight", p + "shared_head.head.weight")
+    # MTP layers the model does not hold (deepseek_v3_mtp_depth found none complete)
+    w.ignore(*[k for k in w.ckpt if _layer_index(k) is not None
+               and _layer_index(k) >= n + cfg.mtp_depth])
+    return out
+
+
+def deepseek_v3_mtp_depth(hf: dict, names) -> int:
+    """How many multi-token-prediction modules the checkpoint holds: hub layers
+    num_hidden_layers + k (k < num_nextn_predict_layers) that have an `eh_proj`
+    (transformers' own saves have none: 0, and the model loads without MTP)."""
+    n, names = hf["num_hidden_layers"], set(names)
+    want = hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers")) or 0
+    depth = 0
+    while depth < want and f"model.layers.{n + depth}.eh_proj.weight" in names:
+        depth += 1
+    return depth
+
+
+def _deepseek_layer(w: Weights, cfg: ModelConfig, p: str, L: tuple, ffn_kind: str) -> dict:
+    """Hub decoder layer `p` (MLA, then a dense or MoE feed-forward) -> our paths under L."""
+    out = {}
     m, a = cfg.mla, cfg.moe
     N, dn, dr, dv = cfg.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
-    for i in range(cfg.num_layers):
-        p, L = f"model.layers.{i}.", ("layers", i)
-        s, A = p + "self_attn.", L + ("attn",)
-        if m.q_lora_rank:
-            out[A + ("q_a", "kernel")] = w[s + "q_a_proj.weight"].T  # [D, rq]
-            out.update(_norm(w, s + "q_a_layernorm", A + ("q_norm",), cfg))
-            out[A + ("q_b", "kernel")] = _heads_in(w[s + "q_b_proj.weight"], N, dn + dr)
-        else:
-            out[A + ("q", "kernel")] = _heads_in(w[s + "q_proj.weight"], N, dn + dr)
-        out[A + ("kv_a", "kernel")] = w[s + "kv_a_proj_with_mqa.weight"].T  # [D, r + dr]
-        out.update(_norm(w, s + "kv_a_layernorm", A + ("kv_norm",), cfg))
-        out[A + ("kv_b", "kernel")] = _heads_in(w[s + "kv_b_proj.weight"], N, dn + dv)
-        out[A + ("o", "kernel")] = _heads_out(w[s + "o_proj.weight"], N, dv)
-        out.update(_norm(w, p + "input_layernorm", L + ("attn_norm",), cfg))
-        out.update(_norm(w, p + "post_attention_layernorm", L + ("ffn_norm",), cfg))
-        f, F = p + "mlp.", L + ("ffn",)
-        if cfg.ffn_kind(i) != "moe":
-            out.update(_mlp(w, f[:-1], F))
-            continue
-        out[F + ("router",)] = w[f + "gate.weight"].T  # [E, D] -> [D, E]
-        out[F + ("score_bias",)] = w[f + "gate.e_score_correction_bias"]
-        for ours, theirs in (("wi_gate", "gate_proj"), ("wi_up", "up_proj"), ("wo", "down_proj")):
-            out[F + (ours,)] = np.stack([w[f"{f}experts.{e}.{theirs}.weight"].T
-                                       for e in range(a.num_experts)])
-        if a.shared_experts:
-            out.update(_mlp(w, f + "shared_experts", F + ("shared",)))
-    # Multi-token-prediction layers (model.layers.{n}... on the hub) serve training only.
-    w.ignore(*[k for k in w.ckpt if _layer_index(k) is not None
-               and _layer_index(k) >= cfg.num_layers])
+    s, A = p + "self_attn.", L + ("attn",)
+    if m.q_lora_rank:
+        out[A + ("q_a", "kernel")] = w[s + "q_a_proj.weight"].T  # [D, rq]
+        out.update(_norm(w, s + "q_a_layernorm", A + ("q_norm",), cfg))
+        out[A + ("q_b", "kernel")] = _heads_in(w[s + "q_b_proj.weight"], N, dn + dr)
+    else:
+        out[A + ("q", "kernel")] = _heads_in(w[s + "q_proj.weight"], N, dn + dr)
+    out[A + ("kv_a", "kernel")] = w[s + "kv_a_proj_with_mqa.weight"].T  # [D, r + dr]
+    out.update(_norm(w, s + "kv_a_layernorm", A + ("kv_norm",), cfg))
+    out[A + ("kv_b", "kernel")] = _heads_in(w[s + "kv_b_proj.weight"], N, dn + dv)
+    out[A + ("o", "kernel")] = _heads_out(w[s + "o_proj.weight"], N, dv)
+    out.update(_norm(w, p + "input_layernorm", L + ("attn_norm",), cfg))
+    out.update(_norm(w, p + "post_attention_layernorm", L + ("ffn_norm",), cfg))
+    f, F = p + "mlp.", L + ("ffn",)
+    if ffn_kind != "moe":
+        out.update(_mlp(w, f[:-1], F))
+        return out
+    out[F + ("router",)] = w[f + "gate.weight"].T  # [E, D] -> [D, E]
+    out[F + ("score_bias",)] = w[f + "gate.e_score_correction_bias"]
+    for ours, theirs in (("wi_gate", "gate_proj"), ("wi_up", "up_proj"), ("wo", "down_proj")):
+        out[F + (ours,)] = np.stack([w[f"{f}experts.{e}.{theirs}.weight"].T
+                                   for e in range(a.num_experts)])
+    if a.shared_experts:
+        out.update(_mlp(w, f + "shared_experts", F + ("shared",)))
     return out
 
 
