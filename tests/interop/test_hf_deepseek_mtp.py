@@ -1,11 +1,11 @@
 """DeepSeek-V3's multi-token-prediction layer loads into `model.mtp`: a tiny random
-transformers DeepSeek-V3 is saved, and an MTP layer as the hub's checkpoints hold it
-(`model.layers.{n}`: enorm, hnorm, eh_proj, shared_head.norm, a decoder layer of
-transformers' own `DeepseekV3DecoderLayer`, and copies of the embedding and head) is
-added. Its depth-1 logits are computed by hand from those modules, as DeepSeek-V3
-section 2.2 writes them: head(norm(layer(eh_proj([enorm(emb(t_{i+1})); hnorm(h_i)]))))
-with h the main model's last layer output before its norm; tfjax's must agree within
-1e-4, and self-speculative decoding must give the plain greedy tokens."""
+transformers DeepSeek-V3 is saved, and a random layer of transformers' own `MtpModel`
+(enorm, hnorm, eh_proj, a DeepSeek-V3 decoder layer, post norm) is added to the
+checkpoint as the hub's checkpoints hold it (`model.layers.{n}`, with copies of the
+embedding and head). tfjax's depth-1 logits must equal `MtpModel`'s draft logits
+within 1e-4, fed as transformers' MTP candidate generator feeds it (the main model's
+normed last hidden states and the tokens one ahead), and self-speculative decoding
+must give the plain greedy tokens."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch", reason="the hf extra (torch) is not install
 transformers = pytest.importorskip("transformers", reason="the hf extra (transformers) is not "
                                    "installed")
 from safetensors.torch import load_file, save_file  # noqa: E402
-from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds  # noqa: E402
+from transformers.modeling_layers import MtpModel  # noqa: E402
 
 from hf_parity import assert_logits_close  # noqa: E402
 from test_hf_moe import _save  # noqa: E402
@@ -29,72 +29,63 @@ from tfjax.models.mtp import mtp_predictions  # noqa: E402
 
 
 def _add_mtp_layer(ref, path):
-    """Write an MTP layer after `ref`'s layers into its checkpoint; returns its modules."""
+    """Write a random MTP layer after `ref`'s layers into its checkpoint, as the hub
+    lays it out; returns transformers' `MtpModel` holding the same layer."""
     config = ref.config
-    n, D = config.num_hidden_layers, config.hidden_size
+    n = config.num_hidden_layers
+    config.num_mtp_layers = 1
+    mtp = MtpModel(ref, 1).eval()
+    layer = mtp.layers[0]
     torch.manual_seed(1)
-    mods = torch.nn.ModuleDict(dict(
-        layer=ds.DeepseekV3DecoderLayer(config, layer_idx=n),
-        enorm=ds.DeepseekV3RMSNorm(D, config.rms_norm_eps),
-        hnorm=ds.DeepseekV3RMSNorm(D, config.rms_norm_eps),
-        eh_proj=torch.nn.Linear(2 * D, D, bias=False),
-        norm=ds.DeepseekV3RMSNorm(D, config.rms_norm_eps))).eval()
     with torch.no_grad():
-        for name, p in mods.named_parameters():
+        for name, p in layer.named_parameters():
             if p.ndim == 1:  # norms start at 1: a swapped one would go unnoticed
                 p.add_(0.3 * torch.randn_like(p))
             else:
                 p.normal_(0.0, 0.1)
-        mods.layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.1)
+        layer.mtp_block.mlp.gate.e_score_correction_bias.normal_(0.0, 0.1)
     tensors = load_file(str(path / "model.safetensors"))
     p = f"model.layers.{n}."
-    # The layer's tensors as the hub names them (per-expert), by transformers' own save
-    # of a model one layer deeper whose last layer is this one.
+    # The block's tensors as the hub names them (per-expert), by transformers' own save
+    # of a model one layer deeper whose last layer is this block.
     deeper = type(ref)._from_config(type(config)(**{**config.to_dict(),
                                                     "num_hidden_layers": n + 1}))
-    deeper.model.layers[n].load_state_dict(mods.layer.state_dict())
+    deeper.model.layers[n].load_state_dict(layer.mtp_block.state_dict())
     deeper.save_pretrained(path / "deeper")
     saved = load_file(str(path / "deeper" / "model.safetensors"))
     tensors.update({k: v for k, v in saved.items() if k.startswith(p)})
     for ours, theirs in (("enorm", "enorm"), ("hnorm", "hnorm"), ("eh_proj", "eh_proj"),
-                         ("norm", "shared_head.norm")):
-        tensors[p + theirs + ".weight"] = mods[ours].weight.detach().contiguous()
+                         ("post_norm", "shared_head.norm")):
+        tensors[p + theirs + ".weight"] = getattr(layer, ours).weight.detach().contiguous()
     tensors[p + "embed_tokens.weight"] = ref.model.embed_tokens.weight.detach().clone()
     tensors[p + "shared_head.head.weight"] = ref.lm_head.weight.detach().clone()
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((path / "config.json").read_text())
     cfg["num_nextn_predict_layers"] = 1
     (path / "config.json").write_text(json.dumps(cfg))
-    return mods
+    return mtp
 
 
-def _reference_mtp_logits(ref, mods, ids):
-    """Depth-1 logits `[B, T-1, V]` at positions 0..T-2 (predicting tokens 2..T)."""
-    seen = {}
-    hook = ref.model.layers[-1].register_forward_hook(lambda m, i, o: seen.update(
-        h=o[0] if isinstance(o, tuple) else o))
+def _reference_mtp_logits(ref, mtp, ids):
+    """transformers' depth-1 draft logits `[B, T-1, V]` at positions 0..T-2 (predicting
+    tokens 2..T), fed as its MTP candidate generator feeds them: the main model's last
+    hidden states (after its final norm) and the tokens one ahead, at their positions."""
     t = torch.tensor(ids)
-    ref(t)
-    hook.remove()
-    T = ids.shape[1] - 1
-    x = mods.eh_proj(torch.cat([mods.enorm(ref.model.embed_tokens(t[:, 1:])),
-                                mods.hnorm(seen["h"][:, :-1])], dim=-1))
-    pos = torch.arange(T)[None].expand(ids.shape[0], T)
-    mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
-    y = mods.layer(x, attention_mask=mask, position_ids=pos,
-                   position_embeddings=ref.model.rotary_emb(x, pos))
-    y = y[0] if isinstance(y, tuple) else y
-    return ref.lm_head(mods.norm(y))
+    last = ref(t, output_hidden_states=True).hidden_states[-1]
+    B, T = ids.shape
+    pos = torch.arange(1, T)[None].expand(B, T - 1)
+    h = mtp.forward_layer(0, last[:, :-1], pos, None, input_ids=t[:, 1:])
+    return mtp._project_to_logits(h)
 
 
 def test_deepseek_mtp_layer_loads_into_model_mtp(tmp_path):
     ref = _save("deepseek_v3", tmp_path)
-    mods = _add_mtp_layer(ref, tmp_path)
+    mtp = _add_mtp_layer(ref, tmp_path)
     model, cfg = hf.load(str(tmp_path))
     assert cfg.mtp_depth == 1
     ids = np.random.default_rng(0).integers(3, ref.config.vocab_size, size=(2, 10))
     with torch.no_grad():
-        theirs = _reference_mtp_logits(ref, mods, ids)
+        theirs = _reference_mtp_logits(ref, mtp, ids)
         assert_logits_close(model(jnp.asarray(ids)), ref(torch.tensor(ids)).logits)
     x = jnp.asarray(ids)
     batch = dict(inputs=x, targets=x, mask=jnp.ones(x.shape, jnp.float32))

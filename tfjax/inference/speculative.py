@@ -108,13 +108,14 @@ def _program(graphdef, max_new: int, prompt_len: int):
             pos = f[:, None] + jnp.arange(T)[None, :]
             n = jnp.where(active, p - f, 0)
             last = jnp.maximum(n - 1, 0)[:, None, None]
-            h, new = _gather(hbuf, pos), []
+            h, new = model.head_input(_gather(hbuf, pos)), []  # h^0: after the final norm
             for k, (module, c) in enumerate(zip(model.mtp, mtp_caches), start=1):
                 e = model.embed(_gather(seq, pos + k), pos + k)
                 h, c = module.step(h, e, c, n, rel_bias=model.rel_bias)
+                h = module.norm(h)
                 new.append(c)
                 at_last = jnp.take_along_axis(h, last, axis=1)
-                d = jnp.argmax(model.head(module.norm(at_last))[:, 0], axis=-1)
+                d = jnp.argmax(model.head(at_last)[:, 0], axis=-1)
                 seq = _scatter(seq, (p + k)[:, None], d[:, None], active[:, None])
             return tuple(new), seq
 

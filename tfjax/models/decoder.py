@@ -77,7 +77,7 @@ class DecoderLM(nnx.Module):
     def hidden(self, tokens: jax.Array, positions: jax.Array | None = None,
                segment_ids: jax.Array | None = None, prefix_lengths: jax.Array | None = None):
         """tokens `[B,T]` int -> the last layer's output `[B,T,D]` (before the final
-        norm: what the multi-token prediction modules read)."""
+        norm; `head_input` applies it)."""
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [B, T] integers, got shape {tokens.shape}")
         positions = default_positions(tokens) if positions is None else positions

@@ -1,12 +1,15 @@
 """Multi-token prediction (DeepSeek-V3, Liu et al. 2024, section 2.2): `model.mtp_depth`
 sequential modules after a decoder LM, sharing its embedding and output head.
 
-Module k (1..D) at position i reads the previous depth's hidden state h^{k-1}_i (h^0:
-the decoder's last layer output, before its final norm) and the embedding of token
-i + k, and predicts token i + k + 1:
+Module k (1..D) at position i reads the previous depth's hidden state h^{k-1}_i and
+the embedding of token i + k, and predicts token i + k + 1:
 
-    h^k_i = Block_k(W_k [RMSNorm(h^{k-1}_i); RMSNorm(Emb(t_{i+k}))])
-    p^k_{i+k+1} = softmax(Head(Norm_k(h^k_i)))
+    h^k_i = Norm_k(Block_k(W_k [RMSNorm(h^{k-1}_i); RMSNorm(Emb(t_{i+k}))]))
+    p^k_{i+k+1} = softmax(Head(h^k_i))
+
+h^0 is the decoder's output after its final norm (what its head reads), and each
+depth passes on its normed output, as transformers' `MtpModel` and vLLM run
+DeepSeek's released MTP weights (`tfjax.interop.hf_moe` loads them).
 
 `Block_k` is one layer of the kind of the decoder's last layer (its mixer and
 feed-forward: MLA + MoE for DeepSeek-V3), causal within documents, with its own
@@ -93,8 +96,9 @@ def shift_left(x: jax.Array, k: int, fill=0) -> jax.Array:
 def mtp_predictions(model, hidden: jax.Array, batch: dict) -> list[dict]:
     """Each depth's predictions for a causal-LM batch (`inputs`, `targets`, `mask`,
     and optionally `positions`, `segment_ids`, `target_bytes`) given the decoder's
-    pre-norm `hidden` `[B,T,D]`: per depth k, `features` `[B,T,D]` (what the shared
-    head reads: `model.head(features)` at position i predicts token i + k + 1), `targets`, `mask` (1 where the position counts at depth k: the
+    `hidden` `[B,T,D]` (`model.hidden`, before the final norm): per depth k, `features`
+    `[B,T,D]` (h^k, what the shared head reads: `model.head(features)` at position i
+    predicts token i + k + 1, and depth k + 1 reads), `targets`, `mask` (1 where the position counts at depth k: the
     inputs i..i+k in one document and target i + k counted) and `target_bytes`
     (None without them). The training loss (`tfjax.train.objectives`) sums their
     cross-entropies."""
@@ -106,12 +110,12 @@ def mtp_predictions(model, hidden: jax.Array, batch: dict) -> list[dict]:
     masks, biases = model.mtp_attention_inputs(inputs, positions, seg)
     target_bytes = batch.get("target_bytes")
     valid = jnp.ones(inputs.shape, bool)
-    h, out = hidden, []
+    h, out = model.head_input(hidden), []
     for k, module in enumerate(model.mtp, start=1):
         e = model.embed(shift_left(inputs, k), positions + k)
-        h = module(h, e, masks=masks, biases=biases, positions=positions)
+        h = module.norm(module(h, e, masks=masks, biases=biases, positions=positions))
         valid = valid & (shift_left(seg, k, fill=-1) == seg) & (shift_left(mask, k) > 0)
-        out.append(dict(features=module.norm(h),
+        out.append(dict(features=h,
                         targets=shift_left(targets, k), mask=valid.astype(jnp.float32),
                         target_bytes=None if target_bytes is None
                         else shift_left(target_bytes, k)))
