@@ -204,15 +204,17 @@ def test_export_round_trip(name, tmp_path):
         np.testing.assert_array_equal(a[k], b[k], err_msg=str(k))
 
 
-def test_qwen3_next_skips_only_the_multi_token_prediction_head(tmp_path):
-    """Qwen3-Next checkpoints carry an MTP head (`mtp.*`) that transformers skips; any
-    other tensor left unread is still an error."""
+def test_qwen3_next_reads_every_tensor_or_raises(tmp_path):
+    """Qwen3-Next checkpoints carry an MTP module (`mtp.*`), which loads into
+    `model.mtp` (tests/interop/test_hf_mtp.py); one that is incomplete, or any other
+    tensor left unread, is an error naming it."""
     _save("qwen3_next_tied", tmp_path)
     file = str(tmp_path / "model.safetensors")
     ckpt = SafetensorsCheckpoint(str(tmp_path))
     tensors = {k: np.array(ckpt[k]) for k in ckpt}
-    save_file({**tensors, "mtp.fc.weight": np.zeros((4, 4), np.float32)}, file)
-    hf.load(str(tmp_path))
+    save_file({**tensors, "mtp.fc.weight": np.zeros((32, 64), np.float32)}, file)
+    with pytest.raises(ValueError, match="no tensor 'mtp.layers.0."):
+        hf.load(str(tmp_path))
     save_file({**tensors, "model.layers.0.extra.weight": np.zeros((4,), np.float32)}, file)
     with pytest.raises(NotImplementedError, match="model.layers.0.extra.weight"):
         hf.load(str(tmp_path))

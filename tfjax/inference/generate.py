@@ -197,11 +197,12 @@ def _check_chunk(model, prefill_chunk, T) -> int:
         raise ValueError("prefill_chunk: an encoder-decoder encodes its prompt at once; chunked "
                          "prefill is for decoder-only models (pass prefill_chunk=None)")
     rope = getattr(model.config, "rope", None)
-    if rope is not None and rope.scaling == "longrope" and prefill_chunk < T > rope.original_max_len:
+    longrope = rope is not None and rope.scaling == "longrope"
+    if longrope and prefill_chunk < T > rope.original_max_len:
         raise ValueError(f"prefill_chunk={prefill_chunk}: a LongRoPE prompt of {T} tokens, past "
-                         f"model.rope.original_max_len={rope.original_max_len}, is rotated with the "
-                         f"long factors throughout; chunks would rotate the first ones with the "
-                         f"short factors (pass prefill_chunk=None)")
+                         f"model.rope.original_max_len={rope.original_max_len}, is rotated with "
+                         f"the long factors throughout; chunks would rotate the first ones with "
+                         f"the short factors (pass prefill_chunk=None)")
     if getattr(model.config, "prefix_lm", False) and T > prefill_chunk:
         raise ValueError(f"prefill_chunk={prefill_chunk} < prompt length {T}: a prefix-LM "
                          f"prompt is one bidirectional prefix and cannot be split; pass "

@@ -124,7 +124,8 @@ for _names, _fam in (
         (("mamba2",), Family(hf_recurrent.mamba2_config, hf_recurrent.mamba2_weights,
                              hf_recurrent.mamba2_to_hf)),
         (("qwen3_next",), Family(hf_recurrent.qwen3_next_config, hf_recurrent.qwen3_next_weights,
-                                 hf_recurrent.qwen3_next_to_hf)),
+                                 hf_recurrent.qwen3_next_to_hf,
+                                 hf_recurrent.qwen3_next_mtp_depth)),
         (("jamba",), Family(hf_recurrent.jamba_config, hf_recurrent.jamba_weights,
                             hf_recurrent.jamba_to_hf))):
     for _n in _names:

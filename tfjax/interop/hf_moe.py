@@ -48,10 +48,12 @@ import numpy as np
 from tfjax.config import ModelConfig
 from tfjax.interop.hf_config import _activation, _common, _layer_pattern, _rope, unsupported
 from tfjax.interop.hf_export import _act, _decoder, _layer_types, _rope_parameters
-from tfjax.interop.hf_weights import Weights, _attention, _head, _heads_in, _heads_out, _norm
+from tfjax.interop.hf_weights import (Weights, _attention, _head, _heads_in, _heads_out, _norm,
+                                      mtp_input_proj)
 
-__all__ = ["deepseek_v3_config", "deepseek_v3_to_hf", "deepseek_v3_weights", "gpt_oss_config",
-           "gpt_oss_to_hf", "gpt_oss_weights", "llama4_config", "llama4_to_hf", "llama4_weights"]
+__all__ = ["deepseek_v3_config", "deepseek_v3_mtp_depth", "deepseek_v3_to_hf",
+           "deepseek_v3_weights", "gpt_oss_config", "gpt_oss_to_hf", "gpt_oss_weights",
+           "llama4_config", "llama4_to_hf", "llama4_weights"]
 
 
 # --------------------------------------------------------------------------- #
@@ -327,18 +329,15 @@ def deepseek_v3_weights(w: Weights, cfg: ModelConfig, hf: dict) -> dict:
     for i in range(n):
         out.update(_deepseek_layer(w, cfg, f"model.layers.{i}.", ("layers", i), cfg.ffn_kind(i)))
     # Multi-token prediction (tfjax.models.mtp): hub layer n + k is module k, its block
-    # of the last layer's kinds; eh_proj reads [enorm(embedding); hnorm(hidden)], our
-    # proj [hidden; embedding]. Its embed_tokens and shared_head.head are copies of
+    # of the last layer's kinds. Its embed_tokens and shared_head.head are copies of
     # the model's own (shared in tfjax) and are not read twice.
-    D = cfg.d_model
     for k in range(cfg.mtp_depth):
         p, M = f"model.layers.{n + k}.", ("mtp", k)
         out.update(_deepseek_layer(w, cfg, p, M + ("layers", "blocks", 0), cfg.ffn_kind(n - 1)))
         out.update(_norm(w, p + "enorm", M + ("embed_norm",), cfg))
         out.update(_norm(w, p + "hnorm", M + ("hidden_norm",), cfg))
         out.update(_norm(w, p + "shared_head.norm", M + ("norm",), cfg))
-        eh = w[p + "eh_proj.weight"]  # [D, 2D]
-        out[M + ("proj", "kernel")] = np.concatenate([eh[:, D:].T, eh[:, :D].T])  # [2D, D]
+        out[M + ("proj", "kernel")] = mtp_input_proj(w[p + "eh_proj.weight"])
         w.ignore(p + "embed_tokens.weight", p + "shared_head.head.weight")
     # MTP layers the model does not hold (deepseek_v3_mtp_depth found none complete)
     w.ignore(*[k for k in w.ckpt if _layer_index(k) is not None

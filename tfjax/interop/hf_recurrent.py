@@ -28,8 +28,9 @@ that only change initialisation, training kernels or the cache are ignored.
   `norm_topk_prob`, a shared expert behind its sigmoid gate) on layers i with
   `(i + 1) % decoder_sparse_step == 0` not in `mlp_only_layers`, dense MLPs elsewhere
   (`model.ffn_pattern`). Dropless dispatch (`moe.capacity_factor=0`): no token is
-  ever dropped, as in HF. The multi-token-prediction head (`mtp.*`) is not part of
-  the causal LM and is skipped, as transformers skips it.
+  ever dropped, as in HF. The multi-token-prediction module (`mtp.*`: fc, its norms,
+  one full-attention MoE layer), which transformers' causal LM skips, loads into
+  `model.mtp` when the checkpoint holds it (`qwen3_next_mtp_depth`).
 - **jamba** (`JambaForCausalLM`): attention (no positions) where `i % attn_layer_period
   == attn_layer_offset`, Mamba-1 layers with Jamba's inner RMSNorms on dt, B, C
   (`ssm.inner_norm`) elsewhere; a top-k MoE without renormalisation (dropless) where
@@ -48,10 +49,12 @@ from tfjax.config import ModelConfig
 from tfjax.interop.hf_config import _common, _rope, check_types, require, unsupported
 from tfjax.interop.hf_export import _rope_parameters
 from tfjax.interop.hf_weights import (Weights, _attention, _head, _heads_in, _heads_out,
-                                      _linear, _mixtral_experts, _norm, mamba_mixer_weights)
+                                      _linear, _mixtral_experts, _norm, mamba_mixer_weights,
+                                      mtp_input_proj)
 
 __all__ = ["jamba_config", "jamba_to_hf", "jamba_weights", "mamba2_config", "mamba2_to_hf",
-           "mamba2_weights", "qwen3_next_config", "qwen3_next_to_hf", "qwen3_next_weights"]
+           "mamba2_weights", "qwen3_next_config", "qwen3_next_mtp_depth", "qwen3_next_to_hf",
+           "qwen3_next_weights"]
 
 
 # --------------------------------------------------------------------------- #
@@ -333,23 +336,51 @@ def qwen3_next_weights(w: Weights, cfg: ModelConfig, hf: dict) -> dict:
     out = {("embed", "tokens", "embedding"): w["model.embed_tokens.weight"],
            **_norm(w, "model.norm", ("final_norm",), cfg)}
     out.update(_head(w, "lm_head.weight", cfg))
-    for i in range(cfg.num_layers):
-        p, L = f"model.layers.{i}.", ("layers", i)
-        if cfg.layer_kind(i) == "gated_deltanet":
-            out.update(_gated_deltanet(w, p + "linear_attn.", L + ("attn",), cfg))
-        else:
-            out.update(_gated_attention(w, p + "self_attn.", L + ("attn",), cfg))
-        out.update(_norm(w, p + "input_layernorm", L + ("attn_norm",), cfg))
-        out.update(_norm(w, p + "post_attention_layernorm", L + ("ffn_norm",), cfg))
-        F = L + ("ffn",)
-        if cfg.ffn_kind(i) == "moe":
-            out.update(_mixtral_experts(w, p + "mlp.", F, cfg,
-                                        names=("gate_proj", "up_proj", "down_proj")))
-            out.update(_swiglu_mlp(w, p + "mlp.shared_expert.", F + ("shared",), cfg))
-            out[F + ("shared_gate",)] = w[p + "mlp.shared_expert_gate.weight"].T  # [1, D] -> [D, 1]
-        else:
-            out.update(_swiglu_mlp(w, p + "mlp.", F, cfg))
-    w.ignore(*(k for k in w.ckpt if k.startswith("mtp.")))  # the MTP head: not the LM
+    n = cfg.num_layers
+    for i in range(n):
+        out.update(_qwen3_next_layer(w, cfg, f"model.layers.{i}.", ("layers", i),
+                                     cfg.layer_kind(i), cfg.ffn_kind(i)))
+    if cfg.mtp_depth:  # `mtp.*`: one module (tfjax.models.mtp) of the last layer's kinds
+        M = ("mtp", 0)
+        out.update(_qwen3_next_layer(w, cfg, "mtp.layers.0.", M + ("layers", "blocks", 0),
+                                     cfg.layer_kind(n - 1), cfg.ffn_kind(n - 1)))
+        out.update(_norm(w, "mtp.pre_fc_norm_embedding", M + ("embed_norm",), cfg))
+        out.update(_norm(w, "mtp.pre_fc_norm_hidden", M + ("hidden_norm",), cfg))
+        out.update(_norm(w, "mtp.norm", M + ("norm",), cfg))
+        out[M + ("proj", "kernel")] = mtp_input_proj(w["mtp.fc.weight"])
+    w.ignore(*(k for k in w.ckpt if k.startswith("mtp.")))  # a checkpoint without "mtp.fc"
+    return out
+
+
+def qwen3_next_mtp_depth(hf: dict, names) -> int:
+    """1 when the checkpoint holds Qwen3-Next's MTP module (`mtp.fc`, `mtp.layers.0`),
+    else 0 (transformers' own saves drop it)."""
+    names = set(names)
+    if any(k.startswith("mtp.layers.1.") for k in names):
+        raise NotImplementedError("mtp.layers.1: Qwen3-Next's deeper MTP shares mtp.fc and its "
+                                  "norms across depths; tfjax's MTP modules have their own "
+                                  "(model.mtp_depth=1 only)")
+    return int("mtp.fc.weight" in names)
+
+
+def _qwen3_next_layer(w: Weights, cfg: ModelConfig, p: str, L: tuple, kind: str,
+                      ffn_kind: str) -> dict:
+    """Hub layer `p` (Gated DeltaNet or gated attention, then MoE or dense) -> under L."""
+    out = {}
+    if kind == "gated_deltanet":
+        out.update(_gated_deltanet(w, p + "linear_attn.", L + ("attn",), cfg))
+    else:
+        out.update(_gated_attention(w, p + "self_attn.", L + ("attn",), cfg))
+    out.update(_norm(w, p + "input_layernorm", L + ("attn_norm",), cfg))
+    out.update(_norm(w, p + "post_attention_layernorm", L + ("ffn_norm",), cfg))
+    F = L + ("ffn",)
+    if ffn_kind == "moe":
+        out.update(_mixtral_experts(w, p + "mlp.", F, cfg,
+                                    names=("gate_proj", "up_proj", "down_proj")))
+        out.update(_swiglu_mlp(w, p + "mlp.shared_expert.", F + ("shared",), cfg))
+        out[F + ("shared_gate",)] = w[p + "mlp.shared_expert_gate.weight"].T  # [1, D] -> [D, 1]
+    else:
+        out.update(_swiglu_mlp(w, p + "mlp.", F, cfg))
     return out
 
 

@@ -19,7 +19,8 @@ import numpy as np
 from tfjax.config import ModelConfig
 
 __all__ = ["PREFIXES", "Weights", "bert_weights", "bloom_weights", "gpt2_weights",
-           "llama_weights", "mamba_mixer_weights", "mamba_weights", "neox_weights",
+           "llama_weights", "mamba_mixer_weights", "mamba_weights", "mtp_input_proj",
+           "neox_weights",
            "t5_weights"]
 
 
@@ -92,6 +93,14 @@ def _linear(w, name: str, L: tuple, bias: bool) -> dict:
     if bias:
         out[L + ("bias",)] = w[f"{name}.bias"]
     return out
+
+
+def mtp_input_proj(w):
+    """A hub MTP input projection `[D, 2D]` (eh_proj / fc, reading [embedding; hidden],
+    as DeepSeek-V3 and Qwen3-Next order them) -> `MTPModule.proj` `[2D, D]`, which
+    reads [hidden; embedding]."""
+    D = w.shape[0]
+    return np.concatenate([w[:, D:].T, w[:, :D].T])
 
 
 def _norm(w, name: str, L: tuple, cfg: ModelConfig) -> dict:

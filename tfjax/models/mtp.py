@@ -98,8 +98,9 @@ def mtp_predictions(model, hidden: jax.Array, batch: dict) -> list[dict]:
     and optionally `positions`, `segment_ids`, `target_bytes`) given the decoder's
     `hidden` `[B,T,D]` (`model.hidden`, before the final norm): per depth k, `features`
     `[B,T,D]` (h^k, what the shared head reads: `model.head(features)` at position i
-    predicts token i + k + 1, and depth k + 1 reads), `targets`, `mask` (1 where the position counts at depth k: the
-    inputs i..i+k in one document and target i + k counted) and `target_bytes`
+    predicts token i + k + 1, and depth k + 1 reads), `targets`, `mask` (1 where the
+    position counts at depth k: the inputs i..i+k in one document and target i + k
+    counted) and `target_bytes`
     (None without them). The training loss (`tfjax.train.objectives`) sums their
     cross-entropies."""
     inputs, targets, mask = batch["inputs"], batch["targets"], batch["mask"]
