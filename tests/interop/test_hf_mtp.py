@@ -79,10 +79,10 @@ def _add_mtp_layer(ref, path):
     if copies:
         tensors[p + "embed_tokens.weight"] = ref.model.embed_tokens.weight.detach().clone()
         tensors[p + "shared_head.head.weight"] = ref.lm_head.weight.detach().clone()
+        cfg = json.loads((path / "config.json").read_text())  # as DeepSeek's configs say
+        cfg["num_nextn_predict_layers"] = 1
+        (path / "config.json").write_text(json.dumps(cfg))
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    cfg = json.loads((path / "config.json").read_text())
-    cfg["num_nextn_predict_layers"] = 1
-    (path / "config.json").write_text(json.dumps(cfg))
     return mtp
 
 

@@ -333,8 +333,9 @@ def load(path: str, *, dtype: str | None = None, mesh=None, rules=DEFAULT_RULES)
     family = FAMILIES.get(hf["model_type"], field="config.json model_type")
     prefix = PREFIXES.get(hf["model_type"])
     ckpt = SafetensorsCheckpoint(path)
-    if family.mtp_depth is not None and family.mtp_depth(hf, ckpt):  # DeepSeek-V3's MTP
-        cfg = dataclasses.replace(cfg, mtp_depth=family.mtp_depth(hf, ckpt))
+    depth = family.mtp_depth(hf, ckpt) if family.mtp_depth is not None else 0
+    if depth:  # the checkpoint's multi-token-prediction modules (DeepSeek-V3, Qwen3-Next)
+        cfg = dataclasses.replace(cfg, mtp_depth=depth)
     lazy = mesh is not None  # the mapping runs on the tensors' names and shapes alone
     source = symbolic_checkpoint({n: ckpt.shape(n) for n in ckpt}) if lazy else ckpt
     w = Weights(source, (prefix,) if prefix else ())

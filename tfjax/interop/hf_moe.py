@@ -49,7 +49,7 @@ from tfjax.config import ModelConfig
 from tfjax.interop.hf_config import _activation, _common, _layer_pattern, _rope, unsupported
 from tfjax.interop.hf_export import _act, _decoder, _layer_types, _rope_parameters
 from tfjax.interop.hf_weights import (Weights, _attention, _head, _heads_in, _heads_out, _norm,
-                                      mtp_input_proj)
+                                      mtp_module_weights)
 
 __all__ = ["deepseek_v3_config", "deepseek_v3_mtp_depth", "deepseek_v3_to_hf",
            "deepseek_v3_weights", "gpt_oss_config", "gpt_oss_to_hf", "gpt_oss_weights",
@@ -334,10 +334,8 @@ def deepseek_v3_weights(w: Weights, cfg: ModelConfig, hf: dict) -> dict:
     for k in range(cfg.mtp_depth):
         p, M = f"model.layers.{n + k}.", ("mtp", k)
         out.update(_deepseek_layer(w, cfg, p, M + ("layers", "blocks", 0), cfg.ffn_kind(n - 1)))
-        out.update(_norm(w, p + "enorm", M + ("embed_norm",), cfg))
-        out.update(_norm(w, p + "hnorm", M + ("hidden_norm",), cfg))
-        out.update(_norm(w, p + "shared_head.norm", M + ("norm",), cfg))
-        out[M + ("proj", "kernel")] = mtp_input_proj(w[p + "eh_proj.weight"])
+        out.update(mtp_module_weights(w, cfg, k, embed_norm=p + "enorm", hidden_norm=p + "hnorm",
+                                      norm=p + "shared_head.norm", proj=p + "eh_proj"))
         w.ignore(p + "embed_tokens.weight", p + "shared_head.head.weight")
     # MTP layers the model does not hold (deepseek_v3_mtp_depth found none complete)
     w.ignore(*[k for k in w.ckpt if _layer_index(k) is not None

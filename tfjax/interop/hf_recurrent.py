@@ -50,7 +50,7 @@ from tfjax.interop.hf_config import _common, _rope, check_types, require, unsupp
 from tfjax.interop.hf_export import _rope_parameters
 from tfjax.interop.hf_weights import (Weights, _attention, _head, _heads_in, _heads_out,
                                       _linear, _mixtral_experts, _norm, mamba_mixer_weights,
-                                      mtp_input_proj)
+                                      mtp_module_weights)
 
 __all__ = ["jamba_config", "jamba_to_hf", "jamba_weights", "mamba2_config", "mamba2_to_hf",
            "mamba2_weights", "qwen3_next_config", "qwen3_next_mtp_depth", "qwen3_next_to_hf",
@@ -341,13 +341,11 @@ def qwen3_next_weights(w: Weights, cfg: ModelConfig, hf: dict) -> dict:
         out.update(_qwen3_next_layer(w, cfg, f"model.layers.{i}.", ("layers", i),
                                      cfg.layer_kind(i), cfg.ffn_kind(i)))
     if cfg.mtp_depth:  # `mtp.*`: one module (tfjax.models.mtp) of the last layer's kinds
-        M = ("mtp", 0)
-        out.update(_qwen3_next_layer(w, cfg, "mtp.layers.0.", M + ("layers", "blocks", 0),
+        out.update(_qwen3_next_layer(w, cfg, "mtp.layers.0.", ("mtp", 0, "layers", "blocks", 0),
                                      cfg.layer_kind(n - 1), cfg.ffn_kind(n - 1)))
-        out.update(_norm(w, "mtp.pre_fc_norm_embedding", M + ("embed_norm",), cfg))
-        out.update(_norm(w, "mtp.pre_fc_norm_hidden", M + ("hidden_norm",), cfg))
-        out.update(_norm(w, "mtp.norm", M + ("norm",), cfg))
-        out[M + ("proj", "kernel")] = mtp_input_proj(w["mtp.fc.weight"])
+        out.update(mtp_module_weights(w, cfg, 0, embed_norm="mtp.pre_fc_norm_embedding",
+                                      hidden_norm="mtp.pre_fc_norm_hidden", norm="mtp.norm",
+                                      proj="mtp.fc"))
     w.ignore(*(k for k in w.ckpt if k.startswith("mtp.")))  # a checkpoint without "mtp.fc"
     return out
 

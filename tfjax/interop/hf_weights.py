@@ -19,7 +19,7 @@ import numpy as np
 from tfjax.config import ModelConfig
 
 __all__ = ["PREFIXES", "Weights", "bert_weights", "bloom_weights", "gpt2_weights",
-           "llama_weights", "mamba_mixer_weights", "mamba_weights", "mtp_input_proj",
+           "llama_weights", "mamba_mixer_weights", "mamba_weights", "mtp_module_weights",
            "neox_weights",
            "t5_weights"]
 
@@ -95,12 +95,20 @@ def _linear(w, name: str, L: tuple, bias: bool) -> dict:
     return out
 
 
-def mtp_input_proj(w):
-    """A hub MTP input projection `[D, 2D]` (eh_proj / fc, reading [embedding; hidden],
-    as DeepSeek-V3 and Qwen3-Next order them) -> `MTPModule.proj` `[2D, D]`, which
-    reads [hidden; embedding]."""
-    D = w.shape[0]
-    return np.concatenate([w[:, D:].T, w[:, :D].T])
+def mtp_module_weights(w, cfg: ModelConfig, k: int, *, embed_norm: str, hidden_norm: str,
+                       norm: str, proj: str) -> dict:
+    """MTP module k's own tensors (`tfjax.models.mtp.MTPModule`, its block aside) from
+    their hub names: the two input norms, the output norm and the input projection
+    `[D, 2D]` (eh_proj / fc, reading [embedding; hidden] as DeepSeek-V3 and Qwen3-Next
+    order them) as `proj` `[2D, D]`, which reads [hidden; embedding]."""
+    M = ("mtp", k)
+    out = {**_norm(w, embed_norm, M + ("embed_norm",), cfg),
+           **_norm(w, hidden_norm, M + ("hidden_norm",), cfg),
+           **_norm(w, norm, M + ("norm",), cfg)}
+    eh = w[f"{proj}.weight"]
+    D = eh.shape[0]
+    out[M + ("proj", "kernel")] = np.concatenate([eh[:, D:].T, eh[:, :D].T])
+    return out
 
 
 def _norm(w, name: str, L: tuple, cfg: ModelConfig) -> dict:
