@@ -4,7 +4,7 @@ import jax
 import pytest
 
 from tfjax import config as C
-from tfjax.parallel.mesh import MESH_AXES, make_mesh, mesh_shape
+from tfjax.parallel.mesh import MESH_AXES, cpu_device_count, make_mesh, mesh_shape, use_cpu_cores
 
 
 def mesh_cfg(**axes):
@@ -50,3 +50,19 @@ def test_command_line_style_override():
     cfg.mesh.fsdp = 2
     rc = C.from_dict(C.RunConfig, cfg)
     assert mesh_shape(rc.mesh, 8) == (4, 2, 1, 1, 1)
+
+
+def test_cpu_device_count_gives_each_core_a_device_that_divides_the_batch():
+    data = C.MeshConfig()  # data=-1, every other axis 1
+    assert cpu_device_count(data, rows=16, cores=2) == 2
+    assert cpu_device_count(data, rows=12, cores=8) == 6   # the largest divisor <= cores
+    assert cpu_device_count(data, rows=3, cores=2) == 1
+    assert cpu_device_count(data, rows=1, cores=4) == 1
+    assert cpu_device_count(C.MeshConfig(fsdp=2), rows=16, cores=2) == 1  # sizes named: untouched
+    assert cpu_device_count(C.MeshConfig(data=2), rows=16, cores=2) == 1
+
+
+def test_use_cpu_cores_keeps_a_count_already_chosen():
+    # the suite's XLA_FLAGS set 8 devices (conftest), and the backend is running
+    assert use_cpu_cores(C.MeshConfig(), 16) is None
+    assert len(jax.devices()) == 8

@@ -97,8 +97,9 @@ def test_cli_input_errors_are_one_line_naming_the_file_or_field_and_the_fix(tmp_
          "allowed: quick, tiny"),
         ([f"--config={default}", "--config.train.steps=abc"], ROOT,
          "config error: flag --config.train.steps=abc: invalid literal for int()"),
-        ([f"--config={default}", "--cpu_devices=-1"], ROOT,
-         "error: --cpu_devices must be >= 0 (0: the machine's own devices), got -1"),
+        ([f"--config={default}", "--cpu_devices=-2"], ROOT,
+         "error: --cpu_devices must be -1 (one per core), 0 (the platform's own) or a count, "
+         "got -2"),
     ]
     env = {**os.environ, "PYTHONPATH": ROOT}
     procs = [subprocess.Popen([sys.executable, "-m", "tfjax.train", "--workdir", str(tmp_path),
@@ -121,6 +122,26 @@ def test_cli_sets_the_device_count_after_importing_jax():
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                        env=dict(env, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu"), timeout=120)
     assert "DEVICES 3" in p.stdout, p.stdout + p.stderr
+
+
+def test_cli_default_gives_each_core_a_device():
+    """`--cpu_devices` left at -1: before the backend starts, one CPU device per usable
+    core that divides the batch (`use_cpu_cores`); a count in XLA_FLAGS wins."""
+    code = ("import jax, tfjax.train.__main__ as m; from tfjax.config import run_config; "
+            "from configs import default; "
+            "from tfjax.parallel.mesh import cpu_device_count, usable_cores, use_cpu_cores; "
+            "cfg = run_config(default.get_config()); use_cpu_cores(cfg.mesh, 16); "
+            "print('DEVICES', len(jax.devices()), cpu_device_count(cfg.mesh, 16, usable_cores()))")
+    env = dict({k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, PYTHONPATH=ROOT,
+               JAX_PLATFORMS="cpu")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       env=env, timeout=120)
+    devices, expected = p.stdout.split("DEVICES")[-1].split()
+    assert devices == expected, p.stdout + p.stderr
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       env=dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=3"),
+                       timeout=120)
+    assert p.stdout.split("DEVICES")[-1].split()[0] == "3", p.stdout + p.stderr
 
 
 def finish(procs, timeout, what):

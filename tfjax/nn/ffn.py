@@ -16,7 +16,9 @@ Design choices:
   GPT-2 and Gemma call gelu); they differ by up to ~5e-4, enough to matter in
   checkpoint parity, so both are named explicitly.
 - Projections are Flax's `nnx.Linear`, with logical axes ("embed", "mlp") on
-  the input kernels and ("mlp", "embed") on the output kernel.
+  the input kernels and ("mlp", "embed") on the output kernel; their matmul is
+  `tfjax.nn.dense` (the same forward; a kernel gradient XLA:CPU's fast matmul
+  accepts).
 - `out_init_std` lets the output projection use a smaller init (GPT-2's
   0.02 / sqrt(2 L) residual scaling), which only the caller knows.
 """
@@ -31,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from tfjax.nn.dense import linear_dot_general
 from tfjax.parallel.sharding import with_logical_axes
 from tfjax.registry import Registry
 from tfjax.typing import Array, DType, Float
@@ -92,6 +95,7 @@ class FeedForward(nnx.Module):
                 param_dtype=param_dtype,
                 kernel_init=with_logical_axes(kernel_init, axes),
                 bias_init=with_logical_axes(bias_init, axes[1:]),
+                dot_general=linear_dot_general,
                 rngs=rngs,
             )
 

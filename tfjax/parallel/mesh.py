@@ -4,11 +4,19 @@ Sizes come from `MeshConfig`; one axis may be -1 and takes the devices left over
 Every axis is always present (size 1 when unused) so the rules table can name any
 of them whatever the run's parallelism. Axes are `Auto` (GSPMD propagation from
 the shardings we give jit and from `shard()` constraints), not `Explicit`.
+
+On a CPU host, `use_cpu_cores` gives JAX one XLA:CPU device per usable core before
+its backends start: XLA:CPU runs one program's ops one after another on one thread
+(YNNPACK's matmuls included), so a jitted step uses a second core only as a second
+device, through the mesh's `data` axis. The trainer's command line and
+`experiments/bench_train.py` call it (experiments/results/bench_train_cpu.md).
 """
 
 from __future__ import annotations
 
 import math
+import os
+import re
 from collections.abc import Sequence
 
 import jax
@@ -17,7 +25,8 @@ from jax.sharding import Mesh
 
 from tfjax.config import MESH_AXES, MeshConfig
 
-__all__ = ["MESH_AXES", "batch_axes_size", "make_mesh", "mesh_shape"]
+__all__ = ["MESH_AXES", "batch_axes_size", "cpu_device_count", "make_mesh", "mesh_shape",
+           "usable_cores", "use_cpu_cores"]
 
 
 def mesh_shape(cfg: MeshConfig, num_devices: int) -> tuple[int, ...]:
@@ -56,3 +65,39 @@ def batch_axes_size(mesh: Mesh, rules) -> int:
     """How many ways the "batch" logical axis is split on `mesh`."""
     axes = dict((r[0], r[1:]) for r in rules).get("batch", ())
     return math.prod(mesh.shape[a] for a in axes)
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, e.g. under `taskset`)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def cpu_device_count(cfg: MeshConfig, rows: int, cores: int) -> int:
+    """How many CPU devices a run with this mesh and `rows` per (micro)batch uses on
+    `cores` cores: the largest count <= cores that divides `rows`, for a data-parallel
+    mesh (`data=-1`, every other axis 1); otherwise 1 (a mesh that names its sizes
+    sets the count itself: `--cpu_devices`)."""
+    if cfg.shape != tuple(-1 if a == "data" else 1 for a in MESH_AXES):
+        return 1
+    return max(n for n in range(1, max(1, min(cores, rows)) + 1) if rows % n == 0)
+
+
+def use_cpu_cores(cfg: MeshConfig, rows: int) -> int | None:
+    """Before JAX starts its backends: give the CPU platform `cpu_device_count`
+    devices (a no-op where that is 1). Returns the count set, or None when the
+    count was already chosen (XLA_FLAGS' `--xla_force_host_platform_device_count`,
+    `jax_num_cpu_devices`) or the backends are running (then it changes nothing)."""
+    chosen = re.search(r"--xla_force_host_platform_device_count", os.environ.get("XLA_FLAGS", ""))
+    if chosen or jax.config.jax_num_cpu_devices != -1:
+        return None
+    n = cpu_device_count(cfg, rows, usable_cores())
+    if n == 1:
+        return None
+    try:
+        jax.config.update("jax_num_cpu_devices", n)
+    except RuntimeError:  # backends already initialised: keep what they have
+        return None
+    return n

@@ -32,6 +32,7 @@ from ml_collections import config_flags
 
 from tfjax.config import moved_field, run_config, unknown_field
 from tfjax.models import check_names
+from tfjax.parallel.mesh import use_cpu_cores
 from tfjax.train.aot import compile_only
 from tfjax.train.init_from import resolve_init_from
 from tfjax.train.trainer import Trainer
@@ -41,7 +42,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 config_flags.DEFINE_config_file("config", "configs/default.py", "preset: configs/<name>.py[:arg]",
                                 lock_config=True)
 flags.DEFINE_string("workdir", None, "checkpoints, metrics.jsonl and TensorBoard events go here")
-flags.DEFINE_integer("cpu_devices", 0, "simulate this many CPU devices (XLA host platform)")
+flags.DEFINE_integer("cpu_devices", -1, "CPU devices (XLA host platform): N simulates N; -1 "
+                     "(default): one per usable core for a data-parallel mesh whose batch they "
+                     "divide (tfjax.parallel.mesh.use_cpu_cores); 0: the platform's own one")
 flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-process)")
 flags.DEFINE_integer("num_processes", None, "number of processes (multi-process)")
 flags.DEFINE_integer("process_id", None, "this process's index (multi-process)")
@@ -57,15 +60,23 @@ def main(argv):
         logging.set_verbosity(logging.WARNING)
     if FLAGS.workdir is None and not FLAGS.compile_only:
         raise app.UsageError("--workdir is required (checkpoints and metrics are written there)")
-    if FLAGS.cpu_devices < 0:
-        print(f"error: --cpu_devices must be >= 0 (0: the machine's own devices), got "
-              f"{FLAGS.cpu_devices}", file=sys.stderr)
+    if FLAGS.cpu_devices < -1:
+        print(f"error: --cpu_devices must be -1 (one per core), 0 (the platform's own) or a "
+              f"count, got {FLAGS.cpu_devices}", file=sys.stderr)
         return 2
     if FLAGS.compile_only:  # libtpu's lockfile guards real chips; topologies need none
         os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    if FLAGS.cpu_devices:
+    multi_process = FLAGS.coordinator_address or FLAGS.num_processes or FLAGS.distributed
+    if FLAGS.cpu_devices > 0:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    f" --xla_force_host_platform_device_count={FLAGS.cpu_devices}")
+    elif FLAGS.cpu_devices == -1 and not multi_process and not FLAGS.compile_only:
+        try:
+            run = run_config(FLAGS.config)
+        except ValueError:
+            run = None  # the config's own error is reported below, before anything compiles
+        if run is not None:
+            use_cpu_cores(run.mesh, run.train.batch_size // run.train.microbatches)
     if FLAGS.coordinator_address or FLAGS.num_processes:
         # CPU processes need gloo for cross-process collectives (ignored by TPU / GPU).
         jax.config.update("jax_cpu_collectives_implementation", "gloo")

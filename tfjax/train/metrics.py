@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from tfjax.config import ModelConfig
+from tfjax.parallel.mesh import usable_cores
 
 __all__ = ["MetricWriter", "ProgressBar", "WallClock", "flops_per_token", "peak_flops"]
 
@@ -73,8 +74,9 @@ def peak_flops(per_device: float = 0.0) -> tuple[float, str]:
     for name, value in PEAK_FLOPS.items():
         if kind.startswith(name):
             return value * len(devices), f"{kind} table"
-    if devices[0].platform == "cpu":
-        return measure_matmul_peak(), "measured CPU matmul"
+    if devices[0].platform == "cpu":  # one device runs on one core (XLA:CPU)
+        cores = min(len(devices), usable_cores())
+        return measure_matmul_peak() * cores, f"measured CPU matmul x {cores} core(s)"
     return 0.0, f"unknown device {kind!r} (set train.peak_flops)"
 
 

@@ -1,0 +1,79 @@
+"""`dense(x, kernel)`: `x [..., I] @ kernel [I, O] -> [..., O]`, the projection of
+`FeedForward`'s `nnx.Linear`s (through `linear_dot_general`, their `dot_general`),
+with a weight gradient laid out for the library that runs the matmul.
+
+The forward is the plain `dot_general` and so is the input gradient `dx = g @ W^T`.
+The kernel gradient `dW = x^T g` (a contraction over every leading axis) is where
+platforms differ:
+
+- On CPU, XLA hands a matmul to YNNPACK only when both operands are row-major with
+  the left one contracted on its last axis; autodiff's `dW` contracts `x` on its
+  first axis, so XLA:CPU ran it in its slower fallback after transposing the
+  larger `[M, F]` operand (M = batch x length), the SwiGLU FFN's weight gradients
+  taking ~1/5 of a 0.8M-parameter model's training step
+  (experiments/results/bench_train_cpu.md). Here the backward transposes the
+  smaller of x `[M, I]` and g `[M, O]` itself and multiplies row-major operands
+  (`lax.optimization_barrier` keeps XLA from folding the transposes back into the
+  dot); `dW` is the same sum, in another order (f32 rounding aside).
+- Elsewhere (TPU, GPU: the MXU and cuBLAS take either layout) the backward is
+  autodiff's own contraction. `lax.platform_dependent` stages both and lowering
+  keeps the target's, so an AOT compile for a TPU from a CPU host gets the TPU form.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax import lax
+
+from tfjax.typing import Array, Float
+
+__all__ = ["dense", "linear_dot_general"]
+
+
+def _forward(x, kernel):
+    return lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
+
+
+@jax.custom_vjp
+def dense(x: Float[Array, "... I"], kernel: Float[Array, "I O"]) -> Float[Array, "... O"]:
+    """`x [..., I] @ kernel [I, O]` in x's leading axes (both of one dtype)."""
+    return _forward(x, kernel)
+
+
+def _dense_fwd(x, kernel):
+    return _forward(x, kernel), (x, kernel)
+
+
+def _kernel_grad_autodiff(x, g):
+    lead = tuple(range(x.ndim - 1))
+    return lax.dot_general(x, g, ((lead, lead), ((), ())))
+
+
+def _kernel_grad_row_major(x, g):
+    x2, g2 = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])  # [M, I], [M, O]
+    if x2.shape[1] <= g2.shape[1]:
+        return lax.optimization_barrier(x2.T) @ g2  # [I, M] @ [M, O]
+    return lax.optimization_barrier(lax.optimization_barrier(g2.T) @ x2).T  # ([O, M] @ [M, I])^T
+
+
+def _dense_bwd(res, g):
+    x, kernel = res
+    dx = lax.dot_general(g, kernel, (((g.ndim - 1,), (1,)), ((), ())))
+    dw = lax.platform_dependent(x, g, cpu=_kernel_grad_row_major, default=_kernel_grad_autodiff)
+    return dx, dw.astype(kernel.dtype)
+
+
+dense.defvjp(_dense_fwd, _dense_bwd)
+
+
+def linear_dot_general(lhs, rhs, dimension_numbers, precision=None,
+                       preferred_element_type=None, out_sharding=None):
+    """`nnx.Linear(dot_general=linear_dot_general)`: `dense` for the layer's own
+    contraction (last axis of the input with the kernel's first, default precision);
+    any other call is `lax.dot_general`'s."""
+    plain = (dimension_numbers == (((lhs.ndim - 1,), (0,)), ((), ())) and rhs.ndim == 2
+             and precision is None and preferred_element_type is None and out_sharding is None)
+    if plain:
+        return dense(lhs, rhs)
+    return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                           preferred_element_type=preferred_element_type, out_sharding=out_sharding)
