@@ -10,7 +10,8 @@ mesh, shardings, jitted donated step) and, for Llama-shaped presets, transformer
 LlamaForCausalLM in PyTorch (same shapes, batches, AdamW + clipping; intra-op threads
 = usable cores). After one warm-up step each, `--rounds` rounds each time `--steps`
 steps of tfjax, then of PyTorch; the table gives the median round of each and their
-ratio, and the machine's load average before and after. MFU uses the FLOP formula
+ratio (`--attention` adds tfjax rows with other attention implementations), and the
+machine's load average before and after. MFU uses the FLOP formula
 of `tfjax.train.metrics` against this machine's matmul peak measured in the same run
 (an f32 1024^3 matmul on one device, times the devices that have a core each).
 """
@@ -61,8 +62,11 @@ def packed_batches(cfg, n: int):
 class TfjaxRun:
     """The preset's train step as `tfjax.train` builds it, warmed up (compiled)."""
 
-    def __init__(self, preset: str, steps: int):
-        cfg = self.cfg = run_config(load(preset))
+    def __init__(self, preset: str, steps: int, attention: str = ""):
+        raw = load(preset)
+        if attention:
+            raw.model.attention_impl = attention
+        cfg = self.cfg = run_config(raw)
         p = self.program = build_program(cfg, make_mesh(cfg.mesh), build)
         order = (lambda v: zigzag_rows(v, p.zigzag)) if p.zigzag else (lambda v: v)  # as Trainer
         self.batches = [{k: jax.device_put(order(v), p.batch_sharding) for k, v in b.items()}
@@ -70,7 +74,8 @@ class TfjaxRun:
         self.state, m = p.step(p.init(), self.batches[0])
         jax.block_until_ready(m)
         self.params = p.num_params
-        self.label = f"tfjax (jax {jax.__version__}, {len(jax.devices())} CPU devices)"
+        self.label = (f"tfjax (jax {jax.__version__}, {len(jax.devices())} CPU devices"
+                      + (f", attention {attention!r})" if attention else ")"))
 
     def seconds_per_step(self) -> float:
         t0 = time.perf_counter()
@@ -150,6 +155,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=5, help="alternating rounds per framework")
     ap.add_argument("--presets", default="default,default:small")
     ap.add_argument("--no_torch", action="store_true", help="skip the PyTorch rows")
+    ap.add_argument("--attention", default="", help="also time tfjax with these "
+                    "model.attention_impl values (comma-separated), in the same rounds")
     a = ap.parse_args()
     presets = a.presets.split(",")
     first = run_config(load(presets[0]))
@@ -165,6 +172,7 @@ def main():
         refusal = "not run: --no_torch" if a.no_torch else TorchRun.refusal(preset)
         if refusal is None:
             runs.append(TorchRun(preset, a.steps))
+        runs += [TfjaxRun(preset, a.steps, impl) for impl in filter(None, a.attention.split(","))]
         times = [[] for _ in runs]
         for _ in range(a.rounds):
             for run, ts in zip(runs, times):
@@ -174,7 +182,8 @@ def main():
         rates = [tokens / statistics.median(ts) for ts in times]
         for i, (run, ts, rate) in enumerate(zip(runs, times, rates)):
             mfu = flops_per_token(cfg.model, cfg.train.seq_len) * rate / peak
-            ratio = f"{rates[0] / rates[1]:.2f}x" if i == 1 else ""
+            torch_rate = None if refusal else rates[1]
+            ratio = f"{rate / torch_rate:.2f}x" if torch_rate and i != 1 else ""
             print(f"| {preset} | {run.label} | {run.params / 1e6:.2f}M | {rate:,.0f} | "
                   f"{statistics.median(ts):.3f} | {100 * mfu:.1f}% | {ratio} |", flush=True)
         if refusal:

@@ -229,9 +229,10 @@ def _rel_table_grad(ds, buckets, nb):
 
 
 def _logits(cfg, qt, kt, bias_t, alibi_t=None, rel_t=None):
-    """fp32 logits `[K,G,bq,bk]` (and tanh of the soft-cap, for the backward), the
-    extras laid out as `[K, G, bq, bk]` for `tiles.logits`."""
-    s = jnp.einsum("QKGH,SKH->KGQS", qt, kt, preferred_element_type=jnp.float32)
+    """fp32 logits `[K,G,bq,bk]` of a query tile `[K,G,bq,H]` and a key tile `[bk,K,H]`
+    (and tanh of the soft-cap, for the backward), the extras laid out as
+    `[K, G, bq, bk]` for `tiles.logits`."""
+    s = jnp.einsum("KGQH,SKH->KGQS", qt, kt, preferred_element_type=jnp.float32)
     K, G = s.shape[:2]
     bias = alibi = rel = None
     if bias_t is not None:  # [N|1, bq, bk] -> [K|1, G|1, bq, bk]
@@ -264,6 +265,14 @@ def _scan(f, carry, xs):
     return lax.scan(f, carry, xs)
 
 
+def _query_tiles(x, nq, bq, K, G):
+    """`[T, N, H]` -> `[nq, K, G, bq, H]`, the query-side tiles (q, dout, dq) laid out
+    as the logits `[K, G, bq, bk]`: every tile contraction then reads the `[bq, bk]`
+    logits, probabilities and their gradients row-major, and only the H-wide tiles
+    are transposed (XLA:CPU otherwise transposed the logits themselves)."""
+    return pad_axis(x, 0, nq * bq).reshape(nq, bq, K, G, x.shape[-1]).transpose(0, 2, 3, 1, 4)
+
+
 def _bias_tile(bias, qi, kj, bq, bk):
     if bias is None:
         return None
@@ -291,7 +300,7 @@ def _example(cfg, q, k, bias, alibi, rel):
 def _forward_one(cfg, q, k, v, mask, bias, alibi, rel, qo, ko):
     (T, S, N, K, G, H, nq, nk), bias, alibi, rel = _example(cfg, q, k, bias, alibi, rel)
     bq, bk, Hv = cfg.block_q, cfg.block_kv, v.shape[-1]
-    qp = pad_axis(q, 0, nq * bq).reshape(nq, bq, K, G, H)
+    qp = _query_tiles(q, nq, bq, K, G)
     kp = pad_axis(k, 0, nk * bk)
     vp = pad_axis(v, 0, nk * bk)
     order, counts, codes = _tables(mask, T, S, bq, bk, qo, ko)
@@ -357,8 +366,7 @@ def _backward_one(cfg, q, k, v, mask, bias, alibi, rel, qo, ko, out, lse, dout, 
     bq, bk, Hv = cfg.block_q, cfg.block_kv, v.shape[-1]
     # D_i = sum_h dO*O - dlse_i: the softmax backward's row term (dlse enters here).
     delta = jnp.einsum("TNH,TNH->NT", dout.astype(jnp.float32), out.astype(jnp.float32)) - dlse
-    qp = pad_axis(q, 0, nq * bq).reshape(nq, bq, K, G, H)
-    dop = pad_axis(dout, 0, nq * bq).reshape(nq, bq, K, G, Hv)
+    qp, dop = _query_tiles(q, nq, bq, K, G), _query_tiles(dout, nq, bq, K, G)
     lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
     lsep = pad_axis(lse, 1, nq * bq).reshape(K, G, nq, bq).transpose(2, 0, 1, 3)  # [nq,K,G,bq]
     dp_ = pad_axis(delta, 1, nq * bq).reshape(K, G, nq, bq).transpose(2, 0, 1, 3)
@@ -380,9 +388,9 @@ def _backward_one(cfg, q, k, v, mask, bias, alibi, rel, qo, ko, out, lse, dout, 
                            _alibi_tile(alibi, qi, kj, bq, bk, qo, ko), rel_t)
             allowed = _tile_allowed(cfg, mask, codes_t[kj, i], qi, kj, T, S, qo, ko)
             p = jnp.where(allowed, jnp.exp(s - lsep[qi][..., None]), 0.0)  # [K,G,bq,bk]
-            dv = dv + jnp.einsum("KGQS,QKGH->SKH", p.astype(dout.dtype), dot,
+            dv = dv + jnp.einsum("KGQH,KGQS->KHS", dot, p.astype(dout.dtype),
                                  preferred_element_type=jnp.float32)
-            dp = jnp.einsum("QKGH,SKH->KGQS", dot, vt, preferred_element_type=jnp.float32)
+            dp = jnp.einsum("KGQH,SKH->KGQS", dot, vt, preferred_element_type=jnp.float32)
             ds = p * (dp - dp_[qi][..., None])  # d logits
             if dbias is not None:
                 db = ds.reshape(N, bq, bk)
@@ -394,24 +402,24 @@ def _backward_one(cfg, q, k, v, mask, bias, alibi, rel, qo, ko, out, lse, dout, 
             if t is not None:
                 ds = ds * (1.0 - t * t)
             ds = ds * cfg.scale
-            dq = dq.at[qi].add(jnp.einsum("KGQS,SKH->QKGH", ds.astype(k.dtype), kt,
+            dq = dq.at[qi].add(jnp.einsum("KGQS,SKH->KGQH", ds.astype(k.dtype), kt,
                                           preferred_element_type=jnp.float32))
-            dk = dk + jnp.einsum("KGQS,QKGH->SKH", ds.astype(q.dtype), qt,
+            dk = dk + jnp.einsum("KGQH,KGQS->KHS", qt, ds.astype(q.dtype),
                                  preferred_element_type=jnp.float32)
             return i + 1, dq, dbias, dtable, dk, dv
 
         _, dq, dbias, dtable, dk, dv = _loop(
             lambda c: c[0] < counts_t[kj], body,
-            (jnp.int32(0), dq, dbias, dtable, jnp.zeros((bk, K, H), jnp.float32),
-             jnp.zeros((bk, K, Hv), jnp.float32)), nq)
-        return (dq, dbias, dtable), (dk, dv)
+            (jnp.int32(0), dq, dbias, dtable, jnp.zeros((K, H, bk), jnp.float32),
+             jnp.zeros((K, Hv, bk), jnp.float32)), nq)
+        return (dq, dbias, dtable), (dk.transpose(2, 0, 1), dv.transpose(2, 0, 1))
 
-    dq0 = jnp.zeros((nq, bq, K, G, H), jnp.float32)
+    dq0 = jnp.zeros((nq, K, G, bq, H), jnp.float32)
     db0 = None if bias is None else jnp.zeros(bias.shape, jnp.float32)
     dt0 = None if rel is None else jnp.zeros(rel.table.shape, jnp.float32)
     (dq, dbias, dtable), (dk, dv) = _scan(kv_tile, (dq0, db0, dt0),
                                           (jnp.arange(nk, dtype=jnp.int32), kp, vp))
-    dq = dq.reshape(nq * bq, N, H)[:T].astype(grad_dtype or q.dtype)
+    dq = dq.transpose(0, 3, 1, 2, 4).reshape(nq * bq, N, H)[:T].astype(grad_dtype or q.dtype)
     dk = dk.reshape(nk * bk, K, H)[:S].astype(grad_dtype or k.dtype)
     dv = dv.reshape(nk * bk, K, Hv)[:S].astype(grad_dtype or v.dtype)
     if dbias is not None:
