@@ -6,6 +6,7 @@ import json
 import re
 
 import jax
+import numpy as np
 import pytest
 
 from tfjax import config as C
@@ -128,5 +129,11 @@ def test_compression_report_never_compares_against_zero_bytes():
     with pytest.raises(ValueError, match="no bytes"):
         compression_bits_per_byte(b"")
     entries, line = compression_report(0.5, b"def f(x):\n    return x\n" * 20)
-    assert set(entries) == {"gzip_bpb", "xz_bpb"} and "tfjax beats gzip" in line
-    assert "tfjax does not beat gzip" in compression_report(100.0, b"abc")[1]
+    assert set(entries) == {"gzip_bpb", "xz_bpb"} and "tfjax beats gzip and xz" in line
+    assert "tfjax beats neither gzip nor xz" in compression_report(1000.0, b"abc")[1]
+    short = b"def f(x):\n    return x\n" * 20  # gzip 0.82 bits/byte, xz 1.67 (its header)
+    assert "tfjax beats xz, not gzip" in compression_report(1.0, short)[1]
+    block = np.random.default_rng(0).bytes(40_000)  # repeated past gzip's 32 KiB window
+    base = compression_bits_per_byte(block * 2)
+    assert base["xz"] < 5.0 < base["gzip"], base
+    assert "tfjax beats gzip, not xz" in compression_report(5.0, block * 2)[1]

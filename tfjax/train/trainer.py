@@ -119,9 +119,13 @@ def compression_report(val_bpb: float, data: bytes) -> tuple[dict[str, float], s
         return {}, ("  no validation bytes were scored, so there is nothing to compare with "
                     "gzip / xz (check data.paths / data.val_paths and train.eval_batches)")
     base = compression_bits_per_byte(data)
+    beats = {k: val_bpb < base[k] for k in ("gzip", "xz")}
+    verdict = {(True, True): "beats gzip and xz", (True, False): "beats gzip, not xz",
+               (False, True): "beats xz, not gzip",
+               (False, False): "beats neither gzip nor xz"}[beats["gzip"], beats["xz"]]
     return ({f"{k}_bpb": v for k, v in base.items()},
             f"  same bytes: gzip -9 {base['gzip']:.4f} bits/byte, xz -9e {base['xz']:.4f} "
-            f"bits/byte; tfjax {'beats' if val_bpb < base['gzip'] else 'does not beat'} gzip")
+            f"bits/byte; tfjax {verdict}")
 
 
 class Trainer:
