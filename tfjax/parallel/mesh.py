@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from collections.abc import Sequence
 
 import jax
@@ -90,7 +89,7 @@ def use_cpu_cores(cfg: MeshConfig, rows: int) -> int | None:
     devices (a no-op where that is 1). Returns the count set, or None when the
     count was already chosen (XLA_FLAGS' `--xla_force_host_platform_device_count`,
     `jax_num_cpu_devices`) or the backends are running (then it changes nothing)."""
-    chosen = re.search(r"--xla_force_host_platform_device_count", os.environ.get("XLA_FLAGS", ""))
+    chosen = "--xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
     if chosen or jax.config.jax_num_cpu_devices != -1:
         return None
     n = cpu_device_count(cfg, rows, usable_cores())
