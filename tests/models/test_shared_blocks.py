@@ -22,7 +22,8 @@ from tfjax.config import model_config
 
 # 7 layers of ("mamba2_shared", "mamba2"): scanned, 3 cycles and one unrolled layer;
 # uses at layers 0, 2, 4, 6 run blocks 0, 1, 0, 1 (traced under the scan: one use
-# per cycle, two blocks). GQA 2/1 heads of 16 = 2 D / num_heads, Zamba2's shape.
+# per cycle, two blocks). GQA 2/1 heads of 16 = 2 D / num_heads, Zamba2's shape. The
+# scanned model rematerialises its layers (remat="full"), the unrolled one does not.
 ZAMBA = dict(vocab_size=61, d_model=16, num_layers=7, num_heads=2, num_kv_heads=1, head_dim=16,
              d_ff=24, max_len=64, position="rope", norm="rmsnorm", activation="geglu",
              ffn_bias=False, ffn_pattern=("none",), tie_embeddings=False, init_std=0.3,
@@ -136,7 +137,7 @@ def transfer(scanned, unrolled):
 
 @pytest.fixture(scope="module")
 def pair():
-    scanned, unrolled = build(0), build(1, scan_layers=False)
+    scanned, unrolled = build(0, remat="full"), build(1, scan_layers=False)
     assert scanned.layers.layout.num_cycles == 3 and unrolled.layers.layout.num_cycles == 0
     transfer(scanned, unrolled)
     return scanned, unrolled

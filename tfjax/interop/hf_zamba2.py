@@ -21,8 +21,9 @@ the `model.shared` section (`tfjax.nn.shared_block`). The mapping:
   over `mamba_ngroups` groups, conv bias always, dt >= `time_step_min`). Its gated
   norm's eps is fixed at 1e-5 and ours is `rms_norm_eps`: another value is refused.
 - transformers (5.24) records the tie of the (M+1)-th and later hybrid layers' blocks
-  to the first M but does not apply it: its `Zamba2ForCausalLM` then runs those layers
-  with blocks of their own, and `save_pretrained` writes them. A checkpoint may hold
+  to the first M but, built on CPU, does not apply it (seen: their q_proj differ): its
+  `Zamba2ForCausalLM` then runs those layers with blocks of their own, and
+  `save_pretrained` writes them. A checkpoint may hold
   such copies only if they equal the block they tie to (then they are read and
   checked); different values are refused by name: tfjax's blocks are shared.
 - `use_long_context` (a rescaled RoPE base) is refused by name.
