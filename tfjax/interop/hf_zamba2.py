@@ -18,7 +18,9 @@ the `model.shared` section (`tfjax.nn.shared_block`). The mapping:
   blocks load stacked into `layers.shared`, each use's adapters and its `linear`
   into its layer's `mixer_input`.
 - the Mamba-2 mixers as `Mamba2ForCausalLM`'s (`n_mamba_heads` heads, the gated norm
-  over `mamba_ngroups` groups, conv bias always, dt >= `time_step_min`). Its gated
+  over `mamba_ngroups` groups, conv bias always, dt >= `time_step_min`; as for mamba2,
+  HF's one-token decode step does not clip dt and ours does, so where the limit binds
+  greedy decoding can differ from HF `generate`). Its gated
   norm's eps is fixed at 1e-5 and ours is `rms_norm_eps`: another value is refused.
 - transformers (5.24) records the tie of the (M+1)-th and later hybrid layers' blocks
   to the first M but, built on CPU, does not apply it (seen: their q_proj differ): its
