@@ -27,7 +27,9 @@ the `model.shared` section (`tfjax.nn.shared_block`). The mapping:
   `Zamba2ForCausalLM` then runs those layers with blocks of their own, and
   `save_pretrained` writes them. A checkpoint may hold
   such copies only if they equal the block they tie to (then they are read and
-  checked); different values are refused by name: tfjax's blocks are shared.
+  checked); different values are refused by name: tfjax's blocks are shared. (Loaded
+  onto a mesh, the mapping sees symbolic tensors, not values: the copies are then
+  read but not compared.)
 - `use_long_context` (a rescaled RoPE base) is refused by name.
 """
 
@@ -178,7 +180,10 @@ def _check_copies(w: Weights, hybrid: list[int], M: int) -> None:
         first = f"model.layers.{hybrid[u % M]}.shared_transformer."
         for name in sorted(k for k in w.ckpt if k.startswith(dup)):
             tied = first + name[len(dup):]
-            if tied not in w or not np.array_equal(np.asarray(w[name]), np.asarray(w[tied])):
+            a, b = w[name], w[tied] if tied in w else None
+            if not isinstance(a, np.ndarray):  # symbolic (a mesh load): no values to compare
+                continue
+            if b is None or not np.array_equal(a, np.asarray(b)):
                 raise ValueError(f"checkpoint: {name} differs from {tied}: Zamba2's shared "
                                  f"block {u % M} is saved twice with different values (the "
                                  f"tie was not applied); tfjax shares one block")
