@@ -46,6 +46,9 @@ PARAMS = {
     "deepseek_v3": 671_026_404_352,  # DeepSeek-V3 without its MTP module (report: 671B)
     "llama4": 107_769_861_120,  # Llama-4-Scout's text model (Llama4ForCausalLM of its config)
     "jamba": 51_570_323_328,  # Jamba-v0.1: counted from its config.json (model card: 52B)
+    # transformers' Zamba2ForCausalLM(Zamba2Config()) on the meta device (its docstring:
+    # Zamba2-2.7B-style; the hub config.json was not read, so no checkpoint is claimed)
+    "zamba2": 2_481_848_336,
     # Counted from the checkpoints' config.json (model cards: 1B, 3.88B text, 27B text; 3B; 7B)
     "gemma3": 999_885_952,  # gemma-3-1b-pt
     "gemma3:4b": 3_880_263_168,  # gemma-3-4b-pt, its text decoder

@@ -1,5 +1,6 @@
 """Generation through recurrent layers (Mamba, linear attention, Gated DeltaNet),
-hybrids (Jamba, Qwen3-Next-style), prefix-LM prompts and chunked prefill: cached
+hybrids (Jamba, Qwen3-Next-style, Zamba2-style shared blocks), prefix-LM prompts
+and chunked prefill: cached
 greedy decoding equals argmax decoding by full recomputation at every step; batched
 prompts equal each alone; recurrent state does not grow with the length.
 
@@ -56,6 +57,13 @@ CASES = {
                        moe=dict(num_experts=4, experts_per_token=2, shared_experts=1,
                                 shared_gate=True, impl="dense"),
                        activation="swiglu", gdn=GDN, scan_layers=False),
+    # Zamba2-style (configs/zamba2.py): Mamba-2 layers, every other one also running a
+    # use of one of 2 shared attention + MLP blocks on [hidden; embeddings] (RoPE, GQA
+    # 4/2 heads of 2D/4, rank-4 adapters), each use with its own K/V cache; scanned
+    # (2 cycles, the block of each traced) and one unrolled layer.
+    "zamba2": dict(layer_pattern=("mamba2", "mamba2_shared"), num_layers=5, ffn_pattern=("none",),
+                   num_kv_heads=2, head_dim=16, position="rope", activation="geglu",
+                   ffn_bias=False, mamba2=MAMBA2, shared=dict(num_blocks=2, adapter_rank=4)),
 }
 
 NEW = 8
@@ -105,7 +113,7 @@ def test_batched_prompts_equal_each_alone(built, greedy):
 
 @pytest.mark.parametrize("name,chunk", [("jamba", 4), ("linear", 2), ("mamba", 1),
                                         ("mamba2_hybrid", 4),
-                                        ("qwen3_next", 4)])
+                                        ("qwen3_next", 4), ("zamba2", 4)])
 def test_chunked_prefill_equals_one_shot(built, greedy, name, chunk):
     """Chunks over the 6-token prompt: row 1 (3 tokens) ends early and takes no token
     in the last chunk(s); the attention caches (global; local W=3 with 4 slots), the
@@ -196,3 +204,29 @@ def test_mamba2_cache_is_flat_in_the_length():
     assert sizes[16] == 2 * 2 * 4 * ((s.d_conv - 1) * conv_dim + di * s.d_state)
     axes = kv_cache.logical_axes(cache).layers["cycles"][0]["attn"]
     assert axes.ssm == ("layers", "batch", "heads", None, None)
+
+
+def test_shared_block_uses_keep_their_own_kv_cache(built):
+    """Zamba2-style: each use of a shared block caches its own K/V (its inputs
+    differ), beside its Mamba-2 state; cache_bytes counts what init_cache makes and
+    grows by the uses' K/V alone."""
+    cfg, model = built["zamba2"]
+    uses = 2  # layers 1 and 3, both in the scanned cycles
+    sizes = {n: models.cache_bytes(cfg, 2, n) for n in (16, 4096)}
+    for n, b in sizes.items():
+        assert _allocated(model, 2, n) == b
+    kv = cfg.kv_heads * (cfg.head_size + cfg.value_head_size) * 4  # K and V, float32
+    assert sizes[4096] - sizes[16] == uses * 2 * kv * (4096 - 16)
+    assert models.kv_bytes_per_token(cfg) == uses * kv
+    cache = jax.eval_shape(lambda: model.init_cache(2, 100))
+    plain, hybrid = cache.layers["cycles"]
+    assert set(plain) == {"attn"} and set(hybrid) == {"attn", "shared"}
+    assert hybrid["shared"].k.shape == (2, 2, 100, cfg.kv_heads, cfg.head_size)  # [cycles, ...]
+    assert kv_cache.logical_axes(cache).layers["cycles"][1]["shared"].k == (
+        "layers", "batch", None, "kv_heads", "head_dim")
+    # after a prefill the two uses hold different keys
+    x = prompts()
+    _, filled = nnx.jit(lambda m, t: m.step(t, m.init_cache(2, 16)))(model, x)
+    k = np.asarray(filled.layers["cycles"][1]["shared"].k)  # [2 uses, B, S, K, H]
+    assert np.abs(k[:, :, :6]).max() > 0 and not k[:, :, 6:].any()  # 6 positions written
+    assert not np.allclose(k[0, :, :6], k[1, :, :6])  # each use its own keys

@@ -12,7 +12,8 @@ imports nothing else of tfjax, so names that a registry owns (`model.activation`
 `model.layer_pattern[i]`, ...) are checked where the registries live, by
 `tfjax.models.build` (`tfjax.models.check_names`), still before anything compiles.
 
-    model.py    ModelConfig and its sections (rope, moe, ssm, linear, t5)
+    model.py    ModelConfig and its sections (rope, moe, ssm, mamba2, linear, gdn, mla, t5)
+    shared.py   its shared-blocks section (model.shared, Zamba2)
     run.py      TrainConfig, DataConfig, MeshConfig, CheckpointConfig, RunConfig
     convert.py  ConfigDict / dict <-> dataclasses, presets' variants, moved fields
     checks.py   the field-error helpers
@@ -23,6 +24,7 @@ from tfjax.config.convert import (apply_variant, default_config, from_dict, mode
                                   upgrade_saved)
 from tfjax.config.model import (DTYPES, GatedDeltaNetConfig, LinearConfig, Mamba2Config,
                                 ModelConfig, MoEConfig, RopeConfig, SSMConfig, T5Config)
+from tfjax.config.shared import SharedBlockConfig
 from tfjax.config.run import (DEFAULT_RULES, MESH_AXES, CheckpointConfig, DataConfig,
                               LoraConfig, MeshConfig,
                               ParamGroup, RunConfig, TrainConfig, parse_param_groups,
@@ -36,6 +38,7 @@ __all__ = [
     "Mamba2Config",
     "LinearConfig",
     "GatedDeltaNetConfig",
+    "SharedBlockConfig",
     "T5Config",
     "ModelConfig",
     "TrainConfig",

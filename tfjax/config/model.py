@@ -1,5 +1,6 @@
 """The model's config: `ModelConfig` and its sections (`rope`, `moe`, `ssm`,
-`mamba2`, `linear`, `gdn`, `mla`, `t5`), frozen dataclasses, and their checks.
+`mamba2`, `linear`, `gdn`, `mla`, `t5`; `shared` lives in `tfjax.config.shared`), frozen
+dataclasses, and their checks.
 
 `validate_model` checks types, ranges and combinations of fields (each error names
 the field, `model.num_kv_heads`, and what would be right). Names that a registry
@@ -16,6 +17,7 @@ import math
 from typing import ClassVar
 
 from tfjax.config.checks import fail, non_negative, one_of, positive
+from tfjax.config.shared import SharedBlockConfig, validate_shared
 
 __all__ = ["DTYPES", "GatedDeltaNetConfig", "LinearConfig", "MLAConfig", "Mamba2Config",
            "ModelConfig", "MoEConfig", "RopeConfig", "SSMConfig", "T5Config", "validate_model"]
@@ -245,8 +247,8 @@ class ModelConfig:
     # data, every layer re-lays out q, k, v, out) | "none".
     zigzag: str = "data"
     # Layer kinds (tfjax.models.layer_kinds), cycled over layers: global | local |
-    # chunked | nope | mla | mamba | mamba2 | linear | gated_deltanet (chunked and the
-    # recurrent kinds decoder only).
+    # chunked | nope | mla | mamba | mamba2 | mamba2_shared (model.shared) | linear |
+    # gated_deltanet (chunked and the recurrent kinds decoder only).
     layer_pattern: tuple[str, ...] = ("global",)
     sliding_window: int = 0  # keys before the query a "local" layer sees (plus itself)
     attention_chunk: int = 0  # a "chunked" layer sees its own chunk (Llama 4: 8192)
@@ -268,6 +270,7 @@ class ModelConfig:
     linear: LinearConfig = dataclasses.field(default_factory=LinearConfig)
     gdn: GatedDeltaNetConfig = dataclasses.field(default_factory=GatedDeltaNetConfig)
     mla: MLAConfig = dataclasses.field(default_factory=MLAConfig)
+    shared: SharedBlockConfig = dataclasses.field(default_factory=SharedBlockConfig)
 
     # Positions.
     position: str = "rope"  # none | sinusoidal | learned | rope | alibi | t5
@@ -414,6 +417,7 @@ def validate_model(c: ModelConfig, p: str) -> None:
              f"got {c.attention_chunk}")
     _validate_sections(c, p)
     _validate_variants(c, p)
+    validate_shared(c, p)
 
     if c.position == "rope":
         r, rp = c.rope, f"{p}.rope"
@@ -502,7 +506,7 @@ def _validate_mamba2(c: ModelConfig, p: str) -> None:
     if m2.dt_max_limit and m2.dt_max_limit <= m2.dt_min_limit:
         fail(f"{q}.dt_max_limit", f"must be > dt_min_limit={m2.dt_min_limit!r} (or 0: no upper "
              f"limit), got {m2.dt_max_limit!r}")
-    if "mamba2" not in c.layer_pattern:
+    if not {"mamba2", "mamba2_shared"} & set(c.layer_pattern):
         return
     inner = m2.expand * c.d_model
     if inner % m2.head_dim:

@@ -165,14 +165,15 @@ class KVCache(LayerCache):
         return super().for_step(length, chunk=chunk).replace(chunk=chunk)
 
     def apply(self, attn, x, context=None, *, mask=None, bias=None, positions=None,
-              kv_positions=None, layer=None, first_values=None):
+              kv_positions=None, layer=None, first_values=None, adapter=None):
         """`layer` / `first_values`: a layer stack's, for differential attention and
-        the value residual (`MultiHeadAttention`); the mixed values are stored."""
+        the value residual (`MultiHeadAttention`); the mixed values are stored.
+        `adapter`: the call's projection deltas (`MultiHeadAttention.project`)."""
         if context is not None:
             raise ValueError("a self-attention KV cache got a context (cross-attention)")
         depth = {} if layer is None and first_values is None else dict(
             layer=layer, first_values=first_values)
-        q, k, v = attn.project(x, positions=positions, **depth)
+        q, k, v = attn.project(x, positions=positions, adapter=adapter, **depth)
         extra = {} if layer is None else dict(layer=layer)
         return slot_step(self, ("k", "v"), (k, v), positions, KV_AXES,
                          lambda kv, cached: attn.attend(q, *kv, mask, bias, x=x, **extra))

@@ -33,7 +33,8 @@ convention is checked by a parity test in tests/interop; BLOOM's ALiBi `m * k`
 equals our `-m * |q - k|` up to a per-query constant (softmax-invariant). Loaded
 models are for inference: dropout is off.
 
-`export` writes a model of any family with a `to_hf` back (every family here): the
+`export` writes a model of any family with a `to_hf` back (every family here but
+zamba2, which loads only: `tfjax.interop.hf_zamba2`): the
 family is the one whose `to_hf` -> config round trip gives the model's config back
 (`hf_export.config_diff`; a model no family holds is refused naming each differing
 field), and the tensors are the family's weights mapping run backwards
@@ -62,6 +63,7 @@ from tfjax.interop import hf_dense
 from tfjax.interop import hf_encoder
 from tfjax.interop import hf_recurrent
 from tfjax.interop import hf_moe
+from tfjax.interop import hf_zamba2
 from tfjax.interop.hf_weights import PREFIXES, Weights
 from tfjax.interop.safetensors_io import SafetensorsCheckpoint, write_file
 from tfjax.models import EncoderModel, StackLayout, build, check_names
@@ -127,7 +129,8 @@ for _names, _fam in (
                                  hf_recurrent.qwen3_next_to_hf,
                                  hf_recurrent.qwen3_next_mtp_depth)),
         (("jamba",), Family(hf_recurrent.jamba_config, hf_recurrent.jamba_weights,
-                            hf_recurrent.jamba_to_hf))):
+                            hf_recurrent.jamba_to_hf)),
+        (("zamba2",), Family(hf_zamba2.zamba2_config, hf_zamba2.zamba2_weights))):
     for _n in _names:
         FAMILIES.register(_n, _fam)
 

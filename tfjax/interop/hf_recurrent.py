@@ -52,8 +52,8 @@ from tfjax.interop.hf_weights import (Weights, _attention, _head, _heads_in, _he
                                       _linear, _mixtral_experts, _norm, mamba_mixer_weights,
                                       mtp_module_weights)
 
-__all__ = ["jamba_config", "jamba_to_hf", "jamba_weights", "mamba2_config", "mamba2_to_hf",
-           "mamba2_weights", "qwen3_next_config", "qwen3_next_mtp_depth", "qwen3_next_to_hf",
+__all__ = ["jamba_config", "jamba_to_hf", "jamba_weights", "mamba2_config",
+           "mamba2_mixer_weights", "mamba2_to_hf", "mamba2_weights", "qwen3_next_config", "qwen3_next_mtp_depth", "qwen3_next_to_hf",
            "qwen3_next_weights"]
 
 
@@ -173,19 +173,25 @@ def mamba2_weights(w: Weights, cfg: ModelConfig, hf: dict) -> dict:
     out.update(_head(w, "lm_head.weight", cfg))
     for i in range(cfg.num_layers):
         p, L = f"backbone.layers.{i}.", ("layers", i)
-        m, M = p + "mixer.", L + ("attn",)
         out.update(_norm(w, p + "norm", L + ("attn_norm",), cfg))
-        out[M + ("in_proj",)] = w[m + "in_proj.weight"].T  # [W, D] -> [D, W]: z, x, B, C, dt
-        out[M + ("conv_w",)] = w[m + "conv1d.weight"][:, 0, :].T  # [C, 1, K] -> [K, C]
-        if cfg.mamba2.conv_bias:
-            out[M + ("conv_b",)] = w[m + "conv1d.bias"]
-        if cfg.mamba2.proj_bias:
-            out[M + ("in_bias",)] = w[m + "in_proj.bias"]
-            out[M + ("out_bias",)] = w[m + "out_proj.bias"]
-        for name in ("dt_bias", "A_log", "D"):
-            out[M + (name,)] = w[m + name]
-        out[M + ("norm_w",)] = w[m + "norm.weight"]
-        out[M + ("out_proj",)] = w[m + "out_proj.weight"].T
+        out.update(mamba2_mixer_weights(w, p + "mixer.", L + ("attn",), cfg))
+    return out
+
+
+def mamba2_mixer_weights(w: Weights, m: str, M: tuple, cfg: ModelConfig) -> dict:
+    """HF's Mamba-2 mixer `m` (`Mamba2Mixer`, Zamba2's `Zamba2MambaMixer`) -> our
+    `Mamba2` at `M`."""
+    out = {M + ("in_proj",): w[m + "in_proj.weight"].T,  # [W, D] -> [D, W]: z, x, B, C, dt
+           M + ("conv_w",): w[m + "conv1d.weight"][:, 0, :].T}  # [C, 1, K] -> [K, C]
+    if cfg.mamba2.conv_bias:
+        out[M + ("conv_b",)] = w[m + "conv1d.bias"]
+    if cfg.mamba2.proj_bias:
+        out[M + ("in_bias",)] = w[m + "in_proj.bias"]
+        out[M + ("out_bias",)] = w[m + "out_proj.bias"]
+    for name in ("dt_bias", "A_log", "D"):
+        out[M + (name,)] = w[m + name]
+    out[M + ("norm_w",)] = w[m + "norm.weight"]
+    out[M + ("out_proj",)] = w[m + "out_proj.weight"].T
     return out
 
 

@@ -72,6 +72,7 @@ def check_names(cfg: ModelConfig, prefix: str = "model") -> ModelConfig:
     if causal and c.arch != "decoder":
         raise ValueError(f"{p}.layer_pattern: {', '.join(map(repr, sorted(causal)))} layers are "
                          f"causal mixers for arch='decoder' (arch={c.arch!r})")
+    _check_shared(c, p)
     for name, on in (("diff_attn", c.diff_attn), ("value_residual", c.value_residual != "none"),
                      ("first_norm_residual", c.first_norm_residual)):  # they see the layer
         other = [k for k in dict.fromkeys(c.layer_pattern) if not LAYER_KINDS.get(k).variants]
@@ -80,6 +81,23 @@ def check_names(cfg: ModelConfig, prefix: str = "model") -> ModelConfig:
             raise ValueError(f"{p}.{name}: {', '.join(map(repr, other))} layers cannot carry it; "
                              f"use layer kinds {', '.join(map(repr, carry))}")
     return cfg
+
+
+def _check_shared(c: ModelConfig, p: str) -> None:
+    """model.shared.num_blocks against the layers that use a shared block (those of a
+    kind with `shared_block`): none without blocks, and every block used."""
+    kinds = [k for k in dict.fromkeys(c.layer_pattern) if LAYER_KINDS.get(k).shared_block]
+    uses = sum(c.layer_kind(i) in kinds for i in range(c.num_layers))
+    M = c.shared.num_blocks
+    if kinds and not M:
+        raise ValueError(f"{p}.shared.num_blocks: layer_pattern has "
+                         f"{', '.join(map(repr, kinds))} layers, which run a shared block: "
+                         f"set num_blocks >= 1")
+    if M and uses < M:
+        have = [k for k in LAYER_KINDS if LAYER_KINDS.get(k).shared_block]
+        raise ValueError(f"{p}.shared.num_blocks: {M} shared blocks but {uses} of the "
+                         f"{c.num_layers} layers use one; add {', '.join(map(repr, have))} "
+                         f"layers to layer_pattern or set num_blocks <= {uses}")
 
 
 def build(model_cfg, *, rngs: nnx.Rngs | None = None) -> nnx.Module:

@@ -8,7 +8,8 @@ stack, its size, and what a cached step gives the layers.
 A `ModelCache`'s layers are the stack's layout (`tfjax.models.layout`) over again:
 `{"cycles": (one state per cycle position, stacked over the scanned cycles),
 "blocks": (one per unrolled block)}`, each a dict of sublayer states ("attn": the
-layer kind's own state, from its record's `cache`; "cross": the decoder's
+layer kind's own state, from its record's `cache`; "shared": the K/V of the layer's
+use of a shared block, for kinds with `shared_block`; "cross": the decoder's
 cross-attention K/V in an encoder-decoder). The states themselves, and the slot
 positions the masks are built from, are `tfjax.inference.kv_cache`'s.
 
@@ -30,7 +31,7 @@ from tfjax.config import ModelConfig
 from tfjax.inference import kv_cache
 from tfjax.inference.kv_cache import CrossKVCache, ModelCache, slot_positions
 from tfjax.models.attention_inputs import cache_masks, layer_biases, layer_masks
-from tfjax.models.layer_kinds import LAYER_KINDS
+from tfjax.models.layer_kinds import LAYER_KINDS, shared_block_cache
 from tfjax.models.layout import StackLayout
 
 __all__ = ["StepInputs", "begin_step", "cache_bytes", "empty_cache", "kv_bytes_per_token",
@@ -39,12 +40,14 @@ __all__ = ["StepInputs", "begin_step", "cache_bytes", "empty_cache", "kv_bytes_p
 
 def _layer_state(cfg: ModelConfig, kind: str, batch: int, max_len: int, dtype,
                  encoder_len: int | None) -> dict:
-    make = LAYER_KINDS.get(kind, field="model.layer_pattern").cache
-    if make is None:
+    rec = LAYER_KINDS.get(kind, field="model.layer_pattern")
+    if rec.cache is None:
         raise NotImplementedError(
             f"no inference cache for layer kind {kind!r} (model.layer_pattern); give its "
             f"LayerKind a cache in tfjax.models.layer_kinds")
-    state = {"attn": make(cfg, batch, max_len, dtype)}
+    state = {"attn": rec.cache(cfg, batch, max_len, dtype)}
+    if rec.shared_block:
+        state["shared"] = shared_block_cache(cfg, batch, max_len, dtype)
     if encoder_len is not None:
         state["cross"] = CrossKVCache.empty(batch, encoder_len, cfg.kv_heads, cfg.head_size, dtype,
                                             v_head_dim=cfg.value_head_size)

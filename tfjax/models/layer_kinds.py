@@ -25,13 +25,20 @@ know about a kind is its record, and nothing outside this file names a kind:
                       layout would change it)
       variants        its mixer is a `MultiHeadAttention` that carries
                       model.diff_attn and model.value_residual
+      shared_block    its layers also run a use of one of the model's shared
+                      transformer blocks (model.shared; Zamba2): the block's
+                      `mixer_input` is a `SharedBlockUse`, its cache a "shared" K/V
+                      state beside "attn", and its `mask` / `slots` are that
+                      attention's
     FfnKind
       build             (cfg, rngs) -> the feed-forward module, or None
       order_dependence  (cfg) -> why its output depends on the tokens' order, or None
 
-Readers: `LayerStack` (mixers, ffns), `attention_inputs` (masks, biases), `caching`
-(states, slots), `check_names` (names, decoder-only) and the trainer's zig-zag
-fallback (order dependence). Adding a kind is its module (in `tfjax.nn`) and one
+Readers: `LayerStack` (mixers, ffns, shared blocks), `attention_inputs` (masks,
+biases), `caching` (states, slots), `check_names` (names, decoder-only, shared
+blocks) and the trainer's zig-zag fallback (order dependence). The shared blocks
+themselves, their uses and their caches are built here too (`shared_block`,
+`shared_block_use`, `shared_block_cache`). Adding a kind is its module (in `tfjax.nn`) and one
 `LAYER_KINDS.register(name, LayerKind(...))` below.
 """
 
@@ -50,18 +57,21 @@ from tfjax.inference.kv_cache import KVCache, LatentCache, LayerCache, LinearCac
 from tfjax.inference.kv_cache import Mamba2Cache
 from tfjax.nn.attention import MultiHeadAttention
 from tfjax.inference.kv_cache import GatedDeltaNetCache
-from tfjax.nn.ffn import FeedForward
+from tfjax.nn.ffn import ACTIVATIONS, FeedForward
 from tfjax.nn.gated_deltanet import GatedDeltaNet
 from tfjax.nn.latent_attention import MultiHeadLatentAttention, mla_scale
 from tfjax.nn.linear_attention import FEATURE_MAPS, LinearAttention
 from tfjax.nn.mamba2 import Mamba2
 from tfjax.nn.moe import MoE
+from tfjax.nn.norms import make_norm
 from tfjax.nn.positions import RotaryEmbedding
+from tfjax.nn.shared_block import SharedBlock, SharedBlockUse
 from tfjax.nn.ssm import Mamba
 from tfjax.ops import masks as masks_lib
 from tfjax.registry import Registry
 
-__all__ = ["FFN_KINDS", "FfnKind", "LAYER_KINDS", "LayerKind", "attention"]
+__all__ = ["FFN_KINDS", "FfnKind", "LAYER_KINDS", "LayerKind", "attention", "shared_block",
+           "shared_block_cache", "shared_block_use"]
 
 MaskRule = Callable[[ModelConfig, "masks_lib.Mask | None", bool], "masks_lib.Mask | None"]
 
@@ -80,6 +90,7 @@ class LayerKind:
     decoder_only: bool = False
     order_dependent: bool = False
     variants: bool = False
+    shared_block: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,6 +294,53 @@ def _mamba2_cache(cfg: ModelConfig, batch: int, max_len: int, dtype) -> Mamba2Ca
                              inner // s.head_dim, s.head_dim, s.d_state, dtype)
 
 
+# --------------------------------------------------------------------------- #
+# Shared transformer blocks (model.shared; Zamba2): the blocks, a layer's use, its cache.
+# --------------------------------------------------------------------------- #
+
+
+def _shared_width(cfg: ModelConfig) -> int:
+    """The shared block's input width W: 2D with the embedding concatenated, else D."""
+    return cfg.d_model * (2 if cfg.shared.concat_embedding else 1)
+
+
+def shared_block(cfg: ModelConfig, rngs: nnx.Rngs) -> SharedBlock:
+    """One shared block of model.shared: a norm of width W, attention of model.num_heads
+    / num_kv_heads heads of model.head_dim (W in, D out; the model's RoPE, if any),
+    a norm and the feed-forward of model.activation and shared.d_ff (or model.d_ff)."""
+    W, dt, pdt = _shared_width(cfg), jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+    norm = dict(eps=cfg.norm_eps, use_bias=cfg.norm_bias, dtype=dt, param_dtype=pdt, rngs=rngs)
+    attn = MultiHeadAttention(
+        W, cfg.num_heads, num_kv_heads=cfg.kv_heads, head_dim=cfg.head_size,
+        v_head_dim=cfg.value_head_size, out_dim=cfg.d_model, qkv_bias=cfg.qkv_bias,
+        out_bias=cfg.out_bias, scale=cfg.scale, rope=_rope(cfg),
+        implementation=cfg.attention_impl, context_parallel=cfg.context_parallel,
+        zigzag=cfg.zigzag, dtype=dt, param_dtype=pdt, init_std=cfg.init_std,
+        out_init_std=_out_std(cfg), rngs=rngs)
+    ffn = FeedForward(cfg.d_model, cfg.shared.d_ff or cfg.d_ff, **_ffn_kw(cfg, rngs))
+    return SharedBlock(attn=attn, ffn=ffn, in_norm=make_norm(cfg.norm, W, **norm),
+                       ffn_norm=make_norm(cfg.norm, cfg.d_model, **norm),
+                       concat_embedding=cfg.shared.concat_embedding)
+
+
+def shared_block_use(cfg: ModelConfig, rngs: nnx.Rngs) -> SharedBlockUse:
+    """A layer's use of a shared block: its adapters of rank shared.adapter_rank and its
+    output projection."""
+    sh = cfg.shared
+    return SharedBlockUse(
+        cfg.d_model, _shared_width(cfg), num_heads=cfg.num_heads, num_kv_heads=cfg.kv_heads,
+        head_dim=cfg.head_size, v_head_dim=cfg.value_head_size, d_ff=sh.d_ff or cfg.d_ff,
+        gated=ACTIVATIONS.get(cfg.activation, field="model.activation")[1],
+        rank=sh.adapter_rank, attn_adapter=sh.attn_adapter, mlp_adapter=sh.mlp_adapter,
+        dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype),
+        init_std=cfg.init_std, rngs=rngs)
+
+
+def shared_block_cache(cfg: ModelConfig, batch: int, max_len: int, dtype) -> KVCache:
+    """A use's own K/V (the uses' inputs differ): `max_len` slots, no window."""
+    return _kv_cache(cfg, batch, max_len, 0, dtype)
+
+
 def _linear(cfg: ModelConfig, rngs: nnx.Rngs, *, positions: bool) -> LinearAttention:
     return LinearAttention(cfg.d_model, cfg.num_heads, num_kv_heads=cfg.kv_heads,
                            head_dim=cfg.head_size, qkv_bias=cfg.qkv_bias, out_bias=cfg.out_bias,
@@ -303,6 +361,14 @@ LAYER_KINDS.register("mamba", LayerKind(
 LAYER_KINDS.register("mamba2", LayerKind(
     "Mamba-2 state-space-duality mixer (tfjax.nn.mamba2; model.mamba2; decoder only)", _mamba2,
     positions=False, cache=_mamba2_cache, decoder_only=True, order_dependent=True))
+LAYER_KINDS.register("mamba2_shared", LayerKind(
+    "a Mamba-2 layer whose input also takes a use of one of the model's shared transformer "
+    "blocks, x + mamba2(norm(x + use(x, embeddings))) (Zamba2's hybrid layer; model.shared, "
+    "tfjax.nn.shared_block; decoder only): the block's attention takes the model's mask and "
+    "RoPE and a K/V cache per use", _mamba2,
+    mask=lambda cfg, base, bidirectional: base, cache=_mamba2_cache,
+    slots=lambda cfg, max_len: (max_len, 0), decoder_only=True, order_dependent=True,
+    shared_block=True))
 LAYER_KINDS.register("linear", LayerKind(
     "causal linear attention (tfjax.nn.linear_attention; model.linear; decoder only)", _linear,
     positions=False, cache=_linear_cache, decoder_only=True, order_dependent=True))

@@ -10,6 +10,14 @@ after the scan (`blocks`); `scan_layers=False` unrolls all. Layer i's mixer and
 feed-forward come from the records of its layer kind and ffn kind
 (`tfjax.models.layer_kinds`); each layer kind gets its own mask and bias
 (`tfjax.models.attention_inputs`).
+
+Shared blocks (`model.shared`, Zamba2): the stack owns the `shared.num_blocks`
+shared transformer blocks, stacked over a leading axis and built once, outside
+the scanned cycles; each layer of a kind with `shared_block` owns its use
+(adapters and output projection: the block's `mixer_input`, scanned with its
+layer). The u-th such layer (u counted from layer 0) runs block u % num_blocks on
+its input and the stack's input (the embeddings); under the scan u is traced, and
+the block is picked by index (a gather; its gradient sums the uses).
 """
 
 from __future__ import annotations
@@ -21,7 +29,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tfjax.config import ModelConfig
-from tfjax.models.layer_kinds import FFN_KINDS, LAYER_KINDS, attention
+from tfjax.models.layer_kinds import (FFN_KINDS, LAYER_KINDS, attention, shared_block,
+                                      shared_block_use)
 from tfjax.models.layout import StackLayout
 from tfjax.nn import positions as pos_lib
 from tfjax.nn.blocks import TransformerBlock
@@ -88,7 +97,8 @@ def build_block(cfg: ModelConfig, rngs: nnx.Rngs, *, cross: bool = False,
         cross_attn=attention(cfg, rngs, positions=False) if cross else None,
         placement=cfg.norm_placement, parallel=cfg.block == "parallel",
         parallel_shared_norm=cfg.parallel_shared_norm,
-        first_norm_residual=cfg.first_norm_residual, dropout_rate=cfg.dropout_rate, rngs=rngs)
+        first_norm_residual=cfg.first_norm_residual, dropout_rate=cfg.dropout_rate,
+        mixer_input=shared_block_use(cfg, rngs) if kind.shared_block else None, rngs=rngs)
 
 
 class _Cycle(nnx.Module):
@@ -110,7 +120,11 @@ class LayerStack(nnx.Module):
     position) and, with the value residual, `first_values`, the first layer's values
     of the same tokens (`TransformerBlock.mixer_values` of layer 0's input, carried
     through the scan; inside the scan it is projected at position 0 of every cycle
-    and kept from cycle 0, one extra [D, K, Hv] projection per cycle)."""
+    and kept from cycle 0, one extra [D, K, Hv] projection per cycle).
+
+    `self.shared`: the shared blocks (`model.shared`), parameters stacked over
+    `shared.num_blocks`, or None; layers of a kind with `shared_block` get
+    `shared=` (their block) and `embeddings=` (the stack's input)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, *, num_layers: int, cross: bool = False):
         self.layout = layout = StackLayout.of(cfg, num_layers)
@@ -129,6 +143,21 @@ class LayerStack(nnx.Module):
             self.cycles = None
         self.blocks = nnx.List([build_block(cfg, rngs, cross=cross, layer=layout.block_layer(j))
                                 for j in range(layout.num_blocks)])
+        uses = [LAYER_KINDS.get(layout.kind(i)).shared_block for i in range(num_layers)]
+        self.num_shared = cfg.shared.num_blocks if any(uses) else 0
+        if self.num_shared:
+            @nnx.split_rngs(splits=self.num_shared)
+            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+            def create_shared(rngs):
+                return shared_block(cfg, rngs)
+
+            self.shared = create_shared(rngs)
+        else:
+            self.shared = None
+        # use index of layer i = the shared-block layers before it (static tables)
+        self.use_before = tuple(sum(uses[:i]) for i in range(num_layers))
+        L = layout.cycle_length
+        self.uses_per_cycle = sum(uses[:L]) if layout.num_cycles else 0
 
     @property
     def pattern(self) -> tuple[str, ...]:
@@ -148,6 +177,23 @@ class LayerStack(nnx.Module):
         elif self.value_residual and isinstance(layer, int) and layer == 0:  # unrolled
             first = block.mixer_values(x)
         return dict(layer=layer, first_values=first), first
+
+    def _shared_kwargs(self, shared, x0, kind, j, cycle=None):
+        """The kwargs of a layer of `kind` for its shared block: {} for a kind without
+        one, else its block (of the stacked `shared`) and the embeddings `x0`. The
+        layer is unrolled block j, or position j of scanned cycle `cycle` (traced)."""
+        if not LAYER_KINDS.get(kind).shared_block:
+            return {}
+        M = self.num_shared
+        if cycle is None:  # unrolled: layer block_layer(j)
+            m = self.use_before[self.layout.block_layer(j)] % M
+        elif M == 1 or self.uses_per_cycle % M == 0:  # the same block in every cycle
+            m = self.use_before[j] % M
+        else:
+            m = (cycle * self.uses_per_cycle + self.use_before[j]) % M
+        graphdef, state = nnx.split(shared)
+        block = nnx.merge(graphdef, jax.tree.map(lambda a: a[m], state))
+        return dict(shared=block, embeddings=x0)
 
     def _first_init(self, x):
         """The carried first-layer values before layer 0 (zeros of their shape)."""
@@ -176,24 +222,26 @@ class LayerStack(nnx.Module):
         if self.remat != "none":
             apply = nnx.remat(apply, policy=policy)
 
-        first, L = self._first_init(x), self.layout.cycle_length
+        first, L, x0 = self._first_init(x), self.layout.cycle_length, x
         if self.cycles is not None:
             pattern = self.pattern
 
-            def body(carry, cycle, c):
+            def body(carry, cycle, shared, c):
                 x, first = carry
                 for j, (kind, block) in enumerate(zip(pattern, cycle.layers)):
                     depth, first = self._depth(block, x, c * L + j, first,
                                                cycle=c if j == 0 else None)
+                    depth.update(self._shared_kwargs(shared, x0, kind, j, cycle=c))
                     x = apply(block, x, masks[kind], biases[kind], depth)
                 return x, first
 
-            x, first = nnx.scan(body, in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry,
+            x, first = nnx.scan(body, in_axes=(nnx.Carry, 0, None, 0), out_axes=nnx.Carry,
                                 transform_metadata={nnx.PARTITION_NAME: "layers"})(
-                                    (x, first), self.cycles, self._cycle_index())
+                                    (x, first), self.cycles, self.shared, self._cycle_index())
         for j, block in enumerate(self.blocks):
             kind = self._block_kind(j)
             depth, first = self._depth(block, x, self.layout.block_layer(j), first)
+            depth.update(self._shared_kwargs(self.shared, x0, kind, j))
             x = apply(block, x, masks[kind], biases[kind], depth)
         return x
 
@@ -206,26 +254,28 @@ class LayerStack(nnx.Module):
         def apply(block, x, kind, c, depth):
             return block(x, mask=masks[kind], bias=biases[kind], cache=c, **depth, **kwargs)
 
-        first = self._first_init(x)
+        first, x0 = self._first_init(x), x
         cycles = cache.get("cycles")
         if self.cycles is not None:
-            def body(carry, cycle, cc, i):
+            def body(carry, cycle, shared, cc, i):
                 x, first = carry
                 new = []
                 for j, (kind, block, c) in enumerate(zip(pattern, cycle.layers, cc)):
                     depth, first = self._depth(block, x, i * L + j, first,
                                                cycle=i if j == 0 else None)
+                    depth.update(self._shared_kwargs(shared, x0, kind, j, cycle=i))
                     x, c = apply(block, x, kind, c, depth)
                     new.append(c)
                 return (x, first), tuple(new)
 
             (x, first), cycles = nnx.scan(
-                body, in_axes=(nnx.Carry, 0, 0, 0), out_axes=(nnx.Carry, 0),
+                body, in_axes=(nnx.Carry, 0, None, 0, 0), out_axes=(nnx.Carry, 0),
                 transform_metadata={nnx.PARTITION_NAME: "layers"})(
-                    (x, first), self.cycles, tuple(cycles), self._cycle_index())
+                    (x, first), self.cycles, self.shared, tuple(cycles), self._cycle_index())
         blocks = []
         for j, (block, c) in enumerate(zip(self.blocks, cache["blocks"])):
             depth, first = self._depth(block, x, self.layout.block_layer(j), first)
+            depth.update(self._shared_kwargs(self.shared, x0, self._block_kind(j), j))
             x, c = apply(block, x, self._block_kind(j), c, depth)
             blocks.append(c)
         return x, {"cycles": cycles, "blocks": tuple(blocks)}

@@ -20,6 +20,7 @@ from tfjax.nn.positions import (
     relative_position_bucket,
     sinusoidal_embedding,
 )
+from tfjax.nn.shared_block import SharedBlock, SharedBlockUse
 from tfjax.nn.ssm import Mamba, MambaState
 
 __all__ = [
@@ -30,5 +31,5 @@ __all__ = [
     "ACTIVATIONS", "BLOCKS", "NORMS", "POSITIONS", "ROPE_SCALINGS",
     "MoE", "MoEAux", "moe_aux", "Mamba", "MambaState", "Mamba2", "Mamba2State",
     "LinearAttention", "LinearAttentionState",
-    "FEATURE_MAPS", "GatedDeltaNet", "GatedDeltaNetState",
+    "FEATURE_MAPS", "GatedDeltaNet", "GatedDeltaNetState", "SharedBlock", "SharedBlockUse",
 ]

@@ -53,6 +53,12 @@ One module serves MHA (K = N), GQA (Ainslie et al. 2023, 1 < K < N) and MQA
   `values(x)` of layer 0's input), fixed l1 = l2 = 0.5 or learned (`value_lambda`
   `[2]`, from 0.5). The mixed values are what a KV cache stores, so a decode step
   only needs v1 of its own new tokens.
+- `out_dim`: the output projection's width when it differs from the input's
+  (Zamba2's shared block attends at width 2D and returns D). `adapter`, a call-time
+  argument of `project` (and of `__call__` and the KV cache's `apply`): a callable
+  `(x, context) -> (dq, dk, dv)` whose low-rank deltas are added to the projected
+  q, k, v before QK-norm and RoPE, so one attention's weights serve several uses,
+  each with its own adapters (`tfjax.nn.shared_block`).
 """
 
 from __future__ import annotations
@@ -82,7 +88,8 @@ class MultiHeadAttention(nnx.Module):
 
     def __init__(self, d_model: int, num_heads: int, *, num_kv_heads: int | None = None,
                  head_dim: int | None = None, v_head_dim: int | None = None,
-                 context_dim: int | None = None, sinks: bool = False,
+                 context_dim: int | None = None, out_dim: int | None = None,
+                 sinks: bool = False,
                  qkv_bias: bool = False, out_bias: bool = False, qk_norm: bool = False,
                  qk_norm_kind: str = "rmsnorm", qk_norm_over: str = "head",
                  norm_eps: float = 1e-6, temperature: tuple[int, float] | None = None,
@@ -120,7 +127,7 @@ class MultiHeadAttention(nnx.Module):
         self.zigzag = zigzag
         self.q, self.k, self.v, self.o = head_projections(
             d_model, num_heads, K, H, v_head_dim=self.v_head_dim, context_dim=context_dim,
-            qkv_bias=qkv_bias, out_bias=out_bias, dtype=dtype, param_dtype=param_dtype,
+            out_dim=out_dim, qkv_bias=qkv_bias, out_bias=out_bias, dtype=dtype, param_dtype=param_dtype,
             init_std=init_std, out_init_std=out_init_std, rngs=rngs)
         if sinks:
             init = with_logical_axes(nnx.initializers.normal(init_std), ("heads",))
@@ -181,14 +188,19 @@ class MultiHeadAttention(nnx.Module):
         return mixed if layer is None else jnp.where(jnp.asarray(layer) == 0, v, mixed)
 
     def project(self, x, context=None, *, positions=None, kv_positions=None, layer=None,
-                first_values=None):
+                first_values=None, adapter=None):
         """q `[B,T,N,H]`, k `[B,S,K,H]`, v `[B,S,K,Hv]`; q and k after QK-norm and RoPE
         (per half-head when differential); v mixed with `first_values` (the first
-        layer's v of the same tokens) when given and `layer` (None: not 0) > 0."""
+        layer's v of the same tokens) when given and `layer` (None: not 0) > 0;
+        `adapter(x, context)` -> deltas (dq, dk, dv) added to the projections first."""
         context = x if context is None else context
-        q = shard(self.q(x), ("batch", "length", "heads", "head_dim"))
-        k = shard(self.k(context), ("batch", "length", "kv_heads", "head_dim"))
-        v = self.values(context)
+        q, k, v = self.q(x), self.k(context), self.v(context)
+        if adapter is not None:
+            dq, dk, dv = adapter(x, context)
+            q, k, v = q + dq.astype(q.dtype), k + dk.astype(k.dtype), v + dv.astype(v.dtype)
+        q = shard(q, ("batch", "length", "heads", "head_dim"))
+        k = shard(k, ("batch", "length", "kv_heads", "head_dim"))
+        v = shard(v, ("batch", "length", "kv_heads", "head_dim"))
         if first_values is not None:
             v = self.mix_values(v, first_values, layer)
         if self.q_norm is not None:
@@ -267,13 +279,16 @@ class MultiHeadAttention(nnx.Module):
         return self._temper(q, positions)
 
     def __call__(self, x, context=None, *, mask: Mask | None = None, bias=None, positions=None,
-                 kv_positions=None, cache=None, layer=None, first_values=None):
+                 kv_positions=None, cache=None, layer=None, first_values=None, adapter=None):
         """With `cache` (a `tfjax.inference.kv_cache` layer cache), the cache decides
         what to project, store and attend over, and this returns `(out, new_cache)`.
         `layer` (the layer index) and `first_values` (the first layer's v): a
-        layer stack's, for differential attention and the value residual."""
+        layer stack's, for differential attention and the value residual. `adapter`:
+        this call's projection deltas (`project`)."""
         depth = {} if layer is None and first_values is None else dict(
             layer=layer, first_values=first_values)
+        if adapter is not None:
+            depth["adapter"] = adapter
         if cache is not None:
             return cache.apply(self, x, context, mask=mask, bias=bias, positions=positions,
                                kv_positions=kv_positions, **depth)
@@ -317,13 +332,13 @@ def attention(q, k, v, mask: Mask | None = None, bias=None, *, scale: float,
 
 def head_projections(d_model: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
                      v_head_dim: int | None = None, context_dim: int | None = None,
-                     qkv_bias: bool = False,
+                     out_dim: int | None = None, qkv_bias: bool = False,
                      out_bias: bool = False, dtype: DType = jnp.float32,
                      param_dtype: DType = jnp.float32, init_std: float = 0.02,
                      out_init_std: float | None = None, rngs: nnx.Rngs):
     """The four einsum projections of an attention-like mixer: q `[D, N, H]`, k
     `[Dc, K, H]`, v `[Dc, K, Hv]` (Dc: `context_dim`, default D; Hv: `v_head_dim`,
-    default H), o `[N, Hv, D]`, each with its
+    default H), o `[N, Hv, Do]` (Do: `out_dim`, default D), each with its
     logical axis names ("embed", "heads" / "kv_heads", "head_dim") and an optional
     zero-initialised bias; N(0, init_std) kernels, o's N(0, out_init_std)."""
     Dc, Hv = context_dim or d_model, v_head_dim or head_dim
@@ -343,7 +358,7 @@ def head_projections(d_model: int, num_heads: int, num_kv_heads: int, head_dim: 
              ("kv_heads", "head_dim"), normal, qkv_bias)
     v = proj("BSD,DKH->BSKH", (Dc, num_kv_heads, Hv), ("embed", "kv_heads", "head_dim"),
              ("kv_heads", "head_dim"), normal, qkv_bias)
-    o = proj("BTNH,NHD->BTD", (num_heads, Hv, d_model), ("heads", "head_dim", "embed"),
+    o = proj("BTNH,NHD->BTD", (num_heads, Hv, out_dim or d_model), ("heads", "head_dim", "embed"),
              ("embed",), out_normal, out_bias)
     return q, k, v, o
 

@@ -5,6 +5,8 @@
     sandwich  x = x + post_norm(f(pre_norm(x)))       (Gemma 2; Ding et al. 2021)
     output    x = x + norm(f(x))                      (OLMo 2's reordered norm)
     parallel  x = x + attn(n1(x)) + ffn(n2(x))        (GPT-J, PaLM with n1 = n2; NeoX two norms)
+    mixer_input  x = x + attn(norm(x + g(x)))         (pre norm; Zamba2's hybrid layers, g
+                                                      a use of a shared block)
 
 for f in self-attention, cross-attention (decoder of an encoder-decoder) and the
 feed-forward. The block is composed from built submodules (`tfjax.models` maps
@@ -36,13 +38,20 @@ class TransformerBlock(nnx.Module):
     """One layer. `make_norm()` builds a fresh norm (called once per norm needed).
     `first_norm_residual` (pre norm): at layer 0 (the `layer` its stack passes) the
     residual stream becomes `attn_norm(x)` too, `x <- n(x); x + attn(x)` (ModernBERT:
-    its embedding norm, then a layer 0 without an attention norm)."""
+    its embedding norm, then a layer 0 without an attention norm).
+
+    `mixer_input` (pre norm, sequential): a module g whose output joins the mixer's
+    input inside its norm but not the residual, x + attn(norm(x + g(x))) (Zamba2: a
+    use of a shared transformer block added to a Mamba-2 layer's input,
+    `tfjax.nn.shared_block.SharedBlockUse`). It is called as `g(x, block=shared,
+    embeddings=embeddings, mask=, bias=, positions=, cache=)` with the `shared` and
+    `embeddings` the block's call gets; its cache state is "shared"."""
 
     def __init__(self, *, attn: nnx.Module, ffn: nnx.Module | None, make_norm: Callable[[], nnx.Module],
                  cross_attn: nnx.Module | None = None, placement: str = "pre",
                  parallel: bool = False, parallel_shared_norm: bool = True,
                  first_norm_residual: bool = False, dropout_rate: float = 0.0,
-                 rngs: nnx.Rngs | None = None):
+                 mixer_input: nnx.Module | None = None, rngs: nnx.Rngs | None = None):
         if placement not in PLACEMENTS:
             raise ValueError(f"norm_placement={placement!r}; allowed: {', '.join(PLACEMENTS)}")
         if parallel and placement != "pre":
@@ -51,6 +60,10 @@ class TransformerBlock(nnx.Module):
             raise ValueError("a parallel block has no cross-attention; use block='sequential'")
         if first_norm_residual and (parallel or placement != "pre"):
             raise ValueError("first_norm_residual needs a sequential block with placement='pre'")
+        if mixer_input is not None and (parallel or placement != "pre" or first_norm_residual):
+            raise ValueError("mixer_input needs a sequential block with placement='pre' (it "
+                             "joins the mixer's input inside the pre-norm)")
+        self.mixer_input = mixer_input
         self.placement, self.parallel = placement, parallel
         self.first_norm_residual = first_norm_residual
         self.attn, self.ffn, self.cross_attn = attn, ffn, cross_attn
@@ -96,10 +109,12 @@ class TransformerBlock(nnx.Module):
 
     def __call__(self, x: jax.Array, *, mask=None, bias=None, positions=None,
                  context=None, context_mask=None, context_bias=None, context_positions=None,
-                 cache=None, layer=None, first_values=None):
+                 cache=None, layer=None, first_values=None, shared=None, embeddings=None):
         """x `[B,T,D]`; `context [B,S,D]` is the encoder output for cross-attention.
         `layer` (the layer index) and `first_values` (the first layer's values), when
         given, go to the self-attention (differential attention, value residual).
+        `shared` (the shared block this layer uses) and `embeddings` `[B,T,D]` (the
+        stack's input) go to `mixer_input`; a block with one needs them.
 
         Inference: `cache` is a dict of sublayer states ("attn", and "cross" with
         cross-attention; see `tfjax.inference.kv_cache`), each passed to its sublayer
@@ -126,6 +141,13 @@ class TransformerBlock(nnx.Module):
             return x if cache is None else (x, new_cache)
         if self.first_norm_residual:
             x = self._first_norm_residual(x, attn, layer)
+        elif self.mixer_input is not None:
+            if shared is None or embeddings is None:
+                raise ValueError("this block has a mixer_input (a shared block's use): pass "
+                                 "shared= (the block) and embeddings= (the stack's input)")
+            g = call("shared", self.mixer_input, x, block=shared, embeddings=embeddings,
+                     mask=mask, bias=bias, positions=positions)
+            x = x + self._drop(attn(self.attn_norm(x + g)))
         else:
             x = self._sublayer(x, attn, self.attn_norm, self.post_attn_norm)
         if self.cross_attn is not None:

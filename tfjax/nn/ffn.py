@@ -106,13 +106,24 @@ class FeedForward(nnx.Module):
             self.wi = linear(d_model, d_ff, init_std, ("embed", "mlp"))
         self.wo = linear(d_ff, d_model, out_std, ("mlp", "embed"))
 
-    def __call__(self, x: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
+    def __call__(self, x: Float[Array, "B T D"], adapter=None) -> Float[Array, "B T D"]:
+        """`adapter`: a callable x -> deltas added to the input projections' outputs,
+        (d_gate, d_up) when gated, (d_wi,) when not (a shared block's per-use
+        adapters, `tfjax.nn.shared_block`)."""
         # Looked up by name so the graph's static data holds a string, not a function.
         act, _ = ACTIVATIONS.get(self.activation)
         if self.gated:
-            h = act(self.wi_gate(x)) * self.wi_up(x)  # [B, T, F]
+            g, u = self.wi_gate(x), self.wi_up(x)  # [B, T, F]
+            if adapter is not None:
+                dg, du = adapter(x)
+                g, u = g + dg.astype(g.dtype), u + du.astype(u.dtype)
+            h = act(g) * u
         else:
-            h = act(self.wi(x))  # [B, T, F]
+            h = self.wi(x)  # [B, T, F]
+            if adapter is not None:
+                (d,) = adapter(x)
+                h = h + d.astype(h.dtype)
+            h = act(h)
         return self.wo(h)
 
 

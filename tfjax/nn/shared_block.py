@@ -1,0 +1,126 @@
+"""Transformer blocks shared across layers, each use with its own adapters (Zamba2:
+Glorioso et al. 2024, "The Zamba2 Suite", arXiv:2411.15242; Zamba, arXiv:2405.16712).
+
+A shared block is one set of attention + MLP weights that several layers of a stack
+run, each on its own input. The use at a layer whose residual stream is x, with the
+token embeddings e `[B, T, D]`:
+
+    h = in_norm([x; e])                             # [B, T, W]: W = 2D (W = D: no concat)
+    a = attn(h), q, k, v += the use's low-rank deltas   # W in, D out; its own KV cache
+    y = mlp(ffn_norm(a)), [gate; up] += the use's low-rank delta
+    t = y @ out                                     # the use's own [D, D] projection
+
+and the layer adds t to its mixer's input inside the pre-norm, x + mixer(norm(x + t))
+(`tfjax.nn.blocks.TransformerBlock`'s `mixer_input`). As transformers'
+`Zamba2AttentionDecoderLayer`, the shared block has no residual of its own.
+
+Design choices:
+- `SharedBlock` holds the shared weights and `SharedBlockUse` a use's own (its
+  adapters and `out`). A stack builds the shared blocks once, outside its layers,
+  and one `SharedBlockUse` per layer that uses one, so a scanned stack stacks the
+  uses with its layers and passes the shared blocks to every use (`tfjax.models.stack`);
+  the shared weights' gradient is the sum over their uses.
+- Adapters in activation space, x W + (x A) B: a decode step pays r extra
+  multiply-adds per input and output channel instead of forming W + A B for every
+  use. q, k and v each have their own A `[W, r]` and B `[r, n, H]`; the MLP has one A
+  `[D, r]` whose B `[r, 2, F]` gives the gate's and the up projection's deltas
+  (transformers' gate_up adapter; ungated MLPs `[r, 1, F]`). Both initialised
+  N(0, init_std) like the base weights, not LoRA's zero B: they are part of the
+  pre-trained model (transformers initialises them as any Linear).
+- Logical axes: A ("embed", None); B (None, "heads" | "kv_heads", "head_dim") or
+  (None, None, "mlp"); out ("embed", None), as the MTP projection's.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+from tfjax.nn.attention import MultiHeadAttention
+from tfjax.nn.ffn import FeedForward
+from tfjax.parallel.sharding import shard, with_logical_axes
+from tfjax.typing import DType
+
+__all__ = ["SharedBlock", "SharedBlockUse"]
+
+
+class SharedBlock(nnx.Module):
+    """The shared weights: `in_norm` (width W), `attn` (W in, D out), `ffn_norm` and
+    `ffn` (width D), composed from built submodules (it knows nothing of configs).
+    `concat_embedding`: the block reads [x; e] (W = 2D), else x (W = D)."""
+
+    def __init__(self, *, attn: MultiHeadAttention, ffn: FeedForward, in_norm: nnx.Module,
+                 ffn_norm: nnx.Module, concat_embedding: bool = True):
+        self.attn, self.ffn, self.in_norm, self.ffn_norm = attn, ffn, in_norm, ffn_norm
+        self.concat_embedding = concat_embedding
+
+    def __call__(self, x, embeddings, use: "SharedBlockUse", *, mask=None, bias=None,
+                 positions=None, cache=None):
+        """x, embeddings `[B,T,D]` -> y `[B,T,D]` (before the use's `out`) with `use`'s
+        adapters; with `cache` (the use's KV cache) -> `(y, new_cache)`."""
+        h = jnp.concatenate([x, embeddings.astype(x.dtype)], axis=-1) if self.concat_embedding \
+            else x
+        a = self.attn(self.in_norm(h), mask=mask, bias=bias, positions=positions, cache=cache,
+                      adapter=use.qkv_deltas if use.has_attn_adapter else None)
+        if cache is not None:
+            a, cache = a
+        y = self.ffn(self.ffn_norm(a), adapter=use.mlp_deltas if use.has_mlp_adapter else None)
+        y = shard(y, ("batch", "length", "embed"))
+        return y if cache is None else (y, cache)
+
+
+class SharedBlockUse(nnx.Module):
+    """One use of a shared block: its adapters (rank `rank`; none when 0) and its
+    output projection `out` `[D, D]`. Called with the block it uses:
+    `use(x, block=, embeddings=, mask=, bias=, positions=, cache=)` -> t `[B,T,D]`
+    (and the new cache of the block's attention with `cache`)."""
+
+    def __init__(self, d_model: int, width: int, *, num_heads: int, num_kv_heads: int,
+                 head_dim: int, v_head_dim: int, d_ff: int, gated: bool, rank: int = 0,
+                 attn_adapter: bool = True, mlp_adapter: bool = True,
+                 dtype: DType = jnp.float32, param_dtype: DType = jnp.float32,
+                 init_std: float = 0.02, rngs: nnx.Rngs):
+        self.dtype = dtype
+        normal = nnx.initializers.normal(init_std)
+
+        def param(shape, names):
+            return nnx.Param(with_logical_axes(normal, names)(rngs.params(), shape, param_dtype))
+
+        self.has_attn_adapter = bool(rank and attn_adapter)
+        self.has_mlp_adapter = bool(rank and mlp_adapter)
+        if self.has_attn_adapter:
+            W, r = width, rank
+            self.q_a, self.k_a, self.v_a = (param((W, r), ("embed", None)) for _ in range(3))
+            self.q_b = param((r, num_heads, head_dim), (None, "heads", "head_dim"))
+            self.k_b = param((r, num_kv_heads, head_dim), (None, "kv_heads", "head_dim"))
+            self.v_b = param((r, num_kv_heads, v_head_dim), (None, "kv_heads", "head_dim"))
+        if self.has_mlp_adapter:
+            self.mlp_a = param((d_model, rank), ("embed", None))
+            self.mlp_b = param((rank, 2 if gated else 1, d_ff), (None, None, "mlp"))
+        self.out = param((d_model, d_model), ("embed", None))
+
+    def _low_rank(self, x, a, b):
+        """(x A) B: x `[B,T,W]`, A `[W, r]`, B `[r, ...]` -> `[B, T, ...]`."""
+        dt = self.dtype
+        xa = jnp.einsum("BTW,WR->BTR", x.astype(dt), a[...].astype(dt))
+        return jnp.einsum("BTR,R...->BT...", xa, b[...].astype(dt))
+
+    def qkv_deltas(self, x, context):
+        """The attention adapters' (dq `[B,T,N,H]`, dk, dv `[B,S,K,H]`) of the block's
+        normed input (`MultiHeadAttention.project`'s `adapter`)."""
+        return (self._low_rank(x, self.q_a, self.q_b), self._low_rank(context, self.k_a, self.k_b),
+                self._low_rank(context, self.v_a, self.v_b))
+
+    def mlp_deltas(self, x):
+        """The MLP adapter's deltas of its input projections (`FeedForward`'s `adapter`):
+        (d_gate, d_up) `[B,T,F]` each, or (d_wi,) ungated."""
+        d = self._low_rank(x, self.mlp_a, self.mlp_b)  # [B, T, 1 | 2, F]
+        return tuple(d[:, :, i] for i in range(d.shape[2]))
+
+    def __call__(self, x, *, block: SharedBlock, embeddings, mask=None, bias=None,
+                 positions=None, cache=None):
+        out = block(x, embeddings, self, mask=mask, bias=bias, positions=positions, cache=cache)
+        y, cache = out if cache is not None else (out, None)
+        t = jnp.einsum("BTD,DE->BTE", y.astype(self.dtype), self.out[...].astype(self.dtype))
+        t = shard(t, ("batch", "length", "embed"))
+        return t if cache is None else (t, cache)
