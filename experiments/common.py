@@ -84,7 +84,9 @@ class Experiment:
 
     def plot(self, curves: dict, *, xlabel: str, ylabel: str, title: str | None = None,
              logx: bool = False, logy: bool = False, suffix: str = "") -> str | None:
-        """curves: label -> (xs, ys). Writes <stem><suffix>.png; None without matplotlib."""
+        """curves: label -> (xs, ys), or (xs, ys, lo, hi) to shade a band between lo and
+        hi (e.g. the spread over seeds). Writes <stem><suffix>.png; None without
+        matplotlib."""
         try:
             import matplotlib
             matplotlib.use("Agg")
@@ -93,8 +95,10 @@ class Experiment:
             print("matplotlib not installed: no plot", flush=True)
             return None
         fig, ax = plt.subplots(figsize=(6, 4))
-        for label, (xs, ys) in curves.items():
-            ax.plot(xs, ys, marker="o", label=label)
+        for label, (xs, ys, *band) in curves.items():
+            line, = ax.plot(xs, ys, marker="o", label=label)
+            if band:
+                ax.fill_between(xs, band[0], band[1], color=line.get_color(), alpha=0.2)
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         if logx:

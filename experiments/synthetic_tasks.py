@@ -1,18 +1,24 @@
-"""Which token mixers solve associative recall and induction heads? (issue 6 item 7)
+"""Which token mixers solve associative recall and induction heads? (issues 6.7, 25.5)
 
-    python experiments/synthetic_tasks.py [--quick]
+    python experiments/synthetic_tasks.py [--quick] [--steps N] [--seeds S] [--mixers a,b]
 
 Trains tiny decoders that differ only in their token mixer (dense causal
-attention, sliding-window attention, causal linear attention, Mamba; same width,
-depth, FFN, optimizer and steps) on two tasks of `tfjax.data.synthetic`:
-MQAR (multi-query associative recall, Arora et al. 2023, "Zoology") and induction
-heads (Olsson et al. 2022; the Mamba paper's version: recall the token after a
-trigger seen once before). The loss is the cross-entropy on the answer tokens only
-(`loss_mask`); the table reports accuracy on answer tokens of fresh held-out
-batches. The literature: attention solves associative recall at any
-sequence length; linear attention and short windows struggle once the number of
-pairs outgrows their state / the distance outgrows the window (Zoology Fig. 2,
-Based); Mamba sits in between (Mamba Table 2 / Fig. 2 for induction heads).
+attention, sliding-window attention, causal linear attention, Mamba, Mamba-2,
+Gated DeltaNet, and a hybrid of one attention and one Gated DeltaNet layer; same
+depth, width, optimizer, data and steps, parameters equal within a few percent
+and, for the recurrent mixers, the same 1,024-float state per layer: `MIXERS`)
+on two tasks of `tfjax.data.synthetic`: MQAR (multi-query associative recall,
+Arora et al. 2023, "Zoology") and induction heads (Olsson et al. 2022: a span seen
+once must be continued when its trigger recurs). The loss is the cross-entropy on
+the answer tokens only (`loss_mask`). Every `EVAL_EVERY` steps the answer accuracy
+on fixed held-out batches is recorded; the table gives, per task and mixer, the
+accuracy at the end (mean and std over seeds), the first evaluated step at which
+each seed reached 90 % (or "not reached"), and the time; one plot per task shows
+accuracy against steps (mean over seeds, band from min to max). The literature:
+attention solves associative recall at any sequence length; linear attention,
+SSMs and short windows struggle once the number of pairs outgrows their state /
+the distance outgrows the window (Zoology Fig. 2, Based); Mamba solves induction
+heads (Mamba Table 2 / Fig. 2).
 
 The training loop here (`SyntheticTrainer`) is the small jitted optax step the
 other synthetic experiments (window_receptive_field, lost_in_middle, moe) import.
@@ -39,12 +45,30 @@ BASE = dict(arch="decoder", d_model=64, num_layers=2, num_heads=4, d_ff=128, pos
             norm="rmsnorm", activation="swiglu", ffn_bias=False, max_len=4096,
             ssm=dict(d_state=16, expand=2), linear=dict(chunk=32))
 
+# Equal parameters (within a few %) and, for the recurrent mixers, equal state: each
+# layer's mixer keeps 1,024 floats per sequence (4 heads x 16 x 16 for linear attention,
+# Mamba-2 and Gated DeltaNet; 64 channels x 16 for Mamba at expand 1). Gated DeltaNet's
+# extra projections (output gate, decay and beta) are paid for by a narrower FFN. The
+# chunk sizes pick each recurrent mixer's fastest training form on a CPU (Mamba's
+# associative scan over all of T is 1.6-5x slower than chunks of 8: results file).
 MIXERS = {
     "dense attention": dict(layer_pattern=("global",)),
-    "sliding window": dict(layer_pattern=("local",)),  # window set per task
+    "sliding window": dict(layer_pattern=("local",)),  # window: WINDOW
     "linear attention": dict(layer_pattern=("linear",)),
-    "mamba": dict(layer_pattern=("mamba",)),
+    "mamba": dict(layer_pattern=("mamba",), ssm=dict(d_state=16, expand=1, chunk=8)),
+    "mamba-2": dict(layer_pattern=("mamba2",),
+                    mamba2=dict(d_state=16, head_dim=16, expand=1, chunk=16)),
+    "gated deltanet": dict(layer_pattern=("gated_deltanet",), d_ff=104, gdn=dict(chunk=16)),
+    "hybrid attention + gdn": dict(layer_pattern=("global", "gated_deltanet"), d_ff=116,
+                                   gdn=dict(chunk=16)),
 }
+
+# The full run (sized by a pilot: see the results file).
+VOCAB = 64
+WINDOW = 8  # the sliding window: shorter than most recall distances the tasks ask
+TASK_SETTINGS = [("mqar", dict(seq_len=64, num_pairs=8, vocab_size=VOCAB)),
+                 ("induction_heads", dict(seq_len=64, vocab_size=VOCAB, prefix_len=8))]
+STEPS, SEEDS, BATCH, N_EVAL, EVAL_EVERY, LR = 800, 3, 16, 2, 50, 3e-3
 
 
 class SyntheticTrainer:
@@ -102,16 +126,22 @@ class SyntheticTrainer:
         _, params, rest = nnx.split(build(self.cfg, rngs=nnx.Rngs(seed)), nnx.Param, ...)
         return params, rest, self.tx.init(params)
 
-    def fit(self, batches, *, seed: int = 0, log_every: int = 0):
+    def fit(self, batches, *, seed: int = 0, log_every: int = 0, eval_every: int = 0,
+            evals=()):
         """batches(step) -> (tokens, targets, loss_mask). Returns (params, rest, history)
-        with history a list of (step, loss) every `log_every` steps (0: only the last)."""
+        with history a list of (step, loss) every `log_every` steps (0: only the last).
+        `eval_every` > 0: the answer accuracy on `evals` after every that many updates
+        (and after the last) is kept in `self.curve` as (updates, accuracy)."""
         params, rest, opt = self.init(seed)
-        hist = []
+        hist, self.curve = [], []
         for i in range(self.steps):
             tokens, targets, mask = batches(i)
             params, rest, opt, stats = self.train_step(params, rest, opt, tokens, targets, mask)
             if (log_every and i % log_every == 0) or i == self.steps - 1:
                 hist.append((i, float(stats["loss"])))
+            if eval_every and ((i + 1) % eval_every == 0 or i == self.steps - 1):
+                self._opt = opt
+                self.curve.append((i + 1, self.accuracy(params, rest, evals)))
         self._opt = opt  # evaluation feeds it to the step (and drops the update)
         return params, rest, hist
 
@@ -152,60 +182,114 @@ def trainer(cfg: dict, **kw) -> SyntheticTrainer:
     return _TRAINERS[key]
 
 
-def run_task(base: dict, task: str, kw: dict, vocab: int, window: int, steps: int, batch: int,
-             eval_batches: int, lr: float):
-    rows, accs = [], {}
+def steps_to(curve, level: float = 0.9):
+    """The first evaluated step whose accuracy reaches `level`, or None."""
+    return next((step for step, acc in curve if acc >= level), None)
+
+
+def param_count(cfg: dict) -> int:
+    model = nnx.eval_shape(lambda: build(model_config(cfg), rngs=nnx.Rngs(0)))
+    return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def run_task(base: dict, task: str, kw: dict, *, mixers: dict, window: int, steps: int,
+             batch: int, n_eval: int, lr: float, seeds: int, eval_every: int):
+    """Every mixer on one task over `seeds` seeds (the seed draws the initialisation and
+    the training stream; the held-out batches are the same for all). Returns
+    {mixer: dict(params, curves [seed][(step, accuracy)], final [seed], loss [seed],
+    seconds [seed])}."""
     f = synthetic.TASKS[task]
-    evals = [f(10_000 + i, batch=batch, **kw) for i in range(eval_batches)]
-    for name, mixer in MIXERS.items():
-        cfg = dict(base, vocab_size=vocab, **mixer)
-        if name == "sliding window":
+    evals = [f(np.random.default_rng([10_000, i]), batch=batch, **kw) for i in range(n_eval)]
+    out = {}
+    for name, mixer in mixers.items():
+        cfg = dict(base, **mixer)
+        if "local" in cfg["layer_pattern"]:
             cfg["sliding_window"] = window
         tr = trainer(cfg, steps=steps, lr=lr)
-        t0 = time.perf_counter()
-        params, rest, hist = tr.fit(lambda i: f(i, batch=batch, **kw))
-        acc = tr.accuracy(params, rest, evals)
-        accs[name] = acc
-        rows.append([task, name, steps, hist[-1][1], acc, time.perf_counter() - t0])
-        print(rows[-1], flush=True)
-    return rows, accs
+        r = out[name] = dict(params=param_count(cfg), curves=[], final=[], loss=[], seconds=[])
+        for seed in range(seeds):
+            t0 = time.perf_counter()
+            _, _, hist = tr.fit(lambda i: f(np.random.default_rng([seed, i]), batch=batch, **kw),
+                                seed=seed, eval_every=eval_every, evals=evals)
+            r["seconds"].append(time.perf_counter() - t0)
+            r["curves"].append(tr.curve)
+            r["final"].append(tr.curve[-1][1])
+            r["loss"].append(hist[-1][1])
+            print(f"{task} {name} seed {seed}: accuracy {tr.curve[-1][1]:.3f}, steps to 90% "
+                  f"{steps_to(tr.curve)}, {r['seconds'][-1]:.1f} s "
+                  f"[{', '.join(f'{a:.2f}' for _, a in tr.curve)}]", flush=True)
+    return out
+
+
+def label(task: str, kw: dict) -> str:
+    return task + "".join(f" {k}={v}" for k, v in kw.items())
+
+
+def report(exp: Experiment, results: list, steps: int) -> None:
+    """The table (one row per task x mixer) and one plot per task; results: a list of
+    (task, task kwargs, run_task's result)."""
+    rows = []
+    for task, kw, res in results:
+        for name, r in res.items():
+            final = np.array(r["final"])
+            reached = [steps_to(c) for c in r["curves"]]
+            rows.append([label(task, kw), name, f"{r['params']:,}",
+                         f"{final.mean():.3f} ± {final.std():.3f}",
+                         " / ".join(str(s) if s else "not reached" for s in reached),
+                         f"{np.mean(r['loss']):.3g}", f"{np.mean(r['seconds']):.0f}"])
+    exp.table(["task", "mixer", "params", f"accuracy at {steps} steps (mean ± std over seeds)",
+               "steps to 90 % (per seed)", "final train loss (mean)",
+               "seconds per seed (train + evals)"], rows, title="Answer accuracy")
+    for i, (task, kw, res) in enumerate(results):
+        curves = {}
+        for name, r in res.items():
+            xs = [s for s, _ in r["curves"][0]]
+            accs = np.array([[a for _, a in c] for c in r["curves"]])  # [seeds, evals]
+            curves[name] = (xs, accs.mean(0), accs.min(0), accs.max(0))
+        exp.plot(curves, xlabel="training steps",
+                 ylabel="held-out answer accuracy\n(mean over seeds, band: min-max)",
+                 title=label(task, kw),
+                 suffix="_" + task if i else "")  # the first: <name>.png
 
 
 def main(argv=None):
-    exp = Experiment("synthetic_tasks", __doc__, argv=argv)
-    base = dict(BASE)
+    import argparse
+    p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    p.add_argument("--steps", type=int, default=0, help="training steps (0: the mode's)")
+    p.add_argument("--seeds", type=int, default=0, help="seeds per mixer (0: the mode's)")
+    p.add_argument("--mixers", default="", help="comma-separated subset of the mixers")
+    exp = Experiment("synthetic_tasks", __doc__, parser=p, argv=argv)
+    a = exp.args
+    base = dict(BASE, vocab_size=VOCAB)
     if exp.quick:
         quick_mode()
         base.update(num_layers=1, d_model=32, d_ff=64)
-        steps, batch, n_eval, lr = 10, 8, 1, 3e-3
-        sizes = dict(mqar=[dict(seq_len=32, num_pairs=4)], induction_heads=[dict(seq_len=32)])
-        vocab = {"mqar": 32, "induction_heads": 32}  # equal shapes: one compile per mixer
+        steps, seeds, batch, n_eval, eval_every = 10, 1, 8, 1, 5
+        tasks = [("mqar", dict(seq_len=32, num_pairs=4, vocab_size=32)),
+                 ("induction_heads", dict(seq_len=32, vocab_size=16, prefix_len=2))]
+        base["vocab_size"] = 32  # equal shapes: one compile per mixer
     else:
-        steps, batch, n_eval, lr = 300, 32, 4, 3e-3
-        sizes = dict(mqar=[dict(seq_len=48, num_pairs=4)], induction_heads=[dict(seq_len=48)])
-        vocab = {"mqar": 64, "induction_heads": 64}
-    W = 8  # the sliding window: shorter than every recall distance the tasks ask
-    rows, curves = [], {}
-    for task, settings in sizes.items():
-        for s in settings:
-            kw = dict(s, vocab_size=vocab[task])
-            label = task + "".join(f" {k}={v}" for k, v in s.items())
-            r, accs = run_task(base, task, kw, vocab[task], W, steps, batch, n_eval, lr)
-            for row in r:
-                row[0] = label
-            rows += r
-            curves[label] = accs
-    exp.text(f"Tiny decoders: {base['num_layers']} layers, d_model={base['d_model']}, "
-             f"{base['num_heads']} heads, SwiGLU FFN {base['d_ff']}, RoPE (attention mixers); "
-             f"sliding window W={W}; AdamW lr {lr}, batch {batch}, {steps} steps, "
-             f"loss on answer tokens only; accuracy over {n_eval * batch} held-out sequences.")
-    exp.table(["task", "mixer", "steps", "final train loss", "answer accuracy", "seconds"], rows,
-              title="Accuracy on answer tokens")
-    names = list(MIXERS)
-    labels = list(curves)
-    exp.plot({lab: (list(range(len(names))), [curves[lab][n] for n in names]) for lab in labels},
-             xlabel="mixer: " + ", ".join(f"{i}={n}" for i, n in enumerate(names)),
-             ylabel="answer accuracy", title="Synthetic tasks by token mixer")
+        steps, seeds, batch, n_eval, eval_every = STEPS, SEEDS, BATCH, N_EVAL, EVAL_EVERY
+        tasks = TASK_SETTINGS
+    steps, seeds = a.steps or steps, a.seeds or seeds
+    mixers = {k: v for k, v in MIXERS.items()
+              if not a.mixers or k in a.mixers.split(",")}
+    t0 = time.perf_counter()
+    results = [(task, kw, run_task(base, task, kw, mixers=mixers, window=WINDOW, steps=steps,
+                                   batch=batch, n_eval=n_eval, lr=LR, seeds=seeds,
+                                   eval_every=eval_every))
+               for task, kw in tasks]
+    exp.text(f"Decoders of {base['num_layers']} layers, d_model {base['d_model']}, "
+             f"{base['num_heads']} heads, SwiGLU FFN (d_ff {base['d_ff']} unless the mixer "
+             f"sets it), RMSNorm, RoPE in the attention layers, vocabulary {base['vocab_size']}; "
+             f"sliding window W={WINDOW}; AdamW lr {LR} (warmup 10 %, cosine to 10 %), batch "
+             f"{batch}, {steps} steps, {seeds} seed(s) (initialisation and training stream); "
+             f"loss on answer tokens only; held-out accuracy on {n_eval * batch} fixed "
+             f"sequences every {eval_every} steps. Total wall time "
+             f"{time.perf_counter() - t0:.0f} s.")
+    exp.text("Mixers (`layer_pattern`, per-kind config): " + "; ".join(
+        f"{k}: {v}" for k, v in mixers.items()))
+    report(exp, results, steps)
     return exp.finish()
 
 
