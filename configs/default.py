@@ -21,13 +21,15 @@ def get_config(arg=None):
         arch="decoder", vocab_size=259, d_model=128, num_layers=4, num_heads=4, num_kv_heads=2,
         d_ff=384, max_len=1024, position="rope", norm="rmsnorm", activation="swiglu",
         ffn_bias=False, qkv_bias=False, out_bias=False, tie_embeddings=True, norm_bias=False,
-        scale_embeddings=False))
+        scale_embeddings=False, remat="qkv_attn"))
     cfg.train.update(dict(
-        steps=1500, batch_size=16, seq_len=128, lr=3e-3, warmup_steps=50, lr_min_ratio=0.05,
+        steps=1500, batch_size=32, microbatches=2, seq_len=128, lr=4e-3, warmup_steps=50,
+        lr_min_ratio=0.05,
         weight_decay=0.1, grad_clip=1.0, log_every=10, eval_every=0, eval_batches=0,
         sample_tokens=160, sample_prompt="def "))
     cfg.checkpoint.update(dict(every_steps=500, keep=2))
     return apply_variant(cfg, arg, {
         "quick": {"train": dict(steps=40, warmup_steps=10, eval_batches=4, sample_tokens=40)},
         "tiny": {"model": dict(d_model=64, num_layers=2, d_ff=192)},
+        "small": {"model": dict(d_model=256, num_layers=6, num_heads=8, num_kv_heads=4, d_ff=768)},
     })

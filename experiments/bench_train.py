@@ -37,18 +37,11 @@ from tfjax.parallel.mesh import make_mesh, usable_cores, use_cpu_cores
 from tfjax.train.metrics import flops_per_token, peak_flops
 from tfjax.train.trainer import build_program, zigzag_rows
 
-SMALL = dict(d_model=256, num_layers=6, num_heads=8, num_kv_heads=4, d_ff=768)
-
-
 def load(preset: str):
     path, _, arg = preset.partition(":")
     spec = importlib.util.spec_from_file_location("preset", os.path.join(ROOT, "configs", path + ".py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    if path == "default" and arg == "small":
-        cfg = mod.get_config()
-        cfg.model.update(SMALL)
-        return cfg
     return mod.get_config(arg or None)
 
 
