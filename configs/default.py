@@ -4,12 +4,15 @@ Python standard library's own sources (the stdlib corpus of `tfjax.data`), on CP
     python -m tfjax.train --config configs/default.py --workdir workdirs/default
 
 Llama recipe at toy size (0.82M parameters): RoPE, RMSNorm, SwiGLU, GQA, no biases,
-tied embeddings; bytes (259 ids: 256 + pad, bos, eos); 1500 steps of 16 rows x 128
-tokens (3.07M tokens), AdamW 3e-3, warmup 50, cosine to 5%.
-Expected on an idle 2-core CPU: about 7 minutes, then val 1.850 bits/byte on the
-147,369 validation bytes, printed beside gzip -9 (1.912) and xz -9e (1.695) on the
-same bytes (shorter runs: experiments/results/default_preset.md).
-Variants: "quick" (a smoke run of ~30 s), "tiny" (a 2-layer d=64 model).
+tied embeddings; bytes (259 ids: 256 + pad, bos, eos); 1500 steps of 32 rows x 128
+tokens (6.14M tokens) in two microbatches of 16, AdamW 4e-3, warmup 50, cosine to
+5% (the recipe: experiments/results/default_recipe.md); remat `qkv_attn`, which on
+CPU is faster than keeping every activation (experiments/results/bench_train_cpu.md).
+Expected on an idle 2-core CPU (one device per core): about 6 minutes, then val
+1.663 bits/byte on the 147,369 validation bytes, printed beside gzip -9 (1.913) and
+xz -9e (1.697) on the same bytes (experiments/results/train_default_cpu.md).
+Variants: "quick" (a smoke run of ~30 s), "tiny" (a 2-layer d=64 model), "small"
+(d=256, 6 layers, 4.79M parameters: experiments/bench_train.py's second preset).
 """
 
 from tfjax.config import apply_variant, default_config
