@@ -1,23 +1,22 @@
-"""`dense(x, kernel)`: `x [..., I] @ kernel [I, O] -> [..., O]`, the projection of
-`FeedForward`'s `nnx.Linear`s (through `linear_dot_general`, their `dot_general`),
-with a weight gradient laid out for the library that runs the matmul.
+"""`dense(x, kernel)`: `x [..., I] @ kernel [I, O] -> [..., O]` with a kernel gradient
+laid out for XLA:CPU's fast matmul; `linear_dot_general`, `FeedForward`'s
+`nnx.Linear(dot_general=...)`, uses it when the traced program targets a CPU.
 
 The forward is the plain `dot_general` and so is the input gradient `dx = g @ W^T`.
-The kernel gradient `dW = x^T g` (a contraction over every leading axis) is where
-platforms differ:
+The kernel gradient `dW = x^T g` contracts every leading axis. XLA:CPU hands a
+matmul to YNNPACK only when both operands are row-major with the left one
+contracted on its last axis; autodiff's `dW` contracts `x` on its first axis, so
+XLA:CPU ran it in its slower fallback after transposing the larger `[M, F]`
+operand (M = batch x length; measured: experiments/results/bench_train_cpu.md).
+`dense`'s backward transposes the smaller of x `[M, I]` and g `[M, O]` itself and
+multiplies row-major operands (`lax.optimization_barrier` keeps XLA from folding
+the transposes back into the dot); `dW` is the same sum, in another order (f32
+rounding aside).
 
-- On CPU, XLA hands a matmul to YNNPACK only when both operands are row-major with
-  the left one contracted on its last axis; autodiff's `dW` contracts `x` on its
-  first axis, so XLA:CPU ran it in its slower fallback after transposing the
-  larger `[M, F]` operand (M = batch x length), the SwiGLU FFN's weight gradients
-  taking ~1/5 of a 0.8M-parameter model's training step
-  (experiments/results/bench_train_cpu.md). Here the backward transposes the
-  smaller of x `[M, I]` and g `[M, O]` itself and multiplies row-major operands
-  (`lax.optimization_barrier` keeps XLA from folding the transposes back into the
-  dot); `dW` is the same sum, in another order (f32 rounding aside).
-- Elsewhere (TPU, GPU: the MXU and cuBLAS take either layout) the backward is
-  autodiff's own contraction. `lax.platform_dependent` stages both and lowering
-  keeps the target's, so an AOT compile for a TPU from a CPU host gets the TPU form.
+Why only for CPU targets: TPUs and GPUs take either layout, and a `custom_vjp` hides
+its matmul from rematerialisation policies (`dots_saveable` would recompute it), so
+elsewhere (`tfjax.ops.target.target_platform`: an AOT compile for a TPU from a CPU
+host too) `linear_dot_general` is `lax.dot_general`.
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ from __future__ import annotations
 import jax
 from jax import lax
 
+from tfjax.ops.target import target_platform
 from tfjax.typing import Array, Float
 
 __all__ = ["dense", "linear_dot_general"]
@@ -44,12 +44,8 @@ def _dense_fwd(x, kernel):
     return _forward(x, kernel), (x, kernel)
 
 
-def _kernel_grad_autodiff(x, g):
-    lead = tuple(range(x.ndim - 1))
-    return lax.dot_general(x, g, ((lead, lead), ((), ())))
-
-
-def _kernel_grad_row_major(x, g):
+def _kernel_grad(x, g):
+    """x^T g over the leading axes, from row-major operands (the smaller one transposed)."""
     x2, g2 = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])  # [M, I], [M, O]
     if x2.shape[1] <= g2.shape[1]:
         return lax.optimization_barrier(x2.T) @ g2  # [I, M] @ [M, O]
@@ -59,8 +55,7 @@ def _kernel_grad_row_major(x, g):
 def _dense_bwd(res, g):
     x, kernel = res
     dx = lax.dot_general(g, kernel, (((g.ndim - 1,), (1,)), ((), ())))
-    dw = lax.platform_dependent(x, g, cpu=_kernel_grad_row_major, default=_kernel_grad_autodiff)
-    return dx, dw.astype(kernel.dtype)
+    return dx, _kernel_grad(x, g).astype(kernel.dtype)
 
 
 dense.defvjp(_dense_fwd, _dense_bwd)
@@ -69,11 +64,11 @@ dense.defvjp(_dense_fwd, _dense_bwd)
 def linear_dot_general(lhs, rhs, dimension_numbers, precision=None,
                        preferred_element_type=None, out_sharding=None):
     """`nnx.Linear(dot_general=linear_dot_general)`: `dense` for the layer's own
-    contraction (last axis of the input with the kernel's first, default precision);
-    any other call is `lax.dot_general`'s."""
+    contraction (last axis of the input with the kernel's first, default precision)
+    in a program that targets a CPU; any other call is `lax.dot_general`'s."""
     plain = (dimension_numbers == (((lhs.ndim - 1,), (0,)), ((), ())) and rhs.ndim == 2
              and precision is None and preferred_element_type is None and out_sharding is None)
-    if plain:
+    if plain and target_platform(lhs) == "cpu":
         return dense(lhs, rhs)
     return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                            preferred_element_type=preferred_element_type, out_sharding=out_sharding)
