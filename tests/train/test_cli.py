@@ -54,7 +54,7 @@ def test_cli_trains_evaluates_and_samples(tmp_path):
 @pytest.mark.bad_input
 def test_cli_config_errors_are_clear(tmp_path):
     p = cli("--workdir", str(tmp_path), "--config.train.batch_size=3", "--config.mesh.data=2",
-            devices=2)
+            "--config.train.microbatches=1", devices=2)
     out = p.communicate(timeout=120)[0]
     assert p.returncode == 2
     assert "train.batch_size: 3 is not divisible by the 2 batch shards" in out
