@@ -17,7 +17,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = ["--config.model.d_model=32", "--config.model.d_ff=64", "--config.model.num_layers=2",
         "--config.train.batch_size=4", "--config.train.seq_len=32", "--config.train.log_every=1",
-        "--config.train.eval_batches=1", "--config.train.warmup_steps=1"]
+        "--config.train.eval_batches=1", "--config.train.warmup_steps=1",
+        "--config.train.microbatches=1"]
 
 
 def cli(*args, devices=1, timeout=300):
@@ -94,7 +95,7 @@ def test_cli_input_errors_are_one_line_naming_the_file_or_field_and_the_fix(tmp_
         ([], str(tmp_path), f"config error: no --config given, and the default "
          f"configs/default.py: no such file (relative to {tmp_path}); did you mean {default}?"),
         ([f"--config={default}:nosuch"], ROOT, "ValueError: unknown preset variant 'nosuch'; "
-         "allowed: quick, tiny"),
+         "allowed: quick, small, tiny"),
         ([f"--config={default}", "--config.train.steps=abc"], ROOT,
          "config error: flag --config.train.steps=abc: invalid literal for int()"),
         ([f"--config={default}", "--cpu_devices=-2"], ROOT,
