@@ -26,6 +26,7 @@ other synthetic experiments (window_receptive_field, lost_in_middle, moe) import
 
 from __future__ import annotations
 
+import os
 import time
 
 from common import Experiment
@@ -55,20 +56,23 @@ MIXERS = {
     "dense attention": dict(layer_pattern=("global",)),
     "sliding window": dict(layer_pattern=("local",)),  # window: WINDOW
     "linear attention": dict(layer_pattern=("linear",)),
-    "mamba": dict(layer_pattern=("mamba",), ssm=dict(d_state=16, expand=1, chunk=8)),
+    "mamba": dict(layer_pattern=("mamba",), ssm=dict(d_state=16, expand=1, chunk=4)),
     "mamba-2": dict(layer_pattern=("mamba2",),
                     mamba2=dict(d_state=16, head_dim=16, expand=1, chunk=16)),
-    "gated deltanet": dict(layer_pattern=("gated_deltanet",), d_ff=104, gdn=dict(chunk=16)),
+    "gated deltanet": dict(layer_pattern=("gated_deltanet",), d_ff=104, gdn=dict(chunk=8)),
     "hybrid attention + gdn": dict(layer_pattern=("global", "gated_deltanet"), d_ff=116,
-                                   gdn=dict(chunk=16)),
+                                   gdn=dict(chunk=8)),
 }
+# A mixer's training step's rough cost relative to dense attention's on a CPU (batch 64,
+# T=64): only the order in which `--workers` processes take the jobs.
+RELATIVE_COST = {"mamba": 3, "gated deltanet": 3, "hybrid attention + gdn": 2, "mamba-2": 2}
 
-# The full run (sized by a pilot: see the results file).
+# The full run (sized by pilots: see the results file): (task, its settings, steps).
 VOCAB = 64
 WINDOW = 8  # the sliding window: shorter than most recall distances the tasks ask
-TASK_SETTINGS = [("mqar", dict(seq_len=64, num_pairs=8, vocab_size=VOCAB)),
-                 ("induction_heads", dict(seq_len=64, vocab_size=VOCAB, prefix_len=8))]
-STEPS, SEEDS, BATCH, N_EVAL, EVAL_EVERY, LR = 800, 3, 16, 2, 50, 3e-3
+TASK_SETTINGS = [("mqar", dict(seq_len=64, num_pairs=8, vocab_size=VOCAB), 1500),
+                 ("induction_heads", dict(seq_len=64, vocab_size=VOCAB, prefix_len=8), 1000)]
+SEEDS, BATCH, N_EVAL, EVAL_EVERY, LR = 3, 64, 2, 100, 3e-3
 
 
 class SyntheticTrainer:
@@ -192,55 +196,83 @@ def param_count(cfg: dict) -> int:
     return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
-def run_task(base: dict, task: str, kw: dict, *, mixers: dict, window: int, steps: int,
-             batch: int, n_eval: int, lr: float, seeds: int, eval_every: int):
-    """Every mixer on one task over `seeds` seeds (the seed draws the initialisation and
-    the training stream; the held-out batches are the same for all). Returns
-    {mixer: dict(params, curves [seed][(step, accuracy)], final [seed], loss [seed],
-    seconds [seed])}."""
+def run_mixer(base: dict, task: str, kw: dict, name: str, mixer: dict, *, window: int,
+              steps: int, batch: int, n_eval: int, lr: float, seeds: int,
+              eval_every: int) -> dict:
+    """One mixer on one task over `seeds` seeds (the seed draws the initialisation and the
+    training stream; the held-out batches are the same for every seed and mixer).
+    Returns dict(params, curves [seed][(step, accuracy)], final [seed], loss [seed],
+    seconds [seed])."""
     f = synthetic.TASKS[task]
     evals = [f(np.random.default_rng([10_000, i]), batch=batch, **kw) for i in range(n_eval)]
-    out = {}
-    for name, mixer in mixers.items():
-        cfg = dict(base, **mixer)
-        if "local" in cfg["layer_pattern"]:
-            cfg["sliding_window"] = window
-        tr = trainer(cfg, steps=steps, lr=lr)
-        r = out[name] = dict(params=param_count(cfg), curves=[], final=[], loss=[], seconds=[])
-        for seed in range(seeds):
-            t0 = time.perf_counter()
-            _, _, hist = tr.fit(lambda i: f(np.random.default_rng([seed, i]), batch=batch, **kw),
-                                seed=seed, eval_every=eval_every, evals=evals)
-            r["seconds"].append(time.perf_counter() - t0)
-            r["curves"].append(tr.curve)
-            r["final"].append(tr.curve[-1][1])
-            r["loss"].append(hist[-1][1])
-            print(f"{task} {name} seed {seed}: accuracy {tr.curve[-1][1]:.3f}, steps to 90% "
-                  f"{steps_to(tr.curve)}, {r['seconds'][-1]:.1f} s "
-                  f"[{', '.join(f'{a:.2f}' for _, a in tr.curve)}]", flush=True)
-    return out
+    cfg = dict(base, **mixer)
+    if "local" in cfg["layer_pattern"]:
+        cfg["sliding_window"] = window
+    tr = trainer(cfg, steps=steps, lr=lr)
+    r = dict(params=param_count(cfg), curves=[], final=[], loss=[], seconds=[])
+    for seed in range(seeds):
+        t0 = time.perf_counter()
+        _, _, hist = tr.fit(lambda i: f(np.random.default_rng([seed, i]), batch=batch, **kw),
+                            seed=seed, eval_every=eval_every, evals=evals)
+        r["seconds"].append(time.perf_counter() - t0)
+        r["curves"].append(tr.curve)
+        r["final"].append(tr.curve[-1][1])
+        r["loss"].append(hist[-1][1])
+        print(f"{task} {name} seed {seed}: accuracy {tr.curve[-1][1]:.3f}, steps to 90% "
+              f"{steps_to(tr.curve)}, {r['seconds'][-1]:.1f} s "
+              f"[{', '.join(f'{a:.2f}' for _, a in tr.curve)}]", flush=True)
+    return r
+
+
+def _pin_worker(cores, quick: bool) -> None:
+    """ProcessPoolExecutor initializer: this worker runs on one core of its own (XLA:CPU
+    runs a small program on one thread; two workers sharing a core only contend)."""
+    os.sched_setaffinity(0, {cores.get()})
+    if quick:
+        quick_mode()
+
+
+def run_jobs(jobs: list, *, workers: int, quick: bool) -> list:
+    """jobs: [(kwargs for run_mixer, relative cost)]. Returns run_mixer's results in the
+    order of `jobs`. workers > 1: that many spawned processes, each pinned to one usable
+    core, taking the costliest jobs first (the results do not depend on which process
+    ran a job: every job is seeded)."""
+    if workers <= 1:
+        return [run_mixer(**job) for job, _ in jobs]
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    ctx = multiprocessing.get_context("spawn")
+    cores = ctx.Queue()
+    for core in sorted(os.sched_getaffinity(0))[:workers]:
+        cores.put(core)
+    order = sorted(range(len(jobs)), key=lambda i: -jobs[i][1])
+    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_pin_worker,
+                             initargs=(cores, quick)) as pool:
+        futures = {i: pool.submit(run_mixer, **jobs[i][0]) for i in order}
+        return [futures[i].result() for i in range(len(jobs))]
 
 
 def label(task: str, kw: dict) -> str:
     return task + "".join(f" {k}={v}" for k, v in kw.items())
 
 
-def report(exp: Experiment, results: list, steps: int) -> None:
+def report(exp: Experiment, results: list) -> None:
     """The table (one row per task x mixer) and one plot per task; results: a list of
-    (task, task kwargs, run_task's result)."""
+    (task, task kwargs, steps, {mixer: run_mixer's result})."""
     rows = []
-    for task, kw, res in results:
+    for task, kw, steps, res in results:
         for name, r in res.items():
             final = np.array(r["final"])
             reached = [steps_to(c) for c in r["curves"]]
-            rows.append([label(task, kw), name, f"{r['params']:,}",
+            rows.append([label(task, kw), name, f"{r['params']:,}", f"{steps:,}",
                          f"{final.mean():.3f} ± {final.std():.3f}",
+                         " / ".join(f"{f:.2f}" for f in final),
                          " / ".join(str(s) if s else "not reached" for s in reached),
                          f"{np.mean(r['loss']):.3g}", f"{np.mean(r['seconds']):.0f}"])
-    exp.table(["task", "mixer", "params", f"accuracy at {steps} steps (mean ± std over seeds)",
-               "steps to 90 % (per seed)", "final train loss (mean)",
+    exp.table(["task", "mixer", "params", "steps", "accuracy at the end (mean ± std over seeds)",
+               "per seed", "steps to 90 % (per seed)", "final train loss (mean)",
                "seconds per seed (train + evals)"], rows, title="Answer accuracy")
-    for i, (task, kw, res) in enumerate(results):
+    for i, (task, kw, _, res) in enumerate(results):
         curves = {}
         for name, r in res.items():
             xs = [s for s, _ in r["curves"][0]]
@@ -255,41 +287,55 @@ def report(exp: Experiment, results: list, steps: int) -> None:
 def main(argv=None):
     import argparse
     p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
-    p.add_argument("--steps", type=int, default=0, help="training steps (0: the mode's)")
+    p.add_argument("--steps", type=int, default=0,
+                   help="training steps for every task (0: each task's own)")
     p.add_argument("--seeds", type=int, default=0, help="seeds per mixer (0: the mode's)")
     p.add_argument("--mixers", default="", help="comma-separated subset of the mixers")
+    p.add_argument("--workers", type=int, default=1,
+                   help="processes, each pinned to a core of its own (at most the usable "
+                        "cores); the results do not depend on it")
     exp = Experiment("synthetic_tasks", __doc__, parser=p, argv=argv)
     a = exp.args
     base = dict(BASE, vocab_size=VOCAB)
     if exp.quick:
         quick_mode()
         base.update(num_layers=1, d_model=32, d_ff=64)
-        steps, seeds, batch, n_eval, eval_every = 10, 1, 8, 1, 5
-        tasks = [("mqar", dict(seq_len=32, num_pairs=4, vocab_size=32)),
-                 ("induction_heads", dict(seq_len=32, vocab_size=16, prefix_len=2))]
+        seeds, batch, n_eval, eval_every = 1, 8, 1, 5
+        tasks = [("mqar", dict(seq_len=32, num_pairs=4, vocab_size=32), 10),
+                 ("induction_heads", dict(seq_len=32, vocab_size=16, prefix_len=2), 10)]
         base["vocab_size"] = 32  # equal shapes: one compile per mixer
     else:
-        steps, seeds, batch, n_eval, eval_every = STEPS, SEEDS, BATCH, N_EVAL, EVAL_EVERY
+        seeds, batch, n_eval, eval_every = SEEDS, BATCH, N_EVAL, EVAL_EVERY
         tasks = TASK_SETTINGS
-    steps, seeds = a.steps or steps, a.seeds or seeds
-    mixers = {k: v for k, v in MIXERS.items()
-              if not a.mixers or k in a.mixers.split(",")}
+    tasks = [(task, kw, a.steps or steps) for task, kw, steps in tasks]
+    seeds = a.seeds or seeds
+    unknown = [m for m in a.mixers.split(",") if a.mixers and m not in MIXERS]
+    if unknown:
+        raise SystemExit(f"--mixers: unknown {unknown}; choose from {list(MIXERS)}")
+    if not 1 <= a.workers <= len(os.sched_getaffinity(0)):
+        raise SystemExit(f"--workers must be between 1 and the {len(os.sched_getaffinity(0))} "
+                         f"usable cores, got {a.workers}")
+    mixers = {k: v for k, v in MIXERS.items() if not a.mixers or k in a.mixers.split(",")}
+    jobs = [(dict(base=base, task=task, kw=kw, name=name, mixer=mixer, window=WINDOW,
+                  steps=steps, batch=batch, n_eval=n_eval, lr=LR, seeds=seeds,
+                  eval_every=eval_every), steps * RELATIVE_COST.get(name, 1))
+            for task, kw, steps in tasks for name, mixer in mixers.items()]
     t0 = time.perf_counter()
-    results = [(task, kw, run_task(base, task, kw, mixers=mixers, window=WINDOW, steps=steps,
-                                   batch=batch, n_eval=n_eval, lr=LR, seeds=seeds,
-                                   eval_every=eval_every))
-               for task, kw in tasks]
+    out = iter(run_jobs(jobs, workers=a.workers, quick=exp.quick))
+    results = [(task, kw, steps, {name: next(out) for name in mixers})
+               for task, kw, steps in tasks]
     exp.text(f"Decoders of {base['num_layers']} layers, d_model {base['d_model']}, "
              f"{base['num_heads']} heads, SwiGLU FFN (d_ff {base['d_ff']} unless the mixer "
              f"sets it), RMSNorm, RoPE in the attention layers, vocabulary {base['vocab_size']}; "
              f"sliding window W={WINDOW}; AdamW lr {LR} (warmup 10 %, cosine to 10 %), batch "
-             f"{batch}, {steps} steps, {seeds} seed(s) (initialisation and training stream); "
-             f"loss on answer tokens only; held-out accuracy on {n_eval * batch} fixed "
-             f"sequences every {eval_every} steps. Total wall time "
+             f"{batch}, steps per task: " + ", ".join(f"{t} {s}" for t, _, s in tasks) +
+             f"; {seeds} seed(s) (initialisation and training stream); loss on answer tokens "
+             f"only; held-out accuracy on {n_eval * batch} fixed sequences every {eval_every} "
+             f"steps. {a.workers} worker process(es). Total wall time "
              f"{time.perf_counter() - t0:.0f} s.")
     exp.text("Mixers (`layer_pattern`, per-kind config): " + "; ".join(
         f"{k}: {v}" for k, v in mixers.items()))
-    report(exp, results, steps)
+    report(exp, results)
     return exp.finish()
 
 
