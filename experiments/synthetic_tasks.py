@@ -1,6 +1,7 @@
 """Which token mixers solve associative recall and induction heads? (issues 6.7, 25.5)
 
     python experiments/synthetic_tasks.py [--quick] [--steps N] [--seeds S] [--mixers a,b]
+    python experiments/synthetic_tasks.py --workers 2    # the results file's run
 
 Trains tiny decoders that differ only in their token mixer (dense causal
 attention, sliding-window attention, causal linear attention, Mamba, Mamba-2,
