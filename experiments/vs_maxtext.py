@@ -14,10 +14,16 @@ Llama-3.2-1B on v5p:2x2x1 at 8 x 2048 and 8 x 8192, Llama-3.1-8B on v5p:4x4x4 at
 (`compile_topology=v5p-8` / `v5p-128`, `remat_policy=full`), run with the Python of a
 venv that has MaxText (`--maxtext-python`, default /tmp/maxtext_venv/bin/python):
 
+    .venv/bin/python experiments/vs_maxtext.py --install-maxtext   # does the two steps:
     python3.12 -m venv /tmp/maxtext_venv
-    /tmp/maxtext_venv/bin/pip install "maxtext[tpu]==0.2.5"
+    /tmp/maxtext_venv/bin/pip install "maxtext[tpu]==0.2.2" jax==0.10.2 jaxlib==0.10.2 \
+        libtpu==0.0.42.1
 
-(plain `pip install maxtext` installs no dependencies at all). Where MaxText is
+(plain `pip install maxtext` installs no dependencies at all). MaxText 0.2.2 is the
+newest release that accepts the jax and libtpu tfjax compiles with (its `tpu` extra
+asks jax >= 0.9.2): both sides then run the same XLA:TPU and Mosaic, and MaxText's
+splash kernel compiles (0.2.5's jax 0.12 Mosaic bytecode does not parse in any
+libtpu tried: results/vs_maxtext.md). Where MaxText is
 missing or its compile fails, the report says why and shows the temporaries issue
 29 quotes for MaxText instead, marked as not remeasured (results/vs_maxtext.md says
 which jax / libtpu pairs were tried).
@@ -48,9 +54,12 @@ POINTS = {
     "1b_8k": ("1b", "v5p:2x2x1", 4, 8, 8192, "llama3.2-1b", "v5p-8"),
     "8b_2k": (None, "v5p:4x4x4", 64, 64, 2048, "llama3.1-8b", "v5p-128"),
 }
-# MaxText's per-chip temporaries as issue 29 quotes them (MaxText 0.2.5, full remat),
-# shown when MaxText cannot be compiled here: not remeasured.
+# MaxText's per-chip temporaries as issue 29 quotes them (MaxText 0.2.5 on its own jax
+# and libtpu, full remat), shown when MaxText cannot be compiled here: not remeasured.
 FROM_ISSUE_GIB = {"1b_2k": 3.31, "1b_8k": 11.15, "8b_2k": 3.21}
+# What --install-maxtext installs into the MaxText venv (see the module docstring).
+MAXTEXT_REQUIREMENTS = ("maxtext[tpu]==0.2.2", "jax==0.10.2", "jaxlib==0.10.2",
+                        "libtpu==0.0.42.1")
 QUICK_POINTS = {"tiny_256": ("tiny", "v5p:2x2x1", 4, 8, 256, None, None)}
 VARIANTS = ("0:full", "512:full", "512:attn", "512:qkv_attn", "512:dots_attn",
             "512:attn_offload")
@@ -89,7 +98,7 @@ base = os.path.join(os.path.dirname(maxtext.__file__), "configs", "base.yml")
 sys.argv = ["train_compile", base] + sys.argv[1:]
 app.run(train_compile.main)
 """
-# MaxText 0.2.5 has no Llama-3.2-1B preset: its llama3.1-8b with 1B's shape and tied
+# MaxText (0.2.2 and 0.2.5) has no Llama-3.2-1B preset: its llama3.1-8b with 1B's shape and tied
 # embeddings (logits through the embedding, unnormalised, as Llama's).
 _MAXTEXT_MODELS = {
     "llama3.1-8b": ["model_name=llama3.1-8b"],
@@ -120,9 +129,9 @@ def maxtext_row(point, python: str) -> dict | None:
         return None
     cmd = maxtext_command(point, python)
     start = time.time()
-    # maxtext[tpu] installs jax 0.12.0.1 with libtpu 0.0.52, which cannot parse a field
-    # of jax's Mosaic calls ("debug_locations"); keeping the locations in the kernel's
-    # bytecode leaves it out.
+    # For a venv with maxtext[tpu]'s own pins (jax 0.12.0.1, libtpu 0.0.52, which cannot
+    # parse a field of jax's Mosaic calls, "debug_locations"): keeping the locations in
+    # the kernel's bytecode leaves it out. Harmless with the install the docstring gives.
     env = dict(os.environ, JAX_MOSAIC_UNZIP_DEBUG_LOCATIONS="false")
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     text = out.stdout + out.stderr
@@ -137,6 +146,19 @@ def maxtext_row(point, python: str) -> dict | None:
                 + m.get("generated_code_size_in_bytes", 0),
                 optimal_seconds=float(opt.group(1)) if opt else 0.0,
                 compile_s=time.time() - start)
+
+
+def install_maxtext(python: str, base_python: str) -> None:
+    """Create the venv `python` belongs to (<venv>/bin/python) with `base_python` (3.12 or
+    newer: MaxText's floor) where it is missing, and pip-install MAXTEXT_REQUIREMENTS."""
+    import shutil
+    venv = os.path.dirname(os.path.dirname(os.path.abspath(python)))
+    if not os.path.isfile(python):
+        if not shutil.which(base_python):
+            raise SystemExit(f"--install-maxtext: no {base_python!r} on PATH; MaxText needs "
+                             f"Python >= 3.12: name one with --base-python")
+        subprocess.run([base_python, "-m", "venv", venv], check=True)
+    subprocess.run([python, "-m", "pip", "install", *MAXTEXT_REQUIREMENTS], check=True)
 
 
 def _cached(path, key, compute):
@@ -162,23 +184,22 @@ def _gib(x):
 
 DIFFERENCES = """Differences that remain between the two programs at each point:
 
-- Compilers: tfjax runs jax 0.10.2 with libtpu 0.0.42.1 (its `tpu` extra); MaxText
-  0.2.5's venv another jax and libtpu (`maxtext[tpu]`: jax 0.12.0.1, libtpu 0.0.52):
-  two XLA:TPU versions.
+- Compilers: tfjax runs jax 0.10.2 with libtpu 0.0.42.1 (its `tpu` extra); the
+  MaxText venv installed as the docstring says runs the same pair, so one XLA:TPU
+  and one Mosaic compile both (MaxText 0.2.2: 0.2.5 needs jax >= 0.11.1).
 - XLA's `optimal_seconds` prices a Mosaic kernel (a custom call without a cost
   estimate) at about nothing, so it cannot see the attention forward that the
   `attn*` policies spare the backward; it does price the host transfers of
   `*_offload`.
-- Attention: tfjax's own Pallas kernels (head dim 64 padded to 128 lanes, `[B, T, N,
-  H]` layout; the kernels are another item of issue 29); MaxText's splash attention
-  (`attention=autoselected`).
+- Attention: tfjax's own Pallas kernels (`[B, T, N, H]` layout, head dim 64 not
+  padded); MaxText's splash attention (`attention=autoselected`).
 - Loss: tfjax's chunked cross-entropy (`train.loss_chunk`: at most that many
   positions' float32 logits alive, recomputed in the backward; 0 = the whole
   `[B, T, V]` in float32); MaxText's cross-entropy with its own VJP over the whole
   `[B, T, V]` in bfloat16 (`num_vocab_tiling=1`).
 - Rematerialisation: tfjax's `model.remat` per scanned layer; MaxText's
   `remat_policy=full` per scanned layer (the MaxText rows are always `full`).
-- Model: MaxText 0.2.5 has no Llama-3.2-1B preset; its llama3.1-8b with 1B's shape
+- Model: MaxText 0.2.2 has no Llama-3.2-1B preset; its llama3.1-8b with 1B's shape
   (2048 wide, 16 layers, 8192 FFN, head dim 64) and the embedding as the output
   head (unnormalised logits). RoPE scaling differs (costs no memory).
 - Arguments: both count the train state (float32 parameters, AdamW's two float32
@@ -195,11 +216,18 @@ def main(argv=None):
     parser.add_argument("--variants", default="", help="LOSS_CHUNK:REMAT, comma-separated")
     parser.add_argument("--maxtext-python", default="/tmp/maxtext_venv/bin/python",
                         help="a Python with MaxText ('' = tfjax's side only)")
+    parser.add_argument("--install-maxtext", action="store_true",
+                        help="first create --maxtext-python's venv (where missing) and "
+                             "install MAXTEXT_REQUIREMENTS into it")
+    parser.add_argument("--base-python", default="python3.12",
+                        help="the Python (>= 3.12) that creates the MaxText venv")
     parser.add_argument("--sides", default="tfjax,maxtext", help="which to compile")
     parser.add_argument("--rows", default="/tmp/vs_maxtext_rows.jsonl",
                         help="JSON lines of compiled rows, reused ('' = none)")
     exp = Experiment("vs_maxtext", __doc__, parser=parser, argv=argv)
     a = exp.args
+    if a.install_maxtext:
+        install_maxtext(a.maxtext_python, a.base_python)
     points = QUICK_POINTS if exp.quick else POINTS
     names = a.points.split(",") if a.points else list(points)
     variants = a.variants.split(",") if a.variants else (QUICK_VARIANTS if exp.quick
@@ -208,7 +236,7 @@ def main(argv=None):
     for name in names:
         point, mt = points[name], None
         if "maxtext" in a.sides and point[5] is not None:
-            why = f"no MaxText in {a.maxtext_python!r}"
+            why = f"no MaxText in {a.maxtext_python!r} (--install-maxtext installs it)"
             try:
                 mt = _cached(a.rows, f"maxtext/{name}",
                              lambda: maxtext_row(point, a.maxtext_python))
