@@ -228,6 +228,39 @@ def test_explicit_pallas_compiled_for_a_tpu_runs_mosaic_whatever_the_host():
     assert "tpu_custom_call" not in plain.lower(lowering_platforms=("cpu",)).as_text()
 
 
+def test_auto_in_a_plain_jit_decides_by_the_inputs_tpu_mesh(monkeypatch):
+    """`implementation="auto"` in a plain jit (no use_rules, no shard_map) whose inputs
+    carry a TPU topology's shardings targets the TPU, not this CPU host: the request
+    names "tpu", and since nothing runs the Pallas kernels per device there, auto
+    takes TPU's next partitionable choice (xla), which XLA splits over the chips."""
+    from tfjax.ops import attention as attention_lib
+    from tfjax.ops import dot_product_attention
+
+    mesh = _mesh("v5e:2x2")
+    D = mesh.devices.size
+    sh = NamedSharding(mesh, P("data"))
+    shapes = [(D, 256, 4, 64), (D, 256, 2, 64), (D, 256, 2, 64)]
+    chosen = []
+    select = attention_lib.select_implementation
+
+    def spy(request, implementation="auto"):
+        chosen.append((request.backend, request.sharded_without_runner,
+                       select(request, implementation)))
+        return chosen[-1][-1]
+
+    monkeypatch.setattr(attention_lib, "select_implementation", spy)
+
+    def loss(q, k, v):
+        return dot_product_attention(q, k, v, M.causal()).astype(jnp.float32).sum()
+
+    sharded = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=sh) for s in shapes]
+    compiled = jax.jit(jax.grad(loss, (0, 1, 2))).lower(*sharded).compile()
+    assert chosen == [("tpu", True, "xla")]
+    assert "tpu_custom_call" not in compiled.as_text()
+    per_chip = 256 * (4 + 2 * 2) * 64 * 2  # one example of q, k, v a chip, bf16
+    assert compiled.memory_analysis().argument_size_in_bytes == per_chip
+
+
 def test_no_lane_padded_statistics_or_segment_ids():
     """The logsumexp, delta and segment ids travel lane-major (`[.., 1, T]`): the
     compiled fwd+bwd holds no f32 / s32 `[.., T, 1]` array, which the TPU would pad to

@@ -29,7 +29,8 @@ The whole decision is the first screen of this module:
   (`tfjax.ops.target.target_platform`).
 - `select_implementation`: an explicit `implementation=` that cannot serve the
   request raises (naming the reason); "auto" takes the first in `AUTO_ORDER` that
-  can, except that one whose `defer` gives a reason (a known cost for this
+  can (an unpartitionable one only where a shard_map or a per-device runner covers
+  sharded inputs: `AttentionRequest.sharded_without_runner`), except that one whose `defer` gives a reason (a known cost for this
   request, e.g. the Pallas TPU kernels on a decode step) yields to a later one
   that can. No implementation silently changes semantics. A kernel family's own
   sub-choices (Mosaic TPU / Triton / Mosaic GPU, decode packing and splitting) are
@@ -93,6 +94,9 @@ def select_implementation(request: AttentionRequest, implementation: str = "auto
     for name in AUTO_ORDER.get(request.backend, AUTO_ORDER["cpu"]):
         impl = IMPLEMENTATIONS.get(name)
         reason = impl.supports(request)
+        if reason is None and request.sharded_without_runner and not impl.partitionable:
+            reason = ("not partitionable, and q is sharded outside a shard_map or "
+                      "per-device runner (tfjax.parallel.sharding.use_rules provides one)")
         if reason is None and impl.defer is not None and impl.defer(request):
             deferred = deferred or name  # the first that can, if no later one can
             continue
@@ -257,9 +261,14 @@ def dot_product_attention(q, k, v, mask: masks_lib.Mask | None = None, *, bias=N
                          f"from q's ({q.shape[0]})")
     masks_lib.check_lengths(mask, T, k.shape[1], "dot_product_attention")
     softcap = float(softcap) if softcap else None
+    # The target: a `targeting` (use_rules), the mesh being traced under, else the mesh
+    # of q's / k's / v's sharding (a plain jit lowered for a TPU slice), else the host's.
+    sharded_without_runner = (target.per_device() is None and target.traced_platform() is None
+                              and target.traced_platform(q) is not None)
     request = AttentionRequest(
         q_shape=tuple(q.shape), k_shape=tuple(k.shape), dtype=str(q.dtype),
-        backend=target.target_platform(), mask=mask,
+        backend=target.target_platform(q, k, v), mask=mask,
+        sharded_without_runner=sharded_without_runner,
         has_bias=bias is not None or relative is not None, softcap=softcap,
         offsets=not (isinstance(q_offset, int) and isinstance(kv_offset, int)
                      and q_offset == 0 and kv_offset == 0),

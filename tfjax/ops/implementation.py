@@ -45,6 +45,10 @@ class AttentionRequest:
     has_relative_bias: bool = False  # a T5 RelativeBias (has_bias too: see below)
     v_head_dim: int | None = None  # v's head dim; None: q/k's (q_shape[-1])
     has_sinks: bool = False  # learned sinks (`tfjax.ops.sinks`; see `Implementation.sinks`)
+    # q's sharding names a mesh that nothing else in the trace covers (no shard_map, no
+    # per-device runner: a plain jit of sharded inputs), so XLA's SPMD partitioner
+    # must split the call: "auto" then skips unpartitionable implementations
+    sharded_without_runner: bool = False
 
     @property
     def value_head_dim(self) -> int:
