@@ -38,6 +38,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -98,8 +99,8 @@ base = os.path.join(os.path.dirname(maxtext.__file__), "configs", "base.yml")
 sys.argv = ["train_compile", base] + sys.argv[1:]
 app.run(train_compile.main)
 """
-# MaxText (0.2.2 and 0.2.5) has no Llama-3.2-1B preset: its llama3.1-8b with 1B's shape and tied
-# embeddings (logits through the embedding, unnormalised, as Llama's).
+# MaxText (0.2.2 and 0.2.5) has no Llama-3.2-1B preset: its llama3.1-8b with 1B's shape
+# and tied embeddings (logits through the embedding, unnormalised, as Llama's).
 _MAXTEXT_MODELS = {
     "llama3.1-8b": ["model_name=llama3.1-8b"],
     "llama3.2-1b": ["model_name=llama3.1-8b", "override_model_config=true",
@@ -151,7 +152,6 @@ def maxtext_row(point, python: str) -> dict | None:
 def install_maxtext(python: str, base_python: str) -> None:
     """Create the venv `python` belongs to (<venv>/bin/python) with `base_python` (3.12 or
     newer: MaxText's floor) where it is missing, and pip-install MAXTEXT_REQUIREMENTS."""
-    import shutil
     venv = os.path.dirname(os.path.dirname(os.path.abspath(python)))
     if not os.path.isfile(python):
         if not shutil.which(base_python):

@@ -30,11 +30,12 @@ The whole decision is the first screen of this module:
 - `select_implementation`: an explicit `implementation=` that cannot serve the
   request raises (naming the reason); "auto" takes the first in `AUTO_ORDER` that
   can (an unpartitionable one only where a shard_map or a per-device runner covers
-  sharded inputs: `AttentionRequest.sharded_without_runner`), except that one whose `defer` gives a reason (a known cost for this
-  request, e.g. the Pallas TPU kernels on a decode step) yields to a later one
-  that can. No implementation silently changes semantics. A kernel family's own
-  sub-choices (Mosaic TPU / Triton / Mosaic GPU, decode packing and splitting) are
-  its plan, `tfjax.ops.pallas.plan`, made when it runs.
+  sharded inputs: `AttentionRequest.sharded_without_runner`), except that one
+  whose `defer` gives a reason (a known cost for this request, e.g. the Pallas TPU
+  kernels on a decode step) yields to a later one that can. No implementation
+  silently changes semantics. A kernel family's own sub-choices (Mosaic TPU /
+  Triton / Mosaic GPU, decode packing and splitting) are its plan,
+  `tfjax.ops.pallas.plan`, made when it runs.
 - `select_ring_block`: what ring attention runs per (q block, kv block) pair, with
   its own order (`RING_AUTO_ORDER`); an implementation the ring cannot run raises.
 
@@ -261,14 +262,13 @@ def dot_product_attention(q, k, v, mask: masks_lib.Mask | None = None, *, bias=N
                          f"from q's ({q.shape[0]})")
     masks_lib.check_lengths(mask, T, k.shape[1], "dot_product_attention")
     softcap = float(softcap) if softcap else None
-    # The target: a `targeting` (use_rules), the mesh being traced under, else the mesh
-    # of q's / k's / v's sharding (a plain jit lowered for a TPU slice), else the host's.
-    sharded_without_runner = (target.per_device() is None and target.traced_platform() is None
-                              and target.traced_platform(q) is not None)
     request = AttentionRequest(
         q_shape=tuple(q.shape), k_shape=tuple(k.shape), dtype=str(q.dtype),
+        # a `targeting` (use_rules), the mesh traced under, else q's / k's / v's
+        # sharding's (a plain jit lowered for a TPU slice), else the host's
         backend=target.target_platform(q, k, v), mask=mask,
-        sharded_without_runner=sharded_without_runner,
+        sharded_without_runner=(target.per_device() is None
+                                and target.sharded_outside_a_mesh(q)),
         has_bias=bias is not None or relative is not None, softcap=softcap,
         offsets=not (isinstance(q_offset, int) and isinstance(kv_offset, int)
                      and q_offset == 0 and kv_offset == 0),

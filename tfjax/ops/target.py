@@ -11,6 +11,9 @@ tracing: an AOT compile for a TPU slice or a GPU runs on a CPU host.
   topology's devices, or `jax.set_mesh`), else that of the first of `arrays`
   whose sharding has a mesh with devices (a `jit` lowered with a TPU topology's
   shardings). Abstract meshes carry their devices' platform in jax >= 0.6.
+- `sharded_outside_a_mesh(*arrays)`: only the arrays' shardings name the target
+  (a plain jit of sharded inputs: no `targeting`, no mesh traced under), so XLA's
+  SPMD partitioner, not a shard_map, must split what is computed from them.
 - `targeting(platform, per_device=...)`: the context that sets it. The sharding
   context of the layer above, `use_rules(mesh, rules)`, enters it with the mesh's
   platform and a `per_device` runner it builds: the runner is handed down, so
@@ -44,8 +47,8 @@ from typing import Callable, Iterator
 import jax
 
 __all__ = ["GPU_COMPUTE_CAPABILITY", "GPU_SMS", "device_platform", "gpu_lowering_target",
-           "is_hopper", "per_device", "sm_count", "target_platform", "targeting",
-           "traced_platform"]
+           "is_hopper", "per_device", "sharded_outside_a_mesh", "sm_count", "target_platform",
+           "targeting", "traced_platform"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +106,12 @@ def traced_platform(*arrays) -> str | None:
             continue
         platform = _mesh_platform(getattr(sharding, "mesh", None))
     return platform
+
+
+def sharded_outside_a_mesh(*arrays) -> bool:
+    """True when one of `arrays`' shardings names a mesh and nothing else in the trace
+    does (no active `targeting`, no mesh traced under): see the module."""
+    return traced_platform() is None and traced_platform(*arrays) is not None
 
 
 def _mesh_platform(mesh) -> str | None:

@@ -73,7 +73,7 @@ from tfjax.ops.reference import (Alibi, RelativeBias, check_relative_bias, const
                                   make_alibi, relative_position_bucket, relative_tile_ranges)
 from tfjax.ops.pallas.common import (BlockSizes, Dims, KernelConfig, MaskOperands, call_tables,
                                      dot, dot_nt, offsets, reduce_dbias)
-from tfjax.ops.target import traced_platform
+from tfjax.ops.target import sharded_outside_a_mesh, traced_platform
 from tfjax.ops.tiles import logit_scaling, logits, pad_axis, round_up
 from tfjax.ops.vjp import attention_vjp, backward_rows
 
@@ -126,7 +126,7 @@ def _config(q, scale, softcap, q_offset, kv_offset, block_sizes, interpret, grad
     on a CPU host, decided when lowering (`AT_LOWERING`), never by the host alone."""
     if interpret is None:
         platform, host = traced_platform(q), jax.default_backend()
-        if platform == "tpu" and host != "tpu" and traced_platform() is None:
+        if platform == "tpu" and host != "tpu" and sharded_outside_a_mesh(q):
             raise ValueError(
                 "flash_attention_tpu: q's sharding names a TPU mesh but the call is not inside "
                 "a shard_map over it (Mosaic kernels are not partitioned automatically); call "
