@@ -9,6 +9,7 @@
     .venv/bin/python experiments/bench_attention.py t5             # ~5 min on 2 cores
     .venv/bin/python experiments/bench_attention.py t5-tpu-aot --sizes 2048,8192  # libtpu
     .venv/bin/python experiments/bench_attention.py cache-tpu-aot --sizes 32768  # libtpu
+    .venv/bin/python experiments/bench_attention.py layer-tpu-aot --sizes 4096,8192,16384
     .venv/bin/python experiments/bench_attention.py decode --budget-s 60   # a GPU
 
 cpu: compiled temporary memory (`memory_analysis().temp_size_in_bytes`) and wall
@@ -46,6 +47,21 @@ v5e:2x2 (real XLA:TPU / Mosaic compilation, libtpu; GQA 32/8, H=128, bf16, the
 cache's `masks.positions` from traced positions): a decode step (T=1) and
 chunked prefill (T=512, 2048) over S slots (the last of --sizes), "xla" vs
 "pallas".
+
+layer-tpu-aot: a whole attention layer (q/k/v projections, RoPE, attention, output
+projection; fwd+bwd, causal, GQA 32/8, H = 128 and 64, D = N*H, bf16, one example
+per chip) compiled for a v5e:2x2 (libtpu): the layer as built (`implementation=
+"pallas"`) and the same layer around splash attention (its native `[B,N,T,H]`,
+transposed in the program), per chip temporaries and the activation-sized
+relayouts (`copy` / `transpose` of at least T*K*H elements) left in the compiled
+program. The kernels read `[B,N,T,H]`; inside a program XLA makes the projections
+and RoPE write that layout and the gradients read it, which the op benchmarks
+above (q/k/v as row-major program arguments) cannot show. Then the decode programs
+(`generate`'s prefill + loop, `stream`'s per-step jit) of 2 layers of Llama-3.1-8B
+(H = 128) and Llama-3.2-1B (H = 64) over a 32k-slot cache, layers scanned and
+unrolled, xla vs pallas: temporaries and cache-sized relayouts (in the program and
+in one decode step).
+Writes attention_layer_tpu_aot_<date>.md.
 
 decode: a decode step's attention over a half-filled KV cache on a GPU (T=1,
 GQA 32/8, H=128, bf16, B x S in 1 x 8k, 1 x 32k, 8 x 32k, 32 x 8k): "pallas"
@@ -94,6 +110,7 @@ import dataclasses
 import datetime
 import itertools
 import os
+import re
 import sys
 import time
 
@@ -107,6 +124,7 @@ from tfjax.ops import RelativeBias, dot_product_attention
 from tfjax.ops import masks as M
 
 GIB = 1024 ** 3
+MOSAIC_CALL = 'custom_call_target="tpu_custom_call"'  # a Mosaic kernel in compiled HLO text
 
 
 def _aot(f, q, k, v, args) -> str:
@@ -671,6 +689,202 @@ def _vs_splash_tpu_aot(args, mesh, N=32, K=8):
     return out
 
 
+def relayouts(hlo_text: str, min_elements: int, length: int, params=()) -> list[str]:
+    """The `copy` / `transpose` instructions of a compiled HLO text (fusion bodies
+    included) whose result holds at least `min_elements` and has an axis of `length`,
+    other than arrays shaped as one of `params` (weights and their gradients, whose
+    layout changes are weight-sized): the activation- or cache-sized relayouts."""
+    import numpy as np
+    skip = {tuple(p.shape) for p in params}
+    found = []
+    for m in re.finditer(r"= \w+\[([\d,]*)\]\{[^}]*\} (copy|transpose)\(", hlo_text):
+        dims = [int(d) for d in m.group(1).split(",") if d]
+        if length in dims and np.prod(dims) >= min_elements and tuple(dims) not in skip:
+            found.append(m.group(0))
+    return found
+
+
+def last_loop_body(hlo_text: str) -> str:
+    """The HLO text of every computation reachable from the body of the entry
+    computation's last `while` (a decode loop, which runs after its prefill)."""
+    comps, name = {}, None
+    for line in hlo_text.splitlines():
+        if line and not line.startswith(" ") and line.rstrip().endswith("{"):
+            name = "ENTRY" if line.startswith("ENTRY") else line.split()[0].lstrip("%")
+            comps[name] = []
+        elif name is not None and line.startswith("  "):
+            comps[name].append(line)
+    bodies = [m.group(1) for line in comps.get("ENTRY", [])
+              for m in [re.search(r" while\(.*body=%?([\w.\-]+)", line)] if m]
+    seen, todo = set(), bodies[-1:]
+    while todo:
+        c = todo.pop()
+        if c in seen or c not in comps:
+            continue
+        seen.add(c)
+        for line in comps[c]:
+            for m in re.finditer(r"(?:calls|body|condition|to_apply|branch_computations)="
+                                 r"\{?([%\w.\-, ]+)\}?", line):
+                todo += [n.strip().lstrip("%") for n in m.group(1).split(",")]
+    return "\n".join(line for c in seen for line in comps[c])
+
+
+def bench_layer_tpu_aot(args, topology="v5e:2x2", N=32, K=8):
+    """A whole attention layer on TPU (see the module): ours and splash in the same
+    layer, then the decode programs over a KV cache."""
+    import numpy as np
+    from jax.experimental import topologies
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from tfjax.nn.attention import MultiHeadAttention
+    from tfjax.nn.positions import RotaryEmbedding
+
+    topo = topologies.get_topology_desc(platform="tpu", topology_name=topology)
+    mesh = Mesh(np.array(topo.devices).reshape(-1), ("data",))
+    chips = mesh.devices.size
+    out = [f"# An attention layer on TPU, compiled per chip ({topology}, one example per chip, "
+           f"GQA {N}/{K}, bf16, RoPE, causal, fwd+bwd of projections + attention + output "
+           f"projection; jax {jax.__version__}, "
+           f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC)", "",
+           "Relayouts: `copy` / `transpose` instructions of at least T*K*H elements with a "
+           "T axis, not shaped as a weight, anywhere in the compiled program (`relayouts`).",
+           "",
+           "| H | D | T | attention | temp MiB | relayouts | Mosaic calls | temp vs splash |",
+           "|---|---|---|---|---|---|---|---|"]
+    print("\n".join(out), flush=True)
+    heads_major = lambda x: x.transpose(0, 2, 1, 3)  # [B,T,N,H] <-> [B,N,T,H]
+    for H, T in itertools.product((128, 64), (int(s) for s in args.sizes.split(","))):
+        D = N * H
+        layer = MultiHeadAttention(D, N, num_kv_heads=K, head_dim=H, rope=RotaryEmbedding(H),
+                                   implementation="pallas", dtype=jnp.bfloat16,
+                                   param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+        graphdef, params = nnx.split(layer)
+        splash = jax.vmap(sk.make_splash_mha(
+            sm.MultiHeadMask([sm.CausalMask((T, T))] * N), head_shards=1, q_seq_shards=1,
+            block_sizes=sk.BlockSizes(*(512,) * 8)))
+        ours_temp = None
+        for name in ("tfjax pallas", "splash"):
+            def local(params, x, name=name):
+                def loss(params, x):
+                    m = nnx.merge(graphdef, params)
+                    if name == "splash":  # the same layer around splash on [B,N,T,H]
+                        q, k, v = m.project(x)
+                        o = heads_major(splash(heads_major(q) * m.scale, heads_major(k),
+                                               heads_major(v)))
+                        y = m.o(o)
+                    else:
+                        y = m(x, mask=M.causal())
+                    return jnp.square(y.astype(jnp.float32)).sum()
+                return jax.grad(loss, (0, 1))(params, x)
+
+            rep = NamedSharding(mesh, P())
+            a = (jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=rep),
+                              params),
+                 jax.ShapeDtypeStruct((chips, T, D), jnp.bfloat16,
+                                      sharding=NamedSharding(mesh, P("data"))))
+            f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")),
+                                      out_specs=(P(), P("data")), check_vma=False))
+            try:
+                c = f.lower(*a).compile()
+                text, temp = c.as_text(), c.memory_analysis().temp_size_in_bytes
+                ratio = f"{ours_temp / temp:.2f}x" if name == "splash" and ours_temp else ""
+                ours_temp = temp if name != "splash" else None
+                row = (f"| {H} | {D} | {T} | {name} | {temp / 2**20:,.1f} | "
+                       f"{len(relayouts(text, T * K * H, T, jax.tree.leaves(params)))} | "
+                       f"{text.count(MOSAIC_CALL)} | {ratio} |")
+            except Exception as e:  # noqa: BLE001 - a row says why it failed
+                ours_temp = None
+                row = _failed(f" {H} | {D} | {T} | {name}", e, 100)
+            out.append(row)
+            print(row, flush=True)
+    out += _decode_programs_tpu_aot(args)
+    _write_results(out, "attention_layer_tpu_aot")
+
+
+def _decode_programs_tpu_aot(args, topology="v5e:2x2", S=32768, T=512):
+    """The decode programs' rows (see the module)."""
+    import importlib.util
+
+    import numpy as np
+    from jax.experimental import topologies
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from tfjax.config import DEFAULT_RULES, MESH_AXES, run_config
+    from tfjax.models import build
+    from tfjax.parallel.rules import logical_rules
+    from tfjax.parallel.sharding import use_rules
+
+    generate = importlib.import_module("tfjax.inference.generate")
+    spec = importlib.util.spec_from_file_location(
+        "preset_llama", os.path.join(os.path.dirname(__file__), "..", "configs", "llama.py"))
+    preset = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(preset)
+    topo = topologies.get_topology_desc(platform="tpu", topology_name=topology)
+    devices = np.array(topo.devices).reshape(-1, *(1,) * (len(MESH_AXES) - 1))
+    mesh = Mesh(devices, MESH_AXES)
+    chips = devices.size
+    out = ["", f"## Decoding over a KV cache (2 layers of Llama-3.1-8B's shape, H = 128, and of "
+           f"Llama-3.2-1B's, H = 64; bf16, {S:,} slots, one example per chip, a {T}-token "
+           "prompt)", "",
+           "`generate`: the prefill and the decode loop, one program; `stream`: one decode "
+           "step per call (the cache a donated argument). Layers scanned (`model.scan_layers`, "
+           "the presets' default) or unrolled. Relayouts: cache-sized (S*K*H elements with "
+           "an S axis), in the whole program and in one decode step (`stream`: the program; "
+           "`generate`: its decode loop's body, `last_loop_body`).", "",
+           "| H | program | layers | attention | temp MiB | relayouts | relayouts a step | "
+           "Mosaic calls |", "|---|---|---|---|---|---|---|---|"]
+    print("\n".join(out), flush=True)
+    settings = dict(temperature=jnp.float32(0), top_k=jnp.int32(0), top_p=jnp.float32(1))
+    rows = lambda a: NamedSharding(mesh, P("data") if a.ndim and a.shape[0] == chips else
+                                   P(None, "data") if a.ndim > 1 and a.shape[1] == chips else P())
+    for variant, program, scanned, impl in itertools.product(
+            (None, "1b"), ("generate", "stream"), (True, False), ("xla", "pallas")):
+        layers = "scanned" if scanned else "unrolled"
+        cfg = preset.get_config(variant)
+        cfg.model.update(dict(dtype="bfloat16", num_layers=2, attention_impl=impl,
+                              scan_layers=scanned))
+        mcfg = run_config(cfg).model
+        model = nnx.eval_shape(lambda: build(mcfg, rngs=nnx.Rngs(0)))
+        graphdef, state = nnx.split(model)
+        state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                            sharding=NamedSharding(mesh, P())),
+                             state)
+        per_chip = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt,
+                                                          sharding=NamedSharding(mesh, P("data")))
+        try:
+            with use_rules(mesh, logical_rules(DEFAULT_RULES)):
+                start, step, run, _ = generate._programs(graphdef, mesh)
+                if program == "generate":
+                    lowered = run.lower(state, per_chip((chips, T), jnp.int32),
+                                        per_chip((chips,), jnp.int32), jax.random.key(0),
+                                        settings, jnp.int32(-1), jnp.int32(0), cache_len=S,
+                                        n=S - T, decoder_start_id=0, prefill_chunk=0)
+                else:
+                    cache = jax.eval_shape(lambda: model.init_cache(chips, S))
+                    cache = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                                        sharding=rows(a)), cache)
+                    lowered = step.lower(state, cache, per_chip((chips,), jnp.int32),
+                                         jax.random.key(0), jnp.int32(1), settings)
+            c = lowered.compile()
+            text = c.as_text()
+            step_text = last_loop_body(text) if program == "generate" else text
+            K, H = mcfg.num_kv_heads, mcfg.d_model // mcfg.num_heads
+            row = (f"| {H} | {program} | {layers} | {impl} | "
+                   f"{c.memory_analysis().temp_size_in_bytes / 2**20:,.1f} | "
+                   f"{len(relayouts(text, S * K * H, S))} | "
+                   f"{len(relayouts(step_text, S * K * H, S))} | "
+                   f"{text.count(MOSAIC_CALL)} |")
+        except Exception as e:  # noqa: BLE001 - a row says why it failed
+            row = _failed(f" {variant or '8b'} | {program} | {layers} | {impl}", e, 100)
+        out.append(row)
+        print(row, flush=True)
+    return out
+
+
 def _cache_positions(B, S, filled):
     """A KV cache's positions `[B, S]`: slot = position for the first `filled`
     slots, -1 (empty) after."""
@@ -795,8 +1009,8 @@ def bench_cache_tpu_aot(args, topology="v5e:2x2", N=32, K=8, H=128):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("part", choices=["cpu", "alibi", "t5", "t5-tpu-aot", "cache-tpu-aot", "gpu",
-                                    "decode", "tune"])
+    p.add_argument("part", choices=["cpu", "alibi", "t5", "t5-tpu-aot", "cache-tpu-aot",
+                                    "layer-tpu-aot", "gpu", "decode", "tune"])
     p.add_argument("--sizes", default="1024,4096,16384")
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--max-run-gib", type=float, default=3.0)
@@ -813,6 +1027,8 @@ def main():
         bench_t5_tpu_aot(args)
     elif args.part == "cache-tpu-aot":
         bench_cache_tpu_aot(args)
+    elif args.part == "layer-tpu-aot":
+        bench_layer_tpu_aot(args)
     else:
         bench = {"gpu": bench_gpu, "decode": bench_decode, "tune": bench_tune}[args.part]
         if args.aot:

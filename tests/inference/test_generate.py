@@ -178,9 +178,9 @@ def test_window_cache_is_bounded():
     for max_len in (16, 4096):
         cache = jax.eval_shape(lambda n=max_len: model.init_cache(2, n))
         (local, glob), = [cache.layers["cycles"]]
-        assert local["attn"].k.shape == (1, 2, W + 1, 2, cfg.head_size)  # [cycles, B, W+1, K, H]
-        assert glob["attn"].k.shape == (1, 2, max_len, 2, cfg.head_size)
-        assert cache.layers["blocks"][0]["attn"].k.shape == (2, W + 1, 2, cfg.head_size)
+        assert local["attn"].k.shape == (1, 2, 2, W + 1, cfg.head_size)  # [cycles, B, K, W+1, H]
+        assert glob["attn"].k.shape == (1, 2, 2, max_len, cfg.head_size)
+        assert cache.layers["blocks"][0]["attn"].k.shape == (2, 2, W + 1, cfg.head_size)
     # cache_bytes counts what init_cache allocates
     real = jax.eval_shape(lambda: model.init_cache(2, 100))
     n = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(real)

@@ -221,12 +221,12 @@ def test_shared_block_uses_keep_their_own_kv_cache(built):
     cache = jax.eval_shape(lambda: model.init_cache(2, 100))
     plain, hybrid = cache.layers["cycles"]
     assert set(plain) == {"attn"} and set(hybrid) == {"attn", "shared"}
-    assert hybrid["shared"].k.shape == (2, 2, 100, cfg.kv_heads, cfg.head_size)  # [cycles, ...]
+    assert hybrid["shared"].k.shape == (2, 2, cfg.kv_heads, 100, cfg.head_size)  # [cycles, ...]
     assert kv_cache.logical_axes(cache).layers["cycles"][1]["shared"].k == (
-        "layers", "batch", None, "kv_heads", "head_dim")
+        "layers", "batch", "kv_heads", None, "head_dim")
     # after a prefill the two uses hold different keys
     x = prompts()
     _, filled = nnx.jit(lambda m, t: m.step(t, m.init_cache(2, 16)))(model, x)
-    k = np.asarray(filled.layers["cycles"][1]["shared"].k)  # [2 uses, B, S, K, H]
-    assert np.abs(k[:, :, :6]).max() > 0 and not k[:, :, 6:].any()  # 6 positions written
-    assert not np.allclose(k[0, :, :6], k[1, :, :6])  # each use its own keys
+    k = np.asarray(filled.layers["cycles"][1]["shared"].k)  # [2 uses, B, K, S, H]
+    assert np.abs(k[:, :, :, :6]).max() > 0 and not k[:, :, :, 6:].any()  # 6 positions written
+    assert not np.allclose(k[0, :, :, :6], k[1, :, :, :6])  # each use its own keys

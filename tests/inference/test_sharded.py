@@ -35,6 +35,6 @@ def test_sharded_generation_equals_one_device():
         _, cache = _programs(graphdef, mesh)[0](st, prompt, lens, key, settings,
                                                 cache_len=cache_len, decoder_start_id=0)
     np.testing.assert_array_equal(got, want)
-    k = cache.layers["cycles"][0]["attn"].k  # [cycles, B, S, K, H]
+    k = cache.layers["cycles"][0]["attn"].k  # [cycles, B, K, S, H]
     spec = tuple(k.sharding.spec) + (None,) * (k.ndim - len(k.sharding.spec))
-    assert "data" in np.atleast_1d(spec[1]).tolist() and spec[3] == "tensor", spec
+    assert "data" in np.atleast_1d(spec[1]).tolist() and spec[2] == "tensor", spec

@@ -96,8 +96,8 @@ def test_one_registration_reaches_every_reader(fake):
     cache = jax.eval_shape(lambda: model.init_cache(2, 16))
     state = cache.layers["cycles"][1]["attn"]
     assert isinstance(state, KVCache) and state.window == WINDOW
-    assert state.k.shape == (1, 2, WINDOW + 1, 2, cfg.head_size)  # [cycles, B, slots, K, H]
-    assert cache.layers["cycles"][0]["attn"].k.shape[2] == 16  # global: every position
+    assert state.k.shape == (1, 2, 2, WINDOW + 1, cfg.head_size)  # [cycles, B, K, slots, H]
+    assert cache.layers["cycles"][0]["attn"].k.shape[3] == 16  # global: every position
     step_masks, _ = attention_inputs.cache_masks(
         cfg, None, jnp.zeros((2, 1), jnp.int32), lambda size: jnp.zeros((2, size), jnp.int32), 16)
     assert step_masks["fake"].window == WINDOW and step_masks["global"].window == 0
@@ -155,7 +155,7 @@ def test_the_attention_kinds_of_2024_26_models():
     dep = _dependence(model, tokens, 7)  # chunk [6, 9): positions 6, 7 only
     assert not dep[:6].any() and dep[6:].all()
     cache = jax.eval_shape(lambda: model.init_cache(2, 40))
-    assert cache.layers["cycles"][0]["attn"].k.shape == (1, 2, C, 2, cfg.head_size)
+    assert cache.layers["cycles"][0]["attn"].k.shape == (1, 2, 2, C, cfg.head_size)
     q, kv = jnp.array([[7]]), jnp.array([[6, 7, 5]])  # a 3-slot ring buffer after 8 tokens
     m = attention_inputs.cache_masks(cfg, None, q, lambda size: kv, 40)[0]["chunked"]
     np.testing.assert_array_equal(m.dense(1, 3)[0, 0], [True, True, False])

@@ -271,3 +271,55 @@ def test_no_lane_padded_statistics_or_segment_ids():
                              block_sizes=BlockSizes(*(512,) * 6)).as_text()
     column = re.compile(rf"(f32|s32)\[[0-9,]*{T},1\]")
     assert "tpu_custom_call" in text and not column.search(text), column.findall(text)
+
+
+def _relayouts(text: str, min_elements: int, length: int) -> list[str]:
+    """experiments/bench_attention.py's `relayouts`, the count its layer table reports."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "experiments",
+                        "bench_attention.py")
+    spec = importlib.util.spec_from_file_location("experiments_bench_attention", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.relayouts(text, min_elements, length)
+
+
+def test_an_attention_layer_feeds_the_kernels_without_relayout_copies():
+    """The kernels read `[B, N, T, H]`; a layer produces `[B, T, N, H]`. In a compiled
+    layer (projections, RoPE, the Mosaic kernels, output projection; fwd+bwd) XLA's
+    layout assignment makes the producers write heads-major and the gradients' consumers
+    read it (the transposes become bitcasts), so no q/k/v/dO-sized copy or transpose
+    remains around the calls. (The per-call relayout of the op benchmarks, whose q/k/v
+    are the program's row-major arguments, does not occur inside a model: that case is
+    the check's positive control.)"""
+    from flax import nnx
+
+    from tfjax.nn.attention import MultiHeadAttention
+    from tfjax.nn.positions import RotaryEmbedding
+
+    mesh = _mesh("v5e:2x2")
+    T, D, N, K, H = 1024, 256, 4, 2, 128
+    layer = MultiHeadAttention(D, N, num_kv_heads=K, head_dim=H, rope=RotaryEmbedding(H),
+                               implementation="pallas", dtype=jnp.bfloat16,
+                               param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(layer)
+
+    def local(params, x):
+        def loss(params, x):
+            y = nnx.merge(graphdef, params)(x, mask=M.causal())
+            return jnp.square(y.astype(jnp.float32)).sum()  # the forward's output is used
+        return jax.grad(loss, (0, 1))(params, x)
+
+    replicated = NamedSharding(mesh, P())
+    params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated),
+                          params)
+    x = jax.ShapeDtypeStruct((mesh.devices.size, T, D), jnp.bfloat16,
+                             sharding=NamedSharding(mesh, P("data")))
+    step = jax.jit(_shard_map(local, mesh, (P(), P("data")), (P(), P("data"))))
+    text = step.lower(params, x).compile().as_text()
+    assert text.count("tpu_custom_call") >= 3  # fwd, dq, dk/dv
+    assert not _relayouts(text, T * K * H, T), _relayouts(text, T * K * H, T)
+    bare = compile_attention("v5e:2x2", T=T, S=T, N=N, K=K, H=H, dtype=jnp.bfloat16,
+                             mask_name="causal").as_text()
+    assert len(_relayouts(bare, T * K * H, T)) >= 3  # q, k, v in (and dq, dk, dv out)

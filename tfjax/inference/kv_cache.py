@@ -6,7 +6,8 @@ layer, O(t^2) per sequence; with one, a step projects only the new token and
 attends over the stored keys and values, O(t) (Pope et al. 2022, "Efficiently
 Scaling Transformer Inference"). Design:
 
-- **Only the K kv heads are stored** (`[B, S, K, H]`, after QK-norm and RoPE), so
+- **Only the K kv heads are stored** (`[B, K, S, H]`, heads-major, after QK-norm and
+  RoPE: the layout the Pallas TPU kernels read in place), so
   GQA with G = N/K query heads per kv head stores 1/G of MHA's bytes and MQA 1/N.
   Arrays are preallocated to the maximum length (fixed shapes: one compilation of
   the decode step) and annotated with logical axes (`batch`, `kv_heads`, and
@@ -91,11 +92,20 @@ __all__ = [
     "logical_axes",
     "slot_positions",
     "slot_step",
+    "slots_major",
     "write_slots",
 ]
 
 KV_AXES = ("batch", None, "kv_heads", "head_dim")  # [B, S, K, H]; S replicated
+STORED_KV_AXES = ("batch", "kv_heads", None, "head_dim")  # [B, K, S, H]: as stored
 LATENT_AXES = ("batch", None, "latent")  # [B, S, r + dr]
+
+
+def slots_major(x: jax.Array) -> jax.Array:
+    """A stored K or V `[B, K, S, H]` as the attention op reads it, `[B, S, K, H]` (and
+    back: the swap is its own inverse). A view for XLA: the TPU kernels transpose it
+    back to heads-major, which cancels, and XLA's dots take either layout."""
+    return jnp.swapaxes(x, 1, 2)
 
 
 def _pytree(cls):
@@ -137,29 +147,32 @@ def slot_positions(length: jax.Array, size: int) -> jax.Array:
 
 @_pytree
 class KVCache(LayerCache):
-    """Self-attention K/V `[B, size, K, H]`; `window` > 0 for a rolling buffer (then
-    size = min(window + 1, max_len)). `chunk`: the current call appends a chunk to
-    a non-empty cache (attend over `[slots; fresh keys]`, then write), as the
-    model's step says through `for_step`."""
+    """Self-attention K/V stored heads-major, `[B, K, size, H]` (the layout the TPU
+    kernels read, so a decode step does not relay the cache out, even across a jit
+    boundary where H = 128; `slots_major` gives the op's `[B, size, K, H]` view;
+    experiments/results/attention_layer_tpu_aot_20261204.md); `window` > 0
+    for a rolling buffer (then size = min(window + 1, max_len)). `chunk`: the current
+    call appends a chunk to a non-empty cache (attend over `[slots; fresh keys]`,
+    then write), as the model's step says through `for_step`."""
 
     k: jax.Array
     v: jax.Array
     length: jax.Array  # [B] tokens written (after the current call)
     window: int = _static(default=0)
     chunk: bool = _static(default=False)
-    AXES = {"k": KV_AXES, "v": KV_AXES}
+    AXES = {"k": STORED_KV_AXES, "v": STORED_KV_AXES}
 
     @classmethod
     def empty(cls, batch: int, size: int, kv_heads: int, head_dim: int, dtype, *,
               window: int = 0, v_head_dim: int | None = None) -> "KVCache":
-        shape = (batch, size, kv_heads)
+        shape = (batch, kv_heads, size)
         return cls(jnp.zeros((*shape, head_dim), dtype),
                    jnp.zeros((*shape, v_head_dim or head_dim), dtype),
                    jnp.zeros((batch,), jnp.int32), window)
 
     @property
     def size(self) -> int:
-        return self.k.shape[-3]
+        return self.k.shape[-2]
 
     def for_step(self, length, *, chunk):
         return super().for_step(length, chunk=chunk).replace(chunk=chunk)
@@ -175,18 +188,20 @@ class KVCache(LayerCache):
             layer=layer, first_values=first_values)
         q, k, v = attn.project(x, positions=positions, adapter=adapter, **depth)
         extra = {} if layer is None else dict(layer=layer)
-        return slot_step(self, ("k", "v"), (k, v), positions, KV_AXES,
-                         lambda kv, cached: attn.attend(q, *kv, mask, bias, x=x, **extra))
+        out, (k, v) = slot_step(
+            self, (slots_major(self.k), slots_major(self.v)), (k, v), positions, KV_AXES,
+            lambda kv, cached: attn.attend(q, *kv, mask, bias, x=x, **extra))
+        return out, self.replace(k=shard(slots_major(k), STORED_KV_AXES),
+                                 v=shard(slots_major(v), STORED_KV_AXES))
 
 
-def slot_step(cache, names, fresh, positions, axes, attend):
-    """One call of a cache whose slots hold per-token arrays (the fields `names` of
-    `cache`, `[B, size, ...]`, sharded as `axes`), with this call's `fresh` arrays
-    `[B, T, ...]`: a chunk attends over `[slots; fresh]`, then writes; a decode step
-    (T = 1) writes its slot, then attends over the slots; a prefill attends over the
-    fresh arrays (the model's own masks), then writes. `attend(arrays, cached)` ->
-    the output; `cached` is False for the prefill. -> (output, the new cache)."""
-    olds = tuple(getattr(cache, n) for n in names)
+def slot_step(cache, olds, fresh, positions, axes, attend):
+    """One call of a cache whose slots hold per-token arrays (`olds`, `[B, size, ...]`,
+    sharded as `axes`), with this call's `fresh` arrays `[B, T, ...]`: a chunk
+    attends over `[slots; fresh]`, then writes; a decode step (T = 1) writes its
+    slot, then attends over the slots; a prefill attends over the fresh arrays (the
+    model's own masks), then writes. `attend(arrays, cached)` -> the output; `cached`
+    is False for the prefill. -> (output, the new slot arrays)."""
     if cache.chunk:
         out = attend(tuple(jnp.concatenate([o, f.astype(o.dtype)], axis=1)
                            for o, f in zip(olds, fresh)), True)
@@ -197,7 +212,7 @@ def slot_step(cache, names, fresh, positions, axes, attend):
     else:
         out = attend(fresh, False)
         news = write_slots(cache.length, jnp.zeros_like(cache.length), olds, fresh, axes)
-    return out, cache.replace(**dict(zip(names, news)))
+    return out, news
 
 
 def append_slot(length, olds, news, axes):
@@ -262,24 +277,26 @@ class LatentCache(LayerCache):
             form = attn.attend_absorbed if cached else attn.attend
             return form(q_nope, q_pe, arrays[0], mask)
 
-        return slot_step(self, ("latent",), (attn.latent(x, positions),), positions,
-                         LATENT_AXES, attend)
+        out, (latent,) = slot_step(self, (self.latent,), (attn.latent(x, positions),),
+                                   positions, LATENT_AXES, attend)
+        return out, self.replace(latent=latent)
 
 
 @_pytree
 class CrossKVCache(LayerCache):
-    """Cross-attention K/V of the encoder output `[B, S_enc, K, H]`: computed when
-    `context` is passed (the first step), reused when it is not."""
+    """Cross-attention K/V of the encoder output, stored heads-major `[B, K, S_enc, H]`
+    as `KVCache`'s: computed when `context` is passed (the first step), reused when it
+    is not."""
 
     k: jax.Array
     v: jax.Array
     length: jax.Array
-    AXES = {"k": KV_AXES, "v": KV_AXES}
+    AXES = {"k": STORED_KV_AXES, "v": STORED_KV_AXES}
 
     @classmethod
     def empty(cls, batch: int, length: int, kv_heads: int, head_dim: int, dtype, *,
               v_head_dim: int | None = None) -> "CrossKVCache":
-        shape = (batch, length, kv_heads)
+        shape = (batch, kv_heads, length)
         return cls(jnp.zeros((*shape, head_dim), dtype),
                    jnp.zeros((*shape, v_head_dim or head_dim), dtype),
                    jnp.zeros((batch,), jnp.int32))
@@ -288,11 +305,11 @@ class CrossKVCache(LayerCache):
               kv_positions=None):
         if context is not None:
             q, k, v = attn.project(x, context, positions=positions, kv_positions=kv_positions)
-            new = self.replace(k=shard(k.astype(self.k.dtype), KV_AXES),
-                               v=shard(v.astype(self.v.dtype), KV_AXES))
+            new = self.replace(k=shard(slots_major(k.astype(self.k.dtype)), STORED_KV_AXES),
+                               v=shard(slots_major(v.astype(self.v.dtype)), STORED_KV_AXES))
         else:
             q, new = attn.project_query(x, positions=positions), self
-        return attn.attend(q, new.k, new.v, mask, bias, x=x), new
+        return attn.attend(q, slots_major(new.k), slots_major(new.v), mask, bias, x=x), new
 
 
 def _new_tokens(cache: LayerCache, positions, T: int) -> jax.Array:

@@ -30,9 +30,7 @@ The whole decision is the first screen of this module:
 - `select_implementation`: an explicit `implementation=` that cannot serve the
   request raises (naming the reason); "auto" takes the first in `AUTO_ORDER` that
   can (an unpartitionable one only where a shard_map or a per-device runner covers
-  sharded inputs: `AttentionRequest.sharded_without_runner`), except that one
-  whose `defer` gives a reason (a known cost for this request, e.g. the Pallas TPU
-  kernels on a decode step) yields to a later one that can. No implementation
+  sharded inputs: `AttentionRequest.sharded_without_runner`). No implementation
   silently changes semantics. A kernel family's own sub-choices (Mosaic TPU /
   Triton / Mosaic GPU, decode packing and splitting) are its plan,
   `tfjax.ops.pallas.plan`, made when it runs.
@@ -91,21 +89,16 @@ def select_implementation(request: AttentionRequest, implementation: str = "auto
         if reason:
             raise ValueError(f"implementation={implementation!r} cannot serve this call: {reason}")
         return implementation
-    reasons, deferred = [], None
+    reasons = []
     for name in AUTO_ORDER.get(request.backend, AUTO_ORDER["cpu"]):
         impl = IMPLEMENTATIONS.get(name)
         reason = impl.supports(request)
         if reason is None and request.sharded_without_runner and not impl.partitionable:
             reason = ("not partitionable, and q is sharded outside a shard_map or "
                       "per-device runner (tfjax.parallel.sharding.use_rules provides one)")
-        if reason is None and impl.defer is not None and impl.defer(request):
-            deferred = deferred or name  # the first that can, if no later one can
-            continue
         if reason is None:
             return name
         reasons.append(f"{name}: {reason}")
-    if deferred:
-        return deferred
     raise ValueError("implementation='auto' found no implementation for this call: " + "; ".join(reasons))
 
 

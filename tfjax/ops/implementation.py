@@ -78,6 +78,3 @@ class Implementation:
     # kernels); under an active per-device runner (`tfjax.ops.target.per_device`,
     # set by `use_rules`) the dispatch runs it once per device
     partitionable: bool = True
-    # None, or request -> None / the reason "auto" should try the implementations
-    # after this one first (a cost, not a limit: it still serves when none of them can)
-    defer: Callable[[AttentionRequest], str | None] | None = None

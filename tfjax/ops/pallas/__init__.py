@@ -16,7 +16,7 @@ forward / backward choice exposed. Every kernel has the semantics of
 `attention_reference`; T5's `relative_bias` is evaluated per tile (the Mosaic GPU
 kernels decline it). `IMPLEMENTATION` is the family's record in
 `tfjax.ops.attention.IMPLEMENTATIONS`: not partitionable (the kernels are custom
-calls XLA cannot split), deferring TPU decode steps to xla (`defer`).
+calls XLA cannot split).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from tfjax.ops.pallas.common import BlockSizes, mask_support
 from tfjax.ops.pallas.mosaic_tpu import flash_attention_tpu
 from tfjax.ops.reference import Alibi, RelativeBias
 
-__all__ = ["BlockSizes", "IMPLEMENTATION", "Plan", "defer", "flash_attention",
+__all__ = ["BlockSizes", "IMPLEMENTATION", "Plan", "flash_attention",
            "flash_attention_gpu", "flash_attention_tpu", "plan", "supports"]
 
 
@@ -247,24 +247,6 @@ def supports(r: AttentionRequest) -> str | None:
     return None
 
 
-def defer(r: AttentionRequest) -> str | None:
-    """Why "auto" should try xla before the kernels for this request, or None.
-    On TPU the kernels read K/V heads-major, so every call first relays out (and
-    pads) the whole K/V: for a decode step over a KV cache that copy outweighs
-    the step. xla reads the cache once but writes [B, N, T, S] logits, so the
-    copy costs more while T * G < H (`4 N T` vs `4 K H` bytes per key); a chunked
-    prefill is the other way round (compiled temporaries of both:
-    experiments/results/attention_cache_tpu_aot_20261130.md)."""
-    if r.backend != "tpu":
-        return None
-    T, N, H = r.q_shape[1], r.q_shape[2], r.q_shape[3]
-    G = N // r.k_shape[2]
-    if T * G < H:
-        return (f"decode-shaped on TPU (T*G = {T * G} < H = {H}): the kernels' heads-major "
-                "relayout copies all of K/V per call")
-    return None
-
-
 def _impl(q, k, v, mask, *, bias, alibi, relative_bias, scale, softcap, q_offset, kv_offset,
           return_lse):
     return flash_attention(q, k, v, mask, bias=bias, scale=scale, softcap=softcap,
@@ -272,5 +254,4 @@ def _impl(q, k, v, mask, *, bias, alibi, relative_bias, scale, softcap, q_offset
                            return_lse=return_lse, **Alibi.kwargs(alibi))
 
 
-IMPLEMENTATION = Implementation(_impl, supports, relative_bias=True, partitionable=False,
-                                defer=defer)
+IMPLEMENTATION = Implementation(_impl, supports, relative_bias=True, partitionable=False)
