@@ -121,10 +121,13 @@ def preallocated_cache(args):
         if variant != "block view":
             M.Positions._tiles = every_tile_partial
         try:
+            # Compiled here, under this variant's `_tiles`: the tile tables' own jit
+            # (`tfjax.ops.tiles`) would otherwise reuse the other variant's trace.
+            jax.clear_caches()
+            cache, tok = model.init_cache(1, slots), jnp.ones((1, 1), jnp.int32)
             steps[variant] = jax.jit(lambda state, cache, tok: nnx.merge(graphdef, state).step(
-                tok, cache))
-            cache = model.init_cache(1, slots)
-            jax.block_until_ready(steps[variant](state, cache, jnp.ones((1, 1), jnp.int32)))
+                tok, cache)).lower(state, cache, tok).compile()
+            jax.block_until_ready(steps[variant](state, cache, tok))
         finally:
             M.Positions._tiles = real
     assert M.Positions._tiles is real
