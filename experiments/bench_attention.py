@@ -677,7 +677,7 @@ def _vs_splash_tpu_aot(args, mesh, N=32, K=8):
                     ratio = (f"{ours_temp / temp:.2f}x" if temp else
                              "both 0" if not ours_temp else f"{mib(ours_temp)} vs 0")
                 ours_temp = temp if name != "splash" else None
-                calls = c.as_text().count('custom_call_target="tpu_custom_call"')
+                calls = c.as_text().count(MOSAIC_CALL)
                 row = (f"| {H} | {T} | {name} | {layout} | {mib(temp)} | "
                        f"{mib(m.argument_size_in_bytes)} | {mib(m.output_size_in_bytes)} | "
                        f"{calls} | {ratio} |")
