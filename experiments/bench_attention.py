@@ -109,6 +109,7 @@ import contextlib
 import dataclasses
 import datetime
 import itertools
+import math
 import os
 import re
 import sys
@@ -674,8 +675,7 @@ def _vs_splash_tpu_aot(args, mesh, N=32, K=8):
                 temp = m.temp_size_in_bytes
                 ratio = ""
                 if name == "splash" and ours_temp is not None:  # ours, then splash, per layout
-                    ratio = (f"{ours_temp / temp:.2f}x" if temp else
-                             "both 0" if not ours_temp else f"{mib(ours_temp)} vs 0")
+                    ratio = _vs_splash(ours_temp, temp)
                 ours_temp = temp if name != "splash" else None
                 calls = c.as_text().count(MOSAIC_CALL)
                 row = (f"| {H} | {T} | {name} | {layout} | {mib(temp)} | "
@@ -689,17 +689,23 @@ def _vs_splash_tpu_aot(args, mesh, N=32, K=8):
     return out
 
 
+def _vs_splash(ours_temp: int, splash_temp: int) -> str:
+    """The "temp vs splash" cell: ours / splash's compiled temporaries."""
+    if splash_temp:
+        return f"{ours_temp / splash_temp:.2f}x"
+    return "both 0" if not ours_temp else f"{ours_temp / 2**20:,.1f} vs 0"
+
+
 def relayouts(hlo_text: str, min_elements: int, length: int, params=()) -> list[str]:
     """The `copy` / `transpose` instructions of a compiled HLO text (fusion bodies
     included) whose result holds at least `min_elements` and has an axis of `length`,
     other than arrays shaped as one of `params` (weights and their gradients, whose
     layout changes are weight-sized): the activation- or cache-sized relayouts."""
-    import numpy as np
     skip = {tuple(p.shape) for p in params}
     found = []
     for m in re.finditer(r"= \w+\[([\d,]*)\]\{[^}]*\} (copy|transpose)\(", hlo_text):
         dims = [int(d) for d in m.group(1).split(",") if d]
-        if length in dims and np.prod(dims) >= min_elements and tuple(dims) not in skip:
+        if length in dims and math.prod(dims) >= min_elements and tuple(dims) not in skip:
             found.append(m.group(0))
     return found
 
@@ -790,7 +796,8 @@ def bench_layer_tpu_aot(args, topology="v5e:2x2", N=32, K=8):
             try:
                 c = f.lower(*a).compile()
                 text, temp = c.as_text(), c.memory_analysis().temp_size_in_bytes
-                ratio = f"{ours_temp / temp:.2f}x" if name == "splash" and ours_temp else ""
+                ratio = (_vs_splash(ours_temp, temp) if name == "splash" and ours_temp is not None
+                         else "")
                 ours_temp = temp if name != "splash" else None
                 row = (f"| {H} | {D} | {T} | {name} | {temp / 2**20:,.1f} | "
                        f"{len(relayouts(text, T * K * H, T, jax.tree.leaves(params)))} | "
@@ -806,9 +813,8 @@ def bench_layer_tpu_aot(args, topology="v5e:2x2", N=32, K=8):
 
 def _decode_programs_tpu_aot(args, topology="v5e:2x2", S=32768, T=512):
     """The decode programs' rows (see the module)."""
-    import importlib.util
-
     import numpy as np
+    from common import preset_config  # experiments/common.py (this TPU part runs on CPU)
     from jax.experimental import topologies
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -818,11 +824,8 @@ def _decode_programs_tpu_aot(args, topology="v5e:2x2", S=32768, T=512):
     from tfjax.parallel.rules import logical_rules
     from tfjax.parallel.sharding import use_rules
 
-    generate = importlib.import_module("tfjax.inference.generate")
-    spec = importlib.util.spec_from_file_location(
-        "preset_llama", os.path.join(os.path.dirname(__file__), "..", "configs", "llama.py"))
-    preset = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(preset)
+    from tfjax.inference.generate import _programs
+
     topo = topologies.get_topology_desc(platform="tpu", topology_name=topology)
     devices = np.array(topo.devices).reshape(-1, *(1,) * (len(MESH_AXES) - 1))
     mesh = Mesh(devices, MESH_AXES)
@@ -844,7 +847,7 @@ def _decode_programs_tpu_aot(args, topology="v5e:2x2", S=32768, T=512):
     for variant, program, scanned, impl in itertools.product(
             (None, "1b"), ("generate", "stream"), (True, False), ("xla", "pallas")):
         layers = "scanned" if scanned else "unrolled"
-        cfg = preset.get_config(variant)
+        cfg = preset_config("llama", variant)
         cfg.model.update(dict(dtype="bfloat16", num_layers=2, attention_impl=impl,
                               scan_layers=scanned))
         mcfg = run_config(cfg).model
@@ -857,7 +860,7 @@ def _decode_programs_tpu_aot(args, topology="v5e:2x2", S=32768, T=512):
                                                           sharding=NamedSharding(mesh, P("data")))
         try:
             with use_rules(mesh, logical_rules(DEFAULT_RULES)):
-                start, step, run, _ = generate._programs(graphdef, mesh)
+                start, step, run, _ = _programs(graphdef, mesh)
                 if program == "generate":
                     lowered = run.lower(state, per_chip((chips, T), jnp.int32),
                                         per_chip((chips,), jnp.int32), jax.random.key(0),

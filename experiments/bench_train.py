@@ -19,7 +19,6 @@ of `tfjax.train.metrics` against this machine's matmul peak measured in the same
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import statistics
 import sys
@@ -30,6 +29,7 @@ import jax
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from common import preset_config
 from tfjax.config import run_config
 from tfjax.data import PackedBatches, documents, load_tokenizer
 from tfjax.models import build
@@ -38,11 +38,9 @@ from tfjax.train.metrics import flops_per_token, peak_flops
 from tfjax.train.trainer import build_program, zigzag_rows
 
 def load(preset: str):
-    path, _, arg = preset.partition(":")
-    spec = importlib.util.spec_from_file_location("preset", os.path.join(ROOT, "configs", path + ".py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.get_config(arg or None)
+    """A `name[:variant]` preset's ConfigDict."""
+    name, _, variant = preset.partition(":")
+    return preset_config(name, variant or None)
 
 
 def packed_batches(cfg, n: int):

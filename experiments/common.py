@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import os
 import platform
 import sys
@@ -28,6 +29,16 @@ RESULTS = os.path.join(HERE, "results")
 
 sys.path.insert(0, os.path.join(HERE, ".."))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def preset_config(name: str, variant: str | None = None):
+    """`configs/<name>.py`'s `get_config(variant)`: a preset's ConfigDict, as
+    `--config configs/<name>.py[:variant]` gives it to `python -m tfjax.train`."""
+    path = os.path.join(HERE, "..", "configs", name + ".py")
+    spec = importlib.util.spec_from_file_location("preset_" + name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(variant)
 
 
 def fmt(x: Any) -> str:

@@ -21,12 +21,10 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import time
 
 import numpy as np
-from common import HERE, Experiment
+from common import Experiment, preset_config
 
 import jax
 from flax import nnx
@@ -40,14 +38,6 @@ from tfjax.nn.moe import MoE
 
 ROUTED = ("wi_gate", "wi_up", "wi", "wo", "bi_gate", "bi_up", "bi", "bo")
 PUBLISHED = {"mixtral": (46.7e9, 12.9e9), "jamba": (52e9, 12e9)}
-
-
-def preset(name: str):
-    path = os.path.join(HERE, "..", "configs", name + ".py")
-    spec = importlib.util.spec_from_file_location("preset_" + name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.get_config()
 
 
 def count_params(model_cfg) -> tuple[int, int, int]:
@@ -88,7 +78,7 @@ def main(argv=None):
     # 1. Full-size presets (abstract shapes: seconds, no memory).
     rows = []
     for name in ("mixtral", "jamba"):
-        m = preset(name).model
+        m = preset_config(name).model
         total, active, routed = count_params(m)
         pt, pa = PUBLISHED[name]
         rows.append([name, m.moe.num_experts, m.moe.experts_per_token, total, active, routed,

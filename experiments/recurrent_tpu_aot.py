@@ -17,7 +17,7 @@ from __future__ import annotations
 import io
 import re
 
-from common import Experiment
+from common import Experiment, preset_config
 
 from tfjax.config import run_config
 from tfjax.train.aot import compile_only
@@ -29,19 +29,9 @@ PRESETS = {
 }
 
 
-def _load(name):
-    import importlib.util
-    import os
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", name + ".py")
-    spec = importlib.util.spec_from_file_location("preset_" + name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def per_chip(preset: str, variant, model: dict, remat: str, batch: int, seq: int,
              topology: str) -> dict:
-    cfg = _load(preset).get_config(variant)
+    cfg = preset_config(preset, variant)
     cfg.model.update({**model, "remat": remat})
     cfg.train.update(dict(batch_size=batch, seq_len=seq))
     cfg.mesh.update(dict(data=1, fsdp=4))

@@ -34,7 +34,6 @@ of the machine; compile times do.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -43,7 +42,7 @@ import subprocess
 import sys
 import time
 
-from common import HERE, Experiment
+from common import Experiment, preset_config
 
 from tfjax.config import run_config
 from tfjax.train.aot import compile_step, step_figures
@@ -67,18 +66,10 @@ VARIANTS = ("0:full", "512:full", "512:attn", "512:qkv_attn", "512:dots_attn",
 QUICK_VARIANTS = ("0:full", "64:full")
 
 
-def _preset(variant):
-    path = os.path.join(HERE, "..", "configs", "llama.py")
-    spec = importlib.util.spec_from_file_location("preset_llama", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(variant)
-
-
 def tfjax_row(point, variant: str) -> dict:
     preset, topology, fsdp, batch, seq = point[:5]
     chunk, remat = variant.split(":")
-    cfg = _preset(preset)
+    cfg = preset_config("llama", preset)
     cfg.model.update(dict(dtype="bfloat16", remat=remat))
     cfg.train.update(dict(batch_size=batch, seq_len=seq, loss_chunk=int(chunk)))
     cfg.mesh.update(dict(data=1, fsdp=fsdp))

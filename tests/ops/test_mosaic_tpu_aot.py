@@ -8,6 +8,8 @@ Every kernel (forward, dq, dk/dv, via the gradient) is compiled inside a
 per-device memory is checked to stay O(T). Skipped when libtpu is missing.
 """
 
+import functools
+import importlib.util
 import os
 import re
 
@@ -273,16 +275,16 @@ def test_no_lane_padded_statistics_or_segment_ids():
     assert "tpu_custom_call" in text and not column.search(text), column.findall(text)
 
 
-def _relayouts(text: str, min_elements: int, length: int) -> list[str]:
-    """experiments/bench_attention.py's `relayouts`, the count its layer table reports."""
-    import importlib.util
-
+@functools.cache
+def _bench_attention():
+    """experiments/bench_attention.py as a module, loaded once: its `relayouts` is the
+    count its layer table reports."""
     path = os.path.join(os.path.dirname(__file__), "..", "..", "experiments",
                         "bench_attention.py")
     spec = importlib.util.spec_from_file_location("experiments_bench_attention", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.relayouts(text, min_elements, length)
+    return module
 
 
 def test_an_attention_layer_feeds_the_kernels_without_relayout_copies():
@@ -319,7 +321,9 @@ def test_an_attention_layer_feeds_the_kernels_without_relayout_copies():
     step = jax.jit(_shard_map(local, mesh, (P(), P("data")), (P(), P("data"))))
     text = step.lower(params, x).compile().as_text()
     assert text.count("tpu_custom_call") >= 3  # fwd, dq, dk/dv
-    assert not _relayouts(text, T * K * H, T), _relayouts(text, T * K * H, T)
+    relayouts = _bench_attention().relayouts
+    found = relayouts(text, T * K * H, T)
+    assert not found, found
     bare = compile_attention("v5e:2x2", T=T, S=T, N=N, K=K, H=H, dtype=jnp.bfloat16,
                              mask_name="causal").as_text()
-    assert len(_relayouts(bare, T * K * H, T)) >= 3  # q, k, v in (and dq, dk, dv out)
+    assert len(relayouts(bare, T * K * H, T)) >= 3  # q, k, v in (and dq, dk, dv out)

@@ -191,8 +191,7 @@ class KVCache(LayerCache):
         out, (k, v) = slot_step(
             self, (slots_major(self.k), slots_major(self.v)), (k, v), positions, KV_AXES,
             lambda kv, cached: attn.attend(q, *kv, mask, bias, x=x, **extra))
-        return out, self.replace(k=shard(slots_major(k), STORED_KV_AXES),
-                                 v=shard(slots_major(v), STORED_KV_AXES))
+        return out, self.replace(k=slots_major(k), v=slots_major(v))  # sharded as written
 
 
 def slot_step(cache, olds, fresh, positions, axes, attend):
