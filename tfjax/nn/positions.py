@@ -22,8 +22,7 @@ Design choices:
   * RoPE runs in float32 and casts back: bf16 angles lose whole radians at long
     positions. Each rotated half is cast back before the halves are joined (the
     same values as casting the whole): XLA then never keeps float32 halves, whose
-    H/2-wide minor axis a TPU pads to 128 lanes (an attention layer's fwd+bwd at
-    H = 64, T = 4k on a v5e: 203 -> 76 MiB of temporaries per chip,
+    H/2-wide minor axis a TPU pads to 128 lanes (measured in
     experiments/results/attention_layer_tpu_aot_20261204.md). Frequencies follow HF
     transformers' formulas so imported checkpoints (Llama 3.x, YaRN, NeoX partial
     rotary) see the rotations they were trained with.
