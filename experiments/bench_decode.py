@@ -20,6 +20,11 @@
    2 x layers x K x H x tokens x bytes and the seed's figure (MHA: 2 x 80 x 64 x
    128 x 4096 x 2 bytes = 10.7 GB; GQA with G=8: 1/8 of it), and for the presets
    (a sliding window bounds Mistral's cache; Gemma 2's local layers halve it).
+4. `generate` over the scanned stack (the presets' `scan_layers`) against the same
+   model's `tfjax.models.unrolled` twin: ms per generated token (prefill included,
+   the median of --reps alternating rounds), greedy tokens checked identical. A
+   scanned stack slices every layer's cache out of the stacked caches and writes it
+   back each step; unrolled layers update theirs in place.
 """
 
 from __future__ import annotations
@@ -192,6 +197,38 @@ def cache_sizes():
               f"{sizes[1] / 2 ** 30:.2f} GiB |")
 
 
+def scanned_vs_unrolled(args, prompt=64):
+    """Section 4 of the module docstring."""
+    import statistics
+
+    from tfjax.inference import generate
+
+    cfg, scanned = _small_decoder(args, prompt + args.max_prefix)
+    twin = models.unrolled(scanned)
+    print(f"\n## `generate`, scanned layers against `models.unrolled(model)`, B=1, "
+          f"d_model={cfg.d_model}, {cfg.num_layers} layers, GQA {cfg.num_heads}/{cfg.kv_heads}, "
+          f"fp32, a {prompt}-token prompt, {jax.devices()[0].platform}")
+    print("| new tokens | scanned ms/token | unrolled ms/token | scanned / unrolled |")
+    print("|---:|---:|---:|---:|")
+    x = jax.random.randint(jax.random.key(0), (1, prompt), 0, cfg.vocab_size)
+    n = 256
+    while n <= args.max_prefix:
+        runs = {name: (lambda m=m, n=n: generate(m, x, max_new_tokens=n))
+                for name, m in (("scanned", scanned), ("unrolled", twin))}
+        outs = {name: jax.block_until_ready(f()) for name, f in runs.items()}  # compile
+        if not bool((outs["scanned"] == outs["unrolled"]).all()):
+            raise AssertionError(f"scanned and unrolled tokens differ at {n} new tokens")
+        times = {name: [] for name in runs}
+        for _ in range(args.reps):
+            for name, f in runs.items():
+                t = time.perf_counter()
+                jax.block_until_ready(f())
+                times[name].append((time.perf_counter() - t) / n)
+        a, b = (statistics.median(times[k]) for k in ("scanned", "unrolled"))
+        print(f"| {n} | {1e3 * a:.2f} | {1e3 * b:.2f} | {a / b:.2f}x |", flush=True)
+        n *= 4
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--d_model", type=int, default=256)
@@ -199,11 +236,15 @@ def main():
     p.add_argument("--max_prefix", type=int, default=4096)
     p.add_argument("--reps", type=int, default=8)
     p.add_argument("--sizes_only", action="store_true")
+    p.add_argument("--only_unrolled", action="store_true", help="section 4 alone")
     args = p.parse_args()
+    if args.only_unrolled:
+        return scanned_vs_unrolled(args)
     cache_sizes()
     if not args.sizes_only:
         decode_timing(args)
         preallocated_cache(args)
+        scanned_vs_unrolled(args)
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ from tfjax.config import run_config, upgrade_saved
 from tfjax.data.tokenizers import load_tokenizer
 from tfjax.inference import stream
 from tfjax.interop import hf
-from tfjax.models import build
+from tfjax.models import build, unrolled
 from tfjax.train.checkpoint import Checkpointer
 from tfjax.train.lora import model_params, train_state_shape
 
@@ -58,13 +58,15 @@ __all__ = ["chat_prompt", "load_hf", "load_run", "main", "run", "run_hf"]
 
 def load_run(workdir: str, step: int | None = None):
     """(model, run config, tokenizer, step) from a training run directory: checkpoint
-    `step`, or the newest that restores (a LoRA run's base merged with its adapters).
+    `step`, or the newest that restores (a LoRA run's base merged with its adapters),
+    its layers unrolled for decoding (`tfjax.models.unrolled`).
     No checkpoint, a step not saved, a damaged `step` or a model that does not fit the
     saved one is a one-line ValueError."""
     cfg, graphdef, state, lora, step = restore_run(workdir, step)
     model = nnx.merge(graphdef, model_params(lora, state), state["rest"])
     model.eval()
-    return model, cfg, load_tokenizer(cfg.data.tokenizer), step
+    # decoding: unrolled layers update their caches in place (a scanned stack copies them)
+    return unrolled(model), cfg, load_tokenizer(cfg.data.tokenizer), step
 
 
 def restore_run(workdir: str, step: int | None = None):
@@ -131,7 +133,7 @@ def load_hf(path: str):
                          "tokenizer writes it)")
     import tokenizers
 
-    model, cfg = hf.load(path)
+    model, cfg = hf.load(path, scan_layers=False)  # decode steps update caches in place
     if cfg.arch != "decoder":
         raise ValueError(f"--hf: {path} is a {cfg.arch} model; the CLI generates with causal "
                          "LMs only")

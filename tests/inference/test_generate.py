@@ -213,3 +213,14 @@ def test_cache_bytes_gqa_mqa_and_70b():
                                     qk_rope_head_dim=64, v_head_dim=128)))
     assert models.cache_bytes(v3, 1, T) == 61 * (512 + 64) * T * 2
     assert models.kv_bytes_per_token(v3) == 61 * (512 + 64) * 2
+
+
+def test_unrolled_twin_generates_the_same_tokens():
+    # 3 layers of a local/global cycle: one scanned cycle and one unrolled block
+    model = build(**CASES["t5_hybrid"])
+    twin = models.unrolled(model)
+    x, lengths = prompts(), jnp.array(PROMPT_LENGTHS)
+    got = generate(twin, x, max_new_tokens=NEW, prompt_lengths=lengths)
+    want = generate(model, x, max_new_tokens=NEW, prompt_lengths=lengths)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert twin.layers.cycles is None and len(twin.layers.blocks) == 3

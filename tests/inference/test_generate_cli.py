@@ -40,15 +40,23 @@ def run_dir(tmp_path_factory):
 
 
 def test_cli_restores_the_trained_model_and_streams(run_dir):
-    from tfjax.generate import load_run, run
+    from tfjax.generate import load_run, restore_run, run
+    from tfjax.models import unrolled
 
     wd, state = run_dir
     model, cfg, _, step = load_run(wd)
     assert step == 3 and cfg.model.num_kv_heads == 2
+    _, graphdef, saved, _, _ = restore_run(wd)
     trained = jax.tree.leaves(state["params"])
-    restored = jax.tree.leaves(nnx.state(model, nnx.Param))
+    restored = jax.tree.leaves(saved["params"])
     assert len(trained) == len(restored)
     for a, b in zip(trained, restored):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # the CLI decodes with the layers unrolled: the same values, per layer
+    assert model.config.scan_layers is False and model.layers.cycles is None
+    twin = unrolled(nnx.merge(graphdef, saved["params"], saved["rest"]))
+    for a, b in zip(jax.tree.leaves(nnx.state(twin, nnx.Param)),
+                    jax.tree.leaves(nnx.state(model, nnx.Param))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
     out = io.StringIO()

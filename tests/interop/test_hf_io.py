@@ -22,6 +22,7 @@ transformers = pytest.importorskip("transformers", reason="the hf extra (transfo
 from tfjax.config import MeshConfig, model_config  # noqa: E402
 from tfjax.interop import hf  # noqa: E402
 from tfjax.interop.safetensors_io import SafetensorsCheckpoint, save_file  # noqa: E402
+from tfjax import models  # noqa: E402
 from tfjax.models import build  # noqa: E402
 from tfjax.parallel.mesh import make_mesh  # noqa: E402
 
@@ -115,6 +116,16 @@ def test_sharded_checkpoint(tmp_path):
                                   sd["transformer.h.1.mlp.c_proj.weight"])
     np.testing.assert_array_equal(layer1["attn"]["k"]["kernel"].get_value()[1].reshape(32, 32),
                                   sd["transformer.h.1.attn.c_attn.weight"][:, 32:64])
+    # placed unrolled (for decoding): layer 1 is block 1, the same model as unrolled()
+    flat, cfg_flat = hf.load(str(tmp_path), scan_layers=False)
+    assert cfg_flat.scan_layers is False and flat.layers.cycles is None
+    np.testing.assert_array_equal(
+        nnx.state(flat, nnx.Param)["layers"]["blocks"][1]["ffn"]["wo"]["kernel"].get_value(),
+        sd["transformer.h.1.mlp.c_proj.weight"])
+    a, b = _params(flat), _params(models.unrolled(model))
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=str(k))
 
 
 def test_clear_errors(tmp_path):

@@ -23,6 +23,8 @@
   prompt longer than C (its prefix is bidirectional).
 - **Layer kinds**: attention (global / local: K/V caches) and recurrent mixers
   (mamba, linear: O(1) states), mixed freely (Jamba), scanned or not; see `kv_cache`.
+  A scanned stack copies each layer's state out of the stacked caches and back every
+  step; `tfjax.models.unrolled(model)` (once, before generating) decodes without.
 - **Sampling** (`sampling.sample`): temperature 0 is greedy; otherwise temperature,
   top-k, top-p. Step i draws with `fold_in(key(seed), i)`, so a seed reproduces a
   generation. The settings are traced: changing them does not recompile.

@@ -319,10 +319,14 @@ def config_from_hf(hf: dict, *, dtype: str | None = None,
     return check_names(model_config(c))
 
 
-def load(path: str, *, dtype: str | None = None, mesh=None, rules=DEFAULT_RULES):
+def load(path: str, *, dtype: str | None = None, mesh=None, rules=DEFAULT_RULES,
+         scan_layers: bool = True):
     """`(model, config)` from a local HF checkpoint directory.
 
     dtype: compute and parameter dtype (default: the checkpoint's `dtype`).
+    scan_layers: stack the layers' parameters and scan them (compile time flat in
+      depth: training, scoring); False places every layer as an unrolled block, whose
+      decode steps update their caches in place (`tfjax.models.unrolled`).
     mesh: a `jax.sharding.Mesh`; each parameter is placed with the sharding its
       logical axes give under `rules` (default `tfjax.config.DEFAULT_RULES`), built
       from the memory-mapped checkpoint one device block at a time (host memory: a
@@ -333,6 +337,7 @@ def load(path: str, *, dtype: str | None = None, mesh=None, rules=DEFAULT_RULES)
     """
     hf = _read_config(path)
     cfg = config_from_hf(hf, dtype=dtype, source=os.path.join(path, "config.json"))
+    cfg = dataclasses.replace(cfg, scan_layers=scan_layers)
     family = FAMILIES.get(hf["model_type"], field="config.json model_type")
     prefix = PREFIXES.get(hf["model_type"])
     ckpt = SafetensorsCheckpoint(path)

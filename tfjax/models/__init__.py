@@ -1,6 +1,6 @@
 """Architectures, built from a `ModelConfig`: `build(cfg.model, rngs=nnx.Rngs(0))`.
 
-    architectures.py     ARCHITECTURES, check_names (registry-owned names), build
+    architectures.py     ARCHITECTURES, check_names (registry-owned names), build, unrolled
     decoder.py encoder.py encoder_decoder.py    the three architectures
     layer_kinds.py       one record per layer kind and ffn kind (LAYER_KINDS, FFN_KINDS)
     layout.py            StackLayout: where layer i of a stack lives
@@ -9,7 +9,7 @@
     caching.py           the model side of inference caches (empty cache, bytes, step inputs)
 """
 
-from tfjax.models.architectures import ARCHITECTURES, build, check_names
+from tfjax.models.architectures import ARCHITECTURES, build, check_names, unrolled
 from tfjax.models.caching import cache_bytes, kv_bytes_per_token
 from tfjax.models.decoder import DecoderLM
 from tfjax.models.encoder import EncoderModel
@@ -19,4 +19,4 @@ from tfjax.models.layout import StackLayout
 
 __all__ = ["ARCHITECTURES", "DecoderLM", "EncoderDecoderModel", "EncoderModel", "FFN_KINDS",
            "FfnKind", "LAYER_KINDS", "LayerKind", "StackLayout", "build", "cache_bytes",
-           "check_names", "kv_bytes_per_token"]
+           "check_names", "kv_bytes_per_token", "unrolled"]

@@ -1,6 +1,7 @@
-"""The architecture table, the build-time name checks, and `build`.
+"""The architecture table, the build-time name checks, `build`, and `unrolled`.
 
     model = build(cfg.model, rngs=nnx.Rngs(0))
+    model = unrolled(model)      # the same model, every layer an unrolled block (decoding)
 
 `tfjax.config` checks types, ranges and combinations but imports nothing else of
 tfjax, so the names that registries own are checked here, against the registries
@@ -11,8 +12,10 @@ names the field (`model.layer_pattern[1]`) and the allowed values.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Iterable
 
+import jax
 from flax import nnx
 
 from tfjax.config import ModelConfig, model_config
@@ -21,7 +24,7 @@ from tfjax.models.encoder import EncoderModel
 from tfjax.models.encoder_decoder import EncoderDecoderModel
 from tfjax.models import mup
 from tfjax.models.layer_kinds import FFN_KINDS, LAYER_KINDS
-from tfjax.models.stack import REMAT_POLICIES
+from tfjax.models.stack import REMAT_POLICIES, LayerStack
 from tfjax.nn.blocks import BLOCKS, PLACEMENTS
 from tfjax.nn.ffn import ACTIVATIONS
 from tfjax.nn.linear_attention import FEATURE_MAPS
@@ -31,7 +34,7 @@ from tfjax.nn.positions import POSITIONS, ROPE_LAYOUTS, ROPE_SCALINGS
 from tfjax.ops.attention import IMPLEMENTATIONS
 from tfjax.registry import Registry
 
-__all__ = ["ARCHITECTURES", "build", "check_names"]
+__all__ = ["ARCHITECTURES", "build", "check_names", "unrolled"]
 
 ARCHITECTURES: Registry[type] = Registry("architecture")
 ARCHITECTURES.register("decoder", DecoderLM)
@@ -106,3 +109,72 @@ def build(model_cfg, *, rngs: nnx.Rngs | None = None) -> nnx.Module:
     mup.check(cfg)
     model = ARCHITECTURES.get(cfg.arch, field="model.arch")(cfg, rngs=rngs or nnx.Rngs(0))
     return mup.rescale_init(model, cfg)
+
+
+def unrolled(model: nnx.Module) -> nnx.Module:
+    """`model` with every layer an unrolled block (its config's `scan_layers=False`):
+    the same function, every variable (parameters, RNG state, statistics) moved from
+    the stacked cycles to per-layer arrays; dropout's mode as in `model`. A model
+    without scanned cycles comes back as it is.
+
+    For decoding. A scanned stack takes each layer's cache out of the stacked caches
+    and writes it back every step, and XLA copies both ways (2-4 cache-sized copies
+    a decode step, `experiments/results/attention_layer_tpu_aot_20261204.md`);
+    unrolled layers update their own caches in place. Training keeps the scan
+    (compile time flat in depth). The new arrays are copies: drop `model` after, or
+    build unrolled in the first place (`tfjax.interop.hf.load(..., scan_layers=False)`).
+    """
+    stacks = {path: node.layout for path, node in nnx.iter_graph(model)
+              if isinstance(node, LayerStack)}
+    if not any(layout.num_cycles for layout in stacks.values()):
+        return model
+    drops = {node.deterministic for _, node in nnx.iter_graph(model)
+             if isinstance(node, nnx.Dropout)}
+    if len(drops) > 1:
+        raise ValueError("unrolled: the model's dropout layers are in mixed modes; call "
+                         "model.eval() or model.train() first")
+    cfg = dataclasses.replace(model.config, scan_layers=False)
+    with nnx.use_eager_sharding(False):
+        abstract = nnx.eval_shape(lambda: build(cfg, rngs=nnx.Rngs(0)))
+    graphdef, target = nnx.split(abstract)
+    want = dict(nnx.to_flat_state(target))
+    moved = {}
+    for path, var in nnx.to_flat_state(nnx.state(model)):
+        for new_path, value in _unrolled_paths(path, var.get_value(), stacks):
+            moved[new_path] = value
+    if set(moved) != set(want):
+        odd = sorted(map(str, set(moved) ^ set(want)))
+        raise ValueError(f"unrolled: the model's state does not map onto the unrolled "
+                         f"{cfg.arch} model of its config ({len(odd)} paths differ, e.g. "
+                         f"{odd[0]}); was the model built from model.config?")
+    shape = lambda x: tuple(jax.numpy.shape(x))
+    bad = [p for p, v in moved.items() if shape(v) != shape(want[p].get_value())]
+    if bad:
+        raise ValueError(f"unrolled: {bad[0]} has shape {shape(moved[bad[0]])}, the unrolled "
+                         f"model's {shape(want[bad[0]].get_value())}")
+    # the unrolled model's variables (their metadata: no "layers" axis) with the values
+    out = nnx.merge(graphdef, nnx.from_flat_state(
+        {p: want[p].replace(v) for p, v in moved.items()}))
+    if drops == {True}:
+        out.eval()
+    elif drops == {False}:
+        out.train()
+    return out
+
+
+def _unrolled_paths(path: tuple, value, stacks: dict):
+    """Where a state leaf of a scanned model goes in its unrolled twin: position j of
+    cycle c (`(stack, "cycles", "layers", j, ...)`, index c of the stacked axis) is
+    block c * L + j; unrolled block b follows the scanned layers; the rest stays."""
+    for prefix, layout in stacks.items():
+        n = len(prefix)
+        if path[:n] != prefix or len(path) <= n:
+            continue
+        scanned = layout.num_cycles * layout.cycle_length
+        if path[n] == "cycles":
+            j, rest = path[n + 2], path[n + 3:]
+            return [((*prefix, "blocks", c * layout.cycle_length + j, *rest), value[c])
+                    for c in range(layout.num_cycles)]
+        if path[n] == "blocks":
+            return [((*prefix, "blocks", scanned + path[n + 1], *path[n + 2:]), value)]
+    return [(path, value)]
