@@ -173,9 +173,11 @@ def sinks_for(N, seed=11):
 
 
 def run(impl, q, k, v, mask, bias, *, softcap=None, q_offset=0, kv_offset=0, scale=None,
-        alibi_slopes=None, alibi_positions=None, relative=None, sinks=None, ref=False, **kw):
+        alibi_slopes=None, alibi_positions=None, relative=None, sinks=None, ref=False,
+        primal=False, **kw):
     """(out, lse, grads) of `_loss`, jitted; grads w.r.t. q, k, v (and bias, the T5
-    table of `relative`, and `sinks`). The reference takes ALiBi and T5's bias as
+    table of `relative`, and `sinks`); `primal`: (out, lse) of the same call left
+    undifferentiated instead (a custom VJP's own forward, not its fwd rule). The reference takes ALiBi and T5's bias as
     explicit biases (`alibi_as_bias`, `relative_as_bias`) and the sinks natively
     (a softmax column); `impl` gets them as the dispatch adds them to every other
     implementation (`tfjax.ops.sinks.add_sinks` on its out and lse)."""
@@ -216,6 +218,8 @@ def run(impl, q, k, v, mask, bias, *, softcap=None, q_offset=0, kv_offset=0, sca
     argnums = (0, 1, 2) + ((3,) if bias is not None else ()) + ((4,) if relative else ()) + \
         ((5,) if sinks is not None else ())
     table = None if relative is None else relative["table"]
+    if primal:
+        return jax.jit(f)(q, k, v, bias, table, sinks)[1]
     (_, (out, lse)), grads = jax.jit(jax.value_and_grad(f, argnums, has_aux=True))(
         q, k, v, bias, table, sinks)
     return out, lse, grads
@@ -251,10 +255,12 @@ def alibi_for(kind, B, T, S, N):
 
 
 def check_against_reference(impl, q, k, v, mask, bias=None, alibi=None, relative=None,
-                            sinks=False, **kw):
+                            sinks=False, primal=False, **kw):
     """`alibi`: None, "N", "BN" or "pos" (`alibi_for`); `relative` (T5's bias): None,
     "causal", "bidir" or "pos" (`relative_for`); `sinks`: learned sinks
-    (`sinks_for`). v may have a head dim of its own."""
+    (`sinks_for`). v may have a head dim of its own. `primal`: also the forward of
+    the call left undifferentiated (inference), which a kernel may run differently
+    (the Mosaic TPU kernels' keys on lanes below head dim 128)."""
     if sinks:
         kw["sinks"] = sinks_for(q.shape[2])
     if alibi is not None:
@@ -277,4 +283,11 @@ def check_against_reference(impl, q, k, v, mask, bias=None, alibi=None, relative
     assert len(grads) == len(r_grads) == len(names)
     for name, g, rg in zip(names, grads, r_grads):
         assert_close(g, rg, dtype, name, "grad")
+    if primal:
+        p_out, p_lse = run(impl, q, k, v, mask, bias, primal=True, **kw, **impl_kw)
+        assert_close(p_out, r_out, dtype, "undifferentiated out", "fwd")
+        np.testing.assert_array_equal(np.isinf(p_lse), np.isinf(r_lse),
+                                      err_msg="undifferentiated lse -inf rows")
+        assert_close(jnp.where(jnp.isinf(r_lse), 0, p_lse),
+                     jnp.where(jnp.isinf(r_lse), 0, r_lse), dtype, "undifferentiated lse", "fwd")
     return out, lse, grads

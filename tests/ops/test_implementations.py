@@ -106,11 +106,13 @@ CASES = [
     *cases(("blockwise",), 2, 100, 100, (8, 1), 32, "causal&segments", Hv=16, alibi="N",
            relative="pos", bias=(1, 8)),
     # mosaic_tpu: every mask kind in a kernel (iota masks, segment tiles, per-example
-    # scalars), head dims padded to 128 lanes, T5's bias at index and explicit positions
+    # scalars), head dims padded to 128 lanes, T5's bias at index and explicit positions;
+    # `primal`: also the undifferentiated forward, which reads K/V with the keys on lanes
+    # below head dim 128 (tails, GQA, Hv != H, packed and split decode)
     *cases(("mosaic_tpu",), 2, 100, 200, (8, 2), 80, "causal&segments", softcap=20.0, q_offset=3,
-           alibi="BN", relative="causal"),
+           alibi="BN", relative="causal", primal=True),
     *cases(("mosaic_tpu",), 2, 384, 128, (8, 1), 64, "window_lr", bias=(1, 8), alibi="pos",
-           relative="pos"),
+           relative="pos", primal=True),
     *cases(("mosaic_tpu",), 2, 128, 100, (4, 4), 128, "padding_fully_masked", bias=(2, 1),
            relative="bidir"),
     *cases(("mosaic_tpu",), 1, 1000, 1000, (4, 4), 32, "chunked", relative="causal",
@@ -126,12 +128,12 @@ CASES = [
     *cases(("mosaic_tpu",), 2, 130, 130, (4, 1), 32, "longformer&causal", q_offset=3,
            softcap=30.0),
     # a KV cache's masks: chunked prefill over [cache; fresh keys], and decode
-    *cases(("mosaic_tpu",), 2, 100, 300, (8, 2), 64, "positions_window", softcap=10.0),
+    *cases(("mosaic_tpu",), 2, 100, 300, (8, 2), 64, "positions_window", softcap=10.0, primal=True),
     *cases(("mosaic_tpu",), 2, 1, 300, (8, 1), 32, "positions", alibi="N"),
     # decode and speculative steps: query heads packed, keys split into chunks
     # (decode.py; chunks of 100, 65, 75 and 40 keys: never whole tiles)
     *cases(("mosaic_tpu",), 2, 1, 300, (8, 2), 64, "positions", softcap=10.0, pack_heads=True,
-           kv_splits=3),
+           kv_splits=3, primal=True),
     *cases(("mosaic_tpu",), 2, 5, 200, (4, 1), 32, "positions_window", bias=(2, 4),
            pack_heads=True),
     *cases(("mosaic_tpu",), 2, 3, 130, (4, 2), 32, "positions", bias=(1, 1), pack_heads=True,
@@ -144,11 +146,11 @@ CASES = [
     # sinks and Hv != H (padded to one lane width with H); decode packed and split
     # with sinks (added once, after the chunks merge)
     *cases(("mosaic_tpu",), 2, 100, 200, (4, 2), 48, "causal&segments", Hv=32, sinks=True,
-           softcap=10.0, q_offset=3, alibi="BN"),
+           softcap=10.0, q_offset=3, alibi="BN", primal=True),
     *cases(("mosaic_tpu",), 2, 130, 130, (4, 1), 32, "padding_fully_masked", Hv=136, sinks=True,
            relative="bidir"),
     *cases(("mosaic_tpu",), 2, 1, 300, (8, 2), 64, "positions", Hv=40, sinks=True,
-           pack_heads=True, kv_splits=3),
+           pack_heads=True, kv_splits=3, primal=True),
     # triton: GQA / MQA with every per-tile extra, fully masked rows, a KV cache
     *cases(("triton",), 2, 100, 200, (8, 2), 80, "causal&segments",
            name="gqa-segments-softcap-bias-alibi-t5-tails", softcap=20.0, q_offset=3,

@@ -327,3 +327,33 @@ def test_an_attention_layer_feeds_the_kernels_without_relayout_copies():
     bare = compile_attention("v5e:2x2", T=T, S=T, N=N, K=K, H=H, dtype=jnp.bfloat16,
                              mask_name="causal").as_text()
     assert len(relayouts(bare, T * K * H, T)) >= 3  # q, k, v in (and dq, dk, dv out)
+
+
+@pytest.mark.parametrize("keys_on_lanes", [None, False])
+def test_a_decode_step_reads_a_narrow_cache_where_it_lies(keys_on_lanes):
+    """At head dim 64 the TPU keeps a program's `[B, K, S, 64]` arguments with S on the
+    lanes (no padding of 64 to 128 lanes). An undifferentiated call reads K/V tiles
+    with the keys on lanes below head dim 128 (`keys_on_lanes=None`), so a decode step
+    whose cache crosses the jit boundary (`tfjax.inference.stream`) relays none of it
+    out; the row tiles (`keys_on_lanes=False`, the positive control) relay K and V."""
+    mesh = _mesh("v5e:2x2")
+    S, N, K, H = 8192, 8, 2, 64
+
+    def local(q, k_cache, v_cache, lengths):  # the caches heads-major, as KVCache stores
+        slots = lambda c: c.transpose(0, 2, 1, 3)  # kv_cache.slots_major
+        return flash_attention_tpu(q, slots(k_cache), slots(v_cache), M.padding(lengths),
+                                   interpret=False, keys_on_lanes=keys_on_lanes)
+
+    rows = NamedSharding(mesh, P("data"))
+    B = mesh.devices.size
+    args = (jax.ShapeDtypeStruct((B, 1, N, H), jnp.bfloat16, sharding=rows),
+            *[jax.ShapeDtypeStruct((B, K, S, H), jnp.bfloat16, sharding=rows)] * 2,
+            jax.ShapeDtypeStruct((B,), jnp.int32, sharding=rows))
+    step = jax.jit(_shard_map(local, mesh, (P("data"),) * 4, P("data")))
+    text = step.lower(*args).compile().as_text()
+    assert text.count("tpu_custom_call") == 1
+    found = _bench_attention().relayouts(text, S * K * H, S)
+    if keys_on_lanes is None:
+        assert not found, found
+    else:
+        assert len(found) >= 2, found  # K and V relaid out for the row tiles

@@ -173,10 +173,13 @@ def _blockwise_block(backend, *, block_q, block_kv, block_sizes) -> RingBlock:
 
 
 def _pallas_block(backend, *, block_q, block_kv, block_sizes) -> RingBlock:
-    """The Pallas TPU kernels: Mosaic on TPU, interpret mode on a CPU mesh."""
+    """The Pallas TPU kernels: Mosaic on TPU, interpret mode on a CPU mesh. The
+    forward reads K/V in the row tiles the backward kernels read (it runs under the
+    ring's own VJP, undifferentiated)."""
     tiles = dict(block_sizes=block_sizes, interpret=backend == "cpu")
     return RingBlock("pallas",
-                     functools.partial(pallas_tpu.flash_attention_tpu, return_lse=True, **tiles),
+                     functools.partial(pallas_tpu.flash_attention_tpu, return_lse=True,
+                                       keys_on_lanes=False, **tiles),
                      functools.partial(pallas_tpu.flash_attention_tpu_backward, **tiles))
 
 

@@ -22,6 +22,12 @@ Design choices:
   every block spans the whole head axis, which Mosaic takes at any width (compiled
   for v5e and v5p at H = 32, 64, 80, 96, 192; padding H = 64 to 128 lanes only
   doubled the heads-major copies).
+- **Keys on lanes for inference below head dim 128**: an undifferentiated call
+  (the custom VJP's primal: prefill, decode) reads K/V as `[B, K, Hp, Sp]` tiles
+  `[Hp, bk]` (`q k` and `p v^T` instead of `q k^T` and `p v`), the layout in which
+  the TPU keeps a `[.., S, 64]` array (no lane padding), e.g. a KV cache crossing a
+  jit boundary; the differentiated forward keeps the row tiles of the backward
+  kernels (`keys_on_lanes` overrides; ring attention passes False).
 - Layout `[B, N, T, H]`. **Lane-major statistics and segment ids**: the logsumexp
   and delta travel as `[B, N, 1, T]` and query / key segment ids as `[B, 1, T]`, so
   the positions run along lanes (a `[.., T, 1]` array would be padded to 128 lanes
@@ -111,6 +117,7 @@ def _pallas_call(cfg, kernel, **kw):
 @dataclasses.dataclass(frozen=True)
 class _Config(KernelConfig):
     grad_dtype: Any = None  # dq/dk/dv dtype; None: the input dtypes
+    keys_on_lanes: bool | None = None  # undifferentiated forward's K/V tiles (_inference_forward)
 
 
 # `_Config.interpret` when nothing traced names the target and the host is a CPU: each
@@ -118,7 +125,8 @@ class _Config(KernelConfig):
 AT_LOWERING = "at lowering"
 
 
-def _config(q, scale, softcap, q_offset, kv_offset, block_sizes, interpret, grad_dtype=None):
+def _config(q, scale, softcap, q_offset, kv_offset, block_sizes, interpret, grad_dtype=None,
+            keys_on_lanes=None):
     """The kernels' static config and the `[2]` int32 offsets operand; python-int
     offsets build the tile tables at trace time. `interpret=None`: by the target
     (`tfjax.ops.target.traced_platform`: a `targeting`, the mesh of a shard_map or of
@@ -136,7 +144,7 @@ def _config(q, scale, softcap, q_offset, kv_offset, block_sizes, interpret, grad
     H = q.shape[-1]
     static, offs = offsets(q_offset, kv_offset)
     cfg = _Config(*logit_scaling(H, scale, softcap), block_sizes or DEFAULT_BLOCK_SIZES,
-                  interpret, static, grad_dtype)
+                  interpret, static, grad_dtype, keys_on_lanes)
     return cfg, offs
 
 
@@ -144,13 +152,16 @@ def flash_attention_tpu(q, k, v, mask=None, *, bias=None, scale=None, softcap=No
                         alibi_slopes=None, alibi_positions=None,
                         relative_bias: RelativeBias | None = None, q_offset=0, kv_offset=0,
                         return_lse=False, block_sizes: BlockSizes | None = None,
-                        interpret: Any = None):
+                        interpret: Any = None, keys_on_lanes: bool | None = None):
     """q `[B,T,N,H]`, k/v `[B,S,K,H]` -> out `[B,T,N,H]` (and lse `[B,N,T]` fp32).
     `relative_bias`: T5's bias per tile (its table differentiable).
 
     `interpret=None` interprets for a CPU target and compiles with Mosaic for a TPU
-    (the target as `_config` decides it)."""
-    cfg, offs = _config(q, scale, softcap, q_offset, kv_offset, block_sizes, interpret)
+    (the target as `_config` decides it). `keys_on_lanes`: how an undifferentiated
+    call reads K/V (`_inference_forward`; None: by head dim, True below 128); a
+    differentiated call always reads the row tiles its backward kernels share."""
+    cfg, offs = _config(q, scale, softcap, q_offset, kv_offset, block_sizes, interpret,
+                        keys_on_lanes=keys_on_lanes)
     B, T, N = q.shape[:3]
     alibi = make_alibi(alibi_slopes, alibi_positions, B, N, T, k.shape[1])
     rel = check_relative_bias(relative_bias, B, N, T, k.shape[1])
@@ -210,6 +221,11 @@ def _dims(q, k, v, block_q, block_kv) -> Dims:
 def _heads_major(x, n, Hp):
     """[B, L, N, H] -> [B, N, n, Hp] zero-padded."""
     return pad_axis(pad_axis(x.transpose(0, 2, 1, 3), 2, n), 3, Hp)
+
+
+def _sequence_minor(x, n, Hp):
+    """[B, L, N, H] -> [B, N, Hp, n] zero-padded: the sequence along lanes."""
+    return pad_axis(pad_axis(x.transpose(0, 2, 3, 1), 3, n), 2, Hp)
 
 
 def _bias_operand(bias, d):
@@ -350,19 +366,24 @@ def _position_operands(in_specs, operands, alibi, rel, head_of):
         operands.append(rows)
 
 
-def _row_inputs(c: _Call, q, k, v, bias, alibi, rel, extra=()):
+def _row_inputs(c: _Call, q, k, v, bias, alibi, rel, extra=(), kv_lanes=False):
     """In-specs and operands of a query-row grid (B, N, nq, steps: the forward and
-    dq kernels): q's tile, the table's K/V tiles, the bias tile, ALiBi's slopes, T5's
-    table row, `extra` ((spec, operand) pairs: dq's dO, lse and delta rows), the
-    segment tiles."""
+    dq kernels): q's tile, the table's K/V tiles (`[bk, Hp]`; `kv_lanes`: `[Hp, bk]`
+    of `[B, K, Hp, Sp]`), the bias tile, ALiBi's slopes, T5's table row, `extra`
+    ((spec, operand) pairs: dq's dO, lse and delta rows), the segment tiles."""
     d, rb = c.d, c.rb
     row = lambda b, h, i, j, *_: (b, h, i, 0)
-    kv_idx = lambda b, h, i, j, order, *_: (b, h // d.G, order[rb(b), i, j], 0)
-    in_specs = [pl.BlockSpec((None, None, d.bq, d.Hp), row),
-                pl.BlockSpec((None, None, d.bk, d.Hp), kv_idx),
-                pl.BlockSpec((None, None, d.bk, d.Hp), kv_idx)]
-    operands = [_heads_major(q, d.Tp, d.Hp), _heads_major(k, d.Sp, d.Hp),
-                _heads_major(v, d.Sp, d.Hp)]
+    if kv_lanes:
+        kv_spec = pl.BlockSpec((None, None, d.Hp, d.bk), lambda b, h, i, j, order, *_: (
+            b, h // d.G, 0, order[rb(b), i, j]))
+        kv_operand = _sequence_minor
+    else:
+        kv_spec = pl.BlockSpec((None, None, d.bk, d.Hp), lambda b, h, i, j, order, *_: (
+            b, h // d.G, order[rb(b), i, j], 0))
+        kv_operand = _heads_major
+    in_specs = [pl.BlockSpec((None, None, d.bq, d.Hp), row), kv_spec, kv_spec]
+    operands = [_heads_major(q, d.Tp, d.Hp), kv_operand(k, d.Sp, d.Hp),
+                kv_operand(v, d.Sp, d.Hp)]
     if bias is not None:
         Bb, Nb = bias.shape[:2]
         in_specs.append(pl.BlockSpec(
@@ -431,7 +452,9 @@ def _masked(s, q_tile, kv_tile, d, mask, mops, offs_ref, b, sref, qseg, kseg, *,
 # --------------------------------------------------------------------------- #
 
 
-def _forward(cfg, q, k, v, mask, bias, alibi, rel, offs):
+def _forward(cfg, q, k, v, mask, bias, alibi, rel, offs, kv_lanes=False):
+    """(out `[B, T, N, H]`, lse `[B, N, T]`); `kv_lanes`: read K/V tiles with the keys
+    along lanes (`_row_inputs`)."""
     c = _call(cfg, q, k, v, mask, alibi, rel, offs, cfg.block_sizes.block_q,
               cfg.block_sizes.block_kv)
     d, tab, mops, ranges, rb = c.d, c.tab, c.mops, c.ranges, c.rb
@@ -457,7 +480,8 @@ def _forward(cfg, q, k, v, mask, bias, alibi, rel, offs):
             kj = order[r, i, j]
             rel_tile, _, _ = _relative(rel_ref, rel, b, i, kj, d, offs_ref, mops, qseg, kseg,
                                        sref[len(mops.scalars):])
-            s, _ = logits(dot_nt(q_ref[...], k_ref[...]), cfg.scale, cfg.softcap,
+            qk = dot(q_ref[...], k_ref[...]) if kv_lanes else dot_nt(q_ref[...], k_ref[...])
+            s, _ = logits(qk, cfg.scale, cfg.softcap,
                           bias_ref[...] if has_bias else None,
                           _alibi(alibi_ref, b, h, i, kj, d, offs_ref, mops, qseg, kseg), rel_tile)
 
@@ -471,7 +495,8 @@ def _forward(cfg, q, k, v, mask, bias, alibi, rel, offs):
             p = jnp.exp(s - m_safe)
             alpha = jnp.exp(m_prev - m_safe)
             l_sc[...] = alpha * l_prev + p.sum(axis=-1, keepdims=True)
-            acc_sc[...] = alpha * acc_sc[...] + dot(p.astype(v_ref.dtype), v_ref[...])
+            pv = (dot_nt if kv_lanes else dot)(p.astype(v_ref.dtype), v_ref[...])
+            acc_sc[...] = alpha * acc_sc[...] + pv
             m_sc[...] = m_new
 
         @pl.when(j == tab.steps - 1)
@@ -482,7 +507,7 @@ def _forward(cfg, q, k, v, mask, bias, alibi, rel, offs):
             o_ref[...] = jnp.where(has, acc_sc[...] / l_safe, 0.0).astype(o_ref.dtype)
             lse_ref[...] = jnp.where(has, m_sc[...] + jnp.log(l_safe), -jnp.inf).T  # lane-major
 
-    in_specs, operands = _row_inputs(c, q, k, v, bias, alibi, rel)
+    in_specs, operands = _row_inputs(c, q, k, v, bias, alibi, rel, kv_lanes=kv_lanes)
     out_specs = [pl.BlockSpec((None, None, bq, d.Hp), lambda b, h, i, j, *_: (b, h, i, 0)),
                  pl.BlockSpec((None, None, 1, bq), lambda b, h, i, j, *_: (b, h, 0, i))]
     out_shape = [jax.ShapeDtypeStruct((d.B, d.N, d.Tp, d.Hp), q.dtype),
@@ -744,4 +769,16 @@ def _backward(cfg, q, k, v, mask, bias, alibi, rel, offs, out, lse, dout, dlse):
     return dq, dk, dv, dbias, dtable
 
 
-_flash = attention_vjp(_forward, _backward)
+def _inference_forward(cfg, q, k, v, mask, bias, alibi, rel, offs):
+    """The forward of an undifferentiated call (prefill, decode steps): at head dims
+    under 128 lanes, K/V tiles with the keys along lanes. A `[.., S, 64]` array is
+    kept by the TPU with S on the lanes (no padding of 64 to 128), a KV cache passed
+    between decode steps among them, so the kernel reads it where it lies; the
+    differentiated forward keeps the row tiles its backward kernels share."""
+    lanes = cfg.keys_on_lanes
+    if lanes is None:
+        lanes = max(k.shape[-1], v.shape[-1]) < LANES
+    return _forward(cfg, q, k, v, mask, bias, alibi, rel, offs, kv_lanes=lanes)
+
+
+_flash = attention_vjp(_inference_forward, _backward, forward_for_grad=_forward)
