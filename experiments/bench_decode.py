@@ -1,6 +1,6 @@
 """KV-cache decoding: per-token time against prefix length, and cache sizes.
 
-    .venv/bin/python experiments/bench_decode.py                 # ~3-6 min on 2 CPU cores
+    .venv/bin/python experiments/bench_decode.py                 # ~8-10 min on 2 CPU cores
     .venv/bin/python experiments/bench_decode.py --d_model 1024 --layers 8 --max_prefix 8192
 
 1. Per-token decode time at prefix lengths 128 .. 4k (B=1) of a small GQA decoder:

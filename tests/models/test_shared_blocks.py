@@ -143,6 +143,17 @@ def pair():
     return scanned, unrolled
 
 
+def test_unrolled_twin_places_every_layer_and_keeps_the_shared_blocks(pair):
+    """`models.unrolled` of the scanned model: the parameters `transfer` places by
+    `layout.where` (the shared blocks stay stacked over num_blocks)."""
+    scanned, unrolled = pair
+    twin = dict(nnx.to_flat_state(nnx.state(models.unrolled(scanned), nnx.Param)))
+    want = dict(nnx.to_flat_state(nnx.state(unrolled, nnx.Param)))
+    assert twin.keys() == want.keys()
+    for path, var in want.items():
+        np.testing.assert_array_equal(twin[path].get_value(), var.get_value(), err_msg=str(path))
+
+
 def loss_fn(logits):
     return jnp.mean(jax.nn.log_softmax(logits)[..., 3]) + jnp.mean(logits ** 2) * 1e-2
 
