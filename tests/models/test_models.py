@@ -175,6 +175,14 @@ def test_scan_equals_unrolled(pattern, layers):
     assert models.unrolled(unrolled) is unrolled
 
 
+    class Wrapper(nnx.Module):  # as interop.hf.HFEncoder wraps an EncoderModel
+        def __init__(self, model):
+            self.model, self.config = model, model.config
+
+    with pytest.raises(ValueError, match="tfjax.models.build"):
+        models.unrolled(Wrapper(scanned))
+
+
 def test_unrolled_moves_both_stacks_of_an_encoder_decoder():
     model = models.build(tiny(arch="encoder_decoder", position="t5", num_layers=2,
                               num_encoder_layers=3, t5=dict(num_buckets=8, max_distance=16)))

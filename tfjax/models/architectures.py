@@ -133,6 +133,11 @@ def unrolled(model: nnx.Module) -> nnx.Module:
     if len(drops) > 1:
         raise ValueError("unrolled: the model's dropout layers are in mixed modes; call "
                          "model.eval() or model.train() first")
+    config = getattr(model, "config", None)
+    if not isinstance(config, ModelConfig) or type(model) is not ARCHITECTURES.get(config.arch):
+        raise ValueError(f"unrolled: takes a model `tfjax.models.build` made, not a "
+                         f"{type(model).__name__} (an HF encoder: its `.model`, or "
+                         f"hf.load(..., scan_layers=False))")
     cfg = dataclasses.replace(model.config, scan_layers=False)
     with nnx.use_eager_sharding(False):
         abstract = nnx.eval_shape(lambda: build(cfg, rngs=nnx.Rngs(0)))
