@@ -174,7 +174,6 @@ def test_scan_equals_unrolled(pattern, layers):
     assert np.abs(np.asarray(fresh(x) - scanned(x))).max() > 1e-2
     assert models.unrolled(unrolled) is unrolled
 
-
     class Wrapper(nnx.Module):  # as interop.hf.HFEncoder wraps an EncoderModel
         def __init__(self, model):
             self.model, self.config = model, model.config
