@@ -325,7 +325,8 @@ def test_select_ring_block_picks_per_platform_and_refuses_what_the_ring_cannot_r
     for backend, interpret in (("cpu", True), ("tpu", False)):
         blk = select_ring_block(backend, None, "pallas", **tiles)
         assert blk.forward.keywords == {"return_lse": True, "block_sizes": bs,
-                                        "interpret": interpret}
+                                        "interpret": interpret,
+                                        "keys_on_lanes": False}  # the backward's row tiles
         assert blk.backward.keywords == {"block_sizes": bs, "interpret": interpret}
     # the block's forward returns (out, lse) and its backward the block's gradients
     q, k = rand((1, 8, 4, 8), 0), rand((1, 8, 2, 8), 1)
