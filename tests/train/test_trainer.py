@@ -117,6 +117,73 @@ def test_gradient_accumulation_matches_one_batch(tmp_path, reference):
                                [reference["history"][k] for k in (1, 2, 3, 4)], rtol=2e-5)
 
 
+def _collectives_in_loops(hlo: str) -> int:
+    """All-reduces in the computations a compiled HLO's while loops run (bodies, and
+    what they call)."""
+    comps, name = {}, None
+    for line in hlo.splitlines():
+        if line and not line.startswith(" ") and line.rstrip().endswith("{"):
+            name = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
+            comps[name] = []
+        elif name is not None:
+            comps[name].append(line)
+    calls = lambda lines: [n.strip().lstrip("%") for line in lines for m in re.finditer(
+        r"(?:calls|body|to_apply|branch_computations)=\{?([%\w.\-, ]+)\}?", line)
+        for n in m.group(1).split(",")]
+    todo = [m.group(1) for lines in comps.values() for line in lines
+            for m in [re.search(r" while\(.*body=%?([\w.\-]+)", line)] if m]
+    seen = set()
+    while todo:
+        c = todo.pop()
+        if c not in seen and c in comps:
+            seen.add(c)
+            todo += calls(comps[c])
+    return sum(" all-reduce(" in line or " all-reduce-start(" in line
+               for c in seen for line in comps[c])
+
+
+def test_data_parallel_cpu_steps_sum_gradients_once(tmp_path, reference, monkeypatch):
+    """On a data-parallel CPU mesh each device computes its rows' gradients (every
+    microbatch) and one psum sums them: no all-reduce inside the layer or microbatch
+    loops, and the losses of one device. Positive control: GSPMD alone (the step
+    without local axes) all-reduces inside them."""
+    import jax
+
+    from tfjax.train import program
+
+    sections = dict(mesh=dict(data=4), train=dict(microbatches=2))
+    tr, s = run(tmp_path, "local", n_devices=4, **sections)
+    assert any("gradients summed once a step over mesh axes data" in n for n in tr.notes)
+    np.testing.assert_allclose([s["history"][k] for k in (1, 2, 3, 4)],
+                               [reference["history"][k] for k in (1, 2, 3, 4)], rtol=2e-5)
+    batch = tr.global_batch(next(tr.train_iterator()))
+
+    def step_text(trainer):
+        state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                             trainer.abstract_state, trainer.state_shardings)
+        return trainer._step.lower(state, batch).compile().as_text()
+
+    assert _collectives_in_loops(step_text(tr)) == 0
+    monkeypatch.setattr(program, "local_gradient_axes", lambda *a: ())
+    gspmd = Trainer(tiny_config(**sections), str(tmp_path / "gspmd"),
+                    build_model=tiny_decoder.build, devices=devices(4), log=lambda s: None)
+    assert not any("summed once" in n for n in gspmd.notes)
+    assert _collectives_in_loops(step_text(gspmd)) >= 1
+    # not with parameters sharded over a batch axis (fsdp), nor on one device
+    fsdp = Trainer(tiny_config(mesh=dict(data=1, fsdp=4)), str(tmp_path / "fsdp"),
+                   build_model=tiny_decoder.build, devices=devices(4), log=lambda s: None)
+    assert not any("summed once" in n for n in fsdp.notes)
+    # nor when the forward draws dropout masks (per-device masks are not the rows of
+    # the global one): tfjax.train.step.changes_state reads it from the jaxpr
+    monkeypatch.undo()
+    drop = Trainer(tiny_config(mesh=dict(data=4), model=dict(dropout_rate=0.1)),
+                   str(tmp_path / "drop"), devices=devices(4), log=lambda s: None)
+    assert not any("summed once" in n for n in drop.notes)
+    plain = Trainer(tiny_config(mesh=dict(data=4)), str(tmp_path / "plain"), devices=devices(4),
+                    log=lambda s: None)
+    assert any("summed once" in n for n in plain.notes)
+
+
 BAD = [
     (dict(mesh=dict(data=3)), "mesh: data=3"),
     (dict(mesh=dict(data=4, fsdp=4)), "product is 8"),

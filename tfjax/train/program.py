@@ -25,7 +25,7 @@ from tfjax.parallel.sharding import logical_to_spec, use_rules
 from tfjax.parallel.zigzag import zigzag_data, zigzag_order
 from tfjax.train.lora import Lora, train_state_shape
 from tfjax.train.objectives import OBJECTIVES
-from tfjax.train.step import make_eval_step, make_train_step
+from tfjax.train.step import changes_state, local_gradient_axes, make_eval_step, make_train_step
 
 __all__ = ["Program", "build_program", "zigzag_devices", "zigzag_rows"]
 
@@ -140,6 +140,13 @@ def build_program(cfg: RunConfig, mesh, build_model) -> Program:
     zz, note = zigzag_devices(cfg, mesh, build_model)
     if note:
         notes.append(note)
+    local = local_gradient_axes(mesh, rules, state_shardings)
+    if local and changes_state(graphdef, aparams, arest, shapes,
+                               OBJECTIVES.get(t.objective, field="train.objective"), t.loss_chunk):
+        local = ()
+    if local:
+        notes.append(f"gradients summed once a step over mesh axes {', '.join(local)} "
+                     f"(local gradients: tfjax.train.step)")
 
     def traced(f):  # the layers read the data layout while jit traces the step
         if not zz:
@@ -156,7 +163,8 @@ def build_program(cfg: RunConfig, mesh, build_model) -> Program:
         num_params=num_params,
         init=jax.jit(init, out_shardings=state_shardings),
         zigzag=zz, batch_shapes=shapes, batch_shardings=shardings, lora=lora, start=start,
-        step=jax.jit(traced(make_train_step(graphdef, tx, t, mesh, rules, lora and lora.merge)),
+        step=jax.jit(traced(make_train_step(graphdef, tx, t, mesh, rules, lora and lora.merge,
+                                            local)),
                      in_shardings=(state_shardings, shardings),
                      out_shardings=(state_shardings, rep), donate_argnums=0),
         eval=jax.jit(traced(make_eval_step(eval_graphdef, mesh, rules, t.objective,

@@ -12,6 +12,13 @@ gradients of *sums* of token losses divided by the token count of the whole
 batch, so any number of microbatches gives the same update as one.
 Microbatch i takes rows i, i+M, i+2M, ... so every device keeps its own rows.
 
+**Local gradients** (`local_axes`, `local_gradient_axes`): on a data-parallel CPU mesh
+the step computes each device's gradients over its own rows (a `shard_map` over the
+batch axes, every microbatch included) and sums them with one `psum` at the end.
+Under GSPMD alone the gradients of replicated parameters are all-reduced per layer
+and per microbatch, and XLA:CPU runs each all-reduce as a rendezvous of the devices'
+threads (`experiments/results/bench_train_cpu.md`). The same rows, sums and update.
+
 How the model is called and what is summed is the objective's (`train.objective`,
 `tfjax.train.objectives`); "causal_lm" is `model(inputs, positions, segment_ids)`
 and the masked next-token cross-entropy of `losses.py` (with `train.loss_chunk`, the
@@ -20,6 +27,7 @@ model's `features` and `head` a chunk of positions at a time).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -27,13 +35,15 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from tfjax.config import TrainConfig
 from tfjax.nn.moe import balance_experts, moe_aux
 from tfjax.parallel.sharding import shard, use_rules
 from tfjax.train.objectives import OBJECTIVES, Objective
 
-__all__ = ["forward_sums", "make_eval_step", "make_train_step"]
+__all__ = ["changes_state", "forward_sums", "local_gradient_axes", "make_eval_step",
+           "make_train_step"]
 
 
 def forward_sums(graphdef, params, rest, batch, objective: Objective | None = None,
@@ -58,12 +68,55 @@ def _constrain(batch):
     return {k: shard(v, ("batch", "length")[:v.ndim]) for k, v in batch.items()}
 
 
+def local_gradient_axes(mesh, rules, state_shardings) -> tuple[str, ...]:
+    """The mesh axes over which `make_train_step` may compute gradients locally and sum
+    them once (the module's "local gradients"): the batch axes of size > 1 when the
+    mesh is a CPU one, every other axis has size 1 and every state array is
+    replicated; else () (GSPMD alone: on accelerators its per-layer all-reduces
+    overlap the backward). The forward must also leave the model's other state as it
+    is (`changes_state`)."""
+    if mesh is None or mesh.devices.flat[0].platform != "cpu":
+        return ()
+    batch = [a for a in (dict(rules).get("batch") or ()) if mesh.shape[a] > 1]
+    if not batch or any(n > 1 for a, n in mesh.shape.items() if a not in batch):
+        return ()
+    def split(entry):  # a spec entry: None, an axis name or a tuple of them
+        names = () if entry is None else (entry,) if isinstance(entry, str) else entry
+        return math.prod(mesh.shape[a] for a in names) > 1
+
+    if any(any(map(split, sh.spec)) for sh in jax.tree.leaves(state_shardings)):
+        return ()
+    return tuple(batch)
+
+
+def changes_state(graphdef, params, rest, batch_shapes: dict, objective: Objective,
+                  loss_chunk: int = 0) -> bool:
+    """Whether the forward updates the model's non-parameter state `rest` (dropout's
+    draws advance its RNG counters; MoE statistics), read from its jaxpr: a leaf the
+    forward does not touch leaves it as the variable it entered as. Local gradients
+    need an untouched state: per-device dropout masks would not be the rows of the
+    global one, and statistics would need their own reduction."""
+    if not jax.tree.leaves(rest):
+        return False
+    batch = {k: jax.ShapeDtypeStruct(s, jnp.int32) for k, s in batch_shapes.items()}
+
+    def forward(params, rest, batch):
+        return forward_sums(graphdef, params, rest, batch, objective, loss_chunk)[1]
+
+    jaxpr = jax.make_jaxpr(forward)(params, rest, batch).jaxpr
+    n, m = len(jax.tree.leaves(params)), len(jax.tree.leaves(rest))
+    entered = jaxpr.invars[n:n + m]
+    return len(jaxpr.outvars) != m or any(o is not i for o, i in zip(jaxpr.outvars, entered))
+
+
 def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: TrainConfig,
-                    mesh=None, rules=(), merge: Callable | None = None) -> Callable:
+                    mesh=None, rules=(), merge: Callable | None = None,
+                    local_axes: tuple[str, ...] = ()) -> Callable:
     """A pure `train_step(state, batch) -> (state, metrics)` (not yet jitted). With
     `merge` (LoRA, `tfjax.train.lora`), `state["params"]` are the trainable adapters
     and the model computes with `merge(state["frozen"], params)`: the frozen base gets
-    no gradient and no update."""
+    no gradient and no update. `local_axes` (`local_gradient_axes`): compute the
+    gradients per device over these mesh axes and sum them once."""
     M = cfg.microbatches
     objective = OBJECTIVES.get(cfg.objective, field="train.objective")
 
@@ -76,32 +129,48 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: TrainConfig
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
+    def gradients(params, rest, batch, denom, frozen):
+        """(grads, sums, rest) over `batch`, its microbatches accumulated."""
+        if M == 1:
+            (_, (sums, rest)), grads = grad_fn(params, rest, batch, denom, frozen)
+            return grads, sums, rest
+        B = batch["mask"].shape[0]
+        micro = jax.tree.map(lambda x: x.reshape(B // M, M, *x.shape[1:]).swapaxes(0, 1), batch)
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        zsums = {k: jnp.zeros((), jnp.float32)
+                 for k in ("nll", "z", "tokens", "bytes", "moe_aux", "mtp", *objective.extra)}
+
+        def body(carry, mb):
+            acc, rest, tot = carry
+            mb = _constrain(mb)
+            (_, (sums, rest)), g = grad_fn(params, rest, mb, denom, frozen)
+            acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc, g)
+            tot = {k: tot[k] + sums[k] for k in tot}
+            return (acc, rest, tot), None
+
+        (grads, rest, sums), _ = jax.lax.scan(body, (zeros, rest, zsums), micro)
+        return jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params), sums, rest
+
+    def local_gradients(params, rest, batch, denom, frozen):
+        """`gradients` per device over `local_axes` (each its own rows: microbatch i
+        of a device is its rows of the global microbatch i), summed once."""
+        def local(params, rest, batch, denom, frozen):
+            with use_rules(None, ()):  # inside: no mesh axes to constrain to
+                grads, sums, rest = gradients(params, rest, batch, denom, frozen)
+            return jax.lax.psum((grads, sums), local_axes) + (rest,)
+
+        rows = jax.tree.map(lambda _: P(local_axes), batch)
+        return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), rows, P(), P()),
+                             out_specs=(P(), P(), P()), check_vma=False)(
+                                 params, rest, batch, denom, frozen)
+
     def train_step(state, batch):
         with use_rules(mesh, rules) if mesh is not None else _nullcontext():
             batch = _constrain(batch)
             params, rest, frozen = state["params"], state["rest"], state.get("frozen")
             denom = jnp.maximum(batch["mask"].astype(jnp.float32).sum(), 1.0)
-            if M == 1:
-                (_, (sums, rest)), grads = grad_fn(params, rest, batch, denom, frozen)
-            else:
-                B = batch["mask"].shape[0]
-                micro = jax.tree.map(
-                    lambda x: x.reshape(B // M, M, *x.shape[1:]).swapaxes(0, 1), batch)
-                zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-                zsums = {k: jnp.zeros((), jnp.float32)
-                         for k in ("nll", "z", "tokens", "bytes", "moe_aux", "mtp",
-                                   *objective.extra)}
-
-                def body(carry, mb):
-                    acc, rest, tot = carry
-                    mb = _constrain(mb)
-                    (_, (sums, rest)), g = grad_fn(params, rest, mb, denom, frozen)
-                    acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc, g)
-                    tot = {k: tot[k] + sums[k] for k in tot}
-                    return (acc, rest, tot), None
-
-                (grads, rest, sums), _ = jax.lax.scan(body, (zeros, rest, zsums), micro)
-                grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+            grads, sums, rest = (local_gradients if local_axes else gradients)(
+                params, rest, batch, denom, frozen)
             grad_norm = optax.global_norm(grads)
             updates, opt = tx.update(grads, state["opt"], params)
             params = optax.apply_updates(params, updates)
