@@ -80,6 +80,7 @@ def local_gradient_axes(mesh, rules, state_shardings) -> tuple[str, ...]:
     batch = [a for a in (dict(rules).get("batch") or ()) if mesh.shape[a] > 1]
     if not batch or any(n > 1 for a, n in mesh.shape.items() if a not in batch):
         return ()
+
     def split(entry):  # a spec entry: None, an axis name or a tuple of them
         names = () if entry is None else (entry,) if isinstance(entry, str) else entry
         return math.prod(mesh.shape[a] for a in names) > 1
