@@ -12,7 +12,9 @@ Expected on an idle 2-core CPU (one device per core): about 6 minutes, then val
 1.663 bits/byte on the 147,369 validation bytes, printed beside gzip -9 (1.913) and
 xz -9e (1.697) on the same bytes (experiments/results/train_default_cpu.md).
 Variants: "quick" (a smoke run of ~30 s), "tiny" (a 2-layer d=64 model), "small"
-(d=256, 6 layers, 4.79M parameters: experiments/bench_train.py's second preset).
+(d=256, 6 layers, 4.79M parameters: experiments/bench_train.py's second preset; remat
+`dots_attn`, 4 % faster there than `qkv_attn`, which is 2 % faster at this size:
+experiments/results/bench_train_cpu.md).
 """
 
 from tfjax.config import apply_variant, default_config
@@ -34,5 +36,6 @@ def get_config(arg=None):
     return apply_variant(cfg, arg, {
         "quick": {"train": dict(steps=40, warmup_steps=10, eval_batches=4, sample_tokens=40)},
         "tiny": {"model": dict(d_model=64, num_layers=2, d_ff=192)},
-        "small": {"model": dict(d_model=256, num_layers=6, num_heads=8, num_kv_heads=4, d_ff=768)},
+        "small": {"model": dict(d_model=256, num_layers=6, num_heads=8, num_kv_heads=4, d_ff=768,
+                                remat="dots_attn")},
     })
