@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -42,6 +43,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tfjax import models
+from tfjax.inference import generate
 from tfjax.config import model_config
 
 
@@ -199,10 +201,6 @@ def cache_sizes():
 
 def scanned_vs_unrolled(args, prompt=64):
     """Section 4 of the module docstring."""
-    import statistics
-
-    from tfjax.inference import generate
-
     cfg, scanned = _small_decoder(args, prompt + args.max_prefix)
     twin = models.unrolled(scanned)
     print(f"\n## `generate`, scanned layers against `models.unrolled(model)`, B=1, "

@@ -1,5 +1,6 @@
 """Test setup: 8 simulated CPU devices, set before jax is imported anywhere."""
 
+import importlib.util
 import os
 
 os.environ["XLA_FLAGS"] = (
@@ -54,6 +55,17 @@ def _xla_optimized(request):
         yield
     finally:
         jax.config.update("jax_disable_most_optimizations", True)
+
+
+@pytest.fixture(scope="session")
+def bench_attention():
+    """experiments/bench_attention.py as a module, loaded once: its `relayouts` (the
+    count its layer table reports) and `last_loop_body` read compiled HLO text."""
+    path = os.path.join(os.path.dirname(__file__), "..", "experiments", "bench_attention.py")
+    spec = importlib.util.spec_from_file_location("experiments_bench_attention", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 # Measured slow tests (tests/slow_tests.txt: ids or id prefixes), marked `slow` here.

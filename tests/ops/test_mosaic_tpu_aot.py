@@ -8,8 +8,6 @@ Every kernel (forward, dq, dk/dv, via the gradient) is compiled inside a
 per-device memory is checked to stay O(T). Skipped when libtpu is missing.
 """
 
-import functools
-import importlib.util
 import os
 import re
 
@@ -275,19 +273,7 @@ def test_no_lane_padded_statistics_or_segment_ids():
     assert "tpu_custom_call" in text and not column.search(text), column.findall(text)
 
 
-@functools.cache
-def _bench_attention():
-    """experiments/bench_attention.py as a module, loaded once: its `relayouts` is the
-    count its layer table reports."""
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "experiments",
-                        "bench_attention.py")
-    spec = importlib.util.spec_from_file_location("experiments_bench_attention", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_an_attention_layer_feeds_the_kernels_without_relayout_copies():
+def test_an_attention_layer_feeds_the_kernels_without_relayout_copies(bench_attention):
     """The kernels read `[B, N, T, H]`; a layer produces `[B, T, N, H]`. In a compiled
     layer (projections, RoPE, the Mosaic kernels, output projection; fwd+bwd) XLA's
     layout assignment makes the producers write heads-major and the gradients' consumers
@@ -321,7 +307,7 @@ def test_an_attention_layer_feeds_the_kernels_without_relayout_copies():
     step = jax.jit(_shard_map(local, mesh, (P(), P("data")), (P(), P("data"))))
     text = step.lower(params, x).compile().as_text()
     assert text.count("tpu_custom_call") >= 3  # fwd, dq, dk/dv
-    relayouts = _bench_attention().relayouts
+    relayouts = bench_attention.relayouts
     found = relayouts(text, T * K * H, T)
     assert not found, found
     bare = compile_attention("v5e:2x2", T=T, S=T, N=N, K=K, H=H, dtype=jnp.bfloat16,
@@ -330,7 +316,7 @@ def test_an_attention_layer_feeds_the_kernels_without_relayout_copies():
 
 
 @pytest.mark.parametrize("keys_on_lanes", [None, False])
-def test_a_decode_step_reads_a_narrow_cache_where_it_lies(keys_on_lanes):
+def test_a_decode_step_reads_a_narrow_cache_where_it_lies(keys_on_lanes, bench_attention):
     """At head dim 64 the TPU keeps a program's `[B, K, S, 64]` arguments with S on the
     lanes (no padding of 64 to 128 lanes). An undifferentiated call reads K/V tiles
     with the keys on lanes below head dim 128 (`keys_on_lanes=None`), so a decode step
@@ -352,7 +338,7 @@ def test_a_decode_step_reads_a_narrow_cache_where_it_lies(keys_on_lanes):
     step = jax.jit(_shard_map(local, mesh, (P("data"),) * 4, P("data")))
     text = step.lower(*args).compile().as_text()
     assert text.count("tpu_custom_call") == 1
-    found = _bench_attention().relayouts(text, S * K * H, S)
+    found = bench_attention.relayouts(text, S * K * H, S)
     if keys_on_lanes is None:
         assert not found, found
     else:

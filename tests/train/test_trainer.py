@@ -117,36 +117,12 @@ def test_gradient_accumulation_matches_one_batch(tmp_path, reference):
                                [reference["history"][k] for k in (1, 2, 3, 4)], rtol=2e-5)
 
 
-def _collectives_in_loops(hlo: str) -> int:
-    """All-reduces in the computations a compiled HLO's while loops run (bodies, and
-    what they call)."""
-    comps, name = {}, None
-    for line in hlo.splitlines():
-        if line and not line.startswith(" ") and line.rstrip().endswith("{"):
-            name = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
-            comps[name] = []
-        elif name is not None:
-            comps[name].append(line)
-    calls = lambda lines: [n.strip().lstrip("%") for line in lines for m in re.finditer(
-        r"(?:calls|body|to_apply|branch_computations)=\{?([%\w.\-, ]+)\}?", line)
-        for n in m.group(1).split(",")]
-    todo = [m.group(1) for lines in comps.values() for line in lines
-            for m in [re.search(r" while\(.*body=%?([\w.\-]+)", line)] if m]
-    seen = set()
-    while todo:
-        c = todo.pop()
-        if c not in seen and c in comps:
-            seen.add(c)
-            todo += calls(comps[c])
-    return sum(" all-reduce(" in line or " all-reduce-start(" in line
-               for c in seen for line in comps[c])
-
-
-def test_data_parallel_cpu_steps_sum_gradients_once(tmp_path, reference, monkeypatch):
+def test_data_parallel_cpu_steps_sum_gradients_once(tmp_path, reference, monkeypatch,
+                                                    bench_attention):
     """On a data-parallel CPU mesh each device computes its rows' gradients (every
-    microbatch) and one psum sums them: no all-reduce inside the layer or microbatch
-    loops, and the losses of one device. Positive control: GSPMD alone (the step
-    without local axes) all-reduces inside them."""
+    microbatch) and one psum sums them: no all-reduce inside the microbatch loop (and
+    the layer loops it runs), and the losses of one device. Positive control: GSPMD
+    alone (the step without local axes) all-reduces inside it."""
     import jax
 
     from tfjax.train import program
@@ -158,17 +134,18 @@ def test_data_parallel_cpu_steps_sum_gradients_once(tmp_path, reference, monkeyp
                                [reference["history"][k] for k in (1, 2, 3, 4)], rtol=2e-5)
     batch = tr.global_batch(next(tr.train_iterator()))
 
-    def step_text(trainer):
+    def collectives_in_loop(trainer):  # all-reduces the microbatch loop runs
         state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
                              trainer.abstract_state, trainer.state_shardings)
-        return trainer._step.lower(state, batch).compile().as_text()
+        text = trainer._step.lower(state, batch).compile().as_text()
+        return bench_attention.last_loop_body(text).count(" all-reduce(")
 
-    assert _collectives_in_loops(step_text(tr)) == 0
+    assert collectives_in_loop(tr) == 0
     monkeypatch.setattr(program, "local_gradient_axes", lambda *a: ())
     gspmd = Trainer(tiny_config(**sections), str(tmp_path / "gspmd"),
                     build_model=tiny_decoder.build, devices=devices(4), log=lambda s: None)
     assert not any("summed once" in n for n in gspmd.notes)
-    assert _collectives_in_loops(step_text(gspmd)) >= 1
+    assert collectives_in_loop(gspmd) >= 1
     # not with parameters sharded over a batch axis (fsdp), nor on one device
     fsdp = Trainer(tiny_config(mesh=dict(data=1, fsdp=4)), str(tmp_path / "fsdp"),
                    build_model=tiny_decoder.build, devices=devices(4), log=lambda s: None)

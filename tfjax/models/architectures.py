@@ -138,7 +138,7 @@ def unrolled(model: nnx.Module) -> nnx.Module:
         raise ValueError(f"unrolled: takes a model `tfjax.models.build` made, not a "
                          f"{type(model).__name__} (an HF encoder: its `.model`, or "
                          f"hf.load(..., scan_layers=False))")
-    cfg = dataclasses.replace(model.config, scan_layers=False)
+    cfg = dataclasses.replace(config, scan_layers=False)
     with nnx.use_eager_sharding(False):
         abstract = nnx.eval_shape(lambda: build(cfg, rngs=nnx.Rngs(0)))
     graphdef, target = nnx.split(abstract)

@@ -133,7 +133,8 @@ def build_program(cfg: RunConfig, mesh, build_model) -> Program:
     # Batches: [B, T] split over the "batch" mesh axes; the step itself constrains
     # activations to ("batch", "length") (sequence sharding).
     batch_sharding = NamedSharding(mesh, logical_to_spec(("batch", None), rules))
-    shapes = OBJECTIVES.get(t.objective, field="train.objective").shapes(cfg)
+    objective = OBJECTIVES.get(t.objective, field="train.objective")
+    shapes = objective.shapes(cfg)
     shardings = {k: NamedSharding(mesh, logical_to_spec(("batch", None)[:len(v)], rules))
                  for k, v in shapes.items()}
     rep = replicated(mesh)
@@ -141,8 +142,7 @@ def build_program(cfg: RunConfig, mesh, build_model) -> Program:
     if note:
         notes.append(note)
     local = local_gradient_axes(mesh, rules, state_shardings)
-    if local and changes_state(graphdef, aparams, arest, shapes,
-                               OBJECTIVES.get(t.objective, field="train.objective"), t.loss_chunk):
+    if local and changes_state(graphdef, aparams, arest, shapes, objective, t.loss_chunk):
         local = ()
     if local:
         notes.append(f"gradients summed once a step over mesh axes {', '.join(local)} "

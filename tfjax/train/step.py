@@ -27,7 +27,6 @@ model's `features` and `head` a chunk of positions at a time).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -80,12 +79,7 @@ def local_gradient_axes(mesh, rules, state_shardings) -> tuple[str, ...]:
     batch = [a for a in (dict(rules).get("batch") or ()) if mesh.shape[a] > 1]
     if not batch or any(n > 1 for a, n in mesh.shape.items() if a not in batch):
         return ()
-
-    def split(entry):  # a spec entry: None, an axis name or a tuple of them
-        names = () if entry is None else (entry,) if isinstance(entry, str) else entry
-        return math.prod(mesh.shape[a] for a in names) > 1
-
-    if any(any(map(split, sh.spec)) for sh in jax.tree.leaves(state_shardings)):
+    if not all(sh.is_fully_replicated for sh in jax.tree.leaves(state_shardings)):
         return ()
     return tuple(batch)
 
