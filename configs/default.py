@@ -7,15 +7,15 @@ Llama recipe at toy size (0.82M parameters): RoPE, RMSNorm, SwiGLU, GQA, no bias
 tied embeddings; bytes (259 ids: 256 + pad, bos, eos); 1500 steps of 32 rows x 128
 tokens (6.14M tokens) in four microbatches of 8, AdamW 4e-3, warmup 50, cosine to
 5% (the recipe: experiments/results/default_recipe.md); remat `qkv_attn`, which on
-CPU is faster than keeping every activation, and four microbatches, 11 % faster than
-two since each device sums its gradients once a step (both in
-experiments/results/bench_train_cpu.md). Expected on an idle 2-core CPU (one device
+CPU is faster than keeping every activation, and four microbatches, faster than two
+now that each device sums its gradients once a step (measured in
+experiments/results/bench_train_cpu.md and train_default_cpu.md). Expected on an idle 2-core CPU (one device
 per core): about 4 minutes, then val 1.663 bits/byte on the 147,369 validation bytes,
 printed beside gzip -9 (1.913) and xz -9e (1.697) on the same bytes
 (experiments/results/train_default_cpu.md).
 Variants: "quick" (a smoke run of ~30 s), "tiny" (a 2-layer d=64 model), "small"
 (d=256, 6 layers, 4.79M parameters: experiments/bench_train.py's second preset; remat
-`dots_attn`, 4 % faster there than `qkv_attn`, which is 2 % faster at this size:
+`dots_attn`, faster there than `qkv_attn`, which is faster at the default's size:
 experiments/results/bench_train_cpu.md).
 """
 

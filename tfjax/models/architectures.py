@@ -118,8 +118,8 @@ def unrolled(model: nnx.Module) -> nnx.Module:
     without scanned cycles comes back as it is.
 
     For decoding. A scanned stack takes each layer's cache out of the stacked caches
-    and writes it back every step, and XLA copies both ways (2-4 cache-sized copies
-    a decode step, `experiments/results/attention_layer_tpu_aot_20261204.md`);
+    and writes it back every step, and XLA copies both ways (cache-sized copies each
+    decode step: `experiments/results/attention_layer_tpu_aot_20261204.md`);
     unrolled layers update their own caches in place. Training keeps the scan
     (compile time flat in depth). The new arrays are copies: drop `model` after, or
     build unrolled in the first place (`tfjax.interop.hf.load(..., scan_layers=False)`).
