@@ -72,3 +72,30 @@ def test_named_policies_keep_the_attention_forward(remat, reruns):
     bwd = sum(counts[n] for n in counts if n not in fwd)
     assert len(fwd) == 1 and bwd > 0, counts
     assert counts[fwd[0]] == (bwd if reruns else bwd // 2), counts  # dq + dkv per layer
+
+
+def _depths(jaxpr, name, depth=0, out=None):
+    """The nesting depth (0: the top level) of every `name` equation in a jaxpr."""
+    out = [] if out is None else out
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == name:
+            out.append(depth)
+        for p in eqn.params.values():
+            for sub in p if isinstance(p, (list, tuple)) else (p,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    _depths(sub, name, depth + 1, out)
+    return out
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_rope_tables_are_computed_once_outside_the_layers(scan):
+    """The stack computes each distinct RoPE's sin/cos once a call, before the layer
+    scan and its remat (here two: the global layers' base and the local layers'),
+    and the gradient does not recompute them."""
+    graphdef, state = _model("dots_attn", num_layers=4, layer_pattern=("local", "global"),
+                             sliding_window=4, position="rope", local_rope_theta=100.0,
+                             scan_layers=scan)
+    jaxpr = jax.make_jaxpr(jax.grad(_loss(graphdef)))(state).jaxpr
+    assert _depths(jaxpr, "sin") == [0, 0]
+    assert _depths(jaxpr, "cos") == [0, 0]

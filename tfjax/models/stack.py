@@ -223,6 +223,7 @@ class LayerStack(nnx.Module):
             apply = nnx.remat(apply, policy=policy)
 
         first, L, x0 = self._first_init(x), self.layout.cycle_length, x
+        rotary = self._rotary(kwargs.get("positions"))
         if self.cycles is not None:
             pattern = self.pattern
 
@@ -232,6 +233,7 @@ class LayerStack(nnx.Module):
                     depth, first = self._depth(block, x, c * L + j, first,
                                                cycle=c if j == 0 else None)
                     depth.update(self._shared_kwargs(shared, x0, kind, j, cycle=c))
+                    depth.update(rotary(block))
                     x = apply(block, x, masks[kind], biases[kind], depth)
                 return x, first
 
@@ -242,8 +244,26 @@ class LayerStack(nnx.Module):
             kind = self._block_kind(j)
             depth, first = self._depth(block, x, self.layout.block_layer(j), first)
             depth.update(self._shared_kwargs(self.shared, x0, kind, j))
+            depth.update(rotary(block))
             x = apply(block, x, masks[kind], biases[kind], depth)
         return x
+
+    def _rotary(self, positions):
+        """block -> the kwargs giving its self-attention the RoPE tables of `positions`:
+        `{"rope_tables": rope.tables(positions)}`, or {} for a mixer without RoPE (or no
+        positions). Each distinct RoPE's tables are computed here, once a call, outside
+        the layer scan and the remat: inside, every layer recomputed their sin and cos
+        (XLA fuses them into the rotations, per head; again in the backward), a tenth
+        of a small CPU step's time (experiments/results/bench_train_cpu.md)."""
+        blocks = list(self.blocks) + (list(self.cycles.layers) if self.cycles is not None else [])
+        ropes = {getattr(b.attn, "rope", None) for b in blocks} - {None}  # attention's, MLA's
+        tables = {} if positions is None else {r: r.tables(positions) for r in ropes}
+
+        def kwargs(block):
+            rope = getattr(block.attn, "rope", None)
+            return {"rope_tables": tables[rope]} if rope in tables else {}
+
+        return kwargs
 
     def _cycle_index(self):
         return jnp.arange(self.layout.num_cycles, dtype=jnp.int32)

@@ -188,11 +188,13 @@ class MultiHeadAttention(nnx.Module):
         return mixed if layer is None else jnp.where(jnp.asarray(layer) == 0, v, mixed)
 
     def project(self, x, context=None, *, positions=None, kv_positions=None, layer=None,
-                first_values=None, adapter=None):
+                first_values=None, adapter=None, rope_tables=None):
         """q `[B,T,N,H]`, k `[B,S,K,H]`, v `[B,S,K,Hv]`; q and k after QK-norm and RoPE
         (per half-head when differential); v mixed with `first_values` (the first
         layer's v of the same tokens) when given and `layer` (None: not 0) > 0;
-        `adapter(x, context)` -> deltas (dq, dk, dv) added to the projections first."""
+        `adapter(x, context)` -> deltas (dq, dk, dv) added to the projections first;
+        `rope_tables`: `rope.tables(positions)` when the caller has them (a layer stack
+        computes them once for all its layers), else they are computed here."""
         context = x if context is None else context
         q, k, v = self.q(x), self.k(context), self.v(context)
         if adapter is not None:
@@ -211,16 +213,19 @@ class MultiHeadAttention(nnx.Module):
             if kv_positions is None:
                 kv_positions = positions if context is x else default_positions(context)
         if self.rope is not None:
-            q, k = self._rotate(q, positions), self._rotate(k, kv_positions)
+            q_tables = self.rope.tables(positions) if rope_tables is None else rope_tables
+            kv_tables = q_tables if kv_positions is positions else self.rope.tables(kv_positions)
+            q, k = self._rotate(q, q_tables), self._rotate(k, kv_tables)
         return (checkpoint_name(self._temper(q, positions), "attn_q"),
                 checkpoint_name(k, "attn_k"), checkpoint_name(v, "attn_v"))
 
-    def _rotate(self, x, positions):
-        """RoPE of x `[B, L, n, H]`; differential: each half-head on its own."""
+    def _rotate(self, x, tables):
+        """RoPE of x `[B, L, n, H]` by `rope.tables(positions)`; differential: each
+        half-head on its own."""
         if not self.differential:
-            return self.rope(x, positions)
+            return self.rope.rotate(x, tables)
         B, L, n, H = x.shape
-        return self.rope(x.reshape(B, L, 2 * n, H // 2), positions).reshape(x.shape)
+        return self.rope.rotate(x.reshape(B, L, 2 * n, H // 2), tables).reshape(x.shape)
 
     def _norm(self, norm, x):
         """QK-norm of x `[B, L, n, H]`: per head, or over the whole projection."""
@@ -275,16 +280,18 @@ class MultiHeadAttention(nnx.Module):
             q = self._norm(self.q_norm, q)
         positions = default_positions(x) if positions is None else positions
         if self.rope is not None:
-            q = self.rope(q, positions)
+            q = self._rotate(q, self.rope.tables(positions))
         return self._temper(q, positions)
 
     def __call__(self, x, context=None, *, mask: Mask | None = None, bias=None, positions=None,
-                 kv_positions=None, cache=None, layer=None, first_values=None, adapter=None):
+                 kv_positions=None, cache=None, layer=None, first_values=None, adapter=None,
+                 rope_tables=None):
         """With `cache` (a `tfjax.inference.kv_cache` layer cache), the cache decides
         what to project, store and attend over, and this returns `(out, new_cache)`.
         `layer` (the layer index) and `first_values` (the first layer's v): a
         layer stack's, for differential attention and the value residual. `adapter`:
-        this call's projection deltas (`project`)."""
+        this call's projection deltas, `rope_tables`: the RoPE tables of `positions`
+        (`project`)."""
         depth = {} if layer is None and first_values is None else dict(
             layer=layer, first_values=first_values)
         if adapter is not None:
@@ -293,7 +300,7 @@ class MultiHeadAttention(nnx.Module):
             return cache.apply(self, x, context, mask=mask, bias=bias, positions=positions,
                                kv_positions=kv_positions, **depth)
         q, k, v = self.project(x, context, positions=positions, kv_positions=kv_positions,
-                               **depth)
+                               rope_tables=rope_tables, **depth)
         return self.attend(q, k, v, mask, bias, layer=layer, x=x)
 
 

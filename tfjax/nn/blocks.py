@@ -109,10 +109,12 @@ class TransformerBlock(nnx.Module):
 
     def __call__(self, x: jax.Array, *, mask=None, bias=None, positions=None,
                  context=None, context_mask=None, context_bias=None, context_positions=None,
-                 cache=None, layer=None, first_values=None, shared=None, embeddings=None):
+                 cache=None, layer=None, first_values=None, shared=None, embeddings=None,
+                 rope_tables=None):
         """x `[B,T,D]`; `context [B,S,D]` is the encoder output for cross-attention.
         `layer` (the layer index) and `first_values` (the first layer's values), when
-        given, go to the self-attention (differential attention, value residual).
+        given, go to the self-attention (differential attention, value residual), and
+        so do `rope_tables` (its RoPE's `tables(positions)`, computed by the stack).
         `shared` (the shared block this layer uses) and `embeddings` `[B,T,D]` (the
         stack's input) go to `mixer_input`; a block with one needs them.
 
@@ -131,6 +133,8 @@ class TransformerBlock(nnx.Module):
 
         depth = {} if layer is None and first_values is None else dict(
             layer=layer, first_values=first_values)
+        if rope_tables is not None:
+            depth["rope_tables"] = rope_tables
         attn = lambda h: call("attn", self.attn, h, mask=mask, bias=bias,  # noqa: E731
                               positions=positions, **depth)
         if self.parallel:

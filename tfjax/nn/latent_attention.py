@@ -119,23 +119,26 @@ class MultiHeadLatentAttention(nnx.Module):
 
     # -- the parts ---------------------------------------------------------- #
 
-    def _rotate(self, x, positions):
-        """RoPE of `x` `[B, T, n, dr]` at `positions` `[B, T]` (none without rope)."""
-        return x if self.rope is None else self.rope(x, positions)
+    def _rotate(self, x, positions, tables=None):
+        """RoPE of `x` `[B, T, n, dr]` at `positions` `[B, T]` (none without rope);
+        `tables`: `rope.tables(positions)` when the caller has them."""
+        if self.rope is None:
+            return x
+        return self.rope.rotate(x, self.rope.tables(positions) if tables is None else tables)
 
-    def queries(self, x, positions):
+    def queries(self, x, positions, tables=None):
         """(q_nope `[B,T,N,dn]`, q_pe `[B,T,N,dr]` rotated)."""
         q = self.q(x) if self.q is not None else self.q_b(self.q_norm(self.q_a(x)))
         q = shard(q, ("batch", "length", "heads", "head_dim"))
         dn = self.qk_nope_head_dim
-        return q[..., :dn], self._rotate(q[..., dn:], positions)
+        return q[..., :dn], self._rotate(q[..., dn:], positions, tables)
 
-    def latent(self, x, positions):
+    def latent(self, x, positions, tables=None):
         """`[B, S, r + dr]`: the normalised latent c and the rotated shared key k_pe, what
         a cache stores per token."""
         a = self.kv_a(x)
         r = self.kv_lora_rank
-        k_pe = self._rotate(a[..., None, r:], positions)[..., 0, :]
+        k_pe = self._rotate(a[..., None, r:], positions, tables)[..., 0, :]
         return jnp.concatenate([self.kv_norm(a[..., :r]), k_pe.astype(a.dtype)], axis=-1)
 
     def expand(self, latent):
@@ -175,10 +178,11 @@ class MultiHeadLatentAttention(nnx.Module):
         return shard(self.o(out), ("batch", "length", "embed"))
 
     def __call__(self, x, context=None, *, mask: Mask | None = None, bias=None, positions=None,
-                 kv_positions=None, cache=None):
+                 kv_positions=None, cache=None, rope_tables=None):
         """Self-attention only (`context` must be None; `bias`: None, RoPE is the
-        position signal). With `cache` (a `LatentCache`) the cache decides the form
-        and returns `(out, new_cache)`."""
+        position signal; `rope_tables`: `rope.tables(positions)`, when a layer stack
+        has them). With `cache` (a `LatentCache`) the cache decides the form and
+        returns `(out, new_cache)`."""
         if context is not None:
             raise ValueError("MultiHeadLatentAttention is self-attention: it takes no context")
         if bias is not None:
@@ -187,5 +191,8 @@ class MultiHeadLatentAttention(nnx.Module):
         if cache is not None:
             return cache.apply(self, x, mask=mask, positions=positions)
         positions = default_positions(x) if positions is None else positions
-        q_nope, q_pe = self.queries(x, positions)
-        return self.attend(q_nope, q_pe, self.latent(x, positions), mask)
+        tables = rope_tables
+        if tables is None and self.rope is not None:
+            tables = self.rope.tables(positions)  # one pair for q_pe and k_pe
+        q_nope, q_pe = self.queries(x, positions, tables)
+        return self.attend(q_nope, q_pe, self.latent(x, positions, tables), mask)

@@ -235,13 +235,17 @@ class RotaryEmbedding:
     def __call__(
         self, x: Float[Array, "B T N H"], positions: Int[Array, "B T"]
     ) -> Float[Array, "B T N H"]:
-        if x.shape[-1] != self.head_dim:
-            raise ValueError(f"head_dim={self.head_dim} but x has last dim {x.shape[-1]} "
-                             f"(x.shape={x.shape}, expected [B, T, N, H])")
+        """x rotated by the angles of `positions`: `rotate(x, tables(positions))`."""
         if positions.ndim != x.ndim - 2:
             raise ValueError(f"positions must be [B, T] for x [B, T, N, H]; got positions "
                              f"{positions.shape} and x {x.shape}")
-        r = self.rotary_dim
+        return self.rotate(x, self.tables(positions))
+
+    def tables(self, positions: Int[Array, "B T"]) -> tuple[Array, Array]:
+        """(cos, sin) `[B, T, 1, R/2]` float32 of `positions` (times the attention factor).
+        Computed once for several rotations (q and k; a layer stack's every layer:
+        `LayerStack` passes them down as `rope_tables`), since XLA fuses them into each
+        rotation and recomputes them per head (on CPU, a scalar libm call an element)."""
         # dynamic_ntk grows the base with the longest position in the batch, as HF does;
         # longrope picks its factors by it.
         seq_len = (jnp.max(positions) + 1 if self.scaling in ("dynamic_ntk", "longrope")
@@ -250,7 +254,16 @@ class RotaryEmbedding:
         angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, R/2]
         cos = (jnp.cos(angles) * self.attention_factor)[..., None, :]  # [B, T, 1, R/2]
         sin = (jnp.sin(angles) * self.attention_factor)[..., None, :]
+        return cos, sin
 
+    def rotate(self, x: Float[Array, "B T N H"], tables: tuple[Array, Array]
+               ) -> Float[Array, "B T N H"]:
+        """x `[B, T, N, H]` rotated by `tables(positions)`."""
+        if x.shape[-1] != self.head_dim:
+            raise ValueError(f"head_dim={self.head_dim} but x has last dim {x.shape[-1]} "
+                             f"(x.shape={x.shape}, expected [B, T, N, H])")
+        cos, sin = tables
+        r = self.rotary_dim
         x_rot, x_pass = x[..., :r], x[..., r:]
         if self.layout == "half":
             x1, x2 = x_rot[..., : r // 2], x_rot[..., r // 2:]
