@@ -265,6 +265,13 @@ def _scan(f, carry, xs):
     return lax.scan(f, carry, xs)
 
 
+def _tile_index(order, row, step, n):
+    """The tile a loop visits at `step` of `row` (`order[row, step]`), or a static 0
+    when there is one tile (the order can only say 0): indexing with a constant, XLA
+    slices the tiles in place where a traced index gathers and scatters copies."""
+    return 0 if n == 1 else order[row, step]
+
+
 def _query_tiles(x, nq, bq, K, G):
     """`[T, N, H]` -> `[nq, K, G, bq, H]`, the query-side tiles (q, dout, dq) laid out
     as the logits `[K, G, bq, bk]`: every tile contraction then reads the `[bq, bk]`
@@ -310,7 +317,7 @@ def _forward_one(cfg, q, k, v, mask, bias, alibi, rel, qo, ko):
 
         def body(carry):
             j, m, l, acc = carry
-            kj = order[qi, j]
+            kj = _tile_index(order, qi, j, nk)
             kt = lax.dynamic_slice_in_dim(kp, kj * bk, bk)
             vt = lax.dynamic_slice_in_dim(vp, kj * bk, bk)
             s, _ = _logits(cfg, qt, kt, _bias_tile(bias, qi, kj, bq, bk),
@@ -381,7 +388,7 @@ def _backward_one(cfg, q, k, v, mask, bias, alibi, rel, qo, ko, out, lse, dout, 
 
         def body(c):
             i, dq, dbias, dtable, dk, dv = c
-            qi = order_t[kj, i]
+            qi = _tile_index(order_t, kj, i, nq)
             qt, dot = qp[qi], dop[qi]
             rel_t = _rel_tile(rel, qi, kj, bq, bk, qo, ko)
             s, t = _logits(cfg, qt, kt, _bias_tile(bias, qi, kj, bq, bk),
