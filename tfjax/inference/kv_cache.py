@@ -270,13 +270,14 @@ class LatentCache(LayerCache):
               kv_positions=None):
         if context is not None or bias is not None:
             raise ValueError("a latent attention cache takes no context and no bias")
-        q_nope, q_pe = attn.queries(x, positions)
+        tables = None if attn.rope is None else attn.rope.tables(positions)  # q_pe's and k_pe's
+        q_nope, q_pe = attn.queries(x, positions, tables)
 
         def attend(arrays, cached):  # the absorbed form over cached latents
             form = attn.attend_absorbed if cached else attn.attend
             return form(q_nope, q_pe, arrays[0], mask)
 
-        out, (latent,) = slot_step(self, (self.latent,), (attn.latent(x, positions),),
+        out, (latent,) = slot_step(self, (self.latent,), (attn.latent(x, positions, tables),),
                                    positions, LATENT_AXES, attend)
         return out, self.replace(latent=latent)
 
