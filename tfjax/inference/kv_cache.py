@@ -270,7 +270,7 @@ class LatentCache(LayerCache):
               kv_positions=None):
         if context is not None or bias is not None:
             raise ValueError("a latent attention cache takes no context and no bias")
-        tables = None if attn.rope is None else attn.rope.tables(positions)  # q_pe's and k_pe's
+        tables = attn.tables(positions)  # q_pe's and k_pe's
         q_nope, q_pe = attn.queries(x, positions, tables)
 
         def attend(arrays, cached):  # the absorbed form over cached latents

@@ -253,8 +253,8 @@ class LayerStack(nnx.Module):
         `{"rope_tables": rope.tables(positions)}`, or {} for a mixer without RoPE (or no
         positions). Each distinct RoPE's tables are computed here, once a call, outside
         the layer scan and the remat: inside, every layer recomputed their sin and cos
-        (XLA fuses them into the rotations, per head; again in the backward), a tenth
-        of a small CPU step's time (experiments/results/bench_train_cpu.md)."""
+        (XLA fuses them into the rotations, per head; again in the backward;
+        experiments/results/bench_train_cpu.md)."""
         blocks = list(self.blocks) + (list(self.cycles.layers) if self.cycles is not None else [])
         ropes = {getattr(b.attn, "rope", None) for b in blocks} - {None}  # attention's, MLA's
         tables = {} if positions is None else {r: r.tables(positions) for r in ropes}

@@ -119,12 +119,17 @@ class MultiHeadLatentAttention(nnx.Module):
 
     # -- the parts ---------------------------------------------------------- #
 
+    def tables(self, positions):
+        """`rope.tables(positions)`, or None without RoPE: one pair for q_pe and k_pe
+        (`queries`, `latent`)."""
+        return None if self.rope is None else self.rope.tables(positions)
+
     def _rotate(self, x, positions, tables=None):
         """RoPE of `x` `[B, T, n, dr]` at `positions` `[B, T]` (none without rope);
-        `tables`: `rope.tables(positions)` when the caller has them."""
+        `tables`: `tables(positions)` when the caller has them."""
         if self.rope is None:
             return x
-        return self.rope.rotate(x, self.rope.tables(positions) if tables is None else tables)
+        return self.rope.rotate(x, self.tables(positions) if tables is None else tables)
 
     def queries(self, x, positions, tables=None):
         """(q_nope `[B,T,N,dn]`, q_pe `[B,T,N,dr]` rotated)."""
@@ -191,8 +196,6 @@ class MultiHeadLatentAttention(nnx.Module):
         if cache is not None:
             return cache.apply(self, x, mask=mask, positions=positions)
         positions = default_positions(x) if positions is None else positions
-        tables = rope_tables
-        if tables is None and self.rope is not None:
-            tables = self.rope.tables(positions)  # one pair for q_pe and k_pe
+        tables = self.tables(positions) if rope_tables is None else rope_tables
         q_nope, q_pe = self.queries(x, positions, tables)
         return self.attend(q_nope, q_pe, self.latent(x, positions, tables), mask)
