@@ -45,16 +45,25 @@ def test_every_policy_gives_the_gradients_of_none():
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7, err_msg=name)
 
 
-def _kernels(jaxpr, counts):
+def _equations(jaxpr, depth=0):
+    """(equation, nesting depth: 0 at the top level) of a jaxpr, inside scans,
+    checkpoints and other sub-jaxprs too."""
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "pallas_call":
-            info = eqn.params.get("name_and_src_info", eqn.params.get("name"))
-            counts[str(getattr(info, "name", info)).split()[0]] += 1
+        yield eqn, depth
         for p in eqn.params.values():
             for sub in p if isinstance(p, (list, tuple)) else (p,):
                 sub = getattr(sub, "jaxpr", sub)
                 if hasattr(sub, "eqns"):
-                    _kernels(sub, counts)
+                    yield from _equations(sub, depth + 1)
+
+
+def _kernels(jaxpr):
+    """pallas_call kernel name -> how many calls the jaxpr makes."""
+    counts = collections.Counter()
+    for eqn, _ in _equations(jaxpr):
+        if eqn.primitive.name == "pallas_call":
+            info = eqn.params.get("name_and_src_info", eqn.params.get("name"))
+            counts[str(getattr(info, "name", info)).split()[0]] += 1
     return counts
 
 
@@ -66,26 +75,16 @@ def test_named_policies_keep_the_attention_forward(remat, reruns):
     forward kernel again (a kernel's output is no dot, so "dots" does too); the
     policies that keep "attn_out" and "attn_lse" run it once per layer."""
     graphdef, state = _model(remat, attention_impl="pallas")
-    counts = _kernels(jax.make_jaxpr(jax.grad(_loss(graphdef)))(state).jaxpr,
-                      collections.Counter())
+    counts = _kernels(jax.make_jaxpr(jax.grad(_loss(graphdef)))(state).jaxpr)
     fwd = [n for n in counts if n.endswith("_fwd")]
     bwd = sum(counts[n] for n in counts if n not in fwd)
     assert len(fwd) == 1 and bwd > 0, counts
     assert counts[fwd[0]] == (bwd if reruns else bwd // 2), counts  # dq + dkv per layer
 
 
-def _depths(jaxpr, name, depth=0, out=None):
+def _depths(jaxpr, name):
     """The nesting depth (0: the top level) of every `name` equation in a jaxpr."""
-    out = [] if out is None else out
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == name:
-            out.append(depth)
-        for p in eqn.params.values():
-            for sub in p if isinstance(p, (list, tuple)) else (p,):
-                sub = getattr(sub, "jaxpr", sub)
-                if hasattr(sub, "eqns"):
-                    _depths(sub, name, depth + 1, out)
-    return out
+    return [depth for eqn, depth in _equations(jaxpr) if eqn.primitive.name == name]
 
 
 @pytest.mark.parametrize("scan", [True, False])
