@@ -1,0 +1,117 @@
+"""Fingerprints of the programs tfjax lowers, for refactors that must not change them.
+
+    python experiments/hlo_fingerprint.py                  # print one sha256 per program
+    python experiments/hlo_fingerprint.py --write F.json   # ... and save them
+    python experiments/hlo_fingerprint.py --check F.json   # exit 1 on any difference
+
+Each program is lowered (not compiled) on simulated CPU devices and its StableHLO
+text, without debug locations, is hashed: the default preset's train and eval steps
+on 2 devices, the same on a 2x2x2 mesh (data x fsdp x tensor, and data x sequence x
+tensor: ring attention), and the prefill and decode steps of a hybrid decoder with
+every decoding layer kind (global, local, mla, mamba, mamba2, linear,
+gated_deltanet). A refactor that leaves every fingerprint as it was leaves the
+computation exactly as it was.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=8")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from configs import default  # noqa: E402
+from tfjax import config as C  # noqa: E402
+from tfjax.models import build  # noqa: E402
+from tfjax.parallel.mesh import make_mesh  # noqa: E402
+from tfjax.train.program import build_program  # noqa: E402
+
+
+def _digest(lowered) -> str:
+    return hashlib.sha256(lowered.as_text(debug_info=False).encode()).hexdigest()[:16]
+
+
+def _abstract(tree, shardings):
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        tree, shardings)
+
+
+def train_and_eval(name: str, mesh: dict, devices: int) -> dict[str, str]:
+    preset = default.get_config()
+    preset.mesh.update(mesh)
+    cfg = C.run_config(preset).validate()
+    p = build_program(cfg, make_mesh(cfg.mesh, jax.devices()[:devices]), build)
+    state = _abstract(p.abstract_state, p.state_shardings)
+    batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=p.batch_shardings[k])
+             for k, shape in p.batch_shapes.items()}
+    return {f"{name}/train": _digest(p.step.lower(state, batch)),
+            f"{name}/eval": _digest(p.eval.lower(state, batch))}
+
+
+HYBRID = dict(vocab_size=64, d_model=32, num_layers=7, num_heads=4, num_kv_heads=2, d_ff=64,
+              norm="rmsnorm", activation="swiglu", sliding_window=3, max_len=64,
+              layer_pattern=("global", "local", "mla", "mamba", "mamba2", "linear",
+                             "gated_deltanet"),
+              mla=dict(kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8),
+              mamba2=dict(head_dim=8, d_state=8, chunk=4), gdn=dict(chunk=4))
+
+
+def decode(scan_layers: bool) -> dict[str, str]:
+    cfg = C.model_config({**HYBRID, "scan_layers": scan_layers})
+    model = build(cfg, rngs=nnx.Rngs(0))
+    model.eval()
+    graphdef, state = nnx.split(model)
+    B, T, L = 2, 5, 16
+    cache = model.init_cache(B, L)
+
+    def step(state, tokens, cache, lengths, extend=False):
+        return nnx.merge(graphdef, state).step(tokens, cache, lengths, extend=extend)
+
+    tokens, lengths = jnp.zeros((B, T), jnp.int32), jnp.array([T, 3], jnp.int32)
+    tag = "scanned" if scan_layers else "unrolled"
+    f = jax.jit(step, static_argnames="extend")
+    return {f"hybrid_{tag}/prefill": _digest(f.lower(state, tokens, cache, lengths)),
+            f"hybrid_{tag}/decode": _digest(f.lower(state, tokens[:, :1], cache, None)),
+            f"hybrid_{tag}/chunk": _digest(f.lower(state, tokens, cache, lengths, extend=True))}
+
+
+def fingerprints() -> dict[str, str]:
+    out = {}
+    out.update(train_and_eval("default_2dev", dict(data=2), 2))
+    out.update(train_and_eval("mesh_data_fsdp_tensor", dict(data=2, fsdp=2, tensor=2), 8))
+    out.update(train_and_eval("mesh_data_sequence_tensor", dict(data=2, sequence=2, tensor=2), 8))
+    out.update(decode(True))
+    out.update(decode(False))
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--write", help="save the fingerprints to this JSON file")
+    ap.add_argument("--check", help="compare with the fingerprints in this JSON file")
+    args = ap.parse_args()
+    got = fingerprints()
+    width = max(map(len, got))
+    want = json.load(open(args.check)) if args.check else {}
+    bad = 0
+    for k, v in got.items():
+        verdict = "" if not want else ("same" if want.get(k) == v else f"CHANGED (was {want.get(k)})")
+        bad += bool(want) and want.get(k) != v
+        print(f"{k:<{width}}  {v}  {verdict}")
+    if args.write:
+        with open(args.write, "w") as f:
+            json.dump(got, f, indent=1)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
