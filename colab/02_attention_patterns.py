@@ -179,7 +179,7 @@ from configs import gemma2
 from tfjax.models.attention_inputs import layer_masks
 
 cfg = gemma2.get_config("tiny").model
-cfg.update(sliding_window=6, scan_layers=False, init_std=0.3)
+cfg.update(scan_layers=False, init_std=0.3, attention=dict(sliding_window=6))
 model = tfjax.models.build(cfg, rngs=nnx.Rngs(0))
 text = b"def add(a, b):\n    return a + b\n" + b"import os\nos.getcwd()\n"
 tokens = jnp.asarray(np.frombuffer(text, np.uint8).astype(np.int32))[None]

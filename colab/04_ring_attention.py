@@ -188,4 +188,4 @@ for shard in out.addressable_shards:
 # Gradients flow through the ring too (`ppermute` transposes to the reverse
 # permutation, so dK/dV travel back to their owners); `tests/parallel` checks them
 # against the reference. In a model, ring attention is picked with
-# `model.context_parallel="ring"` and a mesh whose `sequence` axis is > 1.
+# `model.attention.context_parallel="ring"` and a mesh whose `sequence` axis is > 1.

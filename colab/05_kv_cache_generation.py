@@ -164,7 +164,7 @@ plt.show()
 
 # %%
 m_tiny = model_config(mistral.get_config("tiny").model)
-W = m_tiny.sliding_window
+W = m_tiny.attention.sliding_window
 tiny_model = nnx.eval_shape(lambda: tfjax.models.build(m_tiny, rngs=nnx.Rngs(0)))  # shapes only
 rolling = tiny_model.init_cache(batch=1, max_len=512)
 print(f"tiny Mistral, window {W}, a cache for 512 tokens: K is",

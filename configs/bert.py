@@ -31,8 +31,8 @@ def get_config(arg=None):
         arch="encoder", vocab_size=30522, d_model=768, num_layers=12, num_heads=12, d_ff=3072,
         max_len=512, position="learned", type_vocab_size=2, num_classes=2, norm="layernorm",
         norm_eps=1e-12, norm_placement="post", final_norm=False, embed_norm=True,
-        activation="gelu", ffn_bias=True, qkv_bias=True, out_bias=True, tie_embeddings=True,
-        dropout_rate=0.1))
+        activation="gelu", ffn_bias=True, tie_embeddings=True,
+        dropout_rate=0.1, attention=dict(qkv_bias=True, out_bias=True)))
     cfg.train.objective = "mlm"
     return apply_variant(cfg, arg, {
         "tiny": {"model": dict(vocab_size=512, d_model=64, num_layers=2, num_heads=4, d_ff=256,

@@ -18,12 +18,13 @@ def get_config(arg=None):
         num_kv_heads=4, head_dim=256, d_ff=9216, max_len=8192, position="rope",
         norm="rmsnorm_plus_one", norm_eps=1e-6, norm_placement="sandwich",
         activation="geglu_tanh", ffn_bias=False, tie_embeddings=True, scale_embeddings=True,
-        attn_scale=256 ** -0.5, attn_softcap=50.0, final_softcap=30.0,
-        layer_pattern=("local", "global"), sliding_window=4096))
+        final_softcap=30.0,
+        layer_pattern=("local", "global"),
+        attention=dict(scale=256 ** -0.5, softcap=50.0, sliding_window=4096)))
     return apply_variant(cfg, arg, {
         "tiny": {"model": dict(vocab_size=BYTE_VOCAB, d_model=64, num_layers=4, num_heads=4,
                                num_kv_heads=2, head_dim=16, d_ff=192, max_len=2048,
-                               attn_scale=0.25, sliding_window=32)},
+                               attention=dict(scale=0.25, sliding_window=32))},
         "9b": {"model": dict(d_model=3584, num_layers=42, num_heads=16, num_kv_heads=8,
                              d_ff=14336)},
     })

@@ -14,8 +14,9 @@ def get_config(arg=None):
     cfg.model.update(dict(
         arch="decoder", vocab_size=50257, d_model=768, num_layers=12, num_heads=12, d_ff=3072,
         max_len=1024, position="learned", norm="layernorm", norm_eps=1e-5,
-        norm_placement="pre", activation="gelu_tanh", ffn_bias=True, qkv_bias=True,
-        out_bias=True, tie_embeddings=True, init_std=0.02))
+        norm_placement="pre", activation="gelu_tanh", ffn_bias=True, tie_embeddings=True,
+        init_std=0.02,
+        attention=dict(qkv_bias=True, out_bias=True)))
     return apply_variant(cfg, arg, {
         "tiny": {"model": dict(vocab_size=BYTE_VOCAB, d_model=64, num_layers=2, num_heads=4,
                                d_ff=256, max_len=256)},

@@ -16,7 +16,7 @@ def get_config(arg=None):
         arch="decoder", vocab_size=128256, d_model=4096, num_layers=32, num_heads=32,
         num_kv_heads=8, d_ff=14336, max_len=131072, position="rope", norm="rmsnorm",
         norm_eps=1e-5, norm_placement="pre", activation="swiglu", ffn_bias=False,
-        qkv_bias=False, out_bias=False, tie_embeddings=False))
+        tie_embeddings=False, attention=dict(qkv_bias=False, out_bias=False)))
     cfg.model.rope.update(dict(theta=500000.0, scaling="llama3", factor=8.0,
                                original_max_len=8192, low_freq_factor=1.0, high_freq_factor=4.0))
     return apply_variant(cfg, arg, {

@@ -10,9 +10,9 @@ length one device would train in the same per-device memory), and every attentio
 layer runs `ring_attention` over the `sequence` axis, zig-zag balanced for the
 causal mask: the trainer puts each batch (tokens, positions, segment ids, loss
 weights) in zig-zag order once, so no layer re-lays out its q, k, v
-(`model.zigzag="data"`; `--config.model.zigzag=layer` keeps natural order and
+(`model.attention.zigzag="data"`; `--config.model.attention.zigzag=layer` keeps natural order and
 re-lays out in every layer, `none` runs unbalanced).
-`--config.model.context_parallel=all_gather` runs the all-gather baseline instead.
+`--config.model.attention.context_parallel=all_gather` runs the all-gather baseline instead.
 Everything else (embeddings, FFN, loss) is sequence-sharded.
 Variants: "quick" (10 steps, a smoke run; a few minutes on 2 shared CPU cores,
 mostly compilation), "tiny" (a 2-layer d=64 model; what the preset tests build).
@@ -31,9 +31,9 @@ def get_config(arg=None):
     cfg.model.update(dict(
         arch="decoder", vocab_size=259, d_model=128, num_layers=4, num_heads=4, num_kv_heads=2,
         d_ff=384, max_len=DEVICES * TOKENS_PER_DEVICE, position="rope", norm="rmsnorm",
-        activation="swiglu", ffn_bias=False, qkv_bias=False, out_bias=False,
-        tie_embeddings=True, norm_bias=False, scale_embeddings=False,
-        context_parallel="ring", zigzag="data"))
+        activation="swiglu", ffn_bias=False, tie_embeddings=True, norm_bias=False,
+        scale_embeddings=False,
+        attention=dict(qkv_bias=False, out_bias=False, context_parallel="ring", zigzag="data")))
     cfg.train.update(dict(
         steps=200, batch_size=2, seq_len=DEVICES * TOKENS_PER_DEVICE, lr=3e-3,
         warmup_steps=20, lr_min_ratio=0.05, weight_decay=0.1, grad_clip=1.0, log_every=10,

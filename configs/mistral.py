@@ -16,9 +16,10 @@ def get_config(arg=None):
         arch="decoder", vocab_size=32000, d_model=4096, num_layers=32, num_heads=32,
         num_kv_heads=8, d_ff=14336, max_len=32768, position="rope", norm="rmsnorm",
         norm_eps=1e-5, activation="swiglu", ffn_bias=False, tie_embeddings=False,
-        layer_pattern=("local",), sliding_window=4096))
+        layer_pattern=("local",), attention=dict(sliding_window=4096)))
     cfg.model.rope.theta = 10000.0
     return apply_variant(cfg, arg, {
         "tiny": {"model": dict(vocab_size=BYTE_VOCAB, d_model=64, num_layers=2, num_heads=4,
-                               num_kv_heads=2, d_ff=192, max_len=2048, sliding_window=32)},
+                               num_kv_heads=2, d_ff=192, max_len=2048,
+                               attention=dict(sliding_window=32))},
     })

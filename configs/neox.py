@@ -15,8 +15,8 @@ def get_config(arg=None):
     cfg.model.update(dict(
         arch="decoder", vocab_size=50304, d_model=2048, num_layers=24, num_heads=16, d_ff=8192,
         max_len=2048, position="rope", norm="layernorm", norm_eps=1e-5, block="parallel",
-        parallel_shared_norm=False, activation="gelu", ffn_bias=True, qkv_bias=True,
-        out_bias=True, tie_embeddings=False))
+        parallel_shared_norm=False, activation="gelu", ffn_bias=True, tie_embeddings=False,
+        attention=dict(qkv_bias=True, out_bias=True)))
     cfg.model.rope.update(dict(fraction=0.25, theta=10000.0, layout="half"))
     return apply_variant(cfg, arg, {
         "tiny": {"model": dict(vocab_size=BYTE_VOCAB, d_model=64, num_layers=2, num_heads=4,

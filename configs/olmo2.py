@@ -16,9 +16,8 @@ def get_config(arg=None):
     cfg.model.update(dict(
         arch="decoder", vocab_size=100352, d_model=4096, num_layers=32, num_heads=32,
         d_ff=11008, max_len=4096, position="rope", norm="rmsnorm", norm_eps=1e-6,
-        norm_placement="output", qk_norm=True, qk_norm_over="projection",
-        activation="swiglu", ffn_bias=False, qkv_bias=False, out_bias=False,
-        tie_embeddings=False))
+        norm_placement="output", activation="swiglu", ffn_bias=False, tie_embeddings=False,
+        attention=dict(qk_norm=True, qk_norm_over="projection", qkv_bias=False, out_bias=False)))
     cfg.model.rope.update(dict(theta=500000.0))
     return apply_variant(cfg, arg, {
         "tiny": {"model": dict(vocab_size=BYTE_VOCAB, d_model=64, num_layers=2, num_heads=4,

@@ -16,8 +16,9 @@ def get_config(arg=None):
         arch="decoder", vocab_size=128256, d_model=2048, num_layers=36, num_heads=16,
         num_kv_heads=4, d_ff=11008, max_len=65536, position="rope", norm="rmsnorm",
         norm_eps=1e-6, norm_placement="pre", activation="swiglu", ffn_bias=False,
-        qkv_bias=False, out_bias=False, tie_embeddings=True,
-        layer_pattern=("global", "global", "global", "nope")))
+        tie_embeddings=True,
+        layer_pattern=("global", "global", "global", "nope"),
+        attention=dict(qkv_bias=False, out_bias=False)))
     cfg.model.rope.update(dict(theta=5_000_000.0))
     return apply_variant(cfg, arg, {
         "tiny": {"model": dict(vocab_size=BYTE_VOCAB, d_model=64, num_layers=4, num_heads=4,

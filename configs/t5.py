@@ -30,8 +30,9 @@ def get_config(arg=None):
         arch="encoder_decoder", vocab_size=32128, d_model=768, num_layers=12, num_heads=12,
         d_ff=3072, max_len=512, position="t5", t5=dict(num_buckets=32, max_distance=128),
         norm="rmsnorm", norm_eps=1e-6, norm_placement="pre", activation="relu",
-        ffn_bias=False, qkv_bias=False, out_bias=False, attn_scale=1.0, tie_embeddings=True,
-        logits_scale=768 ** -0.5, dropout_rate=0.1))
+        ffn_bias=False, tie_embeddings=True,
+        logits_scale=768 ** -0.5, dropout_rate=0.1,
+        attention=dict(qkv_bias=False, out_bias=False, scale=1.0)))
     cfg.train.objective = "span_corruption"
     return apply_variant(cfg, arg, {
         "tiny": {"model": dict(vocab_size=512, d_model=64, num_layers=2, num_heads=4, d_ff=256,

@@ -36,19 +36,20 @@ def get_config(arg=None):
     head = 2 * D // N  # the shared attention reads [hidden; embeddings]: 2D wide
     cfg.model.update(dict(
         arch="decoder", vocab_size=32000, d_model=D, num_layers=54, num_heads=N,
-        num_kv_heads=N, head_dim=head, attn_scale=(head / 2) ** -0.5, d_ff=4 * D,
+        num_kv_heads=N, head_dim=head, d_ff=4 * D,
         max_len=4096, position="none", norm="rmsnorm", norm_eps=1e-5, activation="geglu",
         ffn_bias=False, tie_embeddings=True, layer_pattern=PATTERN, ffn_pattern=("none",),
         mamba2=dict(d_state=64, head_dim=2 * D // 8, expand=2, n_groups=1, d_conv=4,
                     chunk=256, conv_bias=True, proj_bias=False, dt_min_limit=0.001),
         shared=dict(num_blocks=1, concat_embedding=True, adapter_rank=128,
-                    attn_adapter=False, mlp_adapter=True)))
+                    attn_adapter=False, mlp_adapter=True),
+                    attention=dict(scale=(head / 2) ** -0.5)))
     return apply_variant(cfg, arg, {
         "tiny": {"model": dict(vocab_size=BYTE_VOCAB, d_model=64, num_layers=6, num_heads=4,
-                               num_kv_heads=4, head_dim=32, attn_scale=16 ** -0.5, d_ff=128,
+                               num_kv_heads=4, head_dim=32, d_ff=128,
                                max_len=2048, position="rope",
                                layer_pattern=("mamba2", "mamba2", "mamba2_shared"),
                                mamba2=dict(d_state=16, head_dim=16, chunk=64),
                                shared=dict(num_blocks=2, adapter_rank=8,
-                                           attn_adapter=True))},
+                                           attn_adapter=True), attention=dict(scale=16 ** -0.5))},
     })

@@ -8,7 +8,7 @@ Models (tiny byte-level decoders, `tinylm.TINY` at 4 layers: d_model 64, d_ff 25
 RoPE, RMSNorm, GELU):
 
 - baseline: 4 heads of head_dim 16;
-- differential attention (`model.diff_attn`, Ye et al. 2024): 2 heads of head_dim
+- differential attention (`model.attention.differential`, Ye et al. 2024): 2 heads of head_dim
   32, each split into two half-heads of 16: the paper's matching (half the heads,
   each softmax over the baseline's head dim), so the q/k/v/o projections have the
   same shapes as the baseline's; it adds lambda's 4 x 16 and the head norm's 32
@@ -17,7 +17,7 @@ RoPE, RMSNorm, GELU):
   of 8 (the same projection shapes again; lambda 4 x 8 and the norm 16 per layer):
   the reference code's README advises against halving few heads, and 4 -> 2 is the
   fewest;
-- value residual (`model.value_residual="fixed"`, ResFormer, Zhou et al. 2024):
+- value residual (`model.attention.value_residual="fixed"`, ResFormer, Zhou et al. 2024):
   the baseline with v_n <- (v_n + v_1) / 2 for layers n > 1; no parameters added.
 
 Each is trained the same way (`tinylm.train`: AdamW, warmup + cosine, lr 3e-3,
@@ -41,9 +41,9 @@ from tinylm import TINY
 
 VARIANTS = {
     "baseline": dict(),
-    "differential attention (2 heads of 32)": dict(diff_attn=True, num_heads=2),
-    "differential attention (4 heads of 16)": dict(diff_attn=True),
-    "value residual (fixed 0.5/0.5)": dict(value_residual="fixed"),
+    "differential attention (2 heads of 32)": dict(num_heads=2, attention=dict(differential=True)),
+    "differential attention (4 heads of 16)": dict(attention=dict(differential=True)),
+    "value residual (fixed 0.5/0.5)": dict(attention=dict(value_residual="fixed")),
 }
 
 

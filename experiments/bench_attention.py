@@ -848,8 +848,8 @@ def _decode_programs_tpu_aot(args, topology="v5e:2x2", S=32768, T=512):
             (None, "1b"), ("generate", "stream"), (True, False), ("xla", "pallas")):
         layers = "scanned" if scanned else "unrolled"
         cfg = preset_config("llama", variant)
-        cfg.model.update(dict(dtype="bfloat16", num_layers=2, attention_impl=impl,
-                              scan_layers=scanned))
+        cfg.model.update(dict(dtype="bfloat16", num_layers=2, scan_layers=scanned,
+                              attention=dict(impl=impl)))
         mcfg = run_config(cfg).model
         model = nnx.eval_shape(lambda: build(mcfg, rngs=nnx.Rngs(0)))
         graphdef, state = nnx.split(model)

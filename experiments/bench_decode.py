@@ -140,7 +140,7 @@ def preallocated_cache(args):
     assert M.Positions._tiles is real
     print(f"\n## per-token decode time in a cache of {slots} slots (B=1, d_model={cfg.d_model}, "
           f"{cfg.num_layers} layers, GQA {cfg.num_heads}/{cfg.kv_heads}, fp32, "
-          f"{jax.default_backend()}; attention: {cfg.attention_impl})")
+          f"{jax.default_backend()}; attention: {cfg.attention.impl})")
     print("| prefix | block view ms/token | every tile partial ms/token | speed-up |")
     print("|---:|---:|---:|---:|")
     for prefix in sorted({128, slots // 8, slots - 64}):

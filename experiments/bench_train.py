@@ -56,7 +56,7 @@ class TfjaxRun:
     def __init__(self, preset: str, steps: int, attention: str = ""):
         raw = load(preset)
         if attention:
-            raw.model.attention_impl = attention
+            raw.model.attention.impl = attention
         cfg = self.cfg = run_config(raw)
         p = self.program = build_program(cfg, make_mesh(cfg.mesh), build)
         order = (lambda v: zigzag_rows(v, p.zigzag)) if p.zigzag else (lambda v: v)  # as Trainer
@@ -147,7 +147,7 @@ def main():
     ap.add_argument("--presets", default="default,default:small")
     ap.add_argument("--no_torch", action="store_true", help="skip the PyTorch rows")
     ap.add_argument("--attention", default="", help="also time tfjax with these "
-                    "model.attention_impl values (comma-separated), in the same rounds")
+                    "model.attention.impl values (comma-separated), in the same rounds")
     a = ap.parse_args()
     presets = a.presets.split(",")
     first = run_config(load(presets[0]))

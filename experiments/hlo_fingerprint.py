@@ -58,11 +58,12 @@ def train_and_eval(name: str, mesh: dict, devices: int) -> dict[str, str]:
 
 
 HYBRID = dict(vocab_size=64, d_model=32, num_layers=7, num_heads=4, num_kv_heads=2, d_ff=64,
-              norm="rmsnorm", activation="swiglu", sliding_window=3, max_len=64,
+              norm="rmsnorm", activation="swiglu", max_len=64,
               layer_pattern=("global", "local", "mla", "mamba", "mamba2", "linear",
                              "gated_deltanet"),
               mla=dict(kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8),
-              mamba2=dict(head_dim=8, d_state=8, chunk=4), gdn=dict(chunk=4))
+              mamba2=dict(head_dim=8, d_state=8, chunk=4), gdn=dict(chunk=4),
+              attention=dict(sliding_window=3))
 
 
 def decode(scan_layers: bool) -> dict[str, str]:

@@ -6,7 +6,7 @@
 
 One layer of each mixer in a decoder (d_model 256, no feed-forward, byte vocabulary,
 fp32, B=1, CPU), so the table is the mixer's cost plus a fixed embedding / head:
-- "global": causal softmax attention, 4 heads of 64 (`attention_impl="auto"`: the
+- "global": causal softmax attention, 4 heads of 64 (`attention.impl="auto"`: the
   tiled blockwise form at these lengths);
 - "mamba": Mamba-1's selective scan (`tfjax.nn.ssm`, d_state 16, chunk 256);
 - "mamba2": Mamba-2's chunked SSD (`tfjax.nn.mamba2`, d_state 64, head_dim 64, chunk 64);

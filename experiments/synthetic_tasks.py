@@ -208,7 +208,7 @@ def run_mixer(base: dict, task: str, kw: dict, name: str, mixer: dict, *, window
     evals = [f(np.random.default_rng([10_000, i]), batch=batch, **kw) for i in range(n_eval)]
     cfg = dict(base, **mixer)
     if "local" in cfg["layer_pattern"]:
-        cfg["sliding_window"] = window
+        cfg["attention"] = dict(cfg.get("attention", {}), sliding_window=window)
     tr = trainer(cfg, steps=steps, lr=lr)
     r = dict(params=param_count(cfg), curves=[], final=[], loss=[], seconds=[])
     for seed in range(seeds):

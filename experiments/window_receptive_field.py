@@ -37,8 +37,8 @@ def main(argv=None):
         W, layers, distances = 4, [1, 2, 3], [2, 4, 6, 8, 12]
         steps, batch, T, n_eval, reference = 250, 32, 48, 2, True
     vocab, lr = 16, 3e-3
-    models = [(f"{L} x local W={W}", dict(layer_pattern=("local",), sliding_window=W,
-                                          num_layers=L), L * W) for L in layers]
+    models = [(f"{L} x local W={W}", dict(layer_pattern=("local",), num_layers=L,
+                                          attention=dict(sliding_window=W)), L * W) for L in layers]
     if reference:
         models.append(("1 x global", dict(layer_pattern=("global",), num_layers=1), None))
     acc = {}

@@ -17,20 +17,21 @@ GOOD = dict(vocab_size=64, d_model=32, num_layers=2, num_heads=4, d_ff=64)
     (dict(num_kv_heads=3), "model.num_kv_heads"),
     (dict(rope=dict(fraction=0.3)), "model.rope.fraction"),
     (dict(head_dim=6, rope=dict(fraction=0.5)), "model.rope.fraction"),
-    (dict(layer_pattern=("local",), sliding_window=0), "model.sliding_window"),
+    (dict(layer_pattern=("local",), attention=dict(sliding_window=0)),
+     "model.attention.sliding_window"),
     (dict(layer_pattern=()), "model.layer_pattern"),
     (dict(dtype="float8"), "model.dtype"),
     (dict(rope=dict(scaling="yarn", factor=1.0)), "model.rope.factor"),
     (dict(rope=dict(factor=0.5)), "model.rope.factor"),
     (dict(dropout_rate=1.0), "model.dropout_rate"),
     (dict(num_layers=0), "model.num_layers"),
-    (dict(attn_softcap=-1.0), "model.attn_softcap"),
+    (dict(attention=dict(softcap=-1.0)), "model.attention.softcap"),
     (dict(v_head_dim=-8), "model.v_head_dim"),
     (dict(mla=dict(kv_lora_rank=0)), "model.mla.kv_lora_rank"),
     (dict(layer_pattern=("mla",), position="alibi"), "model.position"),
     (dict(layer_pattern=("mla",), rope=dict(fraction=0.5)), "model.rope.fraction"),
     (dict(layer_pattern=("mla",), mla=dict(qk_rope_head_dim=5)), "model.mla.qk_rope_head_dim"),
-    (dict(attention_sinks=1), "model.attention_sinks"),
+    (dict(attention=dict(sinks=1)), "model.attention.sinks"),
     (dict(block="parallel", norm_placement="post"), "model.norm_placement"),
     (dict(arch="encoder", prefix_lm=True), "model.prefix_lm"),
     (dict(type_vocab_size=2), "model.type_vocab_size"),
@@ -39,7 +40,7 @@ GOOD = dict(vocab_size=64, d_model=32, num_layers=2, num_heads=4, d_ff=64)
     (dict(arch="encoder_decoder", block="parallel"), "model.block"),
     (dict(nmu_layers=2), "model.nmu_layers"),  # typo
     (dict(num_layers="2"), "model.num_layers"),  # wrong type
-    (dict(qk_norm=1), "model.qk_norm"),
+    (dict(attention=dict(qk_norm=1)), "model.attention.qk_norm"),
     (dict(layer_pattern="global"), "model.layer_pattern"),
     (dict(ssm=dict(d_state=0)), "model.ssm.d_state"),
     (dict(linear=dict(chunk=0)), "model.linear.chunk"),
@@ -64,7 +65,7 @@ NAMES = [
     (dict(ffn_pattern=("dense", "sparse")), r"model.ffn_pattern\[1\]"),
     (dict(norm_placement="middle"), "model.norm_placement"),
     (dict(arch="seq2seq"), "model.arch"),
-    (dict(attention_impl="flash9"), "model.attention_impl"),
+    (dict(attention=dict(impl="flash9")), "model.attention.impl"),
     (dict(remat="some"), "model.remat"),
     (dict(rope=dict(scaling="magic", factor=2.0)), "model.rope.scaling"),
     (dict(rope=dict(layout="zigzag")), "model.rope.layout"),
@@ -91,7 +92,7 @@ def test_allowed_values_are_listed():
     with pytest.raises(ValueError, match="'global', 'linear', 'local', 'mamba'"):
         models.build({**GOOD, "layer_pattern": ("ssm",)})
     with pytest.raises(ValueError, match="'auto', 'blockwise'"):
-        models.build({**GOOD, "attention_impl": "flash9"})
+        models.build({**GOOD, "attention": {"impl": "flash9"}})
 
 
 # Every flat field that moved into a section, and where it is now.
@@ -164,7 +165,7 @@ def test_valid_config_round_trips_and_is_frozen():
     cd = ml_collections.ConfigDict(GOOD)
     cfg = model_config(cd)
     assert isinstance(cfg, ModelConfig)
-    assert cfg.kv_heads == 4 and cfg.head_size == 8 and cfg.scale == pytest.approx(8 ** -0.5)
+    assert cfg.kv_heads == 4 and cfg.head_size == 8 and cfg.attention_scale == pytest.approx(8 ** -0.5)
     with pytest.raises(Exception):
         cfg.d_model = 3  # frozen
     assert hash(cfg) == hash(model_config(GOOD))  # hashable: usable as static jit data

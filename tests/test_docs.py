@@ -138,7 +138,7 @@ def test_the_presets_page_quotes_the_real_errors(capsys):
         _error(model_config, dict(num_experts=8)),
         _error(build, norm="rms"),
         _error(build, layer_pattern=("global", "locl")),
-        _error(build, attention_impl="flash"),
+        _error(build, attention=dict(impl="flash")),
         _error(build, arch="encoder", layer_pattern=("mamba",), ffn_pattern=("none",)),
     ]
     with pytest.raises(SystemExit) as stop:

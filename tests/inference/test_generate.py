@@ -23,32 +23,33 @@ TINY = dict(vocab_size=61, d_model=32, num_layers=2, num_heads=4, d_ff=48, max_l
 # Each case is ~3 compilations; they are combined to keep the file fast.
 CASES = {
     # Llama-like GQA + RoPE + QK-norm, NeoX-like parallel block (two norms).
-    "gqa_rope": dict(num_kv_heads=2, norm="rmsnorm", activation="swiglu", qk_norm=True,
-                     block="parallel", parallel_shared_norm=False),
+    "gqa_rope": dict(num_kv_heads=2, norm="rmsnorm", activation="swiglu", block="parallel",
+                     parallel_shared_norm=False, attention=dict(qk_norm=True)),
     # ALiBi on a sliding window (W=3) with MQA: 12 new tokens after a 6-token prompt
     # generate well past the window, through the rolling buffer.
-    "alibi_window": dict(position="alibi", layer_pattern=("local",), sliding_window=3,
-                         num_kv_heads=1, embed_norm=True),
+    "alibi_window": dict(position="alibi", layer_pattern=("local",), num_kv_heads=1,
+                         embed_norm=True, attention=dict(sliding_window=3)),
     # T5 bias on a local/global hybrid, 3 layers = one scanned cycle + one unrolled
     # block; Gemma-2-like sandwich norms and soft-caps (the "reference" attention path).
     "t5_hybrid": dict(position="t5", t5=dict(num_buckets=8, max_distance=16),
-                      layer_pattern=("local", "global"), sliding_window=3, num_layers=3,
+                      layer_pattern=("local", "global"), num_layers=3,
                       num_kv_heads=2, norm="rmsnorm_plus_one", norm_placement="sandwich",
-                      attn_softcap=20.0, final_softcap=15.0),
+                      final_softcap=15.0, attention=dict(sliding_window=3, softcap=20.0)),
     # learned positions, unscanned layers.
     "learned_unscanned": dict(position="learned", scan_layers=False),
     # gpt-oss-like: learned sinks on local (W=3, rolling buffer) and global layers,
     # values of a head dim of their own (12 against 8), GQA 4/2.
-    "sinks_value_head_dim": dict(attention_sinks=True, v_head_dim=12, num_kv_heads=2,
-                                 layer_pattern=("local", "global"), sliding_window=3),
+    "sinks_value_head_dim": dict(v_head_dim=12, num_kv_heads=2,
+                                 layer_pattern=("local", "global"),
+                                 attention=dict(sinks=True, sliding_window=3)),
     # Llama 4 / Gemma 3 / OLMo 2 attention: chunked layers (a one-chunk rolling cache),
     # a local layer with its own RoPE base, a NoPE layer with the query temperature,
     # QK-norm over the whole projection.
     "chunked_local_nope": dict(layer_pattern=("chunked", "local", "nope"), num_layers=3,
-                               attention_chunk=4, sliding_window=3, local_rope_theta=50.0,
-                               nope_temperature_floor=3, nope_temperature_scale=0.5,
-                               qk_norm=True, qk_norm_over="projection", num_kv_heads=2,
-                               norm="rmsnorm"),
+                               num_kv_heads=2, norm="rmsnorm",
+                               attention=dict(chunk=4, sliding_window=3, local_rope_theta=50.0,
+                                              temperature_floor=3, temperature_scale=0.5,
+                                              qk_norm=True, qk_norm_over="projection")),
 }
 
 PROMPT_LENGTHS = [6, 3]  # right-padded to 6
@@ -92,24 +93,24 @@ def test_encoder_decoder_cached_equals_recomputation():
 
 
 def test_pallas_kernels_serve_the_cache_masks():
-    """`attention_impl="pallas"` (the TPU kernels, interpreted on CPU) takes the
+    """`attention.impl="pallas"` (the TPU kernels, interpreted on CPU) takes the
     cache's masks (`masks.Positions`: explicit positions, empty slots): chunked
     prefill over `[cache; fresh keys]`, then decode over a window layer's ring
     buffer and a global layer's linear cache. An explicit implementation that
     cannot serve a mask raises, so this also checks the kernels were used."""
-    kw = dict(num_kv_heads=2, layer_pattern=("local", "global"), sliding_window=3,
-              norm="rmsnorm")
+    kw = dict(num_kv_heads=2, layer_pattern=("local", "global"), norm="rmsnorm")
     x, lengths = prompts(seed=7), jnp.array(PROMPT_LENGTHS)
-    got = np.asarray(generate(build(**kw, attention_impl="pallas"), x, max_new_tokens=NEW,
-                              prompt_lengths=lengths, prefill_chunk=4))
-    want = recompute_greedy(build(**kw, attention_impl="reference"), x, lengths, NEW)
+    got = np.asarray(generate(build(**kw, attention=dict(sliding_window=3, impl="pallas")), x,
+                              max_new_tokens=NEW, prompt_lengths=lengths, prefill_chunk=4))
+    want = recompute_greedy(build(**kw, attention=dict(sliding_window=3, impl="reference")), x,
+                            lengths, NEW)
     np.testing.assert_array_equal(got, want)
     assert len(set(got.ravel().tolist())) > 4
 
 
-MLA = dict(layer_pattern=("mla", "local"), sliding_window=3, num_layers=3, norm="rmsnorm",
+MLA = dict(layer_pattern=("mla", "local"), num_layers=3, norm="rmsnorm",
            mla=dict(q_lora_rank=12, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
-                    v_head_dim=6))
+                    v_head_dim=6), attention=dict(sliding_window=3))
 
 
 @pytest.mark.parametrize("prefill_chunk", [None, 4])
@@ -174,7 +175,7 @@ def test_sampling_is_seeded(gqa):
 def test_window_cache_is_bounded():
     cfg = model_config({**TINY, **CASES["t5_hybrid"]})
     model = build(**CASES["t5_hybrid"])
-    W = cfg.sliding_window
+    W = cfg.attention.sliding_window
     for max_len in (16, 4096):
         cache = jax.eval_shape(lambda n=max_len: model.init_cache(2, n))
         (local, glob), = [cache.layers["cycles"]]
@@ -204,7 +205,7 @@ def test_cache_bytes_gqa_mqa_and_70b():
     assert models.cache_bytes(mqa, 1, T) * 64 == b_mha
     assert models.kv_bytes_per_token(gqa8) == 2 * 80 * 8 * 128 * 2
     # values of their own head dim (DeepSeek-V3's MHA form: K 192, V 128 per head)
-    split = model_config(dict(base, head_dim=192, v_head_dim=128, attention_sinks=True))
+    split = model_config(dict(base, head_dim=192, v_head_dim=128, attention=dict(sinks=True)))
     assert models.cache_bytes(split, 1, T) == 80 * 64 * (192 + 128) * T * 2
     assert models.kv_bytes_per_token(split) == 80 * 64 * (192 + 128) * 2
     # DeepSeek-V3's latent cache: (kv_lora_rank + qk_rope_head_dim) per token per layer

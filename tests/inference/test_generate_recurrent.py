@@ -43,20 +43,22 @@ CASES = {
                                            router_renormalize=False, impl="dense"),
                   ssm=dict(TINY["ssm"], inner_norm=True), activation="swiglu", scan_layers=False),
     # causal linear attention (GQA) with a RoPE sliding-window layer, unscanned.
-    "linear": dict(layer_pattern=("linear", "local"), sliding_window=3, num_kv_heads=2,
-                   position="rope", scan_layers=False, linear=dict(chunk=4)),
+    "linear": dict(layer_pattern=("linear", "local"), num_kv_heads=2,
+                   position="rope", scan_layers=False, linear=dict(chunk=4),
+                   attention=dict(sliding_window=3)),
     # Gated DeltaNet only (Hv = 2 Hk; the 6-token prompt pads to chunks of 4), scanned.
     "gdn": dict(layer_pattern=("gated_deltanet",), ffn_pattern=("none",), gdn=GDN),
     # Qwen3-Next-style (configs/qwen3_next.py): 3 Gated DeltaNet : 1 gated attention
     # (GQA, RoPE on half of each head, QK-norm, output gate), zero-centred norms, MoE
     # ffns with a sigmoid-gated shared expert, unscanned.
     "qwen3_next": dict(layer_pattern=3 * ("gated_deltanet",) + ("global",), num_layers=4,
-                       ffn_pattern=("moe",), num_kv_heads=2, position="rope", qk_norm=True,
-                       attn_output_gate=True, norm="rmsnorm_plus_one",
+                       ffn_pattern=("moe",), num_kv_heads=2, position="rope",
+                       norm="rmsnorm_plus_one",
                        rope=dict(fraction=0.5),
                        moe=dict(num_experts=4, experts_per_token=2, shared_experts=1,
                                 shared_gate=True, impl="dense"),
-                       activation="swiglu", gdn=GDN, scan_layers=False),
+                       activation="swiglu", gdn=GDN, scan_layers=False,
+                       attention=dict(qk_norm=True, output_gate=True)),
     # Zamba2-style (configs/zamba2.py): Mamba-2 layers, every other one also running a
     # use of one of 2 shared attention + MLP blocks on [hidden; embeddings] (RoPE, GQA
     # 4/2 heads of 2D/4, rank-4 adapters), each use with its own K/V cache; scanned

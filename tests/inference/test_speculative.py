@@ -86,7 +86,7 @@ def test_speculative_equals_greedy(kw):
 
 
 def test_windowed_and_recurrent_layers_are_refused():
-    model = _model(layer_pattern=("local",), sliding_window=4)
+    model = _model(layer_pattern=("local",), attention=dict(sliding_window=4))
     with pytest.raises(ValueError, match="rolled back"):
         speculative_generate(model, jnp.zeros((1, 4), jnp.int32), max_new_tokens=4)
     with pytest.raises(ValueError, match="mtp_depth >= 1"):

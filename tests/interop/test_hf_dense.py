@@ -133,12 +133,13 @@ def test_hub_style_configs_map_as_transformers_reads_them():
     # Qwen2.5: a window given but off (use_sliding_window=false) -> every layer global
     cfg = hf.config_from_hf(_hf("qwen2", sliding_window=32, max_window_layers=2,
                                 use_sliding_window=False))
-    assert cfg.layer_pattern == ("global",) and (cfg.qkv_bias, cfg.out_bias) == (True, False)
+    assert cfg.layer_pattern == ("global",)
+    assert (cfg.attention.qkv_bias, cfg.attention.out_bias) == (True, False)
     # on: layers >= max_window_layers slide; HF's window of 8 counts the query itself
     cfg = hf.config_from_hf(_hf("qwen2", sliding_window=8, max_window_layers=2,
                                 use_sliding_window=True))
     assert cfg.layer_pattern == ("global", "global", "local", "local")
-    assert cfg.sliding_window == 7
+    assert cfg.attention.sliding_window == 7
     # SmolLM3: an explicit per-layer list (1: RoPE, 0: NoPE), or every interval-th NoPE
     cfg = hf.config_from_hf(_hf("smollm3", no_rope_layers=[1, 0, 0, 1]))
     assert [cfg.layer_kind(i) for i in range(4)] == ["global", "nope", "nope", "global"]
@@ -149,9 +150,9 @@ def test_hub_style_configs_map_as_transformers_reads_them():
     cfg = hf.config_from_hf(_hf("gemma3_text", num_hidden_layers=7, head_dim=8,
                                 sliding_window=16, rope_theta=1e6, rope_local_base_freq=1e4,
                                 rope_scaling=dict(rope_type="linear", factor=8.0)))
-    assert cfg.layer_pattern == ("local",) * 5 + ("global",) and cfg.sliding_window == 15
+    assert cfg.layer_pattern == ("local",) * 5 + ("global",) and cfg.attention.sliding_window == 15
     assert (cfg.rope.theta, cfg.rope.scaling, cfg.rope.factor) == (1e6, "linear", 8.0)
-    assert cfg.local_rope_theta == 1e4 and cfg.attn_softcap == 0.0
+    assert cfg.attention.local_rope_theta == 1e4 and cfg.attention.softcap == 0.0
     # Qwen3-MoE as the hub writes it (num_experts, not transformers 5's num_local_experts)
     cfg = hf.config_from_hf(_hf("qwen3_moe", num_experts=8, num_experts_per_tok=2,
                                 moe_intermediate_size=16, decoder_sparse_step=2,

@@ -135,10 +135,10 @@ def test_layer_and_ffn_patterns():
     cfg = hf.config_from_hf(_dict("llama4"))
     assert cfg.layer_pattern == ("chunked", "chunked", "chunked", "nope")
     assert cfg.ffn_pattern == ("dense", "moe") and cfg.d_ff == 40 and cfg.moe.d_ff == 24
-    assert (cfg.attention_chunk, cfg.nope_temperature_floor) == (4, 4)
-    assert cfg.rope.layout == "interleaved" and cfg.qk_norm_kind == "rmsnorm_unit"
+    assert (cfg.attention.chunk, cfg.attention.temperature_floor) == (4, 4)
+    assert cfg.rope.layout == "interleaved" and cfg.attention.qk_norm_kind == "rmsnorm_unit"
     cfg = hf.config_from_hf(_dict("gpt_oss"))
-    assert cfg.layer_pattern == ("local", "global") and cfg.sliding_window == 3
+    assert cfg.layer_pattern == ("local", "global") and cfg.attention.sliding_window == 3
     assert cfg.rope.scaling == "yarn" and not cfg.rope.truncate
     cfg = hf.config_from_hf(_dict("deepseek_v3"))
     assert cfg.ffn_pattern == ("dense", "moe", "moe")

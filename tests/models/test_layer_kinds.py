@@ -147,7 +147,8 @@ def test_the_attention_kinds_of_2024_26_models():
     RoPE base (Gemma 3: unscaled, while global layers keep the scaled RoPE); QK-norm
     over the whole projection (OLMo 2)."""
     C = 3
-    cfg = model_config(dict(TINY, num_layers=1, layer_pattern=("chunked",), attention_chunk=C))
+    cfg = model_config(dict(TINY, num_layers=1, layer_pattern=("chunked",),
+                            attention=dict(chunk=C)))
     model = models.build(cfg, rngs=nnx.Rngs(0))
     tokens = jax.random.randint(jax.random.key(1), (1, 8), 0, 61)
     got = attention_inputs.layer_masks(cfg, masks.causal())["chunked"].dense(8, 8)
@@ -159,13 +160,13 @@ def test_the_attention_kinds_of_2024_26_models():
     q, kv = jnp.array([[7]]), jnp.array([[6, 7, 5]])  # a 3-slot ring buffer after 8 tokens
     m = attention_inputs.cache_masks(cfg, None, q, lambda size: kv, 40)[0]["chunked"]
     np.testing.assert_array_equal(m.dense(1, 3)[0, 0], [True, True, False])
-    with pytest.raises(ValueError, match="model.attention_chunk"):
+    with pytest.raises(ValueError, match="model.attention.chunk"):
         model_config(dict(TINY, layer_pattern=("chunked",)))
 
     cfg = model_config(dict(TINY, num_layers=3, layer_pattern=("local", "global", "nope"),
-                            sliding_window=4, local_rope_theta=10.0, qk_norm=True,
-                            qk_norm_over="projection", nope_temperature_floor=4,
-                            rope=dict(theta=1e4, scaling="linear", factor=8.0)))
+                            rope=dict(theta=1e4, scaling="linear", factor=8.0),
+                            attention=dict(sliding_window=4, local_rope_theta=10.0, qk_norm=True,
+                                           qk_norm_over="projection", temperature_floor=4)))
     local, glob, nope = models.build(cfg, rngs=nnx.Rngs(0)).layers.cycles.layers
     assert (local.attn.rope.theta, local.attn.rope.scaling) == (10.0, "none")
     assert (glob.attn.rope.theta, glob.attn.rope.scaling, glob.attn.rope.factor) == \
@@ -175,13 +176,13 @@ def test_the_attention_kinds_of_2024_26_models():
 
 
 def test_llama4_qk_norm_is_weightless_and_on_the_rope_layers_only():
-    """`qk_norm_layers="rope"` with `qk_norm_kind="rmsnorm_unit"` (Llama 4): the
+    """`attention.qk_norm_layers="rope"` with `attention.qk_norm_kind="rmsnorm_unit"` (Llama 4): the
     chunked (RoPE) layers normalise q and k by their RMS with no parameters, the NoPE
     layer has no QK-norm; the model still differs from one without the norm."""
     base = dict(vocab_size=61, d_model=32, num_layers=4, num_heads=4, num_kv_heads=2, d_ff=48,
-                max_len=64, layer_pattern=3 * ("chunked",) + ("nope",), attention_chunk=4,
-                qk_norm=True, qk_norm_kind="rmsnorm_unit", qk_norm_layers="rope",
-                scan_layers=False)
+                max_len=64, layer_pattern=3 * ("chunked",) + ("nope",), scan_layers=False,
+                attention=dict(chunk=4, qk_norm=True, qk_norm_kind="rmsnorm_unit",
+                               qk_norm_layers="rope"))
     model = models.build(model_config(base), rngs=nnx.Rngs(0))
     norms = [node.q_norm for _, node in nnx.iter_graph(model) if hasattr(node, "q_norm")]
     assert [n is not None for n in norms] == [True, True, True, False]
@@ -190,9 +191,12 @@ def test_llama4_qk_norm_is_weightless_and_on_the_rope_layers_only():
     want = x / jnp.sqrt(jnp.mean(x * x, -1, keepdims=True) + model.config.norm_eps)
     np.testing.assert_allclose(norms[0](x), want, rtol=1e-5, atol=1e-6)
     tokens = jax.random.randint(jax.random.key(1), (1, 9), 0, 61)
-    plain = models.build(model_config({**base, "qk_norm": False}), rngs=nnx.Rngs(0))
+    def with_attention(**kw):
+        return model_config({**base, "attention": {**base["attention"], **kw}})
+
+    plain = models.build(with_attention(qk_norm=False), rngs=nnx.Rngs(0))
     assert not np.allclose(model(tokens), plain(tokens), atol=1e-4)
-    with pytest.raises(ValueError, match="model.qk_norm_layers: got 'nope'"):
-        models.build(model_config({**base, "qk_norm_layers": "nope"}), rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="model.qk_norm_kind: got 'l2'"):
-        models.build(model_config({**base, "qk_norm_kind": "l2"}), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="model.attention.qk_norm_layers: got 'nope'"):
+        models.build(with_attention(qk_norm_layers="nope"), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="model.attention.qk_norm_kind: got 'l2'"):
+        models.build(with_attention(qk_norm_kind="l2"), rngs=nnx.Rngs(0))

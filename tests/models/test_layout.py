@@ -21,8 +21,8 @@ from tfjax.nn.moe import MoE
 from tfjax.nn.ssm import Mamba
 
 TINY = dict(vocab_size=61, d_model=32, num_heads=4, d_ff=48, max_len=64, position="none",
-            norm="rmsnorm", sliding_window=2, moe=dict(num_experts=4, experts_per_token=2),
-            ssm=dict(d_state=4, chunk=4), linear=dict(chunk=4))
+            norm="rmsnorm", moe=dict(num_experts=4, experts_per_token=2),
+            ssm=dict(d_state=4, chunk=4), linear=dict(chunk=4), attention=dict(sliding_window=2))
 MIXERS = {"global": MultiHeadAttention, "local": MultiHeadAttention, "mamba": Mamba,
           "linear": LinearAttention}
 FFNS = {"dense": FeedForward, "moe": MoE, "none": type(None)}

@@ -38,10 +38,10 @@ DECODERS = {
     "t5bias": dict(position="t5", norm="rmsnorm", t5=dict(num_buckets=8, max_distance=16)),
     "sinusoidal_post": dict(position="sinusoidal", norm_placement="post", activation="relu",
                             scale_embeddings=True),
-    "gemma2_like": dict(layer_pattern=("local", "global"), sliding_window=3, num_layers=3,
-                        norm="rmsnorm_plus_one", norm_placement="sandwich", attn_softcap=20.0,
-                        final_softcap=15.0, activation="geglu_tanh", scale_embeddings=True,
-                        qk_norm=True),
+    "gemma2_like": dict(layer_pattern=("local", "global"), num_layers=3,
+                        norm="rmsnorm_plus_one", norm_placement="sandwich", final_softcap=15.0,
+                        activation="geglu_tanh", scale_embeddings=True,
+                        attention=dict(sliding_window=3, softcap=20.0, qk_norm=True)),
     "neox_parallel": dict(block="parallel", parallel_shared_norm=False, rope=dict(fraction=0.25)),
     "unscanned": dict(scan_layers=False, position="none"),
     "remat": dict(remat="full", num_layers=3),
@@ -73,7 +73,8 @@ def test_decoder_is_causal_and_differentiable(name):
 def test_sliding_window_receptive_field():
     # One local layer of window W: position t sees t-W..t, not t-W-1.
     W = 3
-    cfg = tiny(layer_pattern=("local",), sliding_window=W, num_layers=1, position="none")
+    cfg = tiny(layer_pattern=("local",), num_layers=1, position="none",
+               attention=dict(sliding_window=W))
     model = models.build(cfg)
     x = tokens(1, 10)
     t = 8
@@ -104,7 +105,7 @@ def test_position_bias_in_kernel_equals_the_materialised_bias(monkeypatch, posit
     relative positions). `impl`: the attention implementation ("auto": blockwise
     on CPU; "pallas": the TPU kernels, interpreted)."""
     extra = dict(t5=dict(num_buckets=8, max_distance=16)) if position == "t5" else {}
-    cfg = tiny(position=position, num_kv_heads=2, num_layers=1, attention_impl=impl, **extra)
+    cfg = tiny(position=position, num_kv_heads=2, num_layers=1, **extra, attention=dict(impl=impl))
     model = models.build(cfg)
     x = tokens(2, 11, seed=4)
     seg = jnp.array([[1] * 4 + [2] * 7, [1] * 11])
@@ -157,7 +158,8 @@ def test_prefix_lm():
 
 @pytest.mark.parametrize("pattern,layers", [(("global",), 3), (("local", "global"), 5)])
 def test_scan_equals_unrolled(pattern, layers):
-    kw = dict(layer_pattern=pattern, num_layers=layers, sliding_window=2, norm="rmsnorm")
+    kw = dict(layer_pattern=pattern, num_layers=layers, norm="rmsnorm",
+              attention=dict(sliding_window=2))
     scanned = models.build(tiny(dropout_rate=0.1, **kw))
     scanned.eval()
     unrolled = models.unrolled(scanned)

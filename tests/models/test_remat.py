@@ -74,7 +74,7 @@ def test_named_policies_keep_the_attention_forward(remat, reruns):
     """The Pallas kernels' program (traced, not run): the backward of "full" runs the
     forward kernel again (a kernel's output is no dot, so "dots" does too); the
     policies that keep "attn_out" and "attn_lse" run it once per layer."""
-    graphdef, state = _model(remat, attention_impl="pallas")
+    graphdef, state = _model(remat, attention=dict(impl="pallas"))
     counts = _kernels(jax.make_jaxpr(jax.grad(_loss(graphdef)))(state).jaxpr)
     fwd = [n for n in counts if n.endswith("_fwd")]
     bwd = sum(counts[n] for n in counts if n not in fwd)
@@ -93,8 +93,8 @@ def test_rope_tables_are_computed_once_outside_the_layers(scan):
     scan and its remat (here two: the global layers' base and the local layers'),
     and the gradient does not recompute them."""
     graphdef, state = _model("dots_attn", num_layers=4, layer_pattern=("local", "global"),
-                             sliding_window=4, position="rope", local_rope_theta=100.0,
-                             scan_layers=scan)
+                             position="rope", scan_layers=scan,
+                             attention=dict(sliding_window=4, local_rope_theta=100.0))
     jaxpr = jax.make_jaxpr(jax.grad(_loss(graphdef)))(state).jaxpr
     assert _depths(jaxpr, "sin") == [0, 0]
     assert _depths(jaxpr, "cos") == [0, 0]

@@ -106,7 +106,7 @@ def reference(model, x, shared_of_use, own=None):
         inp = h
         if block.mixer_input is not None:
             mine = (own or {}).get(u) or use_arrays(block)
-            inp = h + shared_ref(h, e, shared_of_use(u), mine, cfg.scale)
+            inp = h + shared_ref(h, e, shared_of_use(u), mine, cfg.attention_scale)
             u += 1
         h = h + block.attn(rms(inp, block.attn_norm.scale[...]))
     return rms(h, model.final_norm.scale[...]) @ model.embed.head.kernel[...]

@@ -167,8 +167,8 @@ def test_scanned_decoder_matches_the_written_out_reference(diff, value_residual)
     cfg = model_config(dict(vocab_size=37, d_model=D, num_layers=L, num_heads=N,
                             num_kv_heads=K, head_dim=H, d_ff=32, norm="rmsnorm",
                             activation="relu", position="none", init_std=0.3,
-                            layer_pattern=("global", "global"), diff_attn=diff,
-                            value_residual=value_residual))
+                            layer_pattern=("global", "global"),
+                            attention=dict(differential=diff, value_residual=value_residual)))
     model = models.build(cfg, rngs=nnx.Rngs(0))
     assert model.layers.layout.num_cycles == 2 and len(model.layers.blocks) == 1
     if value_residual == "learned":  # lambdas away from 0.5 so the test sees them
@@ -198,21 +198,24 @@ def test_scanned_decoder_matches_the_written_out_reference(diff, value_residual)
 
 
 @pytest.mark.parametrize("fields,field", [
-    (dict(diff_attn=True, attention_sinks=True), "model.attention_sinks"),
-    (dict(diff_attn=True, qk_norm=True), "model.qk_norm"),
-    (dict(diff_attn=True, d_model=24, num_heads=8), "model.diff_attn"),  # head_dim 3
-    (dict(diff_attn=True, arch="encoder"), "model.diff_attn"),
-    (dict(value_residual="yes"), "model.value_residual"),
-    (dict(value_residual="fixed", arch="encoder_decoder"), "model.value_residual"),
+    (dict(attention=dict(differential=True, sinks=True)), "model.attention.sinks"),
+    (dict(attention=dict(differential=True, qk_norm=True)), "model.attention.qk_norm"),
+    (dict(d_model=24, num_heads=8,
+          attention=dict(differential=True)), "model.attention.differential"),  # head_dim 3
+    (dict(arch="encoder", attention=dict(differential=True)), "model.attention.differential"),
+    (dict(attention=dict(value_residual="yes")), "model.attention.value_residual"),
+    (dict(arch="encoder_decoder",
+          attention=dict(value_residual="fixed")), "model.attention.value_residual"),
 ])
 def test_config_errors_name_the_field(fields, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
         model_config(fields)
 
 
-@pytest.mark.parametrize("switch", [dict(diff_attn=True), dict(value_residual="fixed")])
+@pytest.mark.parametrize("switch", [dict(attention=dict(differential=True)),
+                                    dict(attention=dict(value_residual="fixed"))])
 def test_layer_kinds_that_cannot_carry_a_variant_are_refused_by_name(switch):
-    with pytest.raises(ValueError, match=r"model\.\w+: 'mamba' layers cannot carry it"):
+    with pytest.raises(ValueError, match=r"model\.[\w.]+: 'mamba' layers cannot carry it"):
         models.build(model_config(dict(layer_pattern=("global", "mamba"), **switch)))
 
 
@@ -234,9 +237,10 @@ def test_both_variants_run_as_ring_attention_on_a_sequence_mesh(monkeypatch):
     from tfjax.parallel.sharding import use_rules
 
     cfg = model_config(dict(vocab_size=61, d_model=32, num_layers=2, num_heads=4,
-                            num_kv_heads=2, d_ff=48, max_len=64, init_std=0.3, diff_attn=True,
-                            value_residual="fixed", attention_impl="blockwise",
-                            context_parallel="ring", zigzag="none"))
+                            num_kv_heads=2, d_ff=48, max_len=64, init_std=0.3,
+                            attention=dict(differential=True, value_residual="fixed",
+                                           impl="blockwise", context_parallel="ring",
+                                           zigzag="none")))
     model = models.build(cfg, rngs=nnx.Rngs(3))
     x = jax.random.randint(jax.random.key(0), (2, 32), 0, 61)
 

@@ -1,7 +1,7 @@
 """Long-context training through the trainer: on a data=2 x sequence=4 mesh the
 real decoder's self-attention runs as ring attention (or the all-gather baseline)
 over the `sequence` axis, and a few training steps match one device. Ring runs with
-`model.zigzag="data"` (the default): the trainer puts each batch in zig-zag order
+`model.attention.zigzag="data"` (the default): the trainer puts each batch in zig-zag order
 once and the layers skip the per-layer re-layout. A model's `attention_impl` reaches
 the ring (as its per-block attention) and all-gather (per device)."""
 
@@ -38,11 +38,12 @@ def _config(seq_len=32, model=None, **mesh):
     # init_std 0.3 makes attention sharp enough that a position or mask read in the
     # wrong order moves the losses by > 0.1 (at 0.02, positions left in natural order
     # under zig-zag data still matched within 1e-4).
+    model = dict(model or {})
+    attention = dict(context_parallel=mesh.pop("cp", "ring"), **model.pop("attention", {}))
     return C.from_dict(C.RunConfig, dict(
         model={**dict(vocab_size=259, d_model=32, num_heads=4, num_kv_heads=2, d_ff=64,
-                      num_layers=1, position="rope", context_parallel=mesh.pop("cp", "ring"),
-                      init_std=0.3),
-               **(model or {})},
+                      num_layers=1, position="rope", init_std=0.3), **model,
+               "attention": attention},
         train=dict(steps=3, batch_size=4, seq_len=seq_len, warmup_steps=1, lr=1e-2, log_every=1,
                    eval_batches=1, eval_at_end=False, sample_tokens=0, progress=False),
         checkpoint=dict(enabled=False, every_steps=0, async_save=False),
@@ -88,7 +89,7 @@ def test_sequence_parallel_training_matches_one_device(tmp_path, one_device, mod
 
 def _permutes(zigzag: str) -> int:
     """collective_permutes in the lowered (not compiled) eval step on data=2 x sequence=4."""
-    cfg = _config(model=dict(zigzag=zigzag), data=2, sequence=4)
+    cfg = _config(model=dict(attention=dict(zigzag=zigzag)), data=2, sequence=4)
     mesh = make_mesh(cfg.mesh, jax.devices()[:8])
     p = build_program(cfg, mesh, build)
     state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
@@ -112,7 +113,7 @@ def test_zigzag_plan_and_host_reorder():
     assert zigzag_devices(_config(data=2, sequence=4), mesh, build) == (4, None)
     n, note = zigzag_devices(_config(data=2, sequence=4), mesh, lambda cfg, rngs: None)
     assert n == 0 and "custom build_model" in note  # e.g. tests/train/tiny_decoder.py
-    for kw in (dict(model=dict(zigzag="layer")), dict(cp="all_gather")):
+    for kw in (dict(model=dict(attention=dict(zigzag="layer"))), dict(cp="all_gather")):
         assert zigzag_devices(_config(data=2, sequence=4, **kw), mesh) == (0, None)
     # ALiBi / T5's bias reach the ring as slopes / the table + the batch's (reordered)
     # positions
@@ -123,7 +124,7 @@ def test_zigzag_plan_and_host_reorder():
     for kw, why in ((dict(model=dict(layer_pattern=("global", "linear"))), "'linear'"),
                     (dict(seq_len=36), "seq_len=36")):
         n, note = zigzag_devices(_config(data=2, sequence=4, **kw), mesh)
-        assert n == 0 and why in note and "model.zigzag='layer'" in note
+        assert n == 0 and why in note and "model.attention.zigzag='layer'" in note
     x = np.arange(3 * 32).reshape(3, 32)
     np.testing.assert_array_equal(zigzag_rows(x, 4), np.asarray(zigzag(x, 4)))
 
@@ -146,18 +147,19 @@ def test_zigzag_data_refuses_what_it_cannot_read():
 
 
 def test_context_parallel_is_validated():
-    with pytest.raises(ValueError, match="model.context_parallel"):
+    with pytest.raises(ValueError, match="model.attention.context_parallel"):
         _config(cp="gather").validate()
     with pytest.raises(ValueError, match="context_parallel"):
         MultiHeadAttention(32, 4, context_parallel="gather", rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match=r"model.zigzag: got 'zag'; allowed: 'data', 'layer'"):
-        _config(model=dict(zigzag="zag")).validate()
+    with pytest.raises(ValueError,
+                       match=r"model.attention.zigzag: got 'zag'; allowed: 'data', 'layer'"):
+        _config(model=dict(attention=dict(zigzag="zag"))).validate()
     with pytest.raises(ValueError, match="zigzag"):
         MultiHeadAttention(32, 4, zigzag="zag", rngs=nnx.Rngs(0))
 
 
 # --------------------------------------------------------------------------- #
-# model.attention_impl under context parallelism.
+# model.attention.impl under context parallelism.
 # --------------------------------------------------------------------------- #
 
 
@@ -200,12 +202,12 @@ def _spy(monkeypatch, calls, module, name, label):
 ])
 def test_a_models_attention_impl_reaches_context_parallel_attention(monkeypatch, mode, impl,
                                                                      ran):
-    """`model.attention_impl` is what a sequence-parallel layer runs: per ring block
+    """`model.attention.impl` is what a sequence-parallel layer runs: per ring block
     (spied on the kernel families), or per device under all-gather; the loss and the
     parameter gradients equal the same model's on one device. (The ring's "auto" is
     the layer's default, run by every other sequence-parallel test; zigzag="none"
     keeps the ring to one block pair per step: the implementation is what is tested.)"""
-    model = _model(attention_impl=impl, context_parallel=mode, zigzag="none")
+    model = _model(attention=dict(impl=impl, context_parallel=mode, zigzag="none"))
     x = jax.random.randint(jax.random.key(0), (2, 32), 0, 61)
     want_l, want_g = nnx.jit(nnx.value_and_grad(_loss))(model, x)
     calls = collections.Counter()
@@ -229,10 +231,10 @@ def test_an_implementation_context_parallelism_cannot_run_raises_while_tracing()
     offsets): the dispatch's reason, prefixed with where it came from."""
     x = jnp.zeros((2, 32), jnp.int32)
     with pytest.raises(ValueError) as e:
-        _on_a_sequence_mesh(_model(attention_impl="xla"), x)
+        _on_a_sequence_mesh(_model(attention=dict(impl="xla")), x)
     assert "\n" not in str(e.value)
     assert str(e.value).startswith("ring_attention: implementation='xla' has no ring block")
     assert str(e.value).endswith("implementation must be one of 'auto', 'blockwise', 'pallas'")
     with pytest.raises(ValueError, match=r"^all_gather_attention \(per device, .*\): "
                                          r"implementation='cudnn' cannot serve this call: "):
-        _on_a_sequence_mesh(_model(attention_impl="cudnn", context_parallel="all_gather"), x)
+        _on_a_sequence_mesh(_model(attention=dict(impl="cudnn", context_parallel="all_gather")), x)

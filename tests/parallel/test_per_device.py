@@ -138,7 +138,7 @@ def test_a_model_with_pallas_attention_on_a_data_tensor_mesh_equals_one_device(m
         (q.shape[0], q.shape[2], k.shape[2])) or kernel(q, k, *a, **kw))
     cfg = model_config(dict(vocab_size=61, d_model=32, num_layers=2, num_heads=4,
                             num_kv_heads=2, d_ff=48, max_len=64, init_std=1.0,
-                            attention_impl="pallas"))
+                            attention=dict(impl="pallas")))
     model = models.build(cfg, rngs=nnx.Rngs(3))
     x = jax.random.randint(jax.random.key(0), (4, 24), 0, 61)
     loss = lambda m, x: m(x).astype(jnp.float32).mean()

@@ -52,8 +52,8 @@ def test_zamba2_trains_sharded_with_falling_loss(tmp_path):
     by their logical axes like every other parameter, and the loss falls."""
     cd = preset("zamba2")
     cd.model.update(dict(d_model=32, num_heads=4, num_kv_heads=4, head_dim=16, d_ff=64,
-                         attn_scale=8 ** -0.5,
-                         mamba2=dict(cd.model.mamba2.to_dict(), d_state=8, head_dim=16)))
+                         mamba2=dict(cd.model.mamba2.to_dict(), d_state=8, head_dim=16),
+                         attention=dict(scale=8 ** -0.5)))
     cd.train.update(dict(steps=5, batch_size=8, seq_len=32, warmup_steps=1, lr=1e-2,
                          log_every=1, eval_batches=1, eval_at_end=False, sample_tokens=0,
                          progress=False))

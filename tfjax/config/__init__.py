@@ -13,12 +13,14 @@ imports nothing else of tfjax, so names that a registry owns (`model.activation`
 `tfjax.models.build` (`tfjax.models.check_names`), still before anything compiles.
 
     model.py    ModelConfig and its sections (rope, moe, ssm, mamba2, linear, gdn, mla, t5)
+    attention.py  its attention section (model.attention)
     shared.py   its shared-blocks section (model.shared, Zamba2)
     run.py      TrainConfig, DataConfig, MeshConfig, CheckpointConfig, RunConfig
     convert.py  ConfigDict / dict <-> dataclasses, presets' variants, moved fields
     checks.py   the field-error helpers
 """
 
+from tfjax.config.attention import AttentionConfig
 from tfjax.config.convert import (apply_variant, default_config, from_dict, model_config,
                                   moved_field, run_config, to_config_dict, unknown_field,
                                   upgrade_saved)
@@ -32,6 +34,7 @@ from tfjax.config.run import (DEFAULT_RULES, MESH_AXES, CheckpointConfig, DataCo
 
 __all__ = [
     "upgrade_saved",
+    "AttentionConfig",
     "RopeConfig",
     "MoEConfig",
     "SSMConfig",

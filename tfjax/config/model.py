@@ -1,5 +1,6 @@
 """The model's config: `ModelConfig` and its sections (`rope`, `moe`, `ssm`,
-`mamba2`, `linear`, `gdn`, `mla`, `t5`; `shared` lives in `tfjax.config.shared`), frozen
+`mamba2`, `linear`, `gdn`, `mla`, `t5`; `attention` lives in `tfjax.config.attention`,
+`shared` in `tfjax.config.shared`), frozen
 dataclasses, and their checks.
 
 `validate_model` checks types, ranges and combinations of fields (each error names
@@ -16,6 +17,8 @@ import dataclasses
 import math
 from typing import ClassVar
 
+from tfjax.config.attention import MOVED as ATTENTION_MOVED
+from tfjax.config.attention import AttentionConfig, validate_attention
 from tfjax.config.checks import fail, non_negative, one_of, positive
 from tfjax.config.shared import SharedBlockConfig, validate_shared
 
@@ -185,6 +188,7 @@ _MOVED = {
     "ssm_proj_bias": "ssm.proj_bias", "ssm_inner_norm": "ssm.inner_norm",
     "linear_feature_map": "linear.feature_map", "linear_chunk": "linear.chunk",
     "t5_num_buckets": "t5.num_buckets", "t5_max_distance": "t5.max_distance",
+    **ATTENTION_MOVED,
 }
 
 
@@ -210,54 +214,12 @@ class ModelConfig:
     activation: str = "gelu"  # relu | gelu | gelu_tanh | silu | reglu | geglu | geglu_tanh | swiglu
     ffn_bias: bool = True
 
-    # Attention.
-    qkv_bias: bool = False
-    out_bias: bool = False
-    qk_norm: bool = False
-    # "head": q and k normalised per head over head_dim (Qwen3, Gemma 3); "projection":
-    # over all heads at once, before the heads split (OLMo 2)
-    qk_norm_over: str = "head"
-    # the QK-norm's kind ("" -> model.norm; "rmsnorm_unit": no scale, Llama 4's L2 norm)
-    # and which attention layers have one: "all", or "rope" (those that rotate: Llama 4)
-    qk_norm_kind: str = ""
-    qk_norm_layers: str = "all"
-    attn_scale: float = 0.0  # 0 -> 1/sqrt(head_dim)
-    attn_softcap: float = 0.0  # 0 -> off; Gemma 2: 50
-    attention_sinks: bool = False  # a learned sink logit per head (gpt-oss; tfjax.ops.sinks)
-    attention_impl: str = "auto"
-    # Differential attention (Ye et al. 2024): each head's queries and keys split in two
-    # halves of head_dim / 2, out = RMSNorm(softmax(q1 k1) v - lambda softmax(q2 k2) v)
-    # * (1 - lambda_init), lambda learned per layer (tfjax.nn.attention; decoder only)
-    diff_attn: bool = False
-    # Value-residual learning (ResFormer, Zhou et al. 2024): every layer after the first
-    # mixes the first layer's values in, v_n <- l1 v_n + l2 v_1: "none" | "fixed"
-    # (l1 = l2 = 0.5, the paper's) | "learned" (l1, l2 per layer, from 0.5; decoder only)
-    value_residual: str = "none"
-    # Gated attention (Qwen3-Next; Qiu et al. 2025): the attention output times
-    # sigmoid(x @ W_gate) per head and channel, before the output projection
-    attn_output_gate: bool = False
-    # Self-attention when the mesh splits the sequence (mesh.sequence > 1): "ring"
-    # (ring attention, K/V circulate; O(S/n) memory) | "all_gather" (each device
-    # gathers the whole K/V; the simple baseline). Ignored without a sequence axis.
-    context_parallel: str = "ring"
-    # Zig-zag load balancing of the causal ring (2n chunks, device i holds i and 2n-1-i):
-    # "data" (the trainer reorders each batch once on the host; layers skip the
-    # re-layout; falls back to "layer", with a note, for models with order-dependent
-    # layers: mamba / linear mixers, capacity-factor MoE) | "layer" (natural-order
-    # data, every layer re-lays out q, k, v, out) | "none".
-    zigzag: str = "data"
+    # Attention: how the attention layers attend (tfjax.config.attention).
+    attention: AttentionConfig = dataclasses.field(default_factory=AttentionConfig)
     # Layer kinds (tfjax.models.layer_kinds), cycled over layers: global | local |
     # chunked | nope | mla | mamba | mamba2 | mamba2_shared (model.shared) | linear |
     # gated_deltanet (chunked and the recurrent kinds decoder only).
     layer_pattern: tuple[str, ...] = ("global",)
-    sliding_window: int = 0  # keys before the query a "local" layer sees (plus itself)
-    attention_chunk: int = 0  # a "chunked" layer sees its own chunk (Llama 4: 8192)
-    # "local" layers' RoPE base, unscaled (Gemma 3: 10000); 0 -> model.rope as the others
-    local_rope_theta: float = 0.0
-    # Llama 4's query temperature on "nope" layers: q *= 1 + scale * ln(1 + floor((p + 1) /
-    # floor)) at position p (floor 8192, scale 0.1); floor 0 -> off
-    nope_temperature_floor: int = 0
-    nope_temperature_scale: float = 0.1
     prefix_lm: bool = False  # decoder: bidirectional over a prefix given at call time
     # What follows the mixer, cycled over layers independently of layer_pattern:
     # dense | moe | none. The scanned unit is lcm(len(layer_pattern), len(ffn_pattern)).
@@ -340,15 +302,17 @@ class ModelConfig:
         return self.num_encoder_layers or self.num_layers
 
     @property
-    def scale(self) -> float:
-        """1/sqrt of the q.k width: head_dim, or its half with model.diff_attn (or
-        `attn_scale`); with μP that scale at the base head dim, times base / head dim."""
-        width = self.head_size // (2 if self.diff_attn else 1)
+    def attention_scale(self) -> float:
+        """The attention's softmax scale: 1/sqrt of the q.k width, head_dim or its half
+        with attention.differential (or `attention.scale`); with μP that scale at the
+        base head dim, times base / head dim."""
+        a = self.attention
+        width = self.head_size // (2 if a.differential else 1)
         if not self.mup_base_width:
-            return self.attn_scale or 1.0 / math.sqrt(width)
+            return a.scale or 1.0 / math.sqrt(width)
         base = (self.mup_base_head_dim or self.head_size * self.mup_base_width / self.d_model)
-        base /= 2 if self.diff_attn else 1
-        return (self.attn_scale or 1.0 / math.sqrt(base)) * base / width
+        base /= 2 if a.differential else 1
+        return (a.scale or 1.0 / math.sqrt(base)) * base / width
 
     @property
     def logits_multiplier(self) -> float:
@@ -371,11 +335,6 @@ class ModelConfig:
 
 def validate_model(c: ModelConfig, p: str) -> None:
     """Types were checked on conversion; here ranges and combinations."""
-    one_of(f"{p}.context_parallel", c.context_parallel, ("ring", "all_gather"))
-    one_of(f"{p}.qk_norm_over", c.qk_norm_over, ("head", "projection"))
-    one_of(f"{p}.qk_norm_layers", c.qk_norm_layers, ("all", "rope"))
-    one_of(f"{p}.zigzag", c.zigzag, ("data", "layer", "none"))
-    one_of(f"{p}.value_residual", c.value_residual, ("none", "fixed", "learned"))
     one_of(f"{p}.dtype", c.dtype, DTYPES)
     one_of(f"{p}.param_dtype", c.param_dtype, DTYPES)
 
@@ -384,11 +343,9 @@ def validate_model(c: ModelConfig, p: str) -> None:
         positive(f"{p}.{name}", getattr(c, name))
     for name in ("mup_base_width", "mup_base_head_dim"):
         non_negative(f"{p}.{name}", getattr(c, name))
-    for name in ("num_encoder_layers", "num_kv_heads", "head_dim", "v_head_dim", "attn_scale",
-                 "attn_softcap", "attention_chunk", "local_rope_theta", "nope_temperature_floor",
-                 "nope_temperature_scale",
-                 "final_softcap", "sliding_window", "type_vocab_size", "num_classes",
-                 "mtp_depth", "mtp_loss_weight"):
+    for name in ("num_encoder_layers", "num_kv_heads", "head_dim", "v_head_dim",
+                 "final_softcap", "type_vocab_size", "num_classes", "mtp_depth",
+                 "mtp_loss_weight"):
         non_negative(f"{p}.{name}", getattr(c, name))
     if c.mtp_depth and (c.arch != "decoder" or c.prefix_lm):
         fail(f"{p}.mtp_depth", f"multi-token prediction is for causal decoders (arch="
@@ -409,14 +366,8 @@ def validate_model(c: ModelConfig, p: str) -> None:
         fail(f"{p}.layer_pattern", "must name at least one layer kind, e.g. ('global',)")
     if not c.ffn_pattern:
         fail(f"{p}.ffn_pattern", "must name at least one ffn kind, e.g. ('dense',)")
-    if "local" in c.layer_pattern and c.sliding_window < 1:
-        fail(f"{p}.sliding_window", f"must be >= 1 when layer_pattern has 'local' layers, "
-             f"got {c.sliding_window}")
-    if "chunked" in c.layer_pattern and c.attention_chunk < 1:
-        fail(f"{p}.attention_chunk", f"must be >= 1 when layer_pattern has 'chunked' layers, "
-             f"got {c.attention_chunk}")
+    validate_attention(c, p)
     _validate_sections(c, p)
-    _validate_variants(c, p)
     validate_shared(c, p)
 
     if c.position == "rope":
@@ -467,29 +418,6 @@ def validate_model(c: ModelConfig, p: str) -> None:
     if c.arch != "encoder_decoder" and c.num_encoder_layers:
         fail(f"{p}.num_encoder_layers", f"only arch='encoder_decoder' has a separate encoder "
              f"(arch={c.arch!r}); use num_layers")
-
-
-def _validate_variants(c: ModelConfig, p: str) -> None:
-    """model.diff_attn and model.value_residual: what they need of the attention (which
-    layer kinds carry them is `tfjax.models.check_names`'s)."""
-    for name, on in (("diff_attn", c.diff_attn), ("value_residual", c.value_residual != "none")):
-        if on and c.arch != "decoder":
-            fail(f"{p}.{name}", f"is for arch='decoder' only (arch={c.arch!r})")
-    if not c.diff_attn:
-        return
-    if c.head_size % 2:
-        fail(f"{p}.diff_attn", f"splits each head's queries and keys in two halves: head_dim "
-             f"must be even, got {c.head_size}")
-    if c.attention_sinks:
-        fail(f"{p}.attention_sinks", "does not combine with model.diff_attn (two softmax maps "
-             "per head); set one of them")
-    if c.qk_norm:
-        fail(f"{p}.qk_norm", "does not combine with model.diff_attn (not implemented: the "
-             "norm would be per half-head); set one of them")
-    if c.position == "rope" and (c.rope.fraction * c.head_size / 2) % 2:
-        fail(f"{p}.rope.fraction", f"model.diff_attn rotates each half-head of head_dim / 2 = "
-             f"{c.head_size // 2}: fraction * head_dim / 2 must be even, got "
-             f"{c.rope.fraction * c.head_size / 2:g}")
 
 
 def _validate_mamba2(c: ModelConfig, p: str) -> None:

@@ -19,7 +19,7 @@ class SharedBlockConfig:
     low-rank adapters, and add its output, through their own [D, D] projection, to
     their mixer's input. Which layers: model.layer_pattern. The block's attention
     has model.num_heads / num_kv_heads heads of model.head_dim (Zamba2: 2 D /
-    num_heads) and model.attn_scale; its MLP model.activation and d_ff."""
+    num_heads) and model.attention.scale; its MLP model.activation and d_ff."""
 
     num_blocks: int = 0  # shared blocks, used in turn (Zamba2's num_mem_blocks); 0: none
     concat_embedding: bool = True  # the block reads [hidden; embeddings] (width 2D), else hidden

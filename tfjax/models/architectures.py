@@ -55,12 +55,12 @@ def check_names(cfg: ModelConfig, prefix: str = "model") -> ModelConfig:
     _one_of(f"{p}.arch", c.arch, ARCHITECTURES)
     _one_of(f"{p}.activation", c.activation, ACTIVATIONS)
     _one_of(f"{p}.norm", c.norm, NORMS)
-    if c.qk_norm_kind:
-        _one_of(f"{p}.qk_norm_kind", c.qk_norm_kind, NORMS)
+    if c.attention.qk_norm_kind:
+        _one_of(f"{p}.attention.qk_norm_kind", c.attention.qk_norm_kind, NORMS)
     _one_of(f"{p}.norm_placement", c.norm_placement, PLACEMENTS)
     _one_of(f"{p}.position", c.position, POSITIONS)
     _one_of(f"{p}.block", c.block, BLOCKS)
-    _one_of(f"{p}.attention_impl", c.attention_impl, ("auto", *IMPLEMENTATIONS))
+    _one_of(f"{p}.attention.impl", c.attention.impl, ("auto", *IMPLEMENTATIONS))
     _one_of(f"{p}.remat", c.remat, REMAT_POLICIES)
     for i, kind in enumerate(c.layer_pattern):
         _one_of(f"{p}.layer_pattern[{i}]", kind, LAYER_KINDS)
@@ -76,7 +76,9 @@ def check_names(cfg: ModelConfig, prefix: str = "model") -> ModelConfig:
         raise ValueError(f"{p}.layer_pattern: {', '.join(map(repr, sorted(causal)))} layers are "
                          f"causal mixers for arch='decoder' (arch={c.arch!r})")
     _check_shared(c, p)
-    for name, on in (("diff_attn", c.diff_attn), ("value_residual", c.value_residual != "none"),
+    a = c.attention
+    for name, on in (("attention.differential", a.differential),
+                     ("attention.value_residual", a.value_residual != "none"),
                      ("first_norm_residual", c.first_norm_residual)):  # they see the layer
         other = [k for k in dict.fromkeys(c.layer_pattern) if not LAYER_KINDS.get(k).variants]
         if on and other:

@@ -24,7 +24,7 @@ know about a kind is its record, and nothing outside this file names a kind:
                       attention's position-aware mask (the trainer's zig-zag data
                       layout would change it)
       variants        its mixer is a `MultiHeadAttention` that carries
-                      model.diff_attn and model.value_residual
+                      model.attention.differential and model.attention.value_residual
       shared_block    its layers also run a use of one of the model's shared
                       transformer blocks (model.shared; Zamba2): the block's
                       `mixer_input` is a `SharedBlockUse`, its cache a "shared" K/V
@@ -132,26 +132,26 @@ def attention(cfg: ModelConfig, rngs: nnx.Rngs, *, positions: bool, rope_theta: 
               temperature: bool = False) -> MultiHeadAttention:
     """The model's attention: self-attention of the attention kinds (`positions`: the
     model's RoPE, if any; `rope_theta` > 0: that base instead; `temperature`: Llama
-    4's NoPE query temperature when model.nope_temperature_floor > 0) and the
-    decoder's cross-attention (positions=False). model.diff_attn and
-    model.value_residual (decoder only, so never a cross-attention) reach every one:
+    4's NoPE query temperature when model.attention.temperature_floor > 0) and the
+    decoder's cross-attention (positions=False). model.attention.differential and
+    model.attention.value_residual (decoder only, so never a cross-attention) reach every one:
     differential attention rotates half-heads, a RoPE of head_dim / 2."""
-    tempered = temperature and cfg.nope_temperature_floor > 0
-    rope_dims = cfg.head_size // 2 if cfg.diff_attn else None
+    tempered = temperature and cfg.attention.temperature_floor > 0
+    rope_dims = cfg.head_size // 2 if cfg.attention.differential else None
     return MultiHeadAttention(
         cfg.d_model, cfg.num_heads, num_kv_heads=cfg.kv_heads, head_dim=cfg.head_size,
-        v_head_dim=cfg.value_head_size, sinks=cfg.attention_sinks, qkv_bias=cfg.qkv_bias,
-        out_bias=cfg.out_bias,
-        qk_norm=cfg.qk_norm and (cfg.qk_norm_layers == "all" or bool(positions)),
-        qk_norm_kind=cfg.qk_norm_kind or ("layernorm" if cfg.norm == "layernorm" else cfg.norm),
-        qk_norm_over=cfg.qk_norm_over, norm_eps=cfg.norm_eps,
-        temperature=(cfg.nope_temperature_floor, cfg.nope_temperature_scale) if tempered else None,
-        scale=cfg.scale, softcap=cfg.attn_softcap or None,
+        v_head_dim=cfg.value_head_size, sinks=cfg.attention.sinks, qkv_bias=cfg.attention.qkv_bias,
+        out_bias=cfg.attention.out_bias,
+        qk_norm=cfg.attention.qk_norm and (cfg.attention.qk_norm_layers == "all" or bool(positions)),
+        qk_norm_kind=cfg.attention.qk_norm_kind or ("layernorm" if cfg.norm == "layernorm" else cfg.norm),
+        qk_norm_over=cfg.attention.qk_norm_over, norm_eps=cfg.norm_eps,
+        temperature=(cfg.attention.temperature_floor, cfg.attention.temperature_scale) if tempered else None,
+        scale=cfg.attention_scale, softcap=cfg.attention.softcap or None,
         rope=_rope(cfg, rope_dims, theta=rope_theta) if positions else None,
-        implementation=cfg.attention_impl,
-        context_parallel=cfg.context_parallel, zigzag=cfg.zigzag,
-        differential=cfg.diff_attn, value_residual=cfg.value_residual,
-        output_gate=cfg.attn_output_gate,
+        implementation=cfg.attention.impl,
+        context_parallel=cfg.attention.context_parallel, zigzag=cfg.attention.zigzag,
+        differential=cfg.attention.differential, value_residual=cfg.attention.value_residual,
+        output_gate=cfg.attention.output_gate,
         dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype),
         init_std=cfg.init_std, out_init_std=_out_std(cfg), rngs=rngs)
 
@@ -198,32 +198,32 @@ def _attention_kind(doc: str, window_of: Callable[[ModelConfig], int], *,
 LAYER_KINDS.register("global", _attention_kind(
     "full attention under the model's mask", lambda cfg: 0))
 LAYER_KINDS.register("local", _attention_kind(
-    "sliding-window attention of model.sliding_window keys back (RoPE base "
-    "model.local_rope_theta if set)", lambda cfg: cfg.sliding_window,
-    rope_theta_of=lambda cfg: cfg.local_rope_theta))
+    "sliding-window attention of model.attention.sliding_window keys back (RoPE base "
+    "model.attention.local_rope_theta if set)", lambda cfg: cfg.attention.sliding_window,
+    rope_theta_of=lambda cfg: cfg.attention.local_rope_theta))
 LAYER_KINDS.register("nope", _attention_kind(
     "full attention without the model's position encoding (NoPE: Llama 4, SmolLM3; "
-    "model.nope_temperature_floor)", lambda cfg: 0, positions=False))
+    "model.attention.temperature_floor)", lambda cfg: 0, positions=False))
 
 
 def _chunked_mask(cfg, base, bidirectional):
-    return masks_lib.combine(base, masks_lib.chunked_causal(cfg.attention_chunk))
+    return masks_lib.combine(base, masks_lib.chunked_causal(cfg.attention.chunk))
 
 
 def _chunked_cache_mask(cfg, q_positions, kv_positions, window):
     """By position: causal within the query's own chunk (chunk index as a segment id;
     an empty slot's -1 is in no chunk)."""
-    C = cfg.attention_chunk
+    C = cfg.attention.chunk
     return masks_lib.positions(q_positions, kv_positions) & masks_lib.segments(
         q_positions // C, jnp.where(kv_positions >= 0, kv_positions // C, -1))
 
 
 def _chunked_slots(cfg, max_len):  # a rolling buffer of one chunk
-    return min(cfg.attention_chunk, max_len), 0
+    return min(cfg.attention.chunk, max_len), 0
 
 
 LAYER_KINDS.register("chunked", LayerKind(
-    "causal attention within chunks of model.attention_chunk positions (Llama 4): a rolling "
+    "causal attention within chunks of model.attention.chunk positions (Llama 4): a rolling "
     "cache of one chunk", attention, mask=_chunked_mask,
     cache=lambda cfg, batch, max_len, dtype: _kv_cache(cfg, batch, *_chunked_slots(cfg, max_len),
                                                        dtype),
@@ -233,15 +233,15 @@ LAYER_KINDS.register("chunked", LayerKind(
 def _mla(cfg: ModelConfig, rngs: nnx.Rngs, *, positions: bool) -> MultiHeadLatentAttention:
     m, r = cfg.mla, cfg.rope
     qk = m.qk_nope_head_dim + m.qk_rope_head_dim
-    scale = cfg.attn_scale or mla_scale(qk, rope_scaling=r.scaling, rope_factor=r.factor,
+    scale = cfg.attention.scale or mla_scale(qk, rope_scaling=r.scaling, rope_factor=r.factor,
                                         mscale_all_dim=m.mscale_all_dim)
     return MultiHeadLatentAttention(
         cfg.d_model, cfg.num_heads, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
         qk_nope_head_dim=m.qk_nope_head_dim, qk_rope_head_dim=m.qk_rope_head_dim,
         v_head_dim=m.v_head_dim, scale=scale,
         rope=_rope(cfg, m.qk_rope_head_dim) if positions else None, norm_eps=cfg.norm_eps,
-        implementation=cfg.attention_impl, context_parallel=cfg.context_parallel,
-        zigzag=cfg.zigzag, dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype),
+        implementation=cfg.attention.impl, context_parallel=cfg.attention.context_parallel,
+        zigzag=cfg.attention.zigzag, dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype),
         init_std=cfg.init_std, out_init_std=_out_std(cfg), rngs=rngs)
 
 
@@ -312,10 +312,10 @@ def shared_block(cfg: ModelConfig, rngs: nnx.Rngs) -> SharedBlock:
     norm = dict(eps=cfg.norm_eps, use_bias=cfg.norm_bias, dtype=dt, param_dtype=pdt, rngs=rngs)
     attn = MultiHeadAttention(
         W, cfg.num_heads, num_kv_heads=cfg.kv_heads, head_dim=cfg.head_size,
-        v_head_dim=cfg.value_head_size, out_dim=cfg.d_model, qkv_bias=cfg.qkv_bias,
-        out_bias=cfg.out_bias, scale=cfg.scale, rope=_rope(cfg),
-        implementation=cfg.attention_impl, context_parallel=cfg.context_parallel,
-        zigzag=cfg.zigzag, dtype=dt, param_dtype=pdt, init_std=cfg.init_std,
+        v_head_dim=cfg.value_head_size, out_dim=cfg.d_model, qkv_bias=cfg.attention.qkv_bias,
+        out_bias=cfg.attention.out_bias, scale=cfg.attention_scale, rope=_rope(cfg),
+        implementation=cfg.attention.impl, context_parallel=cfg.attention.context_parallel,
+        zigzag=cfg.attention.zigzag, dtype=dt, param_dtype=pdt, init_std=cfg.init_std,
         out_init_std=_out_std(cfg), rngs=rngs)
     ffn = FeedForward(cfg.d_model, cfg.shared.d_ff or cfg.d_ff, **_ffn_kw(cfg, rngs))
     return SharedBlock(attn=attn, ffn=ffn, in_norm=make_norm(cfg.norm, W, **norm),
@@ -343,7 +343,7 @@ def shared_block_cache(cfg: ModelConfig, batch: int, max_len: int, dtype) -> KVC
 
 def _linear(cfg: ModelConfig, rngs: nnx.Rngs, *, positions: bool) -> LinearAttention:
     return LinearAttention(cfg.d_model, cfg.num_heads, num_kv_heads=cfg.kv_heads,
-                           head_dim=cfg.head_size, qkv_bias=cfg.qkv_bias, out_bias=cfg.out_bias,
+                           head_dim=cfg.head_size, qkv_bias=cfg.attention.qkv_bias, out_bias=cfg.attention.out_bias,
                            feature_map=cfg.linear.feature_map, chunk_size=cfg.linear.chunk,
                            dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype),
                            init_std=cfg.init_std, out_init_std=_out_std(cfg), rngs=rngs)

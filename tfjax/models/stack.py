@@ -114,7 +114,7 @@ class LayerStack(nnx.Module):
     (parameters stacked over the scanned cycles) and `self.blocks[j]` (unrolled);
     `self.pattern` is the layer kinds of one cycle.
 
-    Depth inputs (`model.diff_attn`, `model.value_residual`,
+    Depth inputs (`model.attention.differential`, `model.attention.value_residual`,
     `model.first_norm_residual`): every block then gets
     its layer index `layer` (an int, traced under the scan: cycle * cycle length +
     position) and, with the value residual, `first_values`, the first layer's values
@@ -129,9 +129,9 @@ class LayerStack(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, *, num_layers: int, cross: bool = False):
         self.layout = layout = StackLayout.of(cfg, num_layers)
         self.remat = cfg.remat
-        self.depth_inputs = (cfg.diff_attn or cfg.value_residual != "none"
+        self.depth_inputs = (cfg.attention.differential or cfg.attention.value_residual != "none"
                              or cfg.first_norm_residual)
-        self.value_residual = cfg.value_residual != "none"
+        self.value_residual = cfg.attention.value_residual != "none"
         if layout.num_cycles:
             @nnx.split_rngs(splits=layout.num_cycles)
             @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})

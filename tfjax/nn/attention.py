@@ -326,7 +326,7 @@ def attention(q, k, v, mask: Mask | None = None, bias=None, *, scale: float,
         # The tokens are in zig-zag order; a bias [B,N,T,S] or offsets would be
         # read against the wrong positions by a mask in natural index order.
         raise ValueError("attention with a bias array or offsets cannot read a "
-                         "zig-zag ordered batch; use model.zigzag='layer'")
+                         "zig-zag ordered batch; use model.attention.zigzag='layer'")
     extra = {}  # a position bias evaluated per tile
     if is_alibi:
         extra, bias = Alibi.kwargs(bias), None

@@ -81,7 +81,7 @@ def context_parallel_attention(q, k, v, mask: masks_lib.Mask | None = None, *, m
             raise ValueError(f"context_parallel: the batch is in zig-zag order over {data_n} "
                              f"devices but this attention (q {q.shape}, k {k.shape}) is not "
                              f"sequence-parallel self-attention, so it would read the tokens "
-                             f"out of order; use model.zigzag='layer'")
+                             f"out of order; use model.attention.zigzag='layer'")
         return None
     if len(seq_axes) > 1:
         raise ValueError(f"context_parallel: the rules split 'length' over several mesh axes "

@@ -10,7 +10,7 @@ order `[0, 2n-1, 1, 2n-2, ...]`).
   halves, with four half-chunk `ppermute`s and no gather (how `ring_attention`
   takes natural-order inputs and returns natural-order outputs).
 - `zigzag_data(n)`: the trace context saying the batch is already in zig-zag order
-  (the trainer reorders each batch once on the host under `model.zigzag="data"`),
+  (the trainer reorders each batch once on the host under `model.attention.zigzag="data"`),
   read by the context-parallel dispatch through `zigzag_data_devices()`.
 - `ZIGZAG_MODES`: the values of `ModelConfig.zigzag`: "data" (the trainer puts each
   batch in zig-zag order once; layers run the ring with `natural_order=False`),

@@ -64,8 +64,8 @@ __all__ = ["RUNTIME_FIELDS", "check_tokenizer", "checkpoint_kind", "initial_stat
            "merge_model", "resolve_init_from"]
 
 # How the model runs, not what it is: always the config file's (see the docstring).
-RUNTIME_FIELDS = ("dtype", "param_dtype", "attention_impl", "context_parallel", "zigzag",
-                  "remat", "dropout_rate", "init_std", "moe.impl")
+RUNTIME_FIELDS = ("dtype", "param_dtype", "attention.impl", "attention.context_parallel",
+                  "attention.zigzag", "remat", "dropout_rate", "init_std", "moe.impl")
 
 
 def checkpoint_kind(path: str) -> str:

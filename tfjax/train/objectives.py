@@ -76,7 +76,7 @@ class Objective:
     bits_per_byte: bool = False  # val_bpb is reported
     compression: bool = False  # ... beside gzip / xz on the same bytes
     samples: bool = False  # a greedy sample at the end (decoder LMs)
-    zigzag: bool = False  # batches may be put in zig-zag order (`model.zigzag="data"`)
+    zigzag: bool = False  # batches may be put in zig-zag order (`model.attention.zigzag="data"`)
 
 
 OBJECTIVES: Registry[Objective] = Registry("objective")

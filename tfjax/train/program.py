@@ -37,7 +37,7 @@ def _axes_size(mesh, rules, name: str) -> tuple[int, tuple[str, ...]]:
 
 def zigzag_devices(cfg: RunConfig, mesh, build_model=None) -> tuple[int, str | None]:
     """(n, note): n > 0 when the trainer feeds batches in zig-zag order over the n
-    devices of the sequence axis (`model.zigzag="data"`, ring attention, seq_len % 2n
+    devices of the sequence axis (`model.attention.zigzag="data"`, ring attention, seq_len % 2n
     == 0, a `tfjax.models.build` model), else 0. `note` says why "data" fell back to
     natural order: layers whose result depends on token order other than through
     attention's position-aware mask and position biases would see the tokens out of
@@ -48,7 +48,7 @@ def zigzag_devices(cfg: RunConfig, mesh, build_model=None) -> tuple[int, str | N
     m, t = cfg.model, cfg.train
     axes = [a for a in (dict(logical_rules(cfg.mesh.rules)).get("length") or ())
             if mesh.shape[a] > 1]
-    if m.zigzag != "data" or m.context_parallel != "ring" or len(axes) != 1:
+    if m.attention.zigzag != "data" or m.attention.context_parallel != "ring" or len(axes) != 1:
         return 0, None
     n = mesh.shape[axes[0]]
     why = [] if OBJECTIVES.get(t.objective, field="train.objective").zigzag else [
@@ -62,8 +62,8 @@ def zigzag_devices(cfg: RunConfig, mesh, build_model=None) -> tuple[int, str | N
     if t.seq_len % (2 * n):
         why.append(f"train.seq_len={t.seq_len} is not divisible by 2 x {n} sequence devices")
     if why:
-        return 0, (f"model.zigzag='data' not applied ({'; '.join(why)}): batches stay in "
-                   f"natural order; attention runs as with model.zigzag='layer'")
+        return 0, (f"model.attention.zigzag='data' not applied ({'; '.join(why)}): batches stay in "
+                   f"natural order; attention runs as with model.attention.zigzag='layer'")
     return n, None
 
 

@@ -16,7 +16,7 @@ What happens, in order:
    how the model is called and what evaluation reports is the objective's
    (`train.objective`: causal_lm, prefix_lm, mlm, classification, span_corruption,
    seq2seq; `tfjax.train.objectives`). With ring attention
-   over a sequence axis of n devices and `model.zigzag="data"`, every per-token
+   over a sequence axis of n devices and `model.attention.zigzag="data"`, every per-token
    array of the batch is put in zig-zag order on the host first (`zigzag_devices`),
    and the steps are traced under `tfjax.parallel.zigzag.zigzag_data(n)`.
 5. orbax saves state and data position every `checkpoint.every_steps` and at the
