@@ -16,7 +16,8 @@ from flax import nnx
 
 from tfjax import models
 from tfjax.config import model_config
-from tfjax.inference import generate, kv_cache
+from tfjax.inference import generate
+from tfjax.inference.cache import logical_axes
 
 from greedy_reference import recompute_greedy
 
@@ -169,7 +170,7 @@ def test_recurrent_cache_size_does_not_grow(built):
     assert c["attn"].conv.shape == (2, 2, cfg.ssm.d_conv - 1, di)  # [cycles, B, d_conv-1, Di]
     assert c["attn"].ssm.shape == (2, 2, di, cfg.ssm.d_state)
     assert models.cache_bytes(cfg, 2, 16) == 2 * 2 * 4 * di * (cfg.ssm.d_conv - 1 + cfg.ssm.d_state)
-    axes = kv_cache.logical_axes(cache)
+    axes = logical_axes(cache)
     assert axes.layers["cycles"][0]["attn"].ssm == ("layers", "batch", "mlp", None)
     # Gated DeltaNet: q/k/v conv windows and S [B, Hv, dk, dv] per layer.
     cfg, model = built["gdn"]
@@ -178,7 +179,7 @@ def test_recurrent_cache_size_does_not_grow(built):
     assert c["attn"].conv_k.shape == (2, 2, 3, 2, 8) and c["attn"].conv_v.shape == (2, 2, 3, 4, 6)
     assert c["attn"].S.shape == (2, 2, 4, 8, 6) and c["attn"].S.dtype == jnp.float32
     assert models.cache_bytes(cfg, 2, 16) == 2 * 2 * 4 * (3 * (2 * 2 * 8 + 4 * 6) + 4 * 8 * 6)
-    axes = kv_cache.logical_axes(cache).layers["cycles"][0]["attn"]
+    axes = logical_axes(cache).layers["cycles"][0]["attn"]
     assert axes.S == ("layers", "batch", "heads", None, None)
 
 
@@ -204,7 +205,7 @@ def test_mamba2_cache_is_flat_in_the_length():
     assert c["attn"].ssm.shape == (2, 2, di // s.head_dim, s.head_dim, s.d_state)
     assert c["attn"].ssm.dtype == jnp.float32
     assert sizes[16] == 2 * 2 * 4 * ((s.d_conv - 1) * conv_dim + di * s.d_state)
-    axes = kv_cache.logical_axes(cache).layers["cycles"][0]["attn"]
+    axes = logical_axes(cache).layers["cycles"][0]["attn"]
     assert axes.ssm == ("layers", "batch", "heads", None, None)
 
 
@@ -224,7 +225,7 @@ def test_shared_block_uses_keep_their_own_kv_cache(built):
     plain, hybrid = cache.layers["cycles"]
     assert set(plain) == {"attn"} and set(hybrid) == {"attn", "shared"}
     assert hybrid["shared"].k.shape == (2, 2, cfg.kv_heads, 100, cfg.head_size)  # [cycles, ...]
-    assert kv_cache.logical_axes(cache).layers["cycles"][1]["shared"].k == (
+    assert logical_axes(cache).layers["cycles"][1]["shared"].k == (
         "layers", "batch", "kv_heads", None, "head_dim")
     # after a prefill the two uses hold different keys
     x = prompts()

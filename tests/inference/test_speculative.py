@@ -13,7 +13,7 @@ from flax import nnx
 from tfjax import models
 from tfjax.config import model_config
 from tfjax.inference import generate
-from tfjax.inference.kv_cache import for_step
+from tfjax.inference.cache import rewind
 from tfjax.inference.speculative import speculative_generate
 from tfjax.models.mtp import mtp_predictions, shift_left
 from tfjax.train.objectives import OBJECTIVES
@@ -66,7 +66,7 @@ def test_cached_module_steps_equal_the_full_forward():
     out1, cache = module.step(h0[:, :5], e[:, :5], cache, jnp.array([5, 5]))
     _, cache = module.step(h0[:, 5:9] * 3.0, e[:, 5:9], cache, jnp.array([4, 4]))
     keep = jnp.array([5, 5])
-    cache = cache.replace(layers=for_step(cache.layers, keep), length=keep)
+    cache = rewind(cache, keep)
     out2, cache = module.step(h0[:, 5:], e[:, 5:], cache, jnp.array([7, 7]))
     np.testing.assert_allclose(jnp.concatenate([out1, out2], 1), full, atol=2e-5, rtol=1e-5)
 

@@ -15,9 +15,8 @@ from flax import nnx
 from tfjax import models
 from tfjax.config import MeshConfig, RunConfig, model_config
 from tfjax.inference import generate
-from tfjax.inference.kv_cache import KVCache
 from tfjax.models import FFN_KINDS, LAYER_KINDS, FfnKind, LayerKind, attention_inputs, layer_kinds
-from tfjax.nn.attention import MultiHeadAttention
+from tfjax.nn.attention import KVCache, MultiHeadAttention
 from tfjax.ops import masks
 from tfjax.parallel.mesh import make_mesh
 from tfjax.train.trainer import zigzag_devices
@@ -44,12 +43,7 @@ def fake(monkeypatch):
     def slots(cfg, max_len):
         return min(WINDOW + 1, max_len), WINDOW
 
-    def cache(cfg, batch, max_len, dtype):
-        size, window = slots(cfg, max_len)
-        return KVCache.empty(batch, size, cfg.kv_heads, cfg.head_size, dtype, window=window)
-
-    kind = LayerKind("a test double", mixer, mask=mask, positions=False, cache=cache,
-                     slots=slots, decoder_only=True, order_dependent=True)
+    kind = LayerKind("a test double", mixer, mask=mask, positions=False, slots=slots, decoder_only=True, order_dependent=True)
     ffn = FfnKind("a test double", lambda cfg, rngs: None,
                   order_dependence=lambda cfg: "fake_ffn reads the tokens in order")
     monkeypatch.setitem(LAYER_KINDS._items, "fake", kind)
@@ -91,7 +85,7 @@ def test_one_registration_reaches_every_reader(fake):
     biases = attention_inputs.layer_biases(alibi, None, pos, pos)
     assert biases["global"] is not None and biases["fake"] is None
 
-    # The cache: the record's state, as many slots as its record says; decode masks
+    # The cache: the mixer's state, as many slots as its record says; decode masks
     # take its window.
     cache = jax.eval_shape(lambda: model.init_cache(2, 16))
     state = cache.layers["cycles"][1]["attn"]

@@ -93,7 +93,7 @@ def test_layer_forward_equals_decode_steps_and_prefill_continues(layer):
     y, final = forward(m, x, None, None, None)
     ys, state = decode(m, x, m.init_state(B))
     close(ys, y)
-    for a, b in zip(state, final):
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(final)):
         close(a, b)
     # Prefill 20 tokens, then continue from the state (positions from 20).
     t = 20
@@ -143,7 +143,7 @@ def test_padded_tail_stays_out_of_the_state(layer):
     n = 13
     _, padded = forward(m, x, None, None, jnp.array([n, T]))
     _, short = forward(m, x[:1, :n], None, None, None)
-    for a, b in zip(padded, short):
+    for a, b in zip(jax.tree.leaves(padded), jax.tree.leaves(short)):
         assert a.shape[1:] == b.shape[1:]
         close(a[:1], b)
     # Decoding on from either state gives the same tokens' outputs.

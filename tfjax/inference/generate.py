@@ -10,9 +10,9 @@
   start of the sequence. Encoder-decoder: the prompt is the encoder input (its
   padding masked) and decoding starts from `decoder_start_id` (T5: 0).
 - **Prefill** runs the model once over the prompt (the fast attention path) and
-  fills the caches (the model's `init_cache(batch, max_len)` makes them empty,
-  `kv_cache` holds each layer's state); the **decode loop** is one `lax.while_loop` of
-  fixed shapes (cache preallocated to prompt + max_new_tokens) that stops as soon
+  fills the caches (the model's `init_cache(batch, max_len)` makes them empty; each
+  layer's mixer keeps its own state, `tfjax.nn.state`); the **decode loop** is one
+  `lax.while_loop` of fixed shapes (cache preallocated to prompt + max_new_tokens) that stops as soon
   as every row has emitted `eos_id`; a row emits EOS itself, then `pad_id`
   (default: eos_id, or 0 without one). `generate` compiles both into one program
   (one dispatch); compiled programs are cached per model structure and shapes.
@@ -22,7 +22,7 @@
   by C rather than T; the result equals one-shot prefill. Not for a prefix-LM
   prompt longer than C (its prefix is bidirectional).
 - **Layer kinds**: attention (global / local: K/V caches) and recurrent mixers
-  (mamba, linear: O(1) states), mixed freely (Jamba), scanned or not; see `kv_cache`.
+  (mamba, linear: O(1) states), mixed freely (Jamba), scanned or not.
   A scanned stack copies each layer's state out of the stacked caches and back every
   step; `tfjax.models.unrolled(model)` (once, before generating) decodes without.
 - **Sampling** (`sampling.sample`): temperature 0 is greedy; otherwise temperature,

@@ -37,23 +37,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tfjax.inference import kv_cache
+from tfjax.inference.cache import check_rewindable, rewind
 from tfjax.inference.generate import longrope_switch
-from tfjax.inference.kv_cache import KVCache, LatentCache, LayerCache
 
-__all__ = ["check_rewindable", "speculative_generate"]
-
-
-def check_rewindable(cache, what: str) -> None:
-    """Raise unless every layer state of `cache` is a global K/V or a latent cache."""
-    states = jax.tree.leaves(cache.layers, is_leaf=lambda c: isinstance(c, LayerCache))
-    for c in states:
-        if isinstance(c, LatentCache) or (isinstance(c, KVCache) and c.window == 0):
-            continue
-        kind = f"{type(c).__name__}" + (f"(window={c.window})" if isinstance(c, KVCache) else "")
-        raise ValueError(f"speculative decoding: {what} keeps a {kind} state, which cannot be "
-                         "rolled back to the accepted tokens; only global attention and "
-                         "latent (MLA) layers can (model.layer_pattern)")
+__all__ = ["speculative_generate"]
 
 
 def _gather(x, idx):
@@ -67,10 +54,6 @@ def _scatter(x, idx, values, where):
     rows = jnp.arange(x.shape[0])[:, None]
     idx = jnp.where(where, idx, x.shape[1])  # out of range: dropped
     return x.at[rows, idx].set(values.astype(x.dtype), mode="drop")
-
-
-def _rewind(cache, length):
-    return cache.replace(layers=kv_cache.for_step(cache.layers, length), length=length)
 
 
 @functools.lru_cache(maxsize=8)
@@ -147,10 +130,10 @@ def _program(graphdef, max_new: int, prompt_len: int):
                 done = done | (active & jnp.any(hit, axis=1))
             # roll back to the committed tokens, then draft the next D
             new_p = jnp.where(active, p + a + 1, p)
-            cache = _rewind(cache, new_p)
+            cache = rewind(cache, new_p)
             f = mtp_caches[0].length
             keep = jnp.where(active, jnp.maximum(jnp.minimum(new_p - D, p), 0), f)
-            mtp_caches = tuple(_rewind(c, keep) for c in mtp_caches)
+            mtp_caches = tuple(rewind(c, keep) for c in mtp_caches)
             active = active_rows(new_p, done)
             mtp_caches, seq = draft(model, mtp_caches, seq, hbuf, new_p, active, D + 1)
             stats = (calls + 1, proposed + D * jnp.sum(verified), accepted + jnp.sum(a))

@@ -1,16 +1,17 @@
 """Architectures, built from a `ModelConfig`: `build(cfg.model, rngs=nnx.Rngs(0))`.
 
-    architectures.py     ARCHITECTURES, check_names (registry-owned names), build, unrolled
+    architectures.py     ARCHITECTURES, check_names (registry-owned names), build, unrolled,
+                         cache_bytes
     decoder.py encoder.py encoder_decoder.py    the three architectures
     layer_kinds.py       one record per layer kind and ffn kind (LAYER_KINDS, FFN_KINDS)
     layout.py            StackLayout: where layer i of a stack lives
     stack.py             LayerStack, the block of each layer, embedder and head
     attention_inputs.py  each layer kind's mask and position bias (whole sequence, cached step)
-    caching.py           the model side of inference caches (empty cache, bytes, step inputs)
+    caching.py           the model side of inference caches (empty cache, step inputs)
 """
 
-from tfjax.models.architectures import ARCHITECTURES, build, check_names, unrolled
-from tfjax.models.caching import cache_bytes, kv_bytes_per_token
+from tfjax.models.architectures import (ARCHITECTURES, build, cache_bytes, check_names,
+                                        kv_bytes_per_token, unrolled)
 from tfjax.models.decoder import DecoderLM
 from tfjax.models.encoder import EncoderModel
 from tfjax.models.encoder_decoder import EncoderDecoderModel

@@ -1,7 +1,9 @@
-"""The architecture table, the build-time name checks, `build`, and `unrolled`.
+"""The architecture table, the build-time name checks, `build`, `unrolled`, and the
+bytes of a model's inference cache.
 
     model = build(cfg.model, rngs=nnx.Rngs(0))
     model = unrolled(model)      # the same model, every layer an unrolled block (decoding)
+    cache_bytes(cfg.model, batch, length)   # abstract: nothing is allocated
 
 `tfjax.config` checks types, ranges and combinations but imports nothing else of
 tfjax, so the names that registries own are checked here, against the registries
@@ -16,13 +18,15 @@ import dataclasses
 from typing import Iterable
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from tfjax.config import ModelConfig, model_config
 from tfjax.models.decoder import DecoderLM
 from tfjax.models.encoder import EncoderModel
 from tfjax.models.encoder_decoder import EncoderDecoderModel
-from tfjax.models import mup
+from tfjax.models import caching, mup
 from tfjax.models.layer_kinds import FFN_KINDS, LAYER_KINDS
 from tfjax.models.stack import REMAT_POLICIES, LayerStack
 from tfjax.nn.blocks import BLOCKS, PLACEMENTS
@@ -34,7 +38,8 @@ from tfjax.nn.positions import POSITIONS, ROPE_LAYOUTS, ROPE_SCALINGS
 from tfjax.ops.attention import IMPLEMENTATIONS
 from tfjax.registry import Registry
 
-__all__ = ["ARCHITECTURES", "build", "check_names", "unrolled"]
+__all__ = ["ARCHITECTURES", "build", "cache_bytes", "check_names", "kv_bytes_per_token",
+           "unrolled"]
 
 ARCHITECTURES: Registry[type] = Registry("architecture")
 ARCHITECTURES.register("decoder", DecoderLM)
@@ -167,6 +172,37 @@ def unrolled(model: nnx.Module) -> nnx.Module:
     elif drops == {False}:
         out.train()
     return out
+
+
+def cache_bytes(cfg: ModelConfig, batch: int, length: int, *, dtype=None,
+                encoder_len: int = 0) -> int:
+    """Bytes of the K/V (and other float state) of a cache of `batch` rows of `length`
+    tokens for the model of `cfg`: its layers' `init_state`s, abstract (nothing is
+    allocated; counters excluded). Local layers count their W+1 slots, cross-attention
+    (encoder_len > 0) its encoder K/V."""
+    dtype = jnp.dtype(dtype or cfg.dtype)
+    cross = cfg.arch == "encoder_decoder"
+    with nnx.use_eager_sharding(False):
+        model = nnx.eval_shape(lambda: build(cfg, rngs=nnx.Rngs(0)))
+    stack = model.decoder if cross else model.layers
+    tree = jax.eval_shape(lambda: caching.layer_states(
+        cfg, stack, batch, length, dtype, max(encoder_len, 1) if cross else None))
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        if jnp.issubdtype(leaf.dtype, jnp.floating):
+            total += int(np.prod(leaf.shape)) * leaf.dtype.itemsize
+    if cross and not encoder_len:  # counted with S=1 above; take it out
+        total -= (cfg.num_layers * batch * cfg.kv_heads * (cfg.head_size + cfg.value_head_size)
+                  * dtype.itemsize)
+    return total
+
+
+def kv_bytes_per_token(cfg: ModelConfig, *, dtype=None) -> int:
+    """The bytes one more token adds to a short cache: one token's cache if every
+    layer were global (for K/V layers the textbook layers x kv heads x (K's + V's
+    head dims) x bytes; MLA layers their latent; recurrent states add nothing, and
+    local layers cost less past W)."""
+    return cache_bytes(cfg, 1, 2, dtype=dtype) - cache_bytes(cfg, 1, 1, dtype=dtype)
 
 
 def _unrolled_paths(path: tuple, value, stacks: dict):

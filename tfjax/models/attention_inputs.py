@@ -4,7 +4,7 @@ Over a whole sequence, a layer kind's mask is its record's rule applied to the
 model's base mask (causal, prefix-LM, segments, padding; `layer_masks`). In a
 cached step, the keys are a KV cache's slots, so the mask is by position:
 `masks.Positions(q_positions, kv_positions, window)` over the positions each slot
-holds (`tfjax.inference.kv_cache.slot_positions`), the kind's window from its
+holds (`tfjax.inference.slots.slot_positions`), the kind's window from its
 record's `slots`, or its record's own `cache_mask` (`cache_masks`). ALiBi and T5
 biases (`position_bias`) are lazy objects the tiled attention implementations
 evaluate per tile, from the same query and key positions; a kind whose record says

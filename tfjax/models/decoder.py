@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tfjax.config import ModelConfig
-from tfjax.inference.kv_cache import ModelCache
+from tfjax.inference.cache import ModelCache
 from tfjax.models import caching
 from tfjax.models.attention_inputs import layer_biases, layer_masks, relative_bias
 from tfjax.models.mtp import MTPModule, block_config
@@ -95,7 +95,7 @@ class DecoderLM(nnx.Module):
     def init_cache(self, batch: int, max_len: int, *, dtype=None) -> ModelCache:
         """An empty inference cache: `batch` rows of up to `max_len` tokens (prompt +
         generated), one state per layer as the layer kinds say (`tfjax.models.caching`)."""
-        return caching.empty_cache(self.config, self.layers.layout, batch, max_len, dtype=dtype)
+        return caching.empty_cache(self.config, self.layers, batch, max_len, dtype=dtype)
 
     def step(self, tokens: jax.Array, cache: ModelCache, lengths: jax.Array | None = None, *,
              all_logits: bool = False, extend: bool = False, return_hidden: bool = False):
@@ -121,7 +121,7 @@ class DecoderLM(nnx.Module):
                                base_mask=base, extend=extend)
         x = self.embed(tokens, s.positions)
         hidden, layers = self.layers(x, masks=s.masks, biases=s.biases, positions=s.positions,
-                                     cache=s.layers)
+                                     state=s.cache.layers, slots=s.slots)
         x = hidden if all_logits else caching.last_token(hidden, s.last)
         out = self.head(self.head_input(x)), s.finish(layers)
         return out + (hidden,) if return_hidden else out

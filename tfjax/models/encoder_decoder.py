@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tfjax.config import ModelConfig
-from tfjax.inference.kv_cache import ModelCache
+from tfjax.inference.cache import ModelCache
 from tfjax.models import caching
 from tfjax.models.attention_inputs import layer_biases, layer_masks, relative_bias
 from tfjax.models.stack import Embedder, LayerStack, build_norm, default_positions
@@ -84,7 +84,7 @@ class EncoderDecoderModel(nnx.Module):
         if not encoder_len:
             raise ValueError("init_cache: an encoder-decoder needs encoder_len (the encoder "
                              "output's length) for its cross-attention cache")
-        return caching.empty_cache(self.config, self.decoder.layout, batch, max_len, dtype=dtype,
+        return caching.empty_cache(self.config, self.decoder, batch, max_len, dtype=dtype,
                                    encoder_len=encoder_len, encoder_length=encoder_length)
 
     def step(self, decoder_tokens, cache: ModelCache, encoded=None, lengths=None, *,
@@ -98,7 +98,7 @@ class EncoderDecoderModel(nnx.Module):
                                rel_bias=self.decoder_rel_bias, base_mask=masks_lib.causal())
         x = self.embed(decoder_tokens, s.positions)
         x, layers = self.decoder(x, masks=s.masks, biases=s.biases, positions=s.positions,
-                                 cache=s.layers, context=encoded,
+                                 state=s.cache.layers, slots=s.slots, context=encoded,
                                  context_mask=masks_lib.padding(cache.encoder_length))
         if not all_logits:
             x = caching.last_token(x, s.last)

@@ -12,10 +12,10 @@ know about a kind is its record, and nothing outside this file names a kind:
                       recurrent mixer, causal by construction)
       positions       its attention sees the model's position encoding (RoPE
                       rotation, ALiBi / T5 biases); False: a NoPE layer
-      cache           (cfg, batch, max_len, dtype) -> its empty inference state
-                      (a `tfjax.inference.kv_cache.LayerCache`); None: no cache
-      slots           (cfg, max_len) -> (size, window) of its KV cache, from which
-                      the model builds its decode masks; None: a recurrent state
+      slots           (cfg, max_len) -> (size, window) of its attention's decode
+                      state, which the mixer's `init_state` makes and from which the
+                      model builds its decode masks and slots; None: a recurrent
+                      state (O(1), no slots)
       cache_mask      (cfg, q_positions, kv_positions, window) -> its mask in a
                       cached step, by position (None: `masks.Positions(q, kv,
                       window)`)
@@ -27,40 +27,37 @@ know about a kind is its record, and nothing outside this file names a kind:
                       model.attention.differential and model.attention.value_residual
       shared_block    its layers also run a use of one of the model's shared
                       transformer blocks (model.shared; Zamba2): the block's
-                      `mixer_input` is a `SharedBlockUse`, its cache a "shared" K/V
-                      state beside "attn", and its `mask` / `slots` are that
+                      `mixer_input` is a `SharedBlockUse`, its decode state a
+                      "shared" K/V beside "attn", and its `mask` / `slots` are that
                       attention's
     FfnKind
       build             (cfg, rngs) -> the feed-forward module, or None
       order_dependence  (cfg) -> why its output depends on the tokens' order, or None
 
 Readers: `LayerStack` (mixers, ffns, shared blocks), `attention_inputs` (masks,
-biases), `caching` (states, slots), `check_names` (names, decoder-only, shared
+biases), `caching` (states' sizes, slots), `check_names` (names, decoder-only, shared
 blocks) and the trainer's zig-zag fallback (order dependence). The shared blocks
-themselves, their uses and their caches are built here too (`shared_block`,
-`shared_block_use`, `shared_block_cache`). Adding a kind is its module (in `tfjax.nn`) and one
-`LAYER_KINDS.register(name, LayerKind(...))` below.
+themselves and their uses are built here too (`shared_block`, `shared_block_use`).
+Adding a kind is its module (in `tfjax.nn`: the mixer, with its `init_state` and a
+call that takes and returns its state) and one `LAYER_KINDS.register(name,
+LayerKind(...))` below.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable
+from typing import Callable
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from tfjax.config import ModelConfig
-from tfjax.inference.kv_cache import KVCache, LatentCache, LayerCache, LinearCache, MambaCache
-from tfjax.inference.kv_cache import Mamba2Cache
 from tfjax.nn.attention import MultiHeadAttention
-from tfjax.inference.kv_cache import GatedDeltaNetCache
 from tfjax.nn.ffn import ACTIVATIONS, FeedForward
 from tfjax.nn.gated_deltanet import GatedDeltaNet
 from tfjax.nn.latent_attention import MultiHeadLatentAttention, mla_scale
-from tfjax.nn.linear_attention import FEATURE_MAPS, LinearAttention
+from tfjax.nn.linear_attention import LinearAttention
 from tfjax.nn.mamba2 import Mamba2
 from tfjax.nn.moe import MoE
 from tfjax.nn.norms import make_norm
@@ -71,7 +68,7 @@ from tfjax.ops import masks as masks_lib
 from tfjax.registry import Registry
 
 __all__ = ["FFN_KINDS", "FfnKind", "LAYER_KINDS", "LayerKind", "attention", "shared_block",
-           "shared_block_cache", "shared_block_use"]
+           "shared_block_use"]
 
 MaskRule = Callable[[ModelConfig, "masks_lib.Mask | None", bool], "masks_lib.Mask | None"]
 
@@ -84,7 +81,6 @@ class LayerKind:
     mixer: Callable[..., nnx.Module]
     mask: MaskRule | None = None
     positions: bool = True
-    cache: Callable[[ModelConfig, int, int, Any], LayerCache] | None = None
     slots: Callable[[ModelConfig, int], tuple[int, int]] | None = None
     cache_mask: Callable[..., "masks_lib.Mask"] | None = None
     decoder_only: bool = False
@@ -161,12 +157,6 @@ def attention(cfg: ModelConfig, rngs: nnx.Rngs, *, positions: bool, rope_theta: 
 # --------------------------------------------------------------------------- #
 
 
-def _kv_cache(cfg: ModelConfig, batch: int, size: int, window: int, dtype) -> KVCache:
-    """An attention kind's empty K/V cache of `size` slots (`window`: see `KVCache`)."""
-    return KVCache.empty(batch, size, cfg.kv_heads, cfg.head_size, dtype, window=window,
-                         v_head_dim=cfg.value_head_size)
-
-
 def _attention_kind(doc: str, window_of: Callable[[ModelConfig], int], *,
                     rope_theta_of: Callable[[ModelConfig], float] = lambda cfg: 0.0,
                     positions: bool = True) -> LayerKind:
@@ -188,10 +178,7 @@ def _attention_kind(doc: str, window_of: Callable[[ModelConfig], int], *,
         w = window_of(cfg)
         return (min(w + 1, max_len), w) if w else (max_len, 0)
 
-    def cache(cfg, batch, max_len, dtype):
-        return _kv_cache(cfg, batch, *slots(cfg, max_len), dtype)
-
-    return LayerKind(doc=doc, mixer=mixer, mask=mask, cache=cache, slots=slots,
+    return LayerKind(doc=doc, mixer=mixer, mask=mask, slots=slots,
                      positions=positions, variants=True)
 
 
@@ -224,10 +211,7 @@ def _chunked_slots(cfg, max_len):  # a rolling buffer of one chunk
 
 LAYER_KINDS.register("chunked", LayerKind(
     "causal attention within chunks of model.attention.chunk positions (Llama 4): a rolling "
-    "cache of one chunk", attention, mask=_chunked_mask,
-    cache=lambda cfg, batch, max_len, dtype: _kv_cache(cfg, batch, *_chunked_slots(cfg, max_len),
-                                                       dtype),
-    slots=_chunked_slots, cache_mask=_chunked_cache_mask, decoder_only=True, variants=True))
+    "cache of one chunk", attention, mask=_chunked_mask, slots=_chunked_slots, cache_mask=_chunked_cache_mask, decoder_only=True, variants=True))
 
 
 def _mla(cfg: ModelConfig, rngs: nnx.Rngs, *, positions: bool) -> MultiHeadLatentAttention:
@@ -245,16 +229,10 @@ def _mla(cfg: ModelConfig, rngs: nnx.Rngs, *, positions: bool) -> MultiHeadLaten
         init_std=cfg.init_std, out_init_std=_out_std(cfg), rngs=rngs)
 
 
-def _mla_cache(cfg: ModelConfig, batch: int, max_len: int, dtype) -> LatentCache:
-    return LatentCache.empty(batch, max_len, cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim,
-                             dtype)
-
-
 LAYER_KINDS.register("mla", LayerKind(
     "DeepSeek's Multi-head Latent Attention under the model's mask (tfjax.nn.latent_attention; "
     "model.mla): a latent cache, absorbed decode", _mla,
-    mask=lambda cfg, base, bidirectional: base, cache=_mla_cache,
-    slots=lambda cfg, max_len: (max_len, 0)))
+    mask=lambda cfg, base, bidirectional: base, slots=lambda cfg, max_len: (max_len, 0)))
 
 
 # --------------------------------------------------------------------------- #
@@ -271,11 +249,6 @@ def _mamba(cfg: ModelConfig, rngs: nnx.Rngs, *, positions: bool) -> Mamba:
                  init_std=cfg.init_std, out_init_std=_out_std(cfg), rngs=rngs)
 
 
-def _mamba_cache(cfg: ModelConfig, batch: int, max_len: int, dtype) -> MambaCache:
-    s = cfg.ssm
-    return MambaCache.empty(batch, s.d_conv, s.expand * cfg.d_model, s.d_state, dtype)
-
-
 def _mamba2(cfg: ModelConfig, rngs: nnx.Rngs, *, positions: bool) -> Mamba2:
     s = cfg.mamba2
     return Mamba2(cfg.d_model, d_state=s.d_state, head_dim=s.head_dim, expand=s.expand,
@@ -285,13 +258,6 @@ def _mamba2(cfg: ModelConfig, rngs: nnx.Rngs, *, positions: bool) -> Mamba2:
                   dt_limit=(s.dt_min_limit, s.dt_max_limit or math.inf),
                   dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype),
                   init_std=cfg.init_std, out_init_std=_out_std(cfg), rngs=rngs)
-
-
-def _mamba2_cache(cfg: ModelConfig, batch: int, max_len: int, dtype) -> Mamba2Cache:
-    s = cfg.mamba2
-    inner = s.expand * cfg.d_model
-    return Mamba2Cache.empty(batch, s.d_conv, inner + 2 * s.n_groups * s.d_state,
-                             inner // s.head_dim, s.head_dim, s.d_state, dtype)
 
 
 # --------------------------------------------------------------------------- #
@@ -336,11 +302,6 @@ def shared_block_use(cfg: ModelConfig, rngs: nnx.Rngs) -> SharedBlockUse:
         init_std=cfg.init_std, rngs=rngs)
 
 
-def shared_block_cache(cfg: ModelConfig, batch: int, max_len: int, dtype) -> KVCache:
-    """A use's own K/V (the uses' inputs differ): `max_len` slots, no window."""
-    return _kv_cache(cfg, batch, max_len, 0, dtype)
-
-
 def _linear(cfg: ModelConfig, rngs: nnx.Rngs, *, positions: bool) -> LinearAttention:
     return LinearAttention(cfg.d_model, cfg.num_heads, num_kv_heads=cfg.kv_heads,
                            head_dim=cfg.head_size, qkv_bias=cfg.attention.qkv_bias, out_bias=cfg.attention.out_bias,
@@ -349,29 +310,22 @@ def _linear(cfg: ModelConfig, rngs: nnx.Rngs, *, positions: bool) -> LinearAtten
                            init_std=cfg.init_std, out_init_std=_out_std(cfg), rngs=rngs)
 
 
-def _linear_cache(cfg: ModelConfig, batch: int, max_len: int, dtype) -> LinearCache:
-    phi = FEATURE_MAPS.get(cfg.linear.feature_map, field="model.linear.feature_map")
-    features = jax.eval_shape(phi, jax.ShapeDtypeStruct((cfg.head_size,), jnp.float32)).shape[-1]
-    return LinearCache.empty(batch, cfg.kv_heads, features, cfg.head_size)
-
-
 LAYER_KINDS.register("mamba", LayerKind(
     "Mamba selective SSM mixer (tfjax.nn.ssm; model.ssm; decoder only)", _mamba,
-    positions=False, cache=_mamba_cache, decoder_only=True, order_dependent=True))
+    positions=False, decoder_only=True, order_dependent=True))
 LAYER_KINDS.register("mamba2", LayerKind(
     "Mamba-2 state-space-duality mixer (tfjax.nn.mamba2; model.mamba2; decoder only)", _mamba2,
-    positions=False, cache=_mamba2_cache, decoder_only=True, order_dependent=True))
+    positions=False, decoder_only=True, order_dependent=True))
 LAYER_KINDS.register("mamba2_shared", LayerKind(
     "a Mamba-2 layer whose input also takes a use of one of the model's shared transformer "
     "blocks, x + mamba2(norm(x + use(x, embeddings))) (Zamba2's hybrid layer; model.shared, "
     "tfjax.nn.shared_block; decoder only): the block's attention takes the model's mask and "
     "RoPE and a K/V cache per use", _mamba2,
-    mask=lambda cfg, base, bidirectional: base, cache=_mamba2_cache,
-    slots=lambda cfg, max_len: (max_len, 0), decoder_only=True, order_dependent=True,
+    mask=lambda cfg, base, bidirectional: base, slots=lambda cfg, max_len: (max_len, 0), decoder_only=True, order_dependent=True,
     shared_block=True))
 LAYER_KINDS.register("linear", LayerKind(
     "causal linear attention (tfjax.nn.linear_attention; model.linear; decoder only)", _linear,
-    positions=False, cache=_linear_cache, decoder_only=True, order_dependent=True))
+    positions=False, decoder_only=True, order_dependent=True))
 
 
 def _gdn(cfg: ModelConfig, rngs: nnx.Rngs, *, positions: bool) -> GatedDeltaNet:
@@ -384,15 +338,10 @@ def _gdn(cfg: ModelConfig, rngs: nnx.Rngs, *, positions: bool) -> GatedDeltaNet:
                          out_init_std=_out_std(cfg), rngs=rngs)
 
 
-def _gdn_cache(cfg: ModelConfig, batch: int, max_len: int, dtype) -> GatedDeltaNetCache:
-    return GatedDeltaNetCache.empty(batch, cfg.gdn.d_conv,
-                                    *cfg.gdn.dims(cfg.num_heads, cfg.head_size), dtype)
-
-
 LAYER_KINDS.register("gated_deltanet", LayerKind(
     "Gated DeltaNet, the gated delta rule (Qwen3-Next's linear attention; "
     "tfjax.nn.gated_deltanet; model.gdn; decoder only)", _gdn,
-    positions=False, cache=_gdn_cache, decoder_only=True, order_dependent=True))
+    positions=False, decoder_only=True, order_dependent=True))
 
 
 # --------------------------------------------------------------------------- #

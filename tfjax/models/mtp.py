@@ -71,17 +71,17 @@ class MTPModule(nnx.Module):
         return self.layers(self._input(h, e), masks=masks, biases=biases, positions=positions)
 
     def init_cache(self, batch: int, max_len: int, *, dtype=None):
-        return caching.empty_cache(self.config, self.layers.layout, batch, max_len, dtype=dtype)
+        return caching.empty_cache(self.config, self.layers, batch, max_len, dtype=dtype)
 
     def step(self, h, e, cache, lengths, *, rel_bias=None):
         """Inference: append a chunk of `lengths[b]` (>= 0) real positions of row b to
         this module's cache (at positions `cache.length[b]`..), causally -> (h^k `[B,T,D]`,
-        the new cache). The caller rolls the cache back (`kv_cache.for_step`) to the
-        positions whose inputs were all final."""
+        the new cache). The caller rolls the cache back (`tfjax.inference.cache.rewind`)
+        to the positions whose inputs were all final."""
         s = caching.begin_step(self.config, cache, h[..., 0], lengths, rel_bias=rel_bias,
                                base_mask=None, extend=True)
         x, layers = self.layers(self._input(h, e), masks=s.masks, biases=s.biases,
-                                positions=s.positions, cache=s.layers)
+                                positions=s.positions, state=s.cache.layers, slots=s.slots)
         return x, s.finish(layers)
 
 

@@ -203,17 +203,18 @@ class LayerStack(nnx.Module):
         K, Hv = block.attn.num_kv_heads, block.attn.v_head_dim
         return jnp.zeros((*x.shape[:2], K, Hv), x.dtype)
 
-    def __call__(self, x, *, masks: dict, biases: dict, cache=None, **kwargs):
+    def __call__(self, x, *, masks: dict, biases: dict, state=None, slots: dict | None = None,
+                 **kwargs):
         """`masks[kind]` / `biases[kind]` are the mask and position bias of layers of
         that kind (`attention_inputs`); kwargs go to every block.
 
-        Inference: with `cache` (`{"cycles": per-pattern-position states stacked over
-        cycles, "blocks": per unrolled block}`, `tfjax.models.caching`) each block gets
-        its state (the stacked ones scanned alongside the layers) and this returns
-        `(x, new_cache)`.
+        Decoding: with `state` (`{"cycles": per-pattern-position states stacked over
+        cycles, "blocks": per unrolled block}`, `tfjax.models.caching`) and `slots[kind]`
+        (the step's slots of layers of that kind) each block gets its state (the
+        stacked ones scanned alongside the layers) and this returns `(x, new_state)`.
         """
-        if cache is not None:
-            return self._call_cached(x, masks, biases, cache, kwargs)
+        if state is not None:
+            return self._call_cached(x, masks, biases, state, slots, kwargs)
         policy = REMAT_POLICIES.get(self.remat, field="model.remat")
 
         def apply(block, x, mask, bias, depth):
@@ -268,14 +269,15 @@ class LayerStack(nnx.Module):
     def _cycle_index(self):
         return jnp.arange(self.layout.num_cycles, dtype=jnp.int32)
 
-    def _call_cached(self, x, masks, biases, cache, kwargs):
+    def _call_cached(self, x, masks, biases, state, slots, kwargs):
         pattern, L = self.pattern, self.layout.cycle_length
 
         def apply(block, x, kind, c, depth):
-            return block(x, mask=masks[kind], bias=biases[kind], cache=c, **depth, **kwargs)
+            return block(x, mask=masks[kind], bias=biases[kind], state=c, slots=slots[kind],
+                         **depth, **kwargs)
 
         first, x0 = self._first_init(x), x
-        cycles = cache.get("cycles")
+        cycles = state.get("cycles")
         if self.cycles is not None:
             def body(carry, cycle, shared, cc, i):
                 x, first = carry
@@ -293,7 +295,7 @@ class LayerStack(nnx.Module):
                 transform_metadata={nnx.PARTITION_NAME: "layers"})(
                     (x, first), self.cycles, self.shared, tuple(cycles), self._cycle_index())
         blocks = []
-        for j, (block, c) in enumerate(zip(self.blocks, cache["blocks"])):
+        for j, (block, c) in enumerate(zip(self.blocks, state["blocks"])):
             depth, first = self._depth(block, x, self.layout.block_layer(j), first)
             depth.update(self._shared_kwargs(self.shared, x0, self._block_kind(j), j))
             x, c = apply(block, x, self._block_kind(j), c, depth)

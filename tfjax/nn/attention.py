@@ -30,9 +30,13 @@ One module serves MHA (K = N), GQA (Ainslie et al. 2023, 1 < K < N) and MQA
   tracing, naming these), all-gather per device. `zigzag` balances the causal
   ring: "data" (inside the trainer's steps the batch is already in zig-zag order,
   so no per-layer re-layout), "layer" or "none".
-- `project(...)` and `attend(...)` are separate so a KV cache can sit between
-  them (the inference code stores k, v after RoPE). What `project` returns is
-  named "attn_q", "attn_k", "attn_v" (`checkpoint_name`) for the rematerialisation
+- Decoding: `init_state(batch, size, dtype)` is a `KVCache` of `size` slots (K/V
+  after QK-norm and RoPE, only the K kv heads, heads-major); the call with
+  `state=` and the step's `slots=` (`tfjax.nn.state.Slots`) projects the new tokens,
+  writes them and attends, and returns `(out, new_state)`. A cross-attention keeps a
+  `CrossKVCache` (`init_cross_state`): the encoder output's K/V, computed at the
+  step that passes `context` and reused after. What `project` returns is named
+  "attn_q", "attn_k", "attn_v" (`checkpoint_name`) for the rematerialisation
   policies that keep it (`tfjax.models.stack.REMAT_POLICIES`).
 - `differential=True`: differential attention (Ye et al. 2024, arXiv:2410.05258).
   Head n's query and key split into contiguous halves of H/2 (q1 = q[..., :H/2]),
@@ -55,7 +59,7 @@ One module serves MHA (K = N), GQA (Ainslie et al. 2023, 1 < K < N) and MQA
   only needs v1 of its own new tokens.
 - `out_dim`: the output projection's width when it differs from the input's
   (Zamba2's shared block attends at width 2D and returns D). `adapter`, a call-time
-  argument of `project` (and of `__call__` and the KV cache's `apply`): a callable
+  argument of `project` (and of `__call__`): a callable
   `(x, context) -> (dq, dk, dv)` whose low-rank deltas are added to the projected
   q, k, v before QK-norm and RoPE, so one attention's weights serve several uses,
   each with its own adapters (`tfjax.nn.shared_block`).
@@ -70,6 +74,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from tfjax.nn.norms import make_norm
 from tfjax.nn.positions import RotaryEmbedding, default_positions
+from tfjax.nn.state import (DecodeState, Slots, cached_attention, decode_state, slots_major,
+                            static_field)
 from tfjax.ops import Alibi, RelativeBias, dot_product_attention
 from tfjax.ops.masks import Mask
 from tfjax.parallel.context_parallel import CONTEXT_PARALLEL_MODES, context_parallel_attention
@@ -77,10 +83,41 @@ from tfjax.parallel.sharding import shard, with_logical_axes
 from tfjax.parallel.zigzag import ZIGZAG_MODES, zigzag_data_devices
 from tfjax.typing import DType
 
-__all__ = ["VALUE_RESIDUALS", "MultiHeadAttention", "attention", "diff_lambda_init",
-           "head_projections"]
+__all__ = ["VALUE_RESIDUALS", "CrossKVCache", "KVCache", "MultiHeadAttention", "attention",
+           "diff_lambda_init", "head_projections"]
 
 VALUE_RESIDUALS = ("none", "fixed", "learned")  # value_residual=
+KV_AXES = ("batch", None, "kv_heads", "head_dim")  # [B, S, K, H]: as attended; S replicated
+STORED_KV_AXES = ("batch", "kv_heads", None, "head_dim")  # [B, K, S, H]: as stored
+
+
+@decode_state
+class KVCache(DecodeState):
+    """Self-attention K/V of `size` slots, stored heads-major `[B, K, size, H]` (the
+    layout the TPU kernels read, so a decode step does not relay the cache out, even
+    across a jit boundary where H = 128; `slots_major` gives the op's `[B, size, K, H]`
+    view; experiments/results/attention_layer_tpu_aot_20261204.md). `window` > 0: a
+    rolling buffer of a sliding window (size = min(window + 1, max_len)), whose slots
+    are reused, so it cannot be rewound."""
+
+    k: jax.Array
+    v: jax.Array
+    window: int = static_field(default=0)
+    AXES = {"k": STORED_KV_AXES, "v": STORED_KV_AXES}
+
+    @property
+    def rewindable(self) -> bool:
+        return self.window == 0
+
+
+@decode_state
+class CrossKVCache(DecodeState):
+    """Cross-attention K/V of the encoder output, stored heads-major `[B, K, S_enc, H]`
+    as `KVCache`'s: computed at the step that passes `context`, reused after."""
+
+    k: jax.Array
+    v: jax.Array
+    AXES = {"k": STORED_KV_AXES, "v": STORED_KV_AXES}
 
 
 class MultiHeadAttention(nnx.Module):
@@ -283,25 +320,67 @@ class MultiHeadAttention(nnx.Module):
             q = self._rotate(q, self.rope.tables(positions))
         return self._temper(q, positions)
 
+    def init_state(self, batch: int, size: int, dtype=jnp.float32, *,
+                   window: int = 0) -> KVCache:
+        """An empty `KVCache` of `size` slots (`window` > 0: a sliding window's rolling
+        buffer, see `KVCache`)."""
+        if size < 1:
+            raise ValueError(f"init_state: a K/V cache needs size >= 1 slots, got {size}")
+        shape = (batch, self.num_kv_heads, size)
+        return KVCache(jnp.zeros((*shape, self.head_dim), dtype),
+                       jnp.zeros((*shape, self.v_head_dim), dtype), window)
+
+    def init_cross_state(self, batch: int, length: int, dtype=jnp.float32) -> CrossKVCache:
+        """An empty `CrossKVCache` for an encoder output of `length` tokens."""
+        shape = (batch, self.num_kv_heads, length)
+        return CrossKVCache(jnp.zeros((*shape, self.head_dim), dtype),
+                            jnp.zeros((*shape, self.v_head_dim), dtype))
+
     def __call__(self, x, context=None, *, mask: Mask | None = None, bias=None, positions=None,
-                 kv_positions=None, cache=None, layer=None, first_values=None, adapter=None,
+                 kv_positions=None, state: KVCache | CrossKVCache | None = None,
+                 slots: Slots | None = None, layer=None, first_values=None, adapter=None,
                  rope_tables=None):
-        """With `cache` (a `tfjax.inference.kv_cache` layer cache), the cache decides
-        what to project, store and attend over, and this returns `(out, new_cache)`.
-        `layer` (the layer index) and `first_values` (the first layer's v): a
-        layer stack's, for differential attention and the value residual. `adapter`:
-        this call's projection deltas, `rope_tables`: the RoPE tables of `positions`
-        (`project`)."""
+        """`layer` (the layer index) and `first_values` (the first layer's v): a layer
+        stack's, for differential attention and the value residual. `adapter`: this
+        call's projection deltas, `rope_tables`: the RoPE tables of `positions`
+        (`project`).
+
+        Decoding: with `state` (`init_state`) and the step's `slots` this projects the
+        new tokens, writes their K/V into the state's slots (the mixed values with the
+        value residual) and attends over them as `slots.mode` says; with a
+        `CrossKVCache` (`init_cross_state`) it computes the encoder output's K/V when
+        `context` is given and reuses them when it is not. Then it returns `(out,
+        new_state)`."""
         depth = {} if layer is None and first_values is None else dict(
             layer=layer, first_values=first_values)
         if adapter is not None:
             depth["adapter"] = adapter
-        if cache is not None:
-            return cache.apply(self, x, context, mask=mask, bias=bias, positions=positions,
-                               kv_positions=kv_positions, **depth)
+        if isinstance(state, CrossKVCache):
+            return self._cross_step(x, context, state, mask, bias, positions, kv_positions)
+        if state is not None:
+            if context is not None:
+                raise ValueError("a self-attention KV cache got a context (cross-attention "
+                                 "keeps a CrossKVCache: init_cross_state)")
+            q, k, v = self.project(x, positions=positions, rope_tables=rope_tables, **depth)
+            extra = {} if layer is None else dict(layer=layer)
+            out, (k, v) = cached_attention(
+                (slots_major(state.k), slots_major(state.v)), (k, v), slots, KV_AXES,
+                lambda kv, cached: self.attend(q, *kv, mask, bias, x=x, **extra))
+            return out, state.replace(k=slots_major(k), v=slots_major(v))  # sharded as written
         q, k, v = self.project(x, context, positions=positions, kv_positions=kv_positions,
                                rope_tables=rope_tables, **depth)
         return self.attend(q, k, v, mask, bias, layer=layer, x=x)
+
+    def _cross_step(self, x, context, state: CrossKVCache, mask, bias, positions, kv_positions):
+        """A decode step of a cross-attention over the encoder output's cached K/V."""
+        if context is not None:
+            q, k, v = self.project(x, context, positions=positions, kv_positions=kv_positions)
+            state = state.replace(
+                k=shard(slots_major(k.astype(state.k.dtype)), STORED_KV_AXES),
+                v=shard(slots_major(v.astype(state.v.dtype)), STORED_KV_AXES))
+        else:
+            q = self.project_query(x, positions=positions)
+        return self.attend(q, slots_major(state.k), slots_major(state.v), mask, bias, x=x), state
 
 
 def attention(q, k, v, mask: Mask | None = None, bias=None, *, scale: float,

@@ -44,8 +44,8 @@ class TransformerBlock(nnx.Module):
     input inside its norm but not the residual, x + attn(norm(x + g(x))) (Zamba2: a
     use of a shared transformer block added to a Mamba-2 layer's input,
     `tfjax.nn.shared_block.SharedBlockUse`). It is called as `g(x, block=shared,
-    embeddings=embeddings, mask=, bias=, positions=, cache=)` with the `shared` and
-    `embeddings` the block's call gets; its cache state is "shared"."""
+    embeddings=embeddings, mask=, bias=, positions=, state=, slots=)` with the `shared`
+    and `embeddings` the block's call gets; its decode state is "shared"."""
 
     def __init__(self, *, attn: nnx.Module, ffn: nnx.Module | None, make_norm: Callable[[], nnx.Module],
                  cross_attn: nnx.Module | None = None, placement: str = "pre",
@@ -109,8 +109,8 @@ class TransformerBlock(nnx.Module):
 
     def __call__(self, x: jax.Array, *, mask=None, bias=None, positions=None,
                  context=None, context_mask=None, context_bias=None, context_positions=None,
-                 cache=None, layer=None, first_values=None, shared=None, embeddings=None,
-                 rope_tables=None):
+                 state=None, slots=None, layer=None, first_values=None, shared=None,
+                 embeddings=None, rope_tables=None):
         """x `[B,T,D]`; `context [B,S,D]` is the encoder output for cross-attention.
         `layer` (the layer index) and `first_values` (the first layer's values), when
         given, go to the self-attention (differential attention, value residual), and
@@ -118,17 +118,18 @@ class TransformerBlock(nnx.Module):
         `shared` (the shared block this layer uses) and `embeddings` `[B,T,D]` (the
         stack's input) go to `mixer_input`; a block with one needs them.
 
-        Inference: `cache` is a dict of sublayer states ("attn", and "cross" with
-        cross-attention; see `tfjax.inference.kv_cache`), each passed to its sublayer
-        as `cache=`; then the block returns `(x, new_cache)`. A cross-attention cache
-        that holds the encoder's K/V needs no `context`.
+        Decoding: `state` is a dict of sublayer states ("attn", "shared" for a
+        `mixer_input`, "cross" with cross-attention; each made by the sublayer's
+        `init_state`), each passed to its sublayer with the step's `slots`
+        (`tfjax.nn.state.Slots`); then the block returns `(x, new_state)`. A
+        cross-attention state that holds the encoder's K/V needs no `context`.
         """
-        new_cache = None if cache is None else dict(cache)
+        new_state = None if state is None else dict(state)
 
         def call(name, module, *args, **kw):
-            if cache is None:
+            if state is None:
                 return module(*args, **kw)
-            y, new_cache[name] = module(*args, cache=cache[name], **kw)
+            y, new_state[name] = module(*args, state=state[name], slots=slots, **kw)
             return y
 
         depth = {} if layer is None and first_values is None else dict(
@@ -142,7 +143,7 @@ class TransformerBlock(nnx.Module):
             h2 = h if self.ffn_norm is None else self.ffn_norm(x)
             x = x + self._drop(attn(h))
             x = x if self.ffn is None else x + self._drop(self.ffn(h2))
-            return x if cache is None else (x, new_cache)
+            return x if state is None else (x, new_state)
         if self.first_norm_residual:
             x = self._first_norm_residual(x, attn, layer)
         elif self.mixer_input is not None:
@@ -155,7 +156,7 @@ class TransformerBlock(nnx.Module):
         else:
             x = self._sublayer(x, attn, self.attn_norm, self.post_attn_norm)
         if self.cross_attn is not None:
-            if context is None and cache is None:
+            if context is None and state is None:
                 raise ValueError("this block has cross-attention: pass context (the encoder output)")
             cross = lambda h: call("cross", self.cross_attn, h, context,  # noqa: E731
                                    mask=context_mask, bias=context_bias, positions=positions,
@@ -163,4 +164,4 @@ class TransformerBlock(nnx.Module):
             x = self._sublayer(x, cross, self.cross_norm, self.post_cross_norm)
         if self.ffn is not None:  # None: a mixer-only layer (Mamba)
             x = self._sublayer(x, self.ffn, self.ffn_norm, self.post_ffn_norm)
-        return x if cache is None else (x, new_cache)
+        return x if state is None else (x, new_state)

@@ -36,7 +36,7 @@ Design choices:
   `GatedDeltaNetState` (the last d_conv - 1 conv inputs of q, k, v and S `[B, Hv,
   d_k, d_v]` in float32), `step(x_t, state)` advances one token, `forward(x, state,
   positions=, lengths=)` runs a prompt from a state (prefill) with the same
-  numerics. In a model, `tfjax.inference.kv_cache.GatedDeltaNetCache` holds it.
+  numerics (in a model, with a step's slots: `tfjax.nn.state`).
 - Packed documents: given `positions` (restarting at 0 in each document, as the
   model passes them), the convs do not read across a position-0 boundary and the
   state is reset there (in the chunked form: decays and the carried state are
@@ -52,14 +52,13 @@ Design choices:
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from tfjax.nn.norms import make_norm
 from tfjax.nn.ssm import causal_conv, dt_bias_init, last_conv_inputs, recurrent_block_call
+from tfjax.nn.state import DecodeState, Slots, decode_state
 from tfjax.parallel.sharding import shard, with_logical_axes
 from tfjax.typing import DType
 
@@ -70,15 +69,19 @@ QK_AXES = ("batch", "length", "kv_heads", "head_dim")
 V_AXES = ("batch", "length", "heads", "head_dim")
 
 
-class GatedDeltaNetState(NamedTuple):
+@decode_state
+class GatedDeltaNetState(DecodeState):
     """Decoding state of one layer: the last d_conv - 1 conv inputs, conv_q, conv_k
-    `[B, d_conv - 1, Hk, dk]`, conv_v `[B, d_conv - 1, Hv, dv]`, and S `[B, Hv, dk, dv]`
-    (float32)."""
+    `[B, d_conv - 1, Hk, dk]`, conv_v `[B, d_conv - 1, Hv, dv]`, and the delta-rule
+    state S `[B, Hv, dk, dv]` (float32). O(1) in the length."""
 
     conv_q: jax.Array
     conv_k: jax.Array
     conv_v: jax.Array
     S: jax.Array
+    AXES = {"conv_q": ("batch", None, "kv_heads", "head_dim"),
+            "conv_k": ("batch", None, "kv_heads", "head_dim"),
+            "conv_v": ("batch", None, "heads", "head_dim"), "S": ("batch", "heads", None, None)}
 
 
 def l2_normalize(x, eps: float = 1e-6):
@@ -274,7 +277,10 @@ class GatedDeltaNet(nnx.Module):
         y = (self.norm(o) * jax.nn.silu(z.astype(jnp.float32))).astype(self.dtype)
         return jnp.einsum("...NM,NMD->...D", y, self.out_proj[...].astype(self.dtype))
 
-    def init_state(self, batch: int, dtype: DType = jnp.float32) -> GatedDeltaNetState:
+    def init_state(self, batch: int, size: int = 0, dtype: DType = jnp.float32, *,
+                   window: int = 0) -> GatedDeltaNetState:
+        """The empty state (`size` and `window`, a position-indexed state's geometry in
+        the mixers' shared protocol, do not apply: it is O(1))."""
         W, Hk, Hv, dk, dv = (self.d_conv, self.num_k_heads, self.num_v_heads, self.head_k_dim,
                              self.head_v_dim)
         return GatedDeltaNetState(conv_q=jnp.zeros((batch, W - 1, Hk, dk), dtype),
@@ -291,7 +297,7 @@ class GatedDeltaNet(nnx.Module):
         or state carried into it). `lengths [B]`: row b has lengths[b] real steps, then
         right padding; the final state is the state after its last real step."""
         B, T, _ = x.shape
-        state = self.init_state(B, self.dtype) if state is None else state
+        state = self.init_state(B, dtype=self.dtype) if state is None else state
         q, k, v, z, b, a = self._in(x)
         q, k = shard(q, QK_AXES), shard(k, QK_AXES)
         v, z = shard(v, V_AXES), shard(z, V_AXES)
@@ -345,12 +351,9 @@ class GatedDeltaNet(nnx.Module):
         return self._out(o.reshape(B, Hv, dv), z), new
 
     def __call__(self, x, *, mask=None, bias=None, positions=None,
-                 cache: GatedDeltaNetState | None = None, **_):
+                 state: GatedDeltaNetState | None = None, slots: Slots | None = None, **_):
         """Block interface (as attention's): causal by construction, so `mask` and
         `bias` are unused; `positions` mark document starts (see `forward`). With
-        `cache` (a `GatedDeltaNetState`, e.g. `init_state(B)`) it returns `(y,
-        new_state)`; a cache object with an `apply` method (tfjax.inference's
-        LayerCache protocol) is called as `cache.apply(self, x, None, mask=, bias=,
-        positions=)` instead."""
-        return recurrent_block_call(self, x, mask=mask, bias=bias, positions=positions,
-                                    cache=cache)
+        `state` (`init_state`) it returns `(y, new_state)`: one sequence from the state,
+        or with the step's `slots` each row's real new tokens."""
+        return recurrent_block_call(self, x, positions=positions, state=state, slots=slots)

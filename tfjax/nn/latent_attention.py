@@ -25,7 +25,7 @@ it). Two forms compute the same attention:
   first r dims are the latent output `p . c`; the value up-projection `W_uv` runs
   after attention). No per-head K/V is rebuilt per step.
 
-The cache (`tfjax.inference.kv_cache.LatentCache`) stores only `[c; k_pe]`: r + dr
+The decode state (`LatentCache`, `init_state`) stores only `[c; k_pe]`: r + dr
 values per token per layer (DeepSeek-V3: 512 + 64 = 576, where its 128 heads'
 keys and values would be 128 * (192 + 128) = 40,960).
 """
@@ -34,17 +34,33 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from tfjax.nn.attention import attention
 from tfjax.nn.norms import make_norm
 from tfjax.nn.positions import RotaryEmbedding, default_positions
+from tfjax.nn.state import DecodeState, Slots, cached_attention, decode_state
 from tfjax.ops.masks import Mask
 from tfjax.parallel.sharding import shard, with_logical_axes
 from tfjax.typing import DType
 
-__all__ = ["MultiHeadLatentAttention", "mla_scale"]
+__all__ = ["LatentCache", "MultiHeadLatentAttention", "mla_scale"]
+
+LATENT_AXES = ("batch", None, "latent")  # [B, S, r + dr]
+
+
+@decode_state
+class LatentCache(DecodeState):
+    """Per token only the normalised latent and the rotated shared key, `latent` `[B,
+    size, r + dr]`; slots as a `KVCache`'s. A prefill runs the materialised form over
+    the fresh tokens; a decode step or a chunk the absorbed form over the slots (and
+    the chunk's fresh latents)."""
+
+    latent: jax.Array
+    AXES = {"latent": LATENT_AXES}
+    rewindable = True
 
 
 def mla_scale(qk_head_dim: int, *, rope_scaling: str = "none", rope_factor: float = 1.0,
@@ -182,20 +198,42 @@ class MultiHeadLatentAttention(nnx.Module):
         out = jnp.einsum("BTNR,RNH->BTNH", out[..., :r], w[..., dn:])  # [B, T, N, dv]
         return shard(self.o(out), ("batch", "length", "embed"))
 
+    def init_state(self, batch: int, size: int, dtype=jnp.float32, *,
+                   window: int = 0) -> LatentCache:
+        """An empty `LatentCache` of `size` slots (a latent layer has no window)."""
+        if window:
+            raise ValueError("a latent attention cache has no sliding window")
+        return LatentCache(jnp.zeros((batch, size, self.kv_lora_rank + self.qk_rope_head_dim),
+                                     dtype))
+
     def __call__(self, x, context=None, *, mask: Mask | None = None, bias=None, positions=None,
-                 kv_positions=None, cache=None, rope_tables=None):
+                 kv_positions=None, state: LatentCache | None = None, slots: Slots | None = None,
+                 rope_tables=None):
         """Self-attention only (`context` must be None; `bias`: None, RoPE is the
         position signal; `rope_tables`: `rope.tables(positions)`, when a layer stack
-        has them). With `cache` (a `LatentCache`) the cache decides the form and
-        returns `(out, new_cache)`."""
+        has them). Decoding: with `state` and the step's `slots` the new tokens'
+        latents are written and attended (a prefill in the materialised form, a decode
+        step or a chunk in the absorbed form), and this returns `(out, new_state)`."""
         if context is not None:
             raise ValueError("MultiHeadLatentAttention is self-attention: it takes no context")
         if bias is not None:
             raise ValueError("MultiHeadLatentAttention takes no attention bias (model.position "
                              "must be 'rope' or 'none' for 'mla' layers)")
-        if cache is not None:
-            return cache.apply(self, x, mask=mask, positions=positions)
+        if state is not None:
+            return self._step(x, state, slots, mask, positions)
         positions = default_positions(x) if positions is None else positions
         tables = self.tables(positions) if rope_tables is None else rope_tables
         q_nope, q_pe = self.queries(x, positions, tables)
         return self.attend(q_nope, q_pe, self.latent(x, positions, tables), mask)
+
+    def _step(self, x, state: LatentCache, slots: Slots, mask, positions):
+        tables = self.tables(positions)  # q_pe's and k_pe's
+        q_nope, q_pe = self.queries(x, positions, tables)
+
+        def attend(arrays, cached):  # the absorbed form over cached latents
+            form = self.attend_absorbed if cached else self.attend
+            return form(q_nope, q_pe, arrays[0], mask)
+
+        out, (latent,) = cached_attention((state.latent,), (self.latent(x, positions, tables),),
+                                          slots, LATENT_AXES, attend)
+        return out, state.replace(latent=latent)

@@ -10,7 +10,7 @@ so the sums can be taken before the queries arrive:
 - causal: a chunked scan. Within a chunk of c steps the masked quadratic form
   (O(T c H)); across chunks a carried state (O(T H^2)); linear in T overall;
 - decoding: `step(...)` advances the state `(S [B,K,H,Hv], z [B,K,H])` one token
-  (in a model: `tfjax.inference.kv_cache.LinearCache`).
+  (`LinearAttentionState`; in a model, with a step's slots: `tfjax.nn.state`).
 `linear_attention_reference` materialises the `[T, S]` weights (the test oracle).
 
 Design choices:
@@ -27,13 +27,14 @@ Design choices:
 
 from __future__ import annotations
 
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from tfjax.nn.attention import head_projections
+from tfjax.nn.ssm import recurrent_block_call
+from tfjax.nn.state import DecodeState, Slots, decode_state
 from tfjax.parallel.sharding import shard
 from tfjax.registry import Registry
 from tfjax.typing import DType
@@ -47,11 +48,14 @@ FEATURE_MAPS.register("relu", jax.nn.relu)
 FEATURE_MAPS.register("softplus", jax.nn.softplus)
 
 
-class LinearAttentionState(NamedTuple):
-    """Running sums: S `[B, K, H, Hv]` = sum phi(k) v^T, z `[B, K, H]` = sum phi(k)."""
+@decode_state
+class LinearAttentionState(DecodeState):
+    """Running sums (float32): S `[B, K, H', Hv]` = sum phi(k) v^T, z `[B, K, H']` =
+    sum phi(k) (H': the feature map's width). O(1) in the length."""
 
     S: jax.Array
     z: jax.Array
+    AXES = {"S": ("batch", "kv_heads", None, None), "z": ("batch", "kv_heads", None)}
 
 
 def _features(q, k, feature_map):
@@ -204,7 +208,11 @@ class LinearAttention(nnx.Module):
         v = shard(self.v(x), ("batch", "length", "kv_heads", "head_dim"))
         return q, k, v
 
-    def init_state(self, batch: int) -> LinearAttentionState:
+    def init_state(self, batch: int, size: int = 0, dtype=jnp.float32, *,
+                   window: int = 0) -> LinearAttentionState:
+        """The empty running sums, float32 whatever `dtype` (`size` and `window`, a
+        position-indexed state's geometry in the mixers' shared protocol, do not apply:
+        it is O(1))."""
         Hf = FEATURE_MAPS.get(self.feature_map)(jnp.zeros((self.head_dim,))).shape[-1]
         K = self.num_kv_heads
         return LinearAttentionState(jnp.zeros((batch, K, Hf, self.head_dim), jnp.float32),
@@ -229,20 +237,19 @@ class LinearAttention(nnx.Module):
         return self.o(out[:, None])[:, 0], state
 
     def __call__(self, x, *, mask=None, bias=None, positions=None,
-                 cache: LinearAttentionState | None = None, **_):
+                 state: LinearAttentionState | None = None, slots: Slots | None = None, **_):
         """Block interface: causal (or not) by construction; `mask` and `bias` are
         unused; `positions` only mark document starts (position 0) in the causal form
-        (no position encoding inside a linear kernel). With `cache` (a
-        `LinearAttentionState`, e.g. `init_state(B)`) it returns `(y, new_state)`; a
-        cache with an `apply` method (tfjax.inference's LayerCache protocol) is called
-        as `cache.apply(self, x, None, mask=, bias=, positions=)` instead."""
-        if cache is not None and hasattr(cache, "apply"):
-            return cache.apply(self, x, None, mask=mask, bias=bias, positions=positions)
+        (no position encoding inside a linear kernel). With `state` (`init_state`;
+        causal only) it returns `(y, new_state)`: one sequence from the state, or with
+        the step's `slots` each row's real new tokens."""
         del mask, bias
+        if state is not None:
+            if not self.causal:
+                raise ValueError("generation needs causal linear attention (LinearAttention("
+                                 "causal=True)); a non-causal layer has no running state")
+            return recurrent_block_call(self, x, positions=positions, state=state, slots=slots)
         positions = positions if self.causal else None
-        if cache is not None:
-            y, state = self.forward(x, cache, positions=positions)
-            return shard(y, ("batch", "length", "embed")), state
         q, k, v = self.project(x)
         out = linear_attention(q, k, v, causal=self.causal, feature_map=self.feature_map,
                                chunk_size=self.chunk_size, eps=self.eps, positions=positions)

@@ -24,7 +24,7 @@ Design choices:
   gives a `Mamba2State` (the last d_conv - 1 conv inputs `[B, d_conv - 1, Di +
   2GN]` and the SSM state `[B, H, P, N]` float32), `step(u_t, state)` advances
   one token, and `forward(u, state, positions=, lengths=)` runs a prompt from a
-  state with the same numerics. `tfjax.inference.kv_cache.Mamba2Cache` holds it.
+  state with the same numerics (in a model, with a step's slots: `tfjax.nn.state`).
 - Packed sequences: with `positions` (restarting at 0 in each document) the conv
   does not read across a position-0 boundary and the state is reset there
   (within a chunk: a segment mask on L; across chunks: no carry). `lengths`
@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -53,18 +52,21 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from tfjax.nn.ssm import causal_conv, dt_bias_init, last_conv_inputs, recurrent_block_call
+from tfjax.nn.state import DecodeState, Slots, decode_state
 from tfjax.parallel.sharding import shard, with_logical_axes
 from tfjax.typing import DType
 
 __all__ = ["Mamba2", "Mamba2State", "ssd", "ssd_reference"]
 
 
-class Mamba2State(NamedTuple):
-    """Decoding state of one Mamba-2 layer: conv `[B, d_conv - 1, Di + 2GN]`, ssm
-    `[B, H, P, N]` (float32)."""
+@decode_state
+class Mamba2State(DecodeState):
+    """Decoding state of one Mamba-2 layer: conv `[B, d_conv - 1, Di + 2GN]` (the last
+    conv inputs of x, B and C), ssm `[B, H, P, N]` (float32). O(1) in the length."""
 
     conv: jax.Array
     ssm: jax.Array
+    AXES = {"conv": ("batch", None, None), "ssm": ("batch", "heads", None, None)}
 
 
 def _f32(*arrays):
@@ -258,7 +260,10 @@ class Mamba2(nnx.Module):
     def _A(self):
         return -jnp.exp(self.A_log[...].astype(jnp.float32))
 
-    def init_state(self, batch: int, dtype: DType = jnp.float32) -> Mamba2State:
+    def init_state(self, batch: int, size: int = 0, dtype: DType = jnp.float32, *,
+                   window: int = 0) -> Mamba2State:
+        """The empty state (`size` and `window`, a position-indexed state's geometry in
+        the mixers' shared protocol, do not apply: it is O(1))."""
         return Mamba2State(
             conv=jnp.zeros((batch, self.d_conv - 1, self.conv_dim), dtype),
             ssm=jnp.zeros((batch, self.num_heads, self.head_dim, self.d_state), jnp.float32))
@@ -272,7 +277,7 @@ class Mamba2(nnx.Module):
         right padding; the final state is the state after its last real step."""
         Bsz, T, _ = u.shape
         K = self.d_conv
-        state = self.init_state(Bsz, self.dtype) if state is None else state
+        state = self.init_state(Bsz, dtype=self.dtype) if state is None else state
         z, xBC, dt = self._in(u)
         z = shard(z, ("batch", "length", "mlp"))
         xc, xpad = causal_conv(xBC, state.conv, self.conv_w[...], positions,
@@ -304,11 +309,9 @@ class Mamba2(nnx.Module):
         return self._out(y, z), Mamba2State(conv=window[:, 1:].astype(state.conv.dtype), ssm=h)
 
     def __call__(self, x, *, mask=None, bias=None, positions=None,
-                 cache: Mamba2State | None = None, **_):
+                 state: Mamba2State | None = None, slots: Slots | None = None, **_):
         """Block interface (as attention's): causal by construction, so `mask` and
         `bias` are unused; `positions` mark document starts (see `forward`). With
-        `cache` (a `Mamba2State`, e.g. `init_state(B)`) it returns `(y, new_state)`;
-        a cache object with an `apply` method (tfjax.inference's LayerCache protocol)
-        is called as `cache.apply(self, x, None, mask=, bias=, positions=)` instead."""
-        return recurrent_block_call(self, x, mask=mask, bias=bias, positions=positions,
-                                    cache=cache)
+        `state` (`init_state`) it returns `(y, new_state)`: one sequence from the state,
+        or with the step's `slots` each row's real new tokens."""
+        return recurrent_block_call(self, x, positions=positions, state=state, slots=slots)

@@ -55,25 +55,26 @@ class SharedBlock(nnx.Module):
         self.concat_embedding = concat_embedding
 
     def __call__(self, x, embeddings, use: "SharedBlockUse", *, mask=None, bias=None,
-                 positions=None, cache=None):
+                 positions=None, state=None, slots=None):
         """x, embeddings `[B,T,D]` -> y `[B,T,D]` (before the use's `out`) with `use`'s
-        adapters; with `cache` (the use's KV cache) -> `(y, new_cache)`."""
+        adapters; with `state` (the use's K/V, `attn.init_state`) and the step's `slots`
+        -> `(y, new_state)`."""
         h = jnp.concatenate([x, embeddings.astype(x.dtype)], axis=-1) if self.concat_embedding \
             else x
-        a = self.attn(self.in_norm(h), mask=mask, bias=bias, positions=positions, cache=cache,
-                      adapter=use.qkv_deltas if use.has_attn_adapter else None)
-        if cache is not None:
-            a, cache = a
+        a = self.attn(self.in_norm(h), mask=mask, bias=bias, positions=positions, state=state,
+                      slots=slots, adapter=use.qkv_deltas if use.has_attn_adapter else None)
+        if state is not None:
+            a, state = a
         y = self.ffn(self.ffn_norm(a), adapter=use.mlp_deltas if use.has_mlp_adapter else None)
         y = shard(y, ("batch", "length", "embed"))
-        return y if cache is None else (y, cache)
+        return y if state is None else (y, state)
 
 
 class SharedBlockUse(nnx.Module):
     """One use of a shared block: its adapters (rank `rank`; none when 0) and its
     output projection `out` `[D, D]`. Called with the block it uses:
-    `use(x, block=, embeddings=, mask=, bias=, positions=, cache=)` -> t `[B,T,D]`
-    (and the new cache of the block's attention with `cache`)."""
+    `use(x, block=, embeddings=, mask=, bias=, positions=, state=, slots=)` -> t
+    `[B,T,D]` (and the new state of the block's attention with `state`)."""
 
     def __init__(self, d_model: int, width: int, *, num_heads: int, num_kv_heads: int,
                  head_dim: int, v_head_dim: int, d_ff: int, gated: bool, rank: int = 0,
@@ -118,9 +119,10 @@ class SharedBlockUse(nnx.Module):
         return tuple(d[:, :, i] for i in range(d.shape[2]))
 
     def __call__(self, x, *, block: SharedBlock, embeddings, mask=None, bias=None,
-                 positions=None, cache=None):
-        out = block(x, embeddings, self, mask=mask, bias=bias, positions=positions, cache=cache)
-        y, cache = out if cache is not None else (out, None)
+                 positions=None, state=None, slots=None):
+        out = block(x, embeddings, self, mask=mask, bias=bias, positions=positions, state=state,
+                    slots=slots)
+        y, state = out if state is not None else (out, None)
         t = jnp.einsum("BTD,DE->BTE", y.astype(self.dtype), self.out[...].astype(self.dtype))
         t = shard(t, ("batch", "length", "embed"))
-        return t if cache is None else (t, cache)
+        return t if state is None else (t, state)

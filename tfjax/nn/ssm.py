@@ -17,8 +17,8 @@ Design choices:
 - Decoding is O(1) per token: `init_state(batch)` gives a `MambaState` (the last
   d_conv - 1 conv inputs and the SSM state `[B, Di, N]`), `step(u_t, state) ->
   (y_t, state)` advances one token, and `forward(u, state) -> (y, state)`
-  processes a whole prompt from a state (prefill) with the same numerics. In a
-  model, `tfjax.inference.kv_cache.MambaCache` holds this state per layer.
+  processes a whole prompt from a state (prefill) with the same numerics; in a
+  model the call takes the state and a step's slots (`tfjax.nn.state`).
 - Packed sequences: when `positions` are given (the model passes them, restarting
   at 0 in each document), the conv does not read across a position-0 boundary and
   the SSM state is reset there, so packed documents equal separate ones.
@@ -33,13 +33,13 @@ Design choices:
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from tfjax.nn.norms import make_norm
+from tfjax.nn.state import DecodeState, Slots, decode_state, recurrent_call
 from tfjax.parallel.sharding import shard, with_logical_axes
 from tfjax.typing import DType
 
@@ -65,16 +65,17 @@ def causal_conv(x, window, w, positions=None, bias=None):
     return (y if bias is None else y + bias.astype(y.dtype)), xpad
 
 
-def recurrent_block_call(mixer, x, *, mask=None, bias=None, positions=None, cache=None):
-    """The block interface of a recurrent mixer (Mamba, Mamba-2, Gated DeltaNet), as
-    attention's: `mask` and `bias` are unused (causal by construction); `cache` None ->
-    `mixer.forward(x)`'s y; a state -> `(y, new_state)`; a cache object with an `apply`
-    method (tfjax.inference's LayerCache protocol) -> `cache.apply(mixer, x, None, ...)`."""
-    if cache is not None and hasattr(cache, "apply"):
-        return cache.apply(mixer, x, None, mask=mask, bias=bias, positions=positions)
-    y, state = mixer.forward(x, cache, positions=positions)
+def recurrent_block_call(mixer, x, *, positions=None, state=None, slots: Slots | None = None):
+    """The block interface of a recurrent mixer (Mamba, Mamba-2, Gated DeltaNet, causal
+    linear attention), as attention's, without mask or bias (causal by construction):
+    no `state` -> `mixer.forward(x)`'s y; a `state` -> `(y, new_state)`, one sequence
+    from the state, or with the step's `slots` each row's real new tokens
+    (`tfjax.nn.state.recurrent_call`)."""
+    if state is not None and slots is not None:
+        return recurrent_call(mixer, x, state, slots, positions)
+    y, new = mixer.forward(x, state, positions=positions)
     y = shard(y, ("batch", "length", "embed"))
-    return y if cache is None else (y, state)
+    return y if state is None else (y, new)
 
 
 def last_conv_inputs(xpad, lengths, W):
@@ -100,11 +101,14 @@ def dt_bias_init(dt_min: float, dt_max: float, floor: float):
     return init
 
 
-class MambaState(NamedTuple):
-    """Decoding state of one Mamba layer: conv `[B, d_conv - 1, Di]`, ssm `[B, Di, N]`."""
+@decode_state
+class MambaState(DecodeState):
+    """Decoding state of one Mamba layer: conv `[B, d_conv - 1, Di]` (the last conv
+    inputs), ssm `[B, Di, N]` (float32). O(1) in the length."""
 
     conv: jax.Array
     ssm: jax.Array
+    AXES = {"conv": ("batch", None, "mlp"), "ssm": ("batch", "mlp", None)}
 
 
 def _combine(left, right):
@@ -253,7 +257,10 @@ class Mamba(nnx.Module):
     def _A(self):
         return -jnp.exp(self.A_log[...].astype(jnp.float32))
 
-    def init_state(self, batch: int, dtype: DType = jnp.float32) -> MambaState:
+    def init_state(self, batch: int, size: int = 0, dtype: DType = jnp.float32, *,
+                   window: int = 0) -> MambaState:
+        """The empty state (`size` and `window`, a position-indexed state's geometry in
+        the mixers' shared protocol, do not apply: it is O(1))."""
         return MambaState(conv=jnp.zeros((batch, self.d_conv - 1, self.d_inner), dtype),
                           ssm=jnp.zeros((batch, self.d_inner, self.d_state), jnp.float32))
 
@@ -266,7 +273,7 @@ class Mamba(nnx.Module):
         right padding; the final state is the state after its last real step."""
         Bsz, T, _ = u.shape
         K = self.d_conv
-        state = self.init_state(Bsz, self.dtype) if state is None else state
+        state = self.init_state(Bsz, dtype=self.dtype) if state is None else state
         x, z = self._in(u)  # [B, T, Di]
         x = shard(x, ("batch", "length", "mlp"))
         xc, xpad = causal_conv(x, state.conv, self.conv_w[...], positions,
@@ -296,12 +303,10 @@ class Mamba(nnx.Module):
         y = jnp.einsum("BIN,BN->BI", h, Cm) + self.D[...].astype(jnp.float32) * xf
         return self._out(y, z), MambaState(conv=window[:, 1:].astype(state.conv.dtype), ssm=h)
 
-    def __call__(self, x, *, mask=None, bias=None, positions=None, cache: MambaState | None = None,
-                 **_):
+    def __call__(self, x, *, mask=None, bias=None, positions=None,
+                 state: MambaState | None = None, slots: Slots | None = None, **_):
         """Block interface (as attention's): causal by construction, so `mask` and
         `bias` are unused; `positions` mark document starts (see `forward`). With
-        `cache` (a `MambaState`, e.g. `init_state(B)`) it returns `(y, new_state)`;
-        a cache object with an `apply` method (tfjax.inference's LayerCache protocol)
-        is called as `cache.apply(self, x, None, mask=, bias=, positions=)` instead."""
-        return recurrent_block_call(self, x, mask=mask, bias=bias, positions=positions,
-                                    cache=cache)
+        `state` (`init_state`) it returns `(y, new_state)`: one sequence from the state,
+        or with the step's `slots` each row's real new tokens."""
+        return recurrent_block_call(self, x, positions=positions, state=state, slots=slots)

@@ -281,7 +281,7 @@ class Positions(Mask):
     `q_positions[b, t]` sees the key at `kv_positions[b, s]` iff that key holds a
     position (>= 0; negative marks an empty cache slot or padding) no later than
     the query's and, with `window` W > 0, at most W before it (Mistral's window).
-    What a KV cache attends with (`tfjax.inference.kv_cache`): slots in any order,
+    What a KV cache attends with (`tfjax.inference.slots`): slots in any order,
     a ring buffer's included. Indexed by local position, like `Segments`; its
     block view bounds each tile by the min / max of its positions."""
 

@@ -1,0 +1,122 @@
+"""Decode state: what a mixer keeps between decode steps, and a step's writes into it.
+
+Every mixer makes its empty state (`init_state`) and its call takes the state and the
+step's `Slots` and returns `(y, new_state)`. `Slots` say where each row's new tokens
+go; `tfjax.inference.slots` computes them once a step for all layers of one cache
+geometry (vLLM's slot mapping), and this module only applies them: a decode step
+writes one slot per row then attends over the slots, a prefill attends over the fresh
+keys then writes, a chunk attends over `[slots; fresh keys]` then writes. Recurrent
+mixers run their step or their parallel form from the state, per-row lengths keeping
+padding out. See docs/inference.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from tfjax.parallel.sharding import shard
+
+__all__ = ["MODES", "DecodeState", "Slots", "cached_attention", "decode_state",
+           "recurrent_call", "slots_major", "static_field", "write_slots"]
+
+MODES = ("prefill", "decode", "chunk")
+
+
+def static_field(**kw):
+    """A dataclass field that is pytree metadata (part of the tree's structure)."""
+    return dataclasses.field(metadata=dict(static=True), **kw)
+
+
+def decode_state(cls):
+    """`cls` as a frozen dataclass registered as a pytree (fields made with
+    `static_field` are metadata)."""
+    return jax.tree_util.register_dataclass(dataclasses.dataclass(frozen=True)(cls))
+
+
+class DecodeState:
+    """Base of every mixer's decode state (a `decode_state` dataclass of arrays)."""
+
+    AXES: ClassVar[dict] = {}  # field -> logical axis names (without a stacked "layers" axis)
+    # slot i holds position i, so lowering the model's length undoes a step (speculative)
+    rewindable: ClassVar[bool] = False
+
+    def replace(self, **kw):
+        return dataclasses.replace(self, **kw)
+
+
+@decode_state
+class Slots:
+    """A step's writes for one cache geometry: `new_tokens` `[B]` real new tokens of each
+    row; a decode step's `slot` `[B]` (the slot each row writes); a prefill's or a
+    chunk's `src` `[B, S]` (the index among the fresh tokens each of the S slots takes)
+    and `take` `[B, S]` (whether it takes one, else it keeps what it holds). Recurrent
+    states read `new_tokens` and `mode` alone."""
+
+    new_tokens: jax.Array
+    slot: jax.Array | None = None
+    src: jax.Array | None = None
+    take: jax.Array | None = None
+    mode: str = static_field(default="prefill")  # "prefill" | "decode" | "chunk"
+
+
+def slots_major(x: jax.Array) -> jax.Array:
+    """A stored K or V `[B, K, S, H]` as the attention op reads it, `[B, S, K, H]` (and
+    back: the swap is its own inverse). A view for XLA: the TPU kernels transpose it
+    back to heads-major, which cancels, and XLA's dots take either layout."""
+    return jnp.swapaxes(x, 1, 2)
+
+
+def write_slots(olds, fresh, slots: Slots, axes) -> tuple:
+    """Each of `fresh` `[B, T, ...]` written into the matching `olds` `[B, S, ...]` as
+    `slots` say, sharded as `axes`."""
+    if slots.mode == "decode":
+        rows = jnp.arange(olds[0].shape[0])
+        return tuple(shard(o.at[rows, slots.slot].set(n[:, 0].astype(o.dtype)), axes)
+                     for o, n in zip(olds, fresh))
+    out = []
+    for o, n in zip(olds, fresh):
+        tail = (1,) * (o.ndim - 2)
+        src = slots.src.reshape(*slots.src.shape, *tail)
+        take = slots.take.reshape(*slots.take.shape, *tail)
+        got = jnp.take_along_axis(n, src, axis=1).astype(o.dtype)
+        out.append(shard(jnp.where(take, got, o), axes))
+    return tuple(out)
+
+
+def cached_attention(olds, fresh, slots: Slots, axes, attend: Callable):
+    """One step of an attention over slot arrays `olds` `[B, S, ...]` with this step's
+    `fresh` `[B, T, ...]`: a chunk attends over `[slots; fresh]`, then writes; a decode
+    step writes, then attends over the slots; a prefill attends over the fresh arrays
+    (the model's own masks), then writes. `attend(arrays, cached)` -> the output
+    (`cached` False for the prefill). -> (output, the new slot arrays)."""
+    if slots.mode == "chunk":
+        out = attend(tuple(jnp.concatenate([o, f.astype(o.dtype)], axis=1)
+                           for o, f in zip(olds, fresh)), True)
+        return out, write_slots(olds, fresh, slots, axes)
+    if slots.mode == "decode":
+        news = write_slots(olds, fresh, slots, axes)
+        return attend(news, True), news
+    return attend(fresh, False), write_slots(olds, fresh, slots, axes)
+
+
+def recurrent_call(mixer, x, state: DecodeState, slots: Slots, positions):
+    """A recurrent mixer's step over its state: a decode step (`mixer.step`; rows with no
+    new token keep their state) or a prefill / chunk (`mixer.forward` from the state,
+    each row's `slots.new_tokens` keeping right padding out of it) -> (y `[B,T,D]`, the
+    new state in the state's dtypes, sharded as its `AXES`)."""
+    n = slots.new_tokens
+    if x.shape[1] == 1:
+        y, new = mixer.step(x[:, 0], state)
+        y = y[:, None]
+        keep = lambda a, b: jnp.where(  # noqa: E731 rows with no new token keep the old
+            (n > 0).reshape((-1,) + (1,) * (a.ndim - 1)), a, b.astype(a.dtype))
+        new = jax.tree.map(keep, new, state)
+    else:
+        y, new = mixer.forward(x, state, positions=positions, lengths=n)
+    new = state.replace(**{f: shard(getattr(new, f).astype(getattr(state, f).dtype), axes)
+                           for f, axes in state.AXES.items()})
+    return shard(y, ("batch", "length", "embed")), new
