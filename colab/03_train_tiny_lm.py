@@ -140,7 +140,7 @@ print(f"final val: {summary['val_bpb']:.3f} bits/byte (gzip -9 {summary['gzip_bp
 
 # %%
 tok = ByteTokenizer()
-model = nnx.merge(trainer.graphdef, trainer.state["params"], trainer.state["rest"])
+model = nnx.merge(trainer.program.graphdef, trainer.state["params"], trainer.state["rest"])
 model.eval()
 
 prompts = ["import ", "def __init__(self", "class "]

@@ -30,8 +30,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tfjax.generate import load_run, restore_run
 from tfjax.interop import hf
+from tfjax.train.checkpoint import load_run, restore_run
 from tfjax.train.lora import write_peft
 
 __all__ = ["export_run", "main"]

@@ -15,7 +15,7 @@ Examples:
   python -m tfjax.generate --workdir workdirs/default --prompt "import " --max_new_tokens 200
   python -m tfjax.generate --workdir /tmp/w --prompt "def f(" --temperature 0.8 --top_p 0.95
 
-`--hf PATH` instead of `--workdir` loads a Hugging Face checkpoint directory
+`--hf DIR` instead of `--workdir` loads a Hugging Face checkpoint directory
 (`tfjax.interop.hf.load`: config.json + *.safetensors) and its `tokenizer.json`
 (through `tokenizers`); the prompt is encoded as that tokenizer does (its
 post-processor adds BOS where the model expects it) and generation stops at the
@@ -34,79 +34,19 @@ without adding special tokens (the template writes them), and prints only the re
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import os
 import sys
 from typing import TextIO
 
-import jax
 import numpy as np
-from flax import nnx
 
-from tfjax.config import run_config, upgrade_saved
-from tfjax.data.tokenizers import load_tokenizer
 from tfjax.inference import stream
 from tfjax.interop import hf
-from tfjax.models import build, unrolled
-from tfjax.train.checkpoint import Checkpointer
-from tfjax.train.lora import model_params, train_state_shape
+from tfjax.train.checkpoint import load_run, read_json_object
 
-__all__ = ["chat_prompt", "load_hf", "load_run", "main", "run", "run_hf"]
-
-
-def load_run(workdir: str, step: int | None = None):
-    """(model, run config, tokenizer, step) from a training run directory: checkpoint
-    `step`, or the newest that restores (a LoRA run's base merged with its adapters),
-    its layers unrolled for decoding (`tfjax.models.unrolled`).
-    No checkpoint, a step not saved, a damaged `step` or a model that does not fit the
-    saved one is a one-line ValueError."""
-    cfg, graphdef, state, lora, step = restore_run(workdir, step)
-    model = nnx.merge(graphdef, model_params(lora, state), state["rest"])
-    model.eval()
-    # decoding: unrolled layers update their caches in place (a scanned stack copies them)
-    return unrolled(model), cfg, load_tokenizer(cfg.data.tokenizer), step
-
-
-def restore_run(workdir: str, step: int | None = None):
-    """(run config, graphdef, train state, `tfjax.train.lora.Lora` or None, step): the
-    checkpoint `load_run` reads, as the trainer lays it out, on one device."""
-    path = os.path.join(workdir, "config.json")
-    if not os.path.exists(path):
-        raise ValueError(f"--workdir: {path} not found; point --workdir at the directory a "
-                         f"`python -m tfjax.train --workdir ...` run wrote")
-    with open(path) as f:
-        cfg = run_config(upgrade_saved(json.load(f)))  # runs saved before a field moved
-    ckpt = Checkpointer(workdir, dataclasses.replace(cfg.checkpoint, async_save=False))
-    try:
-        steps = ckpt.all_steps()
-        if not steps:
-            raise ValueError(f"--workdir: no finished checkpoint under {ckpt.directory} (a run "
-                             f"saves every checkpoint.every_steps steps and at its end)")
-        if step is not None and step not in steps:
-            raise ValueError(f"--step {step}: no checkpoint of that step under {ckpt.directory}; "
-                             f"saved steps: {', '.join(map(str, steps))} (omit --step for the "
-                             f"latest)")
-
-        # The abstract train state exactly as the trainer lays it out, on one device.
-        def make_model():
-            with nnx.use_eager_sharding(False):
-                return build(cfg.model, rngs=nnx.Rngs(cfg.seed))
-
-        abstract = nnx.eval_shape(make_model)
-        graphdef, aparams, arest = nnx.split(abstract, nnx.Param, ...)
-        astate, lora, _ = train_state_shape(cfg, aparams, arest)
-        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        astate = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one),
-                              astate)
-        # step None: the newest that restores; a damaged newer one is left in place, with
-        # a warning (the trainer moves it aside when it resumes).
-        state, _, step = ckpt.restore(astate, step, warn=lambda s: print(
-            f"warning: {s}", file=sys.stderr, flush=True))
-    finally:
-        ckpt.close()
-    return cfg, graphdef, state, lora, step
+__all__ = ["add_checkpoint_flags", "chat_prompt", "load_hf", "main", "run", "run_hf"]
 
 
 def run(workdir: str, prompt: str, *, max_new_tokens: int = 200, temperature: float = 0.0,
@@ -140,18 +80,6 @@ def load_hf(path: str):
     return model, cfg, tokenizers.Tokenizer.from_file(tok_file), _eos_ids(path)
 
 
-def _read_json(file: str, what: str) -> dict:
-    try:
-        with open(file, "rb") as f:
-            data = json.load(f)
-    except ValueError as e:
-        raise ValueError(f"--hf: {file} is not valid JSON ({e}); fix or re-save it") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"--hf: {file} holds {type(data).__name__}, not the JSON object of "
-                         f"{what}")
-    return data
-
-
 def _eos_ids(path: str) -> tuple[int, ...]:
     """The ids HF `generate` stops at: generation_config.json's `eos_token_id` (an id
     or a list: a chat model's end-of-turn tokens), else config.json's."""
@@ -160,7 +88,7 @@ def _eos_ids(path: str) -> tuple[int, ...]:
                        ("config.json", "a model config")):
         file = os.path.join(path, name)
         if os.path.exists(file):
-            eos = _read_json(file, what).get("eos_token_id")
+            eos = read_json_object(file, "--hf", what).get("eos_token_id")
             if eos is not None:
                 break
     ids = [] if eos is None else eos if isinstance(eos, list) else [eos]
@@ -178,7 +106,8 @@ def _chat_template(path: str) -> str:
         with open(jinja, encoding="utf-8") as f:
             return f.read()
     cfg_file = os.path.join(path, "tokenizer_config.json")
-    cfg = (_read_json(cfg_file, "a tokenizer config") if os.path.exists(cfg_file) else {})
+    cfg = (read_json_object(cfg_file, "--hf", "a tokenizer config") if os.path.exists(cfg_file)
+           else {})
     template = cfg.get("chat_template")
     if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
@@ -194,7 +123,7 @@ def _special_tokens(path: str) -> dict[str, str]:
     """tokenizer_config.json's special tokens by name (bos_token, eos_token, ...), as
     chat templates read them; a token saved as an AddedToken object gives its content."""
     file = os.path.join(path, "tokenizer_config.json")
-    cfg = _read_json(file, "a tokenizer config") if os.path.exists(file) else {}
+    cfg = read_json_object(file, "--hf", "a tokenizer config") if os.path.exists(file) else {}
     out = {}
     for key, value in cfg.items():
         if key.endswith("_token") and isinstance(value, dict):
@@ -242,7 +171,7 @@ def chat_prompt(path: str, prompt: str) -> str:
 def run_hf(path: str, prompt: str, *, max_new_tokens: int = 200, temperature: float = 0.0,
            top_k: int | None = None, top_p: float | None = None, seed: int = 0,
            stop_at_eos: bool = True, chat: bool = False, out: TextIO | None = None) -> str:
-    """`run` for an HF checkpoint directory (`--hf PATH`); `chat`: through its chat
+    """`run` for an HF checkpoint directory (`--hf DIR`); `chat`: through its chat
     template (`chat_prompt`), printing only the reply."""
     out = sys.stdout if out is None else out
     text = chat_prompt(path, prompt) if chat else prompt  # before the model loads
@@ -280,14 +209,21 @@ def _emit(model, ids, decode, echo: str, eos: tuple, out: TextIO, **kw) -> str:
     return text
 
 
+def add_checkpoint_flags(parser: argparse.ArgumentParser) -> None:
+    """The model to load, exactly one of `--workdir W` (a tfjax training run: `load_run`)
+    and `--hf DIR` (a Hugging Face checkpoint directory: `load_hf`); the command lines
+    of `tfjax.generate` and `tfjax.eval` share them."""
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--workdir", help="a `python -m tfjax.train` run directory")
+    src.add_argument("--hf", metavar="DIR", help="a Hugging Face checkpoint directory "
+                     "(config.json, *.safetensors, tokenizer.json)")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m tfjax.generate",
                                 description=__doc__.split("\n\n")[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--workdir", help="the training run's directory")
-    src.add_argument("--hf", metavar="PATH", help="a Hugging Face checkpoint directory "
-                     "(config.json, *.safetensors, tokenizer.json)")
+    add_checkpoint_flags(p)
     p.add_argument("--prompt", default="", help="text to continue")
     p.add_argument("--max_new_tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")

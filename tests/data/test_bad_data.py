@@ -13,7 +13,7 @@ from tfjax import config as C
 from tfjax.config import DataConfig
 from tfjax.data import documents, is_validation
 from tfjax.train import Trainer
-from tfjax.train.trainer import compression_bits_per_byte, compression_report
+from tfjax.train.metrics import compression_bits_per_byte, compression_report
 
 pytestmark = pytest.mark.bad_input
 

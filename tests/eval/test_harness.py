@@ -83,7 +83,7 @@ def test_a_training_run_directory(run_dir):
     from lm_eval.api.instance import Instance
 
     from tfjax.eval.harness import TfjaxLM
-    from tfjax.generate import load_run
+    from tfjax.train.checkpoint import load_run
 
     wd = run_dir
     lm = TfjaxLM(path=wd, batch_size=2, mesh="data=1")

@@ -111,7 +111,7 @@ def test_workdir_scores_the_checkpoint_with_the_runs_tokenizer(run_dir, tmp_path
     import jax.numpy as jnp
 
     from tfjax.eval.__main__ import run
-    from tfjax.generate import load_run
+    from tfjax.train.checkpoint import load_run
     from tfjax.train.losses import cross_entropy_sums
 
     wd = run_dir

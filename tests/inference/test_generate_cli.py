@@ -40,8 +40,9 @@ def run_dir(tmp_path_factory):
 
 
 def test_cli_restores_the_trained_model_and_streams(run_dir):
-    from tfjax.generate import load_run, restore_run, run
+    from tfjax.generate import run
     from tfjax.models import unrolled
+    from tfjax.train.checkpoint import load_run, restore_run
 
     wd, state = run_dir
     model, cfg, _, step = load_run(wd)

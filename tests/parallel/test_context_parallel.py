@@ -83,7 +83,7 @@ def test_sequence_parallel_training_matches_one_device(tmp_path, one_device, mod
     np.testing.assert_allclose(got, one_device, rtol=1e-4, atol=1e-4)
     assert set(calls) == {"ring_attention" if mode == "ring" else "all_gather_attention"}
     if mode == "ring":  # zigzag="data": batches reordered once, no per-layer re-layout
-        assert trainers[0].zigzag == 4
+        assert trainers[0].program.zigzag == 4
         assert layouts == {("zigzag", False)}
 
 

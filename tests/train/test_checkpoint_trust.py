@@ -156,7 +156,8 @@ def test_after_a_fallback_the_run_saves_that_step_again_and_loses_nothing(wd, tr
     assert digest(os.path.join(wd, "damaged_checkpoints", "4")) == before
     from tfjax.train.checkpoint import abstract_with_shardings
 
-    restored, _, step = c.restore(abstract_with_shardings(tr.abstract_state, tr.state_shardings))
+    restored, _, step = c.restore(abstract_with_shardings(tr.program.abstract_state,
+                                                       tr.program.state_shardings))
     c.close()
     assert step == 4
     for a, b in zip(jax.tree.leaves(trained[1]), jax.tree.leaves(restored["params"])):

@@ -134,7 +134,7 @@ def test_finetune_hf_llama_then_export_has_transformers_logits(tmp_path, hf_llam
     with torch.no_grad():
         want0 = base(torch.tensor(ids)).logits.numpy()
     s0 = tr.init_state()
-    got0 = nnx.merge(tr.eval_graphdef, s0["params"], s0["rest"])(jnp.asarray(ids))
+    got0 = nnx.merge(tr.program.eval_graphdef, s0["params"], s0["rest"])(jnp.asarray(ids))
     np.testing.assert_allclose(np.asarray(got0), want0, atol=1e-4)
     summary = tr.train()
     assert summary["step"] == 3 and np.isfinite(list(summary["history"].values())).all()

@@ -44,35 +44,36 @@ def test_adapters_sharded_frozen_and_step0_is_the_base():
                       lora=dict(rank=2, alpha=4.0, targets="all"),
                       mesh=dict(data=2, fsdp=2, tensor=2))
     tr = Trainer(cfg, "/nonexistent", devices=devices(8), log=lambda s: None)
-    sh = tr.state_shardings
+    prog = tr.program
+    sh = prog.state_shardings
     base_sh = _flat(sh["frozen"])
-    for site in tr.lora.sites:
+    for site in prog.lora.sites:
         w = base_sh[site.path].spec
         w = tuple(w) + (None,) * (len(site.batch + site.inp + site.out) - len(w))
         a, b = (_flat(sh["params"])[site.path + (k,)].spec for k in ("lora_a", "lora_b"))
         assert tuple(a) == tuple(w[i] for i in site.batch + site.inp) + (None,), site
         assert tuple(b) == tuple(w[i] for i in site.batch) + (None,) + tuple(
             w[i] for i in site.out), site
-    assert {s.path[-2] for s in tr.lora.sites} == {"q", "k", "v", "o", "wi_gate", "wi_up", "wo"}
+    assert {s.path[-2] for s in prog.lora.sites} == {"q", "k", "v", "o", "wi_gate", "wi_up", "wo"}
     assert any(tuple(_flat(sh["params"])[s.path + ("lora_a",)].spec)[1:2] == ("fsdp",)
-               for s in tr.lora.sites)  # some adapter really is sharded
+               for s in prog.lora.sites)  # some adapter really is sharded
 
     # the optimizer state: adapter-shaped moments (AdamW's mu, nu) and scalar counters
-    ashapes = {x.shape for x in jax.tree.leaves(tr.abstract_state["params"])}
-    opt = jax.tree.leaves(tr.abstract_state["opt"])
+    ashapes = {x.shape for x in jax.tree.leaves(prog.abstract_state["params"])}
+    opt = jax.tree.leaves(prog.abstract_state["opt"])
     assert all(x.shape in ashapes or x.shape == () for x in opt)
-    n_adapter = sum(math.prod(x.shape) for x in jax.tree.leaves(tr.abstract_state["params"]))
+    n_adapter = sum(math.prod(x.shape) for x in jax.tree.leaves(prog.abstract_state["params"]))
     assert sum(math.prod(x.shape) for x in opt) <= 2 * n_adapter + 4
-    assert n_adapter < 0.1 * tr.num_params
+    assert n_adapter < 0.1 * prog.num_params
 
     s0 = tr.init_state()
     frozen0, ad0 = _host(s0["frozen"]), _host(s0["params"])
     assert all(not v.any() for p, v in ad0.items() if p[-1] == "lora_b")
     assert all(v.any() for p, v in ad0.items() if p[-1] == "lora_a")
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 259, size=(2, 16)))
-    base = nnx.merge(tr.eval_graphdef, jax.device_get(s0["frozen"]), jax.device_get(s0["rest"]))
-    merged = tr.lora.merge(jax.device_get(s0["frozen"]), jax.device_get(s0["params"]))
-    lora = nnx.merge(tr.eval_graphdef, merged, jax.device_get(s0["rest"]))
+    base = nnx.merge(prog.eval_graphdef, jax.device_get(s0["frozen"]), jax.device_get(s0["rest"]))
+    merged = prog.lora.merge(jax.device_get(s0["frozen"]), jax.device_get(s0["params"]))
+    lora = nnx.merge(prog.eval_graphdef, merged, jax.device_get(s0["rest"]))
     np.testing.assert_array_equal(np.asarray(lora(ids)), np.asarray(base(ids)))
 
     tr.train()
@@ -145,7 +146,7 @@ def test_lora_finetune_exports_merged_and_as_peft(tmp_path, hf_llama):  # noqa: 
     model = peft.PeftModel.from_pretrained(hf_base, str(adapters)).eval()
     with torch.no_grad():
         theirs = model(torch.tensor(ids)).logits.numpy()
-    from tfjax.generate import load_run
+    from tfjax.train.checkpoint import load_run
     ours = np.asarray(load_run(str(wd))[0](jnp.asarray(ids)))
     np.testing.assert_allclose(ours, theirs, atol=1e-4)
     with torch.no_grad():  # and the adapters matter

@@ -57,7 +57,7 @@ def test_param_shardings_follow_rules(tmp_path):
     assert blk["down"].get_value().sharding.spec == P("tensor", "fsdp")      # mlp, embed
     assert blk["n1"].get_value().sharding.spec == P(None)                    # norm: replicated
     assert state["params"]["embed"].get_value().sharding.spec == P(None, "fsdp")  # vocab 259 % 2 -> replicated
-    assert any("vocab=259" in n for n in tr.notes)
+    assert any("vocab=259" in n for n in tr.program.notes)
     # optimizer moments are sharded like their parameters, never whole on one device
     mu = state["opt"][1][0].mu["blocks"][0]["up"].get_value()
     assert mu.sharding.spec == P("fsdp", "tensor")
@@ -129,36 +129,36 @@ def test_data_parallel_cpu_steps_sum_gradients_once(tmp_path, reference, monkeyp
 
     sections = dict(mesh=dict(data=4), train=dict(microbatches=2))
     tr, s = run(tmp_path, "local", n_devices=4, **sections)
-    assert any("gradients summed once a step over mesh axes data" in n for n in tr.notes)
+    assert any("gradients summed once a step over mesh axes data" in n for n in tr.program.notes)
     np.testing.assert_allclose([s["history"][k] for k in (1, 2, 3, 4)],
                                [reference["history"][k] for k in (1, 2, 3, 4)], rtol=2e-5)
     batch = tr.global_batch(next(tr.train_iterator()))
 
     def collectives_in_loop(trainer):  # all-reduces the microbatch loop runs
         state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
-                             trainer.abstract_state, trainer.state_shardings)
-        text = trainer._step.lower(state, batch).compile().as_text()
+                             trainer.program.abstract_state, trainer.program.state_shardings)
+        text = trainer.program.step.lower(state, batch).compile().as_text()
         return bench_attention.last_loop_body(text).count(" all-reduce(")
 
     assert collectives_in_loop(tr) == 0
     monkeypatch.setattr(program, "local_gradient_axes", lambda *a: ())
     gspmd = Trainer(tiny_config(**sections), str(tmp_path / "gspmd"),
                     build_model=tiny_decoder.build, devices=devices(4), log=lambda s: None)
-    assert not any("summed once" in n for n in gspmd.notes)
+    assert not any("summed once" in n for n in gspmd.program.notes)
     assert collectives_in_loop(gspmd) >= 1
     # not with parameters sharded over a batch axis (fsdp), nor on one device
     fsdp = Trainer(tiny_config(mesh=dict(data=1, fsdp=4)), str(tmp_path / "fsdp"),
                    build_model=tiny_decoder.build, devices=devices(4), log=lambda s: None)
-    assert not any("summed once" in n for n in fsdp.notes)
+    assert not any("summed once" in n for n in fsdp.program.notes)
     # nor when the forward draws dropout masks (per-device masks are not the rows of
     # the global one): tfjax.train.step.changes_state reads it from the jaxpr
     monkeypatch.undo()
     drop = Trainer(tiny_config(mesh=dict(data=4), model=dict(dropout_rate=0.1)),
                    str(tmp_path / "drop"), devices=devices(4), log=lambda s: None)
-    assert not any("summed once" in n for n in drop.notes)
+    assert not any("summed once" in n for n in drop.program.notes)
     plain = Trainer(tiny_config(mesh=dict(data=4)), str(tmp_path / "plain"), devices=devices(4),
                     log=lambda s: None)
-    assert any("summed once" in n for n in plain.notes)
+    assert any("summed once" in n for n in plain.program.notes)
 
 
 BAD = [

@@ -27,7 +27,7 @@ def devices(n):
 def preempt_after(trainer, n):
     """Make `trainer` stop as SIGTERM would after its n-th step (the handler's flag is
     raised inside step n, so step n still completes and is checkpointed)."""
-    step_fn, calls = trainer._step, []
+    step_fn, calls = trainer.program.step, []
 
     def step(state, batch):
         calls.append(1)
@@ -35,4 +35,4 @@ def preempt_after(trainer, n):
             trainer._on_sigterm(15, None)
         return step_fn(state, batch)
 
-    trainer._step = step
+    trainer.program.step = step

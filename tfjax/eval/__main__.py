@@ -36,6 +36,7 @@ import numpy as np
 
 from tfjax.eval.loading import Source, check_context, eval_mesh, load_source
 from tfjax.eval.perplexity import Scorer, evaluate, summarize
+from tfjax.generate import add_checkpoint_flags
 from tfjax.train.metrics import ProgressBar
 
 __all__ = ["main", "read_jsonl", "run"]
@@ -134,10 +135,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m tfjax.eval",
                                 description=__doc__.split("\n\n")[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--hf", metavar="DIR", help="a Hugging Face checkpoint directory "
-                     "(config.json, *.safetensors, tokenizer.json)")
-    src.add_argument("--workdir", help="a `python -m tfjax.train` run directory")
+    add_checkpoint_flags(p)
     p.add_argument("--data", required=True, help='jsonl: {"text": ...} or {"input_ids": [...]}')
     p.add_argument("--output", default=None, help="write the numbers here as JSON")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")

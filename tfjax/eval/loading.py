@@ -5,10 +5,10 @@ Hugging Face checkpoint directory or a tfjax training run (`load_source`).
   text is encoded as that tokenizer does (its post-processor adds BOS where the
   model expects it); the context is the config's `max_position_embeddings`
   (`model.max_len`).
-- `--workdir W`: `tfjax.generate.load_run` (the latest, or `step`, checkpoint and
-  `data.tokenizer`); text is `[bos] + encode(text)`, as the training documents
-  begin; the context is the run's `train.seq_len`, its parallelism rules the run's
-  `mesh.rules`.
+- `--workdir W`: `tfjax.train.checkpoint.load_run` (the latest, or `step`,
+  checkpoint and `data.tokenizer`); text is `[bos] + encode(text)`, as the training
+  documents begin; the context is the run's `train.seq_len`, its parallelism rules
+  the run's `mesh.rules`.
 
 A tokenizer with more ids than the model's vocabulary is refused: it belongs to
 another model.
@@ -24,8 +24,9 @@ from collections.abc import Callable
 import jax
 
 from tfjax.config import DEFAULT_RULES, MESH_AXES, MeshConfig
-from tfjax.generate import load_hf, load_run
+from tfjax.generate import load_hf
 from tfjax.parallel.mesh import make_mesh
+from tfjax.train.checkpoint import load_run
 
 __all__ = ["Source", "check_context", "eval_mesh", "load_source", "parse_mesh", "run_source"]
 

@@ -23,23 +23,34 @@ What a user can rely on:
   disk is changed (never a silent fresh start over a workdir that has checkpoints).
 - Restoring takes the target shardings of the *current* mesh, so a checkpoint
   written on one mesh shape restores onto another.
+- A finished run is read back whole by `restore_run` (its config and train state on
+  one device) and `load_run` (its model, ready to decode, and tokenizer): what
+  `python -m tfjax.generate`, `tfjax.eval` and `tfjax.export` read from `--workdir`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
+import json
 import os
 import re
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from flax import nnx
 
-from tfjax.config import CheckpointConfig
+from tfjax.config import CheckpointConfig, run_config, upgrade_saved
+from tfjax.data.tokenizers import load_tokenizer
+from tfjax.models import build, unrolled
+from tfjax.train.lora import model_params, train_state_shape
 
-__all__ = ["Checkpointer", "abstract_with_shardings"]
+__all__ = ["Checkpointer", "abstract_with_shardings", "load_run", "read_json_object",
+           "restore_run"]
 
 
 class _Damaged(Exception):
@@ -229,6 +240,74 @@ class Checkpointer:
 def abstract_with_shardings(abstract: Any, shardings: Any) -> Any:
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                         abstract, shardings)
+
+
+def restore_run(workdir: str, step: int | None = None):
+    """(run config, graphdef, train state, `tfjax.train.lora.Lora` or None, step): the
+    checkpoint `load_run` reads, as the trainer lays it out, on one device."""
+    path = os.path.join(workdir, "config.json")
+    if not os.path.exists(path):
+        raise ValueError(f"--workdir: {path} not found; point --workdir at the directory a "
+                         f"`python -m tfjax.train --workdir ...` run wrote")
+    with open(path) as f:
+        cfg = run_config(upgrade_saved(json.load(f)))  # runs saved before a field moved
+    ckpt = Checkpointer(workdir, dataclasses.replace(cfg.checkpoint, async_save=False))
+    try:
+        steps = ckpt.all_steps()
+        if not steps:
+            raise ValueError(f"--workdir: no finished checkpoint under {ckpt.directory} (a run "
+                             f"saves every checkpoint.every_steps steps and at its end)")
+        if step is not None and step not in steps:
+            raise ValueError(f"--step {step}: no checkpoint of that step under {ckpt.directory}; "
+                             f"saved steps: {', '.join(map(str, steps))} (omit --step for the "
+                             f"latest)")
+
+        # The abstract train state exactly as the trainer lays it out, on one device.
+        def make_model():
+            with nnx.use_eager_sharding(False):
+                return build(cfg.model, rngs=nnx.Rngs(cfg.seed))
+
+        abstract = nnx.eval_shape(make_model)
+        graphdef, aparams, arest = nnx.split(abstract, nnx.Param, ...)
+        astate, lora, _ = train_state_shape(cfg, aparams, arest)
+        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        astate = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one),
+                              astate)
+        # step None: the newest that restores; a damaged newer one is left in place, with
+        # a warning (the trainer moves it aside when it resumes).
+        state, _, step = ckpt.restore(astate, step, warn=lambda s: print(
+            f"warning: {s}", file=sys.stderr, flush=True))
+    finally:
+        ckpt.close()
+    return cfg, graphdef, state, lora, step
+
+
+def load_run(workdir: str, step: int | None = None):
+    """(model, run config, tokenizer, step) from a training run directory: checkpoint
+    `step`, or the newest that restores (a LoRA run's base merged with its adapters),
+    its layers unrolled for decoding (`tfjax.models.unrolled`).
+    No checkpoint, a step not saved, a damaged `step` or a model that does not fit the
+    saved one is a one-line ValueError."""
+    cfg, graphdef, state, lora, step = restore_run(workdir, step)
+    model = nnx.merge(graphdef, model_params(lora, state), state["rest"])
+    model.eval()
+    # decoding: unrolled layers update their caches in place (a scanned stack copies them)
+    return unrolled(model), cfg, load_tokenizer(cfg.data.tokenizer), step
+
+
+def read_json_object(path: str, where: str, what: str) -> dict:
+    """The JSON object in file `path` (a checkpoint's config.json, generation_config.json,
+    ...); not JSON, or JSON of another type, is a one-line ValueError that starts with
+    `where` (the flag or field that named the file) and names `what` it should hold."""
+    try:
+        with open(path, "rb") as f:
+            out = json.load(f)
+    except ValueError as e:
+        raise ValueError(f"{where}: {path} is not valid JSON ({e}); fix or re-save it") from None
+    if not isinstance(out, dict):
+        raise ValueError(f"{where}: {path} holds {type(out).__name__}, not the JSON object of "
+                         f"{what}")
+    return out
 
 
 def _on_every_process(ok: bool) -> bool:

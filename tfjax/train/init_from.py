@@ -44,8 +44,8 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -57,8 +57,9 @@ from tfjax.interop.hf_weights import PREFIXES, Weights
 from tfjax.interop.safetensors_io import SafetensorsCheckpoint
 from tfjax.models import build
 from tfjax.parallel.rules import logical_rules, tree_shardings
-from tfjax.train.checkpoint import Checkpointer, abstract_with_shardings
+from tfjax.train.checkpoint import Checkpointer, abstract_with_shardings, read_json_object
 from tfjax.train.lora import model_params, train_state_shape
+from tfjax.train.program import Program
 
 __all__ = ["RUNTIME_FIELDS", "check_tokenizer", "checkpoint_kind", "initial_state",
            "merge_model", "resolve_init_from"]
@@ -93,31 +94,20 @@ def checkpoint_kind(path: str) -> str:
                      f"no tfjax checkpoints/ directory; {fix}")
 
 
-def _read_json(path: str) -> dict:
-    try:
-        with open(path, "rb") as f:
-            out = json.load(f)
-    except ValueError as e:
-        raise ValueError(f"init_from: {path} is not valid JSON ({e})") from None
-    if not isinstance(out, dict):
-        raise ValueError(f"init_from: {path} holds {type(out).__name__}, not a JSON object")
-    return out
-
-
 def _source(path: str) -> tuple[str, ModelConfig, str | None, Any]:
     """(kind, the checkpoint's model config, its tokenizer or None, its HF dict or
     its RunConfig)."""
     kind = checkpoint_kind(path)
     config = os.path.join(path, "config.json")
     if kind == "hf":
-        d = _read_json(config)
+        d = read_json_object(config, "init_from", "a model config")
         try:
             m = hf.config_from_hf(d, source=config)
         except NotImplementedError as e:
             raise ValueError(f"init_from: {e}") from None
         tok = os.path.join(path, "tokenizer.json")
         return kind, m, tok if os.path.isfile(tok) else None, d
-    src = run_config(upgrade_saved(_read_json(config)))
+    src = run_config(upgrade_saved(read_json_object(config, "init_from", "a run config")))
     return kind, src.model, src.data.tokenizer, src
 
 
@@ -222,22 +212,21 @@ def _tfjax_params(path: str, src: RunConfig, mesh, rules, log):
     return model_params(lora, state), step  # a LoRA run's base merged with its adapters
 
 
-def initial_state(trainer) -> dict:
-    """The fine-tune's step-0 state on the trainer's shardings: parameters from
-    `init_from` cast to `model.param_dtype`, a fresh optimizer state, and the rest of
-    the model state (RNG counters, ...) of a fresh init."""
-    cfg = trainer.cfg
+def initial_state(program: Program, cfg: RunConfig, mesh, log: Callable[[str], None]) -> dict:
+    """The fine-tune's step-0 state on `program`'s shardings (`tfjax.train.program`, the
+    run `cfg` on `mesh`): parameters from `cfg.init_from` cast to `model.param_dtype`, a
+    fresh optimizer state, and the rest of the model state (RNG counters, ...) of a
+    fresh init; `log` gets one line saying where the parameters came from."""
     path = cfg.init_from
     kind, _, _, source = _source(path)
-    sh = trainer.state_shardings
-    base = "frozen" if trainer.lora else "params"  # LoRA: the checkpoint is the frozen base
-    aparams = trainer.abstract_state[base]
+    sh = program.state_shardings
+    base = "frozen" if program.lora else "params"  # LoRA: the checkpoint is the frozen base
+    aparams = program.abstract_state[base]
     if kind == "hf":
-        loaded = _hf_params(path, source, cfg.model, trainer.mesh, cfg.mesh.rules)
+        loaded = _hf_params(path, source, cfg.model, mesh, cfg.mesh.rules)
         where = f"Hugging Face {source['model_type']}"
     else:
-        loaded, step = _tfjax_params(path, source, trainer.mesh, logical_rules(cfg.mesh.rules),
-                                     trainer.log)
+        loaded, step = _tfjax_params(path, source, mesh, logical_rules(cfg.mesh.rules), log)
         where = f"step {step} of the tfjax run"
     if jax.tree.structure(loaded) != jax.tree.structure(aparams):
         raise ValueError(f"init_from: the parameters in {path} do not form the tree of "
@@ -252,11 +241,11 @@ def initial_state(trainer) -> dict:
 
     def combine(params, rest):
         params = jax.tree.map(lambda x, a: x.astype(a.dtype), params, aparams)
-        return trainer._start(params, rest)  # fresh optimizer (and LoRA adapters)
+        return program.start(params, rest)  # fresh optimizer (and LoRA adapters)
 
-    fresh = trainer._init()
+    fresh = program.init()
     state = jax.jit(combine, in_shardings=(sh[base], sh["rest"]), out_shardings=sh)(
         loaded, fresh["rest"])
-    trainer.log(f"  init_from: {trainer.num_params / 1e6:.2f}M parameters from {path} ({where}); "
-                f"optimizer state fresh")
+    log(f"  init_from: {program.num_params / 1e6:.2f}M parameters from {path} ({where}); "
+        f"optimizer state fresh")
     return state

@@ -1,5 +1,6 @@
-"""Training metrics: FLOPs and MFU, the wall-time split, a terminal progress bar, and
-the records: metrics.jsonl, TensorBoard and (with `train.wandb`) Weights & Biases.
+"""Training metrics: FLOPs and MFU, the wall-time split, a terminal progress bar, the
+records (metrics.jsonl, TensorBoard and, with `train.wandb`, Weights & Biases), and the
+gzip / xz baseline a byte-level run's validation bits per byte is compared with.
 
 FLOPs per trained token (decoder LM, dense), the formula MFU uses:
   forward  = 2 * P_matmul + 2 * L * T * N * H
@@ -16,7 +17,9 @@ matmul measured at start, once for all simulated devices since they share cores)
 from __future__ import annotations
 
 import contextlib
+import gzip
 import json
+import lzma
 import os
 import sys
 import time
@@ -29,7 +32,8 @@ import jax.numpy as jnp
 from tfjax.config import ModelConfig
 from tfjax.parallel.mesh import usable_cores
 
-__all__ = ["MetricWriter", "ProgressBar", "WallClock", "flops_per_token", "peak_flops"]
+__all__ = ["MetricWriter", "ProgressBar", "WallClock", "compression_bits_per_byte",
+           "compression_report", "flops_per_token", "peak_flops"]
 
 GATED = ("swiglu", "geglu", "geglu_tanh", "reglu")
 
@@ -78,6 +82,34 @@ def peak_flops(per_device: float = 0.0) -> tuple[float, str]:
         cores = min(len(devices), usable_cores())
         return measure_matmul_peak() * cores, f"measured CPU matmul x {cores} core(s)"
     return 0.0, f"unknown device {kind!r} (set train.peak_flops)"
+
+
+def compression_bits_per_byte(data: bytes) -> dict[str, float]:
+    """Bits per byte of gzip -9 and xz -9e on `data` (the baselines to beat); empty
+    `data` is a ValueError (a rate over zero bytes is no baseline)."""
+    if not data:
+        raise ValueError("compression_bits_per_byte: no bytes to compress (the validation "
+                         "split scored none)")
+    n = len(data)
+    return dict(gzip=len(gzip.compress(data, 9)) * 8 / n,
+                xz=len(lzma.compress(data, preset=9 | lzma.PRESET_EXTREME)) * 8 / n)
+
+
+def compression_report(val_bpb: float, data: bytes) -> tuple[dict[str, float], str]:
+    """(summary entries, one log line) comparing the model's `val_bpb` with gzip / xz on
+    the same validation bytes `data`; with no bytes there is nothing to compare, and
+    the line says so instead (no entries)."""
+    if not data:
+        return {}, ("  no validation bytes were scored, so there is nothing to compare with "
+                    "gzip / xz (check data.paths / data.val_paths and train.eval_batches)")
+    base = compression_bits_per_byte(data)
+    beats = {k: val_bpb < base[k] for k in ("gzip", "xz")}
+    verdict = {(True, True): "beats gzip and xz", (True, False): "beats gzip, not xz",
+               (False, True): "beats xz, not gzip",
+               (False, False): "beats neither gzip nor xz"}[beats["gzip"], beats["xz"]]
+    return ({f"{k}_bpb": v for k, v in base.items()},
+            f"  same bytes: gzip -9 {base['gzip']:.4f} bits/byte, xz -9e {base['xz']:.4f} "
+            f"bits/byte; tfjax {verdict}")
 
 
 # JAX's compile-time events (jax._src.dispatch): tracing, lowering, XLA compilation

@@ -10,7 +10,8 @@ What happens, in order:
    model's logical axis names to `NamedSharding`s; parameters and optimizer state
    are created *inside* a jit whose out_shardings are those, so nothing is ever
    materialised whole on one device.
-3. The pure step (`step.py`) is jitted with in/out shardings and donated state.
+3. The pure step (`step.py`) is jitted with in/out shardings and donated state, beside
+   the init and eval steps (`tfjax.train.program.build_program`: `Trainer.program`).
 4. Data (`tfjax.data`) is packed into rows; each process builds only the rows its
    devices hold and they are assembled into one global array. What the batches hold,
    how the model is called and what evaluation reports is the objective's
@@ -33,9 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gzip
 import json
-import lzma
 import os
 import signal
 import time
@@ -43,31 +42,29 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from tfjax.config import RunConfig, parse_profile_steps
 from tfjax.data.pipeline import PackedBatches
 from tfjax.data.tokenizers import load_tokenizer
+from tfjax.inference import generate
 from tfjax.models import build, check_names
 from tfjax.parallel.mesh import make_mesh
-from tfjax.parallel.rules import logical_rules, replicated
+from tfjax.parallel.rules import logical_rules
 from tfjax.parallel.sharding import use_rules
 from tfjax.train.checkpoint import Checkpointer, abstract_with_shardings
 from tfjax.train.compile_cache import persistent_compilation_cache
 from tfjax.train.init_from import check_tokenizer, initial_state, resolve_init_from
 from tfjax.train.lora import model_params
 from tfjax.train.losses import LN2
-from tfjax.train.metrics import (MetricWriter, ProgressBar, WallClock, flops_per_token,
-                                 peak_flops)
+from tfjax.train.metrics import (MetricWriter, ProgressBar, WallClock, compression_report,
+                                 flops_per_token, peak_flops)
 from tfjax.train.objectives import OBJECTIVES, check_objective, eval_line, eval_metrics
 from tfjax.train.optim import lr_schedule
 from tfjax.train.program import Program, _axes_size, build_program, zigzag_devices, zigzag_rows
 
-__all__ = ["Program", "Trainer", "build_program", "check_run", "compression_bits_per_byte",
-           "compression_report",
-           "zigzag_devices", "zigzag_rows"]
+__all__ = ["Program", "Trainer", "build_program", "check_run", "zigzag_devices", "zigzag_rows"]
 
 
 def check_run(cfg: RunConfig, mesh, tokenizer) -> None:
@@ -100,36 +97,10 @@ def check_run(cfg: RunConfig, mesh, tokenizer) -> None:
                          f"{jax.process_count()} processes")
 
 
-def compression_bits_per_byte(data: bytes) -> dict[str, float]:
-    """Bits per byte of gzip -9 and xz -9e on `data` (the baselines to beat); empty
-    `data` is a ValueError (a rate over zero bytes is no baseline)."""
-    if not data:
-        raise ValueError("compression_bits_per_byte: no bytes to compress (the validation "
-                         "split scored none)")
-    n = len(data)
-    return dict(gzip=len(gzip.compress(data, 9)) * 8 / n,
-                xz=len(lzma.compress(data, preset=9 | lzma.PRESET_EXTREME)) * 8 / n)
-
-
-def compression_report(val_bpb: float, data: bytes) -> tuple[dict[str, float], str]:
-    """(summary entries, one log line) comparing the model's `val_bpb` with gzip / xz on
-    the same validation bytes `data`; with no bytes there is nothing to compare, and
-    the line says so instead (no entries)."""
-    if not data:
-        return {}, ("  no validation bytes were scored, so there is nothing to compare with "
-                    "gzip / xz (check data.paths / data.val_paths and train.eval_batches)")
-    base = compression_bits_per_byte(data)
-    beats = {k: val_bpb < base[k] for k in ("gzip", "xz")}
-    verdict = {(True, True): "beats gzip and xz", (True, False): "beats gzip, not xz",
-               (False, True): "beats xz, not gzip",
-               (False, False): "beats neither gzip nor xz"}[beats["gzip"], beats["xz"]]
-    return ({f"{k}_bpb": v for k, v in base.items()},
-            f"  same bytes: gzip -9 {base['gzip']:.4f} bits/byte, xz -9e {base['xz']:.4f} "
-            f"bits/byte; tfjax {verdict}")
-
-
 class Trainer:
-    """Builds everything from a validated `RunConfig`; `train()` runs the loop."""
+    """Builds everything from a validated `RunConfig`; `train()` runs the loop. The
+    jitted init / train step / eval step and their shardings are `self.program`
+    (`tfjax.train.program.Program`)."""
 
     def __init__(self, cfg: RunConfig, workdir: str, *,
                  build_model: Callable[..., nnx.Module] | None = None,
@@ -151,13 +122,7 @@ class Trainer:
         self.objective = OBJECTIVES.get(t.objective, field="train.objective")
         self.train_docs = self.objective.source(cfg, "train")  # documents, or jsonl examples
         self.val_docs = self.objective.source(cfg, "validation")
-        p = build_program(cfg, self.mesh, self.build_model)
-        self.graphdef, self.eval_graphdef, self.tx = p.graphdef, p.eval_graphdef, p.tx
-        self.abstract_state, self.state_shardings = p.abstract_state, p.state_shardings
-        self.batch_sharding, self.notes, self.num_params = p.batch_sharding, p.notes, p.num_params
-        self._init, self._step, self._eval = p.init, p.step, p.eval
-        self.zigzag, self.batch_shardings = p.zigzag, p.batch_shardings
-        self.lora, self._start = p.lora, p.start  # LoRA: tfjax.train.lora
+        self.program = build_program(cfg, self.mesh, self.build_model)  # LoRA: program.lora
         self.local_rows = self._local_rows(t.batch_size)
         self._lr = lr_schedule(t)
         self.checkpointer = Checkpointer(workdir, cfg.checkpoint)
@@ -167,7 +132,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ data
     def _local_rows(self, batch: int) -> list[int]:
-        index_map = self.batch_sharding.addressable_devices_indices_map((batch, 1))
+        index_map = self.program.batch_sharding.addressable_devices_indices_map((batch, 1))
         rows: set[int] = set()
         for idx in index_map.values():
             rows.update(range(*idx[0].indices(batch)))
@@ -185,10 +150,10 @@ class Trainer:
 
     def global_batch(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """This process's rows -> global arrays sharded over the batch axes (in zig-zag
-        order along the sequence when `self.zigzag`, as the compiled steps expect)."""
-        t = self.cfg.train
-        if self.zigzag:
-            local = {k: zigzag_rows(v, self.zigzag) if v.ndim == 2 else v
+        order along the sequence when `program.zigzag`, as the compiled steps expect)."""
+        t, zz = self.cfg.train, self.program.zigzag
+        if zz:
+            local = {k: zigzag_rows(v, zz) if v.ndim == 2 else v
                      for k, v in local.items()}
         where = {r: i for i, r in enumerate(self.local_rows)}
 
@@ -198,13 +163,15 @@ class Trainer:
                 return x[[where[r] for r in rows]][(slice(None), *idx[1:])]
             return jax.make_array_from_callback((t.batch_size, *x.shape[1:]), sharding, piece)
 
-        return {k: one(local[k], s) for k, s in self.batch_shardings.items()}
+        return {k: one(local[k], s) for k, s in self.program.batch_shardings.items()}
 
     # ----------------------------------------------------------------- state
     def init_state(self):
         """A fresh start: the program's init, or the weights `init_from` names
         (`tfjax.train.init_from`: never called when WORKDIR has a checkpoint)."""
-        return initial_state(self) if self.cfg.init_from else self._init()
+        if self.cfg.init_from:
+            return initial_state(self.program, self.cfg, self.mesh, self.log)
+        return self.program.init()
 
     def restore_or_init(self):
         """(state, data_state, step): the newest checkpoint in WORKDIR that restores, or a
@@ -217,7 +184,8 @@ class Trainer:
         a later resume would mix the two runs."""
         c = self.cfg.checkpoint
         if c.enabled and c.resume:
-            abstract = abstract_with_shardings(self.abstract_state, self.state_shardings)
+            abstract = abstract_with_shardings(self.program.abstract_state,
+                                               self.program.state_shardings)
             got = self.checkpointer.restore(abstract, set_aside=True,
                                             warn=lambda s: self.log(f"  warning: {s}"))
             if got is not None:
@@ -239,7 +207,7 @@ class Trainer:
         for i, local in enumerate(self.val_iterator()):
             if self.cfg.train.eval_batches and i >= self.cfg.train.eval_batches:
                 break
-            out = self._eval(state, self.global_batch(local))
+            out = self.program.eval(state, self.global_batch(local))
             for k in sums:
                 sums[k] += float(out[k])
         metrics = eval_metrics(self.objective, sums)
@@ -249,7 +217,8 @@ class Trainer:
 
     def model(self, state) -> nnx.Module:
         """The model in eval mode computing with `state`'s parameters (on the mesh)."""
-        return nnx.merge(self.eval_graphdef, model_params(self.lora, state), state["rest"])
+        p = self.program
+        return nnx.merge(p.eval_graphdef, model_params(p.lora, state), state["rest"])
 
     def validation_bytes(self) -> bytes:
         """The bytes `evaluate` scores (byte tokenizer), each row's stream in order (so
@@ -265,42 +234,30 @@ class Trainer:
 
     # --------------------------------------------------------------- sample
     def sample(self, state, prompt: str, num_tokens: int) -> str:
-        """Greedy continuation of `prompt`, recomputing the whole window each token (one
-        compile; a causal model's logits at position t ignore the padding after t)."""
-        T = self.cfg.train.seq_len
-        ids = list(self.tokenizer.encode(prompt))[: T - 1]
-        ids = [self.tokenizer.bos_id] + ids
+        """The text of `prompt` and its greedy continuation: `[bos] + encode(prompt)` (a
+        prefix-LM model's bidirectional prefix), then at most `num_tokens` tokens, up to
+        the tokenizer's EOS and within `train.seq_len` tokens in all. KV-cached
+        (`tfjax.inference.generate`) on the trainer's mesh, one row per batch shard, the
+        sequence whole on each device."""
+        tok, T = self.tokenizer, self.cfg.train.seq_len
+        ids = [tok.bos_id] + list(tok.encode(prompt))[: T - 1]
         num_tokens = min(num_tokens, T - len(ids))
-        graphdef = self.eval_graphdef
-        # prefix-LM: the prompt is the bidirectional prefix
-        prefix = dict(prefix_lengths=len(ids)) if self.cfg.model.prefix_lm else {}
-
-        def next_id(params, rest, tokens, cur):
-            with use_rules(self.mesh, self.rules):
-                model = nnx.merge(graphdef, params, rest)
-                B = tokens.shape[0]
-                logits = model(tokens, positions=jnp.broadcast_to(jnp.arange(T), (B, T)),
-                               segment_ids=jnp.ones((B, T), jnp.int32),
-                               **{k: jnp.full((B,), v) for k, v in prefix.items()})
-                return jnp.argmax(jax.lax.dynamic_index_in_dim(logits, cur - 1, 1, False), -1)
-
-        psh = self.state_shardings["frozen" if self.lora else "params"]
-        f = jax.jit(next_id, in_shardings=(psh, self.state_shardings["rest"], self.batch_sharding,
-                                           None),
-                    out_shardings=replicated(self.mesh))
-        rows, _ = _axes_size(self.mesh, self.rules, "batch")  # one row per batch shard
-        buf = np.full((rows, T), self.tokenizer.pad_id, np.int32)
-        start = len(ids)
-        buf[:, :start] = ids
-        params = model_params(self.lora, state)  # LoRA: the base merged with the adapters
-        for cur in range(start, start + num_tokens):
-            tokens = jax.make_array_from_callback(buf.shape, self.batch_sharding, lambda i: buf[i])
-            nxt = int(np.asarray(f(params, state["rest"], tokens, cur))[0])
-            if nxt == self.tokenizer.eos_id:
-                break
-            buf[:, cur] = nxt
-            ids.append(nxt)
-        return self.tokenizer.decode(ids[1:])
+        if num_tokens < 1:
+            return tok.decode(ids[1:])
+        rows, _ = _axes_size(self.mesh, self.rules, "batch")
+        sharding = self.program.batch_sharding
+        prompt_rows = np.tile(np.asarray(ids, np.int32), (rows, 1))
+        tokens = jax.make_array_from_callback(prompt_rows.shape, sharding,
+                                              lambda i: prompt_rows[i])
+        # a decode step holds one token a row: "length" is not split (no context parallelism)
+        rules = tuple((name, None if name == "length" else axes) for name, axes in self.rules)
+        with use_rules(self.mesh, rules):
+            out = generate(self.model(state), tokens, max_new_tokens=num_tokens,
+                           eos_id=tok.eos_id)
+        new = np.asarray(out.addressable_data(0))[0].tolist()  # every row is the same
+        if tok.eos_id in new:
+            new = new[:new.index(tok.eos_id)]
+        return tok.decode(ids[1:] + new)
 
     # ------------------------------------------------------------------ loop
     def _on_sigterm(self, signum, frame):
@@ -330,11 +287,11 @@ class Trainer:
     def _train(self) -> dict[str, Any]:
         cfg, t = self.cfg, self.cfg.train
         log = self.log
-        log(f"tfjax.train: {self.num_params / 1e6:.2f}M parameters, mesh "
+        log(f"tfjax.train: {self.program.num_params / 1e6:.2f}M parameters, mesh "
             f"{dict(self.mesh.shape)}, {jax.process_count()} process(es), "
             f"{len(jax.devices())} {jax.devices()[0].platform} device(s), "
             f"global batch {t.batch_size} x {t.seq_len} tokens")
-        for note in self.notes:
+        for note in self.program.notes:
             if not note.startswith("['opt']"):  # optimizer moments mirror their parameters
                 log(f"  note: {note}")
         state, data_state, start = self.restore_or_init()
@@ -425,7 +382,7 @@ class Trainer:
                     tracing = True
                 with (jax.profiler.StepTraceAnnotation("train", step_num=step + 1) if tracing
                       else contextlib.nullcontext()):
-                    state, metrics = self._step(state, batch)
+                    state, metrics = self.program.step(state, batch)
                 step += 1
                 pending.append((step, metrics))
                 if tracing and step == profile[1]:
