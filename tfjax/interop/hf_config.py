@@ -174,8 +174,9 @@ def _rope(hf: dict) -> dict:
     return out
 
 
-def _layer_pattern(hf: dict, num_layers: int) -> dict:
-    """HF `layer_types` / `sliding_window` -> our layer_pattern and sliding_window."""
+def _layer_pattern(hf: dict, num_layers: int) -> tuple[tuple[str, ...], int]:
+    """HF `layer_types` / `sliding_window` -> our `layer_pattern` and
+    `attention.sliding_window` (0 when no layer slides)."""
     window = hf.get("sliding_window")
     types = hf.get("layer_types")
     if types is None:
@@ -188,12 +189,11 @@ def _layer_pattern(hf: dict, num_layers: int) -> dict:
     kinds = [names[t] for t in types]
     period = next(p for p in range(1, len(kinds) + 1)
                   if all(kinds[i] == kinds[i % p] for i in range(len(kinds))))
-    out: dict[str, Any] = dict(layer_pattern=tuple(kinds[:period]))
-    if "local" in kinds:
-        if not window or window < 1:
-            unsupported("sliding_window", window, "sliding layers need a window >= 1")
-        out["sliding_window"] = int(window) - 1  # HF's window includes the query itself
-    return out
+    if "local" not in kinds:
+        return tuple(kinds[:period]), 0
+    if not window or window < 1:
+        unsupported("sliding_window", window, "sliding layers need a window >= 1")
+    return tuple(kinds[:period]), int(window) - 1  # HF's window includes the query itself
 
 
 def _common(hf: dict) -> dict:
@@ -209,10 +209,10 @@ def llama_config(hf: dict) -> dict:
              num_kv_heads=hf.get("num_key_value_heads") or N, head_dim=hf.get("head_dim") or D // N,
              d_ff=hf["intermediate_size"], max_len=hf.get("max_position_embeddings", 2048),
              activation=_activation(hf, "hidden_act", gated=True),
-             ffn_bias=bool(hf.get("mlp_bias", False)), qkv_bias=bias, out_bias=bias,
-             position="rope", rope=_rope(hf), norm="rmsnorm", norm_eps=hf.get("rms_norm_eps", 1e-6),
-             norm_placement="pre")
-    c.update(_layer_pattern(hf, n))
+             ffn_bias=bool(hf.get("mlp_bias", False)),
+             attention=dict(qkv_bias=bias, out_bias=bias), position="rope", rope=_rope(hf),
+             norm="rmsnorm", norm_eps=hf.get("rms_norm_eps", 1e-6), norm_placement="pre")
+    c["layer_pattern"], c["attention"]["sliding_window"] = _layer_pattern(hf, n)
     return c
 
 
@@ -227,7 +227,7 @@ def mixtral_config(hf: dict) -> dict:
 
 def qwen3_config(hf: dict) -> dict:
     c = llama_config(hf)
-    c.update(qk_norm=True)  # RMSNorm of q and k over the head dim, before RoPE
+    c["attention"].update(qk_norm=True)  # RMSNorm of q and k over the head dim, before RoPE
     return c
 
 
@@ -237,9 +237,9 @@ def gemma2_config(hf: dict) -> dict:
     c = llama_config(hf)
     c.update(norm="rmsnorm_plus_one", norm_placement="sandwich", scale_embeddings=True,
              activation=_activation(hf, "hidden_activation", gated=True),
-             attn_scale=float(hf.get("query_pre_attn_scalar", c["head_dim"])) ** -0.5,
-             attn_softcap=float(hf.get("attn_logit_softcapping") or 0.0),
              final_softcap=float(hf.get("final_logit_softcapping") or 0.0))
+    c["attention"].update(scale=float(hf.get("query_pre_attn_scalar", c["head_dim"])) ** -0.5,
+                          softcap=float(hf.get("attn_logit_softcapping") or 0.0))
     return c
 
 
@@ -252,8 +252,8 @@ def gpt2_config(hf: dict) -> dict:
                 num_heads=hf["n_head"], d_ff=hf.get("n_inner") or 4 * D, max_len=hf["n_positions"],
                 position="learned", norm="layernorm", norm_eps=hf.get("layer_norm_epsilon", 1e-5),
                 activation=_activation(hf, "activation_function", gated=False), ffn_bias=True,
-                qkv_bias=True, out_bias=True, attn_scale=0.0 if hf.get("scale_attn_weights", True)
-                else 1.0)
+                attention=dict(qkv_bias=True, out_bias=True,
+                               scale=0.0 if hf.get("scale_attn_weights", True) else 1.0))
 
 
 def neox_config(hf: dict) -> dict:
@@ -266,7 +266,7 @@ def neox_config(hf: dict) -> dict:
                 norm="layernorm", norm_eps=hf.get("layer_norm_eps", 1e-5),
                 block="parallel" if parallel else "sequential", parallel_shared_norm=False,
                 activation=_activation(hf, "hidden_act", gated=False), ffn_bias=True,
-                qkv_bias=bias, out_bias=bias)
+                attention=dict(qkv_bias=bias, out_bias=bias))
 
 
 def bloom_config(hf: dict) -> dict:
@@ -276,7 +276,8 @@ def bloom_config(hf: dict) -> dict:
     return dict(_common(hf), arch="decoder", d_model=D, num_layers=hf["n_layer"],
                 num_heads=hf["n_head"], d_ff=4 * D, max_len=2048, position="alibi",
                 norm="layernorm", norm_eps=hf.get("layer_norm_epsilon", 1e-5), embed_norm=True,
-                activation="gelu_tanh", ffn_bias=True, qkv_bias=True, out_bias=True)
+                activation="gelu_tanh", ffn_bias=True,
+                attention=dict(qkv_bias=True, out_bias=True))
 
 
 def bert_config(hf: dict) -> dict:
@@ -290,8 +291,8 @@ def bert_config(hf: dict) -> dict:
                 d_ff=hf["intermediate_size"], max_len=hf["max_position_embeddings"],
                 position="learned", type_vocab_size=hf.get("type_vocab_size", 2), num_classes=0,
                 norm="layernorm", norm_eps=hf.get("layer_norm_eps", 1e-12), norm_placement="post",
-                final_norm=False, embed_norm=True, activation="gelu", ffn_bias=True, qkv_bias=True,
-                out_bias=True)
+                final_norm=False, embed_norm=True, activation="gelu", ffn_bias=True,
+                attention=dict(qkv_bias=True, out_bias=True))
 
 
 def t5_config(hf: dict) -> dict:
@@ -308,8 +309,9 @@ def t5_config(hf: dict) -> dict:
                 t5=dict(num_buckets=hf.get("relative_attention_num_buckets", 32),
                         max_distance=hf.get("relative_attention_max_distance", 128)),
                 norm="rmsnorm", norm_eps=hf.get("layer_norm_epsilon", 1e-6), norm_placement="pre",
-                activation=activation, ffn_bias=False, qkv_bias=False, out_bias=False,
-                attn_scale=1.0, logits_scale=D ** -0.5 if scale_out else 1.0)
+                activation=activation, ffn_bias=False,
+                attention=dict(qkv_bias=False, out_bias=False, scale=1.0),
+                logits_scale=D ** -0.5 if scale_out else 1.0)
 
 
 def mamba_config(hf: dict) -> dict:

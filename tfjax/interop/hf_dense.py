@@ -8,7 +8,7 @@ path: array}` and `<family>_to_hf(cfg) -> config.json dict` (its inverse, for ex
   when `use_sliding_window`; then layers `i >= max_window_layers` slide (HF's
   `layer_types`, when written, win).
 - **olmo2**: norms on the sublayers' outputs (`norm_placement="output"`), QK-norm
-  over the whole q and k projections (`qk_norm_over="projection"`), before RoPE.
+  over the whole q and k projections (`attention.qk_norm_over="projection"`), before RoPE.
 - **smollm3**: Llama whose `no_rope_layers[i] == 0` layers have no RoPE ("nope"
   layers; by default every `no_rope_layer_interval`-th). Its sliding NoPE layers
   (`use_sliding_window`) are refused: tfjax has no windowed NoPE kind.
@@ -16,7 +16,7 @@ path: array}` and `<family>_to_hf(cfg) -> config.json dict` (its inverse, for ex
   `query_pre_attn_scalar` and final soft-cap (its `attn_logit_softcapping` is read
   by no transformers code path, so not here either), plus QK-norm per head and
   per-kind RoPE: sliding layers unscaled at their own base (`rope_local_base_freq`,
-  or `rope_parameters.sliding_attention`: `model.local_rope_theta`), global layers
+  or `rope_parameters.sliding_attention`: `model.attention.local_rope_theta`), global layers
   at theirs with its scaling (`model.rope`).
 - **phi3** (Phi-3, Phi-3.5): fused `qkv_proj` (rows q, k, v) and `gate_up_proj`
   (rows gate, up); a `sliding_window` applies to every layer. LongRoPE (its
@@ -110,14 +110,15 @@ def qwen2_config(hf: dict) -> dict:
                     "sliding_window")
     c = llama_config(dict(_without(hf, "attention_bias", "mlp_bias", "use_sliding_window"),
                           layer_types=types, sliding_window=window))
-    c.update(qkv_bias=True, out_bias=False)  # Qwen2Attention: q, k, v biased, o not
+    c["attention"].update(qkv_bias=True, out_bias=False)  # Qwen2Attention: q, k, v biased, o not
     return c
 
 
 def olmo2_config(hf: dict) -> dict:
     check_types(hf, key_types=_KEY_TYPES)
     c = llama_config(_without(hf, "mlp_bias", "sliding_window", "layer_types"))
-    c.update(norm_placement="output", qk_norm=True, qk_norm_over="projection")
+    c.update(norm_placement="output")
+    c["attention"].update(qk_norm=True, qk_norm_over="projection")
     return c
 
 
@@ -155,7 +156,7 @@ def _gemma3_rope(hf: dict) -> tuple[dict, dict]:
     kind = local.get("rope_type", local.get("type", "default"))
     if kind != "default":
         unsupported("rope_parameters.sliding_attention.rope_type", kind,
-                    "tfjax's local layers rotate unscaled (model.local_rope_theta)")
+                    "tfjax's local layers rotate unscaled (model.attention.local_rope_theta)")
     for key in ("rope_theta", "partial_rotary_factor"):
         value = local.get(key, 1.0)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
@@ -179,7 +180,7 @@ def gemma3_text_config(hf: dict) -> dict:
     c = gemma2_config(dict(_without(hf, "rope_scaling", "rope_theta", "mlp_bias",
                                     "attn_logit_softcapping"),
                            layer_types=types, rope_parameters=full))
-    c.update(qk_norm=True, local_rope_theta=float(local["rope_theta"]))
+    c["attention"].update(qk_norm=True, local_rope_theta=float(local["rope_theta"]))
     return c
 
 
@@ -359,12 +360,16 @@ def qwen3_moe_weights(w: Weights, cfg: ModelConfig, hf: dict) -> dict:
 
 
 def _need(section, family: str, prefix: str = "model", **want: Any) -> None:
-    """Each field of `section` (a config or one of its sections, named `prefix`) has
-    the value `want` gives, or a ValueError names it and what the family needs."""
+    """Each field of `section` (a config or one of its sections, named `prefix`; dotted
+    names reach into sections) has the value `want` gives, or a ValueError names it and
+    what the family needs."""
     for field, value in want.items():
-        if getattr(section, field) != value:
-            raise ValueError(f"export: {prefix}.{field}={getattr(section, field)!r} has no "
-                             f"{family} equivalent (needs {value!r})")
+        got = section
+        for part in field.split("."):
+            got = getattr(got, part)
+        if got != value:
+            raise ValueError(f"export: {prefix}.{field}={got!r} has no {family} equivalent "
+                             f"(needs {value!r})")
 
 
 def _rope_to_hf(cfg: ModelConfig, family: str) -> dict:
@@ -384,7 +389,8 @@ def _rope_to_hf(cfg: ModelConfig, family: str) -> dict:
 
 
 def _hf_window(cfg: ModelConfig) -> int | None:
-    return cfg.sliding_window + 1 if "local" in cfg.layer_pattern else None  # HF counts the query
+    # HF counts the query
+    return cfg.attention.sliding_window + 1 if "local" in cfg.layer_pattern else None
 
 
 def _hf_layer_types(cfg: ModelConfig) -> list[str]:
@@ -397,13 +403,16 @@ def _base_to_hf(cfg: ModelConfig, family: str, model_type: str, architecture: st
     """The fields every Llama-like family writes, after checking what it cannot carry:
     fields other than `want`'s values, layer kinds other than `kinds` (`uniform`: one
     kind for every layer)."""
-    base = dict(arch="decoder", norm="rmsnorm", norm_placement="pre", block="sequential",
-                position="rope", activation="swiglu", ffn_bias=False, qk_norm=False,
-                attn_softcap=0.0, final_softcap=0.0, scale_embeddings=False, embed_norm=False,
-                logits_scale=1.0, ffn_pattern=("dense",), prefix_lm=False, attention_sinks=False,
-                v_head_dim=0, final_norm=True, diff_attn=False, value_residual="none",
-                attn_output_gate=False, mup_base_width=0, local_rope_theta=0.0,
-                attn_scale=0.0 if not cfg.attn_scale else cfg.head_size ** -0.5)
+    base = {"arch": "decoder", "norm": "rmsnorm", "norm_placement": "pre",
+            "block": "sequential", "position": "rope", "activation": "swiglu",
+            "ffn_bias": False, "attention.qk_norm": False, "attention.softcap": 0.0,
+            "final_softcap": 0.0, "scale_embeddings": False, "embed_norm": False,
+            "logits_scale": 1.0, "ffn_pattern": ("dense",), "prefix_lm": False,
+            "attention.sinks": False, "v_head_dim": 0, "final_norm": True,
+            "attention.differential": False, "attention.value_residual": "none",
+            "attention.output_gate": False, "mup_base_width": 0,
+            "attention.local_rope_theta": 0.0,
+            "attention.scale": 0.0 if not cfg.attention.scale else cfg.head_size ** -0.5}
     base.update(want)
     _need(cfg, family, **base)
     if not set(cfg.layer_pattern) <= set(kinds) or uniform and len(set(cfg.layer_pattern)) > 1:
@@ -423,14 +432,15 @@ def _base_to_hf(cfg: ModelConfig, family: str, model_type: str, architecture: st
 
 
 def _biases(cfg: ModelConfig, family: str) -> bool:
-    if cfg.qkv_bias != cfg.out_bias:
+    if cfg.attention.qkv_bias != cfg.attention.out_bias:
         raise ValueError(f"export: {family}'s attention_bias covers q, k, v and o together; got "
-                         f"qkv_bias={cfg.qkv_bias}, out_bias={cfg.out_bias}")
-    return cfg.qkv_bias
+                         f"model.attention.qkv_bias={cfg.attention.qkv_bias}, "
+                         f"model.attention.out_bias={cfg.attention.out_bias}")
+    return cfg.attention.qkv_bias
 
 
 def qwen2_to_hf(cfg: ModelConfig) -> dict:
-    _need(cfg, "Qwen2", qkv_bias=True, out_bias=False)
+    _need(cfg, "Qwen2", **{"attention.qkv_bias": True, "attention.out_bias": False})
     hf = _base_to_hf(cfg, "Qwen2", "qwen2", "Qwen2ForCausalLM", kinds=("global", "local"))
     window = _hf_window(cfg)
     hf.update(use_sliding_window=window is not None, sliding_window=window,
@@ -440,7 +450,8 @@ def qwen2_to_hf(cfg: ModelConfig) -> dict:
 
 def olmo2_to_hf(cfg: ModelConfig) -> dict:
     hf = _base_to_hf(cfg, "OLMo 2", "olmo2", "Olmo2ForCausalLM", norm_placement="output",
-                     qk_norm=True, qk_norm_over="projection", qk_norm_kind="")
+                     **{"attention.qk_norm": True, "attention.qk_norm_over": "projection",
+                        "attention.qk_norm_kind": ""})
     hf.update(attention_bias=_biases(cfg, "OLMo 2"))
     return hf
 
@@ -454,24 +465,26 @@ def smollm3_to_hf(cfg: ModelConfig) -> dict:
 
 
 def gemma3_text_to_hf(cfg: ModelConfig) -> dict:
-    scale = cfg.attn_scale or cfg.head_size ** -0.5
+    a = cfg.attention
+    scale = a.scale or cfg.head_size ** -0.5
     hf = _base_to_hf(cfg, "Gemma 3", "gemma3_text", "Gemma3ForCausalLM",
                      kinds=("global", "local"), norm="rmsnorm_plus_one",
-                     norm_placement="sandwich", qk_norm=True, qk_norm_over="head",
-                     qk_norm_kind="", activation="geglu_tanh", scale_embeddings=True,
+                     norm_placement="sandwich", activation="geglu_tanh", scale_embeddings=True,
                      final_softcap=cfg.final_softcap,
-                     attn_scale=cfg.attn_scale, local_rope_theta=cfg.local_rope_theta)
-    if "local" in cfg.layer_pattern and not cfg.local_rope_theta:
+                     **{"attention.qk_norm": True, "attention.qk_norm_over": "head",
+                        "attention.qk_norm_kind": "", "attention.scale": a.scale,
+                        "attention.local_rope_theta": a.local_rope_theta})
+    if "local" in cfg.layer_pattern and not a.local_rope_theta:
         raise ValueError("export: Gemma 3's sliding layers rotate at their own base: set "
-                         "model.local_rope_theta")
+                         "model.attention.local_rope_theta")
     full = hf.pop("rope_parameters")
-    local = {"rope_type": "default", "rope_theta": cfg.local_rope_theta or full["rope_theta"]}
+    local = {"rope_type": "default", "rope_theta": a.local_rope_theta or full["rope_theta"]}
     if "partial_rotary_factor" in full:
         local["partial_rotary_factor"] = full["partial_rotary_factor"]
     scalar = round(scale ** -2)  # an integer in Gemma3TextConfig
     if abs(scalar ** -0.5 - scale) > 1e-9 * scale:
         raise ValueError(f"export: Gemma 3's query_pre_attn_scalar is an integer n with "
-                         f"attn_scale = n ** -0.5; model.attn_scale={cfg.attn_scale} is not")
+                         f"scale = n ** -0.5; model.attention.scale={a.scale} is not")
     window = _hf_window(cfg)
     del hf["hidden_act"]
     hf.update(hidden_activation="gelu_pytorch_tanh",
@@ -483,7 +496,7 @@ def gemma3_text_to_hf(cfg: ModelConfig) -> dict:
 
 
 def phi3_to_hf(cfg: ModelConfig) -> dict:
-    _need(cfg, "Phi-3", qkv_bias=False, out_bias=False)
+    _need(cfg, "Phi-3", **{"attention.qkv_bias": False, "attention.out_bias": False})
     hf = _base_to_hf(cfg, "Phi-3", "phi3", "Phi3ForCausalLM", kinds=("global", "local"),
                      uniform=True)
     if hf["rope_parameters"]["rope_type"] not in ("default", "longrope"):
@@ -501,8 +514,9 @@ def qwen3_moe_to_hf(cfg: ModelConfig) -> dict:
         raise ValueError(f"export: model.ffn_pattern={cfg.ffn_pattern!r} has no Qwen3-MoE form "
                          "(dense and moe layers)")
     hf = _base_to_hf(cfg, "Qwen3-MoE", "qwen3_moe", "Qwen3MoeForCausalLM",
-                     kinds=("global", "local"), uniform=True, qk_norm=True, qk_norm_over="head",
-                     qk_norm_kind="", ffn_pattern=cfg.ffn_pattern)
+                     kinds=("global", "local"), uniform=True, ffn_pattern=cfg.ffn_pattern,
+                     **{"attention.qk_norm": True, "attention.qk_norm_over": "head",
+                        "attention.qk_norm_kind": ""})
     if "moe" in kinds:
         _need(cfg.moe, "Qwen3-MoE", "model.moe", shared_experts=0, score="softmax", n_group=1,
               score_bias=False, routed_scaling_factor=1.0, router_bias=False, glu="standard",

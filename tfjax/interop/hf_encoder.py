@@ -13,9 +13,9 @@ function, with no parameter left over). Layers alternate as HF's `layer_types` s
 configs: a global layer every `global_attn_every_n_layers`, the others local), one
 RoPE base per kind (`rope_parameters.full_attention / sliding_attention.rope_theta`,
 old configs `global_rope_theta` / `local_rope_theta`): `model.rope.theta` and
-`model.local_rope_theta` of the "global" and "local" layer kinds. A local layer sees
+`model.attention.local_rope_theta` of the "global" and "local" layer kinds. A local layer sees
 keys with |q - k| <= `local_attention // 2` (HF's bidirectional sliding-window mask),
-our `sliding_window` on each side. The GeGLU MLP's fused `Wi` `[2F, D]` holds the
+our `attention.sliding_window` on each side. The GeGLU MLP's fused `Wi` `[2F, D]` holds the
 activated half first, then the gate it multiplies (our `wi_gate`, `wi_up`); the fused
 `Wqkv` `[3*N*H, D]` is q, k, v in that order. The MLM head is dense (bias:
 `classifier_bias`) + `classifier_activation` + norm, then the decoder tied to the
@@ -114,7 +114,7 @@ def modernbert_config(hf: dict) -> dict:
     if "sliding_attention" in types and half < 1:
         unsupported("local_attention", hf.get("local_attention"), "local layers need >= 2")
     # _layer_pattern reads HF's causal convention (the window counts the query itself).
-    layers = hf_config._layer_pattern(dict(layer_types=types, sliding_window=half + 1), n)
+    pattern, window = hf_config._layer_pattern(dict(layer_types=types, sliding_window=half + 1), n)
     thetas = _rope_thetas(hf)
     activation = hf_config._activation(
         {"hidden_activation": hf.get("hidden_activation") or "gelu"}, "hidden_activation",
@@ -127,11 +127,12 @@ def modernbert_config(hf: dict) -> dict:
         norm="layernorm", norm_eps=float(hf.get("norm_eps", 1e-5)),
         norm_bias=bool(hf.get("norm_bias", False)), norm_placement="pre", final_norm=True,
         embed_norm=False, first_norm_residual=True, activation=activation,
-        ffn_bias=bool(hf.get("mlp_bias", False)), qkv_bias=attn_bias, out_bias=attn_bias,
+        ffn_bias=bool(hf.get("mlp_bias", False)),
+        attention=dict(qkv_bias=attn_bias, out_bias=attn_bias, sliding_window=window),
         type_vocab_size=0, num_classes=0, mlm_dense_bias=bool(hf.get("classifier_bias", False)),
-        mlm_output_bias=bool(hf.get("decoder_bias", True)), **layers)
-    if "local" in c["layer_pattern"]:
-        c["local_rope_theta"] = thetas["sliding_attention"]
+        mlm_output_bias=bool(hf.get("decoder_bias", True)), layer_pattern=pattern)
+    if "local" in pattern:
+        c["attention"]["local_rope_theta"] = thetas["sliding_attention"]
     return c
 
 
@@ -146,11 +147,11 @@ def modernbert_weights(w: Weights, cfg: ModelConfig, hf: dict) -> dict:
         W = w[p + "attn.Wqkv.weight"].reshape(3, N, H, D)  # rows: q, k, v; each [N, H]
         for j, name in enumerate("qkv"):
             out[A + (name, "kernel")] = np.transpose(W[j], (2, 0, 1))  # [D, N, H]
-        if cfg.qkv_bias:
+        if cfg.attention.qkv_bias:
             b = w[p + "attn.Wqkv.bias"].reshape(3, N, H)
             out.update({A + (name, "bias"): b[j] for j, name in enumerate("qkv")})
         out[A + ("o", "kernel")] = _heads_out(w[p + "attn.Wo.weight"], N, H)
-        if cfg.out_bias:
+        if cfg.attention.out_bias:
             out[A + ("o", "bias")] = w[p + "attn.Wo.bias"]
         # HF's layer 0 has no attn_norm: the embedding norm is ours (first_norm_residual)
         out.update(_norm(w, e + "norm" if i == 0 else p + "attn_norm", L + ("attn_norm",), cfg))
@@ -171,21 +172,27 @@ def modernbert_weights(w: Weights, cfg: ModelConfig, hf: dict) -> dict:
 
 
 def _check_exportable(cfg: ModelConfig) -> None:
-    want = dict(arch="encoder", norm="layernorm", norm_placement="pre", block="sequential",
-                position="rope", embed_norm=False, final_norm=True, first_norm_residual=True,
-                qk_norm=False, attn_softcap=0.0, final_softcap=0.0, scale_embeddings=False,
-                logits_scale=1.0, ffn_pattern=("dense",), attention_sinks=False, v_head_dim=0,
-                type_vocab_size=0, num_classes=0, mup_base_width=0, attn_output_gate=False)
+    want = {"arch": "encoder", "norm": "layernorm", "norm_placement": "pre",
+            "block": "sequential", "position": "rope", "embed_norm": False, "final_norm": True,
+            "first_norm_residual": True, "attention.qk_norm": False, "attention.softcap": 0.0,
+            "final_softcap": 0.0, "scale_embeddings": False, "logits_scale": 1.0,
+            "ffn_pattern": ("dense",), "attention.sinks": False, "v_head_dim": 0,
+            "type_vocab_size": 0, "num_classes": 0, "mup_base_width": 0,
+            "attention.output_gate": False}
     for field, value in want.items():
-        if getattr(cfg, field) != value:
-            raise ValueError(f"export: model.{field}={getattr(cfg, field)!r} has no ModernBERT "
+        got = cfg
+        for part in field.split("."):
+            got = getattr(got, part)
+        if got != value:
+            raise ValueError(f"export: model.{field}={got!r} has no ModernBERT "
                              f"equivalent (needs {value!r})")
     if cfg.activation not in _ACTIVATIONS:
         raise ValueError(f"export: model.activation={cfg.activation!r}: ModernBERT's MLP is "
                          f"gated, one of {', '.join(_ACTIVATIONS)}")
-    if cfg.qkv_bias != cfg.out_bias:
+    if cfg.attention.qkv_bias != cfg.attention.out_bias:
         raise ValueError("export: ModernBERT's attention_bias covers Wqkv and Wo together; "
-                         f"got qkv_bias={cfg.qkv_bias}, out_bias={cfg.out_bias}")
+                         f"got model.attention.qkv_bias={cfg.attention.qkv_bias}, "
+                         f"model.attention.out_bias={cfg.attention.out_bias}")
     if cfg.kv_heads != cfg.num_heads or cfg.head_size * cfg.num_heads != cfg.d_model:
         raise ValueError("export: ModernBERT has num_heads * head_dim = d_model and no GQA; got "
                          f"{cfg.num_heads} heads, {cfg.kv_heads} kv heads, head_dim "
@@ -198,8 +205,9 @@ def _check_exportable(cfg: ModelConfig) -> None:
     if not kinds <= {"global", "local"}:
         raise ValueError(f"export: model.layer_pattern={cfg.layer_pattern!r}: ModernBERT has "
                          "'global' and 'local' layers only")
-    if cfg.attn_scale and abs(cfg.attn_scale - cfg.head_size ** -0.5) > 1e-12:
-        raise ValueError(f"export: attn_scale={cfg.attn_scale} is not 1/sqrt(head_dim)")
+    scale = cfg.attention.scale
+    if scale and abs(scale - cfg.head_size ** -0.5) > 1e-12:
+        raise ValueError(f"export: model.attention.scale={scale} is not 1/sqrt(head_dim)")
 
 
 def modernbert_to_hf(cfg: ModelConfig) -> dict:
@@ -208,14 +216,14 @@ def modernbert_to_hf(cfg: ModelConfig) -> dict:
     _check_exportable(cfg)
     types = ["sliding_attention" if cfg.layer_kind(i) == "local" else "full_attention"
              for i in range(cfg.num_layers)]
-    local_theta = cfg.local_rope_theta or cfg.rope.theta
+    local_theta = cfg.attention.local_rope_theta or cfg.rope.theta
     return dict(
         architectures=list(_ARCHITECTURES), model_type="modernbert", vocab_size=cfg.vocab_size,
         hidden_size=cfg.d_model, intermediate_size=cfg.d_ff, num_hidden_layers=cfg.num_layers,
         num_attention_heads=cfg.num_heads, hidden_activation=_ACTIVATIONS[cfg.activation],
         max_position_embeddings=cfg.max_len, norm_eps=cfg.norm_eps, norm_bias=cfg.norm_bias,
-        attention_bias=cfg.qkv_bias, mlp_bias=cfg.ffn_bias, layer_types=types,
-        local_attention=2 * cfg.sliding_window if "sliding_attention" in types else 128,
+        attention_bias=cfg.attention.qkv_bias, mlp_bias=cfg.ffn_bias, layer_types=types,
+        local_attention=2 * cfg.attention.sliding_window if "sliding_attention" in types else 128,
         rope_parameters=dict(
             full_attention=dict(rope_type="default", rope_theta=cfg.rope.theta),
             sliding_attention=dict(rope_type="default", rope_theta=local_theta)),

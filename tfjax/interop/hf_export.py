@@ -28,8 +28,8 @@ __all__ = ["bert_to_hf", "bloom_to_hf", "computation", "config_diff", "gemma2_to
 # Fields that do not change what the model computes at inference (numerics, layout,
 # training-only knobs); export writes the dtype it is asked for.
 NOT_COMPUTATION = frozenset((
-    "dtype", "param_dtype", "init_std", "dropout_rate", "scan_layers", "remat", "attention_impl",
-    "context_parallel", "zigzag", "moe.impl", "moe.aux_loss_weight", "moe.z_loss_weight",
+    "dtype", "param_dtype", "init_std", "dropout_rate", "scan_layers", "remat", "attention.impl",
+    "attention.context_parallel", "attention.zigzag", "moe.impl", "moe.aux_loss_weight", "moe.z_loss_weight",
     "moe.bias_update_rate", "ssm.chunk", "mamba2.chunk", "mamba2.dt_min", "mamba2.dt_max",
     "linear.chunk", "gdn.chunk"))
 # A section's fields count only where a layer of its kind is.
@@ -51,7 +51,7 @@ def _flat(obj, prefix: str = "") -> dict[str, Any]:
 
 def computation(cfg: ModelConfig) -> dict[str, Any]:
     """The fields of `cfg` that change what it computes, by dotted name, with derived
-    values resolved (`head_dim` is the head size, `attn_scale` the scale in effect) and
+    values resolved (`head_dim` is the head size, `attention.scale` the scale in effect) and
     the fields of what the model does not use (a section no layer has, RoPE settings of
     a model without RoPE, an FFN's width where no layer has one) left out."""
     c = {k: v for k, v in _flat(cfg).items() if k not in NOT_COMPUTATION}
@@ -59,11 +59,12 @@ def computation(cfg: ModelConfig) -> dict[str, Any]:
     kinds = tuple(cfg.layer_kind(i) for i in range(n))
     ffns = tuple(cfg.ffn_kind(i) for i in range(n))
     c.update(layer_pattern=kinds, ffn_pattern=ffns, num_kv_heads=cfg.kv_heads,
-             head_dim=cfg.head_size, v_head_dim=cfg.value_head_size, attn_scale=cfg.scale,
+             head_dim=cfg.head_size, v_head_dim=cfg.value_head_size,
              logits_scale=cfg.logits_multiplier,
-             num_encoder_layers=cfg.encoder_layers if cfg.arch == "encoder_decoder" else 0,
-             qk_norm_kind=cfg.qk_norm_kind or cfg.norm)
-    for k in ("mup_base_width", "mup_base_head_dim"):  # in effect: attn_scale, logits_scale
+             num_encoder_layers=cfg.encoder_layers if cfg.arch == "encoder_decoder" else 0)
+    c["attention.scale"] = cfg.attention_scale
+    c["attention.qk_norm_kind"] = cfg.attention.qk_norm_kind or cfg.norm
+    for k in ("mup_base_width", "mup_base_head_dim"):  # in effect: attention.scale, logits_scale
         c.pop(k)
     drop = set()
     m = cfg.moe
@@ -99,22 +100,21 @@ def computation(cfg: ModelConfig) -> dict[str, Any]:
     if cfg.position in ("alibi", "t5", "none"):  # max_len sizes no table and no RoPE
         drop.add("max_len")
     if "local" not in kinds:
-        drop |= {"sliding_window", "local_rope_theta"}
+        drop |= {"attention.sliding_window", "attention.local_rope_theta"}
     if "chunked" not in kinds:
-        drop.add("attention_chunk")
-    if "nope" not in kinds or not cfg.nope_temperature_floor:
-        drop |= {"nope_temperature_floor", "nope_temperature_scale"}
-    if not cfg.qk_norm:
-        drop |= {"qk_norm_over", "qk_norm_kind", "qk_norm_layers"}
+        drop.add("attention.chunk")
+    if "nope" not in kinds or not cfg.attention.temperature_floor:
+        drop |= {"attention.temperature_floor", "attention.temperature_scale"}
+    if not cfg.attention.qk_norm:
+        drop |= {"attention.qk_norm_over", "attention.qk_norm_kind", "attention.qk_norm_layers"}
     if "dense" not in ffns:
         drop.add("d_ff")
     if "dense" not in ffns and "moe" not in ffns:
         drop |= {"activation", "ffn_bias"}
-    if set(kinds) <= _RECURRENT:
-        drop |= {"num_heads", "num_kv_heads", "head_dim", "v_head_dim", "attn_scale",
-                 "attn_softcap", "qkv_bias", "out_bias", "qk_norm", "position", "max_len",
-                 "attention_sinks", "diff_attn", "value_residual", "attn_output_gate",
-                 "prefix_lm"} | {k for k in c if k.startswith("qk_norm")}
+    if set(kinds) <= _RECURRENT:  # no attention layer: the attention section counts nowhere
+        sections.add("attention")
+        drop |= {"num_heads", "num_kv_heads", "head_dim", "v_head_dim", "position", "max_len",
+                 "prefix_lm"}
     if cfg.block != "parallel":
         drop.add("parallel_shared_norm")
     if cfg.norm != "layernorm":
@@ -197,7 +197,8 @@ def _layer_types(cfg: ModelConfig) -> list[str]:
 
 def _window(cfg: ModelConfig) -> dict:
     """HF's sliding_window (it counts the query itself) where a layer is local."""
-    return {"sliding_window": cfg.sliding_window + 1} if "local" in cfg.layer_pattern else {}
+    return ({"sliding_window": cfg.attention.sliding_window + 1} if "local" in cfg.layer_pattern
+            else {})
 
 
 def _decoder(cfg: ModelConfig, model_type: str, architecture: str, **fields) -> dict:
@@ -218,7 +219,7 @@ def llama_to_hf(cfg: ModelConfig) -> dict:
     """Llama, or Mistral where every layer slides a window (Llama has none)."""
     if set(cfg.layer_pattern) == {"local"}:
         return _llama_like(cfg, "mistral", "MistralForCausalLM", **_window(cfg))
-    return _llama_like(cfg, "llama", "LlamaForCausalLM", attention_bias=cfg.qkv_bias,
+    return _llama_like(cfg, "llama", "LlamaForCausalLM", attention_bias=cfg.attention.qkv_bias,
                        mlp_bias=cfg.ffn_bias)
 
 
@@ -232,16 +233,16 @@ def mixtral_to_hf(cfg: ModelConfig) -> dict:
 
 def qwen3_to_hf(cfg: ModelConfig) -> dict:
     local = "local" in cfg.layer_pattern
-    return _llama_like(cfg, "qwen3", "Qwen3ForCausalLM", attention_bias=cfg.qkv_bias,
+    return _llama_like(cfg, "qwen3", "Qwen3ForCausalLM", attention_bias=cfg.attention.qkv_bias,
                        layer_types=_layer_types(cfg), use_sliding_window=local,
                        **_window(cfg))
 
 
 def gemma2_to_hf(cfg: ModelConfig) -> dict:
-    c = _llama_like(cfg, "gemma2", "Gemma2ForCausalLM", attention_bias=cfg.qkv_bias,
+    c = _llama_like(cfg, "gemma2", "Gemma2ForCausalLM", attention_bias=cfg.attention.qkv_bias,
                     hidden_activation=_act(cfg, gated=True), layer_types=_layer_types(cfg),
-                    query_pre_attn_scalar=_number(cfg.scale ** -2),
-                    attn_logit_softcapping=cfg.attn_softcap or None,
+                    query_pre_attn_scalar=_number(cfg.attention_scale ** -2),
+                    attn_logit_softcapping=cfg.attention.softcap or None,
                     final_logit_softcapping=cfg.final_softcap or None, **_window(cfg))
     del c["hidden_act"]
     return c
@@ -251,7 +252,7 @@ def gpt2_to_hf(cfg: ModelConfig) -> dict:
     return _decoder(cfg, "gpt2", "GPT2LMHeadModel", n_embd=cfg.d_model, n_layer=cfg.num_layers,
                     n_head=cfg.num_heads, n_inner=cfg.d_ff, n_positions=cfg.max_len,
                     layer_norm_epsilon=cfg.norm_eps, activation_function=_act(cfg, gated=False),
-                    scale_attn_weights=not math.isclose(cfg.scale, 1.0))
+                    scale_attn_weights=not math.isclose(cfg.attention_scale, 1.0))
 
 
 def neox_to_hf(cfg: ModelConfig) -> dict:
@@ -260,7 +261,7 @@ def neox_to_hf(cfg: ModelConfig) -> dict:
                     num_attention_heads=cfg.num_heads, max_position_embeddings=cfg.max_len,
                     rope_parameters=_rope_parameters(cfg, partial=True),
                     layer_norm_eps=cfg.norm_eps, use_parallel_residual=cfg.block == "parallel",
-                    attention_bias=cfg.qkv_bias, hidden_act=_act(cfg, gated=False))
+                    attention_bias=cfg.attention.qkv_bias, hidden_act=_act(cfg, gated=False))
 
 
 def bloom_to_hf(cfg: ModelConfig) -> dict:

@@ -10,7 +10,7 @@ same model, `tfjax.interop.hf_export.config_diff`).
 Every MoE loads dropless (`moe.capacity_factor=0`), as transformers routes.
 
 - **gpt_oss**: `layer_types` alternate sliding (HF's window w: ours w - 1) and full
-  attention; a learned sink logit per head (`model.attention_sinks`); q/k/v/o biases;
+  attention; a learned sink logit per head (`model.attention.sinks`); q/k/v/o biases;
   YaRN with `truncate=False` (`rope.truncate`). The experts' `gate_up_proj` `[E, D,
   2F]` interleaves gate and up columns (gate = `[..., ::2]`, up = `[..., 1::2]`), so
   it is split into `wi_gate` / `wi_up` (and its bias likewise); softmax over the
@@ -129,15 +129,16 @@ def gpt_oss_config(hf: dict) -> dict:
         hf["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention"
                              for i in range(n)]
     bias = bool(hf.get("attention_bias", True))
-    c = dict(_base(hf), activation="swiglu", ffn_bias=True, qkv_bias=bias, out_bias=bias,
-             attention_sinks=True, rope=_rope(hf), ffn_pattern=("moe",),
+    c = dict(_base(hf), activation="swiglu", ffn_bias=True,
+             attention=dict(qkv_bias=bias, out_bias=bias, sinks=True), rope=_rope(hf),
+             ffn_pattern=("moe",),
              moe=dict(num_experts=hf["num_local_experts"],
                       experts_per_token=hf["num_experts_per_tok"], router_renormalize=True,
                       router_bias=True, glu="clamped",
                       glu_alpha=float(hf.get("swiglu_alpha", 1.702)),
                       glu_limit=float(hf.get("swiglu_limit", 7.0)), capacity_factor=0.0,
                       aux_loss_weight=float(hf.get("router_aux_loss_coef", 0.001))))
-    c.update(_layer_pattern(hf, n))
+    c["layer_pattern"], c["attention"]["sliding_window"] = _layer_pattern(hf, n)
     return c
 
 
@@ -166,8 +167,8 @@ def gpt_oss_to_hf(cfg: ModelConfig) -> dict:
     return _to_hf(cfg, "gpt_oss", "GptOssForCausalLM", intermediate_size=m.d_ff or cfg.d_ff,
                   num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_size,
                   num_local_experts=m.num_experts, num_experts_per_tok=m.experts_per_token,
-                  layer_types=_layer_types(cfg), sliding_window=cfg.sliding_window + 1,
-                  attention_bias=cfg.qkv_bias, swiglu_alpha=m.glu_alpha,
+                  layer_types=_layer_types(cfg), sliding_window=cfg.attention.sliding_window + 1,
+                  attention_bias=cfg.attention.qkv_bias, swiglu_alpha=m.glu_alpha,
                   swiglu_limit=m.glu_limit, router_aux_loss_coef=m.aux_loss_weight)
 
 
@@ -219,12 +220,12 @@ def llama4_config(hf: dict) -> dict:
     chunk = int(hf.get("attention_chunk_size") or 0) if "chunked" in kinds else 0
     return dict(_base(hf), d_ff=hf.get("intermediate_size_mlp") or hf["intermediate_size"],
                 activation=_activation(hf, "hidden_act", gated=True), ffn_bias=False,
-                qkv_bias=bias, out_bias=bias, rope=rope, layer_pattern=_period(kinds),
-                ffn_pattern=_period(ffns), qk_norm=qk_norm,
-                qk_norm_kind="rmsnorm_unit" if qk_norm else "", qk_norm_layers="rope",
-                attention_chunk=chunk,
-                nope_temperature_floor=int(hf.get("floor_scale", 8192)) if tuning else 0,
-                nope_temperature_scale=float(hf.get("attn_scale", 0.1)),
+                rope=rope, layer_pattern=_period(kinds), ffn_pattern=_period(ffns),
+                attention=dict(qkv_bias=bias, out_bias=bias, qk_norm=qk_norm,
+                               qk_norm_kind="rmsnorm_unit" if qk_norm else "",
+                               qk_norm_layers="rope", chunk=chunk,
+                               temperature_floor=int(hf.get("floor_scale", 8192)) if tuning else 0,
+                               temperature_scale=float(hf.get("attn_scale", 0.1))),
                 moe=dict(num_experts=hf["num_local_experts"],
                          experts_per_token=hf.get("num_experts_per_tok", 1),
                          d_ff=hf["intermediate_size"],
@@ -255,7 +256,7 @@ def llama4_weights(w: Weights, cfg: ModelConfig, hf: dict) -> dict:
 
 
 def llama4_to_hf(cfg: ModelConfig) -> dict:
-    m = cfg.moe
+    m, a = cfg.moe, cfg.attention
     kinds = [cfg.layer_kind(i) for i in range(cfg.num_layers)]
     return _to_hf(cfg, "llama4_text", "Llama4ForCausalLM", intermediate_size=m.d_ff or cfg.d_ff,
                   intermediate_size_mlp=cfg.d_ff, num_key_value_heads=cfg.kv_heads,
@@ -265,10 +266,10 @@ def llama4_to_hf(cfg: ModelConfig) -> dict:
                   layer_types=["chunked_attention" if k == "chunked" else "full_attention"
                                for k in kinds],
                   no_rope_layers=[int(k != "nope") for k in kinds],
-                  attention_chunk_size=cfg.attention_chunk or None, use_qk_norm=cfg.qk_norm,
-                  attn_temperature_tuning=cfg.nope_temperature_floor > 0,
-                  floor_scale=cfg.nope_temperature_floor or 8192,
-                  attn_scale=cfg.nope_temperature_scale, attention_bias=cfg.qkv_bias,
+                  attention_chunk_size=a.chunk or None, use_qk_norm=a.qk_norm,
+                  attn_temperature_tuning=a.temperature_floor > 0,
+                  floor_scale=a.temperature_floor or 8192,
+                  attn_scale=a.temperature_scale, attention_bias=a.qkv_bias,
                   router_aux_loss_coef=m.aux_loss_weight)
 
 

@@ -19,7 +19,7 @@ that only change initialisation, training kernels or the cache are ignored.
   dtype).
 - **qwen3_next** (`Qwen3NextForCausalLM`): `layer_types` (or `full_attention_interval`)
   -> "gated_deltanet" / "global" layers; the attention's fused `q_proj` (per head: query
-  then output gate) -> `attn.q` + `attn.gate` (`model.attn_output_gate`), QK-norm, partial
+  then output gate) -> `attn.q` + `attn.gate` (`model.attention.output_gate`), QK-norm, partial
   rotary (HF's default `partial_rotary_factor` here is 0.25); zero-centred `(1 + w)`
   RMSNorms (`rmsnorm_plus_one`; the Gated DeltaNet's own gated norm is a plain `w`
   RMSNorm); the GDN's fused, per-key-head interleaved `in_proj_qkvz` (q, k, then the
@@ -265,8 +265,9 @@ def qwen3_next_config(hf: dict) -> dict:
              num_kv_heads=hf.get("num_key_value_heads", 2) or N,
              head_dim=hf.get("head_dim", 256) or D // N,
              d_ff=hf["intermediate_size"], max_len=hf.get("max_position_embeddings", 32768),
-             activation="swiglu", ffn_bias=False, qkv_bias=bias, out_bias=bias, qk_norm=True,
-             attn_output_gate=True, position="rope", rope=rope, norm="rmsnorm_plus_one",
+             activation="swiglu", ffn_bias=False,
+             attention=dict(qkv_bias=bias, out_bias=bias, qk_norm=True, output_gate=True),
+             position="rope", rope=rope, norm="rmsnorm_plus_one",
              norm_eps=hf.get("rms_norm_eps", 1e-6), norm_placement="pre",
              layer_pattern=_cycle([_QWEN3_NEXT_LAYERS[t] for t in types]),
              ffn_pattern=_cycle(ffn),
@@ -300,12 +301,12 @@ def _gated_attention(w: Weights, p: str, L: tuple, cfg: ModelConfig) -> dict:
            L + ("k", "kernel"): _heads_in(w[p + "k_proj.weight"], K, H),
            L + ("v", "kernel"): _heads_in(w[p + "v_proj.weight"], K, H),
            L + ("o", "kernel"): _heads_out(w[p + "o_proj.weight"], N, H)}
-    if cfg.qkv_bias:
+    if cfg.attention.qkv_bias:
         bq = w[p + "q_proj.bias"].reshape(N, 2, H)
         out[L + ("q", "bias")], out[L + ("gate", "bias")] = bq[:, 0], bq[:, 1]
         out[L + ("k", "bias")] = w[p + "k_proj.bias"].reshape(K, H)
         out[L + ("v", "bias")] = w[p + "v_proj.bias"].reshape(K, H)
-    if cfg.out_bias:
+    if cfg.attention.out_bias:
         out[L + ("o", "bias")] = w[p + "o_proj.bias"]
     out.update(_norm(w, p + "q_norm", L + ("q_norm",), cfg))
     out.update(_norm(w, p + "k_norm", L + ("k_norm",), cfg))
@@ -391,15 +392,19 @@ def _qwen3_next_layer(w: Weights, cfg: ModelConfig, p: str, L: tuple, kind: str,
 def qwen3_next_to_hf(cfg: ModelConfig) -> dict:
     _check_export(cfg, "Qwen3-Next", arch="decoder", norm="rmsnorm_plus_one",
                   norm_placement="pre", block="sequential", position="rope",
-                  activation="swiglu", ffn_bias=False, qk_norm=True, qk_norm_kind="",
-                  qk_norm_over="head", qk_norm_layers="all", attn_output_gate=True,
-                  attn_softcap=0.0, final_softcap=0.0, scale_embeddings=False,
-                  embed_norm=False, logits_scale=1.0, attention_sinks=False, v_head_dim=0,
-                  diff_attn=False, value_residual="none", attn_scale=0.0, final_norm=True,
-                  **{"rope.layout": "half"})
-    if cfg.qkv_bias != cfg.out_bias:
+                  activation="swiglu", ffn_bias=False,
+                  **{"attention.qk_norm": True, "attention.qk_norm_kind": "",
+                     "attention.qk_norm_over": "head", "attention.qk_norm_layers": "all",
+                     "attention.output_gate": True, "attention.softcap": 0.0},
+                  final_softcap=0.0, scale_embeddings=False, embed_norm=False, logits_scale=1.0,
+                  **{"attention.sinks": False}, v_head_dim=0,
+                  **{"attention.differential": False, "attention.value_residual": "none",
+                     "attention.scale": 0.0},
+                  final_norm=True, **{"rope.layout": "half"})
+    if cfg.attention.qkv_bias != cfg.attention.out_bias:
         raise ValueError("export: Qwen3-Next's attention_bias covers q, k, v and o together; "
-                         f"got qkv_bias={cfg.qkv_bias}, out_bias={cfg.out_bias}")
+                         f"got model.attention.qkv_bias={cfg.attention.qkv_bias}, "
+                         f"model.attention.out_bias={cfg.attention.out_bias}")
     n = cfg.num_layers
     names = {v: k for k, v in _QWEN3_NEXT_LAYERS.items()}
     kinds = _expand(cfg.layer_pattern, n)
@@ -417,7 +422,7 @@ def qwen3_next_to_hf(cfg: ModelConfig) -> dict:
                num_hidden_layers=n, num_attention_heads=cfg.num_heads,
                num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_size, hidden_act="silu",
                max_position_embeddings=cfg.max_len, rms_norm_eps=cfg.norm_eps,
-               tie_word_embeddings=cfg.tie_embeddings, attention_bias=cfg.qkv_bias,
+               tie_word_embeddings=cfg.tie_embeddings, attention_bias=cfg.attention.qkv_bias,
                attention_dropout=0.0,
                rope_parameters=_rope_parameters(cfg, partial=True),
                layer_types=[names[k] for k in kinds], linear_conv_kernel_dim=cfg.gdn.d_conv,
@@ -471,8 +476,8 @@ def jamba_config(hf: dict) -> dict:
              num_kv_heads=hf.get("num_key_value_heads", 8) or N,
              head_dim=hf.get("head_dim") or D // N,
              d_ff=hf["intermediate_size"], max_len=hf.get("max_position_embeddings", 262144),
-             activation="swiglu", ffn_bias=False, qkv_bias=False, out_bias=False,
-             position="none", norm="rmsnorm", norm_eps=hf.get("rms_norm_eps", 1e-6),
+             activation="swiglu", ffn_bias=False,
+             attention=dict(qkv_bias=False, out_bias=False), position="none", norm="rmsnorm", norm_eps=hf.get("rms_norm_eps", 1e-6),
              norm_placement="pre", layer_pattern=_cycle(layers), ffn_pattern=_cycle(ffn),
              ssm=dict(d_state=hf.get("mamba_d_state", 16), d_conv=hf.get("mamba_d_conv", 4),
                       expand=hf.get("mamba_expand", 2),
@@ -523,11 +528,14 @@ def _phase(kinds: list[str], kind: str, family: str, field: str) -> tuple[int, i
 def jamba_to_hf(cfg: ModelConfig) -> dict:
     _check_export(cfg, "Jamba", arch="decoder", norm="rmsnorm", norm_placement="pre",
                   block="sequential", position="none", activation="swiglu", ffn_bias=False,
-                  qkv_bias=False, out_bias=False, qk_norm=False, attn_output_gate=False,
-                  attn_softcap=0.0, final_softcap=0.0, scale_embeddings=False,
-                  embed_norm=False, logits_scale=1.0, attention_sinks=False, v_head_dim=0,
-                  diff_attn=False, value_residual="none", attn_scale=0.0, final_norm=True,
-                  **{"ssm.inner_norm": True})
+                  **{"attention.qkv_bias": False, "attention.out_bias": False,
+                     "attention.qk_norm": False, "attention.output_gate": False,
+                     "attention.softcap": 0.0},
+                  final_softcap=0.0, scale_embeddings=False, embed_norm=False, logits_scale=1.0,
+                  **{"attention.sinks": False}, v_head_dim=0,
+                  **{"attention.differential": False, "attention.value_residual": "none",
+                     "attention.scale": 0.0},
+                  final_norm=True, **{"ssm.inner_norm": True})
     n = cfg.num_layers
     kinds, ffn = _expand(cfg.layer_pattern, n), _expand(cfg.ffn_pattern, n)
     if any(k not in ("mamba", "global") for k in kinds):

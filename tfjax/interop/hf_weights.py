@@ -80,10 +80,10 @@ def _attention(w, p: str, L: tuple, cfg: ModelConfig,
     out = {}
     for ours, theirs, heads in zip("qkv", full[:3], (N, K, K)):
         out[L + (ours, "kernel")] = _heads_in(w[f"{theirs}.weight"], heads, H)
-        if cfg.qkv_bias:
+        if cfg.attention.qkv_bias:
             out[L + (ours, "bias")] = w[f"{theirs}.bias"].reshape(heads, H)
     out[L + ("o", "kernel")] = _heads_out(w[f"{full[3]}.weight"], N, H)
-    if cfg.out_bias:
+    if cfg.attention.out_bias:
         out[L + ("o", "bias")] = w[f"{full[3]}.bias"]
     return out
 
@@ -126,7 +126,7 @@ def llama_weights(w: Weights, cfg: ModelConfig, hf: dict) -> dict:
     for i in range(cfg.num_layers):
         p, L = f"model.layers.{i}.", ("layers", i)
         out.update(_attention(w, p + "self_attn.", L + ("attn",), cfg))
-        if cfg.qk_norm:
+        if cfg.attention.qk_norm:
             out.update(_norm(w, p + "self_attn.q_norm", L + ("attn", "q_norm"), cfg))
             out.update(_norm(w, p + "self_attn.k_norm", L + ("attn", "k_norm"), cfg))
         out.update(_norm(w, p + "input_layernorm", L + ("attn_norm",), cfg))
@@ -162,11 +162,11 @@ def _fused_qkv(w, p: str, L: tuple, cfg: ModelConfig) -> dict:
     W = w[p + "query_key_value.weight"]
     W = W.reshape(N, 3, H, W.shape[-1])
     out = {L + (n, "kernel"): np.transpose(W[:, j], (2, 0, 1)) for j, n in enumerate("qkv")}
-    if cfg.qkv_bias:
+    if cfg.attention.qkv_bias:
         b = w[p + "query_key_value.bias"].reshape(N, 3, H)
         out.update({L + (n, "bias"): b[:, j] for j, n in enumerate("qkv")})
     out[L + ("o", "kernel")] = _heads_out(w[p + "dense.weight"], N, H)
-    if cfg.out_bias:
+    if cfg.attention.out_bias:
         out[L + ("o", "bias")] = w[p + "dense.bias"]
     return out
 

@@ -8,7 +8,7 @@ the `model.shared` section (`tfjax.nn.shared_block`). The mapping:
 
 - the shared block's attention: `num_attention_heads` heads of `attention_head_dim` =
   2 hidden_size / heads over the 2D-wide input, scale (head_dim / 2)^-0.5
-  (`model.attn_scale`), RoPE on the whole head when `use_mem_rope` (else
+  (`model.attention.scale`), RoPE on the whole head when `use_mem_rope` (else
   position="none"); its MLP `gate_up_proj` (gate rows, then up rows) of
   `intermediate_size` and `hidden_act` (gelu -> "geglu"), biases `add_bias_linear`.
 - Tied weights: transformers saves shared block m once, under the m-th hybrid layer
@@ -93,10 +93,11 @@ def zamba2_config(hf: dict) -> dict:
     t_min = float(hf.get("time_step_min", 0.001))
     c = dict(_common(hf), arch="decoder", d_model=D, num_layers=n, num_heads=N,
              num_kv_heads=hf.get("num_key_value_heads") or N, head_dim=H,
-             attn_scale=(H / 2) ** -0.5, d_ff=hf.get("intermediate_size") or 4 * D,
+             d_ff=hf.get("intermediate_size") or 4 * D,
              max_len=hf.get("max_position_embeddings", 4096),
              activation=_activation(hf, "hidden_act", gated=True), ffn_bias=bias,
-             qkv_bias=False, out_bias=False, position="rope" if rope else "none",
+             attention=dict(qkv_bias=False, out_bias=False, scale=(H / 2) ** -0.5),
+             position="rope" if rope else "none",
              norm="rmsnorm", norm_eps=eps, norm_placement="pre",
              layer_pattern=_cycle(_kinds(hf)), ffn_pattern=("none",),
              mamba2=dict(d_state=hf.get("mamba_d_state", 64), head_dim=expand * D // heads,
