@@ -14,11 +14,10 @@ for which that comparison is not empty, naming each differing field.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 
-from tfjax.config import ModelConfig
+from tfjax.config import ModelConfig, flat_fields
 from tfjax.interop.hf_config import _GATED, _PLAIN
 
 __all__ = ["bert_to_hf", "bloom_to_hf", "computation", "config_diff", "gemma2_to_hf",
@@ -38,23 +37,12 @@ _SECTION_KIND = {"ssm": "mamba", "mamba2": "mamba2", "linear": "linear", "gdn": 
 _RECURRENT = frozenset(("mamba", "mamba2"))  # mixers with no attention heads of model.num_heads
 
 
-def _flat(obj, prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for f in dataclasses.fields(obj):
-        v = getattr(obj, f.name)
-        if dataclasses.is_dataclass(v):
-            out.update(_flat(v, f"{prefix}{f.name}."))
-        else:
-            out[prefix + f.name] = v
-    return out
-
-
 def computation(cfg: ModelConfig) -> dict[str, Any]:
     """The fields of `cfg` that change what it computes, by dotted name, with derived
     values resolved (`head_dim` is the head size, `attention.scale` the scale in effect) and
     the fields of what the model does not use (a section no layer has, RoPE settings of
     a model without RoPE, an FFN's width where no layer has one) left out."""
-    c = {k: v for k, v in _flat(cfg).items() if k not in NOT_COMPUTATION}
+    c = {k: v for k, v in flat_fields(cfg).items() if k not in NOT_COMPUTATION}
     n = max(cfg.num_layers, cfg.encoder_layers)
     kinds = tuple(cfg.layer_kind(i) for i in range(n))
     ffns = tuple(cfg.ffn_kind(i) for i in range(n))
