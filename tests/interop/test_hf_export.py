@@ -24,7 +24,7 @@ transformers = pytest.importorskip("transformers", reason="the hf extra (transfo
 from tfjax.config import model_config  # noqa: E402
 from hf_parity import assert_logits_close  # noqa: E402
 from tfjax.interop import hf  # noqa: E402
-from tfjax.interop.hf_export import computation  # noqa: E402
+from tfjax.interop.computation import computation  # noqa: E402
 from tfjax.interop.hf_invert import Inverse  # noqa: E402
 from tfjax.interop.safetensors_io import SafetensorsCheckpoint  # noqa: E402
 from tfjax.models import build  # noqa: E402

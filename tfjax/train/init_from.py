@@ -54,8 +54,8 @@ from flax import nnx
 from tfjax.config import (ModelConfig, RunConfig, flat_fields, model_config, run_config,
                           upgrade_saved)
 from tfjax.interop import hf
-from tfjax.interop.hf_weights import PREFIXES, Weights
 from tfjax.interop.safetensors_io import SafetensorsCheckpoint
+from tfjax.interop.tensor_mapping import Weights
 from tfjax.models import build
 from tfjax.parallel.rules import logical_rules, tree_shardings
 from tfjax.train.checkpoint import Checkpointer, abstract_with_shardings
@@ -178,8 +178,7 @@ def _hf_params(path: str, hf_dict: dict, m: ModelConfig, mesh, rules):
     read from the memory-mapped files and put on `mesh` by its logical axes."""
     model_type = hf_dict["model_type"]
     family = hf.FAMILIES.get(model_type, field="init_from config.json model_type")
-    prefix = PREFIXES.get(model_type)
-    w = Weights(SafetensorsCheckpoint(path), (prefix,) if prefix else ())
+    w = Weights(SafetensorsCheckpoint(path), (family.prefix,) if family.prefix else ())
     arrays = family.weights(w, m, hf_dict)
     if left := w.leftovers():
         raise ValueError(f"init_from: {path} has tensors the {model_type} mapping does not "
