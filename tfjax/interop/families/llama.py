@@ -1,9 +1,10 @@
-"""Llama and Mistral (`LlamaForCausalLM`, `MistralForCausalLM`): the layout most decoder
-families extend (qwen3, mixtral, gemma2, qwen2, olmo2, smollm3, gemma3_text, phi3,
-qwen3_moe read their config through `config`, and many their tensors through
-`weights`, which also holds Qwen3's QK-norms, Gemma 2's sandwich norms and Mixtral's
-experts). Pre-norm RMSNorm, SwiGLU, RoPE in the "half" layout; `attention_bias` on
-q, k, v and o; Mistral is Llama whose every layer slides a window.
+"""Llama and Mistral (`LlamaForCausalLM`, `MistralForCausalLM`): pre-norm RMSNorm,
+SwiGLU, RoPE in the "half" layout, `attention_bias` on q, k, v and o; Mistral is Llama
+whose every layer slides a window. The layout most decoder families extend: qwen3,
+mixtral, gemma2, qwen2, olmo2, smollm3, gemma3_text, phi3 and qwen3_moe read their
+config through `config`, and most their tensors through `weights`, which also holds
+Qwen3's QK-norms, Gemma 2's sandwich norms, OLMo 2's output norms and Mixtral's
+experts.
 """
 
 from __future__ import annotations
@@ -37,23 +38,27 @@ def config(hf: dict) -> dict:
     return c
 
 
+# A layer's norms, HF's name -> ours, by model.norm_placement ("pre" for any other).
+_NORMS = {
+    "pre": (("input_layernorm", "attn_norm"), ("post_attention_layernorm", "ffn_norm")),
+    "sandwich": (("input_layernorm", "attn_norm"), ("post_attention_layernorm", "post_attn_norm"),
+                 ("pre_feedforward_layernorm", "ffn_norm"),
+                 ("post_feedforward_layernorm", "post_ffn_norm")),  # Gemma 2
+    "output": (("post_attention_layernorm", "attn_norm"),
+               ("post_feedforward_layernorm", "ffn_norm")),  # OLMo 2: on the sublayers' outputs
+}
+
+
 def weights(w: Weights, cfg: ModelConfig, hf: dict) -> dict:
     out = embedding_and_head(w, cfg)
-    sandwich = cfg.norm_placement == "sandwich"
+    norms = _NORMS.get(cfg.norm_placement, _NORMS["pre"])
     for i in range(cfg.num_layers):
         p, L = f"model.layers.{i}.", ("layers", i)
         out.update(attention_weights(w, p + "self_attn.", L + ("attn",), cfg))
-        if cfg.attention.qk_norm:  # Qwen3
+        if cfg.attention.qk_norm:  # Qwen3, OLMo 2
             out.update(qk_norm_weights(w, p + "self_attn.", L + ("attn",), cfg))
-        out.update(norm_weights(w, p + "input_layernorm", L + ("attn_norm",), cfg))
-        if sandwich:  # Gemma 2
-            out.update(norm_weights(w, p + "post_attention_layernorm", L + ("post_attn_norm",),
-                                    cfg))
-            out.update(norm_weights(w, p + "pre_feedforward_layernorm", L + ("ffn_norm",), cfg))
-            out.update(norm_weights(w, p + "post_feedforward_layernorm", L + ("post_ffn_norm",),
-                                    cfg))
-        else:
-            out.update(norm_weights(w, p + "post_attention_layernorm", L + ("ffn_norm",), cfg))
+        for theirs, ours in norms:
+            out.update(norm_weights(w, p + theirs, L + (ours,), cfg))
         if cfg.ffn_kind(i) == "moe":  # Mixtral: router `gate`, experts w1 / w3 / w2
             m, F = p + "block_sparse_moe.", L + ("ffn",)
             out[F + ("router",)] = w[m + "gate.weight"].T  # [E, D] -> [D, E]
