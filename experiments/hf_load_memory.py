@@ -43,10 +43,10 @@ from flax import nnx  # noqa: E402
 
 from tfjax.config import MeshConfig, model_config  # noqa: E402
 from tfjax.interop import hf  # noqa: E402
-from tfjax.interop.hf_export import llama_to_hf  # noqa: E402
+from tfjax.interop.families import llama  # noqa: E402
 from tfjax.interop.hf_invert import hf_shapes  # noqa: E402
-from tfjax.interop.hf_weights import Weights  # noqa: E402
 from tfjax.interop.safetensors_io import SafetensorsCheckpoint, write_file  # noqa: E402
+from tfjax.interop.tensor_mapping import Weights  # noqa: E402
 from tfjax.parallel.mesh import make_mesh  # noqa: E402
 
 MIB = 2 ** 20
@@ -60,7 +60,7 @@ OUT = os.path.join(os.path.dirname(__file__), "results", "hf_load_memory.md")
 def write_checkpoint(path: str) -> int:
     """A random bfloat16 Llama of MODEL as save_pretrained lays it out (names and shapes
     from transformers' model on the meta device), written one tensor at a time; its size."""
-    hf = llama_to_hf(model_config(MODEL))
+    hf = llama.to_hf(model_config(MODEL))
     hf["dtype"] = "bfloat16"
     shapes = hf_shapes(hf)
     rng = np.random.default_rng(0)

@@ -6,15 +6,16 @@ A block whose first line is a file's path as a comment (`# tfjax/ops/query_chunk
 `# tfjax/models/layer_kinds.py, beside ...`) is code of that file:
 
 - a file that does not exist yet runs as that new module, importable by its dotted
-  name (`from tfjax.ops import query_chunks`) by the blocks after it;
+  name (`from tfjax.ops import query_chunks`, `from tfjax.interop.families import
+  helium`) by the blocks after it;
 - an excerpt of an existing module runs among a copy of that module's globals, and
   each name it binds anew replaces the module's (`IMPLEMENTATIONS` and `AUTO_ORDER`
-  in `tfjax.ops.attention`), as an edit of the file would.
+  in `tfjax.ops.attention`, `FAMILIES` in `tfjax.interop.hf`), as an edit of the file
+  would.
 
 Everything such a block changes is undone after the test: module attributes and
-`sys.modules` through monkeypatch, and the tables the pages extend in place (the
-layer-kind, ffn-kind and checkpoint-family registries, the checkpoint prefixes) are
-copies for the test's duration.
+`sys.modules` through monkeypatch, and the registries (the layer-kind, ffn-kind and
+checkpoint-family tables) are copies for the test's duration.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import pytest
 
 from tfjax import models
 from tfjax.config import model_config
-from tfjax.interop import hf, hf_weights
+from tfjax.interop import hf
 from tfjax.models import FFN_KINDS, LAYER_KINDS
 from tfjax.train import __main__ as train_cli
 
@@ -86,14 +87,11 @@ def _run_as_file(path: str, code: str, label: str, monkeypatch) -> None:
 
 @pytest.fixture
 def scratch(tmp_path, monkeypatch):
-    """A scratch directory, the repository importable, the extended tables copied."""
+    """A scratch directory, the repository importable, the registries copied."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(ROOT))
     for registry in (LAYER_KINDS, FFN_KINDS, hf.FAMILIES):
         monkeypatch.setattr(registry, "_items", dict(registry._items))
-    prefixes = dict(hf_weights.PREFIXES)
-    monkeypatch.setattr(hf_weights, "PREFIXES", prefixes)
-    monkeypatch.setattr(hf, "PREFIXES", prefixes)
     return monkeypatch
 
 

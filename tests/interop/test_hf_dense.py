@@ -1,5 +1,5 @@
 """Parity of `tfjax.interop.hf.load` with transformers for the families of
-`tfjax.interop.hf_dense` (Qwen2, OLMo 2, SmolLM3, Gemma 3 text, Phi-3, Qwen3-MoE): a
+`tfjax.interop.families` (Qwen2, OLMo 2, SmolLM3, Gemma 3 text, Phi-3, Qwen3-MoE): a
 random tiny HF model is saved with `save_pretrained`, loaded by tfjax and compared on
 fp32 logits (max |ours - theirs| <= 1e-4 * max |theirs|) and on 20 greedy tokens of
 `tfjax.inference.generate` against HF `generate`; then `hf.export` writes it back

@@ -24,7 +24,7 @@ transformers = pytest.importorskip("transformers", reason="the hf extra (transfo
 from tfjax.config import model_config  # noqa: E402
 from hf_parity import assert_logits_close  # noqa: E402
 from tfjax.interop import hf  # noqa: E402
-from tfjax.interop.hf_export import computation  # noqa: E402
+from tfjax.interop.computation import computation  # noqa: E402
 from tfjax.interop.hf_invert import Inverse  # noqa: E402
 from tfjax.interop.safetensors_io import SafetensorsCheckpoint  # noqa: E402
 from tfjax.models import build  # noqa: E402
@@ -134,10 +134,11 @@ LLAMA = dict(arch="decoder", vocab_size=80, d_model=32, num_layers=3, num_heads=
 def test_native_model_exports_under_the_family_that_holds_it(tmp_path):
     """A tfjax model with alternating windows and QK-norm is a Qwen3 (Llama has neither):
     export finds the family itself, and transformers computes what tfjax does."""
-    cfg = model_config(dict(LLAMA, qk_norm=True, layer_pattern=("local", "global"),
-                            sliding_window=3, head_dim=16, num_layers=4, qkv_bias=True,
-                            out_bias=True, rope=dict(theta=100.0, scaling="yarn", factor=2.0,
-                                                     original_max_len=32)))
+    cfg = model_config(dict(LLAMA, layer_pattern=("local", "global"), head_dim=16, num_layers=4,
+                            attention=dict(qk_norm=True, sliding_window=3, qkv_bias=True,
+                                           out_bias=True),
+                            rope=dict(theta=100.0, scaling="yarn", factor=2.0,
+                                      original_max_len=32)))
     model = build(cfg, rngs=nnx.Rngs(2))
     hf.export(model, str(tmp_path), dtype="float32")
     ref = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
@@ -159,7 +160,7 @@ def _abstract(fields):  # a model with no values: what refusals read is its conf
      r"model.position='alibi'"),
     (dict(position="alibi"), "bloom", r"model_type 'bloom' cannot hold this model: "
      r"model.activation='swiglu' \(bloom: 'gelu_tanh'\)"),
-    (dict(layer_pattern=("global", "local"), sliding_window=4), "llama",
+    (dict(layer_pattern=("global", "local"), attention=dict(sliding_window=4)), "llama",
      r"model.layer_pattern=\('global', 'local', 'global'\) \(llama: \('global', 'global', "
      r"'global'\)\)"),
     (dict(activation="gelu"), "qwen3", r"model.activation='gelu' \(qwen3: 'swiglu'\)"),

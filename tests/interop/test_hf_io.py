@@ -69,7 +69,8 @@ def test_llama_export_round_trip(tmp_path):
 
 
 def test_export_refuses_non_llama():
-    model = build(model_config(dict(LLAMA, qk_norm=True)), rngs=nnx.Rngs(0))  # Qwen3, not Llama
+    model = build(model_config(dict(LLAMA, attention=dict(qk_norm=True))),  # Qwen3, not Llama
+                  rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="model.attention.qk_norm"):
         hf.export(model, "/nonexistent", family="llama")
 

@@ -1,4 +1,4 @@
-"""ModernBERT through `tfjax.interop.hf.load` (tfjax.interop.hf_encoder) against
+"""ModernBERT through `tfjax.interop.hf.load` (tfjax.interop.families.modernbert) against
 transformers' `ModernBertForMaskedLM` at a random tiny init: fp32 MLM logits within
 1e-4 of max |HF logits| on a padded batch whose local window (|q - k| <= 2) is
 smaller than the sequence, so local and global layers differ; the options the
@@ -20,10 +20,9 @@ transformers = pytest.importorskip("transformers", reason="the hf extra (transfo
 from tfjax.config import model_config  # noqa: E402
 from hf_parity import assert_logits_close  # noqa: E402
 from tfjax.interop import hf  # noqa: E402
-from tfjax.interop.hf_encoder import modernbert_to_hf  # noqa: E402
-from tfjax.interop.hf_encoder import modernbert_weights  # noqa: E402
-from tfjax.interop.hf_weights import Weights  # noqa: E402
+from tfjax.interop.families import modernbert  # noqa: E402
 from tfjax.interop.safetensors_io import SafetensorsCheckpoint  # noqa: E402
+from tfjax.interop.tensor_mapping import Weights  # noqa: E402
 from tfjax.models import build  # noqa: E402
 
 V, T = 96, 10
@@ -106,7 +105,7 @@ def test_unrolled_layers_give_the_scanned_logits(tmp_path):
     with open(tmp_path / "config.json") as f:
         config = json.load(f)
     unrolled_cfg = dataclasses.replace(cfg, scan_layers=False)
-    arrays = modernbert_weights(Weights(SafetensorsCheckpoint(str(tmp_path))), unrolled_cfg,
+    arrays = modernbert.weights(Weights(SafetensorsCheckpoint(str(tmp_path))), unrolled_cfg,
                                 config)
     unrolled = hf.load_state(arrays, unrolled_cfg, allow_missing=(("pooler",),))
     ids, mask = _inputs()
@@ -118,7 +117,7 @@ def test_unrolled_layers_give_the_scanned_logits(tmp_path):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_export_round_trip(name, tmp_path):
-    """`hf.export` (the family's `modernbert_to_hf` and its weights mapping run backwards)
+    """`hf.export` (the family's `to_hf` and its weights mapping run backwards)
     writes what transformers' `from_pretrained` reads as the same model, and what
     `hf.load` maps back to the same config."""
     ref = _save(CASES[name], tmp_path / "hf")
@@ -129,9 +128,9 @@ def test_export_round_trip(name, tmp_path):
     ids, mask = _inputs()
     real = torch.tensor(mask) == 1
     assert_logits_close(_mlm(back, ids, mask).numpy()[mask == 1], _mlm(ref, ids, mask)[real])
-    assert hf.config_from_hf(modernbert_to_hf(cfg)) == cfg
+    assert hf.config_from_hf(modernbert.to_hf(cfg)) == cfg
     with pytest.raises(ValueError, match="model.first_norm_residual"):
-        modernbert_to_hf(dataclasses.replace(cfg, first_norm_residual=False))
+        modernbert.to_hf(dataclasses.replace(cfg, first_norm_residual=False))
 
 
 BASE = dict(TINY, model_type="modernbert", num_hidden_layers=2)

@@ -1,5 +1,5 @@
 """Parity of `tfjax.interop.hf.load` with transformers for the MoE families of
-`tfjax.interop.hf_moe` (gpt-oss, Llama 4 text, DeepSeek-V3): a random tiny HF model
+`tfjax.interop.families` (gpt-oss, Llama 4 text, DeepSeek-V3): a random tiny HF model
 with options beyond the defaults is saved with `save_pretrained`, loaded by tfjax
 (dropless MoE, `moe.capacity_factor=0`, as HF routes), and compared on fp32 logits
 (max |ours - theirs| <= 1e-4 * max |theirs|) and on 20 greedy tokens of
@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers", reason="the hf extra (transfo
 from tfjax.config import model_config  # noqa: E402
 from hf_parity import assert_greedy_equal, assert_logits_close  # noqa: E402
 from tfjax.interop import hf  # noqa: E402
-from tfjax.interop.hf_export import config_diff  # noqa: E402
+from tfjax.interop.computation import config_diff  # noqa: E402
 
 V = 96
 SMALL = dict(vocab_size=V, hidden_size=32, num_attention_heads=4, initializer_range=0.1)

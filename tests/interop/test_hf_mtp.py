@@ -27,7 +27,7 @@ from test_hf_moe import _save  # noqa: E402
 from test_hf_recurrent import _save as _save_recurrent  # noqa: E402
 from tfjax.inference import generate, speculative_generate  # noqa: E402
 from tfjax.interop import hf  # noqa: E402
-from tfjax.interop.hf_recurrent import qwen3_next_mtp_depth  # noqa: E402
+from tfjax.interop.families import qwen3_next  # noqa: E402
 from tfjax.models.mtp import mtp_predictions  # noqa: E402
 
 
@@ -130,7 +130,7 @@ def test_a_checkpoint_without_its_mtp_layer_loads_without_mtp(tmp_path):
 
 
 def test_qwen3_next_deeper_mtp_is_refused_by_name():
-    assert qwen3_next_mtp_depth({}, ["mtp.fc.weight", "mtp.layers.0.input_layernorm.weight"]) == 1
-    assert qwen3_next_mtp_depth({}, ["model.norm.weight"]) == 0
+    assert qwen3_next.mtp_depth({}, ["mtp.fc.weight", "mtp.layers.0.input_layernorm.weight"]) == 1
+    assert qwen3_next.mtp_depth({}, ["model.norm.weight"]) == 0
     with pytest.raises(NotImplementedError, match="mtp.layers.1"):
-        qwen3_next_mtp_depth({}, ["mtp.fc.weight", "mtp.layers.1.input_layernorm.weight"])
+        qwen3_next.mtp_depth({}, ["mtp.fc.weight", "mtp.layers.1.input_layernorm.weight"])

@@ -1,5 +1,5 @@
 """Parity of `tfjax.interop.hf.load` with transformers for the recurrent and hybrid
-families of `tfjax.interop.hf_recurrent` (Mamba-2, Qwen3-Next, Jamba): a random tiny
+families of `tfjax.interop.families` (Mamba-2, Qwen3-Next, Jamba): a random tiny
 HF model (torch fallback paths, no CUDA kernels) is saved with `save_pretrained`,
 loaded by tfjax and compared on fp32 logits (max |ours - theirs| <= 1e-4 * max
 |theirs|) and on 20 greedy tokens of `tfjax.inference.generate` (prefill, then one

@@ -16,8 +16,8 @@ transformers = pytest.importorskip("transformers", reason="the hf extra (transfo
 from tfjax.config import MeshConfig  # noqa: E402
 from tfjax.interop import hf  # noqa: E402
 from tfjax.interop.hf_invert import Symbolic, stack, symbolic_checkpoint  # noqa: E402
-from tfjax.interop.hf_weights import PREFIXES, Weights  # noqa: E402
 from tfjax.interop.safetensors_io import SafetensorsCheckpoint, save_file  # noqa: E402
+from tfjax.interop.tensor_mapping import Weights  # noqa: E402
 from tfjax.parallel.mesh import make_mesh  # noqa: E402
 
 V = 96
@@ -56,9 +56,9 @@ def _eager_on_mesh(path, mesh, dtype):
     """Today's mesh path: the whole mapping evaluated in host memory, then device_put."""
     raw = hf._read_config(path)
     cfg = hf.config_from_hf(raw, dtype=dtype)
-    prefix = PREFIXES.get(raw["model_type"])
-    w = Weights(SafetensorsCheckpoint(path), (prefix,) if prefix else ())
-    return hf.load_state(hf.FAMILIES.get(raw["model_type"]).weights(w, cfg, raw), cfg, mesh=mesh)
+    family = hf.FAMILIES.get(raw["model_type"])
+    w = Weights(SafetensorsCheckpoint(path), (family.prefix,) if family.prefix else ())
+    return hf.load_state(family.weights(w, cfg, raw), cfg, mesh=mesh)
 
 
 @pytest.mark.parametrize("name", list(CASES))

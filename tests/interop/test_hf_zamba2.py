@@ -1,8 +1,9 @@
 """Parity of `tfjax.interop.hf.load` with transformers' `Zamba2ForCausalLM`
-(`tfjax.interop.hf_zamba2`): a random tiny HF model (torch paths, no CUDA kernels) is
-saved with `save_pretrained` (each shared block once, with its uses' adapters), loaded
-by tfjax and compared on fp32 logits (max |ours - theirs| <= 1e-4 * max |theirs|) and
-on 20 greedy tokens of `tfjax.inference.generate` against HF `generate`."""
+(`tfjax.interop.families.zamba2`): a random tiny HF model (torch paths, no CUDA
+kernels) is saved with `save_pretrained` (each shared block once, with its uses'
+adapters), loaded by tfjax and compared on fp32 logits (max |ours - theirs| <= 1e-4 *
+max |theirs|) and on 20 greedy tokens of `tfjax.inference.generate` against HF
+`generate`."""
 
 from __future__ import annotations
 
@@ -58,7 +59,8 @@ def test_parity(name, tmp_path):
 
 def _tie(ref):
     """Apply the tie transformers records but does not apply (5.24): hybrid layer u's
-    block := the block of hybrid layer u % num_mem_blocks (`tfjax.interop.hf_zamba2`)."""
+    block := the block of hybrid layer u % num_mem_blocks (`tfjax.interop.families.zamba2`
+    explains)."""
     c, layers = ref.config, ref.model.layers
     for u, i in enumerate(c.hybrid_layer_ids):
         first = c.hybrid_layer_ids[u % c.num_mem_blocks]

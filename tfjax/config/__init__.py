@@ -16,14 +16,14 @@ imports nothing else of tfjax, so names that a registry owns (`model.activation`
     attention.py  its attention section (model.attention)
     shared.py   its shared-blocks section (model.shared, Zamba2)
     run.py      TrainConfig, DataConfig, MeshConfig, CheckpointConfig, RunConfig
-    convert.py  ConfigDict / dict <-> dataclasses, presets' variants, moved fields
+    convert.py  ConfigDict / dict <-> dataclasses, presets' variants, moved fields, dotted paths
     checks.py   the field-error helpers
 """
 
 from tfjax.config.attention import AttentionConfig
-from tfjax.config.convert import (apply_variant, default_config, from_dict, model_config,
-                                  moved_field, run_config, to_config_dict, unknown_field,
-                                  upgrade_saved)
+from tfjax.config.convert import (apply_variant, default_config, flat_fields, from_dict,
+                                  model_config, moved_field, run_config, to_config_dict,
+                                  unknown_field, upgrade_saved)
 from tfjax.config.model import (DTYPES, GatedDeltaNetConfig, LinearConfig, Mamba2Config,
                                 ModelConfig, MoEConfig, RopeConfig, SSMConfig, T5Config)
 from tfjax.config.shared import SharedBlockConfig
@@ -61,6 +61,7 @@ __all__ = [
     "default_config",
     "apply_variant",
     "from_dict",
+    "flat_fields",
     "moved_field",
     "unknown_field",
     "to_config_dict",

@@ -5,7 +5,7 @@ unknown key, a wrong type, or a field that moved (`model.num_experts` is now
 `model.moe.num_experts`) raises `ValueError` naming the field. `model_config` and
 `run_config` convert and validate; `moved_field` and `unknown_field` answer for a
 dotted path (the command line asks them before applying `--config.<path>=`
-overrides).
+overrides); `flat_fields` lists a config's fields by dotted path.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from tfjax.config.checks import fail
 from tfjax.config.model import ModelConfig
 from tfjax.config.run import RunConfig
 
-__all__ = ["apply_variant", "default_config", "from_dict", "model_config", "moved_field",
-           "run_config", "to_config_dict", "unknown_field", "upgrade_saved"]
+__all__ = ["apply_variant", "default_config", "flat_fields", "from_dict", "model_config",
+           "moved_field", "run_config", "to_config_dict", "unknown_field", "upgrade_saved"]
 
 
 def _convert(field: str, tp: Any, value: Any) -> Any:
@@ -194,6 +194,19 @@ def apply_variant(cfg: ml_collections.ConfigDict, arg: str | None,
 
     merge(cfg, variants[arg], "")
     return cfg
+
+
+def flat_fields(obj: Any, prefix: str = "") -> dict[str, Any]:
+    """A config dataclass's fields by dotted path, sections opened (`{"attention.impl":
+    "auto", "rope.theta": 10000.0, ...}`), in field order."""
+    out = {}
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        if dataclasses.is_dataclass(v):
+            out.update(flat_fields(v, f"{prefix}{f.name}."))
+        else:
+            out[prefix + f.name] = v
+    return out
 
 
 def to_config_dict(obj: Any) -> ml_collections.ConfigDict:

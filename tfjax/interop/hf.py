@@ -7,16 +7,9 @@
 `load` reads a local directory as `save_pretrained` writes it: `config.json` and
 `model.safetensors` (or shards with `model.safetensors.index.json`), without torch
 (`tfjax.interop.safetensors_io` memory-maps the files; bfloat16 comes out as an
-`ml_dtypes` array). Each supported `model_type` is a `Family` in `FAMILIES`, three
-functions:
-
-- **config** (`tfjax.interop.hf_config`): the HF config dict -> `ModelConfig`
-  fields; an HF option that changes the computation is mapped or refused with
-  `NotImplementedError` naming it.
-- **weights** (`tfjax.interop.hf_weights`): the checkpoint -> `{our parameter path:
-  array}`, per-layer paths `(stack, i, ...)`; a tensor left unread is an error.
-- **to_hf** (`tfjax.interop.hf_export`): a `ModelConfig` -> the HF config dict, the
-  inverse of config, which makes the family exportable.
+`ml_dtypes` array). Each supported `model_type` is a `Family` in `FAMILIES`, the one
+table of the family modules (`tfjax.interop.families`: one module per family, its
+config mapping both ways, its tensor mapping, its checkpoint prefix).
 
 Placement (here) puts layer i of each stack where the stack's layout says
 (`tfjax.models.StackLayout.where`: a scanned cycle position and its index on the
@@ -29,17 +22,16 @@ experts, held throughout); with a mesh the mapping runs on symbolic
 tensors (`tfjax.interop.hf_invert.Symbolic`, from the safetensors headers) and each
 parameter is read from the memory-mapped files device block by device block
 (`_place_blocks`), so the host holds a few device blocks at a time. Each converted
-convention is checked by a parity test in tests/interop; BLOOM's ALiBi `m * k`
-equals our `-m * |q - k|` up to a per-query constant (softmax-invariant). Loaded
-models are for inference: dropout is off.
+convention is checked by a parity test in tests/interop. Loaded models are for
+inference: dropout is off.
 
 `export` writes a model of any family with a `to_hf` back (every family here but
-zamba2, which loads only: `tfjax.interop.hf_zamba2`): the
-family is the one whose `to_hf` -> config round trip gives the model's config back
-(`hf_export.config_diff`; a model no family holds is refused naming each differing
-field), and the tensors are the family's weights mapping run backwards
-(`tfjax.interop.hf_invert`: no per-family export code), with names and shapes from
-transformers' model on the meta device, so export needs the `hf` extra.
+zamba2, which loads only): the family is the one whose `to_hf` -> config round trip
+gives the model's config back (`tfjax.interop.computation.config_diff`; a model no
+family holds is refused naming each differing field), and the tensors are the
+family's weights mapping run backwards (`tfjax.interop.hf_invert`: no per-family
+export code), with names and shapes from transformers' model on the meta device, so
+export needs the `hf` extra.
 """
 
 from __future__ import annotations
@@ -57,82 +49,33 @@ import numpy as np
 from flax import nnx
 
 from tfjax.config import DEFAULT_RULES, DTYPES, ModelConfig, model_config
-from tfjax.interop import hf_config, hf_export, hf_weights
+from tfjax.interop.computation import config_diff
+from tfjax.interop.config_mapping import check_types
+from tfjax.interop.families import (Family, bert, bloom, deepseek_v3, gemma2, gemma3_text, gpt2,
+                                    gpt_neox, gpt_oss, jamba, llama, llama4, mamba, mamba2,
+                                    mixtral, modernbert, olmo2, phi3, qwen2, qwen3, qwen3_moe,
+                                    qwen3_next, smollm3, t5, zamba2)
 from tfjax.interop.hf_invert import Inverse, Symbolic, hf_shapes, stack, symbolic_checkpoint
-from tfjax.interop import hf_dense
-from tfjax.interop import hf_encoder
-from tfjax.interop import hf_recurrent
-from tfjax.interop import hf_moe
-from tfjax.interop import hf_zamba2
-from tfjax.interop.hf_weights import PREFIXES, Weights
 from tfjax.interop.safetensors_io import SafetensorsCheckpoint, write_file
+from tfjax.interop.tensor_mapping import Weights
 from tfjax.models import EncoderModel, StackLayout, build, check_names
 from tfjax.parallel.rules import logical_rules, spec_for, variable_axes
 from tfjax.registry import Registry
 
 __all__ = ["FAMILIES", "Family", "HFEncoder", "config_from_hf", "export", "load", "load_state"]
 
-
-@dataclasses.dataclass(frozen=True)
-class Family:
-    """One `model_type`: its config mapping, its tensor mapping and (optionally) the
-    inverse of its config mapping, `to_hf(cfg) -> config.json dict` (model_type,
-    architectures and every field), which makes the family exportable."""
-
-    config: Callable[[dict], dict]
-    weights: Callable[[Weights, ModelConfig, dict], dict]
-    to_hf: Callable[[ModelConfig], dict] | None = None
-    # (config dict, checkpoint tensor names) -> the `model.mtp_depth` its tensors hold
-    mtp_depth: Callable[[dict, Any], int] | None = None
-
-
-FAMILIES: Registry[Family] = Registry("Hugging Face model_type")
-for _names, _fam in (
-        (("llama", "mistral"), Family(hf_config.llama_config, hf_weights.llama_weights,
-                                      hf_export.llama_to_hf)),
-        (("qwen3",), Family(hf_config.qwen3_config, hf_weights.llama_weights,
-                            hf_export.qwen3_to_hf)),
-        (("mixtral",), Family(hf_config.mixtral_config, hf_weights.llama_weights,
-                              hf_export.mixtral_to_hf)),
-        (("gemma2",), Family(hf_config.gemma2_config, hf_weights.llama_weights,
-                             hf_export.gemma2_to_hf)),
-        (("qwen2",), Family(hf_dense.qwen2_config, hf_weights.llama_weights,
-                            hf_dense.qwen2_to_hf)),
-        (("olmo2",), Family(hf_dense.olmo2_config, hf_dense.olmo2_weights, hf_dense.olmo2_to_hf)),
-        (("smollm3",), Family(hf_dense.smollm3_config, hf_weights.llama_weights,
-                              hf_dense.smollm3_to_hf)),
-        (("gemma3_text",), Family(hf_dense.gemma3_text_config, hf_weights.llama_weights,
-                                  hf_dense.gemma3_text_to_hf)),
-        (("phi3",), Family(hf_dense.phi3_config, hf_dense.phi3_weights, hf_dense.phi3_to_hf)),
-        (("qwen3_moe",), Family(hf_dense.qwen3_moe_config, hf_dense.qwen3_moe_weights,
-                                hf_dense.qwen3_moe_to_hf)),
-        (("gpt_oss",), Family(hf_moe.gpt_oss_config, hf_moe.gpt_oss_weights,
-                              hf_moe.gpt_oss_to_hf)),
-        (("llama4_text",), Family(hf_moe.llama4_config, hf_moe.llama4_weights,
-                                  hf_moe.llama4_to_hf)),
-        (("deepseek_v3",), Family(hf_moe.deepseek_v3_config, hf_moe.deepseek_v3_weights,
-                                  hf_moe.deepseek_v3_to_hf, hf_moe.deepseek_v3_mtp_depth)),
-        (("gpt2",), Family(hf_config.gpt2_config, hf_weights.gpt2_weights, hf_export.gpt2_to_hf)),
-        (("gpt_neox",), Family(hf_config.neox_config, hf_weights.neox_weights,
-                               hf_export.neox_to_hf)),
-        (("bloom",), Family(hf_config.bloom_config, hf_weights.bloom_weights,
-                            hf_export.bloom_to_hf)),
-        (("bert",), Family(hf_config.bert_config, hf_weights.bert_weights, hf_export.bert_to_hf)),
-        (("modernbert",), Family(hf_encoder.modernbert_config, hf_encoder.modernbert_weights,
-                                 hf_encoder.modernbert_to_hf)),
-        (("t5",), Family(hf_config.t5_config, hf_weights.t5_weights, hf_export.t5_to_hf)),
-        (("mamba",), Family(hf_config.mamba_config, hf_weights.mamba_weights,
-                            hf_export.mamba_to_hf)),
-        (("mamba2",), Family(hf_recurrent.mamba2_config, hf_recurrent.mamba2_weights,
-                             hf_recurrent.mamba2_to_hf)),
-        (("qwen3_next",), Family(hf_recurrent.qwen3_next_config, hf_recurrent.qwen3_next_weights,
-                                 hf_recurrent.qwen3_next_to_hf,
-                                 hf_recurrent.qwen3_next_mtp_depth)),
-        (("jamba",), Family(hf_recurrent.jamba_config, hf_recurrent.jamba_weights,
-                            hf_recurrent.jamba_to_hf)),
-        (("zamba2",), Family(hf_zamba2.zamba2_config, hf_zamba2.zamba2_weights))):
-    for _n in _names:
-        FAMILIES.register(_n, _fam)
+# Every checkpoint family tfjax reads: one record per module of tfjax.interop.families
+# (nothing registers itself), under each `model_type` it answers to.
+FAMILIES: Registry[Family] = Registry("Hugging Face model_type", {
+    model_type: module.FAMILY for module in (
+        llama, qwen3, mixtral, gemma2,  # Llama's layout (and Mistral) and its first kin
+        qwen2, olmo2, smollm3, gemma3_text, phi3, qwen3_moe,  # Llama-like, 2024-25
+        gpt_oss, llama4, deepseek_v3,  # MoE decoders
+        gpt2, gpt_neox, bloom,  # fused QKV, LayerNorm
+        bert, modernbert,  # encoders
+        t5,  # encoder-decoder
+        mamba, mamba2, qwen3_next, jamba, zamba2,  # recurrent and hybrid
+    ) for model_type in module.FAMILY.model_types})
 
 
 # --------------------------------------------------------------------------- #
@@ -298,9 +241,9 @@ def _read_config(path: str) -> dict:
 def config_from_hf(hf: dict, *, dtype: str | None = None,
                    source: str = "config.json") -> ModelConfig:
     """The tfjax `ModelConfig` of an HF config dict. Unsupported options raise
-    NotImplementedError; a key of the wrong JSON type (`hf_config.check_types`) or a
+    NotImplementedError; a key of the wrong JSON type (`config_mapping.check_types`) or a
     missing key the family needs is a ValueError naming `source` (the file) and the key."""
-    hf_config.check_types(hf, source)
+    check_types(hf, source)
     model_type = hf.get("model_type")
     family = FAMILIES.get(model_type, field=f"{source} model_type")
     try:
@@ -339,14 +282,13 @@ def load(path: str, *, dtype: str | None = None, mesh=None, rules=DEFAULT_RULES,
     cfg = config_from_hf(hf, dtype=dtype, source=os.path.join(path, "config.json"))
     cfg = dataclasses.replace(cfg, scan_layers=scan_layers)
     family = FAMILIES.get(hf["model_type"], field="config.json model_type")
-    prefix = PREFIXES.get(hf["model_type"])
     ckpt = SafetensorsCheckpoint(path)
     depth = family.mtp_depth(hf, ckpt) if family.mtp_depth is not None else 0
     if depth:  # the checkpoint's multi-token-prediction modules (DeepSeek-V3, Qwen3-Next)
         cfg = dataclasses.replace(cfg, mtp_depth=depth)
     lazy = mesh is not None  # the mapping runs on the tensors' names and shapes alone
     source = symbolic_checkpoint({n: ckpt.shape(n) for n in ckpt}) if lazy else ckpt
-    w = Weights(source, (prefix,) if prefix else ())
+    w = Weights(source, (family.prefix,) if family.prefix else ())
     arrays = family.weights(w, cfg, hf)
     left = w.leftovers()
     if left:
@@ -371,8 +313,8 @@ def load(path: str, *, dtype: str | None = None, mesh=None, rules=DEFAULT_RULES,
 def _exportable(cfg: ModelConfig, family: str | None) -> tuple[str, Family, dict]:
     """`(model_type, family, config.json dict)` for `cfg`: the family named, or the
     first family by name whose `to_hf` -> `config` round trip gives `cfg` back (in every
-    field of `hf_export.computation`); else a one-line ValueError naming each field
-    where the closest family differs."""
+    field of `tfjax.interop.computation.computation`); else a one-line ValueError naming
+    each field where the closest family differs."""
     if family is not None and FAMILIES.get(family, field="export family").to_hf is None:
         raise ValueError(f"export: model_type {family!r} is read but not written (its Family "
                          f"has no to_hf); exportable: {', '.join(_writable())}")
@@ -384,8 +326,8 @@ def _exportable(cfg: ModelConfig, family: str | None) -> tuple[str, Family, dict
         seen.add(id(fam))
         try:
             hf = fam.to_hf(cfg)
-            diff = hf_export.config_diff(cfg, config_from_hf(hf, dtype="float32",
-                                                             source=f"{name} config"), name)
+            diff = config_diff(cfg, config_from_hf(hf, dtype="float32", source=f"{name} config"),
+                               name)
             rank = len(diff)
         except (ValueError, NotImplementedError, KeyError, TypeError) as e:
             diff, rank = [f"{type(e).__name__}: {e}"], math.inf  # not a near miss

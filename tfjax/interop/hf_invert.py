@@ -1,8 +1,8 @@
 """The inverse of a family's weights mapping, derived from the mapping itself.
 
-`tfjax.interop.hf_weights` maps checkpoint tensors to our parameters by element
-movement only: transposes, reshapes, indexing (splits of fused QKV / gate-up
-tensors), stacking over experts. Export does not need a second, hand-written copy
+A family's weights mapping (`tfjax.interop.families`) maps checkpoint tensors to our
+parameters by element movement only: transposes, reshapes, indexing (splits of fused
+QKV / gate-up tensors), stacking over experts. Export does not need a second, hand-written copy
 of each mapping: `Inverse` runs the mapping on a symbolic checkpoint whose tensors
 are `Symbolic` (names and shapes from transformers' model, built on the meta
 device), so every parameter comes back as a recorded expression over checkpoint
@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from tfjax.config import ModelConfig
-from tfjax.interop.hf_weights import Weights
+from tfjax.interop.tensor_mapping import Weights
 
 __all__ = ["Inverse", "Symbolic", "hf_shapes", "stack", "symbolic_checkpoint"]
 

@@ -9,7 +9,7 @@ the embedding of token i + k, and predicts token i + k + 1:
 
 h^0 is the decoder's output after its final norm (what its head reads), and each
 depth passes on its normed output, as transformers' `MtpModel` and vLLM run
-DeepSeek's released MTP weights (`tfjax.interop.hf_moe` loads them).
+DeepSeek's released MTP weights (`tfjax.interop.families.deepseek_v3` loads them).
 
 `Block_k` is one layer of the kind of the decoder's last layer (its mixer and
 feed-forward: MLA + MoE for DeepSeek-V3), causal within documents, with its own

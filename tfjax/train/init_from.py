@@ -51,10 +51,11 @@ from typing import Any
 import jax
 from flax import nnx
 
-from tfjax.config import ModelConfig, RunConfig, model_config, run_config, upgrade_saved
+from tfjax.config import (ModelConfig, RunConfig, flat_fields, model_config, run_config,
+                          upgrade_saved)
 from tfjax.interop import hf
-from tfjax.interop.hf_weights import PREFIXES, Weights
 from tfjax.interop.safetensors_io import SafetensorsCheckpoint
+from tfjax.interop.tensor_mapping import Weights
 from tfjax.models import build
 from tfjax.parallel.rules import logical_rules, tree_shardings
 from tfjax.train.checkpoint import Checkpointer, abstract_with_shardings, read_json_object
@@ -111,22 +112,11 @@ def _source(path: str) -> tuple[str, ModelConfig, str | None, Any]:
     return kind, src.model, src.data.tokenizer, src
 
 
-def _flat(x, prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for f in dataclasses.fields(x):
-        v = getattr(x, f.name)
-        if dataclasses.is_dataclass(v):
-            out.update(_flat(v, f"{prefix}{f.name}."))
-        else:
-            out[f"{prefix}{f.name}"] = v
-    return out
-
-
 def merge_model(mine: ModelConfig, theirs: ModelConfig, where: str) -> ModelConfig:
     """The checkpoint's model config `theirs` with the run-time fields of `mine`; a
     field `mine` sets away from the default that disagrees with `theirs` is a
     ValueError naming it (`where`: the checkpoint, for the message)."""
-    a, b, default = _flat(mine), _flat(theirs), _flat(ModelConfig())
+    a, b, default = flat_fields(mine), flat_fields(theirs), flat_fields(ModelConfig())
     out = dict(b)
     for k, v in a.items():
         if k in RUNTIME_FIELDS:
@@ -178,8 +168,7 @@ def _hf_params(path: str, hf_dict: dict, m: ModelConfig, mesh, rules):
     read from the memory-mapped files and put on `mesh` by its logical axes."""
     model_type = hf_dict["model_type"]
     family = hf.FAMILIES.get(model_type, field="init_from config.json model_type")
-    prefix = PREFIXES.get(model_type)
-    w = Weights(SafetensorsCheckpoint(path), (prefix,) if prefix else ())
+    w = Weights(SafetensorsCheckpoint(path), (family.prefix,) if family.prefix else ())
     arrays = family.weights(w, m, hf_dict)
     if left := w.leftovers():
         raise ValueError(f"init_from: {path} has tensors the {model_type} mapping does not "

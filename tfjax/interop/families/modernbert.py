@@ -1,8 +1,5 @@
-"""ModernBERT (Warner et al. 2024) checkpoints <-> tfjax encoders: config, tensors, config back.
-
-`modernbert_config(hf)`, `modernbert_weights(w, cfg, hf)` and `modernbert_to_hf(cfg)`
-are the three functions of `tfjax.interop.hf.FAMILIES["modernbert"]`; `hf.load` gives
-an `HFEncoder` (`model(input_ids, attention_mask=...) -> MLM logits [B,T,V]`).
+"""ModernBERT (Warner et al. 2024; `ModernBertForMaskedLM`): `tfjax.interop.hf.load`
+gives an `HFEncoder` (`model(input_ids, attention_mask=...) -> MLM logits [B,T,V]`).
 
 What ModernBERT is, in our terms: pre-norm LayerNorms without bias (`norm_bias`), no
 linear biases (`attention_bias`, `mlp_bias`), RoPE in the rotate-half layout, a
@@ -13,10 +10,11 @@ function, with no parameter left over). Layers alternate as HF's `layer_types` s
 configs: a global layer every `global_attn_every_n_layers`, the others local), one
 RoPE base per kind (`rope_parameters.full_attention / sliding_attention.rope_theta`,
 old configs `global_rope_theta` / `local_rope_theta`): `model.rope.theta` and
-`model.local_rope_theta` of the "global" and "local" layer kinds. A local layer sees
-keys with |q - k| <= `local_attention // 2` (HF's bidirectional sliding-window mask),
-our `sliding_window` on each side. The GeGLU MLP's fused `Wi` `[2F, D]` holds the
-activated half first, then the gate it multiplies (our `wi_gate`, `wi_up`); the fused
+`model.attention.local_rope_theta` of the "global" and "local" layer kinds. A local
+layer sees keys with |q - k| <= `local_attention // 2` (HF's bidirectional
+sliding-window mask), our `attention.sliding_window` on each side. The GeGLU MLP's
+fused `Wi` `[2F, D]` holds the activated half first, then the gate it multiplies (our
+`wi_gate`, `wi_up`); the fused
 `Wqkv` `[3*N*H, D]` is q, k, v in that order. The MLM head is dense (bias:
 `classifier_bias`) + `classifier_activation` + norm, then the decoder tied to the
 token embedding (`tie_word_embeddings`) with bias `decoder_bias`
@@ -36,11 +34,14 @@ from typing import Any
 import numpy as np
 
 from tfjax.config import ModelConfig
-from tfjax.interop import hf_config
-from tfjax.interop.hf_config import require, unsupported
-from tfjax.interop.hf_weights import Weights, _head, _heads_out, _linear, _norm
+from tfjax.interop.config_mapping import (check_types, common_fields, layer_types, need,
+                                          read_activation, read_layer_pattern, require,
+                                          unsupported)
+from tfjax.interop.families import Family
+from tfjax.interop.tensor_mapping import (Weights, head_weights, heads_out, linear_weights,
+                                          norm_weights)
 
-__all__ = ["modernbert_config", "modernbert_to_hf", "modernbert_weights"]
+__all__ = ["FAMILY", "config", "to_hf", "weights"]
 
 _INT, _NUM, _BOOL, _STR = (int,), (int, float), (bool,), (str,)
 # ModernBERT's own config.json keys, type-checked before the mapping reads them.
@@ -61,7 +62,7 @@ _ARCHITECTURES = ("ModernBertForMaskedLM",)
 _DEFAULT_THETA = {"full_attention": 160_000.0, "sliding_attention": 10_000.0}  # HF's defaults
 _OLD_THETA = {"full_attention": "global_rope_theta", "sliding_attention": "local_rope_theta"}
 _ACTIVATIONS = {"geglu": "gelu", "geglu_tanh": "gelu_pytorch_tanh", "swiglu": "silu",
-                "reglu": "relu"}  # ours -> HF hidden_activation (the inverse of _activation)
+                "reglu": "relu"}  # ours -> HF hidden_activation (the inverse of read_activation)
 
 
 def _rope_thetas(hf: dict) -> dict[str, float]:
@@ -90,8 +91,8 @@ def _rope_thetas(hf: dict) -> dict[str, float]:
     return thetas
 
 
-def modernbert_config(hf: dict) -> dict:
-    hf_config.check_types(hf, key_types=_KEY_TYPES)
+def config(hf: dict) -> dict:
+    check_types(hf, key_types=_KEY_TYPES)
     for arch in hf.get("architectures") or ():
         if arch not in _ARCHITECTURES:  # a bare ModernBertModel lacks the MLM head
             unsupported("architectures", hf["architectures"],
@@ -113,79 +114,80 @@ def modernbert_config(hf: dict) -> dict:
     half = hf.get("local_attention", 128) // 2  # |q - k| <= local_attention // 2
     if "sliding_attention" in types and half < 1:
         unsupported("local_attention", hf.get("local_attention"), "local layers need >= 2")
-    # _layer_pattern reads HF's causal convention (the window counts the query itself).
-    layers = hf_config._layer_pattern(dict(layer_types=types, sliding_window=half + 1), n)
+    # read_layer_pattern reads HF's causal convention (the window counts the query itself).
+    pattern, window = read_layer_pattern(dict(layer_types=types, sliding_window=half + 1), n)
     thetas = _rope_thetas(hf)
-    activation = hf_config._activation(
+    activation = read_activation(
         {"hidden_activation": hf.get("hidden_activation") or "gelu"}, "hidden_activation",
         gated=True)
     attn_bias = bool(hf.get("attention_bias", False))
     c: dict[str, Any] = dict(
-        hf_config._common(hf), arch="encoder", d_model=D, num_layers=n, num_heads=N,
+        common_fields(hf), arch="encoder", d_model=D, num_layers=n, num_heads=N,
         d_ff=hf["intermediate_size"], max_len=hf.get("max_position_embeddings", 8192),
         position="rope", rope=dict(theta=thetas["full_attention"], fraction=1.0, layout="half"),
         norm="layernorm", norm_eps=float(hf.get("norm_eps", 1e-5)),
         norm_bias=bool(hf.get("norm_bias", False)), norm_placement="pre", final_norm=True,
         embed_norm=False, first_norm_residual=True, activation=activation,
-        ffn_bias=bool(hf.get("mlp_bias", False)), qkv_bias=attn_bias, out_bias=attn_bias,
+        ffn_bias=bool(hf.get("mlp_bias", False)),
+        attention=dict(qkv_bias=attn_bias, out_bias=attn_bias, sliding_window=window),
         type_vocab_size=0, num_classes=0, mlm_dense_bias=bool(hf.get("classifier_bias", False)),
-        mlm_output_bias=bool(hf.get("decoder_bias", True)), **layers)
-    if "local" in c["layer_pattern"]:
-        c["local_rope_theta"] = thetas["sliding_attention"]
+        mlm_output_bias=bool(hf.get("decoder_bias", True)), layer_pattern=pattern)
+    if "local" in pattern:
+        c["attention"]["local_rope_theta"] = thetas["sliding_attention"]
     return c
 
 
-def modernbert_weights(w: Weights, cfg: ModelConfig, hf: dict) -> dict:
+def weights(w: Weights, cfg: ModelConfig, hf: dict) -> dict:
     N, H, D, F = cfg.num_heads, cfg.head_size, cfg.d_model, cfg.d_ff
     e = "model.embeddings."
     out = {("embed", "tokens", "embedding"): w[e + "tok_embeddings.weight"],
-           **_norm(w, "model.final_norm", ("final_norm",), cfg)}
+           **norm_weights(w, "model.final_norm", ("final_norm",), cfg)}
     for i in range(cfg.num_layers):
         p, L = f"model.layers.{i}.", ("layers", i)
         A = L + ("attn",)
         W = w[p + "attn.Wqkv.weight"].reshape(3, N, H, D)  # rows: q, k, v; each [N, H]
         for j, name in enumerate("qkv"):
             out[A + (name, "kernel")] = np.transpose(W[j], (2, 0, 1))  # [D, N, H]
-        if cfg.qkv_bias:
+        if cfg.attention.qkv_bias:
             b = w[p + "attn.Wqkv.bias"].reshape(3, N, H)
             out.update({A + (name, "bias"): b[j] for j, name in enumerate("qkv")})
-        out[A + ("o", "kernel")] = _heads_out(w[p + "attn.Wo.weight"], N, H)
-        if cfg.out_bias:
+        out[A + ("o", "kernel")] = heads_out(w[p + "attn.Wo.weight"], N, H)
+        if cfg.attention.out_bias:
             out[A + ("o", "bias")] = w[p + "attn.Wo.bias"]
         # HF's layer 0 has no attn_norm: the embedding norm is ours (first_norm_residual)
-        out.update(_norm(w, e + "norm" if i == 0 else p + "attn_norm", L + ("attn_norm",), cfg))
-        out.update(_norm(w, p + "mlp_norm", L + ("ffn_norm",), cfg))
+        out.update(norm_weights(w, e + "norm" if i == 0 else p + "attn_norm",
+                                L + ("attn_norm",), cfg))
+        out.update(norm_weights(w, p + "mlp_norm", L + ("ffn_norm",), cfg))
         Wi = w[p + "mlp.Wi.weight"]  # [2F, D]: the activated half, then the gate
         out[L + ("ffn", "wi_gate", "kernel")], out[L + ("ffn", "wi_up", "kernel")] = (
             Wi[:F].T, Wi[F:].T)
         if cfg.ffn_bias:
             bi = w[p + "mlp.Wi.bias"]
             out[L + ("ffn", "wi_gate", "bias")], out[L + ("ffn", "wi_up", "bias")] = bi[:F], bi[F:]
-        out.update(_linear(w, p + "mlp.Wo", L + ("ffn", "wo"), cfg.ffn_bias))
-    out.update(_linear(w, "head.dense", ("mlm_dense",), cfg.mlm_dense_bias))
-    out.update(_norm(w, "head.norm", ("mlm_norm",), cfg))
+        out.update(linear_weights(w, p + "mlp.Wo", L + ("ffn", "wo"), cfg.ffn_bias))
+    out.update(linear_weights(w, "head.dense", ("mlm_dense",), cfg.mlm_dense_bias))
+    out.update(norm_weights(w, "head.norm", ("mlm_norm",), cfg))
     if cfg.mlm_output_bias:
         out[("mlm_bias",)] = w["decoder.bias"]
-    out.update(_head(w, "decoder.weight", cfg))  # tied: a saved copy is read and dropped
+    out.update(head_weights(w, "decoder.weight", cfg))  # tied: a saved copy is read and dropped
     return out
 
 
 def _check_exportable(cfg: ModelConfig) -> None:
-    want = dict(arch="encoder", norm="layernorm", norm_placement="pre", block="sequential",
-                position="rope", embed_norm=False, final_norm=True, first_norm_residual=True,
-                qk_norm=False, attn_softcap=0.0, final_softcap=0.0, scale_embeddings=False,
-                logits_scale=1.0, ffn_pattern=("dense",), attention_sinks=False, v_head_dim=0,
-                type_vocab_size=0, num_classes=0, mup_base_width=0, attn_output_gate=False)
-    for field, value in want.items():
-        if getattr(cfg, field) != value:
-            raise ValueError(f"export: model.{field}={getattr(cfg, field)!r} has no ModernBERT "
-                             f"equivalent (needs {value!r})")
+    need(cfg, "ModernBERT", **{
+        "arch": "encoder", "norm": "layernorm", "norm_placement": "pre", "block": "sequential",
+        "position": "rope", "embed_norm": False, "final_norm": True, "first_norm_residual": True,
+        "attention.qk_norm": False, "attention.softcap": 0.0, "final_softcap": 0.0,
+        "scale_embeddings": False, "logits_scale": 1.0, "ffn_pattern": ("dense",),
+        "attention.sinks": False, "v_head_dim": 0, "type_vocab_size": 0, "num_classes": 0,
+        "mup_base_width": 0, "attention.output_gate": False})
     if cfg.activation not in _ACTIVATIONS:
         raise ValueError(f"export: model.activation={cfg.activation!r}: ModernBERT's MLP is "
                          f"gated, one of {', '.join(_ACTIVATIONS)}")
-    if cfg.qkv_bias != cfg.out_bias:
+    if cfg.attention.qkv_bias != cfg.attention.out_bias:
         raise ValueError("export: ModernBERT's attention_bias covers Wqkv and Wo together; "
-                         f"got qkv_bias={cfg.qkv_bias}, out_bias={cfg.out_bias}")
+                         f"got model.attention.qkv_bias={cfg.attention.qkv_bias}, "
+                         f"model.attention.out_bias={cfg.attention.out_bias}")
     if cfg.kv_heads != cfg.num_heads or cfg.head_size * cfg.num_heads != cfg.d_model:
         raise ValueError("export: ModernBERT has num_heads * head_dim = d_model and no GQA; got "
                          f"{cfg.num_heads} heads, {cfg.kv_heads} kv heads, head_dim "
@@ -198,24 +200,24 @@ def _check_exportable(cfg: ModelConfig) -> None:
     if not kinds <= {"global", "local"}:
         raise ValueError(f"export: model.layer_pattern={cfg.layer_pattern!r}: ModernBERT has "
                          "'global' and 'local' layers only")
-    if cfg.attn_scale and abs(cfg.attn_scale - cfg.head_size ** -0.5) > 1e-12:
-        raise ValueError(f"export: attn_scale={cfg.attn_scale} is not 1/sqrt(head_dim)")
+    scale = cfg.attention.scale
+    if scale and abs(scale - cfg.head_size ** -0.5) > 1e-12:
+        raise ValueError(f"export: model.attention.scale={scale} is not 1/sqrt(head_dim)")
 
 
-def modernbert_to_hf(cfg: ModelConfig) -> dict:
+def to_hf(cfg: ModelConfig) -> dict:
     """The `config.json` of a ModernBERT-shaped tfjax encoder (`ModernBertForMaskedLM`);
     a config ModernBERT cannot express is a ValueError naming the field."""
     _check_exportable(cfg)
-    types = ["sliding_attention" if cfg.layer_kind(i) == "local" else "full_attention"
-             for i in range(cfg.num_layers)]
-    local_theta = cfg.local_rope_theta or cfg.rope.theta
+    types = layer_types(cfg)
+    local_theta = cfg.attention.local_rope_theta or cfg.rope.theta
     return dict(
         architectures=list(_ARCHITECTURES), model_type="modernbert", vocab_size=cfg.vocab_size,
         hidden_size=cfg.d_model, intermediate_size=cfg.d_ff, num_hidden_layers=cfg.num_layers,
         num_attention_heads=cfg.num_heads, hidden_activation=_ACTIVATIONS[cfg.activation],
         max_position_embeddings=cfg.max_len, norm_eps=cfg.norm_eps, norm_bias=cfg.norm_bias,
-        attention_bias=cfg.qkv_bias, mlp_bias=cfg.ffn_bias, layer_types=types,
-        local_attention=2 * cfg.sliding_window if "sliding_attention" in types else 128,
+        attention_bias=cfg.attention.qkv_bias, mlp_bias=cfg.ffn_bias, layer_types=types,
+        local_attention=2 * cfg.attention.sliding_window if "sliding_attention" in types else 128,
         rope_parameters=dict(
             full_attention=dict(rope_type="default", rope_theta=cfg.rope.theta),
             sliding_attention=dict(rope_type="default", rope_theta=local_theta)),
@@ -226,3 +228,6 @@ def modernbert_to_hf(cfg: ModelConfig) -> dict:
         # defaults are ModernBERT's own vocabulary's
         pad_token_id=None, bos_token_id=None, eos_token_id=None, cls_token_id=None,
         sep_token_id=None)
+
+
+FAMILY = Family(model_types=("modernbert",), config=config, weights=weights, to_hf=to_hf)

@@ -1,5 +1,4 @@
-"""Hugging Face's Zamba2 (`Zamba2ForCausalLM`, model_type "zamba2") as a tfjax
-`Family`: its config and its tensors (load only; no `to_hf` yet).
+"""Zamba2 (`Zamba2ForCausalLM`): its config and its tensors (load only; no `to_hf` yet).
 
 Zamba2 (Glorioso et al. 2024, arXiv:2411.15242): a Mamba-2 stack whose "hybrid" layers
 (`layers_block_type`) also run one of `num_mem_blocks` shared transformer blocks, in
@@ -8,7 +7,7 @@ the `model.shared` section (`tfjax.nn.shared_block`). The mapping:
 
 - the shared block's attention: `num_attention_heads` heads of `attention_head_dim` =
   2 hidden_size / heads over the 2D-wide input, scale (head_dim / 2)^-0.5
-  (`model.attn_scale`), RoPE on the whole head when `use_mem_rope` (else
+  (`model.attention.scale`), RoPE on the whole head when `use_mem_rope` (else
   position="none"); its MLP `gate_up_proj` (gate rows, then up rows) of
   `intermediate_size` and `hidden_act` (gelu -> "geglu"), biases `add_bias_linear`.
 - Tied weights: transformers saves shared block m once, under the m-th hybrid layer
@@ -38,11 +37,13 @@ from __future__ import annotations
 import numpy as np
 
 from tfjax.config import ModelConfig
-from tfjax.interop.hf_config import _activation, _common, _rope, check_types, unsupported
-from tfjax.interop.hf_recurrent import mamba2_mixer_weights
-from tfjax.interop.hf_weights import Weights, _head, _heads_in, _heads_out, _norm
+from tfjax.interop.config_mapping import (check_types, common_fields, read_activation,
+                                          read_rope, shortest_pattern, unsupported)
+from tfjax.interop.families import Family, mamba2
+from tfjax.interop.tensor_mapping import (Weights, embedding_and_head, heads_in, heads_out,
+                                          norm_weights)
 
-__all__ = ["zamba2_config", "zamba2_weights"]
+__all__ = ["FAMILY", "config", "weights"]
 
 _INT, _NUM, _BOOL = (int,), (int, float), (bool,)
 _KEY_TYPES: dict[str, tuple[type, ...]] = {
@@ -67,14 +68,7 @@ def _kinds(hf: dict) -> list[str]:
     return [_LAYERS[t] for t in types]
 
 
-def _cycle(kinds: list[str]) -> tuple[str, ...]:
-    n = len(kinds)
-    period = next(p for p in range(1, n + 1)
-                  if n % p == 0 and all(kinds[i] == kinds[i % p] for i in range(n)))
-    return tuple(kinds[:period])
-
-
-def zamba2_config(hf: dict) -> dict:
+def config(hf: dict) -> dict:
     check_types(hf, key_types=_KEY_TYPES)
     if hf.get("use_long_context"):
         unsupported("use_long_context", True, "Zamba2's rescaled long-context RoPE")
@@ -91,14 +85,16 @@ def zamba2_config(hf: dict) -> dict:
     bias = bool(hf.get("add_bias_linear", False))
     rope = hf.get("use_mem_rope", False)
     t_min = float(hf.get("time_step_min", 0.001))
-    c = dict(_common(hf), arch="decoder", d_model=D, num_layers=n, num_heads=N,
+    c = dict(common_fields(hf), arch="decoder", d_model=D, num_layers=n, num_heads=N,
              num_kv_heads=hf.get("num_key_value_heads") or N, head_dim=H,
-             attn_scale=(H / 2) ** -0.5, d_ff=hf.get("intermediate_size") or 4 * D,
+             d_ff=hf.get("intermediate_size") or 4 * D,
              max_len=hf.get("max_position_embeddings", 4096),
-             activation=_activation(hf, "hidden_act", gated=True), ffn_bias=bias,
-             qkv_bias=False, out_bias=False, position="rope" if rope else "none",
+             activation=read_activation(hf, "hidden_act", gated=True), ffn_bias=bias,
+             attention=dict(qkv_bias=False, out_bias=False, scale=(H / 2) ** -0.5),
+             position="rope" if rope else "none",
              norm="rmsnorm", norm_eps=eps, norm_placement="pre",
-             layer_pattern=_cycle(_kinds(hf)), ffn_pattern=("none",),
+             layer_pattern=shortest_pattern(_kinds(hf), whole_cycles=True),
+             ffn_pattern=("none",),
              mamba2=dict(d_state=hf.get("mamba_d_state", 64), head_dim=expand * D // heads,
                          expand=expand, n_groups=hf.get("mamba_ngroups", 1),
                          d_conv=hf.get("mamba_d_conv", 4), chunk=hf.get("chunk_size", 256),
@@ -109,7 +105,7 @@ def zamba2_config(hf: dict) -> dict:
                          attn_adapter=bool(hf.get("use_shared_attention_adapter", False)),
                          mlp_adapter=True))
     if rope:
-        c["rope"] = _rope(hf)
+        c["rope"] = read_rope(hf)
     return c
 
 
@@ -120,10 +116,8 @@ def _adapter(w: Weights, name: str, r: int, shape: tuple) -> tuple[np.ndarray, n
     return a.T, b.T.reshape(r, *shape)
 
 
-def zamba2_weights(w: Weights, cfg: ModelConfig, hf: dict) -> dict:
-    out = {("embed", "tokens", "embedding"): w["model.embed_tokens.weight"],
-           **_norm(w, "model.final_layernorm", ("final_norm",), cfg)}
-    out.update(_head(w, "lm_head.weight", cfg))
+def weights(w: Weights, cfg: ModelConfig, hf: dict) -> dict:
+    out = embedding_and_head(w, cfg, final_norm="model.final_layernorm")
     n, sh = cfg.num_layers, cfg.shared
     hybrid = [i for i in range(n) if cfg.layer_kind(i) == "mamba2_shared"]
     N, K, H, F, r = cfg.num_heads, cfg.kv_heads, cfg.head_size, cfg.d_ff, sh.adapter_rank
@@ -143,8 +137,8 @@ def zamba2_weights(w: Weights, cfg: ModelConfig, hf: dict) -> dict:
                     w, f"{src}feed_forward.gate_up_proj_adapter_list.{u}", r, (2, F))
             out[G + ("out",)] = w[p + "linear.weight"].T
             p += "mamba_decoder."
-        out.update(_norm(w, p + "input_layernorm", L + ("attn_norm",), cfg))
-        out.update(mamba2_mixer_weights(w, p + "mamba.", L + ("attn",), cfg))
+        out.update(norm_weights(w, p + "input_layernorm", L + ("attn_norm",), cfg))
+        out.update(mamba2.mixer_weights(w, p + "mamba.", L + ("attn",), cfg))
     _check_copies(w, hybrid, sh.num_blocks)
     S = ("layers", "shared")
     blocks = [f"model.layers.{hybrid[m]}.shared_transformer." for m in range(sh.num_blocks)]
@@ -156,9 +150,9 @@ def zamba2_weights(w: Weights, cfg: ModelConfig, hf: dict) -> dict:
     out[S + ("ffn_norm", "scale")] = stacked(lambda b: w[b + "pre_ff_layernorm.weight"])
     for x, heads in (("q", N), ("k", K), ("v", K)):
         out[S + ("attn", x, "kernel")] = stacked(
-            lambda b: _heads_in(w[f"{b}self_attn.{x}_proj.weight"], heads, H))
+            lambda b: heads_in(w[f"{b}self_attn.{x}_proj.weight"], heads, H))
     out[S + ("attn", "o", "kernel")] = stacked(
-        lambda b: _heads_out(w[b + "self_attn.o_proj.weight"], N, H))
+        lambda b: heads_out(w[b + "self_attn.o_proj.weight"], N, H))
     gate_up = [w[b + "feed_forward.gate_up_proj.weight"] for b in blocks]  # [2F, D]
     out[S + ("ffn", "wi_gate", "kernel")] = np.stack([g[:F].T for g in gate_up])
     out[S + ("ffn", "wi_up", "kernel")] = np.stack([g[F:].T for g in gate_up])
@@ -187,3 +181,6 @@ def _check_copies(w: Weights, hybrid: list[int], M: int) -> None:
                 raise ValueError(f"checkpoint: {name} differs from {tied}: Zamba2's shared "
                                  f"block {u % M} is saved twice with different values (the "
                                  f"tie was not applied); tfjax shares one block")
+
+
+FAMILY = Family(model_types=("zamba2",), config=config, weights=weights)
