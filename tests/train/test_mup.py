@@ -40,7 +40,7 @@ def params_of(cfg):
 
 def test_at_the_base_width_mup_is_the_standard_model():
     sp, mu = model_cfg(32), model_cfg(32, base=32)
-    assert mu.scale == sp.scale and mu.logits_multiplier == 1.0
+    assert mu.attention_scale == sp.attention_scale and mu.logits_multiplier == 1.0
     a, b = params_of(sp), params_of(mu)
     for k in a:
         np.testing.assert_array_equal(a[k].get_value(), b[k].get_value(), err_msg=k)
@@ -69,7 +69,8 @@ def test_classes_init_lr_attention_and_logits_scale_with_the_width():
         want = a[k].get_value() * (0.5 if k in hidden else 1.0)
         np.testing.assert_allclose(b[k].get_value(), want, rtol=1e-6, err_msg=k)
     # attention: 1/head_dim, equal to the standard 1/sqrt at the base head dim (32 / 4)
-    assert mu.scale == pytest.approx(np.sqrt(8) / 32) and sp.scale == pytest.approx(32 ** -0.5)
+    assert mu.attention_scale == pytest.approx(np.sqrt(8) / 32)
+    assert sp.attention_scale == pytest.approx(32 ** -0.5)
     assert mu.logits_multiplier == pytest.approx(1 / m)
     # Adam: the hidden matrices' updates are 1/m of the standard ones, the rest equal
     p = nnx.state(models.build(sp, rngs=nnx.Rngs(0)), nnx.Param)

@@ -361,7 +361,7 @@ def export(model: nnx.Module, path: str, *, family: str | None = None, dtype: st
       the family lacks, ...) is a ValueError naming each differing `model.` field.
     dtype: the dtype on disk (default `model.param_dtype`).
     tokenizer: the run's tokenizer (`tfjax.data.load_tokenizer(cfg.data.tokenizer)`,
-      as `tfjax.generate.load_run` returns it). Given, the directory also gets its
+      as `tfjax.train.checkpoint.load_run` returns it). Given, the directory also gets its
       `tokenizer.json` (`hf_tokenizer()`: encoding puts BOS first, as training did) and
       `tokenizer_config.json` (for transformers' `AutoTokenizer`), and its bos / eos /
       pad ids go into `config.json` and `generation_config.json`, so that
