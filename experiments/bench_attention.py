@@ -745,6 +745,7 @@ def bench_layer_tpu_aot(args, topology="v5e:2x2", N=32, K=8):
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
+    from tfjax.config import AttentionConfig
     from tfjax.nn.attention import MultiHeadAttention
     from tfjax.nn.positions import RotaryEmbedding
 
@@ -764,8 +765,9 @@ def bench_layer_tpu_aot(args, topology="v5e:2x2", N=32, K=8):
     heads_major = lambda x: x.transpose(0, 2, 1, 3)  # [B,T,N,H] <-> [B,N,T,H]
     for H, T in itertools.product((128, 64), (int(s) for s in args.sizes.split(","))):
         D = N * H
-        layer = MultiHeadAttention(D, N, num_kv_heads=K, head_dim=H, rope=RotaryEmbedding(H),
-                                   implementation="pallas", dtype=jnp.bfloat16,
+        layer = MultiHeadAttention(D, N, num_kv_heads=K, head_dim=H,
+                                   attention=AttentionConfig(impl="pallas"),
+                                   rope=RotaryEmbedding(H), dtype=jnp.bfloat16,
                                    param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
         graphdef, params = nnx.split(layer)
         splash = jax.vmap(sk.make_splash_mha(

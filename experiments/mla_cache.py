@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tfjax import models
-from tfjax.config import model_config
+from tfjax.config import MLAConfig, model_config
 from tfjax.nn.latent_attention import MultiHeadLatentAttention
 from tfjax.ops import masks
 
@@ -60,9 +60,9 @@ def cache_rows():
 
 def decode_rows(dims, prefixes, reps):
     d, N, r, dr, dn, dv = dims
-    layer = MultiHeadLatentAttention(d, N, kv_lora_rank=r, qk_nope_head_dim=dn,
-                                     qk_rope_head_dim=dr, v_head_dim=dv, q_lora_rank=r,
-                                     rngs=nnx.Rngs(0))
+    mla = MLAConfig(kv_lora_rank=r, qk_nope_head_dim=dn, qk_rope_head_dim=dr, v_head_dim=dv,
+                    q_lora_rank=r)
+    layer = MultiHeadLatentAttention(d, N, mla, rngs=nnx.Rngs(0))
     absorbed = nnx.jit(lambda m, *a: m.attend_absorbed(*a))
     materialised = nnx.jit(lambda m, *a: m.attend(*a))
     rows = []

@@ -20,6 +20,7 @@ transformers = pytest.importorskip("transformers", reason="the hf extra (transfo
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 
 from hf_parity import assert_greedy_equal, assert_logits_close  # noqa: E402
+from tfjax.config import RopeConfig  # noqa: E402
 from tfjax.inference import generate, stream  # noqa: E402
 from tfjax.interop import hf  # noqa: E402
 from tfjax.interop.safetensors_io import SafetensorsCheckpoint, save_file  # noqa: E402
@@ -199,14 +200,15 @@ def test_bad_values_name_the_key(model_type, over, match):
 
 
 def test_longrope_frequencies_match_transformers():
-    """`RotaryEmbedding(scaling="longrope")` against transformers' own LongRoPE init,
+    """A `RopeConfig(scaling="longrope")` RoPE against transformers' own LongRoPE init,
     within and past original_max_position_embeddings, with its attention factor."""
     short, long = [1.0, 1.5, 2.0, 3.0], [1.5, 3.0, 6.0, 12.0]
     config = transformers.Phi3Config(**BASE, original_max_position_embeddings=16,
                                      rope_parameters=dict(rope_type="longrope", rope_theta=100.0,
                                                           short_factor=short, long_factor=long))
-    rope = RotaryEmbedding(head_dim=8, theta=100.0, scaling="longrope", factor=4.0,
-                           original_max_len=16, short_factor=tuple(short), long_factor=tuple(long))
+    rope = RotaryEmbedding(8, RopeConfig(theta=100.0, scaling="longrope", factor=4.0,
+                                         original_max_len=16, short_factor=tuple(short),
+                                         long_factor=tuple(long)))
     for seq_len in (10, 16, 17, 40):
         theirs, factor = ROPE_INIT_FUNCTIONS["longrope"](config, "cpu", seq_len=seq_len)
         np.testing.assert_allclose(np.asarray(rope.inv_freq(seq_len)), theirs.numpy(), rtol=1e-6)

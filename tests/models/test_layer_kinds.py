@@ -6,12 +6,19 @@ pass, the cache gets its state and slots, the decode masks its window, the posit
 biases skip it, and the trainer's zig-zag fallback reads its order dependence. The
 same for an ffn kind's builder and order dependence."""
 
+import importlib
+import inspect
+import pkgutil
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
+import tfjax.models
+import tfjax.nn
+import tfjax.nn.ffn
 from tfjax import models
 from tfjax.config import MeshConfig, RunConfig, model_config
 from tfjax.inference import generate
@@ -162,9 +169,9 @@ def test_the_attention_kinds_of_2024_26_models():
                             attention=dict(sliding_window=4, local_rope_theta=10.0, qk_norm=True,
                                            qk_norm_over="projection", temperature_floor=4)))
     local, glob, nope = models.build(cfg, rngs=nnx.Rngs(0)).layers.cycles.layers
-    assert (local.attn.rope.theta, local.attn.rope.scaling) == (10.0, "none")
-    assert (glob.attn.rope.theta, glob.attn.rope.scaling, glob.attn.rope.factor) == \
-        (1e4, "linear", 8.0)
+    local_rope, global_rope = local.attn.rope.rope, glob.attn.rope.rope  # their RopeConfigs
+    assert (local_rope.theta, local_rope.scaling) == (10.0, "none")
+    assert (global_rope.theta, global_rope.scaling, global_rope.factor) == (1e4, "linear", 8.0)
     assert nope.attn.rope is None and nope.attn.temperature == (4, 0.1)
     assert local.attn.temperature is None and glob.attn.q_norm.scale.shape == (1, 4 * 8)  # scanned
 
@@ -194,3 +201,40 @@ def test_llama4_qk_norm_is_weightless_and_on_the_rope_layers_only():
         models.build(with_attention(qk_norm_layers="nope"), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="model.attention.qk_norm_kind: got 'l2'"):
         models.build(with_attention(qk_norm_kind="l2"), rngs=nnx.Rngs(0))
+
+
+MAX_CONSTRUCTOR_PARAMETERS = 15  # layers take config records whole, not 30 keywords
+
+
+def _module_classes():
+    """Every `nnx.Module` subclass defined in a module of `tfjax.nn` or `tfjax.models`."""
+    for package in (tfjax.nn, tfjax.models):
+        for info in pkgutil.iter_modules(package.__path__):
+            module = importlib.import_module(f"{package.__name__}.{info.name}")
+            for obj in vars(module).values():
+                if (inspect.isclass(obj) and issubclass(obj, nnx.Module)
+                        and obj.__module__ == module.__name__):
+                    yield obj
+
+
+def _too_wide() -> dict[str, int]:
+    """name -> constructor parameters (self not counted) of the classes over the limit."""
+    width = {f"{c.__module__}.{c.__qualname__}": len(inspect.signature(c.__init__).parameters) - 1
+             for c in _module_classes()}
+    assert "tfjax.nn.attention.MultiHeadAttention" in width and len(width) > 15
+    return {name: n for name, n in width.items() if n > MAX_CONSTRUCTOR_PARAMETERS}
+
+
+def test_no_layer_constructor_is_wide(monkeypatch):
+    """No layer or model constructor takes more than 15 parameters (dtypes, init scales
+    and rngs included): a layer's knobs come as its config section's record
+    (`Mamba(d_model, cfg.ssm)`). A wide one planted in `tfjax.nn.ffn` is found."""
+    assert _too_wide() == {}
+
+    class Wide(nnx.Module):
+        def __init__(self, a, b, c, d, e, f, g, h, i, j, k, l, m, n, o, p):  # 16
+            pass
+
+    Wide.__module__ = "tfjax.nn.ffn"
+    monkeypatch.setattr(tfjax.nn.ffn, "Wide", Wide, raising=False)
+    assert _too_wide() == {"tfjax.nn.ffn.test_no_layer_constructor_is_wide.<locals>.Wide": 16}

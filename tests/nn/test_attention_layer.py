@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from tfjax.config import AttentionConfig
 from tfjax.nn.attention import MultiHeadAttention
 from tfjax.nn.blocks import TransformerBlock
 from tfjax.nn.ffn import FeedForward
@@ -48,9 +49,10 @@ def params_of(layer):
 @pytest.mark.parametrize("bias", [False, True])
 def test_self_attention_matches_reference_forward_and_grads(N, K, bias):
     D, H = 24, 8
-    layer = MultiHeadAttention(D, N, num_kv_heads=K, head_dim=H, qkv_bias=bias, out_bias=bias,
-                               implementation="xla" if not bias else "reference",
-                               softcap=5.0 if bias else None, rngs=nnx.Rngs(0))
+    config = AttentionConfig(qkv_bias=bias, out_bias=bias, impl="reference" if bias else "xla",
+                             softcap=5.0 if bias else 0.0)
+    layer = MultiHeadAttention(D, N, num_kv_heads=K, head_dim=H, attention=config,
+                               rngs=nnx.Rngs(0))
     x = rand((2, 7, D), 1)
     mask = M.causal() & M.segments(jnp.array([[1, 1, 1, 2, 2, 2, 2], [1] * 7]))
     allowed = mask.dense(7, 7)
@@ -82,8 +84,9 @@ def test_sinks_and_value_head_dim():
     a head dim of their own, against the plain reference with the column written
     out; the sinks are `[N]` parameters with logical axis "heads" and get gradients."""
     D, N, K, H, Hv = 24, 4, 2, 8, 12
-    layer = MultiHeadAttention(D, N, num_kv_heads=K, head_dim=H, v_head_dim=Hv, sinks=True,
-                               implementation="blockwise", init_std=0.5, rngs=nnx.Rngs(0))
+    layer = MultiHeadAttention(D, N, num_kv_heads=K, head_dim=H, v_head_dim=Hv,
+                               attention=AttentionConfig(sinks=True, impl="blockwise"),
+                               init_std=0.5, rngs=nnx.Rngs(0))
     assert layer.v.kernel.shape == (D, K, Hv) and layer.o.kernel.shape == (N, Hv, D)
     assert layer.sinks.shape == (N,) and layer.sinks.sharding_names == ("heads",)
     x = rand((2, 7, D), 1)
@@ -107,7 +110,8 @@ def test_sinks_and_value_head_dim():
 
 def test_cross_attention_scale_and_bias():
     D, N = 16, 4
-    layer = MultiHeadAttention(D, N, num_kv_heads=2, context_dim=12, scale=0.5, rngs=nnx.Rngs(0))
+    layer = MultiHeadAttention(D, N, num_kv_heads=2, context_dim=12,
+                               attention=AttentionConfig(scale=0.5), rngs=nnx.Rngs(0))
     x, ctx = rand((2, 5, D), 2), rand((2, 9, 12), 3)
     bias = rand((1, N, 5, 9), 4)
     mask = M.padding(jnp.array([9, 4]))
@@ -130,7 +134,8 @@ def test_gqa_equals_mha_with_repeated_kv_weights():
 
 def test_qk_norm_normalises_per_head_before_rope():
     D, N, H = 16, 2, 8
-    layer = MultiHeadAttention(D, N, qk_norm=True, rope=RotaryEmbedding(H), rngs=nnx.Rngs(0))
+    layer = MultiHeadAttention(D, N, attention=AttentionConfig(qk_norm=True),
+                               rope=RotaryEmbedding(H), rngs=nnx.Rngs(0))
     x = 100.0 * rand((1, 5, D), 6)
     q, k, _ = layer.project(x)
     # RMSNorm with unit scale then a rotation: every head vector has norm sqrt(H).
@@ -203,8 +208,9 @@ def test_qk_norm_over_the_projection_and_the_nope_temperature():
     """OLMo 2's QK-norm normalises all heads of q (and of k) at once; Llama 4's NoPE
     layers scale q by 1 + scale * ln(1 + floor((p + 1) / floor)) at position p."""
     D, N, K, H = 24, 4, 2, 8
-    layer = MultiHeadAttention(D, N, num_kv_heads=K, head_dim=H, qk_norm=True,
-                               qk_norm_over="projection", temperature=(3, 0.5),
+    config = AttentionConfig(qk_norm=True, qk_norm_over="projection", temperature_floor=3,
+                             temperature_scale=0.5)
+    layer = MultiHeadAttention(D, N, num_kv_heads=K, head_dim=H, attention=config,
                                rngs=nnx.Rngs(0))
     x = rand((2, 7, D), 1)
     q, k, _ = layer.project(x)
@@ -216,7 +222,9 @@ def test_qk_norm_over_the_projection_and_the_nope_temperature():
     np.testing.assert_allclose(q, q_ref * t[None, :, None, None], atol=1e-5)
     np.testing.assert_allclose(k, k_ref, atol=1e-5)
     with pytest.raises(ValueError, match="qk_norm_over"):
-        MultiHeadAttention(D, N, qk_norm=True, qk_norm_over="heads", rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="no RoPE"):
-        MultiHeadAttention(D, N, temperature=(3, 0.5), rope=RotaryEmbedding(head_dim=6),
+        MultiHeadAttention(D, N, attention=AttentionConfig(qk_norm=True, qk_norm_over="heads"),
                            rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="no RoPE"):
+        MultiHeadAttention(D, N,
+                           attention=AttentionConfig(temperature_floor=3, temperature_scale=0.5),
+                           rope=RotaryEmbedding(6), rngs=nnx.Rngs(0))

@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from tfjax import models
-from tfjax.config import model_config
+from tfjax.config import AttentionConfig, model_config
 from tfjax.nn.attention import MultiHeadAttention, diff_lambda_init
 from tfjax.nn.positions import RotaryEmbedding
 from tfjax.ops import masks as M
@@ -77,9 +77,10 @@ assert not ALLOWED[0, 3].any()
 @pytest.mark.parametrize("implementation", ["reference", "blockwise", "xla"])
 def test_differential_attention_layer_forward_and_grads(implementation):
     layer_index = 3
-    attn = MultiHeadAttention(D, N, num_kv_heads=K, head_dim=H, differential=True,
-                              rope=RotaryEmbedding(H // 2), implementation=implementation,
-                              init_std=0.4, norm_eps=1e-5, rngs=nnx.Rngs(0))
+    attn = MultiHeadAttention(D, N, num_kv_heads=K, head_dim=H,
+                              attention=AttentionConfig(differential=True, impl=implementation),
+                              rope=RotaryEmbedding(H // 2), init_std=0.4, norm_eps=1e-5,
+                              rngs=nnx.Rngs(0))
     assert attn.diff_lambda.shape == (4, H // 2) and attn.diff_norm.scale.shape == (H,)
     attn.diff_norm.scale[...] = 1.0 + rand((H,), 7, 0.3)  # not the identity
     x, cot = rand((B, T, D), 1), rand((B, T, D), 2)
@@ -221,11 +222,14 @@ def test_layer_kinds_that_cannot_carry_a_variant_are_refused_by_name(switch):
 
 def test_module_refuses_what_differential_attention_cannot_carry():
     with pytest.raises(ValueError, match="even head_dim"):
-        MultiHeadAttention(24, 8, head_dim=3, differential=True, rngs=nnx.Rngs(0))
+        MultiHeadAttention(24, 8, head_dim=3, attention=AttentionConfig(differential=True),
+                           rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="no sinks"):
-        MultiHeadAttention(16, 2, differential=True, sinks=True, rngs=nnx.Rngs(0))
+        MultiHeadAttention(16, 2, attention=AttentionConfig(differential=True, sinks=True),
+                           rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="value_residual"):
-        MultiHeadAttention(16, 2, value_residual="maybe", rngs=nnx.Rngs(0))
+        MultiHeadAttention(16, 2, attention=AttentionConfig(value_residual="maybe"),
+                           rngs=nnx.Rngs(0))
 
 
 def test_both_variants_run_as_ring_attention_on_a_sequence_mesh(monkeypatch):
@@ -273,8 +277,9 @@ def test_output_gate_matches_the_written_out_reference():
     head and channel; forward and gradients, GQA 4/2, T=13 with padding, x given to
     `attend` by every caller (the layer, the KV caches)."""
     B, T, D, N, K, H = 2, 13, 24, 4, 2, 8
-    attn = MultiHeadAttention(D, N, num_kv_heads=K, head_dim=H, output_gate=True,
-                              implementation="blockwise", rngs=nnx.Rngs(3))
+    attn = MultiHeadAttention(D, N, num_kv_heads=K, head_dim=H,
+                              attention=AttentionConfig(output_gate=True, impl="blockwise"),
+                              rngs=nnx.Rngs(3))
     x = jax.random.normal(jax.random.key(0), (B, T, D))
     lengths = jnp.array([T, 9])
     valid = jnp.arange(T)[None] < lengths[:, None]  # [B, S]: the keys that are not padding

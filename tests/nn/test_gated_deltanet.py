@@ -11,12 +11,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tfjax.config import model_config
+from tfjax.config import GatedDeltaNetConfig, model_config
 from tfjax.nn.gated_deltanet import (GatedDeltaNet, gated_delta_rule,
                                      gated_delta_rule_reference, l2_normalize)
 
 B, T, CHUNK = 2, 37, 8
 HK, HV, DK, DV, D = 2, 4, 8, 6, 16  # Hv = 2 Hk
+GDN = GatedDeltaNetConfig(num_k_heads=HK, num_v_heads=HV, head_k_dim=DK, head_v_dim=DV,
+                          chunk=CHUNK)
 # Row 0 packs three documents (boundaries inside chunks); row 1 continues a state.
 POSITIONS = jnp.array([list(range(10)) + list(range(20)) + list(range(7)), list(range(3, 40))])
 
@@ -71,8 +73,7 @@ def test_chunked_equals_sequential_forward_and_gradients():
 
 @pytest.fixture(scope="module")
 def layer():
-    m = GatedDeltaNet(D, num_k_heads=HK, num_v_heads=HV, head_k_dim=DK, head_v_dim=DV,
-                      chunk_size=CHUNK, init_std=0.3, rngs=nnx.Rngs(0))
+    m = GatedDeltaNet(D, GDN, init_std=0.3, rngs=nnx.Rngs(0))
     return m, jax.random.normal(jax.random.key(1), (B, T, D))
 
 
@@ -177,8 +178,7 @@ def _from_hf(hf) -> GatedDeltaNet:
     """HF's fused, per-key-head interleaved projections -> tfjax's separate ones."""
     G = HV // HK
     t = lambda p: jnp.asarray(p.detach().numpy())
-    m = GatedDeltaNet(D, num_k_heads=HK, num_v_heads=HV, head_k_dim=DK, head_v_dim=DV,
-                      chunk_size=CHUNK, rngs=nnx.Rngs(0))
+    m = GatedDeltaNet(D, GDN, rngs=nnx.Rngs(0))
     qkvz = t(hf.in_proj_qkvz.weight).T.reshape(D, HK, 2 * DK + 2 * G * DV)
     q, k, v, z = jnp.split(qkvz, [DK, 2 * DK, 2 * DK + G * DV], axis=-1)
     ba = t(hf.in_proj_ba.weight).T.reshape(D, HK, 2 * G)
@@ -214,4 +214,7 @@ def test_config_ranges_name_the_field():
     with pytest.raises(ValueError, match="model.gdn.d_conv"):
         model_config(dict(layer_pattern=("gated_deltanet",), gdn=dict(d_conv=0)))
     with pytest.raises(ValueError, match="num_v_heads=3 must be a multiple of num_k_heads=2"):
-        GatedDeltaNet(D, num_k_heads=2, num_v_heads=3, rngs=nnx.Rngs(0))
+        GatedDeltaNet(D, GatedDeltaNetConfig(num_k_heads=2, num_v_heads=3, head_k_dim=DK),
+                      rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"num_k_heads must be >= 1, got 0 \(.*gdn.resolved"):
+        GatedDeltaNet(D, GatedDeltaNetConfig(head_k_dim=DK), rngs=nnx.Rngs(0))

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from tfjax.config import AttentionConfig, MLAConfig, RopeConfig
 from tfjax.nn.latent_attention import MultiHeadLatentAttention, mla_scale
 from tfjax.nn.positions import RotaryEmbedding
 from tfjax.ops import masks as M
@@ -15,10 +16,11 @@ D, N, R, DN, DR, DV = 24, 4, 16, 8, 6, 10  # d_model, heads, kv latent, nope, ro
 
 
 def layer(q_lora_rank=0, implementation="blockwise", **kw):
-    return MultiHeadLatentAttention(
-        D, N, q_lora_rank=q_lora_rank, kv_lora_rank=R, qk_nope_head_dim=DN, qk_rope_head_dim=DR,
-        v_head_dim=DV, rope=RotaryEmbedding(head_dim=DR, theta=100.0),
-        implementation=implementation, init_std=0.3, rngs=nnx.Rngs(0), **kw)
+    mla = MLAConfig(q_lora_rank=q_lora_rank, kv_lora_rank=R, qk_nope_head_dim=DN,
+                    qk_rope_head_dim=DR, v_head_dim=DV)
+    return MultiHeadLatentAttention(D, N, mla, rope=RotaryEmbedding(DR, RopeConfig(theta=100.0)),
+                                    attention=AttentionConfig(impl=implementation), init_std=0.3,
+                                    rngs=nnx.Rngs(0), **kw)
 
 
 def rms(x, scale, eps=1e-6):
@@ -104,9 +106,9 @@ def test_absorbed_form_equals_the_materialised_form(implementation):
 
 def test_refusals_and_the_yarn_scale():
     with pytest.raises(ValueError, match="rope.head_dim=8 must be qk_rope_head_dim=6"):
-        MultiHeadLatentAttention(D, N, kv_lora_rank=R, qk_nope_head_dim=DN, qk_rope_head_dim=DR,
-                                 v_head_dim=DV, rope=RotaryEmbedding(head_dim=8),
-                                 rngs=nnx.Rngs(0))
+        MultiHeadLatentAttention(D, N, MLAConfig(kv_lora_rank=R, qk_nope_head_dim=DN,
+                                                 qk_rope_head_dim=DR, v_head_dim=DV),
+                                 rope=RotaryEmbedding(8), rngs=nnx.Rngs(0))
     m = layer()
     x = jnp.zeros((1, 3, D))
     with pytest.raises(ValueError, match="no attention bias"):

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from tfjax.config import LinearConfig
 from tfjax.nn.linear_attention import (LinearAttention, LinearAttentionState,
                                        causal_linear_attention, linear_attention,
                                        linear_attention_reference, linear_attention_step)
@@ -78,7 +79,7 @@ def test_recurrent_state_equals_causal_form():
 
 
 def test_layer_forward_equals_steps_and_is_causal():
-    m = LinearAttention(12, N, num_kv_heads=K, head_dim=H, chunk_size=3, init_std=0.3,
+    m = LinearAttention(12, N, LinearConfig(chunk=3), num_kv_heads=K, head_dim=H, init_std=0.3,
                         rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(4), (B, T, 12))
     y = nnx.jit(lambda m, x: m(x))(m, x)

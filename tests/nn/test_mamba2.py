@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from tfjax.config import Mamba2Config
 from tfjax.nn.mamba2 import Mamba2, ssd, ssd_reference
 
 B, T, H, P, G, N = 2, 37, 4, 3, 2, 5  # 37 = 4 chunks of 8 + 5
@@ -54,10 +55,10 @@ def test_chunked_equals_sequential_forward_and_gradients(reset):
 
 
 def make(**kw):
-    args = dict(d_state=4, head_dim=8, expand=2, n_groups=2, d_conv=4, chunk_size=4,
-                init_std=0.3)
+    """A Mamba-2 of d_model D_MODEL; `kw`: fields of its `Mamba2Config`."""
+    args = dict(d_state=4, head_dim=8, expand=2, n_groups=2, d_conv=4, chunk=4)
     args.update(kw)
-    return Mamba2(D_MODEL, **args, rngs=nnx.Rngs(0))
+    return Mamba2(D_MODEL, Mamba2Config(**args), init_std=0.3, rngs=nnx.Rngs(0))
 
 
 def test_layer_chunked_equals_reference_with_parameter_gradients(monkeypatch):
@@ -89,8 +90,9 @@ def test_layer_chunked_equals_reference_with_parameter_gradients(monkeypatch):
     assert float(jnp.abs(gm.A_log[...]).sum()) > 0 and float(jnp.abs(gm.D[...]).sum()) > 0
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(chunk_size=3, proj_bias=True, n_groups=1,
-                                              norm_groups=2, dt_limit=(0.01, 0.5))])
+@pytest.mark.parametrize("kw", [dict(), dict(chunk=3, proj_bias=True, n_groups=1,
+                                              norm_groups=2, dt_min_limit=0.01,
+                                              dt_max_limit=0.5)])
 def test_sequence_equals_steps_and_prefill(kw):
     m = make(**kw)
     T = 10
@@ -120,7 +122,7 @@ def test_sequence_equals_steps_and_prefill(kw):
 
 
 def test_packed_documents_equal_separate_documents_and_padding_stays_out():
-    m = make(chunk_size=3)
+    m = make(chunk=3)
     T, cut = 10, 4
     u = jax.random.normal(jax.random.key(4), (1, T, D_MODEL))
     positions = jnp.concatenate([jnp.arange(cut), jnp.arange(T - cut)])[None]
@@ -170,8 +172,8 @@ def test_equals_hugging_face_mamba2_mixer():
     with torch.no_grad():
         for p in mixer.parameters():
             p.copy_(torch.randn_like(p) * 0.5)
-    m = Mamba2(D_MODEL, d_state=5, head_dim=4, expand=2, n_groups=2, chunk_size=8,
-               proj_bias=True, norm_eps=1e-5, rngs=nnx.Rngs(0))
+    m = Mamba2(D_MODEL, Mamba2Config(d_state=5, head_dim=4, expand=2, n_groups=2, chunk=8,
+                                     proj_bias=True), norm_eps=1e-5, rngs=nnx.Rngs(0))
 
     def t(a):
         return jnp.asarray(a.detach().numpy())

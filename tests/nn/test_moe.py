@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from tfjax.config import DEFAULT_RULES, model_config
+from tfjax.config import DEFAULT_RULES, MoEConfig, model_config
 from tfjax.models import build
 from tfjax.nn.moe import MoE, capacity_slots, moe_aux
 from tfjax.parallel.rules import logical_rules, tree_shardings
@@ -18,9 +18,12 @@ D, F, E = 8, 12, 4
 
 
 def make(**kw):
+    """An MoE of E experts, top-2, SwiGLU; `kw`: fields of its `MoEConfig`, or the
+    layer's own `activation`, `use_bias`, `init_std`."""
     args = dict(num_experts=E, experts_per_token=2, activation="swiglu", init_std=0.5)
     args.update(kw)
-    return MoE(D, F, **args, rngs=nnx.Rngs(0))
+    own = {k: args.pop(k) for k in ("activation", "use_bias", "init_std") if k in args}
+    return MoE(D, F, MoEConfig(**args), **own, rngs=nnx.Rngs(0))
 
 
 def run(moe, x):
@@ -71,14 +74,14 @@ def per_token(moe, x, keep=None):
 
 @pytest.mark.parametrize("kw", [
     dict(),
-    dict(renormalize=False, activation="relu", use_bias=True, experts_per_token=3),
+    dict(router_renormalize=False, activation="relu", use_bias=True, experts_per_token=3),
     dict(shared_experts=2, shared_d_ff=6),
 ])
 def test_dropless_matches_per_token_evaluation(kw):
     x = x_of()
     want = per_token(make(**kw), x)
     for impl in ("ragged", "dense"):
-        moe = make(implementation=impl, **kw)
+        moe = make(impl=impl, **kw)
         np.testing.assert_allclose(run(moe, x), want, rtol=2e-5, atol=2e-5, err_msg=impl)
         assert float(moe.dropped_fraction[...]) == 0.0
 
@@ -91,7 +94,7 @@ def test_ragged_and_dense_gradients_agree():
 
     grads = {}
     for impl in ("ragged", "dense"):
-        grads[impl] = nnx.jit(nnx.grad(loss, argnums=(0, 1)))(make(implementation=impl), x)
+        grads[impl] = nnx.jit(nnx.grad(loss, argnums=(0, 1)))(make(impl=impl), x)
     a, b = (jax.tree.leaves(nnx.state(g[0], nnx.Param)) + [g[1]] for g in grads.values())
     for ga, gb in zip(a, b):
         np.testing.assert_allclose(ga, gb, rtol=1e-4, atol=1e-5)
@@ -179,8 +182,8 @@ def test_expert_parallel_equals_one_device(cf):
     mesh = Mesh(devices.reshape(2, 1, 1, 1, 4),
                 ("data", "fsdp", "sequence", "tensor", "expert"))
     rules = logical_rules(DEFAULT_RULES)
-    moe = MoE(D, F, num_experts=8, experts_per_token=2, capacity_factor=cf, init_std=0.5,
-              rngs=nnx.Rngs(3))
+    moe = MoE(D, F, MoEConfig(num_experts=8, experts_per_token=2, capacity_factor=cf),
+              init_std=0.5, rngs=nnx.Rngs(3))
     x = jax.random.normal(jax.random.key(2), (8, 6, D))
 
     def loss(m, x):

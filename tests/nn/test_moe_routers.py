@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 from tfjax import config as C
-from tfjax.config import model_config
+from tfjax.config import MoEConfig, model_config
 from tfjax.models import build
 from tfjax.nn.moe import MoE, balance_experts, moe_aux, route
 from tfjax.train.step import make_train_step
@@ -77,9 +77,10 @@ def deepseek_pair(n_group=4, topk_group=2, k=3, norm=True, scale=2.5):
     with torch.no_grad():  # a bias large enough to change choices, unlike the gates
         hf.gate.e_score_correction_bias.copy_(torch.linspace(-0.3, 0.3, E)[torch.randperm(
             E, generator=torch.Generator().manual_seed(3))])
-    moe = MoE(D, F, num_experts=E, experts_per_token=k, activation="swiglu", score="sigmoid",
-              n_group=n_group, topk_group=topk_group, score_bias=True, renormalize=norm,
-              routed_scaling_factor=scale, shared_experts=2, rngs=nnx.Rngs(0))
+    config = MoEConfig(num_experts=E, experts_per_token=k, score="sigmoid", n_group=n_group,
+                       topk_group=topk_group, score_bias=True, router_renormalize=norm,
+                       routed_scaling_factor=scale, shared_experts=2)
+    moe = MoE(D, F, config, activation="swiglu", rngs=nnx.Rngs(0))
     moe.router[...] = t2j(hf.gate.weight).T
     moe.score_bias[...] = t2j(hf.gate.e_score_correction_bias)
     copy_experts_out_in(moe, hf.experts)
@@ -159,7 +160,8 @@ def test_group_limited_sigmoid_gradients_match_a_jnp_reference():
 
 def test_aux_free_balancing_moves_the_bias_toward_balance():
     gamma = 0.02
-    moe = MoE(D, F, num_experts=E, experts_per_token=2, score="sigmoid", bias_update_rate=gamma,
+    moe = MoE(D, F, MoEConfig(num_experts=E, experts_per_token=2, score="sigmoid",
+                              bias_update_rate=gamma),
               init_std=0.3, rngs=nnx.Rngs(0))
     moe.router[...] = moe.router[...].at[:, 0].add(1.0)  # expert 0 hogs the tokens
     x = jax.random.normal(jax.random.key(4), (4, 16, D))
@@ -185,7 +187,8 @@ def test_aux_free_balancing_moves_the_bias_toward_balance():
     chosen = jnp.take_along_axis(jax.nn.sigmoid(logits), experts, -1)
     np.testing.assert_allclose(gates, chosen / chosen.sum(-1, keepdims=True), rtol=1e-6)
     # A fixed bias (rate 0) never moves.
-    fixed = MoE(D, F, num_experts=E, experts_per_token=2, score_bias=True, rngs=nnx.Rngs(0))
+    fixed = MoE(D, F, MoEConfig(num_experts=E, experts_per_token=2, score_bias=True),
+                rngs=nnx.Rngs(0))
     fwd(fixed, x)
     nnx.update(fixed, balance_experts(nnx.state(fixed, nnx.Not(nnx.Param))))
     assert float(jnp.abs(fixed.score_bias[...]).sum()) == 0.0
@@ -203,9 +206,9 @@ def test_gpt_oss_matches_hugging_face():
     x, xt = 2 * x, 2 * xt
     with torch.no_grad():
         want = hf(xt)[0].numpy()
-    moe = MoE(D, F, num_experts=E, experts_per_token=3, activation="swiglu", use_bias=True,
-              router_bias=True, glu="clamped", glu_alpha=cfg.swiglu_alpha,
-              glu_limit=cfg.swiglu_limit, rngs=nnx.Rngs(0))
+    config = MoEConfig(num_experts=E, experts_per_token=3, router_bias=True, glu="clamped",
+                       glu_alpha=cfg.swiglu_alpha, glu_limit=cfg.swiglu_limit)
+    moe = MoE(D, F, config, activation="swiglu", use_bias=True, rngs=nnx.Rngs(0))
     moe.router[...] = t2j(hf.router.weight).T
     moe.router_bias[...] = t2j(hf.router.bias)
     gu, gub = t2j(hf.experts.gate_up_proj), t2j(hf.experts.gate_up_proj_bias)  # interleaved
@@ -237,9 +240,10 @@ def test_qwen_shared_expert_gate_matches_hugging_face(family):
     x, xt = x_pair()
     with torch.no_grad():
         want = hf(xt).numpy()
-    moe = MoE(D, F, num_experts=E, experts_per_token=2, activation="swiglu",
-              renormalize=kw["norm_topk_prob"], shared_experts=1, shared_d_ff=Fs,
-              shared_gate=True, rngs=nnx.Rngs(0))
+    config = MoEConfig(num_experts=E, experts_per_token=2,
+                       router_renormalize=kw["norm_topk_prob"], shared_experts=1,
+                       shared_d_ff=Fs, shared_gate=True)
+    moe = MoE(D, F, config, activation="swiglu", rngs=nnx.Rngs(0))
     moe.router[...] = t2j(hf.gate.weight).T
     copy_experts_out_in(moe, hf.experts)
     copy_mlp(moe.shared, hf.shared_expert)
@@ -258,8 +262,9 @@ def test_llama4_matches_hugging_face():
     x, xt = x_pair()
     with torch.no_grad():
         want = hf(xt.reshape(B * T, D))[0].reshape(B, T, D).numpy()
-    moe = MoE(D, F, num_experts=E, experts_per_token=1, activation="swiglu", score="sigmoid",
-              renormalize=False, gate_input=True, shared_experts=1, rngs=nnx.Rngs(0))
+    config = MoEConfig(num_experts=E, experts_per_token=1, score="sigmoid",
+                       router_renormalize=False, gate_input=True, shared_experts=1)
+    moe = MoE(D, F, config, activation="swiglu", rngs=nnx.Rngs(0))
     moe.router[...] = t2j(hf.router.weight).T
     gu = t2j(hf.experts.gate_up_proj)  # [E, D, 2F]: gate then up
     moe.wi_gate[...], moe.wi_up[...] = gu[..., :F], gu[..., F:]

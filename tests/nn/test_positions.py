@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from tfjax.config import RopeConfig, T5Config
 from tfjax.nn import positions as pos
 from tfjax.nn.positions import (
     POSITIONS,
@@ -142,7 +143,7 @@ def _plain_inv_freq(theta, r):
 def test_rope_matches_complex_reference(layout):
     x = _rng(1).normal(size=(2, 3, 2, 8)).astype(np.float32)
     p = np.array([[0, 1, 5], [7, 3, 100]])
-    rope = RotaryEmbedding(8, theta=10.0, layout=layout)
+    rope = RotaryEmbedding(8, RopeConfig(theta=10.0, layout=layout))
     out = _apply(rope, jnp.asarray(x), jnp.asarray(p))
     assert out.shape == x.shape and out.dtype == jnp.float32
     ref = _rope_ref(x, p, layout=layout, rotary_dim=8, inv_freq=_plain_inv_freq(10.0, 8))
@@ -164,7 +165,7 @@ def test_rope_explicit_rotation_and_grad():
     x = _rng(2).normal(size=(1, 2, 1, H)).astype(np.float32)
     w = _rng(3).normal(size=x.shape).astype(np.float32)
     p = np.array([[3, 11]])
-    rope = RotaryEmbedding(H, fraction=4 / 6, theta=100.0)
+    rope = RotaryEmbedding(H, RopeConfig(fraction=4 / 6, theta=100.0))
     assert rope.rotary_dim == r
     f = _plain_inv_freq(100.0, r)
 
@@ -186,7 +187,7 @@ def test_rope_explicit_rotation_and_grad():
 def test_rope_partial_leaves_tail(layout):
     x = _rng(4).normal(size=(1, 4, 2, 8)).astype(np.float32)
     p = np.array([[2, 9, 4, 1]])
-    rope = RotaryEmbedding(8, fraction=0.25, layout=layout, theta=50.0)
+    rope = RotaryEmbedding(8, RopeConfig(fraction=0.25, layout=layout, theta=50.0))
     out = np.asarray(_apply(rope, jnp.asarray(x), jnp.asarray(p)))
     np.testing.assert_array_equal(out[..., 2:], x[..., 2:])
     ref = _rope_ref(x, p, layout=layout, rotary_dim=2, inv_freq=_plain_inv_freq(50.0, 2))
@@ -210,8 +211,8 @@ def test_rope_scores_depend_only_on_offset(scaling, layout):
     # One q and one k vector placed at every position 0..T-1 (T > original_max_len, so
     # dynamic NTK is active): q_i . k_j must depend on j - i only (Toeplitz).
     T, H = 12, 8
-    rope = RotaryEmbedding(H, fraction=0.5, layout=layout, scaling=scaling, theta=100.0,
-                           **SCALED[scaling])
+    rope = RotaryEmbedding(H, RopeConfig(fraction=0.5, layout=layout, scaling=scaling,
+                                         theta=100.0, **SCALED[scaling]))
     rng = _rng(5)
     q = np.broadcast_to(rng.normal(size=(1, 1, 1, H)), (1, T, 1, H)).astype(np.float32)
     k = np.broadcast_to(rng.normal(size=(1, 1, 1, H)), (1, T, 1, H)).astype(np.float32)
@@ -239,8 +240,8 @@ def _x_and_positions(seed, T=5, H=8):
 @pytest.mark.parametrize("layout", ["half", "interleaved"])
 def test_rope_linear_is_interpolated_positions(layout):
     x, p = _x_and_positions(6)
-    scaled = RotaryEmbedding(8, scaling="linear", factor=4.0, layout=layout)
-    plain = RotaryEmbedding(8, layout=layout)
+    scaled = RotaryEmbedding(8, RopeConfig(scaling="linear", factor=4.0, layout=layout))
+    plain = RotaryEmbedding(8, RopeConfig(layout=layout))
     interpolated = _apply(plain, x, p.astype(jnp.float32) / 4.0)
     np.testing.assert_allclose(_apply(scaled, x, p), interpolated, atol=1e-5)
     assert np.abs(np.asarray(_apply(scaled, x, p) - _apply(plain, x, p))).max() > 1e-2
@@ -249,8 +250,8 @@ def test_rope_linear_is_interpolated_positions(layout):
 def test_rope_ntk_is_base_change():
     x, p = _x_and_positions(7)
     d, s = 8, 4.0
-    ntk = RotaryEmbedding(8, scaling="ntk", factor=s)
-    plain = RotaryEmbedding(8, theta=10000.0 * s ** (d / (d - 2)))
+    ntk = RotaryEmbedding(8, RopeConfig(scaling="ntk", factor=s))
+    plain = RotaryEmbedding(8, RopeConfig(theta=10000.0 * s ** (d / (d - 2))))
     np.testing.assert_allclose(_apply(ntk, x, p), _apply(plain, x, p), atol=1e-5)
     # NTK-aware property: the lowest frequency is interpolated by exactly s, the highest kept.
     f, f0 = np.asarray(ntk.inv_freq()), _plain_inv_freq(10000.0, d)
@@ -259,7 +260,7 @@ def test_rope_ntk_is_base_change():
 
 def test_rope_dynamic_ntk():
     d, orig, s, theta = 8, 16, 4.0, 10000.0
-    dyn = RotaryEmbedding(d, scaling="dynamic_ntk", factor=s, original_max_len=orig)
+    dyn = RotaryEmbedding(d, RopeConfig(scaling="dynamic_ntk", factor=s, original_max_len=orig))
     plain = RotaryEmbedding(d)
     x = jnp.asarray(_rng(8).normal(size=(2, 3, 2, d)), jnp.float32)
     apply = _apply  # traced positions
@@ -270,7 +271,7 @@ def test_rope_dynamic_ntk():
     p = jnp.array([[0, 1, 39], [2, 0, 1]])  # length 40 > 16: HF's dynamic base
     L = 40
     base = theta * ((s * L / orig) - (s - 1)) ** (d / (d - 2))
-    ref = RotaryEmbedding(d, theta=base)
+    ref = RotaryEmbedding(d, RopeConfig(theta=base))
     np.testing.assert_allclose(apply(dyn, x, p), _apply(ref, x, p), atol=1e-5)
     assert np.abs(np.asarray(apply(dyn, x, p) - _apply(plain, x, p))).max() > 1e-2
     np.testing.assert_allclose(dyn.inv_freq(jnp.int32(L)), _plain_inv_freq(base, d), rtol=1e-5)
@@ -299,8 +300,9 @@ def _yarn_ref(d, theta, s, L, beta_fast, beta_slow, truncate=True):
 @pytest.mark.parametrize("beta_fast,beta_slow", [(32.0, 1.0), (8.0, 2.0)])
 def test_rope_yarn_inv_freq_and_mscale(beta_fast, beta_slow):
     d, theta, s, L = 32, 10000.0, 8.0, 2048
-    rope = RotaryEmbedding(d, theta=theta, scaling="yarn", factor=s, original_max_len=L,
-                           beta_fast=beta_fast, beta_slow=beta_slow, mscale=1.0)
+    rope = RotaryEmbedding(d, RopeConfig(theta=theta, scaling="yarn", factor=s,
+                                         original_max_len=L, beta_fast=beta_fast,
+                                         beta_slow=beta_slow, mscale=1.0))
     f = np.asarray(rope.inv_freq())
     np.testing.assert_allclose(f, _yarn_ref(d, theta, s, L, beta_fast, beta_slow), rtol=1e-5)
     # The paper's bands: > beta_fast rotations over the original context: unchanged;
@@ -315,7 +317,7 @@ def test_rope_yarn_inv_freq_and_mscale(beta_fast, beta_slow):
     # Attention temperature 0.1 * mscale * ln(s) + 1 on cos and sin: at position 0 the
     # rotated dims are scaled by it, the tail is not.
     for mscale in (1.0, 0.5):
-        r = RotaryEmbedding(8, fraction=0.5, scaling="yarn", factor=s, mscale=mscale)
+        r = RotaryEmbedding(8, RopeConfig(fraction=0.5, scaling="yarn", factor=s, mscale=mscale))
         x = jnp.asarray(_rng(9).normal(size=(1, 2, 1, 8)), jnp.float32)
         out = _apply(r, x, jnp.array([[0, 0]]))
         m = 0.1 * mscale * math.log(s) + 1
@@ -326,7 +328,7 @@ def test_rope_yarn_inv_freq_and_mscale(beta_fast, beta_slow):
         ref = _rope_ref(x, p, layout="half", rotary_dim=4, inv_freq=np.asarray(r.inv_freq()),
                         scale=m)
         np.testing.assert_allclose(_apply(r, x, jnp.asarray(p)), ref, atol=1e-5)
-    assert RotaryEmbedding(8, scaling="yarn", factor=1.0).attention_factor == 1.0
+    assert RotaryEmbedding(8, RopeConfig(scaling="yarn", factor=1.0)).attention_factor == 1.0
 
 
 def test_rope_yarn_untruncated_edges():
@@ -334,18 +336,19 @@ def test_rope_yarn_untruncated_edges():
     # edges, which differ from the rounded ones inside the band.
     d, theta, s, L = 64, 150000.0, 32.0, 4096
     kw = dict(theta=theta, scaling="yarn", factor=s, original_max_len=L)
-    exact = np.asarray(RotaryEmbedding(d, truncate=False, **kw).inv_freq())
+    exact = np.asarray(RotaryEmbedding(d, RopeConfig(truncate=False, **kw)).inv_freq())
     np.testing.assert_allclose(exact, _yarn_ref(d, theta, s, L, 32.0, 1.0, truncate=False),
                                rtol=1e-5)
-    rounded = np.asarray(RotaryEmbedding(d, **kw).inv_freq())
+    rounded = np.asarray(RotaryEmbedding(d, RopeConfig(**kw)).inv_freq())
     assert np.max(np.abs(exact - rounded) / rounded) > 1e-3
 
 
 def test_rope_llama3_inv_freq():
     # Llama 3.1's published values (theta 500000, factor 8, 8192 original, 1 / 4).
     d, theta, s, L, lo, hi = 64, 500000.0, 8.0, 8192, 1.0, 4.0
-    rope = RotaryEmbedding(d, theta=theta, scaling="llama3", factor=s, original_max_len=L,
-                           low_freq_factor=lo, high_freq_factor=hi)
+    rope = RotaryEmbedding(d, RopeConfig(theta=theta, scaling="llama3", factor=s,
+                                         original_max_len=L, low_freq_factor=lo,
+                                         high_freq_factor=hi))
     ref, kinds = [], set()
     for i in range(d // 2):
         f = theta ** (-2 * i / d)
@@ -377,15 +380,16 @@ def test_rope_validation_names_field():
         (dict(head_dim=8, scaling="llama3", factor=2.0, low_freq_factor=4.0, high_freq_factor=1.0),
          "high_freq_factor"),
     ]:
+        head_dim = kwargs.pop("head_dim")
         with pytest.raises(ValueError, match=field):
-            RotaryEmbedding(**kwargs)
+            RotaryEmbedding(head_dim, RopeConfig(**kwargs))
     with pytest.raises(ValueError, match="head_dim"):
         RotaryEmbedding(8)(jnp.zeros((1, 2, 1, 6)), jnp.zeros((1, 2), jnp.int32))
 
 
 def test_rope_is_static_module_attribute():
-    rope = RotaryEmbedding(8, scaling="dynamic_ntk", factor=2.0, original_max_len=4)
-    same = RotaryEmbedding(8, scaling="dynamic_ntk", factor=2.0, original_max_len=4)
+    rope = RotaryEmbedding(8, RopeConfig(scaling="dynamic_ntk", factor=2.0, original_max_len=4))
+    same = RotaryEmbedding(8, RopeConfig(scaling="dynamic_ntk", factor=2.0, original_max_len=4))
     assert hash(rope) == hash(same) and rope == same
 
     class Holder(nnx.Module):
@@ -484,7 +488,8 @@ def test_t5_bucket_known_values():
 
 def test_t5_relative_bias_forward_and_grad():
     N, nb, md = 3, 8, 20
-    m = T5RelativeBias(N, num_buckets=nb, max_distance=md, bidirectional=True, rngs=nnx.Rngs(1))
+    m = T5RelativeBias(N, T5Config(num_buckets=nb, max_distance=md), bidirectional=True,
+                       rngs=nnx.Rngs(1))
     spec = nnx.get_partition_spec(nnx.state(m))["embedding"].get_value()
     assert spec == P("relpos_buckets", "heads")
     qp = np.array([[10, 11], [0, 1]])
@@ -515,7 +520,7 @@ def test_t5_validation_names_field():
     with pytest.raises(ValueError, match="num_heads"):
         T5RelativeBias(0, bidirectional=True, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="num_buckets"):
-        T5RelativeBias(2, num_buckets=3, bidirectional=True, rngs=nnx.Rngs(0))
+        T5RelativeBias(2, T5Config(num_buckets=3), bidirectional=True, rngs=nnx.Rngs(0))
 
 
 def test_module_exports():

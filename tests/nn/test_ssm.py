@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from tfjax.config import SSMConfig
 from tfjax.nn.ssm import Mamba, selective_scan, selective_scan_reference
 
 B, T, Di, N = 2, 10, 6, 4
@@ -49,12 +50,13 @@ def test_chunked_gradients_equal_unchunked():
 
 
 def make(**kw):
-    args = dict(d_state=N, d_conv=4, expand=2, init_std=0.3)
+    """A Mamba of d_model 8; `kw`: fields of its `SSMConfig`."""
+    args = dict(d_state=N, d_conv=4, expand=2)
     args.update(kw)
-    return Mamba(8, **args, rngs=nnx.Rngs(0))
+    return Mamba(8, SSMConfig(**args), init_std=0.3, rngs=nnx.Rngs(0))
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(chunk_size=4, inner_norm=True, proj_bias=True)])
+@pytest.mark.parametrize("kw", [dict(), dict(chunk=4, inner_norm=True, proj_bias=True)])
 def test_sequence_equals_steps_and_prefill(kw):
     m = make(**kw)
     u = jax.random.normal(jax.random.key(3), (B, T, 8))
@@ -81,7 +83,7 @@ def test_sequence_equals_steps_and_prefill(kw):
 
 
 def test_packed_documents_equal_separate_documents():
-    m = make(chunk_size=3)
+    m = make(chunk=3)
     u = jax.random.normal(jax.random.key(4), (1, T, 8))
     cut = 4
     positions = jnp.concatenate([jnp.arange(cut), jnp.arange(T - cut)])[None]
@@ -107,7 +109,7 @@ def test_layer_is_causal_and_differentiable():
 
 
 def test_right_padded_prefill_state_is_the_state_after_the_real_tokens():
-    m = make(chunk_size=4)
+    m = make(chunk=4)
     u = jax.random.normal(jax.random.key(6), (B, T, 8))
     lengths = jnp.array([6, T])
     fwd = nnx.jit(lambda m, u, n: m.forward(u, lengths=n))

@@ -283,14 +283,15 @@ def test_an_attention_layer_feeds_the_kernels_without_relayout_copies(bench_atte
     the check's positive control.)"""
     from flax import nnx
 
+    from tfjax.config import AttentionConfig
     from tfjax.nn.attention import MultiHeadAttention
     from tfjax.nn.positions import RotaryEmbedding
 
     mesh = _mesh("v5e:2x2")
     T, D, N, K, H = 1024, 256, 4, 2, 128
-    layer = MultiHeadAttention(D, N, num_kv_heads=K, head_dim=H, rope=RotaryEmbedding(H),
-                               implementation="pallas", dtype=jnp.bfloat16,
-                               param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    layer = MultiHeadAttention(D, N, num_kv_heads=K, head_dim=H,
+                               attention=AttentionConfig(impl="pallas"), rope=RotaryEmbedding(H),
+                               dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(layer)
 
     def local(params, x):

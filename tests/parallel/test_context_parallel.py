@@ -17,6 +17,7 @@ from flax import nnx
 import tfjax.ops.blockwise as blockwise_lib
 import tfjax.ops.pallas.mosaic_tpu as tpu_lib
 from tfjax import config as C
+from tfjax.config import AttentionConfig
 from tfjax import models
 from tfjax.models import build
 from tfjax.nn.attention import MultiHeadAttention
@@ -142,20 +143,22 @@ def test_zigzag_data_refuses_what_it_cannot_read():
         with pytest.raises(ValueError, match="T % 8 == 0"):
             attn.attend(q[:, :28], q[:, :28], q[:, :28], masks.causal())
         with pytest.raises(ValueError, match="zigzag='none'"):
-            nnx.eval_shape(lambda: MultiHeadAttention(32, 4, zigzag="none", rngs=nnx.Rngs(0))
-                           ).attend(q, q, q)
+            unbalanced = AttentionConfig(zigzag="none")
+            nnx.eval_shape(lambda: MultiHeadAttention(32, 4, attention=unbalanced,
+                                                      rngs=nnx.Rngs(0))).attend(q, q, q)
 
 
 def test_context_parallel_is_validated():
     with pytest.raises(ValueError, match="model.attention.context_parallel"):
         _config(cp="gather").validate()
     with pytest.raises(ValueError, match="context_parallel"):
-        MultiHeadAttention(32, 4, context_parallel="gather", rngs=nnx.Rngs(0))
+        MultiHeadAttention(32, 4, attention=AttentionConfig(context_parallel="gather"),
+                           rngs=nnx.Rngs(0))
     with pytest.raises(ValueError,
                        match=r"model.attention.zigzag: got 'zag'; allowed: 'data', 'layer'"):
         _config(model=dict(attention=dict(zigzag="zag"))).validate()
     with pytest.raises(ValueError, match="zigzag"):
-        MultiHeadAttention(32, 4, zigzag="zag", rngs=nnx.Rngs(0))
+        MultiHeadAttention(32, 4, attention=AttentionConfig(zigzag="zag"), rngs=nnx.Rngs(0))
 
 
 # --------------------------------------------------------------------------- #

@@ -3,7 +3,8 @@
 Presets in `configs/` are code (`get_config(arg=None) -> ConfigDict`) so they can
 be overridden from the command line (`--config.model.num_layers=4`). The trainer,
 the model builder and everything below take the frozen dataclasses made here,
-never the ConfigDict, and every module takes explicit keyword arguments.
+never the ConfigDict; a layer takes its section's record whole (`Mamba(d_model,
+cfg.ssm)`), never the whole `ModelConfig`.
 
 Checks happen here, before anything is traced: an unknown key, a moved field, a
 wrong type, a value out of range or an invalid combination raises `ValueError`
@@ -24,8 +25,9 @@ from tfjax.config.attention import AttentionConfig
 from tfjax.config.convert import (apply_variant, default_config, flat_fields, from_dict,
                                   model_config, moved_field, run_config, to_config_dict,
                                   unknown_field, upgrade_saved)
-from tfjax.config.model import (DTYPES, GatedDeltaNetConfig, LinearConfig, Mamba2Config,
-                                ModelConfig, MoEConfig, RopeConfig, SSMConfig, T5Config)
+from tfjax.config.model import (DTYPES, GatedDeltaNetConfig, LinearConfig, MLAConfig,
+                                Mamba2Config, ModelConfig, MoEConfig, RopeConfig, SSMConfig,
+                                T5Config)
 from tfjax.config.shared import SharedBlockConfig
 from tfjax.config.run import (DEFAULT_RULES, MESH_AXES, CheckpointConfig, DataConfig,
                               LoraConfig, MeshConfig,
@@ -41,6 +43,7 @@ __all__ = [
     "Mamba2Config",
     "LinearConfig",
     "GatedDeltaNetConfig",
+    "MLAConfig",
     "SharedBlockConfig",
     "T5Config",
     "ModelConfig",

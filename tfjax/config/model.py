@@ -152,6 +152,12 @@ class GatedDeltaNetConfig:
         dk = self.head_k_dim or head_size
         return hk, self.num_v_heads or hk, dk, self.head_v_dim or dk
 
+    def resolved(self, num_heads: int, head_size: int) -> "GatedDeltaNetConfig":
+        """This section with its zeros derived (`dims`): what the layer takes."""
+        hk, hv, dk, dv = self.dims(num_heads, head_size)
+        return dataclasses.replace(self, num_k_heads=hk, num_v_heads=hv, head_k_dim=dk,
+                                   head_v_dim=dv)
+
 
 @dataclasses.dataclass(frozen=True)
 class MLAConfig:

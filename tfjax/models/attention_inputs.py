@@ -47,8 +47,7 @@ def relative_bias(cfg: ModelConfig, rngs: nnx.Rngs, *, bidirectional: bool):
     """The T5 bucketed relative bias table of a stack, or None for other encodings."""
     if cfg.position != "t5":
         return None
-    return pos_lib.T5RelativeBias(cfg.num_heads, num_buckets=cfg.t5.num_buckets,
-                                  max_distance=cfg.t5.max_distance, bidirectional=bidirectional,
+    return pos_lib.T5RelativeBias(cfg.num_heads, cfg.t5, bidirectional=bidirectional,
                                   init_std=cfg.init_std, param_dtype=jnp.dtype(cfg.param_dtype),
                                   rngs=rngs)
 

@@ -52,7 +52,7 @@ from typing import Callable
 import jax.numpy as jnp
 from flax import nnx
 
-from tfjax.config import ModelConfig
+from tfjax.config import ModelConfig, RopeConfig
 from tfjax.nn.attention import MultiHeadAttention
 from tfjax.nn.ffn import ACTIVATIONS, FeedForward
 from tfjax.nn.gated_deltanet import GatedDeltaNet
@@ -106,22 +106,23 @@ def _out_std(cfg: ModelConfig) -> float:
     return cfg.init_std / math.sqrt(2 * cfg.num_layers)
 
 
+def _dtypes(cfg: ModelConfig) -> dict:
+    """A layer's dtypes and init scales, as every builder here passes them."""
+    return dict(dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype),
+                init_std=cfg.init_std, out_init_std=_out_std(cfg))
+
+
 def _rope(cfg: ModelConfig, head_dim: int | None = None,
           theta: float = 0.0) -> RotaryEmbedding | None:
     """The model's RoPE over `head_dim` (default the attention head dim), or None;
-    `theta` > 0: that base, unscaled, instead (Gemma 3's local layers)."""
+    `theta` > 0: that base, unscaled, instead (Gemma 3's local layers): the model's
+    fraction and layout, no scaling."""
     if cfg.position != "rope":
         return None
     r = cfg.rope
     if theta:
-        return RotaryEmbedding(head_dim=head_dim or cfg.head_size, theta=theta,
-                               fraction=r.fraction, layout=r.layout)
-    return RotaryEmbedding(
-        head_dim=head_dim or cfg.head_size, theta=r.theta, fraction=r.fraction, layout=r.layout,
-        scaling=r.scaling, factor=r.factor, original_max_len=r.original_max_len,
-        beta_fast=r.beta_fast, beta_slow=r.beta_slow, mscale=r.mscale,
-        low_freq_factor=r.low_freq_factor, high_freq_factor=r.high_freq_factor,
-        truncate=r.truncate, short_factor=r.short_factor, long_factor=r.long_factor)
+        r = RopeConfig(theta=theta, fraction=r.fraction, layout=r.layout)
+    return RotaryEmbedding(head_dim or cfg.head_size, r)
 
 
 def attention(cfg: ModelConfig, rngs: nnx.Rngs, *, positions: bool, rope_theta: float = 0.0,
@@ -131,25 +132,22 @@ def attention(cfg: ModelConfig, rngs: nnx.Rngs, *, positions: bool, rope_theta: 
     4's NoPE query temperature when model.attention.temperature_floor > 0) and the
     decoder's cross-attention (positions=False). model.attention.differential and
     model.attention.value_residual (decoder only, so never a cross-attention) reach every one:
-    differential attention rotates half-heads, a RoPE of head_dim / 2."""
-    tempered = temperature and cfg.attention.temperature_floor > 0
-    rope_dims = cfg.head_size // 2 if cfg.attention.differential else None
+    differential attention rotates half-heads, a RoPE of head_dim / 2.
+
+    What differs per layer is this layer's copy of model.attention: QK-norm only on
+    layers that rotate under qk_norm_layers="rope", its kind "" the model's norm, the
+    temperature only where asked, the μP-aware scale (`ModelConfig.attention_scale`)."""
+    a = cfg.attention
+    layer = dataclasses.replace(
+        a, qk_norm=a.qk_norm and (a.qk_norm_layers == "all" or bool(positions)),
+        qk_norm_kind=a.qk_norm_kind or cfg.norm, scale=cfg.attention_scale,
+        temperature_floor=a.temperature_floor if temperature else 0)
+    rope_dims = cfg.head_size // 2 if a.differential else None
     return MultiHeadAttention(
         cfg.d_model, cfg.num_heads, num_kv_heads=cfg.kv_heads, head_dim=cfg.head_size,
-        v_head_dim=cfg.value_head_size, sinks=cfg.attention.sinks, qkv_bias=cfg.attention.qkv_bias,
-        out_bias=cfg.attention.out_bias,
-        qk_norm=cfg.attention.qk_norm and (cfg.attention.qk_norm_layers == "all" or bool(positions)),
-        qk_norm_kind=cfg.attention.qk_norm_kind or ("layernorm" if cfg.norm == "layernorm" else cfg.norm),
-        qk_norm_over=cfg.attention.qk_norm_over, norm_eps=cfg.norm_eps,
-        temperature=(cfg.attention.temperature_floor, cfg.attention.temperature_scale) if tempered else None,
-        scale=cfg.attention_scale, softcap=cfg.attention.softcap or None,
+        v_head_dim=cfg.value_head_size, attention=layer,
         rope=_rope(cfg, rope_dims, theta=rope_theta) if positions else None,
-        implementation=cfg.attention.impl,
-        context_parallel=cfg.attention.context_parallel, zigzag=cfg.attention.zigzag,
-        differential=cfg.attention.differential, value_residual=cfg.attention.value_residual,
-        output_gate=cfg.attention.output_gate,
-        dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype),
-        init_std=cfg.init_std, out_init_std=_out_std(cfg), rngs=rngs)
+        norm_eps=cfg.norm_eps, rngs=rngs, **_dtypes(cfg))
 
 
 # --------------------------------------------------------------------------- #
@@ -215,18 +213,15 @@ LAYER_KINDS.register("chunked", LayerKind(
 
 
 def _mla(cfg: ModelConfig, rngs: nnx.Rngs, *, positions: bool) -> MultiHeadLatentAttention:
+    """MLA of model.mla: model.attention's scale or DeepSeek's (with its YaRN factor)."""
     m, r = cfg.mla, cfg.rope
     qk = m.qk_nope_head_dim + m.qk_rope_head_dim
     scale = cfg.attention.scale or mla_scale(qk, rope_scaling=r.scaling, rope_factor=r.factor,
-                                        mscale_all_dim=m.mscale_all_dim)
+                                             mscale_all_dim=m.mscale_all_dim)
     return MultiHeadLatentAttention(
-        cfg.d_model, cfg.num_heads, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
-        qk_nope_head_dim=m.qk_nope_head_dim, qk_rope_head_dim=m.qk_rope_head_dim,
-        v_head_dim=m.v_head_dim, scale=scale,
-        rope=_rope(cfg, m.qk_rope_head_dim) if positions else None, norm_eps=cfg.norm_eps,
-        implementation=cfg.attention.impl, context_parallel=cfg.attention.context_parallel,
-        zigzag=cfg.attention.zigzag, dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype),
-        init_std=cfg.init_std, out_init_std=_out_std(cfg), rngs=rngs)
+        cfg.d_model, cfg.num_heads, m, rope=_rope(cfg, m.qk_rope_head_dim) if positions else None,
+        attention=dataclasses.replace(cfg.attention, scale=scale), norm_eps=cfg.norm_eps,
+        rngs=rngs, **_dtypes(cfg))
 
 
 LAYER_KINDS.register("mla", LayerKind(
@@ -241,23 +236,11 @@ LAYER_KINDS.register("mla", LayerKind(
 
 
 def _mamba(cfg: ModelConfig, rngs: nnx.Rngs, *, positions: bool) -> Mamba:
-    s = cfg.ssm
-    return Mamba(cfg.d_model, d_state=s.d_state, d_conv=s.d_conv, expand=s.expand,
-                 dt_rank=s.dt_rank, chunk_size=s.chunk, conv_bias=s.conv_bias,
-                 proj_bias=s.proj_bias, inner_norm=s.inner_norm, norm_eps=cfg.norm_eps,
-                 dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype),
-                 init_std=cfg.init_std, out_init_std=_out_std(cfg), rngs=rngs)
+    return Mamba(cfg.d_model, cfg.ssm, norm_eps=cfg.norm_eps, rngs=rngs, **_dtypes(cfg))
 
 
 def _mamba2(cfg: ModelConfig, rngs: nnx.Rngs, *, positions: bool) -> Mamba2:
-    s = cfg.mamba2
-    return Mamba2(cfg.d_model, d_state=s.d_state, head_dim=s.head_dim, expand=s.expand,
-                  n_groups=s.n_groups, d_conv=s.d_conv, chunk_size=s.chunk,
-                  conv_bias=s.conv_bias, proj_bias=s.proj_bias, norm_groups=s.norm_groups,
-                  norm_eps=cfg.norm_eps, dt_min=s.dt_min, dt_max=s.dt_max,
-                  dt_limit=(s.dt_min_limit, s.dt_max_limit or math.inf),
-                  dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype),
-                  init_std=cfg.init_std, out_init_std=_out_std(cfg), rngs=rngs)
+    return Mamba2(cfg.d_model, cfg.mamba2, norm_eps=cfg.norm_eps, rngs=rngs, **_dtypes(cfg))
 
 
 # --------------------------------------------------------------------------- #
@@ -276,13 +259,16 @@ def shared_block(cfg: ModelConfig, rngs: nnx.Rngs) -> SharedBlock:
     a norm and the feed-forward of model.activation and shared.d_ff (or model.d_ff)."""
     W, dt, pdt = _shared_width(cfg), jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
     norm = dict(eps=cfg.norm_eps, use_bias=cfg.norm_bias, dtype=dt, param_dtype=pdt, rngs=rngs)
+    # the block's attention: model.attention's biases, scale and implementation, none of
+    # its per-layer variants (no QK-norm, soft-cap, sinks, gate, temperature)
+    plain = dataclasses.replace(
+        cfg.attention, qk_norm=False, softcap=0.0, sinks=False, differential=False,
+        value_residual="none", output_gate=False, temperature_floor=0,
+        scale=cfg.attention_scale)
     attn = MultiHeadAttention(
         W, cfg.num_heads, num_kv_heads=cfg.kv_heads, head_dim=cfg.head_size,
-        v_head_dim=cfg.value_head_size, out_dim=cfg.d_model, qkv_bias=cfg.attention.qkv_bias,
-        out_bias=cfg.attention.out_bias, scale=cfg.attention_scale, rope=_rope(cfg),
-        implementation=cfg.attention.impl, context_parallel=cfg.attention.context_parallel,
-        zigzag=cfg.attention.zigzag, dtype=dt, param_dtype=pdt, init_std=cfg.init_std,
-        out_init_std=_out_std(cfg), rngs=rngs)
+        v_head_dim=cfg.value_head_size, out_dim=cfg.d_model, attention=plain, rope=_rope(cfg),
+        rngs=rngs, **_dtypes(cfg))
     ffn = FeedForward(cfg.d_model, cfg.shared.d_ff or cfg.d_ff, **_ffn_kw(cfg, rngs))
     return SharedBlock(attn=attn, ffn=ffn, in_norm=make_norm(cfg.norm, W, **norm),
                        ffn_norm=make_norm(cfg.norm, cfg.d_model, **norm),
@@ -292,22 +278,19 @@ def shared_block(cfg: ModelConfig, rngs: nnx.Rngs) -> SharedBlock:
 def shared_block_use(cfg: ModelConfig, rngs: nnx.Rngs) -> SharedBlockUse:
     """A layer's use of a shared block: its adapters of rank shared.adapter_rank and its
     output projection."""
-    sh = cfg.shared
     return SharedBlockUse(
-        cfg.d_model, _shared_width(cfg), num_heads=cfg.num_heads, num_kv_heads=cfg.kv_heads,
-        head_dim=cfg.head_size, v_head_dim=cfg.value_head_size, d_ff=sh.d_ff or cfg.d_ff,
+        cfg.d_model, _shared_width(cfg), cfg.shared, num_heads=cfg.num_heads,
+        num_kv_heads=cfg.kv_heads, head_dim=cfg.head_size, v_head_dim=cfg.value_head_size,
+        d_ff=cfg.shared.d_ff or cfg.d_ff,
         gated=ACTIVATIONS.get(cfg.activation, field="model.activation")[1],
-        rank=sh.adapter_rank, attn_adapter=sh.attn_adapter, mlp_adapter=sh.mlp_adapter,
         dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype),
         init_std=cfg.init_std, rngs=rngs)
 
 
 def _linear(cfg: ModelConfig, rngs: nnx.Rngs, *, positions: bool) -> LinearAttention:
-    return LinearAttention(cfg.d_model, cfg.num_heads, num_kv_heads=cfg.kv_heads,
-                           head_dim=cfg.head_size, qkv_bias=cfg.attention.qkv_bias, out_bias=cfg.attention.out_bias,
-                           feature_map=cfg.linear.feature_map, chunk_size=cfg.linear.chunk,
-                           dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype),
-                           init_std=cfg.init_std, out_init_std=_out_std(cfg), rngs=rngs)
+    return LinearAttention(cfg.d_model, cfg.num_heads, cfg.linear, num_kv_heads=cfg.kv_heads,
+                           head_dim=cfg.head_size, attention=cfg.attention, rngs=rngs,
+                           **_dtypes(cfg))
 
 
 LAYER_KINDS.register("mamba", LayerKind(
@@ -329,13 +312,8 @@ LAYER_KINDS.register("linear", LayerKind(
 
 
 def _gdn(cfg: ModelConfig, rngs: nnx.Rngs, *, positions: bool) -> GatedDeltaNet:
-    d = cfg.gdn
-    hk, hv, dk, dv = d.dims(cfg.num_heads, cfg.head_size)
-    return GatedDeltaNet(cfg.d_model, num_k_heads=hk, num_v_heads=hv, head_k_dim=dk,
-                         head_v_dim=dv, d_conv=d.d_conv, chunk_size=d.chunk,
-                         norm_eps=cfg.norm_eps, dtype=jnp.dtype(cfg.dtype),
-                         param_dtype=jnp.dtype(cfg.param_dtype), init_std=cfg.init_std,
-                         out_init_std=_out_std(cfg), rngs=rngs)
+    return GatedDeltaNet(cfg.d_model, cfg.gdn.resolved(cfg.num_heads, cfg.head_size),
+                         norm_eps=cfg.norm_eps, rngs=rngs, **_dtypes(cfg))
 
 
 LAYER_KINDS.register("gated_deltanet", LayerKind(
@@ -350,9 +328,7 @@ LAYER_KINDS.register("gated_deltanet", LayerKind(
 
 
 def _ffn_kw(cfg: ModelConfig, rngs: nnx.Rngs) -> dict:
-    return dict(activation=cfg.activation, use_bias=cfg.ffn_bias, dtype=jnp.dtype(cfg.dtype),
-                param_dtype=jnp.dtype(cfg.param_dtype), init_std=cfg.init_std,
-                out_init_std=_out_std(cfg), rngs=rngs)
+    return dict(activation=cfg.activation, use_bias=cfg.ffn_bias, rngs=rngs, **_dtypes(cfg))
 
 
 def _dense(cfg: ModelConfig, rngs: nnx.Rngs) -> FeedForward:
@@ -360,17 +336,7 @@ def _dense(cfg: ModelConfig, rngs: nnx.Rngs) -> FeedForward:
 
 
 def _moe(cfg: ModelConfig, rngs: nnx.Rngs) -> MoE:
-    m = cfg.moe
-    return MoE(cfg.d_model, m.d_ff or cfg.d_ff, num_experts=m.num_experts,
-               experts_per_token=m.experts_per_token, shared_experts=m.shared_experts,
-               renormalize=m.router_renormalize, capacity_factor=m.capacity_factor,
-               implementation=m.impl, aux_loss_weight=m.aux_loss_weight,
-               z_loss_weight=m.z_loss_weight, shared_d_ff=m.shared_d_ff or None, score=m.score,
-               n_group=m.n_group, topk_group=m.topk_group, score_bias=m.score_bias,
-               bias_update_rate=m.bias_update_rate, routed_scaling_factor=m.routed_scaling_factor,
-               router_bias=m.router_bias, glu=m.glu, glu_alpha=m.glu_alpha,
-               glu_limit=m.glu_limit, gate_input=m.gate_input, shared_gate=m.shared_gate,
-               **_ffn_kw(cfg, rngs))
+    return MoE(cfg.d_model, cfg.moe.d_ff or cfg.d_ff, cfg.moe, **_ffn_kw(cfg, rngs))
 
 
 def _moe_order(cfg: ModelConfig) -> str | None:

@@ -1,7 +1,9 @@
 """Multi-head attention (Vaswani et al. 2017) with grouped / multi-query heads.
 
 One module serves MHA (K = N), GQA (Ainslie et al. 2023, 1 < K < N) and MQA
-(Shazeer 2019, K = 1), self- and cross-attention. Design choices:
+(Shazeer 2019, K = 1), self- and cross-attention. Its knobs come as one record,
+`attention` (`tfjax.config.AttentionConfig`, the model's `model.attention`); the
+names below are its fields. Design choices:
 
 - Projections are einsums over explicit head axes (`BTD,DNH->BTNH`), so
   parameters carry logical names per axis ("embed", "heads", "kv_heads",
@@ -12,20 +14,20 @@ One module serves MHA (K = N), GQA (Ainslie et al. 2023, 1 < K < N) and MQA
   over H (`qk_norm_over="head"`: Qwen3, Gemma 3) or over the whole projection, all
   heads at once (`"projection"`: OLMo 2); soft-capping (Gemma 2) and a scale
   override (Gemma's query_pre_attn_scalar, T5's unscaled logits) pass to the op.
-- `temperature=(floor, scale)`: Llama 4's query temperature for layers without
-  RoPE, `q *= 1 + scale * ln(1 + floor((p + 1) / floor))` at query position p,
+- `temperature_floor` > 0 (floor, with `temperature_scale` scale): Llama 4's query
+  temperature for layers without RoPE, `q *= 1 + scale * ln(1 + floor((p + 1) / floor))` at query position p,
   which keeps long-context attention sharp.
 - Values may have a head dim of their own (`v_head_dim`, DeepSeek's 128 against
   q/k's 192); `sinks=True` learns gpt-oss's per-head sink logit (`[N]`, N(0,
   init_std) at init as gpt-oss's; `tfjax.ops.sinks`), which every implementation
   and cache path receives.
 - The attention itself is `tfjax.ops.dot_product_attention`: the layer never
-  chooses a kernel, `implementation` does (default "auto").
+  chooses a kernel, `impl` does (default "auto").
 - Context parallelism: under an active mesh whose rules split "length" over a
   mesh axis of size > 1 (the trainer with `mesh.sequence > 1`), self-attention
   runs as `context_parallel` says: "ring" (ring attention, K/V circulate) or
   "all_gather" (each device gathers the whole K/V); see
-  `tfjax.parallel.context_parallel`. `implementation` reaches it too: the ring
+  `tfjax.parallel.context_parallel`. `impl` reaches it too: the ring
   runs it per block ("auto", "blockwise" or "pallas"; any other raises while
   tracing, naming these), all-gather per device. `zigzag` balances the causal
   ring: "data" (inside the trainer's steps the batch is already in zig-zag order,
@@ -72,6 +74,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from tfjax.config import AttentionConfig
+from tfjax.config.attention import VALUE_RESIDUALS
 from tfjax.nn.norms import make_norm
 from tfjax.nn.positions import RotaryEmbedding, default_positions
 from tfjax.nn.state import (DecodeState, Slots, cached_attention, decode_state, slots_major,
@@ -86,7 +90,6 @@ from tfjax.typing import DType
 __all__ = ["VALUE_RESIDUALS", "CrossKVCache", "KVCache", "MultiHeadAttention", "attention",
            "diff_lambda_init", "head_projections"]
 
-VALUE_RESIDUALS = ("none", "fixed", "learned")  # value_residual=
 KV_AXES = ("batch", None, "kv_heads", "head_dim")  # [B, S, K, H]: as attended; S replicated
 STORED_KV_AXES = ("batch", "kv_heads", None, "head_dim")  # [B, K, S, H]: as stored
 
@@ -126,17 +129,18 @@ class MultiHeadAttention(nnx.Module):
     def __init__(self, d_model: int, num_heads: int, *, num_kv_heads: int | None = None,
                  head_dim: int | None = None, v_head_dim: int | None = None,
                  context_dim: int | None = None, out_dim: int | None = None,
-                 sinks: bool = False,
-                 qkv_bias: bool = False, out_bias: bool = False, qk_norm: bool = False,
-                 qk_norm_kind: str = "rmsnorm", qk_norm_over: str = "head",
-                 norm_eps: float = 1e-6, temperature: tuple[int, float] | None = None,
-                 scale: float | None = None, softcap: float | None = None,
-                 rope: RotaryEmbedding | None = None, implementation: str = "auto",
-                 context_parallel: str = "ring", zigzag: str = "data",
-                 differential: bool = False, value_residual: str = "none",
-                 output_gate: bool = False,
+                 attention: AttentionConfig = AttentionConfig(),
+                 rope: RotaryEmbedding | None = None, norm_eps: float = 1e-6,
                  dtype: DType = jnp.float32, param_dtype: DType = jnp.float32,
                  init_std: float = 0.02, out_init_std: float | None = None, rngs: nnx.Rngs):
+        """`attention`: the knobs of `tfjax.config.AttentionConfig`, taken as this layer
+        has them (what differs per layer is the caller's `dataclasses.replace`): its
+        `qk_norm_kind` "" is "rmsnorm" here, `scale` 0 the default (head_dim, or its
+        half when differential)^-1/2, `softcap` 0 none, `temperature_floor` > 0 the
+        NoPE query temperature (with `temperature_scale`; no `rope` then).
+        `qk_norm_layers`, `sliding_window`, `chunk` and `local_rope_theta` are the
+        layer kinds' (`tfjax.models.layer_kinds`), not read here."""
+        a = attention
         K = num_kv_heads or num_heads
         if num_heads % K:
             raise ValueError(f"num_kv_heads={K} must divide num_heads={num_heads}")
@@ -146,68 +150,73 @@ class MultiHeadAttention(nnx.Module):
                              "pass head_dim")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, K, H
         self.v_head_dim = v_head_dim or H
-        if differential and (H % 2 or sinks or qk_norm):
+        if a.differential and (H % 2 or a.sinks or a.qk_norm):
             raise ValueError(f"differential attention splits each head's q and k in halves: it "
                              f"needs an even head_dim (got {H}), no sinks and no qk_norm")
-        self.differential = differential
-        self.scale = (H // (2 if differential else 1)) ** -0.5 if scale is None else scale
-        self.softcap = softcap or None
+        self.differential = a.differential
+        self.scale = (H // (2 if a.differential else 1)) ** -0.5 if not a.scale else a.scale
+        self.softcap = a.softcap or None
         self.rope = rope
-        self.implementation = implementation
-        if context_parallel not in CONTEXT_PARALLEL_MODES:
-            raise ValueError(f"context_parallel: got {context_parallel!r}; allowed: "
+        self.implementation = a.impl
+        if a.context_parallel not in CONTEXT_PARALLEL_MODES:
+            raise ValueError(f"context_parallel: got {a.context_parallel!r}; allowed: "
                              f"{', '.join(map(repr, CONTEXT_PARALLEL_MODES))}")
-        self.context_parallel = context_parallel
-        if zigzag not in ZIGZAG_MODES:
-            raise ValueError(f"zigzag: got {zigzag!r}; allowed: "
+        self.context_parallel = a.context_parallel
+        if a.zigzag not in ZIGZAG_MODES:
+            raise ValueError(f"zigzag: got {a.zigzag!r}; allowed: "
                              f"{', '.join(map(repr, ZIGZAG_MODES))}")
-        self.zigzag = zigzag
+        self.zigzag = a.zigzag
         self.q, self.k, self.v, self.o = head_projections(
             d_model, num_heads, K, H, v_head_dim=self.v_head_dim, context_dim=context_dim,
-            out_dim=out_dim, qkv_bias=qkv_bias, out_bias=out_bias, dtype=dtype, param_dtype=param_dtype,
-            init_std=init_std, out_init_std=out_init_std, rngs=rngs)
-        if sinks:
+            out_dim=out_dim, qkv_bias=a.qkv_bias, out_bias=a.out_bias, dtype=dtype,
+            param_dtype=param_dtype, init_std=init_std, out_init_std=out_init_std, rngs=rngs)
+        if a.sinks:
             init = with_logical_axes(nnx.initializers.normal(init_std), ("heads",))
             self.sinks = nnx.Param(init(rngs.params(), (num_heads,), param_dtype))
         else:
             self.sinks = None
-        if qk_norm_over not in ("head", "projection"):
-            raise ValueError(f"qk_norm_over: got {qk_norm_over!r}; allowed: 'head', 'projection'")
-        self.qk_norm_over = qk_norm_over
-        if qk_norm:
-            per = 1 if qk_norm_over == "head" else None  # "projection": N*H and K*H wide
-            self.q_norm = make_norm(qk_norm_kind, H * (per or num_heads), eps=norm_eps,
-                                    dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-            self.k_norm = make_norm(qk_norm_kind, H * (per or K), eps=norm_eps, dtype=dtype,
+        if a.qk_norm_over not in ("head", "projection"):
+            raise ValueError(f"qk_norm_over: got {a.qk_norm_over!r}; allowed: 'head', "
+                             "'projection'")
+        self.qk_norm_over = a.qk_norm_over
+        if a.qk_norm:
+            per = 1 if a.qk_norm_over == "head" else None  # "projection": N*H and K*H wide
+            kind = a.qk_norm_kind or "rmsnorm"
+            self.q_norm = make_norm(kind, H * (per or num_heads), eps=norm_eps, dtype=dtype,
+                                    param_dtype=param_dtype, rngs=rngs)
+            self.k_norm = make_norm(kind, H * (per or K), eps=norm_eps, dtype=dtype,
                                     param_dtype=param_dtype, rngs=rngs)
         else:
             self.q_norm = self.k_norm = None
+        temperature = ((a.temperature_floor, a.temperature_scale) if a.temperature_floor
+                       else None)
         if temperature is not None and (temperature[0] < 1 or rope is not None):
-            raise ValueError(f"temperature=(floor, scale) needs floor >= 1 and no RoPE (Llama 4's "
-                             f"NoPE layers), got {temperature} with rope={rope is not None}")
+            raise ValueError(f"temperature_floor={a.temperature_floor}: the query temperature "
+                             f"needs floor >= 1 and no RoPE (Llama 4's NoPE layers), got "
+                             f"rope={rope is not None}")
         self.temperature = temperature
-        if differential:  # rows lq1, lk1, lq2, lk2 (the module docstring)
+        if a.differential:  # rows lq1, lk1, lq2, lk2 (the module docstring)
             init = with_logical_axes(nnx.initializers.normal(0.1), (None, "head_dim"))
             self.diff_lambda = nnx.Param(init(rngs.params(), (4, H // 2), param_dtype))
             self.diff_norm = make_norm("rmsnorm", self.v_head_dim, eps=norm_eps, dtype=dtype,
                                        param_dtype=param_dtype, rngs=rngs)
         else:
             self.diff_lambda = self.diff_norm = None
-        if value_residual not in VALUE_RESIDUALS:
-            raise ValueError(f"value_residual: got {value_residual!r}; allowed: "
+        if a.value_residual not in VALUE_RESIDUALS:
+            raise ValueError(f"value_residual: got {a.value_residual!r}; allowed: "
                              f"{', '.join(map(repr, VALUE_RESIDUALS))}")
-        self.value_residual = value_residual
+        self.value_residual = a.value_residual
         self.value_lambda = (nnx.Param(jnp.full((2,), 0.5, param_dtype))
-                             if value_residual == "learned" else None)
+                             if a.value_residual == "learned" else None)
         # Qwen3-Next's gated attention: out * sigmoid(x @ gate) per head, before o
         self.gate = nnx.Einsum(
             "BTD,DNH->BTNH", (d_model, num_heads, self.v_head_dim),
-            (num_heads, self.v_head_dim) if qkv_bias else None, dtype=dtype,
+            (num_heads, self.v_head_dim) if a.qkv_bias else None, dtype=dtype,
             param_dtype=param_dtype,
             kernel_init=with_logical_axes(nnx.initializers.normal(init_std),
                                           ("embed", "heads", "head_dim")),
             bias_init=with_logical_axes(nnx.initializers.zeros_init(), ("heads", "head_dim")),
-            rngs=rngs) if output_gate else None
+            rngs=rngs) if a.output_gate else None
 
     def values(self, x):
         """v `[B,S,K,Hv]` of `x` as projected, before any value residual: what the

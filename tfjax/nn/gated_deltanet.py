@@ -56,6 +56,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from tfjax.config import GatedDeltaNetConfig
 from tfjax.nn.norms import make_norm
 from tfjax.nn.ssm import causal_conv, dt_bias_init, last_conv_inputs, recurrent_block_call
 from tfjax.nn.state import DecodeState, Slots, decode_state
@@ -198,21 +199,26 @@ def gated_delta_rule(q, k, v, g, beta, *, chunk_size: int = 64, state=None, rese
 class GatedDeltaNet(nnx.Module):
     """`[B, T, D] -> [B, T, D]` Gated DeltaNet mixer (a drop-in for attention in a block)."""
 
-    def __init__(self, d_model: int, *, num_k_heads: int = 4, num_v_heads: int = 0,
-                 head_k_dim: int = 16, head_v_dim: int = 0, d_conv: int = 4,
-                 chunk_size: int = 64, norm_eps: float = 1e-6, dt_min: float = 1e-3,
-                 dt_max: float = 0.1, dt_init_floor: float = 1e-4, dtype: DType = jnp.float32,
-                 param_dtype: DType = jnp.float32, init_std: float = 0.02,
-                 out_init_std: float | None = None, rngs: nnx.Rngs):
-        """num_v_heads 0 -> num_k_heads; head_v_dim 0 -> head_k_dim; chunk_size 0 -> the
-        sequential recurrence (`gated_delta_rule_reference`) instead of the chunked form."""
-        Hv, dv = num_v_heads or num_k_heads, head_v_dim or head_k_dim
+    def __init__(self, d_model: int, gdn: GatedDeltaNetConfig, *, norm_eps: float = 1e-6,
+                 dt_min: float = 1e-3, dt_max: float = 0.1, dt_init_floor: float = 1e-4,
+                 dtype: DType = jnp.float32, param_dtype: DType = jnp.float32,
+                 init_std: float = 0.02, out_init_std: float | None = None, rngs: nnx.Rngs):
+        """`gdn` (`tfjax.config.GatedDeltaNetConfig`): the heads, head dims, conv width and
+        chunk. Here num_v_heads 0 -> num_k_heads, head_v_dim 0 -> head_k_dim and chunk
+        0 -> the sequential recurrence (`gated_delta_rule_reference`) instead of the
+        chunked form; num_k_heads and head_k_dim must be set (their 0, "the model's",
+        is resolved by the layer kind: `gdn.resolved(num_heads, head_dim)`)."""
+        num_k_heads, head_k_dim, d_conv, chunk_size = (gdn.num_k_heads, gdn.head_k_dim,
+                                                       gdn.d_conv, gdn.chunk)
+        Hv, dv = gdn.num_v_heads or num_k_heads, gdn.head_v_dim or head_k_dim
         for name, val in (("d_model", d_model), ("num_k_heads", num_k_heads), ("num_v_heads", Hv),
                           ("head_k_dim", head_k_dim), ("head_v_dim", dv), ("d_conv", d_conv)):
             if val < 1:
-                raise ValueError(f"{name} must be >= 1, got {val}")
+                derive = (" (0 is model.gdn's 'the model's': pass gdn.resolved(num_heads, "
+                          "head_dim))" if name in ("num_k_heads", "head_k_dim") else "")
+                raise ValueError(f"{name} must be >= 1, got {val}{derive}")
         if chunk_size < 0:
-            raise ValueError(f"chunk_size must be >= 0 (0: sequential), got {chunk_size}")
+            raise ValueError(f"chunk must be >= 0 (0: sequential), got {chunk_size}")
         if Hv % num_k_heads:
             raise ValueError(f"num_v_heads={Hv} must be a multiple of num_k_heads={num_k_heads}")
         D, Hk, dk = d_model, num_k_heads, head_k_dim

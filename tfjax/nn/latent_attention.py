@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from tfjax.config import AttentionConfig, MLAConfig
 from tfjax.nn.attention import attention
 from tfjax.nn.norms import make_norm
 from tfjax.nn.positions import RotaryEmbedding, default_positions
@@ -81,18 +82,19 @@ class MultiHeadLatentAttention(nnx.Module):
     Parameters (logical axes in brackets): `q` `[D, N, dn+dr]` or `q_a` `[D, rq]` +
     `q_norm` + `q_b` `[rq, N, dn+dr]`; `kv_a` `[D, r+dr]` (the latent and the rotary
     key); `kv_norm` over r; `kv_b` `[r, N, dn+dv]`; `o` `[N, dv, D]`. No biases.
-    `rope` rotates the dr-dim parts (its head_dim must be `qk_rope_head_dim`);
-    None: no positions (the dr parts are then plain dot products)."""
+    `mla` (`tfjax.config.MLAConfig`): the ranks and head dims (its `mscale_all_dim`
+    enters through the scale: `mla_scale`). `rope` rotates the dr-dim parts (its
+    head_dim must be `qk_rope_head_dim`); None: no positions (the dr parts are then
+    plain dot products). `attention` (`tfjax.config.AttentionConfig`): only its
+    `scale` (0: (dn + dr)^-1/2), `impl`, `context_parallel` and `zigzag` are read."""
 
-    def __init__(self, d_model: int, num_heads: int, *, kv_lora_rank: int,
-                 qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int,
-                 q_lora_rank: int = 0, scale: float | None = None,
-                 rope: RotaryEmbedding | None = None, norm_eps: float = 1e-6,
-                 implementation: str = "auto", context_parallel: str = "ring",
-                 zigzag: str = "data", dtype: DType = jnp.float32,
-                 param_dtype: DType = jnp.float32, init_std: float = 0.02,
-                 out_init_std: float | None = None, rngs: nnx.Rngs):
-        N, r, dn, dr, dv = num_heads, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+    def __init__(self, d_model: int, num_heads: int, mla: MLAConfig, *,
+                 rope: RotaryEmbedding | None = None,
+                 attention: AttentionConfig = AttentionConfig(), norm_eps: float = 1e-6,
+                 dtype: DType = jnp.float32, param_dtype: DType = jnp.float32,
+                 init_std: float = 0.02, out_init_std: float | None = None, rngs: nnx.Rngs):
+        N, r, dn, dr = num_heads, mla.kv_lora_rank, mla.qk_nope_head_dim, mla.qk_rope_head_dim
+        dv, q_lora_rank = mla.v_head_dim, mla.q_lora_rank
         for name, value in (("kv_lora_rank", r), ("qk_rope_head_dim", dr), ("v_head_dim", dv)):
             if value < 1:
                 raise ValueError(f"MultiHeadLatentAttention: {name} must be >= 1, got {value}")
@@ -104,9 +106,9 @@ class MultiHeadLatentAttention(nnx.Module):
                              f"qk_rope_head_dim={dr} (RoPE rotates the decoupled part only)")
         self.num_heads, self.kv_lora_rank = N, r
         self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim = dn, dr, dv
-        self.scale = (dn + dr) ** -0.5 if scale is None else scale
-        self.rope, self.implementation = rope, implementation
-        self.context_parallel, self.zigzag = context_parallel, zigzag
+        self.scale = attention.scale or (dn + dr) ** -0.5
+        self.rope, self.implementation = rope, attention.impl
+        self.context_parallel, self.zigzag = attention.context_parallel, attention.zigzag
         normal = nnx.initializers.normal(init_std)
         out_normal = nnx.initializers.normal(init_std if out_init_std is None else out_init_std)
 

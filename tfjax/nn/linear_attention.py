@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from tfjax.config import AttentionConfig, LinearConfig
 from tfjax.nn.attention import head_projections
 from tfjax.nn.ssm import recurrent_block_call
 from tfjax.nn.state import DecodeState, Slots, decode_state
@@ -184,13 +185,17 @@ def linear_attention_step(q_t, k_t, v_t, state: LinearAttentionState, *,
 
 
 class LinearAttention(nnx.Module):
-    """`x [B,T,D] -> [B,T,D]`: q/k/v/o projections as `MultiHeadAttention`, linear kernel."""
+    """`x [B,T,D] -> [B,T,D]`: q/k/v/o projections as `MultiHeadAttention`, linear kernel;
+    `linear` (`tfjax.config.LinearConfig`): the feature map and the causal form's chunk;
+    `attention` (`tfjax.config.AttentionConfig`): only its `qkv_bias` and `out_bias`
+    are read (the projections' biases, as the softmax attention layers have them)."""
 
-    def __init__(self, d_model: int, num_heads: int, *, num_kv_heads: int | None = None,
-                 head_dim: int | None = None, qkv_bias: bool = False, out_bias: bool = False,
-                 feature_map: str = "elu_plus_one", chunk_size: int = 64, causal: bool = True,
+    def __init__(self, d_model: int, num_heads: int, linear: LinearConfig = LinearConfig(), *,
+                 num_kv_heads: int | None = None, head_dim: int | None = None,
+                 attention: AttentionConfig = AttentionConfig(), causal: bool = True,
                  eps: float = 1e-6, dtype: DType = jnp.float32, param_dtype: DType = jnp.float32,
                  init_std: float = 0.02, out_init_std: float | None = None, rngs: nnx.Rngs):
+        feature_map, chunk_size = linear.feature_map, linear.chunk
         FEATURE_MAPS.get(feature_map, field="feature_map")
         K = num_kv_heads or num_heads
         if num_heads % K:
@@ -199,8 +204,9 @@ class LinearAttention(nnx.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, K, H
         self.feature_map, self.chunk_size, self.causal, self.eps = feature_map, chunk_size, causal, eps
         self.q, self.k, self.v, self.o = head_projections(
-            d_model, num_heads, K, H, qkv_bias=qkv_bias, out_bias=out_bias, dtype=dtype,
-            param_dtype=param_dtype, init_std=init_std, out_init_std=out_init_std, rngs=rngs)
+            d_model, num_heads, K, H, qkv_bias=attention.qkv_bias, out_bias=attention.out_bias,
+            dtype=dtype, param_dtype=param_dtype, init_std=init_std, out_init_std=out_init_std,
+            rngs=rngs)
 
     def project(self, x):
         q = shard(self.q(x), ("batch", "length", "heads", "head_dim"))

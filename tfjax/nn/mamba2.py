@@ -51,6 +51,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from tfjax.config import Mamba2Config
 from tfjax.nn.ssm import causal_conv, dt_bias_init, last_conv_inputs, recurrent_block_call
 from tfjax.nn.state import DecodeState, Slots, decode_state
 from tfjax.parallel.sharding import shard, with_logical_axes
@@ -166,16 +167,20 @@ def ssd_reference(x, dt, A, Bm, Cm, Dskip, h0=None, reset=None):
 
 
 class Mamba2(nnx.Module):
-    """`[B, T, D] -> [B, T, D]` SSD mixer (a drop-in for attention in a block)."""
+    """`[B, T, D] -> [B, T, D]` SSD mixer (a drop-in for attention in a block).
+    `mamba2` (`tfjax.config.Mamba2Config`): state size, head dim, expansion, groups,
+    conv width, SSD chunk, biases, norm groups (0: n_groups), dt_bias init range and
+    dt limits (dt_max_limit 0: none)."""
 
-    def __init__(self, d_model: int, *, d_state: int = 16, head_dim: int = 16, expand: int = 2,
-                 n_groups: int = 1, d_conv: int = 4, chunk_size: int = 64,
-                 conv_bias: bool = True, proj_bias: bool = False, norm_groups: int = 0,
-                 norm_eps: float = 1e-5, dt_min: float = 1e-3, dt_max: float = 0.1,
-                 dt_init_floor: float = 1e-4, dt_limit: tuple[float, float] = (0.0, math.inf),
+    def __init__(self, d_model: int, mamba2: Mamba2Config = Mamba2Config(), *,
+                 norm_eps: float = 1e-5, dt_init_floor: float = 1e-4,
                  A_init_range: tuple[float, float] = (1.0, 16.0),
                  dtype: DType = jnp.float32, param_dtype: DType = jnp.float32,
                  init_std: float = 0.02, out_init_std: float | None = None, rngs: nnx.Rngs):
+        m = mamba2
+        d_state, head_dim, expand, n_groups = m.d_state, m.head_dim, m.expand, m.n_groups
+        d_conv, chunk_size, norm_groups = m.d_conv, m.chunk, m.norm_groups
+        dt_limit = (m.dt_min_limit, m.dt_max_limit or math.inf)
         for name, v in (("d_model", d_model), ("d_state", d_state), ("head_dim", head_dim),
                         ("expand", expand), ("n_groups", n_groups), ("d_conv", d_conv),
                         ("chunk_size", chunk_size)):
@@ -208,11 +213,11 @@ class Mamba2(nnx.Module):
 
         width = 2 * Di + 2 * G * N + H  # z, x, B, C, dt
         self.in_proj = param(normal, (D, width), ("embed", None))
-        self.in_bias = param(zeros, (width,), (None,)) if proj_bias else None
+        self.in_bias = param(zeros, (width,), (None,)) if m.proj_bias else None
         bound = d_conv ** -0.5
         self.conv_w = param(uniform(-bound, bound), (d_conv, self.conv_dim), (None, None))
-        self.conv_b = param(zeros, (self.conv_dim,), (None,)) if conv_bias else None
-        self.dt_bias = param(dt_bias_init(dt_min, dt_max, dt_init_floor), (H,), ("heads",))
+        self.conv_b = param(zeros, (self.conv_dim,), (None,)) if m.conv_bias else None
+        self.dt_bias = param(dt_bias_init(m.dt_min, m.dt_max, dt_init_floor), (H,), ("heads",))
         a_lo, a_hi = A_init_range
         self.A_log = param(lambda key, shape, dt=jnp.float32: jnp.log(
             jax.random.uniform(key, shape, jnp.float32, a_lo, a_hi)).astype(dt), (H,), ("heads",))
@@ -220,7 +225,7 @@ class Mamba2(nnx.Module):
         self.norm_w = param(nnx.initializers.ones_init(), (Di,), ("mlp",))
         out_std = init_std if out_init_std is None else out_init_std
         self.out_proj = param(nnx.initializers.normal(out_std), (Di, D), ("mlp", "embed"))
-        self.out_bias = param(zeros, (D,), ("embed",)) if proj_bias else None
+        self.out_bias = param(zeros, (D,), ("embed",)) if m.proj_bias else None
 
     # -- pieces -------------------------------------------------------------------
     def _in(self, u):

@@ -3,11 +3,11 @@ Switch, Fedus et al. 2021; Mixtral, Jiang et al. 2024; ST-MoE, Zoph et al. 2022)
 
     scores = softmax | sigmoid(x @ router + router_bias)   # [B, T, E], float32
     experts = top_k(scores + score_bias, k)  # within the top `topk_group` of `n_group` groups
-    gates = scores[experts]                  # / sum(gates) when `renormalize`; * routed_scaling
+    gates = scores[experts]                  # / sum(gates) if `router_renormalize`; * routed_scaling
     y = sum_j gates_j * expert_{experts_j}(x) + sigmoid(x @ shared_gate) * shared(x)
 
-Routers of the 2024-26 families, as `MoE` keyword arguments (`model.moe` fields):
-- Mixtral / Qwen-MoE: softmax, top-k, `renormalize` (Qwen's `norm_topk_prob`).
+Routers of the 2024-26 families, as fields of `MoE`'s record (`model.moe`, `MoEConfig`):
+- Mixtral / Qwen-MoE: softmax, top-k, `router_renormalize` (Qwen's `norm_topk_prob`).
 - gpt-oss: softmax over the top-k *logits* only, which is softmax-then-top-k with the
   k gates renormalised (the same numbers), plus `router_bias`, expert biases
   (`use_bias`) and `glu="clamped"`: g = min(gate, limit), u = clip(up, -limit, limit),
@@ -17,7 +17,7 @@ Routers of the 2024-26 families, as `MoE` keyword arguments (`model.moe` fields)
   experts, a group's score the sum of its top-2 biased scores, the top `topk_group`
   groups kept, then the top-k experts within them); `score_bias` (DeepSeek's
   `e_score_correction_bias`) is added to the scores for choosing experts only, never
-  to the gates; `renormalize` (`norm_topk_prob`, +1e-20 in the denominator as
+  to the gates; `router_renormalize` (`norm_topk_prob`, +1e-20 in the denominator as
   DeepSeek) and `routed_scaling_factor` multiply the gates.
 - DeepSeek-V3's auxiliary-loss-free balancing (`bias_update_rate` = gamma > 0, which
   implies `score_bias`): the bias is a `MoEBias` variable, not a Param (no gradient, no
@@ -36,12 +36,12 @@ Routers of the 2024-26 families, as `MoE` keyword arguments (`model.moe` fields)
   `decoder_sparse_step`) are `model.ffn_pattern` (docs/presets.md).
 
 Design choices:
-- Scores then top-k (Mixtral, Jamba, Switch). `renormalize=True` divides the k
+- Scores then top-k (Mixtral, Jamba, Switch). `router_renormalize=True` divides the k
   gates by their sum (Mixtral); False keeps the raw probabilities (Jamba).
 - Two dispatches, one semantics each:
   * dropless (`capacity_factor=0`): every assignment is computed. Assignments are
     sorted by expert and run as one grouped matmul, `jax.lax.ragged_dot`
-    (`implementation="ragged"`); `implementation="dense"` runs every expert on
+    (`impl="ragged"`); `impl="dense"` runs every expert on
     every token and is the plain reference (tests, tiny models).
   * capacity (`capacity_factor>0`, GShard / Switch): each sequence (the group) gives
     each expert C = ceil(capacity_factor * T * k / E) slots. Slots are filled in
@@ -79,6 +79,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from tfjax.config import MoEConfig
 from tfjax.nn.ffn import ACTIVATIONS, FeedForward
 from tfjax.parallel.sharding import shard, with_logical_axes
 from tfjax.typing import Array, DType, Float
@@ -162,20 +163,21 @@ def capacity_slots(experts: jax.Array, num_experts: int, capacity: int):
 
 
 class MoE(nnx.Module):
-    """`[B, T, D] -> [B, T, D]`: a routed mixture of `num_experts` feed-forward experts."""
+    """`[B, T, D] -> [B, T, D]`: a routed mixture of `moe.num_experts` feed-forward
+    experts, each `d_ff` wide. `moe` (`tfjax.config.MoEConfig`, its fields as the
+    module docstring names them): the experts, the router and the dispatch; its
+    `d_ff` is not read here (the ffn kind passes `moe.d_ff or model.d_ff` as
+    `d_ff`), its `shared_d_ff` 0 is `d_ff`."""
 
-    def __init__(self, d_model: int, d_ff: int, *, num_experts: int, experts_per_token: int,
-                 activation: str = "swiglu", use_bias: bool = False, shared_experts: int = 0,
-                 shared_d_ff: int | None = None, renormalize: bool = True,
-                 capacity_factor: float = 0.0, implementation: str = "ragged",
-                 aux_loss_weight: float = 0.01, z_loss_weight: float = 0.001,
-                 score: str = "softmax", n_group: int = 1, topk_group: int = 1,
-                 score_bias: bool = False, bias_update_rate: float = 0.0,
-                 routed_scaling_factor: float = 1.0, router_bias: bool = False,
-                 glu: str = "standard", glu_alpha: float = 1.702, glu_limit: float = 7.0,
-                 gate_input: bool = False, shared_gate: bool = False,
-                 dtype: DType = jnp.float32, param_dtype: DType = jnp.float32,
-                 init_std: float = 0.02, out_init_std: float | None = None, rngs: nnx.Rngs):
+    def __init__(self, d_model: int, d_ff: int, moe: MoEConfig, *, activation: str = "swiglu",
+                 use_bias: bool = False, dtype: DType = jnp.float32,
+                 param_dtype: DType = jnp.float32, init_std: float = 0.02,
+                 out_init_std: float | None = None, rngs: nnx.Rngs):
+        m = moe
+        num_experts, experts_per_token, capacity_factor = (m.num_experts, m.experts_per_token,
+                                                           m.capacity_factor)
+        implementation, score, glu, n_group, topk_group = (m.impl, m.score, m.glu, m.n_group,
+                                                           m.topk_group)
         _, gated = ACTIVATIONS.get(activation, field="activation")
         if num_experts < 1:
             raise ValueError(f"num_experts must be >= 1, got {num_experts}")
@@ -185,7 +187,7 @@ class MoE(nnx.Module):
         if capacity_factor < 0:
             raise ValueError(f"capacity_factor must be >= 0 (0 = dropless), got {capacity_factor}")
         if implementation not in MOE_IMPLEMENTATIONS:
-            raise ValueError(f"implementation={implementation!r}; allowed: "
+            raise ValueError(f"impl={implementation!r}; allowed: "
                              f"{', '.join(MOE_IMPLEMENTATIONS)}")
         if score not in MOE_SCORES:
             raise ValueError(f"score={score!r}; allowed: {', '.join(MOE_SCORES)}")
@@ -205,23 +207,24 @@ class MoE(nnx.Module):
             raise ValueError(f"experts_per_token={experts_per_token} exceeds the experts of the "
                              f"topk_group={topk_group} kept groups "
                              f"({topk_group * (num_experts // n_group)})")
-        if bias_update_rate < 0:
-            raise ValueError(f"bias_update_rate must be >= 0 (0 = off), got {bias_update_rate}")
-        if gate_input and capacity_factor > 0:
+        if m.bias_update_rate < 0:
+            raise ValueError(f"bias_update_rate must be >= 0 (0 = off), got {m.bias_update_rate}")
+        if m.gate_input and capacity_factor > 0:
             raise ValueError("gate_input=True (Llama 4) needs dropless dispatch: set "
                              "capacity_factor=0")
-        if shared_gate and not shared_experts:
+        if m.shared_gate and not m.shared_experts:
             raise ValueError("shared_gate=True gates the shared expert: set shared_experts >= 1")
         E, D, F = num_experts, d_model, d_ff
         self.num_experts, self.k = E, experts_per_token
         self.score, self.n_group, self.topk_group = score, int(n_group), int(topk_group)
-        self.routed_scaling_factor = float(routed_scaling_factor)
-        self.glu, self.glu_alpha, self.glu_limit = glu, float(glu_alpha), float(glu_limit)
-        self.gate_input = bool(gate_input)
+        self.routed_scaling_factor = float(m.routed_scaling_factor)
+        self.glu, self.glu_alpha, self.glu_limit = glu, float(m.glu_alpha), float(m.glu_limit)
+        self.gate_input = bool(m.gate_input)
         self.activation, self.gated, self.use_bias = activation, gated, use_bias
-        self.renormalize, self.capacity_factor = renormalize, float(capacity_factor)
+        self.renormalize, self.capacity_factor = m.router_renormalize, float(capacity_factor)
         self.implementation = implementation
-        self.aux_loss_weight, self.z_loss_weight = float(aux_loss_weight), float(z_loss_weight)
+        self.aux_loss_weight = float(m.aux_loss_weight)
+        self.z_loss_weight = float(m.z_loss_weight)
         self.dtype = dtype
         out_std = init_std if out_init_std is None else out_init_std
 
@@ -230,10 +233,10 @@ class MoE(nnx.Module):
             return nnx.Param(with_logical_axes(init, names)(rngs.params(), shape, param_dtype))
 
         self.router = param((D, E), ("embed", None), init_std)
-        self.router_bias = param((E,), (None,), 0.0) if router_bias else None
+        self.router_bias = param((E,), (None,), 0.0) if m.router_bias else None
         self.score_bias = (MoEBias(jnp.zeros((E,), jnp.float32),
-                                   update_rate=float(bias_update_rate))
-                           if score_bias or bias_update_rate > 0 else None)
+                                   update_rate=float(m.bias_update_rate))
+                           if m.score_bias or m.bias_update_rate > 0 else None)
         if gated:
             self.wi_gate = param((E, D, F), ("expert", "embed", "mlp"), init_std)
             self.wi_up = param((E, D, F), ("expert", "embed", "mlp"), init_std)
@@ -248,11 +251,12 @@ class MoE(nnx.Module):
             else:
                 self.bi = param((E, F), names, 0.0)
             self.bo = param((E, D), ("expert", "embed"), 0.0)
-        self.shared = (FeedForward(D, shared_experts * (shared_d_ff or F), activation=activation,
-                                   use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
-                                   init_std=init_std, out_init_std=out_init_std, rngs=rngs)
-                       if shared_experts else None)
-        self.shared_gate = param((D, 1), ("embed", None), init_std) if shared_gate else None
+        self.shared = (FeedForward(D, m.shared_experts * (m.shared_d_ff or F),
+                                   activation=activation, use_bias=use_bias, dtype=dtype,
+                                   param_dtype=param_dtype, init_std=init_std,
+                                   out_init_std=out_init_std, rngs=rngs)
+                       if m.shared_experts else None)
+        self.shared_gate = param((D, 1), ("embed", None), init_std) if m.shared_gate else None
         f32 = jnp.float32
         self.load_balance_loss = MoEAux(jnp.zeros((), f32))
         self.router_z_loss = MoEAux(jnp.zeros((), f32))

@@ -16,8 +16,9 @@ Design choices:
   * `POSITIONS` maps a config name to where the encoding acts: "embedding" (added to
     the token embeddings), "rotary" (applied to q and k) or "bias" (added to the
     attention logits, [B, N, T, S]), so a model needs no second dispatch table.
-  * `RotaryEmbedding` is a frozen, hashable dataclass, not a Module: it has no
-    parameters and lives as a static attribute of attention modules. Frequencies are
+  * `RotaryEmbedding` is a frozen, hashable dataclass, not a Module: a head dim and
+    the model's `RopeConfig` record, taken whole; it has no parameters and lives as
+    a static attribute of attention modules. Frequencies are
     recomputed per call (constant-folded under jit), so nothing is cached on it.
   * RoPE runs in float32 and casts back: bf16 angles lose whole radians at long
     positions. Each rotated half is cast back before the halves are joined (the
@@ -42,6 +43,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from tfjax.config import RopeConfig, T5Config
 from tfjax.ops.reference import RelativeBias, relative_position_bucket
 from tfjax.ops.reference import check_buckets as _check_buckets
 from tfjax.parallel.sharding import with_logical_axes
@@ -75,8 +77,8 @@ POSITIONS.register("rope", "rotary")
 POSITIONS.register("alibi", "bias")
 POSITIONS.register("t5", "bias")
 
-# Name -> fn(rope, seq_len) -> inv_freq [rotary_dim // 2] (float32).
-ROPE_SCALINGS: Registry[Callable[["RotaryEmbedding", jax.Array | int | None], jax.Array]] = (
+# Name -> fn(rope: RopeConfig, rotary_dim, seq_len) -> inv_freq [rotary_dim // 2] (float32).
+ROPE_SCALINGS: Registry[Callable[[RopeConfig, int, jax.Array | int | None], jax.Array]] = (
     Registry("rope scaling"))
 
 ROPE_LAYOUTS = ("half", "interleaved")
@@ -145,83 +147,71 @@ class LearnedPositions(nnx.Module):
 
 @dataclasses.dataclass(frozen=True)
 class RotaryEmbedding:
-    """Rotary position embedding of the first `rotary_dim` dims of each head.
-
-    layout "half" pairs (x[i], x[i + r/2]) (GPT-NeoX, Llama, HF); "interleaved" pairs
-    (x[2i], x[2i+1]) (GPT-J, the paper). `scaling` names an entry of ROPE_SCALINGS;
-    `factor` is the context-extension factor s, `original_max_len` the pre-training
-    context. beta_fast/beta_slow/mscale are YaRN's, low/high_freq_factor llama3's.
-    """
+    """Rotary position embedding of the first `rotary_dim` dims of each head, as `rope`
+    (a `tfjax.config.RopeConfig`, taken whole) says: its base `theta`, `fraction`,
+    `layout` ("half" pairs (x[i], x[i + r/2]): GPT-NeoX, Llama, HF; "interleaved" pairs
+    (x[2i], x[2i+1]): GPT-J, the paper) and `scaling`, an entry of ROPE_SCALINGS, with
+    that scaling's fields (the context-extension factor s, the pre-training context
+    `original_max_len`, YaRN's beta_fast / beta_slow / mscale / truncate, llama3's
+    low / high_freq_factor, longrope's short / long_factor). The config's fields are
+    checked here too, as the ones this embedding uses (an error names the field)."""
 
     head_dim: int
-    theta: float = 10000.0
-    fraction: float = 1.0
-    layout: str = "half"
-    scaling: str = "none"
-    factor: float = 1.0
-    original_max_len: int = 2048
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    truncate: bool = True  # yarn: round the ramp's edges out to whole pairs (False: gpt-oss)
-    # longrope: divisors of the pairs' frequencies, short while the longest position seen
-    # is within original_max_len, long beyond (as HF: the switch is per call)
-    short_factor: tuple[float, ...] = ()
-    long_factor: tuple[float, ...] = ()
+    rope: RopeConfig = RopeConfig()
 
     def __post_init__(self):
+        r = self.rope
         if self.head_dim <= 0:
             raise ValueError(f"head_dim must be positive, got {self.head_dim}")
-        if not self.theta > 0:
-            raise ValueError(f"theta must be positive, got {self.theta}")
-        if not 0.0 < self.fraction <= 1.0:
-            raise ValueError(f"fraction must be in (0, 1], got {self.fraction}")
-        rotary = self.fraction * self.head_dim
+        if not r.theta > 0:
+            raise ValueError(f"theta must be positive, got {r.theta}")
+        if not 0.0 < r.fraction <= 1.0:
+            raise ValueError(f"fraction must be in (0, 1], got {r.fraction}")
+        rotary = r.fraction * self.head_dim
         # round(), not int(): 0.29 * 100 == 28.999999999999996 must mean 29 (then rejected
         # as odd), not a silent 28.
         if abs(rotary - round(rotary)) > 1e-6 or round(rotary) % 2 or round(rotary) == 0:
             raise ValueError(
-                f"fraction: rotary dims = fraction * head_dim = {self.fraction} * {self.head_dim}"
+                f"fraction: rotary dims = fraction * head_dim = {r.fraction} * {self.head_dim}"
                 f" = {rotary:g} must be a positive even integer")
-        if self.layout not in ROPE_LAYOUTS:
-            raise ValueError(f"unknown layout={self.layout!r}; allowed: {', '.join(ROPE_LAYOUTS)}")
-        ROPE_SCALINGS.get(self.scaling, field="scaling")
-        if not self.factor >= 1.0:
+        if r.layout not in ROPE_LAYOUTS:
+            raise ValueError(f"unknown layout={r.layout!r}; allowed: {', '.join(ROPE_LAYOUTS)}")
+        ROPE_SCALINGS.get(r.scaling, field="scaling")
+        if not r.factor >= 1.0:
             raise ValueError(
-                f"factor must be >= 1 (the context extension factor), got {self.factor}")
-        if self.original_max_len <= 0:
-            raise ValueError(f"original_max_len must be positive, got {self.original_max_len}")
-        if self.scaling in ("ntk", "dynamic_ntk") and self.rotary_dim <= 2:
+                f"factor must be >= 1 (the context extension factor), got {r.factor}")
+        if r.original_max_len <= 0:
+            raise ValueError(f"original_max_len must be positive, got {r.original_max_len}")
+        if r.scaling in ("ntk", "dynamic_ntk") and self.rotary_dim <= 2:
             # The NTK exponent d / (d - 2) is undefined for a single rotated pair.
-            raise ValueError(f"fraction: scaling={self.scaling!r} needs rotary dims > 2, "
+            raise ValueError(f"fraction: scaling={r.scaling!r} needs rotary dims > 2, "
                              f"got {self.rotary_dim}")
-        if self.scaling == "yarn" and not self.beta_fast > self.beta_slow > 0:
+        if r.scaling == "yarn" and not r.beta_fast > r.beta_slow > 0:
             raise ValueError(f"beta_fast must be > beta_slow > 0 for yarn, got "
-                             f"beta_fast={self.beta_fast}, beta_slow={self.beta_slow}")
-        if self.scaling == "longrope" and not (
-                len(self.short_factor) == len(self.long_factor) == self.rotary_dim // 2):
+                             f"beta_fast={r.beta_fast}, beta_slow={r.beta_slow}")
+        if r.scaling == "longrope" and not (
+                len(r.short_factor) == len(r.long_factor) == self.rotary_dim // 2):
             raise ValueError(f"short_factor and long_factor: longrope needs rotary_dim / 2 = "
                              f"{self.rotary_dim // 2} factors each, got "
-                             f"{len(self.short_factor)} and {len(self.long_factor)}")
-        if self.scaling == "llama3" and not self.high_freq_factor >= self.low_freq_factor > 0:
+                             f"{len(r.short_factor)} and {len(r.long_factor)}")
+        if r.scaling == "llama3" and not r.high_freq_factor >= r.low_freq_factor > 0:
             raise ValueError(f"high_freq_factor must be >= low_freq_factor > 0 for llama3, got "
-                             f"high_freq_factor={self.high_freq_factor}, "
-                             f"low_freq_factor={self.low_freq_factor}")
+                             f"high_freq_factor={r.high_freq_factor}, "
+                             f"low_freq_factor={r.low_freq_factor}")
 
     @property
     def rotary_dim(self) -> int:
-        return int(round(self.fraction * self.head_dim))
+        return int(round(self.rope.fraction * self.head_dim))
 
     @property
     def attention_factor(self) -> float:
         """Multiplier on cos and sin: YaRN's temperature 0.1 * mscale * ln(s) + 1,
         LongRoPE's sqrt(1 + ln(s) / ln(original_max_len)), else 1."""
-        if self.scaling == "yarn" and self.factor > 1.0:
-            return 0.1 * self.mscale * math.log(self.factor) + 1.0
-        if self.scaling == "longrope" and self.factor > 1.0:
-            return math.sqrt(1.0 + math.log(self.factor) / math.log(self.original_max_len))
+        r = self.rope
+        if r.scaling == "yarn" and r.factor > 1.0:
+            return 0.1 * r.mscale * math.log(r.factor) + 1.0
+        if r.scaling == "longrope" and r.factor > 1.0:
+            return math.sqrt(1.0 + math.log(r.factor) / math.log(r.original_max_len))
         return 1.0
 
     def inv_freq(self, seq_len: jax.Array | int | None = None) -> Float[Array, " R"]:
@@ -230,7 +220,8 @@ class RotaryEmbedding:
         `seq_len` (may be traced) is the current length, used only by dynamic_ntk and
         longrope.
         """
-        return ROPE_SCALINGS.get(self.scaling, field="scaling")(self, seq_len)
+        return ROPE_SCALINGS.get(self.rope.scaling, field="scaling")(self.rope, self.rotary_dim,
+                                                                     seq_len)
 
     def __call__(
         self, x: Float[Array, "B T N H"], positions: Int[Array, "B T"]
@@ -248,7 +239,7 @@ class RotaryEmbedding:
         rotation and recomputes them per head (on CPU, a scalar libm call an element)."""
         # dynamic_ntk grows the base with the longest position in the batch, as HF does;
         # longrope picks its factors by it.
-        seq_len = (jnp.max(positions) + 1 if self.scaling in ("dynamic_ntk", "longrope")
+        seq_len = (jnp.max(positions) + 1 if self.rope.scaling in ("dynamic_ntk", "longrope")
                    else None)
         inv_freq = self.inv_freq(seq_len)  # [R/2]
         angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, R/2]
@@ -265,7 +256,8 @@ class RotaryEmbedding:
         cos, sin = tables
         r = self.rotary_dim
         x_rot, x_pass = x[..., :r], x[..., r:]
-        if self.layout == "half":
+        half = self.rope.layout == "half"
+        if half:
             x1, x2 = x_rot[..., : r // 2], x_rot[..., r // 2:]
         else:
             pairs = x_rot.reshape(*x_rot.shape[:-1], r // 2, 2)
@@ -275,7 +267,7 @@ class RotaryEmbedding:
         # same values; the gradient's halves then stay in x's dtype too)
         y1 = (x1 * cos - x2 * sin).astype(x.dtype)
         y2 = (x2 * cos + x1 * sin).astype(x.dtype)
-        if self.layout == "half":
+        if half:
             y = jnp.concatenate([y1, y2], axis=-1)
         else:
             y = jnp.stack([y1, y2], axis=-1).reshape(x_rot.shape)
@@ -289,27 +281,25 @@ def _inv_freq_from_base(base, dim: int) -> jax.Array:
 
 
 @ROPE_SCALINGS.register("none")
-def _rope_none(rope: RotaryEmbedding, seq_len=None) -> jax.Array:
-    return _inv_freq_from_base(rope.theta, rope.rotary_dim)
+def _rope_none(rope: RopeConfig, d: int, seq_len=None) -> jax.Array:
+    return _inv_freq_from_base(rope.theta, d)
 
 
 @ROPE_SCALINGS.register("linear")
-def _rope_linear(rope: RotaryEmbedding, seq_len=None) -> jax.Array:
+def _rope_linear(rope: RopeConfig, d: int, seq_len=None) -> jax.Array:
     # Position interpolation: angle(p / s) == (p) * (inv_freq / s).
-    return _inv_freq_from_base(rope.theta, rope.rotary_dim) / rope.factor
+    return _inv_freq_from_base(rope.theta, d) / rope.factor
 
 
 @ROPE_SCALINGS.register("ntk")
-def _rope_ntk(rope: RotaryEmbedding, seq_len=None) -> jax.Array:
+def _rope_ntk(rope: RopeConfig, d: int, seq_len=None) -> jax.Array:
     # NTK-aware: stretch the base so the lowest frequency is interpolated by s while the
     # highest stays put: base' = base * s^(d / (d - 2)).
-    d = rope.rotary_dim
     return _inv_freq_from_base(rope.theta * rope.factor ** (d / (d - 2)), d)
 
 
 @ROPE_SCALINGS.register("dynamic_ntk")
-def _rope_dynamic_ntk(rope: RotaryEmbedding, seq_len=None) -> jax.Array:
-    d = rope.rotary_dim
+def _rope_dynamic_ntk(rope: RopeConfig, d: int, seq_len=None) -> jax.Array:
     if seq_len is None:
         return _inv_freq_from_base(rope.theta, d)
     length = jnp.asarray(seq_len, jnp.float32)
@@ -321,8 +311,8 @@ def _rope_dynamic_ntk(rope: RotaryEmbedding, seq_len=None) -> jax.Array:
 
 
 @ROPE_SCALINGS.register("longrope")
-def _rope_longrope(rope: RotaryEmbedding, seq_len=None) -> jax.Array:
-    plain = _inv_freq_from_base(rope.theta, rope.rotary_dim)
+def _rope_longrope(rope: RopeConfig, d: int, seq_len=None) -> jax.Array:
+    plain = _inv_freq_from_base(rope.theta, d)
     short = jnp.asarray(rope.short_factor, jnp.float32)
     if seq_len is None:
         return plain / short
@@ -331,14 +321,13 @@ def _rope_longrope(rope: RotaryEmbedding, seq_len=None) -> jax.Array:
 
 
 @ROPE_SCALINGS.register("yarn")
-def _rope_yarn(rope: RotaryEmbedding, seq_len=None) -> jax.Array:
+def _rope_yarn(rope: RopeConfig, d: int, seq_len=None) -> jax.Array:
     # NTK-by-parts: pairs that rotate more than beta_fast times over the original context
     # keep their frequency (extrapolate), those rotating fewer than beta_slow times are
     # interpolated by s, and a ramp blends between. The ramp is linear in the pair index
     # between floor/ceil of the band edges, as the authors' released code and HF do (the
     # paper's eq. writes it linear in the rotation count); checkpoints were trained so.
     # truncate=False keeps the fractional edges (gpt-oss; HF's rope_parameters.truncate).
-    d = rope.rotary_dim
     inv_freq = _inv_freq_from_base(rope.theta, d)
 
     def edge(num_rotations: float) -> float:
@@ -358,11 +347,11 @@ def _rope_yarn(rope: RotaryEmbedding, seq_len=None) -> jax.Array:
 
 
 @ROPE_SCALINGS.register("llama3")
-def _rope_llama3(rope: RotaryEmbedding, seq_len=None) -> jax.Array:
+def _rope_llama3(rope: RopeConfig, d: int, seq_len=None) -> jax.Array:
     # Wavelengths longer than original_max_len / low_freq_factor are interpolated by s,
     # shorter than original_max_len / high_freq_factor kept, and the band between blended
     # by the rotation count (no band when the two are equal: Llama 4 Scout's 1 / 1).
-    inv_freq = _inv_freq_from_base(rope.theta, rope.rotary_dim)
+    inv_freq = _inv_freq_from_base(rope.theta, d)
     orig = float(rope.original_max_len)
     wavelen = 2 * math.pi / inv_freq
     lo, hi = rope.low_freq_factor, rope.high_freq_factor
@@ -412,14 +401,14 @@ def alibi_bias(
 
 
 class T5RelativeBias(nnx.Module):
-    """A learned scalar per (relative-position bucket, head), added to the logits."""
+    """A learned scalar per (relative-position bucket, head), added to the logits;
+    `t5` (a `tfjax.config.T5Config`): the buckets' number and their max distance."""
 
     def __init__(
         self,
         num_heads: int,
+        t5: T5Config = T5Config(),
         *,
-        num_buckets: int = 32,
-        max_distance: int = 128,
         bidirectional: bool,
         init_std: float = 0.02,
         param_dtype=jnp.float32,
@@ -427,13 +416,13 @@ class T5RelativeBias(nnx.Module):
     ):
         if num_heads <= 0:
             raise ValueError(f"num_heads must be positive, got {num_heads}")
-        _check_buckets(num_buckets, max_distance, bidirectional)
+        _check_buckets(t5.num_buckets, t5.max_distance, bidirectional)
         self.num_heads = num_heads
-        self.num_buckets = num_buckets
-        self.max_distance = max_distance
+        self.num_buckets = t5.num_buckets
+        self.max_distance = t5.max_distance
         self.bidirectional = bidirectional
         init = with_logical_axes(nnx.initializers.normal(init_std), ("relpos_buckets", "heads"))
-        self.embedding = nnx.Param(init(rngs.params(), (num_buckets, num_heads), param_dtype))
+        self.embedding = nnx.Param(init(rngs.params(), (t5.num_buckets, num_heads), param_dtype))
 
     def __call__(
         self, q_positions: Int[Array, "B T"], kv_positions: Int[Array, "B S"]

@@ -36,6 +36,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
+from tfjax.config import SharedBlockConfig
 from tfjax.nn.attention import MultiHeadAttention
 from tfjax.nn.ffn import FeedForward
 from tfjax.parallel.sharding import shard, with_logical_axes
@@ -71,24 +72,26 @@ class SharedBlock(nnx.Module):
 
 
 class SharedBlockUse(nnx.Module):
-    """One use of a shared block: its adapters (rank `rank`; none when 0) and its
-    output projection `out` `[D, D]`. Called with the block it uses:
-    `use(x, block=, embeddings=, mask=, bias=, positions=, state=, slots=)` -> t
-    `[B,T,D]` (and the new state of the block's attention with `state`)."""
+    """One use of a shared block: its adapters and its output projection `out` `[D, D]`.
+    `shared` (`tfjax.config.SharedBlockConfig`): the adapters' rank `adapter_rank`
+    (none when 0) and which exist, `attn_adapter` and `mlp_adapter` (its `d_ff` is
+    not read: `d_ff` is the block's MLP width, resolved by the caller). Called with
+    the block it uses: `use(x, block=, embeddings=, mask=, bias=, positions=, state=,
+    slots=)` -> t `[B,T,D]` (and the new state of the block's attention with `state`)."""
 
-    def __init__(self, d_model: int, width: int, *, num_heads: int, num_kv_heads: int,
-                 head_dim: int, v_head_dim: int, d_ff: int, gated: bool, rank: int = 0,
-                 attn_adapter: bool = True, mlp_adapter: bool = True,
-                 dtype: DType = jnp.float32, param_dtype: DType = jnp.float32,
-                 init_std: float = 0.02, rngs: nnx.Rngs):
+    def __init__(self, d_model: int, width: int, shared: SharedBlockConfig = SharedBlockConfig(),
+                 *, num_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: int,
+                 d_ff: int, gated: bool, dtype: DType = jnp.float32,
+                 param_dtype: DType = jnp.float32, init_std: float = 0.02, rngs: nnx.Rngs):
+        rank = shared.adapter_rank
         self.dtype = dtype
         normal = nnx.initializers.normal(init_std)
 
         def param(shape, names):
             return nnx.Param(with_logical_axes(normal, names)(rngs.params(), shape, param_dtype))
 
-        self.has_attn_adapter = bool(rank and attn_adapter)
-        self.has_mlp_adapter = bool(rank and mlp_adapter)
+        self.has_attn_adapter = bool(rank and shared.attn_adapter)
+        self.has_mlp_adapter = bool(rank and shared.mlp_adapter)
         if self.has_attn_adapter:
             W, r = width, rank
             self.q_a, self.k_a, self.v_a = (param((W, r), ("embed", None)) for _ in range(3))

@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from tfjax.config import SSMConfig
 from tfjax.nn.norms import make_norm
 from tfjax.nn.state import DecodeState, Slots, decode_state, recurrent_call
 from tfjax.parallel.sharding import shard, with_logical_axes
@@ -181,22 +182,23 @@ def selective_scan_reference(u, dt, A, Bm, Cm, Dskip, h0=None, reset=None):
 
 
 class Mamba(nnx.Module):
-    """`[B, T, D] -> [B, T, D]` selective SSM mixer (a drop-in for attention in a block)."""
+    """`[B, T, D] -> [B, T, D]` selective SSM mixer (a drop-in for attention in a block).
+    `ssm` (`tfjax.config.SSMConfig`): state size, conv width, expansion, dt rank (0:
+    ceil(D / 16)), scan chunk (0: one scan over T), biases and Jamba's inner norms."""
 
-    def __init__(self, d_model: int, *, d_state: int = 16, d_conv: int = 4, expand: int = 2,
-                 dt_rank: int = 0, chunk_size: int = 0, conv_bias: bool = True,
-                 proj_bias: bool = False, inner_norm: bool = False, norm_eps: float = 1e-6,
+    def __init__(self, d_model: int, ssm: SSMConfig = SSMConfig(), *, norm_eps: float = 1e-6,
                  dt_min: float = 1e-3, dt_max: float = 0.1, dt_init_floor: float = 1e-4,
                  dtype: DType = jnp.float32, param_dtype: DType = jnp.float32,
                  init_std: float = 0.02, out_init_std: float | None = None, rngs: nnx.Rngs):
+        d_state, d_conv, expand = ssm.d_state, ssm.d_conv, ssm.expand
         for name, v in (("d_model", d_model), ("d_state", d_state), ("d_conv", d_conv),
                         ("expand", expand)):
             if v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
         D, Di, N = d_model, expand * d_model, d_state
-        R = dt_rank or math.ceil(d_model / 16)
+        R = ssm.dt_rank or math.ceil(d_model / 16)
         self.d_model, self.d_inner, self.d_state, self.d_conv, self.dt_rank = D, Di, N, d_conv, R
-        self.chunk_size, self.dtype = chunk_size, dtype
+        self.chunk_size, self.dtype = ssm.chunk, dtype
         normal = nnx.initializers.normal(init_std)
         zeros = nnx.initializers.zeros_init()
 
@@ -207,9 +209,9 @@ class Mamba(nnx.Module):
             return lambda key, shape, dt=jnp.float32: jax.random.uniform(key, shape, dt, -bound, bound)
 
         self.in_proj = param(normal, (D, 2, Di), ("embed", None, "mlp"))
-        self.in_bias = param(zeros, (2, Di), (None, "mlp")) if proj_bias else None
+        self.in_bias = param(zeros, (2, Di), (None, "mlp")) if ssm.proj_bias else None
         self.conv_w = param(uniform(d_conv ** -0.5), (d_conv, Di), (None, "mlp"))
-        self.conv_b = param(zeros, (Di,), ("mlp",)) if conv_bias else None
+        self.conv_b = param(zeros, (Di,), ("mlp",)) if ssm.conv_bias else None
         self.x_proj = param(normal, (Di, R + 2 * N), ("mlp", None))
         self.dt_proj = param(uniform(R ** -0.5), (R, Di), (None, "mlp"))
         self.dt_bias = param(dt_bias_init(dt_min, dt_max, dt_init_floor), (Di,), ("mlp",))
@@ -219,8 +221,8 @@ class Mamba(nnx.Module):
         self.D = param(nnx.initializers.ones_init(), (Di,), ("mlp",))
         out_std = init_std if out_init_std is None else out_init_std
         self.out_proj = param(nnx.initializers.normal(out_std), (Di, D), ("mlp", "embed"))
-        self.out_bias = param(zeros, (D,), ("embed",)) if proj_bias else None
-        if inner_norm:
+        self.out_bias = param(zeros, (D,), ("embed",)) if ssm.proj_bias else None
+        if ssm.inner_norm:
             def norm(n):
                 return make_norm("rmsnorm", n, eps=norm_eps, dtype=jnp.float32,
                                  param_dtype=param_dtype, rngs=rngs)
