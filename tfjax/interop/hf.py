@@ -4,34 +4,11 @@
     logits = model(input_ids)                                       # causal LMs: [B, T, V]
     tfjax.interop.hf.export(model, "out/")                          # any family -> HF
 
-`load` reads a local directory as `save_pretrained` writes it: `config.json` and
-`model.safetensors` (or shards with `model.safetensors.index.json`), without torch
-(`tfjax.interop.safetensors_io` memory-maps the files; bfloat16 comes out as an
-`ml_dtypes` array). Each supported `model_type` is a `Family` in `FAMILIES`, the one
-table of the family modules (`tfjax.interop.families`: one module per family, its
-config mapping both ways, its tensor mapping, its checkpoint prefix).
-
-Placement (here) puts layer i of each stack where the stack's layout says
-(`tfjax.models.StackLayout.where`: a scanned cycle position and its index on the
-stacked axis, or an unrolled block), checks every shape, casts to `dtype` and,
-with a `mesh`, puts each parameter on the mesh with the sharding its logical axis
-names give (`tfjax.parallel.rules`). Memory: without a mesh each parameter is made
-whole in host memory in turn (its stack over layers, then its cast: a few times the
-largest parameter beyond the model, plus what the mapping stacks, such as MoE
-experts, held throughout); with a mesh the mapping runs on symbolic
-tensors (`tfjax.interop.hf_invert.Symbolic`, from the safetensors headers) and each
-parameter is read from the memory-mapped files device block by device block
-(`_place_blocks`), so the host holds a few device blocks at a time. Each converted
-convention is checked by a parity test in tests/interop. Loaded models are for
-inference: dropout is off.
-
-`export` writes a model of any family with a `to_hf` back (every family here but
-zamba2, which loads only): the family is the one whose `to_hf` -> config round trip
-gives the model's config back (`tfjax.interop.computation.config_diff`; a model no
-family holds is refused naming each differing field), and the tensors are the
-family's weights mapping run backwards (`tfjax.interop.hf_invert`: no per-family
-export code), with names and shapes from transformers' model on the meta device, so
-export needs the `hf` extra.
+Each supported `model_type` is a `Family` in `FAMILIES`, the one table of the family
+modules (`tfjax.interop.families`). `load` places layer i where the stack's layout
+says, checks every shape, casts to `dtype` and, with a `mesh`, shards; `export` picks
+the family that holds the model exactly and runs its weights mapping backwards
+(`tfjax.interop.hf_invert`). See docs/interop.md.
 """
 
 from __future__ import annotations

@@ -1,32 +1,12 @@
 """The inverse of a family's weights mapping, derived from the mapping itself.
 
-A family's weights mapping (`tfjax.interop.families`) maps checkpoint tensors to our
-parameters by element movement only: transposes, reshapes, indexing (splits of fused
-QKV / gate-up tensors), stacking over experts. Export does not need a second, hand-written copy
-of each mapping: `Inverse` runs the mapping on a symbolic checkpoint whose tensors
-are `Symbolic` (names and shapes from transformers' model, built on the meta
-device), so every parameter comes back as a recorded expression over checkpoint
-tensors. Evaluating an expression on integer index arrays (`Symbolic.indices`)
-says where each element of the parameter lives in the checkpoint; writing a
-checkpoint tensor scatters the parameters' values through those indices.
-
-Memory stays near one tensor at a time: expressions are evaluated per checkpoint
-tensor (8 bytes of index per element of it, while it is written), and a stack over
-experts at the top of an expression is split into its members, so writing one
-expert's tensor never indexes the whole stack.
-
-Loading on a mesh uses the same expressions forwards: `tfjax.interop.hf.load` runs
-the mapping on `symbolic_checkpoint` (shapes from the safetensors headers) and
-`Symbolic.block` evaluates one device's block of a parameter from the memory-mapped
-tensors, reading only the stack members (layers, experts) the block covers.
-
-Contracts: every element of every tensor the mapping reads is covered exactly once
-(else a ValueError names the tensor); a tensor the mapping reads without using it,
-or one it neither reads nor ignores, is an error; anything but element movement
-(arithmetic, `np.asarray`, an unlisted numpy function) on a checkpoint tensor is a
-TypeError naming the operation. Tensors the mapping `ignore`s (tied copies, buffers,
-heads tfjax has no parameters for) are not written: transformers ties, rebuilds or
-initialises them on load.
+`Inverse` runs a family's weights mapping (element movement only) on a checkpoint of
+`Symbolic` tensors, so every parameter comes back as an expression over checkpoint
+tensors: export writes each checkpoint tensor through them, and `hf.load` on a mesh
+evaluates them forwards one device block at a time (`symbolic_checkpoint`,
+`Symbolic.block`). Every element of every tensor read must be covered exactly once
+(else a ValueError names the tensor); anything but element movement on a checkpoint
+tensor is a TypeError naming the operation. See docs/interop.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
-"""DeepSeek-V3 (`DeepseekV3ForCausalLM`): every layer Multi-head Latent Attention
-(`model.mla`, low-rank query when `q_lora_rank` is set); HF's `rope_interleave` rotates
-(x[2i], x[2i+1]) pairs and writes the result de-interleaved, the same for queries and
-keys, so the scores equal our "interleaved" layout's and no weight is permuted; YaRN's
-`mscale_all_dim` scales the softmax (`mla.mscale_all_dim`). The first
-`first_k_dense_replace` layers are dense, then MoE (dropless): sigmoid scores,
-group-limited top-k (`n_group` / `topk_group`), `e_score_correction_bias` for the
-choice only (`moe.score_bias`, fixed here: no balancing updates), `norm_topk_prob`,
-`routed_scaling_factor`, `n_shared_experts`. Multi-token-prediction layers past
-`num_hidden_layers` (DeepSeek's releases hold one; transformers' saves none) load into
-`model.mtp` (`model.mtp_depth`, `mtp_depth`), for the MTP loss and
-`tfjax.inference.speculative_generate`; such a model has no transformers equivalent to
-export to."""
+"""DeepSeek-V3 (`DeepseekV3ForCausalLM`): Multi-head Latent Attention in every layer
+(`model.mla`; a low-rank query when `q_lora_rank` is set) with interleaved RoPE and
+YaRN's `mscale_all_dim`; `first_k_dense_replace` dense layers, then a dropless MoE
+(sigmoid scores, group-limited top-k, `e_score_correction_bias`, `routed_scaling_factor`,
+shared experts). Multi-token-prediction layers past `num_hidden_layers` load into
+`model.mtp`; such a model is not exportable. See docs/interop.md."""
 
 from __future__ import annotations
 

@@ -1,30 +1,11 @@
 """ModernBERT (Warner et al. 2024; `ModernBertForMaskedLM`): `tfjax.interop.hf.load`
 gives an `HFEncoder` (`model(input_ids, attention_mask=...) -> MLM logits [B,T,V]`).
 
-What ModernBERT is, in our terms: pre-norm LayerNorms without bias (`norm_bias`), no
-linear biases (`attention_bias`, `mlp_bias`), RoPE in the rotate-half layout, a
-final norm, and an embedding norm followed by a layer 0 without an attention norm:
-ours has no embedding norm, and layer 0's `attn_norm` is HF's `embeddings.norm`,
-normalising the residual stream too (`model.first_norm_residual`: the same
-function, with no parameter left over). Layers alternate as HF's `layer_types` say (old
-configs: a global layer every `global_attn_every_n_layers`, the others local), one
-RoPE base per kind (`rope_parameters.full_attention / sliding_attention.rope_theta`,
-old configs `global_rope_theta` / `local_rope_theta`): `model.rope.theta` and
-`model.attention.local_rope_theta` of the "global" and "local" layer kinds. A local
-layer sees keys with |q - k| <= `local_attention // 2` (HF's bidirectional
-sliding-window mask), our `attention.sliding_window` on each side. The GeGLU MLP's
-fused `Wi` `[2F, D]` holds the activated half first, then the gate it multiplies (our
-`wi_gate`, `wi_up`); the fused
-`Wqkv` `[3*N*H, D]` is q, k, v in that order. The MLM head is dense (bias:
-`classifier_bias`) + `classifier_activation` + norm, then the decoder tied to the
-token embedding (`tie_word_embeddings`) with bias `decoder_bias`
-(`model.mlm_dense_bias`, `model.mlm_output_bias`).
-
-Only the MLM model loads (`ModernBertForMaskedLM`): a checkpoint whose
-`architectures` name another head is refused, so `classifier_pooling` and
-`classifier_dropout` (the sequence-classification head's) change nothing that is
-loaded; `sparse_prediction` only drops unlabelled rows from a training loss. RoPE
-types other than "default" are refused by name.
+Pre-norm LayerNorms, HF's embedding norm as layer 0's `attn_norm`
+(`model.first_norm_residual`), alternating local / global layers with one RoPE base
+per kind, a GeGLU MLP, and the MLM head (its decoder tied to the token embedding as
+`tie_word_embeddings` says). Only the MLM model loads: other heads and RoPE types
+other than "default" are refused by name. See docs/interop.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
-"""Qwen3-Next (`Qwen3NextForCausalLM`): `layer_types` (or `full_attention_interval`) ->
-"gated_deltanet" / "global" layers; the attention's fused `q_proj` (per head: query then
-output gate) -> `attn.q` + `attn.gate` (`model.attention.output_gate`), QK-norm, partial
-rotary (HF's default `partial_rotary_factor` here is 0.25); zero-centred `(1 + w)`
-RMSNorms (`rmsnorm_plus_one`; the Gated DeltaNet's own gated norm is a plain `w`
-RMSNorm); the GDN's fused, per-key-head interleaved `in_proj_qkvz` (q, k, then the G =
-num_v / num_k value heads' v and z) and `in_proj_ba` (G b's then G a's) and its conv
-over (q, k, v) split into our separate projections; the MoE (softmax top-k,
-`norm_topk_prob`, a shared expert behind its sigmoid gate; dropless, as HF) on layers i
-with `(i + 1) % decoder_sparse_step == 0` not in `mlp_only_layers`, dense MLPs
-elsewhere (`model.ffn_pattern`). The multi-token-prediction module (`mtp.*`: fc, its
-norms, one full-attention MoE layer), which transformers' causal LM skips, loads into
-`model.mtp` when the checkpoint holds it (`mtp_depth`)."""
+"""Qwen3-Next (`Qwen3NextForCausalLM`): "gated_deltanet" / "global" layers from
+`layer_types` (or `full_attention_interval`); gated attention (`attn.q` + `attn.gate`)
+with QK-norm and partial rotary; `(1 + w)` RMSNorms; the Gated DeltaNet's fused,
+per-key-head interleaved projections split into ours; a dropless softmax top-k MoE
+with a gated shared expert where `decoder_sparse_step` and `mlp_only_layers` put it.
+The `mtp.*` module loads into `model.mtp` when the checkpoint holds it. See
+docs/interop.md."""
 
 from __future__ import annotations
 

@@ -1,35 +1,11 @@
 """Zamba2 (`Zamba2ForCausalLM`): its config and its tensors (load only; no `to_hf` yet).
 
-Zamba2 (Glorioso et al. 2024, arXiv:2411.15242): a Mamba-2 stack whose "hybrid" layers
-(`layers_block_type`) also run one of `num_mem_blocks` shared transformer blocks, in
-turn, on [hidden; embeddings]; in tfjax terms "mamba2" and "mamba2_shared" layers and
-the `model.shared` section (`tfjax.nn.shared_block`). The mapping:
-
-- the shared block's attention: `num_attention_heads` heads of `attention_head_dim` =
-  2 hidden_size / heads over the 2D-wide input, scale (head_dim / 2)^-0.5
-  (`model.attention.scale`), RoPE on the whole head when `use_mem_rope` (else
-  position="none"); its MLP `gate_up_proj` (gate rows, then up rows) of
-  `intermediate_size` and `hidden_act` (gelu -> "geglu"), biases `add_bias_linear`.
-- Tied weights: transformers saves shared block m once, under the m-th hybrid layer
-  (`model.layers.{i}.shared_transformer.*`), with the adapters of every use u of it
-  in its lists at index u (`linear_{q,k,v}_adapter_list.{u}.{0,1}` when
-  `use_shared_attention_adapter`, `gate_up_proj_adapter_list.{u}.{0,1}` always); the
-  blocks load stacked into `layers.shared`, each use's adapters and its `linear`
-  into its layer's `mixer_input`.
-- the Mamba-2 mixers as `Mamba2ForCausalLM`'s (`n_mamba_heads` heads, the gated norm
-  over `mamba_ngroups` groups, conv bias always, dt >= `time_step_min`; as for mamba2,
-  HF's one-token decode step does not clip dt and ours does, so where the limit binds
-  greedy decoding can differ from HF `generate`). Its gated
-  norm's eps is fixed at 1e-5 and ours is `rms_norm_eps`: another value is refused.
-- transformers (5.24) records the tie of the (M+1)-th and later hybrid layers' blocks
-  to the first M but, built on CPU, does not apply it (seen: their q_proj differ): its
-  `Zamba2ForCausalLM` then runs those layers with blocks of their own, and
-  `save_pretrained` writes them. A checkpoint may hold
-  such copies only if they equal the block they tie to (then they are read and
-  checked); different values are refused by name: tfjax's blocks are shared. (Loaded
-  onto a mesh, the mapping sees symbolic tensors, not values: the copies are then
-  read but not compared.)
-- `use_long_context` (a rescaled RoPE base) is refused by name.
+A Mamba-2 stack whose hybrid layers (`layers_block_type`) also run one of
+`num_mem_blocks` shared transformer blocks in turn, on [hidden; embeddings]: "mamba2"
+and "mamba2_shared" layers and the `model.shared` section. The blocks load stacked
+into `layers.shared`, each use's adapters and `linear` into its layer's `mixer_input`.
+Refused by name: a saved copy of a tied block that differs from it, `rms_norm_eps`
+other than 1e-5 and `use_long_context`. See docs/interop.md.
 """
 
 from __future__ import annotations
