@@ -1,15 +1,9 @@
 """Which platforms jax probes at start-up.
 
-With libtpu installed (the `tpu` extra: the TPU compiler that AOT-compiles for a
-TPU slice on a CPU host), jax's first device query on a machine without a TPU loads
-libtpu, which prints a screen of warnings ("could not determine TPU accelerator
-type", "unexpected worker hostname ...") before falling back to the CPU. Importing
-tfjax calls `cpu_without_accelerators()`: on a machine with no accelerator device
-file and no platform chosen (`JAX_PLATFORMS` / `jax_platforms` unset), jax is told
-to use the CPU, which is what it would fall back to, silently. Compiling for a TPU
-topology (`--compile_only --topology v5p:2x2x1`) still works: topologies are
-described by libtpu directly, not through the default backend. Set
-`JAX_PLATFORMS` to choose otherwise.
+Importing tfjax calls `cpu_without_accelerators()`: on a machine with no accelerator
+device file and no platform chosen (`JAX_PLATFORMS` / `jax_platforms` unset), jax is
+told to use the CPU, which it would fall back to anyway, without libtpu's screen of
+warnings. Set `JAX_PLATFORMS` to choose otherwise. See docs/presets.md.
 """
 
 from __future__ import annotations

@@ -1,24 +1,13 @@
 """The config boundary: an `ml_collections.ConfigDict` becomes frozen dataclasses.
 
-Presets in `configs/` are code (`get_config(arg=None) -> ConfigDict`) so they can
-be overridden from the command line (`--config.model.num_layers=4`). The trainer,
-the model builder and everything below take the frozen dataclasses made here,
-never the ConfigDict; a layer takes its section's record whole (`Mamba(d_model,
-cfg.ssm)`), never the whole `ModelConfig`.
-
-Checks happen here, before anything is traced: an unknown key, a moved field, a
-wrong type, a value out of range or an invalid combination raises `ValueError`
-naming the field (`model.num_kv_heads`) and what would be right. This package
-imports nothing else of tfjax, so names that a registry owns (`model.activation`,
-`model.layer_pattern[i]`, ...) are checked where the registries live, by
-`tfjax.models.build` (`tfjax.models.check_names`), still before anything compiles.
-
-    model.py    ModelConfig and its sections (rope, moe, ssm, mamba2, linear, gdn, mla, t5)
-    attention.py  its attention section (model.attention)
-    shared.py   its shared-blocks section (model.shared, Zamba2)
-    run.py      TrainConfig, DataConfig, MeshConfig, CheckpointConfig, RunConfig
-    convert.py  ConfigDict / dict <-> dataclasses, presets' variants, moved fields, dotted paths
-    checks.py   the field-error helpers
+`run_config(cfg)` (a whole run) and `model_config(cfg.model)` convert and check before
+anything is traced: an unknown key, a moved field, a wrong type, a value out of range
+or an invalid combination raises `ValueError` naming the field and what would be right.
+Below the boundary a layer takes its section's record whole (`Mamba(d_model, cfg.ssm)`),
+never the ConfigDict. This package imports nothing else of tfjax; names a registry owns
+are checked by `tfjax.models.check_names`. Modules: `model`, `attention`, `shared` (the
+model's sections), `run` (the trainer's, `RunConfig`), `convert`, `checks`. See
+docs/presets.md.
 """
 
 from tfjax.config.attention import AttentionConfig
