@@ -1,44 +1,11 @@
 """The host side (numpy) of the training objectives: what each one makes of packed
 rows (`PackedBatches`) or of jsonl examples, as arrays `[rows, length]` per key.
 
-Special ids. An objective's specials sit *above* the tokenizer's vocabulary, so no
-tokenizer has to know them: with `V = tokenizer.vocab_size`, MLM's mask token is
-`V` and span corruption's sentinels are `V, V + 1, ...` (T5 counts its sentinels
-down from the top of its vocabulary; the order does not matter to training). The
-trainer checks that `model.vocab_size` has room for them (`special_ids`).
-
-Randomness. Every random choice is drawn from `row_rng(seed, batch, row, salt)`,
-the global batch index and the row's global index, never from a stream that
-carries over between batches, so the masks of a batch depend only on where the
-iterator is (its checkpointed state): resume is exact, and a row is the same
-whichever process builds it.
-
-- MLM (`mlm_row`, Devlin et al. 2019): round(rate x n) of a row's n real tokens
-  (tokenizer bytes > 0: no pad / bos / eos) are selected, as BERT's
-  `create_pretraining_data` does (at least one); of those 80 % become the mask
-  token, 10 % a uniformly random real token, 10 % stay. The loss is on the selected
-  ones. Whole-word masking selects whole words (byte tokenizer: a maximal run of
-  non-whitespace bytes; a whitespace byte is a unit of its own), skipping a word
-  that would overshoot the count, as BERT does; the 80/10/10 draw stays per token.
-- Prefix LM (`prefix_lengths`): each row's prefix length is uniform in [1, n - 1]
-  (n = the row's real inputs); targets inside the prefix are not scored.
-- Span corruption (`span_noise_mask`, `span_corrupt`, Raffel et al. 2020; T5's
-  `random_spans_noise_mask` and `span_corruption` preprocessors): of a row's n
-  tokens, round(density x n) are noise, in round(noise / mean_span) spans,
-  alternating with the same number of non-noise spans (non-noise first), both
-  segmentations uniformly random. Encoder input: the non-noise tokens with each
-  noise span replaced by its sentinel, then EOS; targets: each span's sentinel
-  followed by the span, then EOS (T5's released preprocessor; the paper's figure
-  draws one more, closing sentinel). `span_lengths` picks the raw row length whose
-  encoder input fills `seq_len` and the decoder length that holds every target
-  (T5's `random_spans_helper`). A row is one example, however many documents it
-  holds (T5 concatenates documents the same way).
-- Jsonl examples (`jsonl_examples`, `ExampleBatches`): classification rows are
-  `[bos] + text + [eos]`, truncated, one example per row (the pooler reads the first
-  token); seq2seq rows pack consecutive examples of the row's stream while both the
-  encoder and the decoder side fit, each example its own segment id on both sides
-  with positions from 0, so packing is exact: the encoder masks by segment, and the
-  decoder's self- and cross-attention pair segment k with segment k only.
+MLM masking (`mlm_batch`, `mlm_row`), prefix lengths (`prefix_lm_batch`), T5's span
+corruption (`span_corruption_batch`, `span_lengths`) and jsonl examples
+(`jsonl_examples`, `ExampleBatches`: classification and seq2seq rows). Special ids sit
+above the tokenizer's vocabulary (`special_ids`); every random choice is drawn from
+`row_rng(seed, batch, row, salt)`, so resume is exact. See docs/data.md.
 """
 
 from __future__ import annotations

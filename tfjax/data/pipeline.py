@@ -1,31 +1,12 @@
 """The input pipeline: documents -> tokens -> packed rows -> this process's share of
 each global batch, with an iterator state small enough to checkpoint as JSON.
 
-grain does the random access part: `MapDataset.source(docs).shuffle(seed).repeat()`
-(each epoch reshuffled, deterministically from the seed) `.map(tokenize)`.
-
-Packing: row r of every global batch is fed by its own stream, which reads the
-documents r, r + B, r + 2B, ... of that shuffled order (B = global batch), so the
-rows of a batch come from B different documents rather than from one long file.
-A stream lays its documents `[bos] + tokens + [eos]` end to end and cuts them into
-rows of `seq_len + 1` tokens, each row starting on the last token of the previous
-one, so every token is a target exactly once. Inside a row each document piece
-gets its own segment id (1, 2, ...; 0 = padding) and positions counted from 0, so
-attention never crosses a document and `mask` drops the target that would.
-
-Instruction examples (`data.format="instruction"`: the source yields `(prompt,
-completion)` pairs) are laid out as `[bos] + encode(prompt) + encode(completion) +
-[eos]`, the two halves tokenized separately (so the boundary is exact), and packed
-as documents are; `mask` is 1 only on targets that are completion tokens or the EOS
-after them, so the loss (`tfjax.train.losses`, a mean over `mask`) and `val_bpb`
-count the completions alone, while the prompt still conditions them. Internally a
-tokenized item is `[2, n]`: its ids and, per token, whether it is scored as a target
-(all 1 for a plain document, so documents pack exactly as before).
-
-A process only runs the streams of the rows its devices hold, so each process
-loads only its share, and a batch is the same whatever the number of processes
-(a 2-process run trains exactly like a 1-process run). The state is one
-(document, offset) cursor per stream.
+`PackedBatches(source, tokenizer, seq_len=, global_batch=, local_rows=)` yields
+`BATCH_KEYS` arrays `[len(local_rows), seq_len]` int32: documents `[bos] + tokens +
+[eos]` laid end to end, each piece with its own segment id and positions from 0, and
+`mask` 0 on a target that crosses a document or is not scored (an instruction
+prompt). Row r of every batch reads its own stream of the shuffled documents; the
+state is one (document, offset) cursor per stream. See docs/data.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
 """Document sources: the Python standard library (default, on every machine), local
 text files / globs (one document per file) and JSON-lines (one per line).
 
-Splits are fixed by names, not by random draws: a stdlib file is in validation iff
-`int(sha1(path relative to the stdlib).hexdigest(), 16) % 50 == 0` (posix
-separators); the same rule applies to text files (on the path relative to the
-glob's directory) and to jsonl records (on "relative path:line number"), unless
-`val_paths` names the validation files explicitly.
-
-Text and jsonl sources skip documents that are empty or whitespace only (a text file,
-a record's field), which would train on BOS/EOS alone. With `data.format="instruction"`
-a jsonl line is one example, a `prompt` and a `completion` string (the prompt may be
-empty; a line whose completion is blank is skipped), and the source yields `(prompt,
-completion)` pairs, which `tfjax.data.pipeline` scores on the completion only.
-Everything is checked when the source is built, never mid-training inside a data
-worker: every jsonl line must be a JSON object whose `data.jsonl_field` is a string
-(instruction: `prompt` and `completion` strings), or it is a ValueError naming the
-file, the 1-based line and the field; a split with no document left is a
-ValueError saying what was found.
+`documents(cfg, split)` gives the `DocumentSource` (random access, read on demand) of
+`split`, "train" or "validation": a split fixed by a hash of each document's name
+(`is_validation`) unless `data.val_paths` names the validation files. Every jsonl line
+is checked when the source is built: a ValueError names the file, the 1-based line and
+the field. See docs/data.md.
 """
 
 from __future__ import annotations

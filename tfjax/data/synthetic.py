@@ -1,4 +1,5 @@
-"""Synthetic sequence tasks for probing what an architecture can do at tiny scale.
+"""Synthetic sequence tasks for probing what an architecture can do at tiny scale
+(`TASKS`: mqar, selective_copy, induction_heads, passkey, delayed_copy).
 
 Every generator is seeded numpy (`seed`: an int or a `np.random.Generator`) and returns
 
@@ -6,37 +7,7 @@ Every generator is seeded numpy (`seed`: an int or a `np.random.Generator`) and 
     targets   [B, T] int32   what the model should output at each position
     loss_mask [B, T] bool    True exactly at the task's answer positions
 
-For the language-model tasks (mqar, selective_copy, induction_heads, passkey) the
-targets are the next tokens: `targets[:, t] == tokens[:, t + 1]` and the last
-target is PAD; the mask picks the positions whose next token is an answer, so
-`cross_entropy(model(tokens), targets)` masked by `loss_mask` trains a causal
-decoder on the answers only (as Zoology does). `delayed_copy` is not a
-next-token task: its target at t is the token `distance` positions back.
-
-Vocabulary layouts (token 0 is always PAD; each task needs `vocab_size` at least
-as large as its reserved tokens plus what its parameters ask for):
-
-  mqar             1 .. K            keys, K = (vocab_size - 1) // 2
-  (Arora et al.    K+1 .. V-1        values
-   2023, Zoology)  sequence: k1 v1 k2 v2 ... kP vP, then a query region of
-                   blanks (PAD) with `num_queries` (key, value) pairs at random
-                   even offsets; the answer after a queried key is its value.
-                   Keys are distinct within a row; values may repeat.
-  selective_copy   1 blank (noise), 2 copy marker, 3 .. V-1 data tokens
-  (Gu & Dao 2023)  sequence: a region of T-1-n tokens, blank except n data tokens
-                   at random positions, the marker, then the n data tokens in order.
-  induction_heads  1 trigger, 2 .. V-1 content
-  (Olsson et al.   sequence: random content with the trigger followed by
-   2022; Mamba)    `prefix_len` tokens r_1..r_m at a random position, and the same
-                   trigger + r_1..r_m again at the end: after the second trigger the
-                   model must continue with r_1..r_m. The trigger occurs only twice.
-  passkey          1 needle marker ("the pass key is"), 2 query marker ("what is
-  (Mohtashami &    the pass key?"), 3 .. 12 digits 0..9, 13 .. V-1 filler words
-   Jaggi 2023)     sequence: random filler with [marker, d1..dn] inserted at
-                   relative `depth` (0 = start, 1 = just before the query), then
-                   [query marker, d1..dn] at the end: the answer is the digits.
-  delayed_copy     1 .. V-1 content; target at t >= distance is tokens[t - distance]
-                   (the answer lies exactly `distance` tokens back).
+Token 0 is PAD in every task. See docs/data.md for the tasks' vocabulary layouts.
 """
 
 from __future__ import annotations
