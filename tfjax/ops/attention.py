@@ -1,45 +1,13 @@
 """`dot_product_attention`: one API, many implementations, one decision.
 
-    out = dot_product_attention(q, k, v, mask, bias=None, scale=None, softcap=None,
-                                alibi_slopes=None, alibi_positions=None,
-                                relative_bias=None, sinks=None, implementation="auto")
-
-q `[B,T,N,H]`, k `[B,S,K,H]`, v `[B,S,K,Hv]` -> `[B,T,N,Hv]`, with N % K == 0 (GQA /
-MQA without repeating K/V) and v's head dim free (DeepSeek's 192 / 128),
-`mask` a lazy `tfjax.ops.masks.Mask` (or None), `bias` additive `[B|1, N|1, T, S]`,
-`alibi_slopes` `[N]` or `[B, N]`: ALiBi's bias `-slope * |q_pos - kv_pos|` at the
-positions `alibi_positions = (q [B,T], kv [B,S])` or, without them, the global
-indices (`q_offset + i`, `kv_offset + j`); the tiled implementations evaluate it
-per tile instead of reading a materialised `[B, N, T, S]` bias. `relative_bias`
-a `tfjax.ops.RelativeBias`: T5's learned bias `table[bucket(kv_pos - q_pos), n]`,
-evaluated per tile by the implementations whose record says `relative_bias=True`
-("blockwise" and "pallas": the table gradient is summed per bucket) and
-materialised into `bias` for the others (the same values and gradients, O(T*S)
-memory). `sinks` `[N]`: gpt-oss's learned per-head sink logits
-(`tfjax.ops.sinks`), added once to each row's finished softmax by the dispatch
-for every implementation that returns its logsumexp (the reference has them
-natively; xla and cudnn refuse them).
-
-The whole decision is the first screen of this module:
-
-- `IMPLEMENTATIONS`: the fixed table, one record (`tfjax.ops.implementation.
-  Implementation`) per implementation module. Its `supports` returns None or the
-  reason it cannot serve a request.
-- `AUTO_ORDER`: the preference of "auto" per target platform
-  (`tfjax.ops.target.target_platform`).
-- `select_implementation`: an explicit `implementation=` that cannot serve the
-  request raises (naming the reason); "auto" takes the first in `AUTO_ORDER` that
-  can (an unpartitionable one only where a shard_map or a per-device runner covers
-  sharded inputs: `AttentionRequest.sharded_without_runner`). No implementation
-  silently changes semantics. A kernel family's own sub-choices (Mosaic TPU /
-  Triton / Mosaic GPU, decode packing and splitting) are its plan,
-  `tfjax.ops.pallas.plan`, made when it runs.
-- `select_ring_block`: what ring attention runs per (q block, kv block) pair, with
-  its own order (`RING_AUTO_ORDER`); an implementation the ring cannot run raises.
-
-An implementation XLA cannot partition (`partitionable=False`) runs once per device
-through the active per-device runner (`tfjax.ops.target.per_device`, which the
-sharding context `use_rules` provides).
+q `[B,T,N,H]`, k `[B,S,K,H]`, v `[B,S,K,Hv]` -> `[B,T,N,Hv]` (N % K == 0, K/V never
+repeated), under a lazy `tfjax.ops.masks.Mask` or None, with optional additive bias,
+ALiBi, T5's `RelativeBias`, soft-cap, learned sinks and global offsets; with
+`return_lse` also the fp32 logsumexp `[B,N,T]`. The whole decision is here:
+`IMPLEMENTATIONS` (the fixed table), `AUTO_ORDER` (per target platform),
+`select_implementation` (an explicit name that cannot serve raises with the reason;
+"auto" takes the first that can) and `select_ring_block` (ring attention's per-block
+choice, `RING_AUTO_ORDER`). See docs/attention.md.
 """
 
 from __future__ import annotations

@@ -1,31 +1,11 @@
 """Blockwise attention: pure-JAX tiled online softmax with a recomputing backward.
 
-FlashAttention (Dao et al. 2022; FlashAttention-2, Dao 2023) written with
-`lax.scan` / `lax.while_loop` instead of a kernel, so it runs on any backend and
-never builds the `T x S` logits:
-
-- forward: a scan over query tiles; for each, a while loop over only the kv tiles
-  the mask's block view says are not EMPTY (a compacted per-row tile list, so a
-  causal mask does half the work and a sliding window O(T * window)). The mask is
-  evaluated (`mask.evaluate`) only on PARTIAL tiles (`lax.cond`); FULL tiles skip
-  it. Online softmax in fp32; the logsumexp `[B,N,T]` is kept.
-- backward (`custom_vjp`): recomputes the probabilities of each tile from the
-  saved logsumexp; a scan over kv tiles (the transposed tile list) accumulates
-  dk/dv in the carry and adds each tile's dq into an O(T*H) buffer. Residuals
-  are q, k, v, out and lse: activation memory is O(T*H), not O(T*S).
-- GQA is native: query heads are grouped `[K, G]` and K/V are never repeated.
-- ALiBi (`alibi_slopes`, optional `alibi_positions`) and T5's bucketed bias
-  (`relative_bias`) are computed per tile from the tile's positions, so ALiBi and
-  T5 models keep O(T*H) memory (a materialised bias is O(T*S), and its gradient
-  another O(T*S)): the T5 table's gradient is each tile's dlogits summed per
-  bucket, accumulated in the backward's carry.
-- The batch is `vmap`ped; a mask whose data varies per example (segments,
-  padding) is sliced per example, so its loop runs to the longest row of the
-  batch; positional masks skip tiles exactly.
-- Fully masked rows give zeros and lse -inf, never NaN. The lse is differentiable
-  (ring attention merges partial results with it).
-- The tile tables, the padding and a tile's logits are `tfjax.ops.tiles`' (shared
-  with the Pallas kernels); the `custom_vjp` is `tfjax.ops.vjp`'s shell.
+FlashAttention-2 (Dao 2023) in `lax.scan` / `lax.while_loop`, so it runs on any
+backend: `blockwise_attention(q, k, v, mask, ...)` visits only the tiles the mask's
+block view does not call EMPTY, never builds the `T x S` logits, and returns out
+`[B,T,N,H]` (and the fp32 logsumexp `[B,N,T]`, differentiable); its `custom_vjp`
+keeps O(T*H) activation memory. Native GQA; ALiBi and T5's bias per tile.
+`IMPLEMENTATION` ("blockwise") serves every request. See docs/attention.md.
 """
 
 from __future__ import annotations

@@ -1,21 +1,13 @@
 """What an attention implementation is, so that implementation modules can describe
-themselves without importing the dispatch.
+themselves without importing the dispatch. See docs/attention.md.
 
-- `AttentionRequest`: the static facts of one `dot_product_attention` call (shapes,
-  dtype, target platform, mask, which extras it carries). Implementations decide
-  from it alone whether they can serve the call.
-- `Implementation`: the record each implementation module exports as
-  `IMPLEMENTATION`; `tfjax.ops.attention.IMPLEMENTATIONS` is the table of them.
-
-`Implementation.fn` is called as
+`AttentionRequest`: the static facts of one `dot_product_attention` call, from which an
+implementation decides whether it can serve it. `Implementation`: the record each
+implementation module exports as `IMPLEMENTATION`; its `fn`, called only for requests
+its `supports` accepted, with q `[B,T,N,H]`, k `[B,S,K,H]`, v `[B,S,K,Hv]`, is
 
     fn(q, k, v, mask, *, bias, alibi, scale, softcap, q_offset, kv_offset, return_lse
-       [, relative_bias] [, sinks])
-
-with q `[B,T,N,H]`, k `[B,S,K,H]`, v `[B,S,K,Hv]`, `mask` a `tfjax.ops.masks.Mask`
-or None, `bias` `[B|1, N|1, T, S]` or None, `alibi` None or a checked
-`tfjax.ops.Alibi`, and returns out `[B,T,N,Hv]` (with `return_lse`, `(out, lse
-[B,N,T] fp32)`). It is only called for requests its `supports` accepted.
+       [, relative_bias] [, sinks]) -> out [B,T,N,Hv], or (out, lse [B,N,T] fp32)
 """
 
 from __future__ import annotations

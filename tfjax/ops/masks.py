@@ -1,20 +1,12 @@
-"""Lazy attention masks.
+"""Lazy attention masks: which (query, key) pairs may attend, as objects, not arrays.
 
-A mask says which (query, key) pairs may attend. It is an object, not an array:
-it gives a **dense view** (`mask.dense(T, S)`, a bool `[B|1, T, S]` array, for the
-reference and for tests) and a **block view** (`mask.blocks(T, S, bq, bk)`, which
-`bq x bk` tiles are EMPTY, PARTIAL or FULL) without building the `T x S` array, so
-tiled kernels skip empty tiles and a lazy mask stays cheap at 128k tokens.
-
-Masks combine with `&` (both allow) and `|` (either allows). Every view takes
-global position offsets (`q_offset`, `kv_offset`): query row i is at global
-position `q_offset + i`. Positional rules (causal, windows, chunks, prefix,
-padding lengths) use global positions; per-token data (segment ids) is indexed
-locally, so a device holding one chunk of a sequence asks for exactly its piece
-(ring attention). Masks are pytrees: array fields are leaves, sizes are static.
-
-A query row every key of which is masked is *fully masked*; every attention
-implementation returns zeros for it (never NaN).
+A `Mask` gives a dense view (`mask.dense(T, S)`: bool `[B|1, T, S]`) and a block view
+(`mask.blocks(T, S, bq, bk)`: int8 `[B|1, ceil(T/bq), ceil(S/bk)]` of EMPTY, PARTIAL,
+FULL) without building the `T x S` array, and evaluates itself on a tile's indices
+(`mask.evaluate`). Every view takes global offsets (`q_offset`, `kv_offset`); masks
+combine with `&` and `|` and are pytrees. Constructors: `causal`, `sliding_window`,
+`chunked_causal`, `padding`, `segments`, `prefix_lm`, `positions`, `longformer`,
+`bigbird`; `combine`. Fully masked rows give zeros everywhere. See docs/attention.md.
 """
 
 from __future__ import annotations

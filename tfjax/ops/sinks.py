@@ -1,27 +1,10 @@
-"""Learned attention sinks (gpt-oss; Xiao et al. 2024's "sink" as a parameter).
+"""Learned attention sinks (gpt-oss): one logit per query head in every row's softmax.
 
-A sink is one logit per query head, `sinks` `[N]`, that joins every row's softmax
-denominator and contributes no value:
-
-    p_j = exp(l_j) / (exp(s_n) + sum_j' exp(l_j'))        out = sum_j p_j v_j
-
-so a row can put weight "nowhere" (its probabilities sum to 1 - p_sink). A row
-whose keys are all masked has p_sink = 1 and returns zeros.
-
-The sink enters once per row, after the row's softmax over keys is complete, as
-an exact rescaling of a result that carries its logsumexp:
-
-    lse' = logaddexp(lse, s)        out' = out * exp(lse - lse')
-
-That is how every implementation serves sinks (`tfjax.ops.attention` applies
-`add_sinks` to the implementation's (out, lse); the kernels, the key splits of
-decode and the ring's partial results are merged before it, so none adds it
-twice). Its gradient flows through the implementation's logsumexp cotangent.
-Code with the *final* out / lse at hand (ring attention's backward) uses
-`sinks_gradient` instead: the usual flash backward from the final out / lse is
-already exact for q, k and v, and the sinks' gradient is
-
-    d s_n = -sum_{b, t} p_sink[b, n, t] * (rowsum(dO * O') - dlse')[b, n, t].
+`sinks` `[N]` join each row's softmax denominator and carry no value.
+`add_sinks(out, lse, sinks)` rescales a finished (out `[B,T,N,Hv]`, lse `[B,N,T]` fp32)
+exactly: `lse' = logaddexp(lse, s)`, `out' = out * exp(lse - lse')`.
+`sinks_gradient` is the sinks' gradient from the final out / lse (ring attention's
+backward); `check_sinks` checks the shape. See docs/attention.md.
 """
 
 from __future__ import annotations

@@ -1,39 +1,13 @@
-"""What the program being traced will run on.
+"""What the program being traced will run on: the target, not the tracing machine.
 
-Attention dispatch and the kernels decide by the *target*, not by the machine
-tracing: an AOT compile for a TPU slice or a GPU runs on a CPU host.
-
-- `target_platform(*arrays)`: "cpu", "gpu" or "tpu": `traced_platform(*arrays)`,
-  else jax's default backend.
-- `traced_platform(*arrays)`: the platform the trace itself names, or None: the
-  innermost active `targeting(platform)`'s, else that of the mesh being traced
-  under (`jax.sharding.get_abstract_mesh()`: inside a `shard_map` over a TPU
-  topology's devices, or `jax.set_mesh`), else that of the first of `arrays`
-  whose sharding has a mesh with devices (a `jit` lowered with a TPU topology's
-  shardings). Abstract meshes carry their devices' platform in jax >= 0.6.
-- `sharded_outside_a_mesh(*arrays)`: only the arrays' shardings name the target
-  (a plain jit of sharded inputs: no `targeting`, no mesh traced under), so XLA's
-  SPMD partitioner, not a shard_map, must split what is computed from them.
-- `targeting(platform, per_device=...)`: the context that sets it. The sharding
-  context of the layer above, `use_rules(mesh, rules)`, enters it with the mesh's
-  platform and a `per_device` runner it builds: the runner is handed down, so
-  ops never imports the parallel layer.
-- `per_device()`: the active runner, or None. `dot_product_attention` hands it an
-  implementation XLA's SPMD partitioner cannot split (`Implementation.partitionable
-  = False`, the Pallas kernels):
-
-      runner(fn, q, k, v, mask, *, bias, alibi, scale, softcap, q_offset,
-             kv_offset, return_lse[, relative_bias]) -> fn's result, or None
-
-  It runs `fn` once per device on that device's examples and heads, or returns
-  None when there is nothing to split (the caller then runs `fn` as is).
-- GPU facts for lowering without a GPU: `gpu_lowering_target(gpu)` names the GPU
-  the kernels are built for; `sm_count()`, `is_hopper()` follow it, else the local
-  device. `GPU_COMPUTE_CAPABILITY` and `GPU_SMS` list the GPUs it knows.
-
-Each `targeting` replaces the whole target (platform and runner) until it exits;
-the state is per thread. `gpu_lowering_target` is process-wide, as jax's Triton
-lowering hook it sets is.
+`target_platform(*arrays)` is "cpu", "gpu" or "tpu": that of the innermost
+`targeting(platform, per_device=...)`, else of the mesh traced under or of an array's
+sharding (`traced_platform`), else jax's default backend. `per_device()` is the active
+runner of unpartitionable implementations (which `use_rules` hands down), called as
+`runner(fn, q, k, v, mask, *, bias, alibi, scale, softcap, q_offset, kv_offset,
+return_lse[, relative_bias])` -> fn's result, or None when nothing splits.
+`gpu_lowering_target(gpu)` names the GPU the kernels are built for (`sm_count`,
+`is_hopper`). See docs/attention.md.
 """
 
 from __future__ import annotations

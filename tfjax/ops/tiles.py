@@ -1,22 +1,9 @@
 """What every tiled attention shares (blockwise and the Pallas kernels): tile
-arithmetic, the tile tables built from a mask's block view, and a tile's logits.
-
-**Tile tables** (`tile_tables`), per batch row of the mask (`Bm` = 1 or B): for
-each query tile the kv tiles that are not EMPTY, compacted to the front
-(`order`), their number (`count`), and their code (`code`, PARTIAL or FULL, in
-the order of `order`). Entries past `count` repeat the last real index, so a
-pipelined kernel issues no DMA for the grid steps it skips (and a loop that stops
-at `count` never reads them). With `tails`, tiles holding a sequence tail are
-PARTIAL, for evaluators that apply no bounds to a FULL tile (the kernels);
-blockwise bounds every tile itself and asks without. The transposed tables (for
-each kv tile, its query tiles) drive the backward's dk/dv loop.
-
-**A tile's logits** (`logits`): scale, soft-cap (its tanh kept for the backward),
-then the additive terms in one order: a bias tile, ALiBi's `-slope * |q_pos -
-kv_pos|`, T5's gathered bias. Each caller gives the terms in its own tile layout
-(blockwise `[K, G, bq, bk]`, the Mosaic TPU and Triton kernels `[bq, bk]` or
-`[bk, bq]`); the Mosaic GPU kernels form theirs inline, ordered and kept live
-for the registers (see `pallas/mosaic_gpu.py`).
+arithmetic (`cdiv`, `round_up`, `pad_axis`), the tile tables built from a mask's block
+view (`tile_tables` -> `TileTables`: for each query tile the non-EMPTY kv tiles
+compacted to the front, their count and their codes; transposed for the dk/dv loop),
+and a tile's logits (`logits`: scale, soft-cap, then the bias, ALiBi and T5 terms in
+one order). See docs/kernels.md.
 """
 
 from __future__ import annotations

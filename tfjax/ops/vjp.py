@@ -1,28 +1,13 @@
 """The one `custom_vjp` shell of the tiled attentions (blockwise and the Pallas
 kernels), its zero cotangents, and the backward's per-row terms.
 
-    attention = attention_vjp(forward, backward)
-    out, lse = attention(cfg, q, k, v, mask, bias, alibi, rel, offsets)
-
-`cfg` is static (hashable: the tiles, scale, soft-cap, ...); `mask` a
-`tfjax.ops.masks.Mask` or None, `bias` `[B|1, N|1, T, S]` or None, `alibi` a
-checked `tfjax.ops.Alibi` or None, `rel` a checked `tfjax.ops.RelativeBias` or
-None, `offsets` any pytree of int32 arrays (the global positions of query row 0
-and key 0). The implementation supplies
-
-    forward(cfg, q, k, v, mask, bias, alibi, rel, offsets) -> (out [B,T,N,H], lse [B,N,T] fp32)
-    backward(cfg, q, k, v, mask, bias, alibi, rel, offsets, out, lse, dout, dlse)
-        -> (dq, dk, dv, dbias or None, dtable [nb, N] or None)
-
-and optionally `forward_for_grad` (same signature as `forward`), the forward run
-when the call is differentiated (blockwise lays out a batch of one differently
-there). The saved residuals are the inputs, out and lse (O(T*H) activation
-memory), out and lse named "attn_out" and "attn_lse" (`checkpoint_name`) so a
-rematerialisation policy can keep them and never rerun the forward kernel in the
-backward (`tfjax.models.stack.REMAT_POLICIES`); the logsumexp is differentiable
-(`dlse`, which ring attention's merge of partial results needs). Cotangents: the
-mask, ALiBi's slopes and the offsets get zeros (float0 for integers); T5's table
-gets `dtable` in its dtype, its positions zeros.
+`attention_vjp(forward, backward)` -> `attention(cfg, q, k, v, mask, bias, alibi, rel,
+offsets)` -> (out `[B,T,N,H]`, lse `[B,N,T]` fp32), with `cfg` static,
+`forward(cfg, q, k, v, mask, bias, alibi, rel, offsets)` -> (out, lse) and
+`backward(cfg, q, k, v, mask, bias, alibi, rel, offsets, out, lse, dout, dlse)` ->
+(dq, dk, dv, dbias or None, dtable `[nb, N]` or None). The residuals are the inputs,
+out and lse ("attn_out", "attn_lse" for remat policies); `backward_rows`,
+`zero_cotangent` and `zero_cotangents` help the backwards. See docs/kernels.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,13 @@
 """Parallelism: the device mesh, logical-axis sharding, and attention across devices.
 
-One module per concept:
-
-- `mesh`: the five-axis device mesh (`make_mesh`).
-- `rules`: logical axis names -> mesh axes for trees of parameters and state.
-- `sharding`: the active mesh and rules (`use_rules`), `shard` for activations,
-  `logical_to_spec`; `use_rules` targets the ops at the mesh (`tfjax.ops.target`).
-- `per_device`: run an attention implementation XLA cannot partition once per
-  device (`batch_sharded_attention`, the runner `use_rules` hands the ops).
-- `zigzag`: the zig-zag layout that balances causal ring attention, and the
-  `zigzag_data` trace context of a batch already in that order.
-- `ring_attention`: ring attention and the all-gather baseline.
-- `context_parallel`: the layer-level choice between them
-  (`context_parallel_attention`).
-- `mask_leaves`: how a mask and position biases pass through `shard_map` (used by
-  the attention modules above).
-
-The functions `ring_attention` and `zigzag` exported here share their modules'
-names, so `tfjax.parallel.ring_attention` / `tfjax.parallel.zigzag` as attributes
-are the functions; import other names from the modules with `from
-tfjax.parallel.zigzag import zigzag_data`.
+`mesh` (the five-axis mesh, `make_mesh`), `rules` and `sharding` (logical axis names ->
+mesh axes; `use_rules`, `shard`), `per_device` (kernels XLA cannot partition, once per
+device), `zigzag`, `ring_attention` (ring and all-gather attention), `context_parallel`
+(a layer's choice between them) and `mask_leaves` (a mask's leaves through
+`shard_map`). The attributes `tfjax.parallel.ring_attention` and
+`tfjax.parallel.zigzag` are the functions, not the modules: import other names from
+the modules (`from tfjax.parallel.zigzag import zigzag_data`).
+See docs/long_context.md.
 """
 
 from tfjax.parallel.context_parallel import CONTEXT_PARALLEL_MODES, context_parallel_attention

@@ -1,26 +1,14 @@
 """Context parallelism for a layer: which sequence-parallel attention a
 self-attention layer runs under an active mesh.
 
-`MultiHeadAttention.attend` calls `context_parallel_attention` first. Under an
-active mesh (`tfjax.parallel.sharding.use_rules`, as the trainer sets it) whose
-rules split the logical "length" axis over one mesh axis of size n > 1, it runs
-the layer's self-attention across the devices of that axis, as the layer's
-`context_parallel` says (`CONTEXT_PARALLEL_MODES`, `ModelConfig.context_parallel`):
-
-- "ring": `ring_attention`, zig-zag balanced as `zigzag` says (`ZIGZAG_MODES`,
-  `ModelConfig.zigzag`; when there is a mask and T % 2n == 0): "data" reads a
-  batch the trainer already put in zig-zag order (`zigzag_data(n)`), else
-  re-lays out per layer; "layer" always re-lays out; "none" runs contiguous chunks.
-- "all_gather": `all_gather_attention` (each device gathers the whole K/V).
-
-The layer's `implementation` (`ModelConfig.attention_impl`) reaches both: the ring
-runs it per block (`tfjax.ops.attention.select_ring_block`: "auto" is the ring's
-own order, an implementation without a ring block raises, naming those it has),
-all-gather runs it per device at the device's global query offset ("auto" and
-"blockwise" the blockwise functions; another through `dot_product_attention`,
-which raises when it cannot serve that call). Anything else (no such mesh, or not
-sequence-parallel self-attention, e.g. cross-attention) returns None and the layer
-uses `dot_product_attention`.
+`context_parallel_attention(q, k, v, mask, *, mode, zigzag, implementation, ...)`: under
+a mesh whose rules split "length" over one axis of size n > 1, "ring" (`ring_attention`,
+zig-zag balanced as `zigzag` says: `ZIGZAG_MODES`) or "all_gather"
+(`all_gather_attention`; `CONTEXT_PARALLEL_MODES`), running `implementation` per block
+(the ring: `tfjax.ops.attention.select_ring_block`) or per device at its global query
+offset (all-gather: "auto" and "blockwise" the blockwise functions, another through
+`dot_product_attention`). Otherwise None: the layer uses `dot_product_attention`.
+See docs/long_context.md.
 """
 
 from __future__ import annotations

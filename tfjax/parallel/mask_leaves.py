@@ -1,25 +1,12 @@
 """An attention call's extras as `shard_map` arguments, for the modules that run
 attention under `shard_map` (`ring_attention`, `per_device`).
 
-The extras are the pytree `(mask, alibi, relative_bias)` (a `tfjax.ops.masks.Mask`,
-a `tfjax.ops.Alibi`, a `tfjax.ops.RelativeBias`, each optional). `split_mask`
-flattens it into array leaves, each of one kind:
-
-- "q" / "kv": per token `[B|1, T]` / `[B|1, S]` (segment ids, explicit positions):
-  split like the tokens (the ring rotates the kv ones with K/V, all-gather
-  gathers them);
-- "table": T5's bias table `[nb, N]`, passed as one copy per device
-  (`copy_tables`: `[D, nb, N]`, split over the devices), so each device's copy
-  receives that device's partial gradient and the broadcast's transpose sums
-  them outside `shard_map`; inside, `local_leaves` takes the device's copy;
-- "other": per example (`[B|1, ...]`: lengths, prefix lengths, ALiBi slopes):
-  split over the batch axes only.
-
-`unflatten` rebuilds the three from the (local) leaves. `device_copies` is the
-per-device-copy transport by itself (ring and all-gather attention pass learned
-sinks `[N]` with it). `shard_map` is
-`jax.shard_map` without replication checks (the older `jax.experimental` one on
-jax versions without it).
+`split_mask` flattens the pytree `(mask, alibi, relative_bias)` into array leaves of one
+kind each: "q" / "kv" (per token, split like the tokens), "table" (T5's table, one copy
+per device: `copy_tables`, `local_leaves`, so its gradient sums over the devices) and
+"other" (per example, split over the batch axes); `unflatten` rebuilds the three.
+`device_copies` is the per-device-copy transport alone (learned sinks); `shard_map` is
+`jax.shard_map` without replication checks. See docs/long_context.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """The device mesh: five named axes `data, fsdp, sequence, tensor, expert`.
 
-Sizes come from `MeshConfig`; one axis may be -1 and takes the devices left over.
-Every axis is always present (size 1 when unused) so the rules table can name any
-of them whatever the run's parallelism. Axes are `Auto` (GSPMD propagation from
-the shardings we give jit and from `shard()` constraints), not `Explicit`.
-
-On a CPU host, `use_cpu_cores` gives JAX one XLA:CPU device per usable core before
-its backends start: XLA:CPU runs one program's ops one after another on one thread
-(YNNPACK's matmuls included), so a jitted step uses a second core only as a second
-device, through the mesh's `data` axis. The trainer's command line and
-`experiments/bench_train.py` call it (experiments/results/bench_train_cpu.md).
+`make_mesh` sizes them from `MeshConfig` (one axis may be -1: the devices left over).
+Every axis is always present (size 1 when unused) so the rules table can name any of
+them; axes are `Auto` (GSPMD propagation from jit's shardings and `shard()`), not
+`Explicit`. On a CPU host, `use_cpu_cores` gives JAX one XLA:CPU device per usable
+core before its backends start: XLA:CPU runs a program on one thread, so a step uses a
+second core only as a second device. See docs/training.md and docs/long_context.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,12 @@
 """Run an attention implementation XLA cannot partition once per device.
 
-The Pallas kernels are custom calls: XLA's SPMD partitioner cannot split them, so
-under a mesh it would gather the global batch onto every device and run the whole
-call there. `batch_sharded_attention` runs the implementation under `shard_map`
-instead, each device on its own examples and heads. It is the per-device runner of
-`tfjax.ops.target` (the contract is in that module's docstring):
-`tfjax.parallel.sharding.use_rules(mesh, rules)` binds it to the mesh and to the
-mesh axes the rules give "batch" and "heads", and `dot_product_attention` hands it
-every call of an implementation whose record says `partitionable=False`.
-
-The split: examples over the batch axes, query heads over the head axes when they
-divide them (whole GQA groups per device; where the head axes do not divide the kv
-heads, each kv head is repeated so that every device holds those its query heads
-read, and the repeat's transpose sums the copies' gradients). Tokens and every
-other axis are replicated. The extras follow their axes: segment ids and positions
-and per-example leaves the examples, ALiBi's slopes and a bias array the examples
-and heads, T5's table one copy per batch device (`mask_leaves.copy_tables`), split
-by heads.
+XLA's SPMD partitioner cannot split a custom call (the Pallas kernels): under a mesh it
+would run the whole call on the gathered global batch on every device.
+`batch_sharded_attention` runs it under `shard_map` instead, each device on its own
+examples and, where the head axes divide them, its query heads. It is the per-device
+runner of `tfjax.ops.target` (`per_device`), which
+`tfjax.parallel.sharding.use_rules(mesh, rules)` binds to the mesh and to the mesh axes
+the rules give "batch" and "heads". See docs/long_context.md.
 """
 
 from __future__ import annotations

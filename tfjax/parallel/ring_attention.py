@@ -1,58 +1,14 @@
-"""Ring attention (Liu et al. 2023) and the all-gather baseline, over a mesh axis
-with `jax.shard_map`.
+"""Ring attention (Liu et al. 2023) and the all-gather baseline over a mesh axis.
 
-Each device of `seq_axis` holds one chunk of the sequence of q, k and v. K/V (only
-the K kv heads; never repeated for GQA) and, when the mask has segment ids, the kv
-segment ids travel around the ring with `lax.ppermute`; at each of the n steps a
-device attends its queries to the block it holds (returning the fp32 logsumexp, at
-global `q_offset` / `kv_offset`), and the partial results merge in fp32 through the
-logsumexp. The transfer of the next block is issued before the current block's
-compute so XLA can overlap them. A step whose whole block is masked (above the
-causal diagonal, outside a sliding window, other documents) is skipped with
-`lax.cond` on the mask's one-tile block view.
-
-Backward: a hand-written `jax.custom_vjp`. The forward saves only the local q, k,
-v, the output and the fp32 logsumexp (O(S/n) per device). The backward runs a
-second ring: each device's K/V (and kv segment ids) circulate as in the forward,
-together with that shard's fp32 dK/dV accumulators; at each step a device adds
-the block's contribution from the per-block backward (probabilities recomputed per
-tile from the saved global lse, so there is no O(S^2) and no per-step forward to
-redo), dQ accumulates locally, and after n moves each dK/dV is back on its owner.
-Masked blocks are skipped as in the forward.
-
-Per-block attention (`implementation=`): the `RingBlock` that
-`tfjax.ops.attention.select_ring_block` chooses for the mesh's platform and the
-mask: "blockwise" (`tfjax.ops.blockwise`, any backend) or "pallas" (the Pallas TPU
-kernels: Mosaic on TPU, interpret mode on CPU); "auto" is the ring's own order
-(pallas on TPU meshes when the kernels can evaluate the mask, else blockwise), and
-an implementation the ring cannot run raises before the shard_map is traced. Both take
-T5's bias per tile (`relative_bias`: every device holds a copy of the table; the
-backward returns each device's partial table gradient, summed over the devices by
-the copies' transpose outside shard_map; `tfjax.parallel.mask_leaves`).
-
-Steps: a while loop (one K/V block in flight) except on CPU meshes, where they are
-unrolled (`unroll=`; XLA's CPU runtime can deadlock a while loop holding
-collectives against other collectives, see `ring_attention`). Per device the
-backward holds, per local token, the output, its cotangent and the fp32 dQ
-accumulator (as single-device blockwise does) plus two K/V blocks (the one in use
-and the next) and two fp32 dK/dV accumulators (the one being updated and the one in
-transit), which bounds what the ring saves against one device. Measured per-device
-memory (while loop, unrolled, all-gather, one device), the longest sequence per
-device and the bound: experiments/results/ring_attention.md
-(`python experiments/bench_ring.py`).
-
-Load balancing (`load_balance="zigzag"`, for causal masks; `tfjax.parallel.zigzag`):
-the sequence is cut into 2n chunks and device i holds chunks i and 2n-1-i, so every
-device does the same causal work. `ring_attention` accepts natural order and undoes
-the reordering for the caller, inside the shard_map with half-chunk `ppermute`s (no
-gather); pass `natural_order=False` when the data pipeline already produced zig-zag
-order, which saves those two re-layouts. Masks are evaluated on global natural
-positions in both cases (each chunk's global offset goes to the mask), so causal,
-sliding-window and segment masks stay exact.
-
-`all_gather_attention` is the simple baseline: each device gathers the whole K/V
-over the axis (O(S) per device) and attends its own queries to it. The layer-level
-choice between the two is `tfjax.parallel.context_parallel`.
+`ring_attention(q, k, v, mask, *, mesh, seq_axis="sequence", load_balance="zigzag",
+implementation="auto", ...)`: global q `[B,T,N,H]`, k `[B,S,K,H]`, v `[B,S,K,Hv]`
+sharded over `seq_axis` -> `[B,T,N,Hv]`, exactly `attention_reference`'s result. Under
+`jax.shard_map`, K/V blocks travel the ring by `lax.ppermute`, partial results merge in
+fp32 through the logsumexp, fully masked blocks are skipped, and a hand-written
+`custom_vjp` circulates dK/dV on a second ring (O(S/n) saved per device, no O(S^2)).
+`all_gather_attention` (same arguments) is the baseline: each device gathers the
+whole K/V. A layer's choice between them: `tfjax.parallel.context_parallel`.
+See docs/long_context.md.
 """
 
 from __future__ import annotations

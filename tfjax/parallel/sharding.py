@@ -1,17 +1,11 @@
 """Activation sharding by logical axis names.
 
-Models annotate activations with `shard(x, ("batch", "length", "embed"))`. The
-annotation is a no-op unless a mesh and a rules table are active (the trainer
-activates them with `use_rules(mesh, rules)`); under them it becomes
-`jax.lax.with_sharding_constraint` with the mesh axes the rules give. One rules
-table maps every logical name to mesh axes, so parallelism is a config change.
-
-`use_rules` also tells the ops what they are traced for (`tfjax.ops.target.
-targeting`): the mesh's platform, which attention dispatch and the kernels
-follow (an AOT compile for a TPU slice targets "tpu" on a CPU host), and the
-per-device runner through which `dot_product_attention` runs a kernel XLA cannot
-partition (`tfjax.parallel.per_device.batch_sharded_attention` over this mesh and
-rules).
+Models annotate activations with `shard(x, ("batch", "length", "embed"))`, a no-op
+unless a mesh and a rules table are active (`use_rules(mesh, rules)`, which the trainer
+enters); under them it becomes `jax.lax.with_sharding_constraint` with the mesh axes the
+rules give. `use_rules` also targets the ops at the mesh (`tfjax.ops.target.targeting`):
+its platform, and `tfjax.parallel.per_device.batch_sharded_attention` as the runner of
+kernels XLA cannot partition. See docs/training.md and docs/long_context.md.
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
 """Zig-zag layout: the load balance of causal ring attention.
 
-Under a causal mask the last of n contiguous chunks does n times the work of the
-first. Zig-zag cuts the sequence into 2n chunks and puts chunks i and 2n-1-i on
-device i, so every device does the same causal work (`zigzag_order(n)`: the chunk
-order `[0, 2n-1, 1, 2n-2, ...]`).
-
-- `zigzag` / `unzigzag`: natural <-> zig-zag order of a global array along an axis.
-- `relayout_local`: the same move inside `shard_map`, on each device's two local
-  halves, with four half-chunk `ppermute`s and no gather (how `ring_attention`
-  takes natural-order inputs and returns natural-order outputs).
-- `zigzag_data(n)`: the trace context saying the batch is already in zig-zag order
-  (the trainer reorders each batch once on the host under `model.attention.zigzag="data"`),
-  read by the context-parallel dispatch through `zigzag_data_devices()`.
-- `ZIGZAG_MODES`: the values of `ModelConfig.zigzag`: "data" (the trainer puts each
-  batch in zig-zag order once; layers run the ring with `natural_order=False`),
-  "layer" (natural-order data; each layer re-lays out q, k, v, segment ids and the
-  output) and "none" (contiguous chunks, unbalanced).
+The sequence is cut into 2n chunks and device i holds chunks i and 2n-1-i
+(`zigzag_order(n)`: `[0, 2n-1, 1, 2n-2, ...]`), so every device does the same causal
+work. `zigzag` / `unzigzag` reorder a global array along an axis; `relayout_local` is
+the same move inside `shard_map` (half-chunk `ppermute`s, no gather); `zigzag_data(n)`
+is the trace context saying the batch is already in zig-zag order (read through
+`zigzag_data_devices()`); `ZIGZAG_MODES` are the values of `model.attention.zigzag`.
+See docs/long_context.md.
 """
 
 from __future__ import annotations

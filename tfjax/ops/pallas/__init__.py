@@ -1,22 +1,12 @@
 """Pallas attention kernels (`implementation="pallas"`): one family, one plan.
 
-`flash_attention(q, k, v, mask, ...)` runs a request the way `plan(...)` decides,
-and `plan` is the only place the family decides anything:
-
-- the kernels: the Mosaic TPU kernels (`mosaic_tpu.py`) on TPU, and in interpret mode on
-  CPU; on a GPU target (compiled) the Triton kernels (`triton.py`), with the Mosaic
-  GPU forward (`mosaic_gpu.py`) and backward (`mosaic_gpu_backward.py`) in their place on
-  sm_90 where they support the request;
-- decode-shaped requests (`decode.py`): GQA query heads packed as the rows of their
-  kv head, and on GPU the keys split into chunks when the grid is small.
-
-`flash_attention_gpu` runs the GPU kernels whatever the target (interpret mode on
-CPU, lowering for a named GPU: `tfjax.ops.target.gpu_lowering_target`), with the
-forward / backward choice exposed. Every kernel has the semantics of
-`attention_reference`; T5's `relative_bias` is evaluated per tile (the Mosaic GPU
-kernels decline it). `IMPLEMENTATION` is the family's record in
-`tfjax.ops.attention.IMPLEMENTATIONS`: not partitionable (the kernels are custom
-calls XLA cannot split).
+`flash_attention(q, k, v, mask, ...)` (q `[B,T,N,H]`, k/v `[B,S,K,H]`) has the
+semantics of `attention_reference` and runs the way `plan(...)` decides: the Mosaic
+TPU kernels on TPU (interpreted on CPU); on GPU the Triton kernels or, on sm_90 where
+they serve the request, the Mosaic GPU ones; decode-shaped requests packed and split
+(`decode.py`). `flash_attention_gpu` runs the GPU kernels whatever the target, with
+the forward / backward choice exposed. `IMPLEMENTATION` is the family's record (not
+partitionable: custom calls XLA cannot split). See docs/kernels.md.
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
-"""What the Pallas attention kernels share: frozen block sizes, a call's sizes and
-offsets, the tile tables of a call (`tfjax.ops.tiles`, with the sequence tails
-PARTIAL), the mask compiled into kernel operands plus an in-kernel tile
-evaluator, the fp32 dot products of the Mosaic TPU and Triton kernels, and the
-GPU launch order of query tiles.
-
-Masks in kernels: positional masks (causal, windows, chunks) become iota
-arithmetic on global positions; per-example scalars (padding and prefix lengths)
-become scalar-prefetch operands; segment ids, explicit positions (`Positions`,
-a KV cache's mask) and Longformer's global-position flags become blocked VMEM
-operands (`[B, Tp]` and `[B, Sp]`, blocked as each kernel's tiles need: lane-major
-`[B, 1, L]` in the Mosaic TPU kernels); BigBird's random blocks are re-drawn
-in the tile by the mask's own seeded hash (int32 arithmetic). A mask kind this
-module does not know is refused by `mask_support` (the "pallas" implementation
-then declines the request).
+"""What the Pallas attention kernels share: frozen `BlockSizes`, a call's sizes and
+offsets, its tile tables (`tfjax.ops.tiles`, with the sequence tails PARTIAL), the mask
+compiled into kernel operands (`MaskOperands`) plus an in-kernel tile evaluator, the
+fp32 dot products of the Mosaic TPU and Triton kernels, and the GPU launch order of
+query tiles. A mask kind it does not know is refused by `mask_support` (the "pallas"
+implementation then declines the request). See docs/kernels.md.
 """
 
 from __future__ import annotations

@@ -1,33 +1,13 @@
 """Decode-shaped requests: query heads packed into rows, keys split across programs.
 
-**Packing.** A flash kernel's program holds one query head's tile of `bq` rows and
-streams its kv head's K/V through it. With GQA a decode step (T = 1, or a few
-speculative tokens) fills one row of that tile per query head, and each of the G
-query heads of a kv head streams the same K/V again: G times the reads of the
-cache, the quantity that bounds decoding. Packed, the G heads become rows of one
-kv head's query: q `[B, T, N, H]` -> `[B, T*G, K, H]` (row `t*G + g` is token t of
-head `k*G + g`), so each kv head's K/V is streamed once, for T*G rows (the layout
-of decode kernels such as FlashInfer's and jax's ragged paged attention).
-`flash_attention` packs GQA requests with T*G <= `PACK_ROWS` by default.
-
-**Splitting the keys** (Dao et al. 2023, "Flash-Decoding"). A decode step's grid
-has B x K programs (one query tile each), far fewer than a GPU's SMs (132 on an
-H100 / H200) when the batch is small, and each walks the whole cache. Split into
-P chunks folded into the batch (`[B, S, K, H]` -> `[B*P, S/P, K, H]`, a
-reshape), the grid has P times the programs; each returns its chunk's output and
-logsumexp, and the P partial results merge by their logsumexps (the merge ring
-attention does). Gradients flow through the kernels' logsumexp output, so the
-split is exact for training too. On GPU `flash_attention` splits by default when
-the grid is under two programs per SM (`auto_kv_splits`); on TPU the grid runs in
-sequence on one core (two on megacore chips), so it does not.
-
-Both only rewrite data: masks that index queries and keys by data follow the
-rows and chunks (`Positions`, a KV cache's mask, and `Segments` repeat their
-per-query arrays and cut their per-key ones; `Padding` is key-only and gets each
-chunk's remaining length), and `&` / `|` of those. A positional mask (causal,
-windows by index) reads positions from the row and key indices, and T5's table
-and ALiBi's slopes are per query head (ALiBi's positions per key), so requests
-with them run as they are (ALiBi at explicit positions can be split, not packed).
+Packing: with GQA the G query heads of a kv head become rows of one query, q
+`[B, T, N, H]` -> `[B, T*G, K, H]` (row `t*G + g` is token t of head `k*G + g`), so each
+kv head's K/V is streamed once, not G times (`pack_query`, `pack_mask`, `unpack_out`,
+`unpack_lse`; by default for T*G <= `PACK_ROWS`). Splitting (Flash-Decoding): keys
+`[B, S, K, H]` -> `[B*P, S/P, K, H]`, the P partial results merged by their
+logsumexps, exact for gradients too (`split_keys`, `merge_splits`, `auto_kv_splits`).
+`unpackable_reason` / `unsplittable_reason` say what cannot be rewritten.
+See docs/kernels.md.
 """
 
 from __future__ import annotations

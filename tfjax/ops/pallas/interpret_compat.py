@@ -1,21 +1,12 @@
 """The jax GPU interpreter as the Mosaic GPU kernels need it, on jax 0.10 to 0.12.
 
-Pallas' GPU interpret mode simulates shared memory, TMA and mbarriers on CPU, which
-is how the CPU tests run `mosaic_gpu.py` and `mosaic_gpu_backward.py`. Where it
-stops short of what those kernels use, this module fills in the plain meaning of
-the operation, only inside the interpreter (real lowering is untouched) and only
-where the installed jax does not handle it itself:
-
-- `gpu_interpret_params(interpret)`: the interpreter's params for `interpret=True`,
-  after installing the extensions once (`_extend_gpu_interpreter`): `layout_cast`
-  as the identity, a wgmma B operand under `transpose_ref` (jax 0.10), a wgmma A
-  operand in registers, the RS form (jax 0.10 and 0.11). The interpreter's
-  internals differ between 0.10 and 0.11; both are handled.
-- `load(ref, layout)`: a ref read plus a layout cast, what `plgpu.load` lowers to
-  (jax 0.10's interpreter has no rule for `plgpu.load`).
-
-Everything here reaches into `jax._src`; a jax upgrade that breaks it shows in the
-Mosaic GPU interpret tests (tests/ops/test_mosaic_gpu.py).
+Where Pallas' GPU interpret mode stops short of what `mosaic_gpu.py` and
+`mosaic_gpu_backward.py` use, this fills in the plain meaning of the operation, only
+inside the interpreter and only where the installed jax does not handle it:
+`gpu_interpret_params(interpret)` (the interpreter's params, its extensions installed
+once) and `load(ref, layout)` (what `plgpu.load` lowers to). It reaches into
+`jax._src`; a jax upgrade that breaks it shows in tests/ops/test_mosaic_gpu.py.
+See docs/kernels.md.
 """
 
 from __future__ import annotations

@@ -1,52 +1,13 @@
 """FlashAttention forward for Hopper GPUs in Pallas Mosaic GPU (TMA + wgmma).
 
-The Triton kernels of `triton.py` run on every NVIDIA GPU; on Hopper (sm_90) this
-forward uses the hardware the Triton lowering of Pallas does not reach: tiles
-move from global to shared memory by TMA into a ring of `stages` slots tracked
-by mbarriers (the copy of kv tile j + stages is in flight while tile j is
-computed), and both matmuls are warpgroup MMAs (`wgmma`) reading shared memory
-with a 128-byte swizzle, accumulating in fp32 registers.
-
-One CTA per (query tile, head, batch row). By default it is warp-specialised
-like FlashAttention-3: two consumer warpgroups each own 64 query rows (the
-wgmma M) of a 128-row tile, and a producer warpgroup (registers handed to the
-consumers with `setmaxnreg`) issues the K/V copies into the ring, refilling a
-slot when both consumers have arrived on its "free" barrier, so copies overlap
-both warpgroups' matmuls and softmax, and the two consumers take turns on the
-tensor cores through a two-arrival "schedule" barrier (ping-pong: one's softmax
-runs during the other's matmuls), the protocol of jax's attention_mgpu.
-`compute_warpgroups=1` runs one warpgroup that issues its own copies. The
-producer/consumer ring (`pipelined`) is shared with the backward kernels of
-`mosaic_gpu_backward.py`. The CTA walks only the non-empty kv tiles of its row of
-the shared tile table (`tfjax.ops.tiles.tile_tables`), so causal, window,
-chunk and document (segment) masks do proportionally less work, and evaluates
-the mask only in PARTIAL tiles (`lax.cond`), with the same `MaskOperands`
-evaluator as the TPU and Triton kernels (positions from `broadcasted_iota` in
-the wgmma layout, segment ids copied next to K/V and read in the row/column
-layouts). `HopperConfig(overlap=True)` is FlashAttention-3's intra-warpgroup
-pipelining instead of ping-pong: each consumer issues step t's Q K^T and step
-t-1's P V back to back and computes step t's softmax while P V runs (the slot
-of step t-1 goes back one step later); off by default (`experiments/bench_attention.py
-tune` times the schedules). No FP8.
-
-Native GQA: the CTA of query head h reads kv head h // G; K/V are never
-repeated. Tails: T and S are padded to the tiles and the padding masked; head
-dims are padded to a multiple of 64 (the swizzle width of 16-bit rows).
-
-Scope (what `supports` accepts; everything else stays on the Triton kernels,
-which compute the same function): 16-bit inputs (fp16/bf16; wgmma has no fp32
-operands), no additive bias (ALiBi's slopes are taken: the term is formed per
-tile), head dim <= 256, the positional/segment/padding/prefix masks. The backward is
-`mosaic_gpu_backward.py`'s (head dims up to 128) or the Triton dq and dk/dv kernels,
-from this forward's output and logsumexp.
-
-Testing without a GPU: the kernel runs in Pallas' GPU interpret mode (which
-simulates shared memory, TMA and mbarriers) on CPU, and is lowered for the cuda
-platform (the Pallas -> Mosaic GPU lowering runs in Python; only ptxas needs
-the GPU). Where the interpreter stops short of what the kernels use,
-`interpret_compat.py` fills in. `experiments/bench_attention.py gpu` times the
-kernel against the Triton kernels and cuDNN on a Hopper GPU; what has been
-measured is in experiments/results/attention_gpu_notes.md.
+`flash_forward_hopper(q, k, v, mask, ...)`: q `[B,T,N,H]`, k/v `[B,S,K,H]` (fp16/bf16)
+-> (out `[B,T,N,H]`, lse `[B,N,T]` fp32), what the Triton forward computes, on the
+sm_90 hardware the Triton lowering does not reach: K/V tiles stream by TMA into a ring
+of `stages` shared-memory slots, both matmuls are wgmma with fp32 accumulators, and
+the CTA is warp-specialised as in FlashAttention-3 (`HopperConfig`; the ring,
+`pipelined`, is shared with `mosaic_gpu_backward.py`). Native GQA, empty tiles skipped.
+`supports`: 16-bit inputs, no additive bias, head dim <= 256, the positional, segment,
+padding and prefix masks. See docs/kernels.md.
 """
 
 from __future__ import annotations

@@ -1,42 +1,11 @@
 """FlashAttention backward for Hopper GPUs in Pallas Mosaic GPU (TMA + wgmma).
 
-Two kernels, like the Triton backward of `triton.py` (no atomics):
-
-- dq: one CTA per (query tile, head, batch row), the grid of the forward. Each
-  consumer warpgroup keeps 64 query rows of Q and dO in shared memory and their
-  logsumexp and delta (rowsum(dO * O)) in registers, and walks the non-empty kv
-  tiles of its row of the tile table: S = Q K^T and dP = dO V^T (wgmma, K and V
-  read through `transpose_ref`), P = exp2(S log2e - lse log2e), dS = P (dP -
-  delta), dQ += dS K (dS from registers, the wgmma RS form).
-- dk/dv: one CTA per (kv tile, kv head, batch row). Each consumer warpgroup
-  keeps 64 rows of K and V and accumulates dK and dV in registers, walking the G
-  query heads of its kv head (native GQA: K/V are never repeated, dK/dV never
-  summed outside) times the non-empty query tiles of its column of the table:
-  S^T = K Q^T, P^T, dV += P^T dO, dP^T = V dO^T, dS^T, dK += dS^T Q.
-
-Both are warp-specialised by default (`compute_warpgroups=2`): a producer
-warpgroup streams the tiles of the loop (K/V for dq; Q, dO, lse, delta for
-dk/dv) by TMA into a ring of `stages` shared-memory slots and refills a slot
-when both consumers have arrived on its "free" barrier; `compute_warpgroups=1`
-runs one warpgroup that issues its own copies. Masks as in the forward: block
-skipping from `tfjax.ops.tiles.tile_tables`, the `MaskOperands` evaluator only in
-PARTIAL tiles, segment ids copied beside the tiles and read in the wgmma
-row/column layouts. Soft-cap: dS is multiplied by 1 - tanh^2 (P times it, before
-dP is formed). ALiBi (`alibi`, as the forward takes it): `-slope * |q_pos -
-kv_pos|` added in every visited tile from the wgmma-layout iota plus the tile's
-rows/columns and the offsets, or from the explicit positions, copied like segment
-ids (the dk/dv kernel's tiles are transposed: key rows, query columns).
-
-Scope (`supports`): the forward's (16-bit, no bias, the positional/segment/
-padding/prefix masks) and head dims up to 128: the dk/dv consumer holds two
-[64, H] fp32 accumulators in registers, which at H = 256 is 256 registers per
-thread on their own. Larger heads keep the Triton backward.
-
-Testing without a GPU: GPU interpret mode on CPU, and lowering for the cuda
-platform. jax 0.10's GPU interpreter has no rule for `pl.run_state`, which the
-compiled kernels use to accumulate wgmma results in place (`plgpu.ACC.init`); in
-interpret mode the same sum is formed as `acc + (a @ b)` from a fresh accumulator
-(`mosaic_gpu.mma`).
+`flash_backward_hopper`: a dq kernel (one CTA per query tile, head and batch row) and a
+dk/dv kernel (one per kv tile, kv head and batch row, over the G query heads: native
+GQA), like the Triton backward and without atomics, warp-specialised as the forward
+(`HopperBackwardConfig`). It takes the residuals (output, logsumexp) of either
+forward. `supports`: the forward's scope and head dims up to 128.
+See docs/kernels.md.
 """
 
 from __future__ import annotations

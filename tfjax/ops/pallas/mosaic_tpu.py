@@ -1,66 +1,13 @@
 """FlashAttention for TPU in Pallas (Mosaic): forward, dq and dk/dv kernels.
 
-FlashAttention-2 (Dao 2023) tiled for the TPU's VMEM: a query tile stays
-resident while the kv tiles stream past (online softmax in fp32 scratch); the
-backward recomputes probabilities from the saved logsumexp, one kernel for dq
-(grid over query tiles) and one for dk/dv (grid over kv tiles, the transposed
-problem, so every accumulation is local and no atomics are needed).
-
-Design choices:
-- **Skip empty tiles with scalar-prefetched tables** (`tfjax.ops.tiles.tile_tables`): the
-  innermost grid axis walks only the non-empty kv tiles of each query tile (its
-  extent is the longest row when the mask is known at trace time); K/V index
-  maps read the table, and skipped steps repeat the last index so no DMA is
-  issued. The mask is evaluated (iota arithmetic, segment tiles, per-example
-  scalars) only on PARTIAL tiles, under `lax.cond`.
-- **Native GQA/MQA**: the kv head of query head n is n // G in the index maps;
-  K/V are never repeated. dk/dv accumulate over the G query heads of a kv head
-  inside the kernel (grid axis g).
-- **Any length / head dim**: sequences are padded to the tile size and the tail
-  tiles are marked PARTIAL (padding masked). Head dims run unpadded (q/k's and v's
-  at the wider of the two, the other zero-padded: zeros change no dot product):
-  every block spans the whole head axis, which Mosaic takes at any width (compiled
-  for v5e and v5p at H = 32, 64, 80, 96, 192; padding H = 64 to 128 lanes only
-  doubled the heads-major copies).
-- **Keys on lanes for inference below head dim 128**: an undifferentiated call
-  (the custom VJP's primal: prefill, decode) reads K/V as `[B, K, Hp, Sp]` tiles
-  `[Hp, bk]` (`q k` and `p v^T` instead of `q k^T` and `p v`), the layout in which
-  the TPU keeps a `[.., S, 64]` array (no lane padding), e.g. a KV cache crossing a
-  jit boundary; the differentiated forward keeps the row tiles of the backward
-  kernels (`keys_on_lanes` overrides; ring attention passes False).
-- Layout `[B, N, T, H]`. **Lane-major statistics and segment ids**: the logsumexp
-  and delta travel as `[B, N, 1, T]` and query / key segment ids as `[B, 1, T]`, so
-  the positions run along lanes (a `[.., T, 1]` array would be padded to 128 lanes
-  in HBM: 128x its size); each kernel copies the row of its tile into a `[bq, 1]`
-  VMEM column once per tile (a lane-to-sublane transpose) where its logits need
-  one. Query tiles are therefore the whole sequence or multiples of 128
-  (`_query_tile`).
-- ALiBi (`alibi_slopes` `[B|1, N]`, fp32 in SMEM): `-slope * |q_pos - kv_pos|` is
-  formed in every visited tile from iotas (index positions) or from the
-  positions' tiles (`alibi_positions`, blocked like segment ids), never read
-  from HBM as a `[T, S]` bias.
-- T5's bias (`relative_bias`, a `tfjax.ops.RelativeBias`): the head's table row
-  (`[1, nb]` padded to 128 lanes) sits in VMEM; every visited tile buckets its
-  relative positions (iotas + offsets or the positions' tiles) and gathers the row
-  at the buckets (a lane gather, never a `[T, S]` array); the dq kernel sums dS
-  per bucket (nb selects and sublane sums per logit) into a `[B, N, nb, 128]`
-  accumulator (its query-tile axis is then sequential). A tile whose relative
-  positions all lie beyond max_distance on one side (or, unidirectional, at or
-  after the query) holds one bucket (`reference.constant_bucket`, scalar arithmetic
-  on the tile's position ranges): it skips the bucketing, and its gradient is one
-  sum; at long lengths that is almost every tile.
-- Fully masked rows: output 0, lse -inf. dbias is written tile by tile into a
-  zero-initialised aliased buffer (EMPTY tiles stay 0).
-- On CPU the same kernels run in interpret mode (`interpret=True`, or pass
-  `pltpu.InterpretParams()` for the TPU-semantics interpreter). `interpret=None`
-  follows the target, never the host alone (`_config`): what the trace names
-  (`tfjax.ops.target.traced_platform`: a `targeting`, the mesh of a shard_map over
-  a TPU topology's devices), else, on a CPU host, the lowering platform (each
-  kernel call staged for both with `lax.platform_dependent`).
-- Shared with the other tiled implementations: a tile's logits (`tiles.logits`),
-  the `custom_vjp` (`tfjax.ops.vjp`), and with the Triton kernels the fp32 dot
-  products and the call's offsets and tables (`common`). Mosaic-only: the
-  `[B, N, T, H]` layout, the lane gather of T5's bias and the compiler params.
+FlashAttention-2 (Dao 2023) tiled for the TPU's VMEM. `flash_attention_tpu(q, k, v,
+mask, ...)`: q `[B,T,N,H]`, k/v `[B,S,K,H]` -> out `[B,T,N,H]` (and lse `[B,N,T]`
+fp32), the semantics of `attention_reference`; `flash_attention_tpu_backward` gives one
+(q block, kv block) pair's gradients from the final out and lse. The grid walks only
+the non-empty kv tiles (scalar-prefetched tile tables), the mask is evaluated only in
+PARTIAL tiles, GQA is native, ALiBi and T5's bias are formed per tile, and the
+backward recomputes the probabilities (dq and dk/dv kernels, no atomics).
+`DEFAULT_BLOCK_SIZES` are the tiles. Interpreted on CPU. See docs/kernels.md.
 """
 
 from __future__ import annotations

@@ -1,41 +1,13 @@
 """FlashAttention for GPU in Pallas (Triton lowering): forward, dq and dk/dv.
 
-The algorithm and tile tables (`tfjax.ops.tiles`) of `mosaic_tpu.py`, shaped for Triton: one program
-per (query tile, batch, head) keeps its query tile in registers/shared memory
-and loops (`fori_loop` with a data-dependent trip count) over only the
-non-empty kv tiles of its row of the table, so causal, window and segment
-masks do proportionally less work; the mask is applied only where the tile is
-PARTIAL. The dk/dv program of a kv tile loops over the G query heads of its kv
-head (native GQA, K/V never repeated) and over its column of the table; dq has
-its own kernel (no atomics). Tails are padded (and masked) to the tile size,
-head dims to a power of two (>= 16) as Triton requires.
-
-ALiBi (`alibi_slopes`): the head's slope is read once per program and
-`-slope * |q_pos - kv_pos|` formed in each visited tile from index positions or
-the tiles of `alibi_positions` (loaded like segment ids); no `[T, S]` bias. The
-Mosaic GPU forward and backward do the same. T5's bias (`relative_bias`): each
-visited tile buckets its relative positions and gathers the head's entries from
-the flat `[nb * N]` table (a pointer gather, cached; no `[T, S]` bias); the dq
-program sums dS per bucket (its `[nb]` partial sums per query tile are added up
-outside). Tiles far from the diagonal hold one bucket (`reference.constant_bucket`)
-and skip both. The Mosaic GPU kernels decline it.
-
-Launch: each kernel's warps and pipeline stages follow its tiles, head dim and
-the call's feature class (`triton_launch`, `launch_features`: the table
-`triton_launch.json` beside this module, chosen from ptxas's register report for
-an H200 so that the tiles stay in registers where any launch allows;
-`TritonConfig` overrides). The forward and dq grids give each (batch,
-head) its query tiles heaviest first (`common.heavy_first`: under a causal mask
-the last programs to start are then the shortest; the dk/dv grid's kv tiles
-already run heaviest first), in Triton and in the Mosaic GPU kernels alike.
-
-Layout `[B, T, N, H]` (no transposes). Runs in interpret mode on CPU
-(`interpret=True`), which is how the CPU tests exercise it; compiling it needs
-a GPU. The forward can be `mosaic_gpu.py`'s kernel (TMA + wgmma) and the backward
-`mosaic_gpu_backward.py`'s (`forward=` / `backward="hopper"`; which runs is the
-family's plan, `tfjax.ops.pallas.plan`); each kernel takes the residuals (output
-and logsumexp) whichever forward produced them, through one VJP
-(`tfjax.ops.vjp`).
+`flash_attention_triton(q, k, v, mask, ...)`: q `[B,T,N,H]`, k/v `[B,S,K,H]` -> out
+`[B,T,N,H]` (and lse `[B,N,T]` fp32), the algorithm and tile tables of `mosaic_tpu.py`
+shaped for Triton, in this layout: one program per (query tile, batch, head) over only
+its non-empty kv tiles, native GQA, ALiBi and T5's bias per tile, dq and dk/dv kernels
+without atomics. Warps and stages per kernel come from `triton_launch.json`
+(`triton_launch`; `TritonConfig` overrides). The forward or backward may be the Mosaic
+GPU kernels' (`forward=` / `backward="hopper"`). Interpreted on CPU.
+See docs/kernels.md.
 """
 
 from __future__ import annotations
