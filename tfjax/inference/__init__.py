@@ -4,14 +4,10 @@
     out = generate(model, prompt_tokens, max_new_tokens=32, prompt_lengths=lengths,
                    temperature=0.8, top_k=40, top_p=0.95, eos_id=eos, seed=0)
 
-`slots` (which position each cache slot holds, and where a step's new tokens go),
-`cache` (`ModelCache`: every layer's decode state, which each mixer makes and updates
-itself, `tfjax.nn.state`), `sampling` (greedy / temperature / top-k / top-p),
-`generate` (prefill, optionally in chunks, + decode loop, streaming), `speculative`
-(self-speculative greedy decoding with a model's multi-token prediction modules as
-the draft). A model makes its own empty cache (`model.init_cache(batch, max_len)`)
-and counts its bytes (`tfjax.models.cache_bytes`). The command line is
-`python -m tfjax.generate --workdir DIR --prompt "..."`. See docs/inference.md.
+`slots`, `cache` (`ModelCache`), `sampling`, `generate` (`generate`, `stream`) and
+`speculative` (`speculative_generate`); the model makes its own empty cache
+(`model.init_cache(batch, max_len)`). The command line is `python -m tfjax.generate`.
+See docs/inference.md.
 """
 
 from tfjax.inference import cache, sampling, slots

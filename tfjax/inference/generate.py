@@ -4,42 +4,10 @@
                                    prompt_lengths=None, temperature=0.0, top_k=None,
                                    top_p=None, eos_id=None, seed=0)      # [B, 64] int32
 
-- **Prompts are right-padded**: row b holds `prompt_lengths[b]` real tokens (default:
-  all T) followed by anything; each row generates exactly what it would alone
-  (its own positions, cache slots and stop). Decoder-only: the prompt is the
-  start of the sequence. Encoder-decoder: the prompt is the encoder input (its
-  padding masked) and decoding starts from `decoder_start_id` (T5: 0).
-- **Prefill** runs the model once over the prompt (the fast attention path) and
-  fills the caches (the model's `init_cache(batch, max_len)` makes them empty; each
-  layer's mixer keeps its own state, `tfjax.nn.state`); the **decode loop** is one
-  `lax.while_loop` of fixed shapes (cache preallocated to prompt + max_new_tokens) that stops as soon
-  as every row has emitted `eos_id`; a row emits EOS itself, then `pad_id`
-  (default: eos_id, or 0 without one). `generate` compiles both into one program
-  (one dispatch); compiled programs are cached per model structure and shapes.
-- **Chunked prefill** (`prefill_chunk=C`, decoder-only): the prompt goes through
-  the cache C tokens at a time (the first chunk a plain prefill, the rest a
-  `lax.fori_loop` of `step(..., extend=True)`), so prefill activations are bounded
-  by C rather than T; the result equals one-shot prefill. Not for a prefix-LM
-  prompt longer than C (its prefix is bidirectional).
-- **Layer kinds**: attention (global / local: K/V caches) and recurrent mixers
-  (mamba, linear: O(1) states), mixed freely (Jamba), scanned or not.
-  A scanned stack copies each layer's state out of the stacked caches and back every
-  step; `tfjax.models.unrolled(model)` (once, before generating) decodes without.
-- **Sampling** (`sampling.sample`): temperature 0 is greedy; otherwise temperature,
-  top-k, top-p. Step i draws with `fold_in(key(seed), i)`, so a seed reproduces a
-  generation. The settings are traced: changing them does not recompile.
-- **Sharding**: under `tfjax.parallel.sharding.use_rules(mesh, rules)` (and with
-  the model's state placed on the mesh) activations and caches follow the logical
-  axis rules: cache rows over the batch axes, kv heads over `tensor`.
-- **LongRoPE** (`model.rope.scaling="longrope"`, Phi-3): the rotation switches from
-  the short to the long factors once the batch's longest sequence passes
-  `rope.original_max_len`, for every position. At the decode step whose token sits
-  at position `original_max_len` (when the prompt was within it), the cache is
-  rebuilt by one prefill of every row's tokens so far (prompt + generated), as HF
-  transformers' Phi-3 drops its cache there, so keys rotated with the short factors
-  never meet queries rotated with the long ones.
-- `stream(...)` yields each step's `[B]` tokens as they are produced (a jitted
-  single step per token, for the CLI); it produces the same tokens as `generate`.
+Prompts are right-padded (`prompt_lengths`); each row generates what it would alone,
+stops at `eos_id` and then emits `pad_id`. One compiled program per model structure
+and shapes; `prefill_chunk=C` prefills C tokens at a time. `stream(...)` yields each
+step's `[B]` tokens, the same as `generate`'s. See docs/inference.md.
 """
 
 from __future__ import annotations

@@ -5,28 +5,10 @@
                                          prompt_lengths=None, eos_id=None)
     stats["acceptance"]  # accepted draft tokens / proposed ones
 
-Each iteration, per row (rows advance independently; p = the row's cache length,
-t_p its next token, already chosen):
-
-1. **Draft**: MTP module k, run over the positions whose state it has not yet
-   kept, drafts token p + k from its output at position p - 1 (module k at
-   position i reads module k-1's output at i and the embedding of token i + k,
-   the drafts of modules < k included).
-2. **Verify**: the decoder runs once over [t_p, d_1 .. d_D] (a cache chunk of
-   D + 1 tokens) and picks its greedy token g_j after each; the drafts are
-   accepted while d_j == g_{j-1}: a of them, so a + 1 tokens are committed (d_1 ..
-   d_a and g_a).
-3. **Roll back**: the decoder's cache to p + a + 1 tokens, each MTP cache to the
-   positions whose inputs were all committed tokens (min(p + a + 1 - D, p)).
-
-So the tokens are exactly plain greedy decoding's (`generate(temperature=0)`, up to
-the float differences between a cache chunk and single steps); the MTP modules
-only decide how many come per decoder call. Rolling back needs caches whose slots
-are positions: every layer of the decoder and of the MTP modules must keep a
-global K/V or latent cache (a sliding window's rolling buffer and a recurrent
-state cannot be rewound); others are refused by name. Batch rows of different
-prompt lengths (right-padded, `prompt_lengths`) and EOS stops are per row, as in
-`generate`. The whole loop is one jitted `lax.while_loop`.
+Each iteration the modules draft D tokens, the decoder verifies them in one cache chunk
+of D + 1 tokens and every cache rolls back to the committed ones: exactly greedy
+`generate`'s tokens. Every layer must keep a global K/V or latent cache (others are
+refused by name). See docs/inference.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
 """Architectures, built from a `ModelConfig`: `build(cfg.model, rngs=nnx.Rngs(0))`.
+See docs/models.md.
 
     architectures.py     ARCHITECTURES, check_names (registry-owned names), build, unrolled,
                          cache_bytes

@@ -5,11 +5,9 @@ bytes of a model's inference cache.
     model = unrolled(model)      # the same model, every layer an unrolled block (decoding)
     cache_bytes(cfg.model, batch, length)   # abstract: nothing is allocated
 
-`tfjax.config` checks types, ranges and combinations but imports nothing else of
-tfjax, so the names that registries own are checked here, against the registries
-themselves, before anything is built or compiled (`check_names`, which `build`,
-the trainer, `tfjax.generate` and `tfjax.interop` all go through). Each error
-names the field (`model.layer_pattern[1]`) and the allowed values.
+`check_names` checks every registry-owned name of a config against the registries
+before anything is built (each error names the field and the allowed values).
+See docs/models.md.
 """
 
 from __future__ import annotations

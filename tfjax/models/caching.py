@@ -4,14 +4,9 @@ stack, and what a cached step gives the layers.
     cache = model.init_cache(batch, max_len)          # DecoderLM / EncoderDecoderModel
     logits, cache = model.step(tokens, cache, ...)
 
-A `ModelCache`'s layers are the stack's layout (`tfjax.models.layout`) over again:
-`{"cycles": (one state per cycle position, stacked over the scanned cycles),
-"blocks": (one per unrolled block)}`, each a dict of sublayer states ("attn": the
-mixer's own `init_state`, of the size its layer kind's `slots` says; "shared": the K/V
-of the layer's use of a shared block; "cross": the decoder's cross-attention K/V in
-an encoder-decoder). `begin_step` is the shared start of the models' `step`:
-positions, each kind's mask and bias (`attention_inputs`), each kind's `Slots` (where
-the new tokens go, `tfjax.inference.slots`) and each row's new length.
+`empty_cache` lays the mixers' `init_state`s out as the stack's layout ("attn",
+"shared", "cross" per layer); `begin_step` computes a step's positions, masks, biases,
+`Slots` and new lengths (`StepInputs`). See docs/models.md.
 """
 
 from __future__ import annotations

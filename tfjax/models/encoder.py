@@ -5,12 +5,9 @@
     pooled     = model.pool(hidden)                  # tanh(dense(hidden[:, 0]))  ([CLS])
     class_logits = model.classify(tokens, ...)       # [B, num_classes]
 
-Bidirectional self-attention; `attention_mask` `[B,T]` (1 = real token, 0 =
-padding) hides padding keys; `segment_ids` keep packed sequences apart. Layer kinds come from
-`model.layer_pattern` as in a decoder, with bidirectional masks: a "local" layer
-sees `model.attention.sliding_window` keys on each side (ModernBERT). The MLM head is BERT's:
-dense + GELU + norm, then the tied embedding and an output bias (either bias off:
-model.mlm_dense_bias, model.mlm_output_bias).
+Bidirectional self-attention (`attention_mask` `[B, T]`: 1 = real token, 0 =
+padding); layer kinds as in a decoder, with bidirectional masks; BERT's MLM head.
+See docs/models.md.
 """
 
 from __future__ import annotations

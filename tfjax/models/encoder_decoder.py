@@ -5,13 +5,9 @@
     encoded = model.encode(encoder_tokens, ...)                    # [B, S, D]
     logits  = model.decode(decoder_tokens, encoded, ...)
 
-One token embedding is shared by the encoder, the decoder and (tied) the output.
-The decoder's blocks add cross-attention over the encoder output. Segment ids
-(`[B,S]`, `[B,T]`; 0 = padding by convention) pair decoder tokens with the encoder
-tokens of the same segment; given encoder ids only, the decoder ids default to 1
-(one example per row, whose encoder padding is segment 0). T5's relative bias
-has one table for the encoder (bidirectional) and one for the decoder (causal);
-cross-attention has none.
+One token embedding is shared by the encoder, the decoder and (tied) the output; the
+decoder's blocks add cross-attention; segment ids (0 = padding) pair decoder tokens
+with encoder tokens. See docs/models.md.
 """
 
 from __future__ import annotations

@@ -1,46 +1,13 @@
 """Layer kinds and ffn kinds: one record per kind, registered once.
 
-A layer of a stack is a mixer (the module in the block's `attn` slot) followed by
-an optional feed-forward. `model.layer_pattern` cycles over layer kinds and
-`model.ffn_pattern` over ffn kinds (`tfjax.models.layout`). What tfjax needs to
-know about a kind is its record, and nothing outside this file names a kind:
-
-    LayerKind
-      mixer           (cfg, rngs, *, positions) -> the mixer module
-      mask            (cfg, base, bidirectional) -> its mask over a whole sequence,
-                      from the model's base mask; None: it takes no mask (a
-                      recurrent mixer, causal by construction)
-      positions       its attention sees the model's position encoding (RoPE
-                      rotation, ALiBi / T5 biases); False: a NoPE layer
-      slots           (cfg, max_len) -> (size, window) of its attention's decode
-                      state, which the mixer's `init_state` makes and from which the
-                      model builds its decode masks and slots; None: a recurrent
-                      state (O(1), no slots)
-      cache_mask      (cfg, q_positions, kv_positions, window) -> its mask in a
-                      cached step, by position (None: `masks.Positions(q, kv,
-                      window)`)
-      decoder_only    a causal mixer: arch='decoder' only
-      order_dependent its output depends on the tokens' order other than through
-                      attention's position-aware mask (the trainer's zig-zag data
-                      layout would change it)
-      variants        its mixer is a `MultiHeadAttention` that carries
-                      model.attention.differential and model.attention.value_residual
-      shared_block    its layers also run a use of one of the model's shared
-                      transformer blocks (model.shared; Zamba2): the block's
-                      `mixer_input` is a `SharedBlockUse`, its decode state a
-                      "shared" K/V beside "attn", and its `mask` / `slots` are that
-                      attention's
-    FfnKind
-      build             (cfg, rngs) -> the feed-forward module, or None
-      order_dependence  (cfg) -> why its output depends on the tokens' order, or None
-
-Readers: `LayerStack` (mixers, ffns, shared blocks), `attention_inputs` (masks,
-biases), `caching` (states' sizes, slots), `check_names` (names, decoder-only, shared
-blocks) and the trainer's zig-zag fallback (order dependence). The shared blocks
-themselves and their uses are built here too (`shared_block`, `shared_block_use`).
-Adding a kind is its module (in `tfjax.nn`: the mixer, with its `init_state` and a
-call that takes and returns its state) and one `LAYER_KINDS.register(name,
-LayerKind(...))` below.
+A layer is a mixer followed by an optional feed-forward; `model.layer_pattern` cycles
+over layer kinds (`LayerKind` records in `LAYER_KINDS`: the mixer's builder, its mask,
+positions, decode-state slots and flags) and `model.ffn_pattern` over ffn kinds
+(`FfnKind` records in `FFN_KINDS`). Nothing outside this file names a kind: the stack,
+the masks, the caches, `check_names` and the trainer read the records. Each kind's
+copy of the attention config (`attention`) and the shared blocks (`shared_block`,
+`shared_block_use`) are built here too. Adding a kind is its mixer's module and one
+`LAYER_KINDS.register(name, LayerKind(...))`. See docs/models.md.
 """
 
 from __future__ import annotations
@@ -75,7 +42,7 @@ MaskRule = Callable[[ModelConfig, "masks_lib.Mask | None", bool], "masks_lib.Mas
 
 @dataclasses.dataclass(frozen=True)
 class LayerKind:
-    """What a layer kind is (see the module docstring for each field)."""
+    """What a layer kind is (each field: docs/howto/layer_kind.md, "The record")."""
 
     doc: str
     mixer: Callable[..., nnx.Module]

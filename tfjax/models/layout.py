@@ -1,22 +1,13 @@
 """Where each layer of a layer stack lives: the one description of the stack's shape.
 
-A stack of `num_layers` layers is grouped into cycles of `lcm(len(layer_pattern),
-len(ffn_pattern))` layers (layer i has mixer kind `layer_pattern[i % len]` and ffn
-kind `ffn_pattern[i % len]`, so every cycle is the same). With `scan_layers` the
-parameters of position j of the cycle are stacked over the `num_cycles` whole
-cycles (a leading "layers" axis) and applied with `nnx.scan`; the layers left over
-when the depth is not a multiple of the cycle run unrolled after the scan, as
-`blocks`. Without `scan_layers` (or with less than one whole cycle) every layer is
-an unrolled block.
-
     layout = StackLayout.of(cfg, num_layers)
     layout.where(i) -> ("cycles", j, c)   position j of the cycle, cycle c (stacked axis)
                     | ("blocks", j)       the j-th unrolled block
 
-`LayerStack` builds its module tree from it (`stack.cycles.layers[j]`,
-`stack.blocks[j]`), the inference caches are the same tree of per-layer states
-(`tfjax.models.caching`), and the checkpoint mapping places layer i of a
-checkpoint by it (`tfjax.interop.hf`).
+Layers are grouped into cycles of lcm(len(layer_pattern), len(ffn_pattern)); with
+`scan_layers` the whole cycles are stacked and scanned, the rest are unrolled blocks.
+The stack, the inference caches and the checkpoint mapping follow it.
+See docs/models.md.
 """
 
 from __future__ import annotations

@@ -1,24 +1,12 @@
 """Multi-token prediction (DeepSeek-V3, Liu et al. 2024, section 2.2): `model.mtp_depth`
 sequential modules after a decoder LM, sharing its embedding and output head.
 
-Module k (1..D) at position i reads the previous depth's hidden state h^{k-1}_i and
-the embedding of token i + k, and predicts token i + k + 1:
-
-    h^k_i = Norm_k(Block_k(W_k [RMSNorm(h^{k-1}_i); RMSNorm(Emb(t_{i+k}))]))
-    p^k_{i+k+1} = softmax(Head(h^k_i))
-
-h^0 is the decoder's output after its final norm (what its head reads), and each
-depth passes on its normed output, as transformers' `MtpModel` and vLLM run
-DeepSeek's released MTP weights (`tfjax.interop.families.deepseek_v3` loads them).
-
-`Block_k` is one layer of the kind of the decoder's last layer (its mixer and
-feed-forward: MLA + MoE for DeepSeek-V3), causal within documents, with its own
-cache at inference (`MTPModule.step`). Training adds `model.mtp_loss_weight / D`
-times the sum over depths of the cross-entropy sums of depth k's predictions
-(`mtp_predictions`; `tfjax.train.objectives`); a position counts at depth k when
-its inputs i..i+k lie in one document (the packed row's segment ids) inside the
-row and target i + k counts in `mask`. The modules also serve as
-the draft of self-speculative decoding (`tfjax.inference.speculative`).
+Module k at position i reads the previous depth's hidden state and the embedding of
+token i + k, and predicts token i + k + 1 (`MTPModule`: one layer of the decoder's
+last layer kind, `block_config`, with its own cache at inference, `step`).
+`mtp_predictions` gives each depth's features, targets and mask for the training loss
+(`tfjax.train.objectives`); the modules are also the draft of
+`tfjax.inference.speculative`. See docs/models.md.
 """
 
 from __future__ import annotations

@@ -1,32 +1,12 @@
-"""μP, the Maximal Update Parametrization (Yang et al. 2022, "Tensor Programs V:
-Tuning Large Neural Networks via Zero-Shot Hyperparameter Transfer"), for Adam-type
-optimizers, relative to a base width: `model.mup_base_width = b` makes a model of
-width `d_model` the μP scaling of the standard model of width b (at d_model = b the
-two are identical), so a learning rate tuned at width b transfers to any width.
+"""μP, the Maximal Update Parametrization (Yang et al. 2022, "Tensor Programs V"), for
+Adam-type optimizers: `model.mup_base_width = b` makes a model of width `d_model` the
+μP scaling of the standard model of width b, so a learning rate tuned at b transfers.
 
-With the width multiplier m = d_model / b, each parameter class (`classify`, from
-its logical axis names) changes as the paper's Table 3 (μP for Adam) prescribes,
-written relative to the base model:
-
-| class | which parameters | init std | Adam lr |
-|---|---|---|---|
-| input | embedding tables (vocab, positions), and every vector: biases, norm scales, sinks, relative-position tables | x 1 | x 1 |
-| hidden | matrices from and to the width: q, k, v, o, the FFN and expert matrices | x 1/sqrt(m) | x 1/m |
-| output | matrices from the width to a fixed size: MoE routers | x 1/m | x 1/m |
-| readout | the output head (tied or not) | x 1 | x 1, logits x 1/m |
-
-The readout uses the paper's equivalent multiplier form: the logits are multiplied
-by 1/m (`ModelConfig.logits_multiplier`) instead of initialising the head 1/m
-smaller and training it at lr / m. Attention uses 1/head_dim instead of
-1/sqrt(head_dim) (`ModelConfig.scale`): scale = base scale x base_head_dim /
-head_dim, the base head dim being `model.mup_base_head_dim` (0: head_dim x b /
-d_model, i.e. the width grows the head dim at a fixed head count).
-
-Initialisation is rescaled after the model is built (`rescale_init`: a draw from
-N(0, s) times c is a draw from N(0, c s)); the learning rates by
-`tfjax.train.optim.make_optimizer`, which multiplies each parameter's update by
-`lr_multiplier`. Defined here for attention and FFN / MoE layers of decoders; other
-layer kinds and architectures are refused by name (`check`).
+With m = d_model / b (`width_multiplier`), `classify` puts each parameter in a class
+(input, hidden, output, readout; from its logical axes) whose init and learning rate
+scale by `init_multiplier` / `lr_multiplier`; `rescale_init` applies the former after
+building, the optimizer the latter. `check` refuses, by name, what μP is not defined
+for here. See docs/models.md.
 """
 
 from __future__ import annotations
@@ -71,7 +51,7 @@ def width_multiplier(cfg: ModelConfig) -> float:
 
 def classify(x) -> str:
     """μP's class of parameter `x` (a Variable with logical axes): input, hidden,
-    output or readout (see the module table)."""
+    output or readout (the table in docs/models.md)."""
     names = variable_axes(x) or ()
     core = [n for n in names if n not in STACK_AXES]
     if "embed" not in core or len(core) < 2:

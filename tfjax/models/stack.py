@@ -1,23 +1,12 @@
 """What every architecture shares: the layer stack (scanned over repeats of the
 per-layer pattern), the block of each layer, the embedder and the output head.
 
-Scan over layers: the stack's layout (`tfjax.models.layout.StackLayout`) groups
-the layers into cycles of lcm(len(layer_pattern), len(ffn_pattern)) layers; the
-parameters of each position in the cycle are stacked over a leading "layers" axis
-with `nnx.vmap` and applied with `nnx.scan`, so compile time does not grow with
-depth. Layers left over when the depth is not a multiple of the cycle run unrolled
-after the scan (`blocks`); `scan_layers=False` unrolls all. Layer i's mixer and
-feed-forward come from the records of its layer kind and ffn kind
-(`tfjax.models.layer_kinds`); each layer kind gets its own mask and bias
-(`tfjax.models.attention_inputs`).
-
-Shared blocks (`model.shared`, Zamba2): the stack owns the `shared.num_blocks`
-shared transformer blocks, stacked over a leading axis and built once, outside
-the scanned cycles; each layer of a kind with `shared_block` owns its use
-(adapters and output projection: the block's `mixer_input`, scanned with its
-layer). The u-th such layer (u counted from layer 0) runs block u % num_blocks on
-its input and the stack's input (the embeddings); under the scan u is traced, and
-the block is picked by index (a gather; its gradient sums the uses).
+`LayerStack(cfg, rngs, num_layers=)`: `x [B, T, D] -> [B, T, D]` over the layout's
+cycles (parameters stacked, applied with `nnx.scan`: compile time flat in depth) and
+unrolled blocks, each layer built by `build_block` from its layer kind and ffn kind;
+it owns the shared blocks (Zamba2) and takes each kind's masks and biases, computed
+once a call. `REMAT_POLICIES`: what a scanned layer's backward keeps (`model.remat`).
+See docs/models.md.
 """
 
 from __future__ import annotations

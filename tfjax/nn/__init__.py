@@ -1,4 +1,4 @@
-"""Flax NNX layers of the Transformer family."""
+"""Flax NNX layers of the Transformer family. See docs/layers.md."""
 
 from tfjax.nn.attention import MultiHeadAttention
 from tfjax.nn.blocks import BLOCKS, TransformerBlock

@@ -1,70 +1,13 @@
-"""Multi-head attention (Vaswani et al. 2017) with grouped / multi-query heads.
+"""Multi-head attention with grouped / multi-query heads (MHA, GQA, MQA), self or cross.
 
-One module serves MHA (K = N), GQA (Ainslie et al. 2023, 1 < K < N) and MQA
-(Shazeer 2019, K = 1), self- and cross-attention. Its knobs come as one record,
-`attention` (`tfjax.config.AttentionConfig`, the model's `model.attention`); the
-names below are its fields. Design choices:
-
-- Projections are einsums over explicit head axes (`BTD,DNH->BTNH`), so
-  parameters carry logical names per axis ("embed", "heads", "kv_heads",
-  "head_dim") and tensor parallelism splits heads with a rules change.
-- K/V are projected to K heads only and never repeated: the attention op groups
-  the N query heads as [K, G] (the kv head of query head n is n // G).
-- Optional QK-norm (Dehghani et al. 2023) normalises q and k before RoPE, per head
-  over H (`qk_norm_over="head"`: Qwen3, Gemma 3) or over the whole projection, all
-  heads at once (`"projection"`: OLMo 2); soft-capping (Gemma 2) and a scale
-  override (Gemma's query_pre_attn_scalar, T5's unscaled logits) pass to the op.
-- `temperature_floor` > 0 (floor, with `temperature_scale` scale): Llama 4's query
-  temperature for layers without RoPE, `q *= 1 + scale * ln(1 + floor((p + 1) / floor))` at query position p,
-  which keeps long-context attention sharp.
-- Values may have a head dim of their own (`v_head_dim`, DeepSeek's 128 against
-  q/k's 192); `sinks=True` learns gpt-oss's per-head sink logit (`[N]`, N(0,
-  init_std) at init as gpt-oss's; `tfjax.ops.sinks`), which every implementation
-  and cache path receives.
-- The attention itself is `tfjax.ops.dot_product_attention`: the layer never
-  chooses a kernel, `impl` does (default "auto").
-- Context parallelism: under an active mesh whose rules split "length" over a
-  mesh axis of size > 1 (the trainer with `mesh.sequence > 1`), self-attention
-  runs as `context_parallel` says: "ring" (ring attention, K/V circulate) or
-  "all_gather" (each device gathers the whole K/V); see
-  `tfjax.parallel.context_parallel`. `impl` reaches it too: the ring
-  runs it per block ("auto", "blockwise" or "pallas"; any other raises while
-  tracing, naming these), all-gather per device. `zigzag` balances the causal
-  ring: "data" (inside the trainer's steps the batch is already in zig-zag order,
-  so no per-layer re-layout), "layer" or "none".
-- Decoding: `init_state(batch, size, dtype)` is a `KVCache` of `size` slots (K/V
-  after QK-norm and RoPE, only the K kv heads, heads-major); the call with
-  `state=` and the step's `slots=` (`tfjax.nn.state.Slots`) projects the new tokens,
-  writes them and attends, and returns `(out, new_state)`. A cross-attention keeps a
-  `CrossKVCache` (`init_cross_state`): the encoder output's K/V, computed at the
-  step that passes `context` and reused after. What `project` returns is named
-  "attn_q", "attn_k", "attn_v" (`checkpoint_name`) for the rematerialisation
-  policies that keep it (`tfjax.models.stack.REMAT_POLICIES`).
-- `differential=True`: differential attention (Ye et al. 2024, arXiv:2410.05258).
-  Head n's query and key split into contiguous halves of H/2 (q1 = q[..., :H/2]),
-  each half-head rotated by a RoPE of H/2 dims, and
-      out_n = RMSNorm(softmax(q1 k1) v - lam softmax(q2 k2) v) * (1 - lam_init)
-      lam = exp(lq1 . lk1) - exp(lq2 . lk2) + lam_init,
-      lam_init = 0.8 - 0.6 exp(-0.3 l)   (l = the 0-based layer index; the paper's l - 1)
-  with one learned lam per layer (`diff_lambda`, rows lq1, lk1, lq2, lk2 of H/2,
-  N(0, 0.1)) and one RMSNorm over Hv shared by the heads (`diff_norm`; the
-  reference code's `subln`). Since (A1 - lam A2) V = A1 V - lam A2 V, it is two
-  calls of the attention op on the split heads, so every implementation, mask,
-  bias, GQA layout and KV cache carries it (the cache stores k whole, both halves
-  rotated); the default scale is (H/2)^-0.5. `attend` takes the layer index
-  `layer` (traced under a scanned stack; None: 0).
-- `value_residual="fixed" | "learned"`: value-residual learning (ResFormer, Zhou
-  et al. 2024, arXiv:2410.17897): `project(..., first_values=v1, layer=l)` returns
-  v = l1 v + l2 v1 for l > 0 (v1: the first layer's values of the same tokens,
-  `values(x)` of layer 0's input), fixed l1 = l2 = 0.5 or learned (`value_lambda`
-  `[2]`, from 0.5). The mixed values are what a KV cache stores, so a decode step
-  only needs v1 of its own new tokens.
-- `out_dim`: the output projection's width when it differs from the input's
-  (Zamba2's shared block attends at width 2D and returns D). `adapter`, a call-time
-  argument of `project` (and of `__call__`): a callable
-  `(x, context) -> (dq, dk, dv)` whose low-rank deltas are added to the projected
-  q, k, v before QK-norm and RoPE, so one attention's weights serve several uses,
-  each with its own adapters (`tfjax.nn.shared_block`).
+`MultiHeadAttention(d_model, num_heads, num_kv_heads=, attention=AttentionConfig(...),
+rope=)`: `x [B, T, D]` (and `context [B, S, Dc]`) -> `[B, T, D]` (`out_dim` if set);
+q `[B, T, N, H]`, k/v `[B, S, K, H]` (values of `v_head_dim`), never repeated to N heads.
+The attention is `tfjax.ops.dot_product_attention` (`attention.impl`; context-parallel
+under a sequence mesh). The record's options: QK-norm, soft-cap, scale, NoPE query
+temperature, sinks, output gate, differential attention, value residuals. Decoding:
+`init_state` makes a `KVCache` (`init_cross_state` a `CrossKVCache`); the call with
+`state=` and `slots=` returns `(out, new_state)`. See docs/layers.md.
 """
 
 from __future__ import annotations
@@ -195,7 +138,7 @@ class MultiHeadAttention(nnx.Module):
                              f"needs floor >= 1 and no RoPE (Llama 4's NoPE layers), got "
                              f"rope={rope is not None}")
         self.temperature = temperature
-        if a.differential:  # rows lq1, lk1, lq2, lk2 (the module docstring)
+        if a.differential:  # rows lq1, lk1, lq2, lk2 (docs/layers.md)
             init = with_logical_axes(nnx.initializers.normal(0.1), (None, "head_dim"))
             self.diff_lambda = nnx.Param(init(rngs.params(), (4, H // 2), param_dtype))
             self.diff_norm = make_norm("rmsnorm", self.v_head_dim, eps=norm_eps, dtype=dtype,
@@ -280,7 +223,7 @@ class MultiHeadAttention(nnx.Module):
         return norm(x.reshape(*x.shape[:2], -1)).reshape(x.shape)
 
     def _temper(self, q, positions):
-        """Llama 4's NoPE query temperature at `positions` `[B, T]` (see the module)."""
+        """Llama 4's NoPE query temperature at `positions` `[B, T]` (docs/layers.md)."""
         if self.temperature is None:
             return q
         floor, scale = self.temperature

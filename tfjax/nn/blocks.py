@@ -1,18 +1,11 @@
-"""Transformer blocks: sequential or parallel, with pre-, post-, sandwich or output norm.
+"""Transformer blocks: a mixer and an optional feed-forward, joined with residuals.
 
-    pre       x = x + f(norm(x))                      (GPT-2, Llama; Xiong et al. 2020)
-    post      x = norm(x + f(x))                      (the original Transformer, BERT)
-    sandwich  x = x + post_norm(f(pre_norm(x)))       (Gemma 2; Ding et al. 2021)
-    output    x = x + norm(f(x))                      (OLMo 2's reordered norm)
-    parallel  x = x + attn(n1(x)) + ffn(n2(x))        (GPT-J, PaLM with n1 = n2; NeoX two norms)
-    mixer_input  x = x + attn(norm(x + g(x)))         (pre norm; Zamba2's hybrid layers, g
-                                                      a use of a shared block)
-
-for f in self-attention, cross-attention (decoder of an encoder-decoder) and the
-feed-forward. The block is composed from built submodules (`tfjax.models` maps
-the config to them: layer kinds and ffn kinds are its records), so it knows
-nothing of configs. Residual dropout, when a
-rate is set, drops each sublayer's output before it joins the residual stream.
+`TransformerBlock(attn=, ffn=, make_norm=, cross_attn=, placement=, parallel=,
+mixer_input=)`: `x [B, T, D] -> [B, T, D]` (with `state=`: `(x, new_state)`).
+Sequential or parallel (`BLOCKS`), with pre-, post-, sandwich or output norm
+(`PLACEMENTS`; pre: `x = x + f(norm(x))`); `mixer_input` adds a shared block's use to
+the mixer's input (Zamba2). Composed from built modules, it knows nothing of configs.
+See docs/layers.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
 """`dense(x, kernel)`: `x [..., I] @ kernel [I, O] -> [..., O]` with a kernel gradient
-laid out for XLA:CPU's fast matmul; `linear_dot_general`, `FeedForward`'s
-`nnx.Linear(dot_general=...)`, uses it when the traced program targets a CPU.
-
-The forward is the plain `dot_general` and so is the input gradient `dx = g @ W^T`.
-The kernel gradient `dW = x^T g` contracts every leading axis. XLA:CPU hands a
-matmul to YNNPACK only when both operands are row-major with the left one
-contracted on its last axis; autodiff's `dW` contracts `x` on its first axis, so
-XLA:CPU ran it in its slower fallback after transposing the larger `[M, F]`
-operand (M = batch x length; measured: experiments/results/bench_train_cpu.md).
-`dense`'s backward transposes the smaller of x `[M, I]` and g `[M, O]` itself and
-multiplies row-major operands (`lax.optimization_barrier` keeps XLA from folding
-the transposes back into the dot); `dW` is the same sum, in another order (f32
-rounding aside).
-
-Why only for CPU targets: TPUs and GPUs take either layout, and a `custom_vjp` hides
-its matmul from rematerialisation policies (`dots_saveable` would recompute it), so
-elsewhere (`tfjax.ops.target.target_platform`: an AOT compile for a TPU from a CPU
-host too) `linear_dot_general` is `lax.dot_general`.
+laid out for XLA:CPU's fast matmul: the backward transposes the smaller of x and the
+output gradient itself, so both operands of `dW` are row-major (the same sum, in
+another order). `linear_dot_general`, `FeedForward`'s `nnx.Linear(dot_general=...)`,
+uses it when the traced program targets a CPU and is `lax.dot_general` elsewhere (a
+`custom_vjp` hides its matmul from remat policies). Measured in
+experiments/results/bench_train_cpu.md. See docs/layers.md.
 """
 
 from __future__ import annotations

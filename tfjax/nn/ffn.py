@@ -1,26 +1,11 @@
-"""Position-wise feed-forward block, plain or gated.
+"""Position-wise feed-forward block, plain `wo(act(wi(x)))` or gated
+`wo(act(wi_gate(x)) * wi_up(x))` (ReGLU, GEGLU, SwiGLU; Shazeer 2020).
 
-- Plain (Vaswani et al. 2017): `wo(act(wi(x)))`.
-- Gated linear units (Dauphin et al. 2017; Shazeer 2020, "GLU Variants Improve
-  Transformer", arXiv:2002.05202): `wo(act(wi_gate(x)) * wi_up(x))`, giving
-  ReGLU, GEGLU and SwiGLU.
-
-Design choices:
-- The activation name alone decides whether the block is gated: `ACTIVATIONS`
-  maps a name to `(fn, gated)`, so a config cannot ask for a gated activation
-  with an ungated layout.
-- Gated blocks keep two separate input projections `wi_gate` and `wi_up`
-  rather than one fused `[D, 2F]` kernel: checkpoints (LLaMA, Gemma, T5 v1.1)
-  store them separately, and each then shards on "mlp" without a split.
-- "gelu" is the exact erf form and "gelu_tanh" the tanh approximation (what
-  GPT-2 and Gemma call gelu); they differ by up to ~5e-4, enough to matter in
-  checkpoint parity, so both are named explicitly.
-- Projections are Flax's `nnx.Linear`, with logical axes ("embed", "mlp") on
-  the input kernels and ("mlp", "embed") on the output kernel; their matmul is
-  `tfjax.nn.dense` (the same forward; a kernel gradient XLA:CPU's fast matmul
-  accepts).
-- `out_init_std` lets the output projection use a smaller init (GPT-2's
-  0.02 / sqrt(2 L) residual scaling), which only the caller knows.
+`FeedForward(d_model, d_ff, activation=, use_bias=, out_init_std=)`: `x [B, T, D] ->
+[B, T, D]`. The activation's name alone decides whether it is gated (`ACTIVATIONS`:
+name -> `(fn, gated)`); "gelu" is the exact erf form, "gelu_tanh" the tanh one.
+Kernels carry logical axes ("embed", "mlp"); the matmul is `tfjax.nn.dense`.
+See docs/layers.md.
 """
 
 from __future__ import annotations

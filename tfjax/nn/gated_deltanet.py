@@ -1,53 +1,13 @@
-"""Gated DeltaNet (Yang, Kautz & Hatamizadeh 2024, "Gated Delta Networks: Improving
-Mamba2 with Delta Rule", arXiv:2412.06464), the linear-attention mixer of
-Qwen3-Next (`Qwen3NextGatedDeltaNet`).
+"""Gated DeltaNet (Yang, Kautz & Hatamizadeh 2024, arXiv:2412.06464), the
+linear-attention mixer of Qwen3-Next: per value head a state S `[d_k, d_v]`,
+`S_t = alpha_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T`, `o_t = S_t^T q_t`.
 
-Per value head, with a state S `[d_k, d_v]` (the convention of fla's
-`chunk_gated_delta_rule` and Qwen3-Next):
-
-    S_t = alpha_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T
-        = S~ + k_t u_t^T,  S~ = alpha_t S_{t-1},  u_t = beta_t (v_t - S~^T k_t)
-    o_t = S_t^T q_t
-
-    q, k, v = silu(causal_depthwise_conv(proj(x)))    # kernel d_conv, per channel
-    q, k    = l2norm(q) / sqrt(d_k), l2norm(k)         # per head
-    alpha_t = exp(g_t), g = -exp(A_log) * softplus(a_proj(x) + dt_bias)   # [B, T, Hv]
-    beta_t  = sigmoid(b_proj(x))                                           # [B, T, Hv]
-    out     = out_proj(rmsnorm(o) * silu(z_proj(x)))   # the norm per head, over d_v
-
-The delta rule writes the correction of what the state already predicts for k_t
-(a rank-one update of a fast-weight memory); alpha_t forgets (Mamba-2's gate).
-
-Design choices:
-- Training runs the chunked form `gated_delta_rule` (float32): within a chunk of
-  c steps the updates are condensed by the WY / UT transform, one unit lower
-  triangular solve `(I + A) [U | W] = [beta v | beta d k]` per chunk with
-  A_ij = beta_i Gamma_ij (k_i . k_j) (j < i), Gamma_ij = exp(g_{j+1} + .. + g_i) and
-  d_i = exp(g_1 + .. + g_i) (from the chunk start); the solves and the in-chunk
-  attention `Gamma * (q k^T)` are taken for all chunks at once and a `lax.scan`
-  across chunks only carries S (u = U - W S). Lengths that are not a multiple of
-  the chunk are padded internally (beta = g = 0: no write, no decay). The decays
-  are formed from differences of in-chunk cumulative sums masked before the exp,
-  so they are <= 1 and no exp(-cumsum) ever overflows. Its ground truth is the
-  sequential loop `gated_delta_rule_reference` (`lax.scan` over T).
-- GVA (Qwen3-Next): num_v_heads = G * num_k_heads; value head h reads q/k head
-  h // G (`repeat_interleave` in HF), kept as `[.., K, G, ..]` axes, never repeated.
-- Decoding is O(1) per token, with Mamba's interface: `init_state(batch)` gives a
-  `GatedDeltaNetState` (the last d_conv - 1 conv inputs of q, k, v and S `[B, Hv,
-  d_k, d_v]` in float32), `step(x_t, state)` advances one token, `forward(x, state,
-  positions=, lengths=)` runs a prompt from a state (prefill) with the same
-  numerics (in a model, with a step's slots: `tfjax.nn.state`).
-- Packed documents: given `positions` (restarting at 0 in each document, as the
-  model passes them), the convs do not read across a position-0 boundary and the
-  state is reset there (in the chunked form: decays and the carried state are
-  masked across documents), so packed rows equal separate ones. `lengths [B]`:
-  right padding gets beta = g = 0 (state unchanged) and the conv windows are
-  gathered at each row's last real step, so a padded tail never enters the state.
-- Parameters (separate projections, not HF's fused, head-interleaved
-  `in_proj_qkvz` / `in_proj_ba`): q_proj, k_proj `[D, Hk, dk]`, v_proj, z_proj
-  `[D, Hv, dv]`, b_proj, a_proj `[D, Hv]`, conv_q, conv_k `[d_conv, Hk, dk]`,
-  conv_v `[d_conv, Hv, dv]` (no bias), A_log, dt_bias `[Hv]`, norm scale `[dv]`,
-  out_proj `[Hv, dv, D]`; heads shard on "kv_heads" / "heads".
+`GatedDeltaNet(d_model, gdn)`: `x [B, T, D] -> [B, T, D]`, trained in the chunked form
+`gated_delta_rule` (float32; its ground truth `gated_delta_rule_reference`), value
+heads in GVA groups of the q/k heads. Decoding is O(1) per token: `init_state` gives a
+`GatedDeltaNetState`, `step(x_t, state)` advances one token and `forward(x, state,
+positions=, lengths=)` a prompt; packed documents (`positions`) and right padding
+(`lengths`) never mix into the state. See docs/layers.md.
 """
 
 from __future__ import annotations

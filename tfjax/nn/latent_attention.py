@@ -1,33 +1,12 @@
-"""Multi-head Latent Attention (DeepSeek-V2, DeepSeek-AI 2024; DeepSeek-V3).
+"""Multi-head Latent Attention (DeepSeek-V2, DeepSeek-V3): keys and values from one
+small latent per token, `c = RMSNorm(x W_dkv)` `[B, S, r]`, plus one rotary key
+`k_pe` `[B, S, dr]` shared by the heads.
 
-Keys and values are compressed into one small latent per token: `c = RMSNorm(x
-W_dkv)` `[B, S, r]` (r = `kv_lora_rank`), from which each head's keys and values
-are up-projected, `k_nope = c W_uk` `[.., N, dn]` and `v = c W_uv` `[.., N, dv]`.
-RoPE cannot pass through that up-projection, so position enters through a
-decoupled part: one rotary key `k_pe = RoPE(x W_kr)` `[B, S, dr]` shared by all
-heads, and per-head rotary queries `q_pe` `[B, T, N, dr]`. A head's query is
-`[q_nope; q_pe]` (from `x`, or from a low-rank `RMSNorm(x W_dq)` when
-`q_lora_rank` > 0) and its key `[k_nope; k_pe]`:
-
-    logits = (q_nope . k_nope + q_pe . k_pe) * scale,   scale = (dn + dr)^-1/2 * m^2
-
-(m: DeepSeek's YaRN factor `0.1 * mscale_all_dim * ln(rope factor) + 1`, 1 without
-it). Two forms compute the same attention:
-
-- **materialised** (training, prefill): the per-head keys `[k_nope; k_pe]` and values
-  are built and attention runs as multi-head attention with q/k head dim dn + dr
-  and v head dim dv (`tfjax.nn.attention.attention`: every flash implementation,
-  the ring under a sequence mesh).
-- **absorbed** (decode over a cache): `q_nope . (c W_uk) = (q_nope W_uk^T) . c`, so
-  the key up-projection is folded into the query and attention runs as MQA over
-  the latents themselves: queries `[q_nope W_uk^T; q_pe]` `[B, T, N, r + dr]`, one
-  shared key `[c; k_pe]` and value `[c; k_pe]` `[B, S, 1, r + dr]` (the output's
-  first r dims are the latent output `p . c`; the value up-projection `W_uv` runs
-  after attention). No per-head K/V is rebuilt per step.
-
-The decode state (`LatentCache`, `init_state`) stores only `[c; k_pe]`: r + dr
-values per token per layer (DeepSeek-V3: 512 + 64 = 576, where its 128 heads'
-keys and values would be 128 * (192 + 128) = 40,960).
+`MultiHeadLatentAttention(d_model, num_heads, mla, rope=, attention=)`: `x [B, T, D]
+-> [B, T, D]`, materialised (per-head K/V, every flash implementation) for training
+and prefill, absorbed (`W_uk` folded into the queries, MQA over the latents) for
+decoding over a cache. `init_state` makes a `LatentCache` of `[c; k_pe]`, r + dr
+values per token; `mla_scale` is DeepSeek's softmax scale. See docs/layers.md.
 """
 
 from __future__ import annotations
@@ -77,7 +56,7 @@ def mla_scale(qk_head_dim: int, *, rope_scaling: str = "none", rope_factor: floa
 
 
 class MultiHeadLatentAttention(nnx.Module):
-    """`x [B,T,D]` -> `[B,T,D]` with DeepSeek's latent attention (see the module).
+    """`x [B,T,D]` -> `[B,T,D]` with DeepSeek's latent attention (docs/layers.md).
 
     Parameters (logical axes in brackets): `q` `[D, N, dn+dr]` or `q_a` `[D, rq]` +
     `q_norm` + `q_b` `[rq, N, dn+dr]`; `kv_a` `[D, r+dr]` (the latent and the rotary

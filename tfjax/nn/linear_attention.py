@@ -1,28 +1,12 @@
-"""Linear attention (Katharopoulos et al. 2020, "Transformers are RNNs",
-arXiv:2006.16236) with pluggable feature maps.
+"""Linear attention (Katharopoulos et al. 2020, arXiv:2006.16236) with pluggable
+feature maps: `out_t = phi(q_t) . S_t / (phi(q_t) . z_t + eps)`, with the running sums
+`S = sum phi(k) v^T` `[H, Hv]` and `z = sum phi(k)` `[H]` of each kv head.
 
-    out_t = phi(q_t) . S_t / (phi(q_t) . z_t + eps)
-    S_t = sum_{s in visible(t)} phi(k_s) v_s^T   [H, H_v]     z_t = sum phi(k_s)   [H]
-
-Softmax's exp(q . k) is replaced by a kernel phi(q) . phi(k) (default elu + 1),
-so the sums can be taken before the queries arrive:
-- non-causal: one `[H, H_v]` state per head, O(T H^2) work and memory;
-- causal: a chunked scan. Within a chunk of c steps the masked quadratic form
-  (O(T c H)); across chunks a carried state (O(T H^2)); linear in T overall;
-- decoding: `step(...)` advances the state `(S [B,K,H,Hv], z [B,K,H])` one token
-  (`LinearAttentionState`; in a model, with a step's slots: `tfjax.nn.state`).
-`linear_attention_reference` materialises the `[T, S]` weights (the test oracle).
-
-Design choices:
-- GQA as in softmax attention: N query heads in K groups share a kv head's state.
-- No positional encoding inside the kernel (RoPE does not keep phi positive);
-  the causal form carries order.
-- Feature maps live in the `FEATURE_MAPS` registry; register your own
-  `(x [..., H]) -> [..., H']` (H' may differ from H, e.g. random features).
-- Packed documents: given `positions` (restarting at 0 in each document, as the
-  model passes them), a step at position 0 starts a new document: keys of earlier
-  documents are invisible to it (the carried state is dropped), so packed rows
-  equal separate ones.
+`linear_attention` (non-causal), `causal_linear_attention` (a chunked scan, linear in
+T), `linear_attention_step` (one token) and `linear_attention_reference` (the
+materialised oracle); `LinearAttention`, the mixer: `x [B, T, D] -> [B, T, D]`, GQA
+over K kv heads, decode state `LinearAttentionState` (S `[B, K, H, Hv]`, z
+`[B, K, H]`). Feature maps: the `FEATURE_MAPS` registry. See docs/layers.md.
 """
 
 from __future__ import annotations

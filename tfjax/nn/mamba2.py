@@ -1,44 +1,13 @@
-"""Mamba-2: the state-space-duality (SSD) layer (Dao & Gu 2024, arXiv:2405.21060).
+"""Mamba-2: the state-space-duality (SSD) layer (Dao & Gu 2024, arXiv:2405.21060), one
+scalar decay per head: `h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T`, `y_t = h_t C_t +
+D x_t`, h `[H, P, N]`, B and C shared by the heads of each of G groups.
 
-    z, xBC, dt = in_proj(u)                     # [B,T,Di], [B,T,Di + 2GN], [B,T,H]
-    x, B, C    = silu(causal_depthwise_conv(xBC))   # x [B,T,H,P]; B, C [B,T,G,N]
-    dt         = clip(softplus(dt + dt_bias), dt_limit)          # [B, T, H]
-    h_t        = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T   # A = -exp(A_log) [H]; h [H, P, N]
-    y_t        = h_t C_t + D x_t                            # D [H]
-    out        = out_proj(rmsnorm_grouped(y * silu(z)))
-
-Di = expand * D inner channels in H = Di / P heads of head dim P; each head has
-one scalar decay A (Mamba-1 has one per channel and state), and B, C are shared
-by the H / G heads of each of G groups (head h reads group h // (H / G)).
-
-Design choices:
-- The training form is SSD's chunked algorithm (`ssd`): within a chunk of c
-  tokens the output is the quadratic, attention-like form `(C B^T o L) (dt x)`
-  with the decay mask L[l, s] = exp(sum_{s<k<=l} dt_k A); each chunk's final
-  state is a low-rank sum; a `lax.scan` over chunks carries the state between
-  them, and each chunk reads its incoming state through C. All in float32; a
-  length not a multiple of c is padded with dt = 0 (decay 1, no input), so the
-  state passes through the padding. It equals the sequential recurrence
-  `ssd_reference` (a `lax.scan` over T), forward and gradients.
-- Decoding is O(1) per token, as Mamba's (`tfjax.nn.ssm`): `init_state(batch)`
-  gives a `Mamba2State` (the last d_conv - 1 conv inputs `[B, d_conv - 1, Di +
-  2GN]` and the SSM state `[B, H, P, N]` float32), `step(u_t, state)` advances
-  one token, and `forward(u, state, positions=, lengths=)` runs a prompt from a
-  state with the same numerics (in a model, with a step's slots: `tfjax.nn.state`).
-- Packed sequences: with `positions` (restarting at 0 in each document) the conv
-  does not read across a position-0 boundary and the state is reset there
-  (within a chunk: a segment mask on L; across chunks: no carry). `lengths`
-  keeps a right-padded tail out of the final state (dt = 0 there, the conv
-  window gathered at each row's last real step).
-- Layout and numerics are mamba_ssm's / Hugging Face's `Mamba2Mixer`: one
-  in_proj of width 2 Di + 2 G N + H (z, x, B, C, dt in that order), the conv over
-  (x, B, C), dt_bias initialised so softplus(dt_bias) is log-uniform in
-  [dt_min, dt_max], A = uniform(A_init_range), the gated RMSNorm normalising
-  groups of Di / norm_groups channels after the gate (norm_before_gate=False).
-- Parameters: in_proj `[D, 2Di + 2GN + H]` ("embed", None: its output
-  concatenates parts of different widths), conv `[d_conv, Di + 2GN]`, dt_bias,
-  A_log, D `[H]` ("heads"), norm `[Di]` ("mlp"), out_proj `[Di, D]` ("mlp",
-  "embed"); heads and inner channels both shard on the tensor axis.
+`Mamba2(d_model, mamba2)`: `x [B, T, D] -> [B, T, D]`, trained with SSD's chunked
+algorithm `ssd` (float32; its ground truth `ssd_reference`), layout and numerics as
+mamba_ssm's / Hugging Face's `Mamba2Mixer`. Decoding is O(1) per token: `init_state`
+gives a `Mamba2State`, `step(u_t, state)` advances one token and `forward(u, state,
+positions=, lengths=)` a prompt; packed documents and right padding never mix into
+the state. See docs/layers.md.
 """
 
 from __future__ import annotations

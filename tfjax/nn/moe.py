@@ -1,74 +1,14 @@
-"""Mixture of Experts feed-forward (Shazeer et al. 2017; GShard, Lepikhin et al. 2020;
-Switch, Fedus et al. 2021; Mixtral, Jiang et al. 2024; ST-MoE, Zoph et al. 2022).
+"""Mixture of Experts feed-forward (Shazeer et al. 2017; GShard; Switch; Mixtral):
 
     scores = softmax | sigmoid(x @ router + router_bias)   # [B, T, E], float32
     experts = top_k(scores + score_bias, k)  # within the top `topk_group` of `n_group` groups
     gates = scores[experts]                  # / sum(gates) if `router_renormalize`; * routed_scaling
     y = sum_j gates_j * expert_{experts_j}(x) + sigmoid(x @ shared_gate) * shared(x)
 
-Routers of the 2024-26 families, as fields of `MoE`'s record (`model.moe`, `MoEConfig`):
-- Mixtral / Qwen-MoE: softmax, top-k, `router_renormalize` (Qwen's `norm_topk_prob`).
-- gpt-oss: softmax over the top-k *logits* only, which is softmax-then-top-k with the
-  k gates renormalised (the same numbers), plus `router_bias`, expert biases
-  (`use_bias`) and `glu="clamped"`: g = min(gate, limit), u = clip(up, -limit, limit),
-  h = (u + 1) * g * sigmoid(alpha * g) (alpha 1.702, limit 7; Hugging Face's
-  interleaved gate/up columns are de-interleaved into `wi_gate` / `wi_up` on import).
-- DeepSeek-V3: `score="sigmoid"`; group-limited top-k (`n_group` groups of E/n_group
-  experts, a group's score the sum of its top-2 biased scores, the top `topk_group`
-  groups kept, then the top-k experts within them); `score_bias` (DeepSeek's
-  `e_score_correction_bias`) is added to the scores for choosing experts only, never
-  to the gates; `router_renormalize` (`norm_topk_prob`, +1e-20 in the denominator as
-  DeepSeek) and `routed_scaling_factor` multiply the gates.
-- DeepSeek-V3's auxiliary-loss-free balancing (`bias_update_rate` = gamma > 0, which
-  implies `score_bias`): the bias is a `MoEBias` variable, not a Param (no gradient, no
-  optimizer); the forward only records each expert's load (`expert_load`, as
-  before) and `balance_experts(rest)` -- called once per train step after the
-  optimizer update (`tfjax.train.step`) on the model's non-Param state -- applies
-  bias_e += gamma * sign(mean_e' load - load_e). It is pure on that state (the rate
-  travels as the variable's metadata), so eval and generation never move the bias.
-  Under gradient accumulation the load is the last microbatch's.
-- Llama 4: `score="sigmoid"`, k = 1, `gate_input=True`: the routed expert's *input*
-  is scaled by its gate and its output added unscaled (not the same as scaling the
-  output: the experts are not linear); with a shared expert always on.
-- Qwen2-MoE / Qwen3-Next: `shared_gate=True`, a `[D, 1]` projection:
-  y += sigmoid(x @ shared_gate) * shared(x); `shared_d_ff` the shared expert width.
-- Dense-only layers (DeepSeek `first_k_dense_replace`, Qwen `mlp_only_layers` /
-  `decoder_sparse_step`) are `model.ffn_pattern` (docs/presets.md).
-
-Design choices:
-- Scores then top-k (Mixtral, Jamba, Switch). `router_renormalize=True` divides the k
-  gates by their sum (Mixtral); False keeps the raw probabilities (Jamba).
-- Two dispatches, one semantics each:
-  * dropless (`capacity_factor=0`): every assignment is computed. Assignments are
-    sorted by expert and run as one grouped matmul, `jax.lax.ragged_dot`
-    (`impl="ragged"`); `impl="dense"` runs every expert on
-    every token and is the plain reference (tests, tiny models).
-  * capacity (`capacity_factor>0`, GShard / Switch): each sequence (the group) gives
-    each expert C = ceil(capacity_factor * T * k / E) slots. Slots are filled in
-    priority order: all first choices before second choices, then by position;
-    an assignment that finds its expert full is dropped (its gate contributes
-    nothing; the residual stream carries the token on). Because a later token's
-    first choice outranks an earlier token's second choice, dropping depends on the
-    whole sequence: a capacity-factor decoder is not strictly causal (as in GShard
-    and Switch); decoders that need exact causality use the dropless mode. Dispatch is by gather and
-    scatter over slot indices, so memory is O(E * C * D) per sequence, not the
-    O(T * E * C) of one-hot dispatch einsums. The expert buffer `[E, B, C, D]` is
-    constrained to logical axes ("expert", "batch", ...), so under a mesh with an
-    `expert` axis XLA shards experts and moves tokens between devices
-    (expert parallelism is a rules-table change).
-- Expert weights are stacked `[E, D, F]` / `[E, F, D]` with logical axes
-  ("expert", "embed", "mlp") / ("expert", "mlp", "embed").
-- Auxiliary losses (computed over all tokens of the call):
-  load balance (Switch) `E * sum_e f_e * P_e` with f_e the share of the B*T*k
-  assignments routed to e and P_e the mean router probability of e (1.0 when
-  perfectly balanced; Hugging Face's Mixtral loss is k times this; sigmoid scores are
-  normalised over E for P_e), and router
-  z-loss (ST-MoE) `mean(logsumexp(logits)^2)`.
-- The losses and metrics leave the forward pass through `MoEAux` variables that
-  each call overwrites (they survive `nnx.scan` over layers, stacked per layer).
-  After a forward pass, `moe_aux(model)` gathers them: the weighted `aux_loss`
-  to add to the training loss, and `load_balance_loss`, `router_z_loss`,
-  `dropped_fraction`, `expert_load` (share of assignments per expert) as metrics.
+`MoE(d_model, d_ff, moe)`: `x [B, T, D] -> [B, T, D]`, dropless (`ragged_dot`, or
+dense) or with expert capacity; experts `[E, D, F]`. `moe_aux(model)` reads the
+auxiliary losses and metrics after a forward pass; `balance_experts` moves
+DeepSeek-V3's loss-free balancing bias once a train step. See docs/layers.md.
 """
 
 from __future__ import annotations
@@ -164,8 +104,8 @@ def capacity_slots(experts: jax.Array, num_experts: int, capacity: int):
 
 class MoE(nnx.Module):
     """`[B, T, D] -> [B, T, D]`: a routed mixture of `moe.num_experts` feed-forward
-    experts, each `d_ff` wide. `moe` (`tfjax.config.MoEConfig`, its fields as the
-    module docstring names them): the experts, the router and the dispatch; its
+    experts, each `d_ff` wide. `moe` (`tfjax.config.MoEConfig`, its fields as
+    docs/layers.md names them): the experts, the router and the dispatch; its
     `d_ff` is not read here (the ffn kind passes `moe.d_ff or model.d_ff` as
     `d_ff`), its `shared_d_ff` 0 is `d_ff`."""
 

@@ -1,26 +1,9 @@
-"""Normalisation layers, chosen by name through the `NORMS` registry.
+"""Normalisation layers, chosen by name through the `NORMS` registry: "layernorm",
+"rmsnorm", "rmsnorm_plus_one" (Gemma's `(1 + w)` scale), "rmsnorm_unit" (no scale).
 
-- "layernorm": LayerNorm (Ba, Kiros & Hinton 2016, arXiv:1607.06450), learned
-  scale and optional bias.
-- "rmsnorm": RMSNorm (Zhang & Sennrich 2019, arXiv:1910.07467), learned scale
-  initialised to 1, never a bias.
-- "rmsnorm_plus_one": Gemma's RMSNorm (Gemma Team 2024), which stores `w` and
-  scales by `(1 + w)` with `w` initialised to 0, so checkpoints that use this
-  layout load without rewriting the weights.
-
-Design choices:
-- Flax's own `nnx.LayerNorm` / `nnx.RMSNorm` do the work; we only fix the
-  numerics and attach logical axis names ("norm") to the parameters.
-- Whatever the compute `dtype`, the input and parameters are upcast to float32
-  (at least) before the statistics, the normalisation, the scale and the bias;
-  the result is cast to `dtype` once at the end. Half-precision statistics lose
-  most of their mantissa on long reductions, and a second rounding between
-  normalise and scale buys nothing.
-- LayerNorm uses the two-pass variance E[(x - E[x])^2], not the one-pass
-  E[x^2] - E[x]^2 that Flax defaults to: the residual stream can carry a large
-  mean, and the one-pass form cancels catastrophically there.
-- RMSNorm variants accept `use_bias` so every kind shares one signature, and
-  ignore it: they have no bias by definition.
+`make_norm(kind, dim, eps=, use_bias=, dtype=)`: `norm(x [..., D]) -> [..., D]` in
+`dtype`. Statistics, scale and bias are computed in float32 (at least) and cast once
+at the end; LayerNorm's variance is two-pass. See docs/layers.md.
 """
 
 from __future__ import annotations

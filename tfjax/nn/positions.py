@@ -1,34 +1,12 @@
 """Position encodings: sinusoidal, learned, rotary (with context-extension scalings),
 ALiBi and T5 relative bias.
 
-Papers:
-  sinusoidal   Vaswani et al. 2017, "Attention Is All You Need" (sin/cos interleaved).
-  learned      Radford et al. 2018 / Devlin et al. 2019 (a trained [max_len, D] table).
-  RoPE         Su et al. 2021, "RoFormer"; partial rotary as GPT-NeoX (Black et al. 2022).
-  scalings     linear: Chen et al. 2023 (position interpolation); ntk: bloc97 2023
-               (NTK-aware base change); dynamic_ntk: emozilla 2023 (as HF transformers);
-               yarn: Peng et al. 2023 ("YaRN"); llama3: Meta 2024 (Llama 3.1 recipe);
-               longrope: Ding et al. 2024 ("LongRoPE", as Phi-3 in HF transformers).
-  ALiBi        Press et al. 2022, "Train Short, Test Long".
-  T5 bias      Raffel et al. 2020, bucketing as mesh-tensorflow's `_relative_position_bucket`.
-
-Design choices:
-  * `POSITIONS` maps a config name to where the encoding acts: "embedding" (added to
-    the token embeddings), "rotary" (applied to q and k) or "bias" (added to the
-    attention logits, [B, N, T, S]), so a model needs no second dispatch table.
-  * `RotaryEmbedding` is a frozen, hashable dataclass, not a Module: a head dim and
-    the model's `RopeConfig` record, taken whole; it has no parameters and lives as
-    a static attribute of attention modules. Frequencies are
-    recomputed per call (constant-folded under jit), so nothing is cached on it.
-  * RoPE runs in float32 and casts back: bf16 angles lose whole radians at long
-    positions. Each rotated half is cast back before the halves are joined (the
-    same values as casting the whole): XLA then never keeps float32 halves, whose
-    H/2-wide minor axis a TPU pads to 128 lanes (measured in
-    experiments/results/attention_layer_tpu_aot_20261204.md). Frequencies follow HF
-    transformers' formulas so imported checkpoints (Llama 3.x, YaRN, NeoX partial
-    rotary) see the rotations they were trained with.
-  * Biases are computed from explicit q/kv positions (not T, S), so packed
-    sequences, KV-cache decoding and ring-attention shards all get the right offsets.
+`POSITIONS` names where each acts ("embedding", "rotary", "bias"); `ROPE_SCALINGS`
+holds RoPE's scalings (linear, ntk, dynamic_ntk, yarn, llama3, longrope).
+`RotaryEmbedding(head_dim, rope)` is a frozen dataclass without parameters:
+`tables(positions [B, T])`, then `rotate(x [B, T, N, H], tables)`, in float32. Biases
+(`alibi_bias`, `T5RelativeBias`) come from explicit q/kv positions, so packed rows,
+caches and ring shards get the right offsets. See docs/layers.md.
 """
 
 from __future__ import annotations

@@ -1,34 +1,12 @@
-"""Transformer blocks shared across layers, each use with its own adapters (Zamba2:
-Glorioso et al. 2024, "The Zamba2 Suite", arXiv:2411.15242; Zamba, arXiv:2405.16712).
+"""Transformer blocks shared across layers, each use with its own adapters (Zamba2,
+arXiv:2411.15242).
 
-A shared block is one set of attention + MLP weights that several layers of a stack
-run, each on its own input. The use at a layer whose residual stream is x, with the
-token embeddings e `[B, T, D]`:
-
-    h = in_norm([x; e])                             # [B, T, W]: W = 2D (W = D: no concat)
-    a = attn(h), q, k, v += the use's low-rank deltas   # W in, D out; its own KV cache
-    y = mlp(ffn_norm(a)), [gate; up] += the use's low-rank delta
-    t = y @ out                                     # the use's own [D, D] projection
-
-and the layer adds t to its mixer's input inside the pre-norm, x + mixer(norm(x + t))
-(`tfjax.nn.blocks.TransformerBlock`'s `mixer_input`). As transformers'
-`Zamba2AttentionDecoderLayer`, the shared block has no residual of its own.
-
-Design choices:
-- `SharedBlock` holds the shared weights and `SharedBlockUse` a use's own (its
-  adapters and `out`). A stack builds the shared blocks once, outside its layers,
-  and one `SharedBlockUse` per layer that uses one, so a scanned stack stacks the
-  uses with its layers and passes the shared blocks to every use (`tfjax.models.stack`);
-  the shared weights' gradient is the sum over their uses.
-- Adapters in activation space, x W + (x A) B: a decode step pays r extra
-  multiply-adds per input and output channel instead of forming W + A B for every
-  use. q, k and v each have their own A `[W, r]` and B `[r, n, H]`; the MLP has one A
-  `[D, r]` whose B `[r, 2, F]` gives the gate's and the up projection's deltas
-  (transformers' gate_up adapter; ungated MLPs `[r, 1, F]`). Both initialised
-  N(0, init_std) like the base weights, not LoRA's zero B: they are part of the
-  pre-trained model (transformers initialises them as any Linear).
-- Logical axes: A ("embed", None); B (None, "heads" | "kv_heads", "head_dim") or
-  (None, None, "mlp"); out ("embed", None), as the MTP projection's.
+`SharedBlock` holds one set of attention + MLP weights that several layers run;
+`SharedBlockUse` a use's own low-rank adapters (on q, k, v and the MLP) and output
+projection: `use(x, block=, embeddings=) -> t [B, T, D]`, from `[x; e]` (width
+W = 2D, or D without the concatenation), added to the layer's mixer input. Each use
+keeps its own K/V cache; the shared weights' gradient sums the uses.
+See docs/layers.md.
 """
 
 from __future__ import annotations

@@ -1,33 +1,12 @@
-"""Mamba: the selective state-space layer (Gu & Dao 2023, arXiv:2312.00752).
+"""Mamba: the selective state-space layer (Gu & Dao 2023, arXiv:2312.00752),
+`h_t = exp(dt_t A) h_{t-1} + dt_t B_t x_t`, `y_t = C_t . h_t + D x_t`, with dt, B and
+C computed from the input and a state h `[Di, N]`.
 
-    x, z   = in_proj(u)                          # [B, T, Di] each, Di = expand * D
-    x      = silu(causal_depthwise_conv(x))      # kernel d_conv, per channel
-    dt,B,C = x_proj(x)                           # input-dependent: [B,T,R], [B,T,N], [B,T,N]
-    dt     = softplus(dt_proj(dt))               # [B, T, Di]
-    h_t    = exp(dt_t A) * h_{t-1} + dt_t B_t x_t    # A = -exp(A_log) [Di, N]
-    y_t    = C_t . h_t + D * x_t
-    out    = out_proj(y * silu(z))
-
-Design choices:
-- The recurrence h_t = a_t h_{t-1} + b_t is linear, so training runs it as a
-  parallel `jax.lax.associative_scan` over T (`chunk_size=0`), or, to bound
-  memory to one chunk of `[B, c, Di, N]`, as a `lax.scan` over chunks of
-  `chunk_size` steps with an associative scan inside each (rematerialised in the
-  backward pass). Both equal the sequential loop `selective_scan_reference`.
-- Decoding is O(1) per token: `init_state(batch)` gives a `MambaState` (the last
-  d_conv - 1 conv inputs and the SSM state `[B, Di, N]`), `step(u_t, state) ->
-  (y_t, state)` advances one token, and `forward(u, state) -> (y, state)`
-  processes a whole prompt from a state (prefill) with the same numerics; in a
-  model the call takes the state and a step's slots (`tfjax.nn.state`).
-- Packed sequences: when `positions` are given (the model passes them, restarting
-  at 0 in each document), the conv does not read across a position-0 boundary and
-  the SSM state is reset there, so packed documents equal separate ones.
-- The discretisation is that of the reference implementation: A_bar = exp(dt A),
-  B_bar x = dt B x (zero-order hold for A, Euler for B). The scan runs in float32.
-- `inner_norm=True` adds Jamba's RMSNorms on dt, B and C (Lieber et al. 2024).
-- Parameters: in_proj `[D, 2, Di]` ("embed", None, "mlp"), conv `[d_conv, Di]`,
-  x_proj `[Di, R + 2N]`, dt_proj `[R, Di]` + bias, A_log `[Di, N]`, D `[Di]`,
-  out_proj `[Di, D]`; the inner channels shard on "mlp" (tensor parallelism).
+`Mamba(d_model, ssm)`: `x [B, T, D] -> [B, T, D]`, trained with a parallel (or
+chunked) associative scan, `selective_scan`, in float32 (its ground truth
+`selective_scan_reference`). Decoding is O(1) per token: `init_state` gives a
+`MambaState`, `step(u_t, state)` advances one token and `forward(u, state)` a prompt;
+packed documents (`positions`) never mix into the state. See docs/layers.md.
 """
 
 from __future__ import annotations

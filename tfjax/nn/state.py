@@ -7,7 +7,7 @@ geometry (vLLM's slot mapping), and this module only applies them: a decode step
 writes one slot per row then attends over the slots, a prefill attends over the fresh
 keys then writes, a chunk attends over `[slots; fresh keys]` then writes. Recurrent
 mixers run their step or their parallel form from the state, per-row lengths keeping
-padding out. See docs/inference.md.
+padding out. See docs/layers.md and docs/inference.md.
 """
 
 from __future__ import annotations
