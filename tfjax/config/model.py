@@ -75,7 +75,7 @@ class MoEConfig:
     impl: str = "ragged"  # dropless dispatch: ragged (grouped matmul) | dense (every expert)
     aux_loss_weight: float = 0.01  # load-balancing loss (Switch), 1.0 when balanced
     z_loss_weight: float = 0.001  # router z-loss (ST-MoE)
-    # Routers of the 2024-26 families (tfjax.nn.moe docstring, docs/moe.md).
+    # Routers of the 2024-26 families (docs/layers.md, "Routers").
     score: str = "softmax"  # softmax | sigmoid (DeepSeek-V3, Llama 4)
     n_group: int = 1  # DeepSeek-V3 group-limited top-k: experts in n_group groups ...
     topk_group: int = 1  # ... of which the top topk_group (by their top-2 scores) are kept
