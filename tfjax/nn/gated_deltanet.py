@@ -18,8 +18,8 @@ from flax import nnx
 
 from tfjax.config import GatedDeltaNetConfig
 from tfjax.nn.norms import make_norm
-from tfjax.nn.ssm import causal_conv, dt_bias_init, last_conv_inputs, recurrent_block_call
-from tfjax.nn.state import DecodeState, Slots, decode_state
+from tfjax.nn.ssm import causal_conv, dt_bias_init, last_conv_inputs
+from tfjax.nn.state import DecodeState, RecurrentMixer, decode_state
 from tfjax.parallel.sharding import shard, with_logical_axes
 from tfjax.typing import DType
 
@@ -156,7 +156,7 @@ def gated_delta_rule(q, k, v, g, beta, *, chunk_size: int = 64, state=None, rese
     return o, S.reshape(B, N, H, M)
 
 
-class GatedDeltaNet(nnx.Module):
+class GatedDeltaNet(RecurrentMixer):
     """`[B, T, D] -> [B, T, D]` Gated DeltaNet mixer (a drop-in for attention in a block)."""
 
     def __init__(self, d_model: int, gdn: GatedDeltaNetConfig, *, norm_eps: float = 1e-6,
@@ -316,10 +316,3 @@ class GatedDeltaNet(nnx.Module):
                                  S=S.reshape(B, Hv, dk, dv))
         return self._out(o.reshape(B, Hv, dv), z), new
 
-    def __call__(self, x, *, mask=None, bias=None, positions=None,
-                 state: GatedDeltaNetState | None = None, slots: Slots | None = None, **_):
-        """Block interface (as attention's): causal by construction, so `mask` and
-        `bias` are unused; `positions` mark document starts (see `forward`). With
-        `state` (`init_state`) it returns `(y, new_state)`: one sequence from the state,
-        or with the step's `slots` each row's real new tokens."""
-        return recurrent_block_call(self, x, positions=positions, state=state, slots=slots)

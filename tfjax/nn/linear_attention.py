@@ -18,8 +18,7 @@ from flax import nnx
 
 from tfjax.config import AttentionConfig, LinearConfig
 from tfjax.nn.attention import head_projections
-from tfjax.nn.ssm import recurrent_block_call
-from tfjax.nn.state import DecodeState, Slots, decode_state
+from tfjax.nn.state import DecodeState, RecurrentMixer, Slots, decode_state
 from tfjax.parallel.sharding import shard
 from tfjax.registry import Registry
 from tfjax.typing import DType
@@ -168,7 +167,7 @@ def linear_attention_step(q_t, k_t, v_t, state: LinearAttentionState, *,
     return _normalise(num, den, eps).reshape(B, N, -1).astype(q_t.dtype), LinearAttentionState(S, z)
 
 
-class LinearAttention(nnx.Module):
+class LinearAttention(RecurrentMixer):
     """`x [B,T,D] -> [B,T,D]`: q/k/v/o projections as `MultiHeadAttention`, linear kernel;
     `linear` (`tfjax.config.LinearConfig`): the feature map and the causal form's chunk;
     `attention` (`tfjax.config.AttentionConfig`): only its `qkv_bias` and `out_bias`
@@ -238,7 +237,7 @@ class LinearAttention(nnx.Module):
             if not self.causal:
                 raise ValueError("generation needs causal linear attention (LinearAttention("
                                  "causal=True)); a non-causal layer has no running state")
-            return recurrent_block_call(self, x, positions=positions, state=state, slots=slots)
+            return super().__call__(x, positions=positions, state=state, slots=slots)
         positions = positions if self.causal else None
         q, k, v = self.project(x)
         out = linear_attention(q, k, v, causal=self.causal, feature_map=self.feature_map,

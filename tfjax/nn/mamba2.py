@@ -21,8 +21,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from tfjax.config import Mamba2Config
-from tfjax.nn.ssm import causal_conv, dt_bias_init, last_conv_inputs, recurrent_block_call
-from tfjax.nn.state import DecodeState, Slots, decode_state
+from tfjax.nn.ssm import causal_conv, dt_bias_init, last_conv_inputs
+from tfjax.nn.state import DecodeState, RecurrentMixer, decode_state
 from tfjax.parallel.sharding import shard, with_logical_axes
 from tfjax.typing import DType
 
@@ -135,7 +135,7 @@ def ssd_reference(x, dt, A, Bm, Cm, Dskip, h0=None, reset=None):
     return ys.swapaxes(0, 1) + Dskip.astype(jnp.float32)[:, None] * x, h
 
 
-class Mamba2(nnx.Module):
+class Mamba2(RecurrentMixer):
     """`[B, T, D] -> [B, T, D]` SSD mixer (a drop-in for attention in a block).
     `mamba2` (`tfjax.config.Mamba2Config`): state size, head dim, expansion, groups,
     conv width, SSD chunk, biases, norm groups (0: n_groups), dt_bias init range and
@@ -282,10 +282,3 @@ class Mamba2(nnx.Module):
         y = jnp.einsum("BHPN,BHN->BHP", h, Ch) + self.D[...].astype(jnp.float32)[:, None] * x
         return self._out(y, z), Mamba2State(conv=window[:, 1:].astype(state.conv.dtype), ssm=h)
 
-    def __call__(self, x, *, mask=None, bias=None, positions=None,
-                 state: Mamba2State | None = None, slots: Slots | None = None, **_):
-        """Block interface (as attention's): causal by construction, so `mask` and
-        `bias` are unused; `positions` mark document starts (see `forward`). With
-        `state` (`init_state`) it returns `(y, new_state)`: one sequence from the state,
-        or with the step's `slots` each row's real new tokens."""
-        return recurrent_block_call(self, x, positions=positions, state=state, slots=slots)

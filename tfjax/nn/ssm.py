@@ -19,12 +19,12 @@ from flax import nnx
 
 from tfjax.config import SSMConfig
 from tfjax.nn.norms import make_norm
-from tfjax.nn.state import DecodeState, Slots, decode_state, recurrent_call
+from tfjax.nn.state import DecodeState, RecurrentMixer, decode_state
 from tfjax.parallel.sharding import shard, with_logical_axes
 from tfjax.typing import DType
 
 __all__ = ["Mamba", "MambaState", "causal_conv", "dt_bias_init", "last_conv_inputs",
-           "recurrent_block_call", "selective_scan", "selective_scan_reference"]
+           "selective_scan", "selective_scan_reference"]
 
 
 def causal_conv(x, window, w, positions=None, bias=None):
@@ -43,19 +43,6 @@ def causal_conv(x, window, w, positions=None, bias=None):
                             tap, 0)
         y = y + tap
     return (y if bias is None else y + bias.astype(y.dtype)), xpad
-
-
-def recurrent_block_call(mixer, x, *, positions=None, state=None, slots: Slots | None = None):
-    """The block interface of a recurrent mixer (Mamba, Mamba-2, Gated DeltaNet, causal
-    linear attention), as attention's, without mask or bias (causal by construction):
-    no `state` -> `mixer.forward(x)`'s y; a `state` -> `(y, new_state)`, one sequence
-    from the state, or with the step's `slots` each row's real new tokens
-    (`tfjax.nn.state.recurrent_call`)."""
-    if state is not None and slots is not None:
-        return recurrent_call(mixer, x, state, slots, positions)
-    y, new = mixer.forward(x, state, positions=positions)
-    y = shard(y, ("batch", "length", "embed"))
-    return y if state is None else (y, new)
 
 
 def last_conv_inputs(xpad, lengths, W):
@@ -160,7 +147,7 @@ def selective_scan_reference(u, dt, A, Bm, Cm, Dskip, h0=None, reset=None):
     return jnp.stack(ys, 1), h
 
 
-class Mamba(nnx.Module):
+class Mamba(RecurrentMixer):
     """`[B, T, D] -> [B, T, D]` selective SSM mixer (a drop-in for attention in a block).
     `ssm` (`tfjax.config.SSMConfig`): state size, conv width, expansion, dt rank (0:
     ceil(D / 16)), scan chunk (0: one scan over T), biases and Jamba's inner norms."""
@@ -284,10 +271,3 @@ class Mamba(nnx.Module):
         y = jnp.einsum("BIN,BN->BI", h, Cm) + self.D[...].astype(jnp.float32) * xf
         return self._out(y, z), MambaState(conv=window[:, 1:].astype(state.conv.dtype), ssm=h)
 
-    def __call__(self, x, *, mask=None, bias=None, positions=None,
-                 state: MambaState | None = None, slots: Slots | None = None, **_):
-        """Block interface (as attention's): causal by construction, so `mask` and
-        `bias` are unused; `positions` mark document starts (see `forward`). With
-        `state` (`init_state`) it returns `(y, new_state)`: one sequence from the state,
-        or with the step's `slots` each row's real new tokens."""
-        return recurrent_block_call(self, x, positions=positions, state=state, slots=slots)

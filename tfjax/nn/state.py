@@ -17,10 +17,11 @@ from typing import Callable, ClassVar
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from tfjax.parallel.sharding import shard
 
-__all__ = ["MODES", "DecodeState", "Slots", "cached_attention", "decode_state",
+__all__ = ["MODES", "DecodeState", "RecurrentMixer", "Slots", "cached_attention", "decode_state",
            "recurrent_call", "slots_major", "static_field", "write_slots"]
 
 MODES = ("prefill", "decode", "chunk")
@@ -120,3 +121,21 @@ def recurrent_call(mixer, x, state: DecodeState, slots: Slots, positions):
     new = state.replace(**{f: shard(getattr(new, f).astype(getattr(state, f).dtype), axes)
                            for f, axes in state.AXES.items()})
     return shard(y, ("batch", "length", "embed")), new
+
+
+class RecurrentMixer(nnx.Module):
+    """Base of the recurrent mixers (Mamba, Mamba-2, Gated DeltaNet, causal linear
+    attention): given their `forward(x, state, positions=, lengths=)` and `step(x_t,
+    state)`, the block interface, as attention's."""
+
+    def __call__(self, x, *, mask=None, bias=None, positions=None, state=None,
+                 slots: Slots | None = None, **_):
+        """Causal by construction, so `mask` and `bias` are unused; `positions` mark
+        document starts (see `forward`). No `state`: y `[B,T,D]`; a `state` (the
+        mixer's `init_state`): `(y, new_state)`, one sequence from the state, or with
+        the step's `slots` each row's real new tokens (`recurrent_call`)."""
+        if state is not None and slots is not None:
+            return recurrent_call(self, x, state, slots, positions)
+        y, new = self.forward(x, state, positions=positions)
+        y = shard(y, ("batch", "length", "embed"))
+        return y if state is None else (y, new)
