@@ -82,8 +82,9 @@ class Case:
     options: dict
     slow: bool = False
 
-    def request(self, backend: str | None):
-        """The request `supports()` judges (the suite always asks for the logsumexp)."""
+    def abstract_call(self, backend: str | None):
+        """(q, k, v as ShapeDtypeStructs, the request `supports()` judges on `backend`);
+        the suite always asks for the logsumexp."""
         x = self.extras
         dtype = x.get("dtype", jnp.float32)
         N, K = self.heads
@@ -257,7 +258,7 @@ class Setting:
     pinned: dict | None = None
 
     def refusal(self, name: str, c: Case) -> str | None:
-        q, k, v, req = c.request(self.backend)
+        q, k, v, req = c.abstract_call(self.backend)
         reason = refusal(name, req)
         if reason is None and self.pinned is not None:
             x, opts = c.extras, {**self.options, **c.options}
