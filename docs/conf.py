@@ -40,8 +40,8 @@ myst_heading_anchors = 3
 autodoc_member_order = "bysource"
 autodoc_typehints = "none"  # signatures carry them; jaxtyping aliases render poorly
 autodoc_default_options = {"members": True}
-# tfjax.eval.harness subclasses lm-eval's model class; lm_eval is the `eval` extra, not
-# the `docs` one.
+# tfjax.eval.harness makes lm-eval's model class (tfjax.eval.tasks); lm_eval is the
+# `eval` extra, not the `docs` one.
 autodoc_mock_imports = ["lm_eval", "tqdm"]  # the `eval` extra (tfjax.eval.harness)
 
 try:

@@ -16,10 +16,14 @@ A block whose first line is a file's path as a comment (`# tfjax/ops/query_chunk
 Everything such a block changes is undone after the test: module attributes and
 `sys.modules` through monkeypatch, and the registries (the layer-kind, ffn-kind and
 checkpoint-family tables) are copies for the test's duration.
+
+The pages' tables of a record's fields (a header "| `Record` field | ..."; which
+record each is: `RECORD_TABLES`) list exactly the record's fields.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import pathlib
 import re
@@ -145,3 +149,60 @@ def test_the_presets_page_quotes_the_real_errors(capsys):
     said.append(capsys.readouterr().err.strip())
     for line in said:
         assert line in page, f"docs/presets.md does not quote what tfjax says: {line}"
+
+
+# page -> {the record a "| `Record` field | ..." table of the page documents: its class}
+RECORD_TABLES = {
+    "howto/attention_implementation.md": {
+        "Implementation": "tfjax.ops.implementation.Implementation"},
+    "howto/layer_kind.md": {"LayerKind": "tfjax.models.layer_kinds.LayerKind",
+                            "FfnKind": "tfjax.models.layer_kinds.FfnKind"},
+    "howto/checkpoint_family.md": {"Family": "tfjax.interop.hf.Family"},
+}
+FIELD_TABLE = re.compile(r"^\|\s*`(\w+)` field\s*\|")
+
+
+def field_tables(page: pathlib.Path) -> dict[str, list[str]]:
+    """record name -> the fields its "| `Record` field | ..." table in `page` lists
+    (each row's first cell, its leading name: `relative_bias=True` -> relative_bias)."""
+    tables, rows = {}, None
+    for line in page.read_text().splitlines():
+        header = FIELD_TABLE.match(line)
+        if header:
+            assert header.group(1) not in tables, f"{page}: two tables of {header.group(1)}"
+            rows = tables[header.group(1)] = []
+        elif rows is not None and line.startswith("|"):
+            cell = line.split("|")[1].strip()
+            if not set(cell) <= set("-: "):  # the separator row
+                rows.append(re.match(r"`?(\w+)", cell).group(1))
+        else:
+            rows = None
+    return tables
+
+
+def _record(path: str):
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def test_every_record_table_is_declared():
+    found = {str(p.relative_to(DOCS)): sorted(t) for p in sorted(DOCS.rglob("*.md"))
+             if (t := field_tables(p))}
+    assert found == {page: sorted(t) for page, t in RECORD_TABLES.items()}, \
+        "the pages' record tables and RECORD_TABLES differ (declare a new table there)"
+
+
+@pytest.mark.parametrize("page", sorted(RECORD_TABLES))
+def test_record_tables_list_exactly_the_records_fields(page):
+    tables = field_tables(DOCS / page)
+    bad = []
+    for name, path in RECORD_TABLES[page].items():
+        documented, fields = tables.get(name, []), [f.name for f in
+                                                    dataclasses.fields(_record(path))]
+        extra = [f for f in documented if f not in fields]
+        missing = [f for f in fields if f not in documented]
+        twice = sorted({f for f in documented if documented.count(f) > 1})
+        if extra or missing or twice:
+            bad.append(f"docs/{page}, the {name} table ({path}): not fields: {extra}; "
+                       f"fields not listed: {missing}; listed twice: {twice}")
+    assert not bad, "\n".join(bad)

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pathlib
 
 import pytest
-from eval_fixtures import make_run, save_tiny_llama
+from eval_fixtures import save_tiny_llama
+from tiny_run import saved_run
 
 torch = pytest.importorskip("torch", reason="the hf extra (torch) is not installed")
 transformers = pytest.importorskip("transformers", reason="the hf extra (transformers) is not "
@@ -33,7 +34,7 @@ def hf_dir(tmp_path_factory):
 @pytest.fixture(scope="package")
 def run_dir(tmp_path_factory):
     """A tfjax training run directory (checkpoint step 3, byte tokenizer, seq_len 32)."""
-    return make_run(tmp_path_factory.mktemp("run"))
+    return saved_run(tmp_path_factory.mktemp("run"))[0]
 
 
 @pytest.fixture(scope="package")

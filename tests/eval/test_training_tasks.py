@@ -10,6 +10,7 @@ import os
 import jax
 import numpy as np
 import pytest
+from tiny_run import tiny_run_config
 
 pytest.importorskip("lm_eval", reason="lm_eval is not installed: pip install 'tfjax[eval]'")
 
@@ -21,17 +22,11 @@ TASKS = "tfjax_tiny_mc,tfjax_tiny_rolling"
 
 
 def run_config(tmp_path, task_dir, tasks=TASKS):
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text("def add(a, b):\n    return a + b\n" * 40)
-    return C.from_dict(C.RunConfig, dict(
-        model=dict(vocab_size=259, d_model=32, num_heads=4, num_kv_heads=2, d_ff=64,
-                   num_layers=2, norm="rmsnorm", position="rope"),
-        train=dict(steps=2, batch_size=2, seq_len=32, warmup_steps=1, log_every=1, lr=1e-2,
-                   eval_every=1, eval_batches=1, sample_tokens=0, progress=False,
-                   eval_tasks=tasks, eval_tasks_path=task_dir, eval_tasks_limit=3),
-        data=dict(source="text", paths=(str(corpus),), val_paths=(str(corpus),)),
-        mesh=dict(data=1),
-        checkpoint=dict(enabled=True, every_steps=0, async_save=False)))
+    """tests/tiny_run.py's run, two steps, the tasks scored at each evaluation."""
+    return tiny_run_config(tmp_path, train=dict(steps=2, lr=1e-2, eval_every=1, eval_batches=1,
+                                                eval_tasks=tasks, eval_tasks_path=task_dir,
+                                                eval_tasks_limit=3),
+                           mesh=dict(data=1))
 
 
 def test_tasks_are_scored_during_training_as_lm_eval_scores_the_checkpoint(tmp_path, task_dir):

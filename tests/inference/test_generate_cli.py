@@ -6,37 +6,14 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-
-from tfjax import config as C
+from tiny_run import saved_run
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    """A run directory as `python -m tfjax.train` leaves it: the trainer's own initial
-    state saved by its own Checkpointer at step 3, and config.json written as
-    `Trainer.train` writes it (no train step is compiled: that is the trainer's test)."""
-    import json
-
-    from tfjax.train.trainer import Trainer, _plain
-
-    tmp = tmp_path_factory.mktemp("gen_run")
-    corpus = tmp / "corpus.txt"
-    corpus.write_text("def add(a, b):\n    return a + b\n" * 40)
-    cfg = C.from_dict(C.RunConfig, dict(
-        model=dict(vocab_size=259, d_model=32, num_heads=4, num_kv_heads=2, d_ff=64,
-                   num_layers=2, norm="rmsnorm", position="rope", init_std=0.5),
-        train=dict(steps=3, batch_size=2, seq_len=32, warmup_steps=1, log_every=1,
-                   eval_at_end=False, sample_tokens=0, progress=False),
-        data=dict(source="text", paths=(str(corpus),), val_paths=(str(corpus),)),
-        checkpoint=dict(enabled=True, every_steps=0, async_save=False)))
-    wd = str(tmp / "w")
-    tr = Trainer(cfg, wd, devices=jax.devices()[:1], log=lambda s: None)
-    state = tr.init_state()
-    tr.checkpointer.save(3, state, tr.train_iterator().get_state(), wait=True)
-    tr.checkpointer.close()
-    with open(f"{wd}/config.json", "w") as f:
-        json.dump(_plain(cfg), f, indent=1)
-    return wd, state
+    """(workdir, state) of a run directory as `python -m tfjax.train` leaves it
+    (tests/tiny_run.py)."""
+    return saved_run(tmp_path_factory.mktemp("gen_run"))
 
 
 def test_cli_restores_the_trained_model_and_streams(run_dir):

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jaxpr_walk import equations, of_primitive
 
 from tfjax import models
 from tfjax.config import model_config
@@ -45,25 +46,12 @@ def test_every_policy_gives_the_gradients_of_none():
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7, err_msg=name)
 
 
-def _equations(jaxpr, depth=0):
-    """(equation, nesting depth: 0 at the top level) of a jaxpr, inside scans,
-    checkpoints and other sub-jaxprs too."""
-    for eqn in jaxpr.eqns:
-        yield eqn, depth
-        for p in eqn.params.values():
-            for sub in p if isinstance(p, (list, tuple)) else (p,):
-                sub = getattr(sub, "jaxpr", sub)
-                if hasattr(sub, "eqns"):
-                    yield from _equations(sub, depth + 1)
-
-
 def _kernels(jaxpr):
     """pallas_call kernel name -> how many calls the jaxpr makes."""
     counts = collections.Counter()
-    for eqn, _ in _equations(jaxpr):
-        if eqn.primitive.name == "pallas_call":
-            info = eqn.params.get("name_and_src_info", eqn.params.get("name"))
-            counts[str(getattr(info, "name", info)).split()[0]] += 1
+    for eqn in of_primitive(jaxpr, "pallas_call"):
+        info = eqn.params.get("name_and_src_info", eqn.params.get("name"))
+        counts[str(getattr(info, "name", info)).split()[0]] += 1
     return counts
 
 
@@ -84,7 +72,7 @@ def test_named_policies_keep_the_attention_forward(remat, reruns):
 
 def _depths(jaxpr, name):
     """The nesting depth (0: the top level) of every `name` equation in a jaxpr."""
-    return [depth for eqn, depth in _equations(jaxpr) if eqn.primitive.name == name]
+    return [depth for eqn, depth in equations(jaxpr) if eqn.primitive.name == name]
 
 
 @pytest.mark.parametrize("scan", [True, False])

@@ -1,4 +1,5 @@
-"""Shared by the attention tests: inputs, masks by name, and one check of an
+"""Shared by the attention tests: inputs, masks by name, the request an
+implementation's `supports()` judges (`request`, `refusal`), and one check of an
 implementation against `attention_reference` (forward, lse, dq, dk, dv, dbias,
 T5's table, the sinks, all under one jit so each case compiles once)."""
 
@@ -8,9 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tfjax.ops import attention_reference
+from tfjax.ops import IMPLEMENTATIONS, AttentionRequest, attention_reference
 from tfjax.ops import masks as M
 from tfjax.ops.sinks import add_sinks
+from tfjax.ops.target import target_platform
 
 TOL = {  # forward, grads (fp32: absolute + relative; bf16: relative error of the whole tensor)
     "float32": (1e-5, 1e-4),
@@ -28,6 +30,27 @@ def inputs(B, T, S, N, K, H, dtype=jnp.float32, seed=0, bias=None, Hv=None):
     if bias is not None:  # bias = (Bb, Nb)
         b = jax.random.normal(ks[3], (*bias, T, S), jnp.float32)
     return q, k, v, b
+
+
+def request(q, k, v=None, mask=None, *, backend=None, bias=False, softcap=None, offsets=False,
+            return_lse=False, alibi=False, relative=False, sinks=False) -> AttentionRequest:
+    """The `AttentionRequest` `dot_product_attention` makes of such a call (q, k, v:
+    arrays or ShapeDtypeStructs; the flags say which extras it carries), for
+    `backend` (default: the platform this host traces for)."""
+    v = k if v is None else v
+    return AttentionRequest(
+        q_shape=tuple(q.shape), k_shape=tuple(k.shape), dtype=str(q.dtype),
+        backend=backend or target_platform(), mask=mask, has_bias=bool(bias or relative),
+        softcap=float(softcap) if softcap else None, offsets=bool(offsets),
+        return_lse=return_lse, has_alibi=bool(alibi), has_relative_bias=bool(relative),
+        v_head_dim=v.shape[-1], has_sinks=bool(sinks))
+
+
+def refusal(name: str, req: AttentionRequest) -> str | None:
+    """Why implementation `name` of the table cannot serve `req` (its own `supports()`
+    reason, prefixed with its name), or None."""
+    reason = IMPLEMENTATIONS.get(name).supports(req)
+    return reason and f"{name}: {reason}"
 
 
 def lower_for_cuda(f, *args, gpu="H200"):

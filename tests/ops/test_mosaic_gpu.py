@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_cases import check_against_reference, inputs, lower_for_cuda
+from jaxpr_walk import of_primitive
 
 from tfjax.ops import masks as M
 from tfjax.ops.pallas import flash_attention_gpu
@@ -173,18 +174,6 @@ def test_on_hopper_matches_reference():
         check_against_reference(impl, q, k, v, window, softcap=30.0, alibi="BN")
 
 
-def _count_primitive(jaxpr, name):
-    n = 0
-    for eqn in jaxpr.eqns:
-        n += eqn.primitive.name == name
-        for p in eqn.params.values():
-            for sub in (p if isinstance(p, (tuple, list)) else (p,)):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    n += _count_primitive(inner, name)
-    return n
-
-
 @pytest.mark.parametrize("overlap", [False, True], ids=["pingpong", "overlap"])
 def test_forward_accumulates_pv_into_the_output_in_place(overlap):
     """ptxas (experiments/gpu_registers.py, an H200 compile without a GPU) spilled 828
@@ -202,7 +191,7 @@ def test_forward_accumulates_pv_into_the_output_in_place(overlap):
         f = lambda q: flash_forward_hopper(q, q, q, M.causal(), scale=0.1, softcap=None,
                                            config=cfg, interpret=interpret)
         with gpu_lowering_target("H200"):
-            return _count_primitive(jax.make_jaxpr(f)(q).jaxpr, "run_state")
+            return len(of_primitive(jax.make_jaxpr(f)(q).jaxpr, "run_state"))
 
     assert count(False) == (2 if overlap else 1)
     assert count(True) == 0

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_cases import check_against_reference, inputs, lower_for_cuda
+from jaxpr_walk import of_primitive
 
 from tfjax.ops import masks as M
 from tfjax.ops.pallas import BlockSizes, flash_attention_gpu
@@ -231,18 +232,6 @@ def test_triton_config_names_a_bad_field():
         TritonConfig(num_stages=0)
 
 
-def _pallas_calls(jaxpr, out):
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "pallas_call":
-            out.append(eqn)
-        for p in eqn.params.values():
-            for sub in (p if isinstance(p, (tuple, list)) else (p,)):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    _pallas_calls(inner, out)
-    return out
-
-
 def test_query_tiles_launch_heaviest_first():
     """GPUs start programs in grid order; under a causal mask query tile i visits
     i + 1 kv tiles, so the forward and dq grids give grid index 0 the last query
@@ -255,7 +244,7 @@ def test_query_tiles_launch_heaviest_first():
     loss = lambda q: flash_attention_gpu(q, q, q, M.causal(), forward="triton",
                                          backward="triton", block_sizes=bs,
                                          interpret=True).sum()
-    calls = _pallas_calls(jax.make_jaxpr(jax.grad(loss))(q).jaxpr, [])
+    calls = of_primitive(jax.make_jaxpr(jax.grad(loss))(q).jaxpr, "pallas_call")
     first = {"tfjax_flash_fwd_gpu": (4, 3), "tfjax_flash_dq_gpu": (4, 3),
              "tfjax_flash_dkv_gpu": (0, 1)}
     seen = set()

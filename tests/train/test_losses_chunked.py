@@ -8,6 +8,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jaxpr_walk import equations
 
 from tfjax import config as C
 from tfjax import models
@@ -87,14 +88,9 @@ def test_masked_positions_get_no_gradient_and_padding_costs_nothing():
 
 def _shapes(jaxpr):
     """The shapes of every value a jaxpr makes, inside scans and checkpoints too."""
-    for eqn in jaxpr.eqns:
+    for eqn, _ in equations(jaxpr):
         for v in eqn.outvars:
             yield getattr(v.aval, "shape", ())
-        for p in eqn.params.values():
-            for sub in p if isinstance(p, (list, tuple)) else (p,):
-                sub = getattr(sub, "jaxpr", sub)
-                if hasattr(sub, "eqns"):
-                    yield from _shapes(sub)
 
 
 def test_gradient_program_holds_no_whole_logits():

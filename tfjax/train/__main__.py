@@ -22,7 +22,6 @@ at the first device query in `main`, not when it is imported.
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 
@@ -31,6 +30,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from tfjax.config import moved_field, run_config, unknown_field
+from tfjax.eval import tasks
 from tfjax.models import check_names
 from tfjax.parallel.mesh import use_cpu_cores
 from tfjax.train.aot import compile_only
@@ -104,17 +104,17 @@ def main(argv):
 
 def eval_hooks(cfg) -> list:
     """`train.eval_tasks`: lm-eval-harness tasks scored at every evaluation
-    (`tfjax.eval.harness.training_evaluator`; lm_eval is the optional `eval` extra, so
+    (`tfjax.eval.tasks.training_evaluator`; lm_eval is the optional `eval` extra, so
     it is imported only when tasks are named). Unknown tasks fail here."""
     t = cfg.train
     if not t.eval_tasks:
         return []
     try:
-        harness = importlib.import_module("tfjax.eval.harness")
+        tasks.lm_eval_model()
     except ImportError as e:
         raise ValueError(f"train.eval_tasks needs lm_eval: pip install 'tfjax[eval]' ({e})") from e
-    return [harness.training_evaluator(t.eval_tasks, include_path=t.eval_tasks_path,
-                                       limit=t.eval_tasks_limit, batch_size=8)]
+    return [tasks.training_evaluator(t.eval_tasks, include_path=t.eval_tasks_path,
+                                     limit=t.eval_tasks_limit, batch_size=8)]
 
 
 def _config_error(message: str):
