@@ -1,28 +1,12 @@
-"""`python -m tfjax.export --workdir W --out DIR [--step STEP] [--dtype DTYPE]`
+"""`python -m tfjax.export --workdir W --out DIR [--step STEP] [--dtype DTYPE] [--adapters_only]`
 
-Writes a training run (pretraining or a fine-tune, `tfjax.train.init_from`) as a
-Hugging Face checkpoint: the newest checkpoint of W that restores (or `--step`),
-through `tfjax.interop.hf.export` (any family `tfjax.interop.hf.load` reads:
-`config.json`, `model.safetensors`), with the run's tokenizer (`tokenizer.json`,
-`tokenizer_config.json`, `generation_config.json`), so that
-`transformers.AutoModelForCausalLM.from_pretrained(DIR)` and
-`python -m tfjax.generate --hf DIR` read it and give the run's logits.
-
-    python -m tfjax.export --workdir workdirs/ft --out workdirs/ft/hf
-    python -m tfjax.export --workdir workdirs/ft --out /tmp/ft-bf16 --dtype bfloat16
-
-A LoRA run (`tfjax.train.lora`) is exported merged by default: each adapted matrix
-is W + (alpha / r) * A @ B, every other tensor the base's own. `--adapters_only`
-writes the adapters alone in PEFT's format instead (`adapter_config.json` +
-`adapter_model.safetensors`, for `peft.PeftModel.from_pretrained` on the base model):
-
-    python -m tfjax.export --workdir workdirs/lora --out workdirs/lora/adapters --adapters_only
-
-`--dtype` is the dtype on disk (default: the run's `model.param_dtype`). A run
-directory without a finished checkpoint, a model no Hugging Face family holds (the
-line names the fields), a sentencepiece tokenizer, or a missing `hf` extra (torch,
-transformers: export builds transformers' model on the meta device for the tensor
-names) is one line on stderr (exit status 2), before anything is written.
+Writes a training run (pretraining or a fine-tune) as a Hugging Face checkpoint: the
+newest checkpoint of W that restores (or `--step`) through `tfjax.interop.hf.export`
+(`config.json`, `model.safetensors`; any family `tfjax.interop.hf.load` reads), with the
+run's tokenizer, so that transformers and `python -m tfjax.generate --hf DIR` read it.
+A LoRA run is exported merged, or with `--adapters_only` as PEFT adapters. `export_run`
+is the same from Python; an error is one line on stderr (exit status 2) before anything
+is written. See docs/training.md ("Export: `python -m tfjax.export`").
 """
 
 from __future__ import annotations

@@ -1,34 +1,14 @@
-"""`python -m tfjax.generate --workdir DIR --prompt "..." [--max_new_tokens N --temperature T
---top_k K --top_p P --seed S --step STEP]`
+"""`python -m tfjax.generate (--workdir DIR | --hf DIR) --prompt "..." [--chat --noeos
+--max_new_tokens N --temperature T --top_k K --top_p P --seed S --step STEP]`
 
-Loads the latest (or `--step`) checkpoint of a `python -m tfjax.train` run and streams
-the continuation of the prompt to stdout as it is produced (KV-cached decoding,
-`tfjax.inference`). What it reads from the run directory, as the trainer writes it:
+Streams the continuation of a prompt to stdout as it is produced (KV-cached decoding,
+`tfjax.inference`), from the latest (or `--step`) checkpoint of a `python -m tfjax.train`
+run (`--workdir`: the prompt is `[bos] + encode(prompt)`, stopping at the tokenizer's
+EOS) or from a Hugging Face checkpoint directory (`--hf`: its tokenizer.json, stopping
+at generation_config.json's EOS ids); `--chat` renders the checkpoint's chat template
+over the prompt and prints only the reply. Temperature 0 (the default) is greedy.
 
-  DIR/config.json         the run's whole config (model, train, data, ...)
-  DIR/checkpoints/<step>/ orbax checkpoints: item "state" = {step, params, opt, rest}
-
-The model is rebuilt from `config.json`, the tokenizer from `data.tokenizer`; the
-prompt is `[bos] + encode(prompt)` as the training documents begin; generation stops
-at the tokenizer's EOS (unless `--noeos`). Temperature 0 (the default) is greedy.
-Examples:
-  python -m tfjax.generate --workdir workdirs/default --prompt "import " --max_new_tokens 200
-  python -m tfjax.generate --workdir /tmp/w --prompt "def f(" --temperature 0.8 --top_p 0.95
-
-`--hf DIR` instead of `--workdir` loads a Hugging Face checkpoint directory
-(`tfjax.interop.hf.load`: config.json + *.safetensors) and its `tokenizer.json`
-(through `tokenizers`); the prompt is encoded as that tokenizer does (its
-post-processor adds BOS where the model expects it) and generation stops at the
-EOS ids of `generation_config.json` (as HF `generate`; else config.json's
-`eos_token_id`), any of them when they are a list:
-  python -m tfjax.generate --hf ~/models/llama --prompt "The capital of France is"
-
-`--chat` (with `--hf`) renders the checkpoint's chat template (`chat_template.jinja`,
-or `chat_template` in tokenizer_config.json, as transformers saves them) over the
-prompt as one user message with the generation prompt added, encodes the result
-without adding special tokens (the template writes them), and prints only the reply
-(`chat_prompt`; rendering needs jinja2, part of the hf extra):
-  python -m tfjax.generate --hf ~/models/llama-instruct --chat --prompt "Name three rivers."
+`run`, `run_hf`, `load_hf` and `chat_prompt` are the same from Python. See docs/inference.md.
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
 """Evaluation: perplexity of a causal LM on a jsonl file, and an lm-eval-harness backend.
 
-    python -m tfjax.eval --hf DIR --data val.jsonl --output ppl.json    # or --workdir W
-    python -m tfjax.eval.harness --model tfjax --model_args path=DIR --tasks ...
-
 - `perplexity`: `Scorer` (per-token log-probabilities of a decoder LM, jitted, rows
-  data-parallel over a mesh), `windows` (a long sequence as context windows, every
-  target scored once), `evaluate` and `summarize` (tokens, NLL per token, perplexity,
-  bits per byte).
+  data-parallel over a mesh), `windows`, `evaluate` and `summarize` (tokens, NLL per
+  token, perplexity, bits per byte).
 - `loading`: `load_source` (a model, its tokenizer and context, from `--hf` or
-  `--workdir`, through `tfjax.generate`'s loaders), `check_context`, and `eval_mesh`
-  / `parse_mesh` (`--mesh`).
+  `--workdir`), `check_context`, and `eval_mesh` / `parse_mesh` (`--mesh`).
 - `harness`: lm-eval's `tfjax` model (needs the `eval` extra; not imported here).
-- `python -m tfjax.eval` is the perplexity command line (`tfjax.eval.__main__`).
+- `python -m tfjax.eval` is the perplexity command line. See docs/evaluation.md.
 """
 
 from tfjax.eval.loading import Source, check_context, eval_mesh, load_source, parse_mesh

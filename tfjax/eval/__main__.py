@@ -4,25 +4,11 @@
 Perplexity of a causal LM on a jsonl file, data-parallel over the available devices:
 prints and writes (`--output`) the number of scored tokens, the mean negative
 log-likelihood per token (nats), the perplexity and, when every line is text, bits
-per byte (total nats / ln 2 / the UTF-8 bytes of the texts).
+per byte. Each line holds "text" (tokenised with the checkpoint's tokenizer) or
+"input_ids" (scored as given); a sequence longer than the model's context is scored in
+windows (`--stride`). Bad input is one line (exit status 2) before anything compiles.
 
-Each line of FILE is a JSON object with either
-  "text": a string, tokenised with the checkpoint's tokenizer (`--hf`: its
-          tokenizer.json, which adds BOS where the model expects it; `--workdir`:
-          the run's data.tokenizer, `[bos] + encode(text)` as training documents begin)
-  "input_ids": a list of token ids, scored as given (nothing is added).
-Every token after the first is predicted from those before it (the loss transformers
-computes with labels=input_ids). A sequence longer than the model's context (`--hf`:
-max_position_embeddings; `--workdir`: train.seq_len; or `--context`) is split into
-windows of at most that many tokens: disjoint by default (as lm-eval-harness'
-loglikelihood_rolling), overlapping by `--stride` < context so that each scored token
-after the first window sees at least context - stride tokens (`tfjax.eval.perplexity`).
-A bad line, an id outside the vocabulary or a tokenizer that does not fit the model is
-a one-line error (exit status 2) before anything compiles. Examples:
-  python -m tfjax.eval --hf ~/models/llama --data val.jsonl --output ppl.json
-  python -m tfjax.eval --workdir workdirs/default --data val.jsonl --mesh data=4,fsdp=2
-
-The lm-eval-harness backend is `tfjax.eval.harness` (docs/evaluation.md).
+See docs/evaluation.md; the lm-eval-harness backend is `tfjax.eval.harness`.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
-"""What an evaluation reads: a model with its tokenizer and context length, from a
-Hugging Face checkpoint directory or a tfjax training run (`load_source`).
-
-- `--hf DIR`: `tfjax.generate.load_hf` (config.json, *.safetensors, tokenizer.json);
-  text is encoded as that tokenizer does (its post-processor adds BOS where the
-  model expects it); the context is the config's `max_position_embeddings`
-  (`model.max_len`).
-- `--workdir W`: `tfjax.train.checkpoint.load_run` (the latest, or `step`,
-  checkpoint and `data.tokenizer`); text is `[bos] + encode(text)`, as the training
-  documents begin; the context is the run's `train.seq_len`, its parallelism rules
-  the run's `mesh.rules`.
-
-A tokenizer with more ids than the model's vocabulary is refused: it belongs to
-another model.
+"""What an evaluation reads: a model with its tokenizer and context length (`load_source`
+-> `Source`), from a Hugging Face checkpoint directory (`--hf DIR`:
+`tfjax.generate.load_hf`; the context is `max_position_embeddings`) or a tfjax training
+run (`--workdir W`: `tfjax.train.checkpoint.load_run`; the context is `train.seq_len`).
+`check_context` bounds `--context`; `eval_mesh` / `parse_mesh` build the `--mesh`. A
+tokenizer with more ids than the model's vocabulary is refused: it belongs to another
+model. See docs/evaluation.md.
 """
 
 from __future__ import annotations

@@ -5,28 +5,10 @@ context windows, and the corpus numbers (NLL per token, perplexity, bits per byt
     logp, greedy = scorer(tokens, targets)                # [B, T] each, numpy
     result = evaluate(scorer, sequences, context=2048)     # {"tokens", "nll", ...}
 
-- **What is scored.** A sequence `x_0 .. x_{n-1}` contributes its `n - 1` next-token
-  predictions `-log p(x_j | x_<j)`, j >= 1 (the loss `transformers` computes with
-  `labels=input_ids`); `x_0` (BOS, when the tokenizer adds one) only conditions.
-- **Windows.** A sequence longer than `context` tokens is split into windows of at
-  most `context` input tokens (`windows`); every target is scored exactly once. With
-  the default `stride = context` the windows are disjoint, as lm-eval-harness'
-  `loglikelihood_rolling` splits documents: the first target of each later window is
-  conditioned on the previous window's last token only. A smaller stride overlaps the
-  windows so that every target after the first window has at least
-  `context - stride` tokens of context (Hugging Face's "perplexity of fixed-length
-  models" sliding window), at `context / stride` times the compute.
-- **Batches and compilation.** Windows are packed into `[batch_size, T]` right-padded
-  rows (T: the longest window, rounded up to a multiple of 8, at most `context`),
-  the last batch padded with empty rows, so a run compiles one program. Padding
-  sits after the real tokens of a row, so causal attention keeps it out of them.
-- **Mesh.** Rows are split over the mesh axes the `batch` logical axis maps to
-  (data-parallel), parameters are placed by their logical axis names
-  (`tfjax.parallel.rules.tree_shardings`: replicated under the default rules,
-  split over `fsdp` / `tensor` when the mesh has them); `batch_size` is rounded up
-  to a multiple of the batch-axis size.
-- Sums are accumulated in float64 on the host; per-token values are float32 (the
-  logits are cast to float32 before the log-softmax).
+A sequence of n tokens contributes its n - 1 next-token predictions; one longer than
+`context` is split into `windows` (disjoint, or overlapping by `stride`), every target
+scored once. Rows are data-parallel over the mesh's batch axes and padded to one shape
+(one compiled program); sums are accumulated in float64 on the host. See docs/evaluation.md.
 """
 
 from __future__ import annotations
@@ -103,7 +85,7 @@ def windows(n: int, context: int, stride: int | None = None) -> list[tuple[int, 
     `[start, stop)` (at most `context`), targets `[start + 1, stop + 1)`, of which
     those from offset `first` on are scored. Together they score targets 1 .. n-1
     once each; `stride` (default `context`) is how far each window starts after the
-    previous one (module docstring)."""
+    previous one (docs/evaluation.md)."""
     stride = context if stride is None else stride
     if context < 1 or not 1 <= stride <= context:
         raise ValueError(f"--stride must be in [1, context={context}], got {stride}")

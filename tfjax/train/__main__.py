@@ -4,20 +4,10 @@ Examples:
   python -m tfjax.train --config configs/default.py --workdir workdirs/default
   python -m tfjax.train --config configs/default.py --workdir /tmp/w \\
       --config.train.steps=200 --config.mesh.data=4 --config.mesh.fsdp=2 --cpu_devices=8
-Multi-process (one command per process; gloo collectives on CPU):
-  python -m tfjax.train ... --coordinator_address=localhost:1234 --num_processes=2 --process_id=0
-On a TPU pod or a SLURM cluster, `--distributed` lets jax find its peers.
-Rerunning the same command resumes from the latest checkpoint in WORKDIR.
-Fine-tuning (`tfjax.train.init_from`): start from a Hugging Face checkpoint or a
-tfjax workdir, then export the result for transformers (`python -m tfjax.export`):
-  python -m tfjax.train --config configs/finetune.py --workdir W --config.init_from=DIR \\
-      --config.data.paths="('train.jsonl',)"
-
-A config error (a bad value, an unknown name, a field that moved, such as
-`--config.model.num_experts`, now `--config.model.moe.num_experts`) is printed as
-one line before anything compiles, with exit status 2. `--cpu_devices` and the
-multi-process flags take effect because jax reads them when its backend starts,
-at the first device query in `main`, not when it is imported.
+Rerunning the same command resumes from the latest checkpoint in WORKDIR. Multi-process
+runs take --coordinator_address, --num_processes and --process_id (or --distributed);
+--compile_only AOT-compiles the train step. A config error is one line (exit status 2)
+before anything compiles. See docs/training.md ("The command line: python -m tfjax.train").
 """
 
 from __future__ import annotations

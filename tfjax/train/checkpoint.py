@@ -1,31 +1,13 @@
-"""orbax checkpoints of the whole run: train state (params, optimizer, step, model
-RNG state) and the data iterator's position, under WORKDIR/checkpoints/<step>/.
+"""orbax checkpoints of the whole run: train state (params, optimizer, step, model RNG
+state) and the data iterator's position, under WORKDIR/checkpoints/<step>/.
 
-What a user can rely on:
-- Saves are asynchronous (training continues while arrays are written) and atomic:
-  orbax writes into `<step>.orbax-checkpoint-tmp-*` and renames it to `<step>` only
-  when every file is written, and `latest_step()` / `all_steps()` only see renamed
-  steps. A process killed mid-save (even `kill -9`) leaves the previous steps as
-  they were; the next `Checkpointer` on the directory removes the leftover tmp
-  directory. The last `keep` steps are kept.
-- Restoring checks the saved tree against the current one first (orbax's metadata,
-  no array is read): a parameter added, removed or of another shape (the model
-  config changed) is a one-line ValueError naming the parameter and both shapes.
-  That is not damage: nothing falls back and nothing is moved.
-- A step that cannot be read (truncated or deleted array files, missing or garbled
-  metadata) is *damaged*. Resuming takes the newest step that restores; with
-  `checkpoint.fallback` (default) a damaged newer step costs one warning line, and
-  the trainer moves it whole and untouched to WORKDIR/damaged_checkpoints/<step>/
-  (kept, never deleted), so that orbax neither tries it again, nor counts it among
-  the `keep` newest when it garbage-collects, nor collides with this run's own
-  save of that step number. Without fallback, or when no step restores, it is a
-  ValueError that names the step directory, the reason and the fix, and nothing on
-  disk is changed (never a silent fresh start over a workdir that has checkpoints).
-- Restoring takes the target shardings of the *current* mesh, so a checkpoint
-  written on one mesh shape restores onto another.
-- A finished run is read back whole by `restore_run` (its config and train state on
-  one device) and `load_run` (its model, ready to decode, and tokenizer): what
-  `python -m tfjax.generate`, `tfjax.eval` and `tfjax.export` read from `--workdir`.
+`Checkpointer(workdir, cfg.checkpoint)`: `save` is asynchronous and atomic (a save killed
+midway leaves the previous steps as they were), the last `keep` steps are kept; `restore`
+checks the saved tree against the current one before reading an array, places the state
+with the current mesh's shardings, and takes the newest step that restores (with
+`checkpoint.fallback`, a damaged newer step is moved to WORKDIR/damaged_checkpoints/).
+`restore_run` and `load_run` read a finished run back (for `python -m tfjax.generate`,
+`tfjax.eval` and `tfjax.export`). See docs/training.md ("Checkpoints and resume").
 """
 
 from __future__ import annotations
@@ -62,8 +44,8 @@ class _Mismatch(ValueError):
 
 
 class Checkpointer:
-    """One run's checkpoints: `save` (asynchronous unless `wait`), `restore` (see the
-    module docstring for what is checked and what a damaged step does)."""
+    """One run's checkpoints: `save` (asynchronous unless `wait`), `restore` (see
+    docs/training.md for what is checked and what a damaged step does)."""
 
     def __init__(self, workdir: str, cfg: CheckpointConfig):
         self.workdir = os.path.abspath(workdir)

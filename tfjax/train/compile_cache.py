@@ -1,21 +1,11 @@
 """JAX's persistent compilation cache for a run (`train.compilation_cache`).
 
-A rerun or a resume of the same command finds its compiled steps on disk instead
-of compiling them again: `persistent_compilation_cache(setting, workdir)` points
-JAX's cache (`jax_compilation_cache_dir`) at
-
-- "auto" (the default): the directory JAX is already configured with
-  (`JAX_COMPILATION_CACHE_DIR` or `jax_compilation_cache_dir`), else
-  WORKDIR/compilation_cache;
-- "workdir": WORKDIR/compilation_cache, kept with the run;
-- any other non-empty string: that directory (e.g. one shared by many runs);
-- "" : off (JAX's own setting, if the user made one, is left as it is);
-
-for the duration of the `with` block, caching every executable the run compiles
-(the minimum compile time is 0), and restores JAX's previous settings after it. The
-cache is keyed by the program, the compiler options and the devices, so a hit
-runs the same executable a fresh compile would have produced; a changed model
-or mesh simply compiles anew.
+`persistent_compilation_cache(setting, workdir)`, a context manager, points JAX's cache
+at the directory `setting` names (`cache_directory`: "auto", the default, is the
+directory JAX is configured with, else WORKDIR/compilation_cache; "workdir"; any other
+path; "" is off), caches every executable compiled in the block and restores JAX's
+settings after it, so a rerun or a resume of the same command finds its compiled steps
+on disk. See docs/training.md ("The compilation cache").
 """
 
 from __future__ import annotations
@@ -46,7 +36,7 @@ def cache_directory(setting: str, workdir: str) -> str | None:
 @contextlib.contextmanager
 def persistent_compilation_cache(setting: str, workdir: str):
     """Within the block, JAX compiles through the persistent cache `setting` names
-    (see the module docstring); yields the directory, or None when off."""
+    (docs/training.md); yields the directory, or None when off."""
     path = cache_directory(setting, workdir)
     if path is None:
         yield None

@@ -1,43 +1,13 @@
-"""Fine-tuning: a run that starts from a checkpoint (`--config.init_from=DIR`).
+"""Fine-tuning: a run that starts from a checkpoint (`--config.init_from=DIR`), a Hugging
+Face checkpoint directory or a tfjax training workdir (the parameters of its newest
+checkpoint that restores; not its optimizer state, step or data position).
 
-    python -m tfjax.train --config configs/finetune.py --workdir W --config.init_from=DIR
-
-DIR is either
-- a Hugging Face checkpoint directory (`config.json` + `*.safetensors`, as
-  `save_pretrained` writes it; any `model_type` that `tfjax.interop.hf` reads), or
-- a tfjax training workdir (`config.json` + `checkpoints/`): the parameters of its
-  newest checkpoint that restores. Its optimizer state, step and data position are
-  not taken: the fine-tune starts at step 0 with a fresh optimizer.
-
-The model section. The model comes from the checkpoint: its config (the HF
-`config.json` through `tfjax.interop.hf.config_from_hf`, or the run's saved
-`model` section) *overrides* the config file's `model` section, with two
-exceptions:
-- the run-time fields `RUNTIME_FIELDS` (compute and parameter dtype, attention
-  implementation, context parallelism, zig-zag, remat, dropout, init_std, MoE
-  dispatch) are always the config's: they change neither the parameters nor what
-  the model computes, only how (so an HF bfloat16 checkpoint is fine-tuned in the
-  config's `model.param_dtype`, float32 by default, and cast back on export);
-- any other model field that the config sets away from `ModelConfig`'s default
-  must *agree* with the checkpoint's, or it is a ValueError naming the field and
-  both values (the fix: drop the override). A field left at its default takes the
-  checkpoint's value silently.
-
-Tokenizer. `data.tokenizer="init_from"` (configs/finetune.py) takes the
-checkpoint's own: DIR/tokenizer.json, or the tfjax run's `data.tokenizer`. A
-tokenizer with more ids than the checkpoint's `vocab_size` is a ValueError.
-
-Resume. The weights are read only when WORKDIR has no checkpoint of its own
-(`Trainer.init_state`, called by `restore_or_init` for a fresh start); a fine-tune
-killed and rerun with the same command continues from WORKDIR's checkpoint,
-exactly as pretraining does, and never re-reads DIR's weights (DIR's config is
-still read, to rebuild the same model).
-
-LoRA (`lora.rank`, `tfjax.train.lora`): the weights read become the frozen base,
-and fresh adapters (B = 0) the trainable parameters; a tfjax workdir of a LoRA run
-gives its base merged with its adapters.
-
-Every check here runs before anything compiles.
+`resolve_init_from(cfg)` takes the model from the checkpoint (`merge_model`: the
+config's `RUNTIME_FIELDS` win, any other field the config sets must agree, else a
+ValueError naming it); `check_tokenizer` refuses a tokenizer larger than the
+checkpoint's vocabulary; `initial_state` reads the weights, only when WORKDIR has no
+checkpoint of its own (with LoRA they become the frozen base). Every check runs before
+anything compiles. See docs/training.md ("Fine-tuning").
 """
 
 from __future__ import annotations
@@ -65,7 +35,7 @@ from tfjax.train.program import Program
 __all__ = ["RUNTIME_FIELDS", "check_tokenizer", "checkpoint_kind", "initial_state",
            "merge_model", "resolve_init_from"]
 
-# How the model runs, not what it is: always the config file's (see the docstring).
+# How the model runs, not what it is: always the config file's (docs/training.md).
 RUNTIME_FIELDS = ("dtype", "param_dtype", "attention.impl", "attention.context_parallel",
                   "attention.zigzag", "remat", "dropout_rate", "init_std", "moe.impl")
 

@@ -1,63 +1,14 @@
-"""LoRA (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models"):
-fine-tune by training, for each targeted matrix W, two small adapters A and B with
-the base weights frozen; the model computes with W + (alpha / r) * A @ B.
+"""LoRA (Hu et al. 2021): fine-tune by training, for each targeted matrix W, two small
+adapters A `[batch..., in..., r]` and B `[batch..., r, out...]` with W frozen; the model
+computes with W + (alpha / r) * A @ B, merged in parameter space each step.
 
     python -m tfjax.train --config configs/finetune.py --workdir W \\
         --config.init_from=DIR --config.lora.rank=8 --config.lora.alpha=16 \\
         --config.lora.targets=attn,mlp
 
-Targets (`TARGETS`, the one table): a researcher's name -> the tfjax parameter
-paths it adapts (a kernel whose path ends with one of them) and the Hugging Face /
-PEFT module name used by `write_peft`:
-
-| name | tfjax kernel | shape (before "layers") | PEFT module |
-|---|---|---|---|
-| q, k, v | `attn/{q,k,v}/kernel` | `[D, N or K, H]` | `q_proj`, `k_proj`, `v_proj` |
-| o | `attn/o/kernel` | `[N, H, D]` | `o_proj` |
-| gate, up | `ffn/wi_gate/kernel`, `ffn/wi_up/kernel` (ungated: `ffn/wi`) | `[D, F]` | `*_proj` |
-| down | `ffn/wo/kernel` | `[F, D]` | `down_proj` |
-
-Groups: `attn` = q,k,v,o; `mlp` = gate,up,down; `all` = both. Biases, norms,
-embeddings and the output head are never adapted (frozen).
-
-Shapes and sharding. A kernel's input (contracted) and output axes are read from
-its logical axis names (`tfjax.train.optim.muon_dims`: "embed" first is the
-input, last the output); the stacking axes "layers" and "expert" are batch axes (an
-adapter per layer and per expert). A is `[batch..., in..., r]`, initialised as
-PEFT's (uniform in +-1/sqrt(fan_in)); B is `[batch..., r, out...]`, initialised
-to zero, so step 0 computes exactly the base model. A carries the base's batch and
-input axis names, B its batch and output names, the rank axis none (replicated),
-so the mesh rules shard adapters like the matrices they adapt.
-
-State. The train state gets a `frozen` entry, the base parameters, and `params`
-holds only the adapters (an `nnx.State` of `nnx.LoRAParam` mirroring the kernels'
-paths, `.../kernel/lora_a`, `.../kernel/lora_b`): the optimizer is built over the
-adapters alone, so no gradient, moment or weight decay touches the base (memory:
-experiments/results/lora_memory.md). The checkpoint holds the frozen base too, so
-a resume never re-reads `init_from`. LoRA without `init_from` is allowed: the base
-is the random init (useful for tests and for studying LoRA itself).
-
-Design choice: adapters in parameter space. Each step forms W + s * A @ B
-(`merge`) and runs the unchanged model on it, instead of rewriting the layers to
-compute x @ W + s * (x @ A) @ B. It needs no change in `tfjax.nn` (scanned stacks,
-MoE experts and every layer kind work as they are), the merged forward is exactly
-the exported model's, and the base's bytes are never copied into the optimizer.
-The cost: the step materialises the merged targeted matrices and the full-size
-gradient of each (transients, not state), and the extra FLOPs of A @ B (r / T of
-the matrix's own, per row of the batch). And the merged matrix is rounded to the
-base's dtype: with bfloat16 parameters a delta below W's bfloat16 resolution (~2^-8
-relative) does not yet change the forward (the gradients still reach A and B); the
-fine-tune default, float32 parameters, does not have this limit.
-
-Why not qwix. qwix (0.1.8, `qwix._src.providers.lora`, read, not run) applies
-LoRA by intercepting the einsum / dot_general calls of a model run on sample
-inputs, creating `lora_a` / `lora_b` inside the module on that first call, with
-their sharding taken from the concrete base array's `NamedSharding`. tfjax builds
-the model abstractly (`nnx.eval_shape`), initialises it inside a jit whose
-out_shardings come from the logical axes, and runs its layers inside `nnx.scan`
-over stacked `layers` parameters, where a Variable created in the scanned body is
-not stacked per layer; and the frozen / trainable split, checkpoint layout and
-export would still be ours. Forming the merged matrices here is ~100 lines.
+`TARGETS` maps target names (`GROUPS`: attn, mlp, all) to kernel paths and PEFT module
+names; `Lora` makes, initialises and merges the adapters; `write_peft` writes them in
+PEFT's format. See docs/training.md ("LoRA" and "LoRA: design").
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
-"""Masked next-token cross-entropy with optional z-loss.
+"""Masked next-token cross-entropy with optional z-loss, as sums.
 
-The loss of a batch is the mean over *target tokens that count*: `mask` is 0 for
-padding and for the first token of every document in a packed row (its "previous
-token" belongs to another document), so no gradient crosses a document boundary.
-Sums (not means) are returned so gradient accumulation over microbatches and
-evaluation over many batches weight every token equally.
-
-`chunked_cross_entropy_sums` computes the same sums from the final hidden states
-and the output head without ever holding the `[B, T, V]` logits: a `lax.scan`
-over chunks of positions, each chunk's logits recomputed in the backward
-(`jax.checkpoint`), so the loss holds O(B x chunk x V) instead of the float32
-logits of the whole batch (1.96 GiB per chip for Llama-3.2-1B's 128,256 tokens at
-2 x 2048 rows; experiments/results/vs_maxtext.md). Chunk j holds the positions
-j, j + n, j + 2n, ... (n chunks), so a sequence-sharded row keeps every device's
-positions in every chunk. Both reduce the same per-token float32 terms the same
-way, so in float32 the sums are bitwise those of the materialised logits, and the
-gradients equal within rounding (the head's gradient is summed chunk by chunk).
+`cross_entropy_sums(logits, targets, mask)`: logits `[B, T, V]`, targets and mask
+`[B, T]` (mask 0 for padding and for each document's first token, so no gradient
+crosses a document boundary) -> the sums nll, z, tokens and bytes, not means, so
+microbatches and evaluation batches weight every token equally.
+`chunked_cross_entropy_sums` gives the same sums from the final hidden states `[B, T, D]`
+and the output head without holding the `[B, T, V]` logits. See docs/training.md
+("The loss").
 """
 
 from __future__ import annotations
@@ -65,7 +56,7 @@ def chunked_cross_entropy_sums(head: Callable[[jax.Array], jax.Array], x: jax.Ar
                                target_bytes: jax.Array | None = None, *,
                                chunk: int) -> dict[str, jax.Array]:
     """`cross_entropy_sums(head(x), targets, mask, target_bytes)` with the logits of
-    at most `chunk` positions of each row alive at once (see the module).
+    at most `chunk` positions of each row alive at once (docs/training.md).
 
     head: final hidden states `[B, c, D]` -> logits `[B, c, V]` (any c; row-wise, as
     an output projection is). x `[B, T, D]`; targets, mask, target_bytes `[B, T]`.

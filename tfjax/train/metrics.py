@@ -1,17 +1,9 @@
-"""Training metrics: FLOPs and MFU, the wall-time split, a terminal progress bar, the
-records (metrics.jsonl, TensorBoard and, with `train.wandb`, Weights & Biases), and the
-gzip / xz baseline a byte-level run's validation bits per byte is compared with.
-
-FLOPs per trained token (decoder LM, dense), the formula MFU uses:
-  forward  = 2 * P_matmul + 2 * L * T * N * H
-  training = 3 * forward  (backward = 2 x forward)
-where P_matmul counts the weights every token multiplies by: per layer the q, k,
-v, o projections (D*N*H + 2*D*K*H + N*H*D) and the FFN (2 or, gated, 3 * D*F),
-plus the output projection D*V (embedding lookups are not matmuls). Attention
-scores QK^T and the weighted sum PV cost 2 * 2*T*N*H per token and layer; causal
-masking halves that to 2*T*N*H. MFU = FLOPs/token * tokens/s / peak FLOP/s of
-all devices (`train.peak_flops` per device; else a table of chips; on CPU a
-matmul measured at start, once for all simulated devices since they share cores).
+"""Training metrics: FLOPs and MFU (`flops_per_token`, `peak_flops`), the wall-time split
+(`WallClock`), a terminal progress bar (`ProgressBar`), the records (`MetricWriter`:
+metrics.jsonl, TensorBoard and, with `train.wandb`, Weights & Biases), and the gzip / xz
+baseline a byte-level run's validation bits per byte is compared with
+(`compression_bits_per_byte`, `compression_report`). The FLOPs formula is in
+docs/training.md ("FLOPs and MFU").
 """
 
 from __future__ import annotations

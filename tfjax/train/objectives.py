@@ -1,32 +1,12 @@
-"""Training objectives: one record per `train.objective`, registered once in
-`OBJECTIVES` and read by the trainer (the data source, the batches and their
-shapes, the checks, what evaluation reports) and by the step (how to call the model,
-the loss sums). Adding an objective is one registration here (and its host-side
-transform in `tfjax.data.objectives`).
-
-| objective | model.arch | batches | loss on | eval |
-|---|---|---|---|---|
-| causal_lm (default) | decoder | packed documents | every next token | val_loss, val_bpb (+ gzip / xz) |
-| prefix_lm | decoder, `model.prefix_lm=True` | packed documents, a random prefix per row | the continuation | val_loss, val_bpb of the continuation |
-| mlm | encoder | packed documents, 15 % selected, 80/10/10 | the selected tokens | val_loss, val_accuracy |
-| classification | encoder, `model.num_classes` | jsonl `text` (data.jsonl_field) / `label` | the class | val_loss, val_accuracy |
-| span_corruption | encoder_decoder | packed documents, T5's noise spans | sentinels + spans | val_loss, val_accuracy |
-| seq2seq | encoder_decoder | jsonl `input` / `target`, packed exactly | the target | val_loss, val_bpb of the target |
-
-Bits per byte are reported only where the loss is a code length of text: the
-next-token loss of causal_lm, and the conditional one of prefix_lm's continuation
-and seq2seq's target (bits per byte *given* the prefix / the input, so there is no
-gzip baseline beside them). A masked token's or a noise span's loss, under 80/10/10
-corruption and with sentinels, is not a code length of the text, so MLM and span
-corruption report the loss and the accuracy of the scored tokens instead.
-
-Specials come from above the tokenizer's vocabulary (`tfjax.data.objectives`):
-MLM's mask token is `tokenizer.vocab_size`, span corruption's sentinels the next
-ids; `check_objective` asks `model.vocab_size` for room. Encoder-decoder batches
-have two lengths: `train.seq_len` (encoder) and `train.target_len` (decoder; 0 =
-automatic: for span corruption the targets' length that `seq_len` implies, rounded
-up to a multiple of 8; for seq2seq `seq_len`). The decoder starts from the pad id,
-T5's convention (its decoder_start_token_id is its pad).
+"""Training objectives: one record (`Objective`) per `train.objective`, registered once in
+`OBJECTIVES` (causal_lm, prefix_lm, mlm, classification, span_corruption, seq2seq) and
+read by the trainer (the data source, the batches and their shapes, the checks, what
+evaluation reports) and by the step (how to call the model, the loss sums).
+`check_objective` checks the objective against the model, the tokenizer and the sequence
+shards; `eval_metrics` turns evaluation sums into val_loss, val_bpb, val_accuracy.
+Adding an objective is one registration here (and its host-side transform in
+`tfjax.data.objectives`). See docs/training.md ("Objectives: every architecture through
+the one trainer").
 """
 
 from __future__ import annotations

@@ -1,36 +1,10 @@
-"""Optimizers and learning-rate schedules through optax: one record per
-`train.optimizer` in `OPTIMIZERS`, global-norm clipping, weight decay on matrices,
-and learning-rate / weight-decay groups by parameter name (`train.param_groups`).
-
-| optimizer | update direction | built from |
-|---|---|---|
-| adamw (default) | Adam's m / (sqrt(v) + eps) | `optax.adamw` |
-| muon | matrices: Nesterov momentum orthogonalised by Newton-Schulz, per matrix; the rest: AdamW | `optax.contrib.scale_by_muon`, `optax.adamw`, `optax.partition` |
-| adafactor | gradient over factored second moments, clipped by block RMS | `optax.scale_by_factored_rms`, `optax.clip_by_block_rms` (`optax.adafactor`'s pieces) |
-| lion | sign of the b1-interpolated momentum (momentum decay b2) | `optax.lion` |
-| sgd | momentum (heavy-ball or Nesterov), or the gradient | `optax.trace` (`optax.sgd`'s pieces) |
-
-Weight decay is decoupled for every optimizer, as AdamW's: each step subtracts
-lr(step) * weight_decay * param, applied to matrices (parameters with >= 2 logical
-axes other than "layers", so stacked scanned layers count per layer), not to norm
-scales and biases (`decay_mask`). So Adafactor and SGD are composed from optax's own
-transforms as `optax.adafactor` / `optax.sgd` are, with the decay placed where
-`optax.adamw` places it (`optax.adafactor` adds it after the learning rate, and
-`optax.sgd` has none). Adafactor's step size is `lr` itself (no relative step,
-no parameter scale), as for the others.
-
-Muon (`muon_dims`) orthogonalises the parameters that are matrices of the
-residual stream: >= 2 logical axes besides the stacking axes "layers" and
-"expert", one of them "embed" or "latent" and another one named, none of them a
-table's ("vocab", "max_len", "relpos_buckets", "type_vocab", "classes"). The
-stacking axes are batch axes, so the Newton-Schulz iteration runs on each layer's
-(and each expert's) matrix on its own; the matrix of a projection with several
-output axes (q `[D, N, H]`) is `[D, N*H]`, and of one with several input axes
-(o `[N, H, D]`) `[N*H, D]`: "embed" / "latent" first is the input, else the
-output. Embeddings, the output head, norms, biases, routers, SSM parameters and
-unannotated non-2-D arrays go to AdamW (an unannotated 2-D array is a matrix).
-
-Clipping comes first, so the reported grad norm is the unclipped one.
+"""Optimizers and learning-rate schedules through optax: one record (`Optimizer`) per
+`train.optimizer` in `OPTIMIZERS` (adamw, muon, adafactor, lion, sgd), global-norm
+clipping first, decoupled weight decay on matrices (`decay_mask`), and learning-rate /
+weight-decay groups by parameter name (`train.param_groups`, `param_labels`).
+`make_optimizer` builds the optax transformation and `lr_schedule` the schedule;
+`muon_dims` says which parameters Muon orthogonalises, as which matrix; `scale_by_mup`
+is μP's per-class learning rate. See docs/training.md ("Optimizers and schedules").
 """
 
 from __future__ import annotations

@@ -1,28 +1,13 @@
-"""The pure train and eval steps: `(state, batch) -> (state, metrics)`.
+"""The pure train and eval steps (`make_train_step`, `make_eval_step`):
+`(state, batch) -> (state, metrics)`.
 
-`state` is a plain dict pytree {step, params, opt, rest}: `params` are the
-model's `nnx.Param`s, `rest` its other state (e.g. dropout RNG counters), `opt`
-the optax state; with LoRA (`tfjax.train.lora`) `params` are the adapters and
-`frozen` the base they adapt. The model's structure (`graphdef`) is static and closed over,
-so the trainer can `jax.jit` these with in/out shardings and donate `state`.
-
-Activation checkpointing lives in the model (`model.remat`, per scanned layer).
-Gradient accumulation scans over `microbatches` slices of the batch and sums
-gradients of *sums* of token losses divided by the token count of the whole
-batch, so any number of microbatches gives the same update as one.
-Microbatch i takes rows i, i+M, i+2M, ... so every device keeps its own rows.
-
-**Local gradients** (`local_axes`, `local_gradient_axes`): on a data-parallel CPU mesh
-the step computes each device's gradients over its own rows (a `shard_map` over the
-batch axes, every microbatch included) and sums them with one `psum` at the end.
-Under GSPMD alone the gradients of replicated parameters are all-reduced per layer
-and per microbatch, and XLA:CPU runs each all-reduce as a rendezvous of the devices'
-threads (`experiments/results/bench_train_cpu.md`). The same rows, sums and update.
-
-How the model is called and what is summed is the objective's (`train.objective`,
-`tfjax.train.objectives`); "causal_lm" is `model(inputs, positions, segment_ids)`
-and the masked next-token cross-entropy of `losses.py` (with `train.loss_chunk`, the
-model's `features` and `head` a chunk of positions at a time).
+`state` is a dict pytree {step, params, opt, rest} (with LoRA, `params` are the
+adapters and `frozen` the base); the model's `graphdef` is closed over, so the trainer
+jits the steps with in/out shardings and donated state. Microbatches
+(`train.microbatches`) give the same update as one batch; with `local_axes`
+(`local_gradient_axes`) each device computes its rows' gradients and one `psum` sums
+them. `forward_sums` calls the model and sums the loss as the objective says
+(`tfjax.train.objectives`). See docs/training.md ("The train step").
 """
 
 from __future__ import annotations
@@ -69,7 +54,7 @@ def _constrain(batch):
 
 def local_gradient_axes(mesh, rules, state_shardings) -> tuple[str, ...]:
     """The mesh axes over which `make_train_step` may compute gradients locally and sum
-    them once (the module's "local gradients"): the batch axes of size > 1 when the
+    them once (docs/training.md, "local gradients"): the batch axes of size > 1 when the
     mesh is a CPU one, every other axis has size 1 and every state array is
     replicated; else () (GSPMD alone: on accelerators its per-layer all-reduces
     overlap the backward). The forward must also leave the model's other state as it

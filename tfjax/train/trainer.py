@@ -3,31 +3,11 @@
     cfg = tfjax.config.run_config(get_config())
     Trainer(cfg, workdir).train()
 
-What happens, in order:
-1. Every setting is checked against the devices (mesh product, batch and sequence
-   divisibility, vocabulary, unknown logical axes) before anything compiles.
-2. The mesh (`data, fsdp, sequence, tensor, expert`) and the rules table map the
-   model's logical axis names to `NamedSharding`s; parameters and optimizer state
-   are created *inside* a jit whose out_shardings are those, so nothing is ever
-   materialised whole on one device.
-3. The pure step (`step.py`) is jitted with in/out shardings and donated state, beside
-   the init and eval steps (`tfjax.train.program.build_program`: `Trainer.program`).
-4. Data (`tfjax.data`) is packed into rows; each process builds only the rows its
-   devices hold and they are assembled into one global array. What the batches hold,
-   how the model is called and what evaluation reports is the objective's
-   (`train.objective`: causal_lm, prefix_lm, mlm, classification, span_corruption,
-   seq2seq; `tfjax.train.objectives`). With ring attention
-   over a sequence axis of n devices and `model.attention.zigzag="data"`, every per-token
-   array of the batch is put in zig-zag order on the host first (`zigzag_devices`),
-   and the steps are traced under `tfjax.parallel.zigzag.zigzag_data(n)`.
-5. orbax saves state and data position every `checkpoint.every_steps` and at the
-   end; rerunning the same command resumes exactly. SIGTERM saves, then exits (the
-   CLI with 143); sent to any one process of a multi-process run, it stops every
-   process at the same step through JAX's preemption sync point (checked every step).
-6. Metrics go to the terminal (progress bar), WORKDIR/metrics.jsonl, TensorBoard and,
-   with `train.wandb`, Weights & Biases. Each record splits the wall time since the
-   previous one into step, data wait, checkpoint, eval and compile (`WallClock`);
-   `train.profile_steps` traces a range of steps with jax.profiler into WORKDIR/profile.
+`Trainer` checks the run against the devices and the data (`check_run`), builds its
+jitted, sharded programs on the mesh (`tfjax.train.program.build_program`), feeds the
+objective's packed batches, saves and resumes orbax checkpoints (SIGTERM saves, then
+stops every process at the same step), evaluates and writes the metrics; `train()`
+returns the run's summary. See docs/training.md ("What a run does, in order").
 """
 
 from __future__ import annotations
