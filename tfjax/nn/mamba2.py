@@ -21,8 +21,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from tfjax.config import Mamba2Config
-from tfjax.nn.ssm import causal_conv, dt_bias_init, last_conv_inputs
-from tfjax.nn.state import DecodeState, RecurrentMixer, decode_state
+from tfjax.nn.ssm import SelectiveSSM, causal_conv, dt_bias_init, last_conv_inputs
+from tfjax.nn.state import DecodeState, decode_state
 from tfjax.parallel.sharding import shard, with_logical_axes
 from tfjax.typing import DType
 
@@ -135,7 +135,7 @@ def ssd_reference(x, dt, A, Bm, Cm, Dskip, h0=None, reset=None):
     return ys.swapaxes(0, 1) + Dskip.astype(jnp.float32)[:, None] * x, h
 
 
-class Mamba2(RecurrentMixer):
+class Mamba2(SelectiveSSM):
     """`[B, T, D] -> [B, T, D]` SSD mixer (a drop-in for attention in a block).
     `mamba2` (`tfjax.config.Mamba2Config`): state size, head dim, expansion, groups,
     conv width, SSD chunk, biases, norm groups (0: n_groups), dt_bias init range and
@@ -226,13 +226,7 @@ class Mamba2(RecurrentMixer):
         g = y.reshape(*y.shape[:-1], self.norm_groups, -1)
         g = g * jax.lax.rsqrt(jnp.mean(g * g, axis=-1, keepdims=True) + self.norm_eps)
         y = (g.reshape(y.shape) * self.norm_w[...].astype(jnp.float32)).astype(self.dtype)
-        out = jnp.einsum("...I,ID->...D", y, self.out_proj[...].astype(self.dtype))
-        if self.out_bias is not None:
-            out = out + self.out_bias[...].astype(self.dtype)
-        return out
-
-    def _A(self):
-        return -jnp.exp(self.A_log[...].astype(jnp.float32))
+        return self._project_out(y)
 
     def init_state(self, batch: int, size: int = 0, dtype: DType = jnp.float32, *,
                    window: int = 0) -> Mamba2State:

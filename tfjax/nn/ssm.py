@@ -147,7 +147,22 @@ def selective_scan_reference(u, dt, A, Bm, Cm, Dskip, h0=None, reset=None):
     return jnp.stack(ys, 1), h
 
 
-class Mamba(RecurrentMixer):
+class SelectiveSSM(RecurrentMixer):
+    """What Mamba and Mamba-2 share: the decay `A = -exp(A_log)` and the output
+    projection (`out_proj`, `out_bias`) of a subclass's parameters."""
+
+    def _A(self):
+        return -jnp.exp(self.A_log[...].astype(jnp.float32))
+
+    def _project_out(self, y):
+        """y `[..., Di]` in the compute dtype -> `[..., D]`."""
+        out = jnp.einsum("...I,ID->...D", y, self.out_proj[...].astype(self.dtype))
+        if self.out_bias is not None:
+            out = out + self.out_bias[...].astype(self.dtype)
+        return out
+
+
+class Mamba(SelectiveSSM):
     """`[B, T, D] -> [B, T, D]` selective SSM mixer (a drop-in for attention in a block).
     `ssm` (`tfjax.config.SSMConfig`): state size, conv width, expansion, dt rank (0:
     ceil(D / 16)), scan chunk (0: one scan over T), biases and Jamba's inner norms."""
@@ -216,14 +231,7 @@ class Mamba(RecurrentMixer):
         return dt, Bm, Cm
 
     def _out(self, y, z):
-        y = (y * jax.nn.silu(z.astype(jnp.float32))).astype(self.dtype)
-        out = jnp.einsum("...I,ID->...D", y, self.out_proj[...].astype(self.dtype))
-        if self.out_bias is not None:
-            out = out + self.out_bias[...].astype(self.dtype)
-        return out
-
-    def _A(self):
-        return -jnp.exp(self.A_log[...].astype(jnp.float32))
+        return self._project_out((y * jax.nn.silu(z.astype(jnp.float32))).astype(self.dtype))
 
     def init_state(self, batch: int, size: int = 0, dtype: DType = jnp.float32, *,
                    window: int = 0) -> MambaState:
