@@ -4,6 +4,7 @@ new token: a tiny trained model on one device and on meshes of 8 devices, a pref
 and prompts that reach `train.seq_len`."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -19,18 +20,27 @@ TOO_LONG = "x = [1, 2, 3]\n" * 3  # more than seq_len: the prompt is cut, nothin
 PROMPTS = {"short": (SHORT, 20), "fills_window": (LONG, 20), "too_long": (TOO_LONG, 20)}
 
 
+@functools.partial(jax.jit, static_argnames="graphdef")
+def _last_logits(graphdef, variables, ids, length, prefix):
+    """Logits at position `length - 1` of `ids [1, T]` (right padding after it is
+    invisible to a causal or prefix-LM model), recomputed over the whole prefix."""
+    model = nnx.merge(graphdef, variables)
+    kw = dict(prefix_lengths=prefix) if model.config.prefix_lm else {}
+    return model(ids, **kw)[0, length - 1]
+
+
 def uncached_greedy(tr, state, prompt: str, num_tokens: int) -> list[int]:
     """The reference: `[bos] + encode(prompt)`, then argmax of the last position's logits
     over the whole prefix, one forward per token, up to EOS, within train.seq_len; a
     prefix-LM takes the prompt (with its BOS) as the bidirectional prefix."""
     tok, T = tr.tokenizer, tr.cfg.train.seq_len
     graphdef, variables = nnx.split(tr.model(state))
-    model = nnx.merge(graphdef, jax.device_get(variables))  # one device, no mesh
+    variables = jax.device_get(variables)  # one device, no mesh
     ids = [tok.bos_id] + list(tok.encode(prompt))[: T - 1]
-    prefix = len(ids)
+    prefix = jnp.array([len(ids)])
     for _ in range(min(num_tokens, T - len(ids))):
-        kw = dict(prefix_lengths=jnp.array([prefix])) if tr.cfg.model.prefix_lm else {}
-        nxt = int(jnp.argmax(model(jnp.asarray([ids]), **kw)[0, -1]))
+        padded = jnp.asarray([ids + [0] * (T - len(ids))])
+        nxt = int(jnp.argmax(_last_logits(graphdef, variables, padded, len(ids), prefix)))
         if nxt == tok.eos_id:
             break
         ids.append(nxt)
