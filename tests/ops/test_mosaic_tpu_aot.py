@@ -327,7 +327,7 @@ def test_a_decode_step_reads_a_narrow_cache_where_it_lies(keys_on_lanes, bench_a
     S, N, K, H = 8192, 8, 2, 64
 
     def local(q, k_cache, v_cache, lengths):  # the caches heads-major, as KVCache stores
-        slots = lambda c: c.transpose(0, 2, 1, 3)  # kv_cache.slots_major
+        slots = lambda c: c.transpose(0, 2, 1, 3)  # tfjax.nn.state.slots_major
         return flash_attention_tpu(q, slots(k_cache), slots(v_cache), M.padding(lengths),
                                    interpret=False, keys_on_lanes=keys_on_lanes)
 
