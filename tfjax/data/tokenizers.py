@@ -3,6 +3,8 @@
 Every tokenizer gives `encode(text) -> int32 ids`, `decode(ids) -> str`, the ids
 of its specials (`pad_id`, `bos_id`, `eos_id`), `vocab_size`, and
 `token_bytes`: for each id, how many UTF-8 bytes it stands for (0 for specials),
+`fingerprint` (sha256 of what fixes the id mapping: two tokenizers with one
+fingerprint encode alike),
 which turns a loss in nats per token into bits per byte for any tokenizer, and
 `hf_tokenizer()`: the same tokenizer as a `tokenizers.Tokenizer` (what an exported
 checkpoint's `tokenizer.json` holds), whose `encode(text).ids` is
@@ -11,6 +13,7 @@ checkpoint's `tokenizer.json` holds), whose `encode(text).ids` is
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 
@@ -25,6 +28,8 @@ class ByteTokenizer:
     pad_id, bos_id, eos_id = 256, 257, 258
     vocab_size = 259
     name = "byte"
+    fingerprint = hashlib.sha256(b"tfjax byte tokenizer: 256 bytes, pad 256, bos 257, eos 258"
+                                 ).hexdigest()
 
     def __init__(self):
         self.token_bytes = np.array([1] * 256 + [0] * 3, np.int32)
@@ -84,6 +89,7 @@ class HFTokenizer:
                              "`tokenizers` package: in the clone, .venv/bin/python -m pip install -e '.[hf]'") from e
         self.name = path
         self._tok = Tokenizer.from_file(path)
+        self.fingerprint = hashlib.sha256(self._tok.to_str().encode()).hexdigest()
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         vocab = self._tok.get_vocab(with_added_tokens=True)
         specials = {t.content for t in self._tok.get_added_tokens_decoder().values() if t.special}
@@ -133,6 +139,7 @@ class SentencePieceTokenizer:
                              "`pip install sentencepiece`") from e
         self.name = path
         self._sp = spm.SentencePieceProcessor(model_file=path)
+        self.fingerprint = hashlib.sha256(self._sp.serialized_model_proto()).hexdigest()
         self.vocab_size = self._sp.get_piece_size()
         self.eos_id = self._sp.eos_id()
         self.bos_id = self._sp.bos_id() if self._sp.bos_id() >= 0 else self.eos_id
