@@ -44,7 +44,7 @@ def write_json(path: epath.Path, obj) -> None:
     """Write `obj` to `path` atomically (a temporary file, then a rename)."""
     tmp = path.parent / (path.name + ".tmp")
     tmp.write_text(json.dumps(obj, indent=1, sort_keys=True) + "\n")
-    tmp.rename(path)
+    tmp.replace(path)
 
 
 def _local(path: epath.Path) -> str:
@@ -91,11 +91,11 @@ class ShardWriter:
         """Close, rename into place and write the sidecar; its entry for metadata.json."""
         self._writer.close()
         files = self._files
-        self._tmp.rename(files["records"])
+        self._tmp.replace(files["records"])
         tmp = files["lengths"].parent / (files["lengths"].name + ".tmp")
         with tmp.open("wb") as f:
             np.save(f, np.asarray(self._lengths, np.int64))
-        tmp.rename(files["lengths"])
+        tmp.replace(files["lengths"])
         entry = {"file": f"{files['records'].parent.name}/{files['records'].name}",
                  "lengths": f"{files['lengths'].parent.name}/{files['lengths'].name}",
                  "num_documents": len(self._lengths), "num_tokens": int(sum(self._lengths)),

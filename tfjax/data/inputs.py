@@ -78,9 +78,9 @@ def _size(path: epath.Path) -> int:
 
 
 def _walk(root: epath.Path, d: epath.Path) -> Iterator[tuple[epath.Path, str]]:
-    """(path, name relative to root) of the files and dataset directories under d, sorted;
+    """(path, name relative to root) of the files and dataset directories under d;
     hidden entries (".git", ".DS_Store") skipped."""
-    for p in sorted(d.iterdir(), key=lambda p: p.name):
+    for p in d.iterdir():
         if p.name.startswith("."):
             continue
         if p.is_dir() and not _is_dataset(p):
@@ -100,7 +100,8 @@ def _input(path: epath.Path, name: str) -> Input:
 
 def find_inputs(patterns: Sequence[str]) -> list[Input]:
     """The inputs that files, globs and directories name, in order (each directory and
-    glob sorted); a pattern that names nothing is a ValueError."""
+    glob sorted by relative path, as `sorted(glob)`); a pattern that names nothing is a
+    ValueError."""
     found: dict[str, Input] = {}
     for pat in patterns:
         hits: list[tuple[epath.Path, str]]
@@ -114,7 +115,7 @@ def find_inputs(patterns: Sequence[str]) -> list[Input]:
             p = epath.Path(pat)
             if not p.exists():
                 raise ValueError(f"input {pat!r}: no such file or directory")
-            hits = ([(p, p.name)] if p.is_file() or _is_dataset(p) else list(_walk(p, p)))
+            hits = ([(p, p.name)] if p.is_file() or _is_dataset(p) else sorted(_walk(p, p), key=lambda h: h[1]))
         if not hits:
             raise ValueError(f"input {pat!r} matches no file (a glob, or an empty directory)")
         for p, name in hits:
