@@ -265,6 +265,7 @@ BAD = [
     ("a.json", b'[{"text": "ok"}, {"text": null}]', r": item 1 \(0-based\): field 'text' "
      r"\(--field\) is null, not a string"),
     ("a.jsonl.gz", b"not gzip at all", r": cannot read \(.*\); check the file"),
+    ("a.parquet", b"not parquet", r": not a readable parquet file \(.*\); check the file"),
 ]
 
 

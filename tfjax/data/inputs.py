@@ -20,6 +20,7 @@ import io
 import json
 from collections.abc import Iterator, Sequence
 
+import numpy as np
 from etils import epath
 
 __all__ = ["Input", "Piece", "find_inputs", "pieces", "read_piece"]
@@ -147,28 +148,41 @@ def pieces(inputs: Sequence[Input], target: int, field: str) -> list[Piece]:
     uncompressed jsonl at line starts, parquet at row groups, datasets by rows."""
     out = []
     for i, inp in enumerate(inputs):
-        path = epath.Path(inp.path)
-        if inp.kind == "jsonl" and path.suffix == ".jsonl" and inp.size > target:
-            cuts = _line_cuts(path, inp.size, target) + [(inp.size, -1)]
-            out += [Piece(i, a, b, line, b - a) for (a, line), (b, _) in zip(cuts, cuts[1:])]
-        elif inp.kind == "parquet":
-            pq = _need("pyarrow.parquet", "pyarrow", f"{inp.path}: a parquet file")
-            with path.open("rb") as f:
-                meta = pq.ParquetFile(f).metadata
-            rows = max(meta.num_rows, 1)
-            first = 0
-            for g in range(meta.num_row_groups):
-                n = meta.row_group(g).num_rows
-                out.append(Piece(i, g, g + 1, first, inp.size * n // rows))
-                first += n
-        elif inp.kind == "dataset":
-            rows = len(_dataset(inp, field))
-            step = max(1, rows * target // max(inp.size, 1))
-            out += [Piece(i, a, min(a + step, rows), a, inp.size * (min(a + step, rows) - a)
-                          // rows) for a in range(0, rows, step)]
-        else:
-            out.append(Piece(i, size=inp.size))
+        try:
+            out += _pieces(i, inp, target, field)
+        except OSError as e:
+            raise ValueError(f"{inp.path}: cannot read ({e}); check the file") from None
     return out
+
+
+def _pieces(i: int, inp: Input, target: int, field: str) -> list[Piece]:
+    path = epath.Path(inp.path)
+    if inp.kind == "jsonl" and path.suffix == ".jsonl" and inp.size > target:
+        cuts = _line_cuts(path, inp.size, target) + [(inp.size, -1)]
+        return [Piece(i, a, b, line, b - a) for (a, line), (b, _) in zip(cuts, cuts[1:])]
+    if inp.kind == "parquet":
+        with path.open("rb") as f:
+            meta = _parquet_file(inp, f).metadata
+        starts = np.cumsum([0] + [meta.row_group(g).num_rows for g in range(meta.num_row_groups)])
+        rows = max(meta.num_rows, 1)
+        return [Piece(i, g, g + 1, int(starts[g]), inp.size * int(starts[g + 1] - starts[g])
+                      // rows) for g in range(meta.num_row_groups)]
+    if inp.kind == "dataset":
+        rows = len(_dataset(inp, field))
+        step = max(1, rows * target // max(inp.size, 1))
+        return [Piece(i, a, min(a + step, rows), a, inp.size * (min(a + step, rows) - a) // rows)
+                for a in range(0, rows, step)]
+    return [Piece(i, size=inp.size)]
+
+
+def _parquet_file(inp: Input, f):
+    pq = _need("pyarrow.parquet", "pyarrow", f"{inp.path}: a parquet file")
+    try:
+        return pq.ParquetFile(f)
+    except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
+        f.close()
+        raise ValueError(f"{inp.path}: not a readable parquet file ({e}); check the file"
+                         ) from None
 
 
 @contextlib.contextmanager
@@ -246,9 +260,8 @@ def _json_list(inp: Input, field: str) -> Iterator[tuple[str, str]]:
 
 
 def _parquet(inp: Input, piece: Piece, field: str) -> Iterator[tuple[str, str]]:
-    pq = _need("pyarrow.parquet", "pyarrow", f"{inp.path}: a parquet file")
     with epath.Path(inp.path).open("rb") as f:
-        pf = pq.ParquetFile(f)
+        pf = _parquet_file(inp, f)
         if field not in pf.schema_arrow.names:
             raise ValueError(f"{inp.path}: no column {field!r} (--field); its columns: "
                              f"{', '.join(pf.schema_arrow.names)}; set --field to the column "
