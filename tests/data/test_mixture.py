@@ -224,8 +224,8 @@ def test_open_caches_errors(monkeypatch):
 
 
 def test_a_cache_of_another_tokenizer_is_refused():
-    other = MemoryCache(docs(0, 3), TOK, path="mem/gpt", tokenizer_name="gpt2.json")
-    other.tokenizer_fingerprint = "f" * 64
+    other = MemoryCache(docs(0, 3), TOK, path="mem/gpt", tokenizer_name="gpt2.json",
+                        fingerprint="f" * 64)
     check_caches(caches(2), TOK, "byte")
     with pytest.raises(ValueError, match="data.paths: mem/gpt was prepared with tokenizer "
                                          "'gpt2.json', but data.tokenizer='byte' encodes "

@@ -17,12 +17,14 @@ class MemoryCache:
     per document, and the document index of every token. `reads` records each
     `read(start, stop)`."""
 
-    def __init__(self, docs, tokenizer, *, path="mem/a", split="train", tokenizer_name="byte"):
+    def __init__(self, docs, tokenizer, *, path="mem/a", split="train", tokenizer_name="byte",
+                 fingerprint=None):
         if not docs:
             raise ValueError(f"{path}: the {split} split is empty; prepare more documents")
         self.path, self.name, self.split = path, os.path.basename(path.rstrip("/")), split
         self.metadata = {}
-        self.tokenizer_name, self.tokenizer_fingerprint = tokenizer_name, tokenizer.fingerprint
+        self.tokenizer_name = tokenizer_name
+        self.tokenizer_fingerprint = fingerprint or tokenizer.fingerprint
         self.bos_id, self.eos_id = tokenizer.bos_id, tokenizer.eos_id
         self.vocab_size = tokenizer.vocab_size
         self.num_documents = len(docs)
