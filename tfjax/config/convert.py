@@ -34,8 +34,12 @@ def _convert(field: str, tp: Any, value: Any) -> Any:
     if origin is tuple:
         if isinstance(value, str) or not isinstance(value, (list, tuple)):
             fail(field, f"expected a tuple, got {value!r}")
-        (item,) = {a for a in typing.get_args(tp) if a is not Ellipsis}
-        return tuple(_convert(f"{field}[{i}]", item, v) for i, v in enumerate(value))
+        args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_convert(f"{field}[{i}]", args[0], v) for i, v in enumerate(value))
+        if len(value) != len(args):  # a fixed-length tuple, e.g. (step, weights)
+            fail(field, f"expected {len(args)} items, got {value!r}")
+        return tuple(_convert(f"{field}[{i}]", a, v) for i, (a, v) in enumerate(zip(args, value)))
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
         if value is None and type(None) in args:

@@ -17,7 +17,7 @@ __all__ = ["CheckpointConfig", "DataConfig", "DEFAULT_RULES", "DECAY_SHAPES", "L
 MESH_AXES = ("data", "fsdp", "sequence", "tensor", "expert")
 SCHEDULES = ("cosine", "constant", "linear", "wsd")
 DECAY_SHAPES = ("linear", "cosine", "1-sqrt")  # the decay of the wsd schedule
-DATA_SOURCES = ("stdlib", "text", "jsonl")
+DATA_SOURCES = ("stdlib", "text", "jsonl", "cache")
 DATA_FORMATS = ("document", "instruction")
 WANDB_MODES = ("online", "offline", "disabled")
 
@@ -174,6 +174,10 @@ class DataConfig:
     format: "document" (every token is a target) | "instruction" (jsonl only: each
       line a "prompt" and a "completion" string, laid out as one packed document,
       the loss on the completion tokens only; `tfjax.data.pipeline`).
+    cache (`tfjax.data.mixture`): `paths` are prepared cache directories, mixed by
+      `weights` (one per path; () = in proportion to each cache's tokens) and from
+      each `stages` entry's start step on by its weights; `block_rows` rows per
+      block of fixed per-source counts.
     """
 
     source: str = "stdlib"
@@ -183,6 +187,9 @@ class DataConfig:
     tokenizer: str = "byte"
     shuffle: bool = True
     format: str = "document"
+    weights: tuple[float, ...] = ()
+    stages: tuple[tuple[int, tuple[float, ...]], ...] = ()
+    block_rows: int = 2048
 
 
 @dataclasses.dataclass(frozen=True)
@@ -390,6 +397,43 @@ def _validate_data(c: DataConfig, p: str) -> None:
     if c.format == "instruction" and c.source != "jsonl":
         fail(f"{p}.format", f"'instruction' reads jsonl lines with \"prompt\" and "
              f"\"completion\", but data.source={c.source!r}; set --config.data.source=jsonl")
+    _validate_mixture(c, p)
+
+
+def _validate_weights(field: str, weights: tuple[float, ...], n: int) -> None:
+    if len(weights) != n:
+        fail(field, f"{len(weights)} weight(s) for {n} cache(s) in data.paths; give one "
+             f"weight per path")
+    if any(not w >= 0 or w == float("inf") for w in weights):
+        fail(field, f"{weights} has a negative or non-finite weight; weights must be >= 0")
+    if sum(weights) <= 0:
+        fail(field, f"{weights} sums to zero; give some cache a weight > 0")
+
+
+def _validate_mixture(c: DataConfig, p: str) -> None:
+    if c.source != "cache":
+        for name in ("weights", "stages"):
+            if getattr(c, name):
+                fail(f"{p}.{name}", f"mixes token caches, but data.source={c.source!r}; set "
+                     f"--config.data.source=cache (paths: prepared cache directories)")
+        return
+    if not c.paths:
+        fail(f"{p}.paths", "data.source='cache' needs prepared cache directories (python -m "
+             "tfjax.data.prepare ... --output DIR), e.g. --config.data.paths=\"('DIR',)\"")
+    if c.val_paths:
+        fail(f"{p}.val_paths", "a cache holds its own validation split; leave data.val_paths "
+             "empty with data.source='cache'")
+    positive(f"{p}.block_rows", c.block_rows)
+    if c.weights:
+        _validate_weights(f"{p}.weights", c.weights, len(c.paths))
+    last = 0
+    for i, (step, weights) in enumerate(c.stages):
+        if step <= last:
+            fail(f"{p}.stages[{i}]", f"starts at step {step}, not after "
+                 f"{'step 0' if i == 0 else f'the previous stage (step {last})'}; list stages "
+                 f"by increasing start step > 0 (data.weights hold from step 0)")
+        _validate_weights(f"{p}.stages[{i}]", weights, len(c.paths))
+        last = step
 
 
 def _validate_mesh(c: MeshConfig, p: str) -> None:

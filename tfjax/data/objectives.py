@@ -62,6 +62,9 @@ class MappedBatches(Iterator[dict]):
     def num_batches(self) -> int:
         return self.inner.num_batches()
 
+    def data_tokens(self, step: int) -> dict[str, int]:
+        return self.inner.data_tokens(step)
+
     def __iter__(self):
         return self
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from tfjax.data.sources import DocumentSource
 
-__all__ = ["BATCH_KEYS", "PackedBatches", "RowStreams", "encode_item"]
+__all__ = ["BATCH_KEYS", "PackedBatches", "RowStreams", "empty_row", "encode_item", "row_batch"]
 
 BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "mask", "target_bytes")
 
@@ -36,6 +36,27 @@ def encode_item(tokenizer, item) -> np.ndarray:
         ids = np.concatenate([bos, tokenizer.encode(item), eos])
         scored = np.ones(len(ids))
     return np.stack([ids, scored]).astype(np.int32)
+
+
+def row_batch(tokenizer, toks: np.ndarray, seg: np.ndarray, pos: np.ndarray,
+              score: np.ndarray) -> dict:
+    """One packed row of `T + 1` tokens (segment ids from 1 per document piece, 0 on
+    padding; positions from 0 per piece; whether each token is scored) -> the `BATCH_KEYS`
+    arrays `[T]`: `mask` 0 where the target crosses a piece, is padding or not scored."""
+    T = len(toks) - 1
+    mask = (seg[:T] == seg[1:]) & (seg[:T] > 0) & (score[1:] > 0)
+    targets = toks[1:]
+    tb = tokenizer.token_bytes[np.minimum(targets, len(tokenizer.token_bytes) - 1)]
+    return dict(inputs=toks[:T], targets=targets, positions=pos[:T], segment_ids=seg[:T],
+                mask=mask.astype(np.int32), target_bytes=(tb * mask).astype(np.int32))
+
+
+def empty_row(tokenizer, T: int) -> dict:
+    """A row of padding (nothing scored): the end of a non-repeating pass."""
+    z = np.zeros(T, np.int32)
+    return dict(inputs=np.full(T, tokenizer.pad_id, np.int32),
+                targets=np.full(T, tokenizer.pad_id, np.int32),
+                positions=z, segment_ids=z, mask=z, target_bytes=z)
 
 
 class RowStreams(Iterator[dict]):
@@ -66,6 +87,11 @@ class RowStreams(Iterator[dict]):
             raise ValueError(f"data state has {len(cursors)} streams but train.batch_size is "
                              f"{self.global_batch}; resume with the batch size it was saved with")
         self._state = dict(cursors=cursors, batch=int(state["batch"]))
+
+    def data_tokens(self, step: int) -> dict[str, int]:
+        """Tokens drawn per source after `step` steps, for the log: none here (one
+        source); the cache mixture (`tfjax.data.mixture`) names each cache."""
+        return {}
 
     def __iter__(self):
         return self
@@ -145,28 +171,13 @@ class PackedBatches(RowStreams):
             cursor[:] = [j, 0]
         return toks, seg, pos, score
 
-    def _row_arrays(self, row):
-        toks, seg, pos, score = row
-        T = self.seq_len
-        mask = (seg[:T] == seg[1:]) & (seg[:T] > 0) & (score[1:] > 0)
-        targets = toks[1:]
-        tb = self.tokenizer.token_bytes[np.minimum(targets, len(self.tokenizer.token_bytes) - 1)]
-        return dict(inputs=toks[:T], targets=targets, positions=pos[:T], segment_ids=seg[:T],
-                    mask=mask.astype(np.int32), target_bytes=(tb * mask).astype(np.int32))
-
-    def _empty_row(self):
-        T = self.seq_len
-        z = np.zeros(T, np.int32)
-        return dict(inputs=np.full(T, self.tokenizer.pad_id, np.int32),
-                    targets=np.full(T, self.tokenizer.pad_id, np.int32),
-                    positions=z, segment_ids=z, mask=z, target_bytes=z)
-
     def __next__(self) -> dict:
         if not self.repeat and self._state["batch"] >= self.num_batches():
             raise StopIteration
         rows = []
         for r in self.local_rows:
             row = self._next_row(r)
-            rows.append(self._row_arrays(row) if row is not None else self._empty_row())
+            rows.append(row_batch(self.tokenizer, *row) if row is not None
+                        else empty_row(self.tokenizer, self.seq_len))
         self._state["batch"] += 1
         return {k: np.stack([r[k] for r in rows]) for k in BATCH_KEYS}

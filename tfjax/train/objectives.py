@@ -20,6 +20,7 @@ import numpy as np
 
 from tfjax.config import RunConfig
 from tfjax.data import objectives as D
+from tfjax.data.mixture import MixtureBatches, open_caches
 from tfjax.data.pipeline import BATCH_KEYS, PackedBatches
 from tfjax.data.sources import documents
 from tfjax.models.mtp import mtp_predictions
@@ -63,11 +64,19 @@ OBJECTIVES: Registry[Objective] = Registry("objective")
 
 
 def _documents(cfg, split):
+    """The documents of `split`, or with data.source="cache" its token caches."""
+    if cfg.data.source == "cache":
+        return open_caches(cfg.data, split)
     return documents(cfg.data, split)
 
 
 def _packed(cfg, tokenizer, source, local_rows, train, seq_len=None):
-    t = cfg.train
+    t, d = cfg.train, cfg.data
+    if d.source == "cache":  # `source`: the caches (`_documents`)
+        return MixtureBatches(source, tokenizer, seq_len=seq_len or t.seq_len,
+                              global_batch=t.batch_size, local_rows=local_rows,
+                              weights=d.weights, stages=d.stages, block_rows=d.block_rows,
+                              seed=cfg.seed, shuffle=d.shuffle, repeat=train)
     if train:
         return PackedBatches(source, tokenizer, seq_len=seq_len or t.seq_len,
                              global_batch=t.batch_size, local_rows=local_rows, seed=cfg.seed,
@@ -316,6 +325,12 @@ def check_objective(cfg: RunConfig, tokenizer, n_seq: int = 1) -> Objective:
     tokenizer and the sequence shards; each error names the field and the fix."""
     t, m = cfg.train, cfg.model
     obj = OBJECTIVES.get(t.objective, field="train.objective")
+    if cfg.data.source == "cache" and obj.source is not _documents:
+        packing = [n for n in OBJECTIVES if OBJECTIVES.get(n).source is _documents]
+        raise ValueError(f"data.source: a token cache feeds the objectives that pack documents "
+                         f"({', '.join(map(repr, packing))}), not train.objective="
+                         f"{t.objective!r}, which reads jsonl examples; set "
+                         f"--config.data.source=jsonl")
     if obj.arch != m.arch:
         mine = [n for n in OBJECTIVES if OBJECTIVES.get(n).arch == m.arch]
         raise ValueError(f"train.objective: {t.objective!r} trains arch={obj.arch!r} models, "

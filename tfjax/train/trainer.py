@@ -26,6 +26,7 @@ import numpy as np
 from flax import nnx
 
 from tfjax.config import RunConfig, parse_profile_steps
+from tfjax.data.mixture import check_caches
 from tfjax.data.pipeline import PackedBatches
 from tfjax.data.tokenizers import load_tokenizer
 from tfjax.inference import generate
@@ -102,6 +103,8 @@ class Trainer:
         self.objective = OBJECTIVES.get(t.objective, field="train.objective")
         self.train_docs = self.objective.source(cfg, "train")  # documents, or jsonl examples
         self.val_docs = self.objective.source(cfg, "validation")
+        if cfg.data.source == "cache":  # made with the run's tokenizer, before compiling
+            check_caches([*self.train_docs, *self.val_docs], self.tokenizer, cfg.data.tokenizer)
         self.program = build_program(cfg, self.mesh, self.build_model)  # LoRA: program.lora
         self.local_rows = self._local_rows(t.batch_size)
         self._lr = lr_schedule(t)
@@ -248,7 +251,7 @@ class Trainer:
         process advances only the streams of its own rows, and orbax writes the JSON of
         process 0 alone, so each row's cursor is gathered from a process that holds it."""
         st = it.get_state()
-        if jax.process_count() == 1:
+        if jax.process_count() == 1 or "cursors" not in st:  # a cache mixture: the batch count
             return st
         from jax.experimental import multihost_utils
 
@@ -331,6 +334,7 @@ class Trainer:
             if rate_steps > 0:
                 tps = tokens_per_step / dt
                 rec.update(tokens_per_s=tps, step_time_s=dt, mfu=fpt * tps / peak if peak else 0.0)
+            rec.update(it.data_tokens(step))  # data_tokens/<cache>: a cache mixture's draws
             if t.z_loss:
                 rec["z_loss"] = float(np.mean([v["z"] for _, v in vals]))
             if self.cfg.model.mtp_depth:  # weighted multi-token prediction loss per token
