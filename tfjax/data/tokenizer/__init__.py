@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 
 import numpy as np
 
@@ -76,6 +77,15 @@ def _with_bos(tok, bos_id: int):
     return tok
 
 
+def _types(node) -> set[str]:
+    """Every "type" named in a tokenizer.json component (a Sequence's parts too)."""
+    if isinstance(node, dict):
+        return {node.get("type")} | set().union(*map(_types, node.values()))
+    if isinstance(node, list):
+        return set().union(*map(_types, node))
+    return set()
+
+
 class HFTokenizer:
     """A Hugging Face `tokenizers` JSON file (needs the `tokenizers` package: the `hf`
     extra); its bos / eos / pad are those the files beside it declare (`declared_specials`).
@@ -96,8 +106,15 @@ class HFTokenizer:
         ids = f"bos {self.bos_id}, eos {self.eos_id}, pad {self.pad_id}"
         self.fingerprint = hashlib.sha256((self._tok.to_str() + ids).encode()).hexdigest()
         self.token_bytes = np.zeros(self.vocab_size, np.int32)
+        decoders = _types(json.loads(self._tok.to_str()).get("decoder"))
         for tok, i in vocab.items():
-            if tok not in specials and i < self.vocab_size:
+            if tok in specials or i >= self.vocab_size:
+                continue
+            if "ByteLevel" in decoders:  # one character per byte, as GPT-2's alphabet
+                self.token_bytes[i] = len(tok)
+            elif "ByteFallback" in decoders and re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", tok):
+                self.token_bytes[i] = 1
+            else:
                 self.token_bytes[i] = len(self._tok.decode([i], skip_special_tokens=False).encode())
 
     def encode(self, text):

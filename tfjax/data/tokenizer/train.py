@@ -7,6 +7,7 @@ saving it as a tokenizer directory (`save`: tokenizer.json + tokenizer_config.js
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import gzip
 import json
@@ -56,13 +57,21 @@ def read_documents(files: Sequence[str], field: str = "text") -> Iterator[str]:
                 try:
                     record = json.loads(line)
                 except ValueError as e:
-                    raise ValueError(f"{path}:{lineno}: not a JSON line ({e}); fix or drop the "
+                    raise ValueError(f"tokenizer train: {path}:{lineno}: not a JSON line ({e}); fix or drop the "
                                      "line, or rename the file if it is plain text") from None
                 text = record.get(field) if isinstance(record, dict) else None
                 if not isinstance(text, str):
-                    raise ValueError(f"{path}:{lineno}: the line has no string field {field!r}; "
+                    raise ValueError(f"tokenizer train: {path}:{lineno}: the line has no string field {field!r}; "
                                      "pass --field NAME, the field that holds the text")
                 yield text
+
+
+def _check(vocab_size: int, min_frequency: int) -> None:
+    if vocab_size < MIN_VOCAB:
+        raise ValueError(f"tokenizer train: --vocab_size {vocab_size} is below {MIN_VOCAB} (256 "
+                         "bytes and 3 specials); raise it")
+    if min_frequency < 1:
+        raise ValueError(f"tokenizer train: --min_frequency {min_frequency} must be >= 1")
 
 
 def train_bpe(documents, vocab_size: int, min_frequency: int = 2, length: int | None = None,
@@ -70,11 +79,7 @@ def train_bpe(documents, vocab_size: int, min_frequency: int = 2, length: int | 
     """A byte-level BPE `tokenizers.Tokenizer` of at most `vocab_size` ids trained on the
     strings `documents` (`length` of them, for the progress bar): pad, bos, eos are ids
     0, 1, 2; encoding puts bos first, as `hf_tokenizer()` does."""
-    if vocab_size < MIN_VOCAB:
-        raise ValueError(f"tokenizer train: --vocab_size {vocab_size} is below {MIN_VOCAB} (256 "
-                         "bytes and 3 specials); raise it")
-    if min_frequency < 1:
-        raise ValueError(f"tokenizer train: --min_frequency {min_frequency} must be >= 1")
+    _check(vocab_size, min_frequency)
     try:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     except ImportError as e:  # pragma: no cover - depends on extras
@@ -101,15 +106,31 @@ def save(tok, out: str) -> None:
         json.dump(config, f, indent=2)
 
 
+@contextlib.contextmanager
+def _stdout_to_stderr():
+    """The `tokenizers` trainer ends its progress bars with newlines on stdout (fd 1);
+    send them to stderr, where the bars are."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def train(inputs: Sequence[str], out: str, vocab_size: int, field: str = "text",
           min_frequency: int = 2, progress: bool = True) -> str:
     """Train on the documents of `inputs` and save to `out` (progress on stderr); `out`."""
+    _check(vocab_size, min_frequency)
     files = corpus_files(inputs)
     n = sum(1 for _ in read_documents(files, field))  # checks every line before training
     if n == 0:
         raise ValueError(f"tokenizer train: {', '.join(inputs)} hold no document")
     print(f"[tokenizer train: {n} documents in {len(files)} files]", file=sys.stderr, flush=True)
-    tok = train_bpe(read_documents(files, field), vocab_size, min_frequency, n, progress)
+    with _stdout_to_stderr():
+        tok = train_bpe(read_documents(files, field), vocab_size, min_frequency, n, progress)
     save(tok, out)
     print(f"[tokenizer train: {tok.get_vocab_size()} ids -> {out}/tokenizer.json, "
           "tokenizer_config.json]", file=sys.stderr, flush=True)
