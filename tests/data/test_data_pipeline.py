@@ -164,6 +164,8 @@ def test_local_tokenizers_json(tmp_path):
     tok.train_from_iterator(["def f(x):\n    return x + 1\n"] * 50, trainer)
     path = str(tmp_path / "tok.json")
     tok.save(path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(  # declares the specials
+        dict(bos_token="<s>", eos_token="</s>", pad_token="<pad>")))
     t = load_tokenizer(path)
     ids = t.encode("def f(x):")
     assert t.decode(ids) == "def f(x):"

@@ -20,7 +20,7 @@ from tiny_setup import preempt_after, tiny_config
 from tfjax import config as C
 from tfjax.data.pipeline import PackedBatches
 from tfjax.data.sources import documents
-from tfjax.data.tokenizers import ByteTokenizer, load_tokenizer
+from tfjax.data.tokenizer import ByteTokenizer, load_tokenizer
 from tfjax.export import main as export_main
 from tfjax.interop import hf
 from tfjax.train import Trainer
@@ -128,7 +128,7 @@ def test_finetune_hf_llama_then_export_has_transformers_logits(tmp_path, hf_llam
     cfg = ft_config(hf_llama, _jsonl(tmp_path / "d.jsonl"))
     tr = trainer(cfg, tmp_path / "w")
     assert tr.cfg.model.vocab_size == 272 and tr.cfg.model.num_layers == 2  # from config.json
-    assert tr.cfg.data.tokenizer == os.path.join(hf_llama, "tokenizer.json")
+    assert tr.cfg.data.tokenizer == hf_llama  # the directory: load_tokenizer reads its files
     ids = np.random.default_rng(0).integers(0, 259, size=(2, 11))
     base = transformers.LlamaForCausalLM.from_pretrained(hf_llama).eval()
     with torch.no_grad():
@@ -226,7 +226,7 @@ def test_bad_input_is_one_line_before_compiling(tmp_path, hf_llama, monkeypatch)
         c = json.load(f)
     (small / "config.json").write_text(json.dumps(dict(c, vocab_size=200)))
     cases.append((ft_config(str(small), data),
-                  r"data.tokenizer: .*tokenizer.json' has 259 ids, more than the checkpoint's "
+                  r"data.tokenizer: .*small' has 259 ids, more than the checkpoint's "
                   r"vocabulary \(vocab_size 200.*--config.data.tokenizer=init_from"))
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "p", "completion": "c"}\n{"completion": "no prompt"}\n')

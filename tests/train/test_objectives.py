@@ -16,7 +16,7 @@ from flax import nnx
 from tiny_setup import devices, preempt_after, tiny_config
 
 from tfjax.data import objectives as D
-from tfjax.data.tokenizers import ByteTokenizer
+from tfjax.data.tokenizer import ByteTokenizer
 from tfjax.models import build
 from tfjax.train import Trainer
 from tfjax.train.objectives import OBJECTIVES

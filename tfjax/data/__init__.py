@@ -5,7 +5,7 @@ training objectives' host-side transforms (MLM masking, span corruption, example
 
 from tfjax.data.pipeline import BATCH_KEYS, PackedBatches
 from tfjax.data.sources import DocumentSource, documents, is_validation, stdlib_files
-from tfjax.data.tokenizers import ByteTokenizer, load_tokenizer
+from tfjax.data.tokenizer import ByteTokenizer, load_tokenizer
 from tfjax.data import objectives, synthetic
 
 __all__ = [

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from tfjax.config import RunConfig
-from tfjax.data.tokenizers import load_tokenizer
+from tfjax.data.tokenizer import load_tokenizer
 from tfjax.models import build, check_names
 from tfjax.ops.target import gpu_lowering_target
 from tfjax.parallel.mesh import make_mesh

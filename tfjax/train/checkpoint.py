@@ -27,7 +27,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from tfjax.config import CheckpointConfig, run_config, upgrade_saved
-from tfjax.data.tokenizers import load_tokenizer
+from tfjax.data.tokenizer import load_tokenizer
 from tfjax.models import build, unrolled
 from tfjax.train.lora import model_params, train_state_shape
 

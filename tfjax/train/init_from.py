@@ -76,8 +76,9 @@ def _source(path: str) -> tuple[str, ModelConfig, str | None, Any]:
             m = hf.config_from_hf(d, source=config)
         except NotImplementedError as e:
             raise ValueError(f"init_from: {e}") from None
-        tok = os.path.join(path, "tokenizer.json")
-        return kind, m, tok if os.path.isfile(tok) else None, d
+        has_tok = any(os.path.isfile(os.path.join(path, f))
+                      for f in ("tokenizer.json", "tokenizer.model"))
+        return kind, m, path if has_tok else None, d  # load_tokenizer(path) reads it
     src = run_config(upgrade_saved(read_json_object(config, "init_from", "a run config")))
     return kind, src.model, src.data.tokenizer, src
 
@@ -115,9 +116,9 @@ def resolve_init_from(cfg: RunConfig) -> RunConfig:
     data = cfg.data
     if data.tokenizer == "init_from":
         if tok is None:
-            raise ValueError(f"data.tokenizer: 'init_from', but {cfg.init_from} has no "
-                             f"tokenizer.json; put the model's tokenizer.json there or name a "
-                             f"tokenizer file with --config.data.tokenizer=PATH")
+            raise ValueError(f"data.tokenizer: 'init_from', but {cfg.init_from} has neither "
+                             f"tokenizer.json nor tokenizer.model; put the model's tokenizer "
+                             f"there or name one with --config.data.tokenizer=PATH")
         data = dataclasses.replace(data, tokenizer=tok)
     model = merge_model(cfg.model, theirs, cfg.init_from)
     return dataclasses.replace(cfg, model=model, data=data).validate()

@@ -28,7 +28,7 @@ from flax import nnx
 from tfjax.config import RunConfig, parse_profile_steps
 from tfjax.data.mixture import check_caches
 from tfjax.data.pipeline import PackedBatches
-from tfjax.data.tokenizers import load_tokenizer
+from tfjax.data.tokenizer import load_tokenizer
 from tfjax.inference import generate
 from tfjax.models import build, check_names
 from tfjax.parallel.mesh import make_mesh

@@ -1,14 +1,11 @@
-"""Tokenizers: bytes (no download, the default) and local tokenizer files.
-
-Every tokenizer gives `encode(text) -> int32 ids`, `decode(ids) -> str`, the ids
-of its specials (`pad_id`, `bos_id`, `eos_id`), `vocab_size`, and
-`token_bytes`: for each id, how many UTF-8 bytes it stands for (0 for specials),
-`fingerprint` (sha256 of what fixes the id mapping: two tokenizers with one
-fingerprint encode alike),
-which turns a loss in nats per token into bits per byte for any tokenizer, and
-`hf_tokenizer()`: the same tokenizer as a `tokenizers.Tokenizer` (what an exported
-checkpoint's `tokenizer.json` holds), whose `encode(text).ids` is
-`[bos_id] + encode(text)`, as the training documents begin.
+"""Tokenizers: bytes (no download, the default), `tokenizers` JSON files, sentencepiece
+models, and directories holding one (`load_tokenizer`). Each gives `encode(text) -> int32
+ids`, `decode(ids) -> str`, `pad_id` / `bos_id` / `eos_id` (for a JSON file: declared by
+the files beside it, `specials`), `vocab_size`, `token_bytes` (UTF-8 bytes per id, 0 for
+specials: bits per byte for any tokenizer), `fingerprint` (sha256 of what fixes the ids
+and specials) and `hf_tokenizer()` (a `tokenizers.Tokenizer` whose `encode(text).ids` is
+`[bos_id] + encode(text)`). `python -m tfjax.data.tokenizer train` trains a byte-level
+BPE (`train`). See docs/data.md.
 """
 
 from __future__ import annotations
@@ -16,8 +13,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 
 import numpy as np
+
+from tfjax.data.tokenizer.specials import declared_specials
 
 __all__ = ["ByteTokenizer", "HFTokenizer", "SentencePieceTokenizer", "load_tokenizer"]
 
@@ -77,40 +77,44 @@ def _with_bos(tok, bos_id: int):
     return tok
 
 
-class HFTokenizer:
-    """A Hugging Face `tokenizers` JSON file (needs the `tokenizers` package: `pip install tokenizers`
-    or the `hf` extra)."""
+def _types(node) -> set[str]:
+    """Every "type" named in a tokenizer.json component (a Sequence's parts too)."""
+    if isinstance(node, dict):
+        return {node.get("type")} | set().union(*map(_types, node.values()))
+    if isinstance(node, list):
+        return set().union(*map(_types, node))
+    return set()
 
-    def __init__(self, path: str):
+
+class HFTokenizer:
+    """A Hugging Face `tokenizers` JSON file (needs the `tokenizers` package: the `hf`
+    extra); its bos / eos / pad are those the files beside it declare (`declared_specials`).
+    `name` (default `path`) is what it was asked for by, e.g. a directory."""
+
+    def __init__(self, path: str, name: str | None = None):
         try:
             from tokenizers import Tokenizer
         except ImportError as e:  # pragma: no cover - depends on extras
             raise ValueError(f"data.tokenizer: {path!r} is a tokenizers JSON file, which needs the "
                              "`tokenizers` package: in the clone, .venv/bin/python -m pip install -e '.[hf]'") from e
-        self.name = path
+        self.name = path if name is None else name
         self._tok = Tokenizer.from_file(path)
-        self.fingerprint = hashlib.sha256(self._tok.to_str().encode()).hexdigest()
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         vocab = self._tok.get_vocab(with_added_tokens=True)
         specials = {t.content for t in self._tok.get_added_tokens_decoder().values() if t.special}
-
-        def find(*names):
-            for n in names:
-                if n in vocab:
-                    return vocab[n]
-            return None
-
-        self.bos_id = find("<s>", "<|begin_of_text|>", "<bos>", "[CLS]", "<|endoftext|>")
-        self.eos_id = find("</s>", "<|end_of_text|>", "<eos>", "[SEP]", "<|endoftext|>")
-        self.pad_id = find("<pad>", "[PAD]", "<|pad|>")
-        if self.eos_id is None:
-            raise ValueError(f"data.tokenizer: {path!r} has no end-of-text token "
-                             "(</s>, <eos>, <|endoftext|>, ...)")
-        self.bos_id = self.eos_id if self.bos_id is None else self.bos_id
-        self.pad_id = self.eos_id if self.pad_id is None else self.pad_id
+        self.bos_id, self.eos_id, self.pad_id = declared_specials(path, self._tok)
+        ids = f"bos {self.bos_id}, eos {self.eos_id}, pad {self.pad_id}"
+        self.fingerprint = hashlib.sha256((self._tok.to_str() + ids).encode()).hexdigest()
         self.token_bytes = np.zeros(self.vocab_size, np.int32)
+        decoders = _types(json.loads(self._tok.to_str()).get("decoder"))
         for tok, i in vocab.items():
-            if tok not in specials and i < self.vocab_size:
+            if tok in specials or i >= self.vocab_size:
+                continue
+            if "ByteLevel" in decoders:  # one character per byte, as GPT-2's alphabet
+                self.token_bytes[i] = len(tok)
+            elif "ByteFallback" in decoders and re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", tok):
+                self.token_bytes[i] = 1
+            else:
                 self.token_bytes[i] = len(self._tok.decode([i], skip_special_tokens=False).encode())
 
     def encode(self, text):
@@ -172,14 +176,27 @@ class SentencePieceTokenizer:
 
 
 def load_tokenizer(name: str):
-    """"byte", or a local `tokenizers` .json / sentencepiece .model file."""
+    """"byte", a `tokenizers` .json file, a sentencepiece .model file, or a directory (a
+    checkpoint or a tokenizer directory: its tokenizer.json, else its tokenizer.model)."""
     if name == "byte":
         return ByteTokenizer()
+    if os.path.isdir(name):
+        for file in ("tokenizer.json", "tokenizer.model"):
+            if os.path.isfile(os.path.join(name, file)):
+                return _load_file(os.path.join(name, file), name)
+        raise ValueError(f"data.tokenizer: the directory {name!r} has neither tokenizer.json nor "
+                         "tokenizer.model; name a directory that has one (save_pretrained or "
+                         "`python -m tfjax.data.tokenizer train` writes it) or a tokenizer file")
     if not os.path.exists(name):
-        raise ValueError(f"data.tokenizer: {name!r} is neither 'byte' nor an existing file "
-                         "(a tokenizers .json or a sentencepiece .model)")
-    if name.endswith(".json"):
-        with open(name) as f:
+        raise ValueError(f"data.tokenizer: {name!r} is neither 'byte' nor an existing file or "
+                         "directory (a tokenizers .json, a sentencepiece .model, or a directory "
+                         "holding tokenizer.json / tokenizer.model)")
+    return _load_file(name, name)
+
+
+def _load_file(path: str, name: str):
+    if path.endswith(".json"):
+        with open(path) as f:
             json.load(f)  # a clear JSON error before the tokenizers library's
-        return HFTokenizer(name)
-    return SentencePieceTokenizer(name)
+        return HFTokenizer(path, name)
+    return SentencePieceTokenizer(path)
