@@ -1,15 +1,16 @@
-"""An in-memory stand-in for `tfjax.data.cache.TokenCache` (the protocol in
-docs/data.md), for the mixture's tests until real caches are prepared in them.
-
-TODO(integrator): once tfjax.data.cache and tfjax.data.prepare are merged, `memory_caches`
-can write real caches (`python -m tfjax.data.prepare`) instead; the tests only use the
-protocol (path, name, split, tokenizer_*, num_tokens, stream_length, read)."""
+"""Token caches for tests: `prepared_cache` writes a real one (`tfjax.data.prepare`) of
+given documents; `MemoryCache` is an in-memory stand-in for `tfjax.data.cache.TokenCache`
+(its protocol: path, name, split, tokenizer_*, num_tokens, stream_length, read) for the
+mixture's unit tests, which count its reads and need many small caches fast."""
 
 from __future__ import annotations
 
 import os
 
 import numpy as np
+
+from tfjax.data.prepare import prepare
+from tfjax.data.sources import is_validation
 
 
 class MemoryCache:
@@ -59,3 +60,21 @@ def memory_caches(monkeypatch, tokenizer, corpora: dict, **kw) -> dict:
 
     monkeypatch.setattr(mixture, "open_cache", open_cache)
     return opened
+
+
+def prepared_cache(path, splits: dict, tokenizer: str = "byte") -> str:
+    """A real token cache at `path` of `splits` ({split: docs}, each document a list of
+    byte values 1..255 for the byte tokenizer): each document a text file in `path`.src,
+    named so that the validation rule (`is_validation`) puts it in its split."""
+    src, out = f"{path}.src", str(path)
+    os.makedirs(src)
+    k = 0
+    for split, docs in splits.items():
+        for doc in docs:
+            while is_validation(f"d{k:05d}.txt") != (split == "validation"):
+                k += 1
+            with open(os.path.join(src, f"d{k:05d}.txt"), "wb") as f:
+                f.write(bytes(int(t) for t in doc))
+            k += 1
+    prepare([src], out, tokenizer=tokenizer, workers=1, progress=False)
+    return out

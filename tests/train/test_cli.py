@@ -219,6 +219,36 @@ def test_two_processes_train_like_one_and_survive_sigterm(tmp_path, monkeypatch)
 
 
 @pytest.mark.slow
+def test_two_processes_read_their_own_rows_of_a_cache_mixture_like_one(tmp_path):
+    """`data.source="cache"`: two processes (gloo), each reading only its rows of every
+    global batch, give the losses of one process bit for bit, across a stage change."""
+    sys.path.insert(0, os.path.join(ROOT, "tests", "data"))
+    from token_caches import prepared_cache
+
+    rng = np.random.default_rng(0)
+    docs = lambda n: [list(rng.integers(97, 123, rng.integers(5, 80))) for _ in range(n)]
+    paths = [prepared_cache(tmp_path / name, dict(train=docs(n), validation=docs(2)))
+             for name, n in (("web", 60), ("code", 30))]
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    args = ["--config.train.steps=3", "--config.train.sample_tokens=0", "--config.mesh.data=4",
+            "--config.train.eval_at_end=False", "--config.checkpoint.enabled=False",
+            "--config.data.source=cache", f"--config.data.paths=('{paths[0]}', '{paths[1]}')",
+            "--config.data.weights=(3.0, 1.0)", "--config.data.stages=((2, (1.0, 1.0)),)",
+            "--config.data.block_rows=8", *TINY]
+    one = cli("--workdir", str(tmp_path / "one"), *args, devices=4)
+    two = [cli("--workdir", str(tmp_path / "two"), *args, devices=2,
+               *[f"--coordinator_address=localhost:{port}", "--num_processes=2",
+                 f"--process_id={i}"]) for i in range(2)]
+    outs = finish([one, *two], 400, "one process and two on token caches")
+    assert all(p.returncode == 0 for p in [one, *two]), "\n----\n".join(outs)
+    a, b = losses(str(tmp_path / "one")), losses(str(tmp_path / "two"))
+    assert sorted(a) == sorted(b) == [1, 2, 3]
+    assert [b[k] for k in a] == [a[k] for k in a]
+
+
+@pytest.mark.slow
 def test_compile_only_for_a_tpu_slice(tmp_path):
     pytest.importorskip("libtpu")
     p = subprocess.run([sys.executable, "-m", "tfjax.train", "--config",

@@ -2,9 +2,8 @@
 data_tokens/<cache>, resume across a change of stage is exact, a cache of another
 tokenizer or an objective that cannot read caches fails before compiling.
 
-The caches are the in-memory double of tests/data/token_caches.py, put where the
-trainer opens caches (`tfjax.data.mixture.open_cache`); the trainer path is the real one.
-TODO(integrator): with tfjax.data.prepare merged, prepare real caches here instead."""
+The caches are real (`tfjax.data.prepare`, tests/data/token_caches.py), but for the
+tokenizer check, which gives the in-memory stand-in another tokenizer's fingerprint."""
 
 import json
 import os
@@ -16,11 +15,12 @@ import tiny_decoder
 from tiny_setup import devices, preempt_after, tiny_config
 
 from tfjax.data import ByteTokenizer
+from tfjax.data.cache import TokenCache
 from tfjax.train import Trainer
 from tfjax.train.objectives import OBJECTIVES, check_objective
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "data"))
-from token_caches import memory_caches  # noqa: E402
+from token_caches import memory_caches, prepared_cache  # noqa: E402
 
 TOK = ByteTokenizer()
 
@@ -32,11 +32,20 @@ def corpus(seed, n):
 
 @pytest.fixture
 def caches(monkeypatch, tmp_path):
-    paths = (str(tmp_path / "web"), str(tmp_path / "code"))
-    opened = memory_caches(monkeypatch, TOK, {
-        paths[0]: dict(train=corpus(0, 40), validation=corpus(1, 4)),
-        paths[1]: dict(train=corpus(2, 30), validation=corpus(3, 3))})
-    return paths, opened
+    """Two prepared caches, "web" and "code"; `reads[path]`: the spans read from each
+    cache's train split."""
+    paths = (prepared_cache(tmp_path / "web", dict(train=corpus(0, 40), validation=corpus(1, 4))),
+             prepared_cache(tmp_path / "code", dict(train=corpus(2, 30), validation=corpus(3, 3))))
+    reads = {p: [] for p in paths}
+    read = TokenCache.read
+
+    def counted(self, start, stop):
+        if self.split == "train":
+            reads[self.path].append((start, stop))
+        return read(self, start, stop)
+
+    monkeypatch.setattr(TokenCache, "read", counted)
+    return paths, reads
 
 
 def sections(paths, **train):
@@ -47,7 +56,7 @@ def sections(paths, **train):
 
 
 def test_cache_run_logs_data_tokens_and_resumes_exactly(tmp_path, caches):
-    paths, opened = caches
+    paths, reads = caches
     cfg = tiny_config(**sections(paths))
     full_tr = Trainer(cfg, str(tmp_path / "full"), build_model=tiny_decoder.build,
                       devices=devices(8), log=lambda s: None)
@@ -60,7 +69,7 @@ def test_cache_run_logs_data_tokens_and_resumes_exactly(tmp_path, caches):
     for r in train:
         assert r["data_tokens/web"] + r["data_tokens/code"] == r["step"] * B * T
     for name, path in zip(("web", "code"), paths):  # against the rows the caches served
-        assert train[-1][f"data_tokens/{name}"] == len(opened[path, "train"].reads) * T
+        assert train[-1][f"data_tokens/{name}"] == len(reads[path]) * T
     assert train[3]["data_tokens/web"] == 24 * T  # stage 0: 3 of every 4 rows
     assert train[5]["data_tokens/web"] == (24 + 8) * T  # stage (1, 1) from step 4 on
 

@@ -28,7 +28,7 @@ from tfjax.data.cache import (FORMAT_VERSION, SPLITS, WRITER_OPTIONS, ShardWrite
                               finished_shard, ids_dtype, write_json)
 from tfjax.data.inputs import Input, Piece, find_inputs, pieces, read_piece
 from tfjax.data.sources import is_validation
-from tfjax.data.tokenizers import load_tokenizer
+from tfjax.data.tokenizer import load_tokenizer
 
 __all__ = ["main", "prepare"]
 
