@@ -222,6 +222,8 @@ def _bpe(path):
     tok.train_from_iterator(_texts("bpe", 50), trainers.BpeTrainer(
         vocab_size=300, special_tokens=["<pad>", "<s>", "</s>", "<unk>"]))
     tok.save(str(path))
+    (path.parent / "tokenizer_config.json").write_text(  # where its specials are declared
+        json.dumps(dict(bos_token="<s>", eos_token="</s>", pad_token="<pad>")))
     return str(path)
 
 
@@ -326,3 +328,11 @@ def test_the_command_line_with_two_workers(tmp_path, corpus):
     assert "documents" in run.stderr and "tokens" in run.stderr
     prepare([str(corpus)], str(tmp_path / "one"), "byte", workers=1, shard_mb=TINY_MB * 20)
     assert _tree(out) == _tree(tmp_path / "one")  # the same bytes, however many workers
+
+
+def test_a_tokenizer_without_an_end_of_text_token_names_the_flag(tmp_path, corpus):
+    path = _bpe(tmp_path / "tok.json")
+    os.remove(tmp_path / "tokenizer_config.json")
+    with pytest.raises(ValueError, match=r"^--tokenizer: .*tok.json' declares no end-of-text "
+                                         r"token .*add \"eos_token\""):
+        prepare([str(corpus)], str(tmp_path / "out"), path, workers=1)

@@ -166,11 +166,13 @@ class DataConfig:
     source: stdlib (the Python standard library's own .py files; validation iff
       int(sha1(relative path).hexdigest(), 16) % 50 == 0) | text (files or globs
       in `paths`, one document per file) | jsonl (one document per line, field
-      `jsonl_field`). For text/jsonl, `val_paths` names the validation files; if
-      empty, the same sha1 rule splits files (text) or lines (jsonl).
-    tokenizer: "byte" (256 bytes + specials), a local file: a `tokenizers` JSON
-      or a sentencepiece `.model`, or "init_from": the tokenizer of the checkpoint
-      `init_from` names (its tokenizer.json, or the tfjax run's data.tokenizer).
+      `jsonl_field`) | cache (token caches of `python -m tfjax.data.prepare`). For
+      text/jsonl, `val_paths` names the validation files; if empty, the same sha1
+      rule splits files (text) or lines (jsonl).
+    tokenizer: "byte" (256 bytes + specials), a local file (a `tokenizers` JSON or
+      a sentencepiece `.model`) or directory (its tokenizer.json or tokenizer.model,
+      specials from the files beside it), or "init_from": the tokenizer of the
+      checkpoint `init_from` names (its directory, or the tfjax run's data.tokenizer).
     format: "document" (every token is a target) | "instruction" (jsonl only: each
       line a "prompt" and a "completion" string, laid out as one packed document,
       the loss on the completion tokens only; `tfjax.data.pipeline`).

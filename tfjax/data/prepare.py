@@ -146,7 +146,10 @@ def prepare(inputs: Sequence[str], output: str, tokenizer: str = "byte", field: 
             workers: int | None = None, shard_mb: float = 64.0,
             progress: bool | None = None) -> dict:
     """Prepare (or resume, or leave as it is) the token cache `output`; its metadata."""
-    tok = load_tokenizer(tokenizer)
+    try:
+        tok = load_tokenizer(tokenizer)
+    except ValueError as e:  # its errors name the config field; here it is the flag
+        raise ValueError(str(e).replace("data.tokenizer:", "--tokenizer:", 1)) from None
     found = find_inputs(inputs)
     out = epath.Path(output)
     request = _request(found, tok, field, shard_mb)
