@@ -9,6 +9,7 @@ from token_caches import MemoryCache, memory_caches
 
 from tfjax import config as C
 from tfjax.data import ByteTokenizer, PackedBatches
+from tfjax.data import mixture
 from tfjax.data.mixture import MixtureBatches, MixturePlan, block_counts, check_caches, open_caches
 from tfjax.data.pipeline import BATCH_KEYS
 
@@ -86,12 +87,15 @@ def test_one_source_in_order_is_packed_batches():
             np.testing.assert_array_equal(a[k], b[k], err_msg=k)
 
 
-def test_every_pass_reads_each_row_once_in_a_fresh_order():
-    # 2 draws a block from each: a pass of 6 or 4 rows ends on a block's end
-    plan = MixturePlan([6, 4], [(0, (1, 1))], global_batch=3, block_rows=4, seed=1)
+@pytest.mark.parametrize("held", [True, False], ids=["permutation", "index_shuffle"])
+def test_every_pass_reads_each_row_once_in_a_fresh_order(held, monkeypatch):
+    # a pass's permutation held in memory, or grain's index shuffle for larger sources
+    monkeypatch.setattr(mixture, "PERMUTED_ROWS", 1 << 22 if held else 3)
+    # 1 draw a block from each: each source's draws come in their order (its passes)
+    plan = MixturePlan([6, 4], [(0, (1, 1))], global_batch=2, block_rows=2, seed=1)
     draws = {0: [], 1: []}
     for step in range(24):
-        for r in range(3):
+        for r in range(2):
             s, i = plan.source_row(step, r)
             draws[s].append(i)
     for s, n in enumerate([6, 4]):

@@ -231,13 +231,19 @@ class TokenCache:
             lo, hi = pos - base, min(stop, int(self._shard_starts[i + 1])) - base
             first = int(np.searchsorted(shard.starts, lo, "right")) - 1
             last = int(np.searchsorted(shard.starts, hi, "left"))  # exclusive
-            docs = shard.records(first, last, self._dtype)
-            ids = np.concatenate([np.concatenate([[self.bos_id], d, [self.eos_id]])
-                                  for d in docs]).astype(np.int32)
-            owner = np.repeat(np.arange(first, last) + self._first_doc[i],
-                              shard.lengths[first:last] + 2)
-            cut = slice(lo - int(shard.starts[first]), hi - int(shard.starts[first]))
-            out[0, pos - start:pos - start + hi - lo] = ids[cut]
-            out[1, pos - start:pos - start + hi - lo] = owner[cut]
+            at = pos - start
+            for d, ids in enumerate(shard.records(first, last, self._dtype), first):
+                # document d's part [a, b) in its own positions: 0 is BOS, 1..L its ids,
+                # L + 1 EOS; only that part is copied
+                s0, L = int(shard.starts[d]), len(ids)
+                a, b = max(lo, s0) - s0, min(hi, s0 + L + 2) - s0
+                piece = out[0, at:at + b - a]
+                if a == 0:
+                    piece[0] = self.bos_id
+                if b == L + 2:
+                    piece[-1] = self.eos_id
+                piece[max(a, 1) - a:min(b, L + 1) - a] = ids[max(a, 1) - 1:min(b, L + 1) - 1]
+                out[1, at:at + b - a] = d + self._first_doc[i]
+                at += b - a
             pos, i = base + hi, i + 1
         return out

@@ -83,6 +83,11 @@ def block_counts(weights: Sequence[float], block_rows: int) -> tuple[int, ...]:
     return tuple(int(c) for c in counts)
 
 
+# A source pass's permutation is held in memory (int32) up to this many rows; grain's
+# O(1)-memory index shuffle serves larger sources (it is fast there, slow on small ones).
+PERMUTED_ROWS = 1 << 22
+
+
 def _seed(*parts: int) -> int:
     return int(np.random.SeedSequence([p % 2**32 for p in parts]).generate_state(1)[0])
 
@@ -104,8 +109,7 @@ class MixturePlan:
             if len(w) != len(self.rows):
                 raise ValueError(f"data.weights: {len(w)} weight(s) for {len(self.rows)} caches")
         self._blocks: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
-        self._orders = [grain.MapDataset.range(n).shuffle(seed=_seed(seed, 0, s))
-                        for s, n in enumerate(self.rows)]
+        self._passes: dict[tuple[int, int], np.ndarray] = {}
         self._base = [np.zeros(len(self.rows), np.int64)]  # draws before each stage
         for k in range(len(self.starts) - 1):
             span = (self.starts[k + 1] - self.starts[k]) * global_batch
@@ -116,9 +120,7 @@ class MixturePlan:
         if (k, b) not in self._blocks:
             n, counts = self.block_rows, self.counts[k]
             if self.shuffle:
-                seed = _seed(self.seed, 1, k, b)
-                slot = np.array([grain.experimental.index_shuffle(p, max_index=n - 1, seed=seed,
-                                                                  rounds=4) for p in range(n)])
+                slot = np.random.default_rng(_seed(self.seed, 1, k, b)).permutation(n)
             else:
                 slot = np.arange(n)
             src = np.repeat(np.arange(len(counts)), counts)[slot]
@@ -149,7 +151,25 @@ class MixturePlan:
         src, rank = self._block(k, b)
         s = int(src[p])
         j = int(self._base[k][s]) + b * int(self.counts[k][s]) + int(rank[p])
-        return s, (int(self._orders[s][j]) if self.shuffle else j % self.rows[s])
+        return s, self._order(s, j)
+
+    def _order(self, s: int, j: int) -> int:
+        """Source s's row of its j-th draw: pass j // rows of it, each pass a fresh seeded
+        permutation (held in memory up to `PERMUTED_ROWS` rows; beyond, grain's index
+        shuffle, O(1) in memory)."""
+        n = self.rows[s]
+        if not self.shuffle:
+            return j % n
+        p, i = divmod(j, n)
+        if n > PERMUTED_ROWS:
+            return int(grain.experimental.index_shuffle(i, max_index=n - 1, rounds=4,
+                                                        seed=_seed(self.seed, 0, s, p)))
+        if (s, p) not in self._passes:
+            if len(self._passes) >= 2 * len(self.rows):
+                self._passes.clear()
+            rng = np.random.default_rng(_seed(self.seed, 0, s, p))
+            self._passes[s, p] = rng.permutation(n).astype(np.int32)
+        return int(self._passes[s, p][i])
 
 
 class MixtureBatches(Iterator[dict]):
