@@ -196,7 +196,7 @@ def test_train_bad_input(tmp_path, capsys):
     cases = [
         ([str(tmp_path / "nothing*.txt")], r"nothing\*.txt' matches no file"),
         ([corpus, "--vocab_size", "100"], r"--vocab_size 100 is below 259"),
-        ([corpus], r"a.jsonl:1: the line has no string field 'text'; pass --field NAME"),
+        ([corpus], r"a.jsonl:1: the record has no field 'text' \(--field\)"),
     ]
     for args, pattern in cases:
         argv = ["train", *args, "--output", str(tmp_path / "o"), "--no_progress"]
@@ -217,7 +217,7 @@ def test_train_command_line(tmp_path):
                         "--vocab_size", "280", "--field", "body", "--min_frequency", "3"],
                        capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert "60 documents in 1 files" in r.stderr and "tokenizer.json" in r.stderr
+    assert "60 documents]" in r.stderr and "tokenizer.json" in r.stderr
     assert r.stdout == ""
     config = json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text())
     assert (config["bos_token"], config["eos_token"], config["pad_token"]) == (BOS, EOS, PAD)

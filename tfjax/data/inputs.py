@@ -322,6 +322,14 @@ def read_piece(inp: Input, piece: Piece, field: str) -> Iterator[tuple[str, str 
         raise ValueError(f"{inp.path}: cannot read ({e}); check the file") from None
 
 
+def read_inputs(patterns: Sequence[str], field: str) -> Iterator[tuple[str, str | bytes]]:
+    """(name, text) of every document that is not blank in the inputs `patterns` name,
+    in order, in this process (each input one piece)."""
+    found = find_inputs(patterns)
+    for piece in pieces(found, 1 << 62, field):
+        yield from read_piece(found[piece.input], piece, field)
+
+
 def _starts_a_list(inp: Input) -> bool:
     with _open(epath.Path(inp.path)) as f:
         while chunk := f.read(4096):
