@@ -29,7 +29,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(PY) -m pip install -q -e ".[test,tpu,hf,data,notebooks,tracking,eval]"
+	$(PY) -m pip install -q -e ".[test,tpu,hf,data,cloud,notebooks,tracking,eval]"
 	touch $@
 
 $(VENV)/.installed-docs: $(VENV)/.installed

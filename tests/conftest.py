@@ -2,6 +2,7 @@
 
 import importlib.util
 import os
+import time
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -82,3 +83,27 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
         if "accelerator" in item.keywords and not on_accelerator:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def gcs_emulator():
+    """One local GCS emulator for the session (tests/gcs_emulator.py); its package is in
+    the `cloud` extra, which `make test` installs."""
+    from gcs_emulator import GcsEmulator
+
+    emulator = GcsEmulator().start()
+    yield emulator
+    emulator.stop()
+
+
+@pytest.fixture
+def gcs_bucket(gcs_emulator, monkeypatch, tmp_path, request):
+    """A new, empty bucket on the emulator ("gs://<name>"), with the environment (also of
+    subprocesses) pointing clients at it and downloads kept under tmp_path."""
+    for k, v in gcs_emulator.environment().items():
+        monkeypatch.setenv(k, v)
+    for k in ("TENSORSTORE_GCS_HTTP_URL", "GOOGLE_AUTH_TOKEN_FOR_TESTING"):
+        monkeypatch.delenv(k, raising=False)  # set from STORAGE_EMULATOR_HOST (tfjax.storage)
+    monkeypatch.setenv("TFJAX_DOWNLOADS", str(tmp_path / "downloads"))
+    name = "t" + str(abs(hash(request.node.nodeid)))[:12] + str(time.monotonic_ns())[-6:]
+    return gcs_emulator.make_bucket(name)

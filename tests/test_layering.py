@@ -5,7 +5,8 @@ module, and module docstrings are short.
 
 Layers (a module may import its own layer and those below it):
 
-    0  tfjax.typing, tfjax.registry, tfjax.config      names, registries, config
+    0  tfjax.typing, tfjax.registry, tfjax.storage,    names, registries, the file layer,
+       tfjax.config                                     config
     1  tfjax.ops                                        attention op, masks, kernels
     2  tfjax.parallel                                   mesh, rules, ring, per-device
     3  tfjax.nn                                         layers
@@ -31,7 +32,7 @@ import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "tfjax"
 LAYERS = (
-    ("tfjax.typing", "tfjax.registry", "tfjax.config"),
+    ("tfjax.typing", "tfjax.registry", "tfjax.storage", "tfjax.config"),
     ("tfjax.ops",),
     ("tfjax.parallel",),
     ("tfjax.nn",),

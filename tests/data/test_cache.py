@@ -152,3 +152,19 @@ def test_ids_dtype_and_ids_that_do_not_fit(tmp_path):
     w.add(np.array([1, 70000]))
     entry = w.finish()
     assert entry["num_tokens"] == 2 and entry["num_documents"] == 1
+
+
+def test_a_cache_on_a_bucket_reads_as_the_local_one(cache_dir, gcs_bucket):
+    """prepare --output gs://... (the local GCS emulator): the same shards, and a
+    TokenCache over the bucket reads what the local cache reads; a bucket that does not
+    exist is one line naming the URL, before anything is tokenized."""
+    src = cache_dir.parent / "src"
+    url = f"{gcs_bucket}/caches/web"
+    prepare([str(src)], url, "byte", workers=1, shard_mb=700 / 2**20)
+    for split in ("train", "validation"):
+        local, remote = TokenCache(str(cache_dir), split), TokenCache(url, split)
+        assert remote.name == "web" and remote.stream_length == local.stream_length
+        np.testing.assert_array_equal(remote.read(0, remote.stream_length),
+                                      local.read(0, local.stream_length))
+    with pytest.raises(ValueError, match=r"^--output: gs://no-such-bucket-tfjax/x: .*bucket"):
+        prepare([str(src)], "gs://no-such-bucket-tfjax/x", "byte", workers=1)

@@ -14,9 +14,12 @@ import hashlib
 import io
 import json
 import os
+import tempfile
 
 import numpy as np
 from etils import epath
+
+from tfjax import storage
 
 __all__ = ["FORMAT_VERSION", "ShardWriter", "TokenCache", "finished_shard", "ids_dtype",
            "write_json"]
@@ -41,20 +44,8 @@ def _sha256(path: epath.Path) -> str:
 
 
 def write_json(path: epath.Path, obj) -> None:
-    """Write `obj` to `path` atomically (a temporary file, then a rename)."""
-    tmp = path.parent / (path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1, sort_keys=True) + "\n")
-    tmp.replace(path)
-
-
-def _local(path: epath.Path) -> str:
-    # ArrayRecord's C++ layer (the pip build) opens local files only: gs:// shards need
-    # a local copy (not done here).
-    if "://" in os.fspath(path):
-        raise ValueError(f"{path}: ArrayRecord reads and writes local files only; prepare "
-                         "into a local --output and copy the directory (gs:// is not read "
-                         "directly yet)")
-    return os.fspath(path)
+    """Write `obj` to `path` atomically (`tfjax.storage.write_atomic`)."""
+    storage.write_atomic(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
 
 
 def _files(directory: epath.Path, split: str, index: int) -> dict[str, epath.Path]:
@@ -65,17 +56,25 @@ def _files(directory: epath.Path, split: str, index: int) -> dict[str, epath.Pat
 
 class ShardWriter:
     """Writes shard `index` of `split` under `directory`: documents added in order, then
-    `finish()` renames the finished files into place and writes the sidecar last."""
+    `finish()` renames the finished files into place and writes the sidecar last. On a
+    bucket the shard is written to a local temporary directory, then uploaded (ArrayRecord's
+    C++ writer takes local files only)."""
 
     def __init__(self, directory, split: str, index: int, dtype: np.dtype):
         from array_record.python.array_record_module import ArrayRecordWriter
 
-        self._files = _files(epath.Path(directory), split, index)
-        self._files["records"].parent.mkdir(parents=True, exist_ok=True)
+        self._files = _files(storage.path(directory), split, index)
+        self._remote = storage.is_remote(directory)
+        if self._remote:
+            self._staging = tempfile.TemporaryDirectory(prefix="tfjax-shard-")
+            local = epath.Path(self._staging.name)
+        else:
+            local = self._files["records"].parent
+            local.mkdir(parents=True, exist_ok=True)
         self._files["sidecar"].unlink(missing_ok=True)  # unfinished until finish() writes it
-        self._tmp = self._files["records"].parent / (self._files["records"].name + ".tmp")
+        self._tmp = local / (self._files["records"].name + ".tmp")
         self._dtype = np.dtype(dtype)
-        self._writer = ArrayRecordWriter(_local(self._tmp), WRITER_OPTIONS)
+        self._writer = ArrayRecordWriter(os.fspath(self._tmp), WRITER_OPTIONS)
         self._lengths: list[int] = []
 
     def add(self, ids: np.ndarray) -> None:
@@ -91,17 +90,19 @@ class ShardWriter:
         """Close, rename into place and write the sidecar; its entry for metadata.json."""
         self._writer.close()
         files = self._files
-        self._tmp.replace(files["records"])
-        tmp = files["lengths"].parent / (files["lengths"].name + ".tmp")
-        with tmp.open("wb") as f:
-            np.save(f, np.asarray(self._lengths, np.int64))
-        tmp.replace(files["lengths"])
+        lengths = io.BytesIO()
+        np.save(lengths, np.asarray(self._lengths, np.int64))
         entry = {"file": f"{files['records'].parent.name}/{files['records'].name}",
                  "lengths": f"{files['lengths'].parent.name}/{files['lengths'].name}",
                  "num_documents": len(self._lengths), "num_tokens": int(sum(self._lengths)),
-                 "bytes": files["records"].stat().length,
-                 "sha256": _sha256(files["records"]),
-                 "lengths_sha256": _sha256(files["lengths"])}
+                 "bytes": self._tmp.stat().length, "sha256": _sha256(self._tmp),
+                 "lengths_sha256": hashlib.sha256(lengths.getvalue()).hexdigest()}
+        if self._remote:
+            storage.upload(self._tmp, files["records"])
+            self._staging.cleanup()
+        else:
+            self._tmp.replace(files["records"])
+        storage.write_atomic(files["lengths"], lengths.getvalue())
         write_json(files["sidecar"], entry)
         return entry
 
@@ -109,7 +110,7 @@ class ShardWriter:
 def finished_shard(directory, split: str, index: int) -> dict | None:
     """The sidecar entry of a finished shard whose files verify (size and sha256), else
     None (never written, cut short, or damaged: to be written again)."""
-    files = _files(epath.Path(directory), split, index)
+    files = _files(storage.path(directory), split, index)
     try:
         entry = json.loads(files["sidecar"].read_text())
         ok = (files["records"].stat().length == entry["bytes"]
@@ -141,9 +142,13 @@ class _Shard:
                              f"{_FIX}")
         lengths_path = directory / entry["lengths"]
         data = lengths_path.read_bytes() if lengths_path.exists() else b""
-        key = (os.fspath(self.path), entry["sha256"])
+        try:  # ArrayRecord's C++ reader takes local files: a bucket's shard is downloaded
+            self.local = storage.local_copy(self.path, entry["sha256"])
+        except ValueError:
+            raise ValueError(f"{where} (sha256 differs from metadata.json); {_FIX}") from None
+        key = (self.local, entry["sha256"])
         if key not in _VERIFIED:
-            if _sha256(self.path) != entry["sha256"]:
+            if _sha256(epath.Path(self.local)) != entry["sha256"]:
                 raise ValueError(f"{where} (sha256 differs from metadata.json); {_FIX}")
             _VERIFIED.add(key)
         if hashlib.sha256(data).hexdigest() != entry["lengths_sha256"]:
@@ -151,7 +156,7 @@ class _Shard:
                              f"metadata.json); {_FIX}")
         self.lengths = np.load(io.BytesIO(data))
         self.starts = np.concatenate([[0], np.cumsum(self.lengths + 2)])
-        self.reader = ArrayRecordReader(_local(self.path), "readahead_buffer_size:0")
+        self.reader = ArrayRecordReader(self.local, "readahead_buffer_size:0")
         if self.reader.num_records() != len(self.lengths):
             raise ValueError(f"{where} ({self.reader.num_records()} records, its index says "
                              f"{len(self.lengths)}); {_FIX}")
@@ -175,7 +180,7 @@ class TokenCache:
 
     def __init__(self, path: str, split: str = "train"):
         self.path, self.split = path, split
-        self._dir = epath.Path(path)
+        self._dir = storage.path(path)
         self.name = self._dir.name
         meta_path = self._dir / "metadata.json"
         fix = f"run python -m tfjax.data.prepare INPUT... --output {path} --tokenizer TOK"

@@ -18,6 +18,7 @@ from collections.abc import Iterator, Sequence
 import grain
 import numpy as np
 
+from tfjax import storage
 from tfjax.config import DataConfig
 from tfjax.data.cache import TokenCache
 from tfjax.data.pipeline import BATCH_KEYS, empty_row, row_batch
@@ -38,6 +39,7 @@ def open_caches(data: DataConfig, split: str) -> list:
     validation pass; none with one is an error."""
     caches, errors = [], []
     for i, path in enumerate(data.paths):
+        storage.check_reachable(path, f"data.paths[{i}]")  # a bucket: one line, naming it
         try:
             caches.append(open_cache(path, split))
         except ValueError as e:

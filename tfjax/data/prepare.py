@@ -22,8 +22,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from etils import epath
-
+from tfjax import storage
 from tfjax.data.cache import (FORMAT_VERSION, SPLITS, WRITER_OPTIONS, ShardWriter,
                               finished_shard, ids_dtype, write_json)
 from tfjax.data.inputs import Input, Piece, find_inputs, pieces, read_piece
@@ -150,8 +149,9 @@ def prepare(inputs: Sequence[str], output: str, tokenizer: str = "byte", field: 
         tok = load_tokenizer(tokenizer)
     except ValueError as e:  # its errors name the config field; here it is the flag
         raise ValueError(str(e).replace("data.tokenizer:", "--tokenizer:", 1)) from None
+    storage.check_reachable(output, "--output")  # a bucket: before any tokenizing
     found = find_inputs(inputs)
-    out = epath.Path(output)
+    out = storage.path(output)
     request = _request(found, tok, field, shard_mb)
     meta_path, request_path = out / "metadata.json", out / "prepare.json"
     old = json.loads(request_path.read_text()) if request_path.exists() else None
