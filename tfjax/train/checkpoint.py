@@ -285,8 +285,7 @@ def read_json_object(path: str, where: str, what: str) -> dict:
     ...); not JSON, or JSON of another type, is a one-line ValueError that starts with
     `where` (the flag or field that named the file) and names `what` it should hold."""
     try:
-        with open(path, "rb") as f:
-            out = json.load(f)
+        out = json.loads(storage.path(path).read_bytes())  # local or on a bucket
     except ValueError as e:
         raise ValueError(f"{where}: {path} is not valid JSON ({e}); fix or re-save it") from None
     if not isinstance(out, dict):
