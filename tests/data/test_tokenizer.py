@@ -221,7 +221,7 @@ def test_train_bad_input(tmp_path, capsys):
         ([corpus], r"a.jsonl:1: the record has no field 'text' \(--field\)"),
     ]
     for args, pattern in cases:
-        argv = ["train", *args, "--output", str(tmp_path / "o"), "--no_progress"]
+        argv = ["train", *args, "--output", str(tmp_path / "o"), "--no-progress"]
         if "--vocab_size" not in args:
             argv += ["--vocab_size", "300"]
         assert main(argv) == 2
