@@ -1,6 +1,12 @@
 """A local Google Cloud Storage emulator for tests (the `gcp-storage-emulator` package, in
 a subprocess on 127.0.0.1): `GcsEmulator.start()` waits for it (bounded), `url` is what
-STORAGE_EMULATOR_HOST takes, `make_bucket(name)` creates a bucket, `stop()` ends it."""
+STORAGE_EMULATOR_HOST takes, `make_bucket(name)` creates a bucket, `stop()` ends it.
+
+The emulator leaves out two things of GCS's JSON API that tensorstore (orbax's writer)
+relies on: a download's `x-goog-generation` header and the `ifGenerationMatch`
+precondition of an upload. OCDBT's manifest is read, then rewritten only if its
+generation is unchanged; without them the rewrite fails ("Malformed StorageGeneration").
+Run as a script, this file serves the emulator with both added, as GCS has them."""
 
 from __future__ import annotations
 
@@ -28,8 +34,8 @@ class GcsEmulator:
         # blocks the emulator, and with it every client
         self._log = tempfile.TemporaryFile()
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "gcp_storage_emulator", "start", "--host", "127.0.0.1",
-             "--port", str(self.port), "--in-memory"],
+            [sys.executable, __file__, "start", "--host", "127.0.0.1", "--port",
+             str(self.port), "--in-memory"],
             stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
@@ -71,3 +77,45 @@ class GcsEmulator:
                 self._proc.kill()
                 self._proc.wait()
         self._proc = None
+
+
+def _with_generations() -> None:
+    """Add GCS's generation header to downloads and its ifGenerationMatch precondition
+    to media uploads (412 when the object's generation differs; 0: must not exist)."""
+    from http import HTTPStatus
+
+    from gcp_storage_emulator.exceptions import NotFound
+    from gcp_storage_emulator.handlers import objects
+
+    def generation(storage, bucket, name) -> str:
+        try:
+            return str(storage.get_file_obj(bucket, name)["generation"])
+        except NotFound:
+            return "0"
+
+    download, media_upload = objects.download, objects._media_upload
+
+    def download_with_generation(request, response, storage, *args, **kwargs):
+        download(request, response, storage, *args, **kwargs)
+        gen = generation(storage, request.params["bucket_name"], request.params["object_id"])
+        if gen != "0":
+            response["x-goog-generation"] = gen
+
+    def media_upload_if_generation_matches(request, response, storage):
+        want = request.query.get("ifGenerationMatch")
+        if want and want[0] != generation(storage, request.params["bucket_name"],
+                                          request.query["name"][0]):
+            response.status = HTTPStatus.PRECONDITION_FAILED
+            response.json({"error": {"code": 412, "message": "Precondition Failed"}})
+            return
+        media_upload(request, response, storage)
+
+    objects.download = download_with_generation  # before the server's routes are built
+    objects._media_upload = media_upload_if_generation_matches
+
+
+if __name__ == "__main__":
+    _with_generations()
+    from gcp_storage_emulator.__main__ import main
+
+    main()

@@ -1,5 +1,5 @@
 """tfjax.storage against a local GCS emulator (tests/gcs_emulator.py): paths, atomic
-writes, uploads, checksummed downloads, and the one-line errors of a bucket that does
+writes, uploads, checksummed downloads, directory mirrors, and the one-line errors of a bucket that does
 not exist, a scheme without a file system, an emulator that does not answer and
 missing credentials."""
 
@@ -41,6 +41,31 @@ def test_write_upload_and_download(gcs_bucket, tmp_path):
     assert storage.local_copy(local) == str(local)
     storage.write_atomic(f"{gcs_bucket}/empty", b"")
     assert open(storage.local_copy(f"{gcs_bucket}/empty"), "rb").read() == b""
+
+
+def test_local_directory_mirrors_matching_files_and_follows_changes(gcs_bucket, tmp_path,
+                                                                   monkeypatch):
+    for name, data in (("config.json", b"{}"), ("a.safetensors", b"A"), ("notes.txt", b"n"),
+                       ("sub/b.safetensors", b"B")):
+        storage.write_atomic(f"{gcs_bucket}/ckpt/{name}", data)
+    fetched = []
+    download = storage._download
+    monkeypatch.setattr(storage, "_download", lambda src, dst, sha256=None: (
+        fetched.append(src.rsplit("/", 1)[1]), download(src, dst, sha256)))
+    names = ("*.safetensors", "config.json")
+    local = storage.local_directory(f"{gcs_bucket}/ckpt/", names)
+    assert sorted(f for f in os.listdir(local) if not f.startswith(".")) == [
+        "a.safetensors", "config.json"]  # not notes.txt, not the subdirectory's
+    assert open(os.path.join(local, "a.safetensors"), "rb").read() == b"A"
+    assert sorted(fetched) == ["a.safetensors", "config.json"]
+    fetched.clear()
+    assert storage.local_directory(f"{gcs_bucket}/ckpt", names) == local  # unchanged: kept
+    assert fetched == []
+    storage.write_atomic(f"{gcs_bucket}/ckpt/a.safetensors", b"A2")  # replaced on the bucket
+    storage.local_directory(f"{gcs_bucket}/ckpt", names)
+    assert fetched == ["a.safetensors"]
+    assert open(os.path.join(local, "a.safetensors"), "rb").read() == b"A2"
+    assert storage.local_directory(tmp_path) == str(tmp_path)  # local: itself
 
 
 def test_local_write_atomic_and_upload(tmp_path):

@@ -2,8 +2,9 @@
 an fsspec URL (`gs://bucket/dir`, `s3://...`), opened through etils `epath`.
 
 What needs a local file (ArrayRecord's C++ reader, safetensors, TensorBoard's writer)
-goes through `local_copy` (downloaded once, by checksum when one is known) or is staged
-locally and `upload`ed. Objects on a bucket appear whole when their upload finishes, so
+goes through `local_copy` (downloaded once, by checksum when one is known) or
+`local_directory` (a directory's files, downloaded again only when changed), or is
+staged locally and `upload`ed. Objects on a bucket appear whole when their upload finishes, so
 `write_atomic` writes them directly (a rename there is a copy). `check_reachable` turns
 a missing bucket, missing credentials or no connection into one line naming the URL and
 the fix. With `STORAGE_EMULATOR_HOST` set, orbax's tensorstore is pointed at the same
@@ -12,14 +13,15 @@ emulator. See docs/data.md ("Buckets").
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import os
 import tempfile
 
 from etils import epath
 
-__all__ = ["check_reachable", "download_directory", "is_remote", "local_copy", "path",
-           "upload", "write_atomic"]
+__all__ = ["check_reachable", "download_directory", "is_remote", "local_copy",
+           "local_directory", "path", "upload", "write_atomic"]
 
 _INSTALL = "pip install 'tfjax[cloud]' (gcsfs for gs://; s3fs for s3://)"
 
@@ -83,6 +85,38 @@ def local_copy(p, sha256: str | None = None) -> str:
     dst = download_directory() / f"{name}{suffix}"
     if sha256 and dst.exists():
         return os.fspath(dst)
+    _download(src, dst, sha256)
+    return os.fspath(dst)
+
+
+def local_directory(p, names: tuple[str, ...] = ("*",)) -> str:
+    """A local directory holding the files of directory `p` whose names match one of the
+    globs `names` (not its subdirectories): `p` itself when local, else a mirror under
+    `download_directory()` named by the URL, where a file is downloaded again only when
+    its version on the bucket (fsspec's `ukey`: generation, size, time) changed."""
+    if not is_remote(p):
+        return os.fspath(path(p))
+    url = os.fspath(p).rstrip("/")
+    fs, where = _fs(url)
+    dst = download_directory() / ("dir-" + hashlib.sha256(url.encode()).hexdigest()[:32])
+    fs.invalidate_cache(where)  # the listing as it is now, not as this process saw it
+    for info in fs.ls(where, detail=True):
+        name = info["name"].rstrip("/").rsplit("/", 1)[-1]
+        if info.get("type") != "file" or not any(fnmatch.fnmatch(name, g) for g in names):
+            continue
+        version = str(fs.ukey(info["name"]))
+        stamp = dst / f".{name}.version"
+        if (dst / name).exists() and stamp.exists() and stamp.read_text() == version:
+            continue
+        _download(f"{url}/{name}", dst / name)
+        stamp.write_text(version)
+    dst.mkdir(parents=True, exist_ok=True)  # an empty match: an empty directory
+    return os.fspath(dst)
+
+
+def _download(src: str, dst: epath.Path, sha256: str | None = None) -> None:
+    """Copy remote `src` to local `dst` whole or not at all (a temporary file renamed
+    into place), checking `sha256` when given."""
     dst.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=os.fspath(dst.parent), prefix=dst.name + ".")
     h = hashlib.sha256()
@@ -98,7 +132,6 @@ def local_copy(p, sha256: str | None = None) -> str:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    return os.fspath(dst)
 
 
 def check_reachable(url, field: str, *, must_exist: bool = False) -> None:

@@ -123,6 +123,28 @@ def test_directory_and_file_are_one_tokenizer(tmp_path):
         load_tokenizer(str(tmp_path / "empty"))
 
 
+def test_a_tokenizer_on_a_bucket_is_the_local_one(tmp_path, gcs_bucket):
+    """A directory or a file on gs:// loads as its local original: the same ids, specials
+    (declared by the files beside it, which come down with it) and fingerprint; what is
+    not the tokenizer's (weights) stays on the bucket."""
+    from tfjax import storage
+
+    d = _word_level(tmp_path / "t", generation_config=dict(eos_token_id=4, bos_token_id=1))
+    (tmp_path / "t" / "model.safetensors").write_bytes(b"weights")
+    for f in os.listdir(d):
+        storage.upload(os.path.join(d, f), f"{gcs_bucket}/tok/{f}")
+    here = load_tokenizer(d)
+    for url in (f"{gcs_bucket}/tok", f"{gcs_bucket}/tok/tokenizer.json"):
+        there = load_tokenizer(url)
+        assert there.name == url and _specials(there) == _specials(here) == (1, 4, 4)
+        assert there.fingerprint == here.fingerprint
+        assert there.encode("a b c").tolist() == here.encode("a b c").tolist()
+    downloaded = {f for _, _, fs in os.walk(storage.download_directory()) for f in fs}
+    assert "generation_config.json" in downloaded and "model.safetensors" not in downloaded
+    with pytest.raises(ValueError, match=r"^data.tokenizer: gs://.*/tok/absent does not exist"):
+        load_tokenizer(f"{gcs_bucket}/tok/absent")
+
+
 def test_directory_with_a_sentencepiece_model(tmp_path):
     spm = pytest.importorskip("sentencepiece")
     (tmp_path / "corpus.txt").write_text("\n".join(TEXTS * 30))
@@ -199,7 +221,7 @@ def test_train_bad_input(tmp_path, capsys):
         ([corpus], r"a.jsonl:1: the record has no field 'text' \(--field\)"),
     ]
     for args, pattern in cases:
-        argv = ["train", *args, "--output", str(tmp_path / "o"), "--no_progress"]
+        argv = ["train", *args, "--output", str(tmp_path / "o"), "--no-progress"]
         if "--vocab_size" not in args:
             argv += ["--vocab_size", "300"]
         assert main(argv) == 2

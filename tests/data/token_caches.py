@@ -62,11 +62,12 @@ def memory_caches(monkeypatch, tokenizer, corpora: dict, **kw) -> dict:
     return opened
 
 
-def prepared_cache(path, splits: dict, tokenizer: str = "byte") -> str:
+def prepared_cache(path, splits: dict, tokenizer: str = "byte", src=None) -> str:
     """A real token cache at `path` of `splits` ({split: docs}, each document a list of
-    byte values 1..255 for the byte tokenizer): each document a text file in `path`.src,
-    named so that the validation rule (`is_validation`) puts it in its split."""
-    src, out = f"{path}.src", str(path)
+    byte values 1..255 for the byte tokenizer): each document a text file in `src`
+    (default `path`.src; local), named so that the validation rule (`is_validation`)
+    puts it in its split."""
+    src, out = str(src or f"{path}.src"), str(path)
     os.makedirs(src)
     k = 0
     for split, docs in splits.items():

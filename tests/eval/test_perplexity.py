@@ -78,7 +78,7 @@ def test_input_ids_are_scored_as_given_and_have_no_bits_per_byte(hf_dir, tmp_pat
     path, ref = hf_dir
     data = _write(tmp_path / "ids.jsonl", [{"input_ids": IDS}, {"text": TEXTS[0]}])
     out = tmp_path / "o.json"
-    assert main(["--hf", path, "--data", data, "--output", str(out), "--noprogress",
+    assert main(["--hf", path, "--data", data, "--output", str(out), "--no-progress",
                  "--mesh", "tensor=2", "--batch_size", "2"]) == 0
     got = json.loads(out.read_text())
     assert "bits_per_byte" not in got and f"tokens {got['tokens']:,}" in capsys.readouterr().out

@@ -198,6 +198,35 @@ def test_finetune_from_a_tfjax_workdir(tmp_path):
     assert trainer(rt, tmp_path / "y").cfg.model.remat == "full"
 
 
+@pytest.mark.slow
+def test_finetune_from_checkpoints_on_a_bucket(tmp_path, hf_llama, gcs_bucket):
+    """init_from on gs:// (the GCS emulator): a Hugging Face directory (its tokenizer
+    with it) and a tfjax workdir on a bucket give the step-0 parameters their local
+    originals give."""
+    from tfjax import storage
+
+    url = f"{gcs_bucket}/llama"
+    for f in os.listdir(hf_llama):
+        storage.upload(os.path.join(hf_llama, f), f"{url}/{f}")
+    data = _jsonl(tmp_path / "d.jsonl")
+    here = trainer(ft_config(hf_llama, data), tmp_path / "a").init_state()
+    tr = trainer(ft_config(url, data), tmp_path / "b")
+    assert tr.cfg.data.tokenizer == url and tr.cfg.model.vocab_size == 272
+    there = tr.init_state()
+    for a, b in zip(jax.tree.leaves(here["params"]), jax.tree.leaves(there["params"])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # a tfjax run whose workdir is on the bucket, then a fine-tune from it
+    pre = tiny_config(train=dict(steps=2), checkpoint=dict(enabled=True, async_save=False))
+    t0 = Trainer(pre, f"{gcs_bucket}/pre", devices=jax.devices()[:1], log=lambda s: None)
+    t0.train()
+    s = trainer(ft_config(f"{gcs_bucket}/pre", data, seq_len=32), tmp_path / "c").init_state()
+    for a, b in zip(jax.tree.leaves(s["params"]), jax.tree.leaves(t0.state["params"])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match=r"^init_from: gs://no-such-bucket-tfjax/m: bucket "
+                                         r"gs://no-such-bucket-tfjax does not exist"):
+        trainer(ft_config("gs://no-such-bucket-tfjax/m", data), tmp_path / "d")
+
+
 @pytest.mark.bad_input
 def test_bad_input_is_one_line_before_compiling(tmp_path, hf_llama, monkeypatch):
     import tfjax.train.trainer as T

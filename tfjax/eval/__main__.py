@@ -134,7 +134,8 @@ def main(argv=None) -> int:
                    "(default: data-parallel over all devices)")
     p.add_argument("--cpu_devices", type=int, default=0,
                    help="simulate this many CPU devices (XLA host platform)")
-    p.add_argument("--noprogress", action="store_true", help="no progress bar")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+                   help="the progress bar")
     a = p.parse_args(argv)
     if a.cpu_devices:  # read by jax when its backend starts, at the first device query
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
@@ -142,7 +143,7 @@ def main(argv=None) -> int:
     try:
         run(data=a.data, hf=a.hf, workdir=a.workdir, output=a.output, step=a.step,
             batch_size=a.batch_size, context=a.context, stride=a.stride, mesh=a.mesh,
-            progress=not a.noprogress)
+            progress=a.progress)
     except (ValueError, NotImplementedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -26,6 +26,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from tfjax import storage
 from tfjax.config import CheckpointConfig, run_config, upgrade_saved
 from tfjax.data.tokenizer import load_tokenizer
 from tfjax.models import build, unrolled
@@ -48,7 +49,8 @@ class Checkpointer:
     docs/training.md for what is checked and what a damaged step does)."""
 
     def __init__(self, workdir: str, cfg: CheckpointConfig):
-        self.workdir = os.path.abspath(workdir)
+        # a bucket URL as it is (orbax writes gs:// through tensorstore), a local path absolute
+        self.workdir = workdir if storage.is_remote(workdir) else os.path.abspath(workdir)
         self.directory = os.path.join(self.workdir, "checkpoints")
         self.damaged_directory = os.path.join(self.workdir, "damaged_checkpoints")
         self.cfg = cfg
@@ -199,12 +201,12 @@ class Checkpointer:
         the shared file system orbax needs anyway); the path it now has."""
         dest = os.path.join(self.damaged_directory, str(step))
         i = 0
-        while os.path.exists(dest):  # damaged once before: keep both
+        while storage.path(dest).exists():  # damaged once before: keep both
             i += 1
             dest = os.path.join(self.damaged_directory, f"{step}.{i}")
         if jax.process_index() == 0:
-            os.makedirs(self.damaged_directory, exist_ok=True)
-            os.rename(self.step_directory(step), dest)
+            storage.path(self.damaged_directory).mkdir(parents=True, exist_ok=True)
+            storage.path(self.step_directory(step)).rename(dest)
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
             multihost_utils.sync_global_devices(f"tfjax:set_aside:{step}")
@@ -227,12 +229,13 @@ def abstract_with_shardings(abstract: Any, shardings: Any) -> Any:
 def restore_run(workdir: str, step: int | None = None):
     """(run config, graphdef, train state, `tfjax.train.lora.Lora` or None, step): the
     checkpoint `load_run` reads, as the trainer lays it out, on one device."""
+    storage.check_reachable(workdir, "--workdir")
     path = os.path.join(workdir, "config.json")
-    if not os.path.exists(path):
+    if not storage.path(path).exists():
         raise ValueError(f"--workdir: {path} not found; point --workdir at the directory a "
                          f"`python -m tfjax.train --workdir ...` run wrote")
-    with open(path) as f:
-        cfg = run_config(upgrade_saved(json.load(f)))  # runs saved before a field moved
+    # runs saved before a field moved
+    cfg = run_config(upgrade_saved(json.loads(storage.path(path).read_text())))
     ckpt = Checkpointer(workdir, dataclasses.replace(cfg.checkpoint, async_save=False))
     try:
         steps = ckpt.all_steps()
@@ -282,8 +285,7 @@ def read_json_object(path: str, where: str, what: str) -> dict:
     ...); not JSON, or JSON of another type, is a one-line ValueError that starts with
     `where` (the flag or field that named the file) and names `what` it should hold."""
     try:
-        with open(path, "rb") as f:
-            out = json.load(f)
+        out = json.loads(storage.path(path).read_bytes())  # local or on a bucket
     except ValueError as e:
         raise ValueError(f"{where}: {path} is not valid JSON ({e}); fix or re-save it") from None
     if not isinstance(out, dict):

@@ -16,6 +16,8 @@ import os
 import jax
 from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
+from tfjax import storage
+
 __all__ = ["cache_directory", "persistent_compilation_cache"]
 
 _OPTIONS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
@@ -30,7 +32,7 @@ def cache_directory(setting: str, workdir: str) -> str | None:
         setting = jax.config.jax_compilation_cache_dir or "workdir"
     if setting == "workdir":
         return os.path.join(workdir, "compilation_cache")
-    return os.path.expanduser(setting)
+    return setting if storage.is_remote(setting) else os.path.expanduser(setting)
 
 
 @contextlib.contextmanager
@@ -42,7 +44,7 @@ def persistent_compilation_cache(setting: str, workdir: str):
         yield None
         return
     old = {name: getattr(jax.config, name) for name in _OPTIONS}
-    os.makedirs(path, exist_ok=True)
+    storage.path(path).mkdir(parents=True, exist_ok=True)  # JAX opens it with epath: gs:// too
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

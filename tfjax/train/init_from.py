@@ -13,7 +13,6 @@ anything compiles. See docs/training.md ("Fine-tuning").
 from __future__ import annotations
 
 import dataclasses
-import glob
 import os
 from collections.abc import Callable
 from typing import Any
@@ -21,8 +20,10 @@ from typing import Any
 import jax
 from flax import nnx
 
+from tfjax import storage
 from tfjax.config import (ModelConfig, RunConfig, flat_fields, model_config, run_config,
                           upgrade_saved)
+from tfjax.data.tokenizer import TOKENIZER_FILES
 from tfjax.interop import hf
 from tfjax.interop.safetensors_io import SafetensorsCheckpoint
 from tfjax.interop.tensor_mapping import Weights
@@ -46,20 +47,23 @@ def checkpoint_kind(path: str) -> str:
     fix = ("point --config.init_from at a Hugging Face checkpoint directory (config.json + "
            "*.safetensors, as save_pretrained writes) or at a tfjax training --workdir "
            "(config.json + checkpoints/)")
-    if not path or not os.path.isdir(path):
+    if path:
+        storage.check_reachable(path, "init_from")  # a bucket: one line naming the fix
+    if not path or not storage.path(path).is_dir():
         raise ValueError(f"init_from: {path!r} is not a directory; {fix}")
-    has_config = os.path.isfile(os.path.join(path, "config.json"))
-    steps = os.path.join(path, "checkpoints")
-    if has_config and os.path.isdir(steps):
-        if not any(d.isdigit() for d in os.listdir(steps)):
+    where = storage.path(path)
+    has_config = (where / "config.json").is_file()
+    steps = where / "checkpoints"
+    if has_config and steps.is_dir():
+        if not any(d.name.isdigit() for d in steps.iterdir()):
             raise ValueError(f"init_from: {path} is a tfjax workdir without a finished "
-                             f"checkpoint under {steps}; let that run save one (every "
-                             f"checkpoint.every_steps and at its end), or point init_from "
-                             f"elsewhere")
+                             f"checkpoint under {os.path.join(path, 'checkpoints')}; let that "
+                             f"run save one (every checkpoint.every_steps and at its end), or "
+                             f"point init_from elsewhere")
         return "tfjax"
-    if has_config and glob.glob(os.path.join(path, "*.safetensors")):
+    if has_config and any(where.glob("*.safetensors")):
         return "hf"
-    found = sorted(os.listdir(path))[:6]
+    found = sorted(p.name for p in where.iterdir())[:6]
     raise ValueError(f"init_from: {path} is not a checkpoint (it holds "
                      f"{', '.join(found) or 'nothing'}): no config.json with *.safetensors and "
                      f"no tfjax checkpoints/ directory; {fix}")
@@ -76,8 +80,7 @@ def _source(path: str) -> tuple[str, ModelConfig, str | None, Any]:
             m = hf.config_from_hf(d, source=config)
         except NotImplementedError as e:
             raise ValueError(f"init_from: {e}") from None
-        has_tok = any(os.path.isfile(os.path.join(path, f))
-                      for f in ("tokenizer.json", "tokenizer.model"))
+        has_tok = any((storage.path(path) / f).is_file() for f in TOKENIZER_FILES)
         return kind, m, path if has_tok else None, d  # load_tokenizer(path) reads it
     src = run_config(upgrade_saved(read_json_object(config, "init_from", "a run config")))
     return kind, src.model, src.data.tokenizer, src
@@ -139,7 +142,9 @@ def _hf_params(path: str, hf_dict: dict, m: ModelConfig, mesh, rules):
     read from the memory-mapped files and put on `mesh` by its logical axes."""
     model_type = hf_dict["model_type"]
     family = hf.FAMILIES.get(model_type, field="init_from config.json model_type")
-    w = Weights(SafetensorsCheckpoint(path), (family.prefix,) if family.prefix else ())
+    # safetensors are memory-mapped: from a bucket, a local copy of them first
+    local = storage.local_directory(path, ("*.safetensors", "*.safetensors.index.json"))
+    w = Weights(SafetensorsCheckpoint(local), (family.prefix,) if family.prefix else ())
     arrays = family.weights(w, m, hf_dict)
     if left := w.leftovers():
         raise ValueError(f"init_from: {path} has tensors the {model_type} mapping does not "

@@ -14,6 +14,7 @@ import json
 import lzma
 import os
 import sys
+import tempfile
 import time
 import uuid
 from typing import Any
@@ -21,6 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from tfjax import storage
 from tfjax.config import ModelConfig
 from tfjax.parallel.mesh import usable_cores
 
@@ -181,16 +183,33 @@ class MetricWriter:
     keeps the values it already has for the steps between the checkpoint and the
     stop). W&B holds one row per step: records written at the same step (the last
     train step and the evaluation after it) are merged, their wall-time parts
-    (`WallClock`) added. Only process 0 writes."""
+    (`WallClock`) added. Only process 0 writes.
+
+    A workdir on a bucket (`gs://...`) is written in a local staging directory and
+    uploaded by `sync()`: every `SYNC_S` seconds, at each checkpoint (the trainer calls
+    it) and at `close()`, so what a resume keeps (the records up to its checkpoint) is
+    always on the bucket."""
+
+    SYNC_S = 60.0
 
     def __init__(self, workdir: str, resume_step: int = 0, *, wandb: str = "",
                  wandb_mode: str = "", config: dict[str, Any] | None = None):
         self.active = jax.process_index() == 0
-        self.path = os.path.join(workdir, "metrics.jsonl")
+        self.workdir, self._staging = workdir, None
         self._tb = self._wandb = None
         self._wandb_row: tuple[int, dict[str, float]] = (-1, {})  # step, its time parts
+        self.path = os.path.join(workdir, "metrics.jsonl")
         if not self.active:
             return
+        if storage.is_remote(workdir):
+            self._staging = tempfile.TemporaryDirectory(prefix="tfjax-workdir-")
+            for name in ("metrics.jsonl", "wandb_run_id"):  # what a resume continues
+                if (remote := storage.path(workdir) / name).exists():
+                    with open(os.path.join(self._staging.name, name), "wb") as f:
+                        f.write(remote.read_bytes())
+            workdir = self._staging.name
+            self.path = os.path.join(workdir, "metrics.jsonl")
+        self._synced = time.monotonic()
         os.makedirs(workdir, exist_ok=True)
         if os.path.exists(self.path):  # a resumed run rewrites what came after its checkpoint
             with open(self.path) as f:
@@ -213,6 +232,8 @@ class MetricWriter:
                                          for k, v in values.items()}}
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+        if self._staging is not None and time.monotonic() - self._synced > self.SYNC_S:
+            self.sync()
         if self._tb is not None:
             for k, v in record.items():
                 if k != "step" and not isinstance(v, str):
@@ -228,12 +249,31 @@ class MetricWriter:
             self._wandb_row = (int(step), times)
             self._wandb.log(row, step=int(step))
 
+    def sync(self) -> None:
+        """Upload the staged files to a workdir on a bucket (nothing to do when local)."""
+        if self._staging is None:
+            return
+        if self._tb is not None:
+            self._tb.flush()
+        root = self._staging.name
+        for d, _, files in os.walk(root):
+            for name in files:
+                rel = os.path.relpath(os.path.join(d, name), root)
+                if rel.split(os.sep)[0] != "wandb":  # W&B keeps its own copy on its server
+                    storage.upload(os.path.join(d, name), f"{self.workdir.rstrip('/')}/{rel}")
+        self._synced = time.monotonic()
+
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+            self._tb = None
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
+        self.sync()
+        if self._staging is not None:
+            self._staging.cleanup()
+            self._staging = None
 
 
 def _wandb_run(workdir: str, project: str, mode: str, config: dict[str, Any]):

@@ -25,6 +25,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from tfjax import storage
 from tfjax.config import RunConfig, parse_profile_steps
 from tfjax.data.mixture import check_caches
 from tfjax.data.pipeline import PackedBatches
@@ -88,6 +89,7 @@ class Trainer:
                  devices=None, log: Callable[[str], None] | None = None,
                  eval_hooks: Sequence[Callable[[Trainer, Any], dict[str, float]]] = ()):
         # fine-tuning (`init_from`): the model and tokenizer come from the checkpoint
+        storage.check_reachable(workdir, "--workdir")  # a bucket: one line, before building
         self.cfg = cfg = resolve_init_from(cfg.validate())
         self.workdir = workdir
         self.eval_hooks = tuple(eval_hooks)  # hook(trainer, state) -> more eval metrics
@@ -287,10 +289,6 @@ class Trainer:
         profile = parse_profile_steps(t.profile_steps, t.steps)
         tracing = False
         clock = WallClock().__enter__()
-        if jax.process_index() == 0:
-            os.makedirs(self.workdir, exist_ok=True)
-            with open(os.path.join(self.workdir, "config.json"), "w") as f:
-                json.dump(_plain(cfg), f, indent=1)
         fpt = flops_per_token(cfg.model, t.seq_len)
         peak, peak_src = peak_flops(t.peak_flops)
         tokens_per_step = t.batch_size * t.seq_len
@@ -302,6 +300,11 @@ class Trainer:
                 old_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
             except ValueError:  # not the main thread
                 pass
+        # config.json after the SIGTERM handler: once it exists, a SIGTERM saves and exits
+        if jax.process_index() == 0:
+            storage.path(self.workdir).mkdir(parents=True, exist_ok=True)
+            storage.write_atomic(os.path.join(self.workdir, "config.json"),
+                                 json.dumps(_plain(cfg), indent=1).encode())
         pending: list[tuple[int, dict]] = []
         last_t, last_step, compile_s = time.perf_counter(), start, None
         step = start
@@ -392,6 +395,7 @@ class Trainer:
                 if cfg.checkpoint.enabled and every and step % every == 0 and step < t.steps:
                     with clock.timing("checkpoint"):
                         self.checkpointer.save(step, state, self._data_state(it))
+                        writer.sync()  # a workdir on a bucket: the records a resume keeps
             bar.close()
             if not preempted and cfg.checkpoint.enabled:
                 with clock.timing("checkpoint"):

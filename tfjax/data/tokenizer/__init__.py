@@ -17,9 +17,11 @@ import re
 
 import numpy as np
 
-from tfjax.data.tokenizer.specials import declared_specials
+from tfjax import storage
+from tfjax.data.tokenizer.specials import DECLARING_FILES, declared_specials
 
-__all__ = ["ByteTokenizer", "HFTokenizer", "SentencePieceTokenizer", "load_tokenizer"]
+__all__ = ["TOKENIZER_FILES", "ByteTokenizer", "HFTokenizer", "SentencePieceTokenizer",
+           "load_tokenizer"]
 
 
 class ByteTokenizer:
@@ -177,21 +179,36 @@ class SentencePieceTokenizer:
 
 def load_tokenizer(name: str):
     """"byte", a `tokenizers` .json file, a sentencepiece .model file, or a directory (a
-    checkpoint or a tokenizer directory: its tokenizer.json, else its tokenizer.model)."""
+    checkpoint or a tokenizer directory: its tokenizer.json, else its tokenizer.model),
+    local or on a bucket (`gs://...`: the tokenizer's files are downloaded, the rest not)."""
     if name == "byte":
         return ByteTokenizer()
-    if os.path.isdir(name):
-        for file in ("tokenizer.json", "tokenizer.model"):
-            if os.path.isfile(os.path.join(name, file)):
-                return _load_file(os.path.join(name, file), name)
+    local = _local_mirror(name) if storage.is_remote(name) else name
+    if os.path.isdir(local):
+        for file in TOKENIZER_FILES:
+            if os.path.isfile(os.path.join(local, file)):
+                return _load_file(os.path.join(local, file), name)
         raise ValueError(f"data.tokenizer: the directory {name!r} has neither tokenizer.json nor "
                          "tokenizer.model; name a directory that has one (save_pretrained or "
                          "`python -m tfjax.data.tokenizer train` writes it) or a tokenizer file")
-    if not os.path.exists(name):
+    if not os.path.exists(local):
         raise ValueError(f"data.tokenizer: {name!r} is neither 'byte' nor an existing file or "
                          "directory (a tokenizers .json, a sentencepiece .model, or a directory "
                          "holding tokenizer.json / tokenizer.model)")
-    return _load_file(name, name)
+    return _load_file(local, name)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")  # a directory's, in this order
+
+
+def _local_mirror(url: str) -> str:
+    """The local copy of a tokenizer file or directory on a bucket, with the files beside
+    it that declare its special tokens (`specials.DECLARING_FILES`)."""
+    storage.check_reachable(url, "data.tokenizer", must_exist=True)
+    if storage.path(url).is_dir():
+        return storage.local_directory(url, (*TOKENIZER_FILES, *DECLARING_FILES))
+    folder, file = url.rstrip("/").rsplit("/", 1)
+    return os.path.join(storage.local_directory(folder, (file, *DECLARING_FILES)), file)
 
 
 def _load_file(path: str, name: str):

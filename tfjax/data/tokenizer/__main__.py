@@ -28,11 +28,12 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--field", default="text", help="the jsonl field that holds the text")
     t.add_argument("--min_frequency", type=int, default=2,
                    help="a pair merges only if it occurs at least this often")
-    t.add_argument("--no_progress", action="store_true", help="no progress bar")
+    t.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+                   help="the progress bar")
     args = parser.parse_args(argv)
     try:
         train(args.inputs, args.output, args.vocab_size, field=args.field,
-              min_frequency=args.min_frequency, progress=not args.no_progress)
+              min_frequency=args.min_frequency, progress=args.progress)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -10,10 +10,11 @@ from __future__ import annotations
 import json
 import os
 
-__all__ = ["declared_specials"]
+__all__ = ["DECLARING_FILES", "declared_specials"]
 
 ROLES = ("bos", "eos", "pad")
 ID_FILES = ("generation_config.json", "config.json")  # generation_config: as HF generate
+DECLARING_FILES = ("tokenizer_config.json", *ID_FILES)  # what declared_specials reads
 
 
 def _read(path: str, where: str) -> dict:
