@@ -65,11 +65,11 @@ def one_device(tmp_path_factory):
     return _losses(tmp_path_factory.mktemp("one"), "one", 1, data=1)
 
 
-@pytest.mark.parametrize("mode", ["ring", "all_gather"])
+@pytest.mark.parametrize("mode", ["ring", "all_gather", "ulysses"])
 def test_sequence_parallel_training_matches_one_device(tmp_path, one_device, mode, monkeypatch):
     # Record which sequence-parallel attention the layer really ran.
     calls, layouts = [], set()
-    for name in ("ring_attention", "all_gather_attention"):
+    for name in ("ring_attention", "all_gather_attention", "ulysses_attention"):
         inner = getattr(cp_lib, name)
 
         def spy(*args, _inner=inner, _name=name, **kwargs):
@@ -82,7 +82,7 @@ def test_sequence_parallel_training_matches_one_device(tmp_path, one_device, mod
     got = _losses(tmp_path, mode, 8, trainers, data=2, sequence=4, cp=mode)
     assert len(got) == 3 == len(one_device)
     np.testing.assert_allclose(got, one_device, rtol=1e-4, atol=1e-4)
-    assert set(calls) == {"ring_attention" if mode == "ring" else "all_gather_attention"}
+    assert set(calls) == {f"{mode}_attention"}
     if mode == "ring":  # zigzag="data": batches reordered once, no per-layer re-layout
         assert trainers[0].program.zigzag == 4
         assert layouts == {("zigzag", False)}
@@ -154,6 +154,13 @@ def test_context_parallel_is_validated():
     with pytest.raises(ValueError, match="context_parallel"):
         MultiHeadAttention(32, 4, attention=AttentionConfig(context_parallel="gather"),
                            rngs=nnx.Rngs(0))
+    # Ulysses splits the query heads over the sequence axis: one line, before building
+    with pytest.raises(ValueError, match=r"^model.attention.context_parallel: 'ulysses' gives "
+                                         r"each of the mesh.sequence=8 devices num_heads / 8 "
+                                         r"query heads, but num_heads=4; set mesh.sequence to a "
+                                         r"divisor of 4, or use context_parallel='ring'"):
+        _config(cp="ulysses", data=1, sequence=8).validate()
+    _config(cp="ulysses", data=2, sequence=4).validate()
     with pytest.raises(ValueError,
                        match=r"model.attention.zigzag: got 'zag'; allowed: 'data', 'layer'"):
         _config(model=dict(attention=dict(zigzag="zag"))).validate()
@@ -202,6 +209,9 @@ def _spy(monkeypatch, calls, module, name, label):
     ("ring", "blockwise", {"blockwise forward", "blockwise backward"}),
     ("all_gather", "xla", {"jax.nn"}),  # per device, through dot_product_attention
     ("all_gather", "auto", {"blockwise"}),  # blockwise, as all-gather always ran
+    ("ulysses", "xla", {"jax.nn"}),  # per device, its heads over the whole sequence
+    # through dot_product_attention: the kernel's own custom_vjp runs its backward kernels
+    ("ulysses", "pallas", {"pallas forward"}),
 ])
 def test_a_models_attention_impl_reaches_context_parallel_attention(monkeypatch, mode, impl,
                                                                      ran):

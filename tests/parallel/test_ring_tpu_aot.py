@@ -75,3 +75,27 @@ def test_ring_with_pallas_compiles_for_v5p_and_memory_is_flat(tpu_devices, relat
     # Twice the total length on twice the chips: per-chip temporaries stay flat (the
     # steps run as a while loop on TPU: one K/V block in flight, whatever n is).
     assert temps[8] <= 1.02 * temps[4], temps
+
+
+def test_ulysses_with_pallas_compiles_for_v5p(tpu_devices):
+    """Ulysses on 8 chips (8 query heads: one a chip; 2 kv heads repeated to 8): the
+    gradient of packed causal attention goes through XLA:TPU with all-to-alls, the
+    Mosaic kernels on each chip's heads, and no all-gather but the int32 segment ids'."""
+    from tfjax.parallel.ulysses import ulysses_attention
+    mesh = Mesh(tpu_devices[:8], ("sequence",))
+    S = 8 * TOKENS_PER_DEVICE
+    sh = NamedSharding(mesh, P(None, "sequence"))
+    args = (jax.ShapeDtypeStruct((1, S, N, H), jnp.bfloat16, sharding=sh),
+            jax.ShapeDtypeStruct((1, S, K, H), jnp.bfloat16, sharding=sh),
+            jax.ShapeDtypeStruct((1, S, K, H), jnp.bfloat16, sharding=sh),
+            jax.ShapeDtypeStruct((1, S), jnp.int32, sharding=sh))
+
+    def loss(q, k, v, ids):
+        out = ulysses_attention(q, k, v, masks.causal() & masks.segments(ids), mesh=mesh,
+                                implementation="pallas")
+        return out.astype(jnp.float32).sum()
+
+    hlo = jax.jit(jax.grad(loss, (0, 1, 2))).lower(*args).compile().as_text()
+    assert "all-to-all" in hlo and "tpu_custom_call" in hlo
+    gathers = [line for line in hlo.splitlines() if "all-gather" in line and "= " in line]
+    assert all("bf16[" not in line for line in gathers), gathers

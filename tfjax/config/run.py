@@ -272,6 +272,12 @@ class RunConfig:
         _validate_mesh(self.mesh, "mesh")
         _validate_checkpoint(self.checkpoint, "checkpoint")
         _validate_lora(self.lora, "lora")
+        seq, heads = self.mesh.sequence, self.model.num_heads
+        if self.model.attention.context_parallel == "ulysses" and seq > 1 and heads % seq:
+            fail("model.attention.context_parallel", f"'ulysses' gives each of the "
+                 f"mesh.sequence={seq} devices num_heads / {seq} query heads, but num_heads="
+                 f"{heads}; set mesh.sequence to a divisor of {heads}, or use "
+                 f"context_parallel='ring'")
         if self.data.tokenizer == "init_from" and not self.init_from:
             fail("data.tokenizer", "'init_from' takes the tokenizer of the checkpoint that "
                  "init_from names, but init_from is empty; set --config.init_from=DIR or name "

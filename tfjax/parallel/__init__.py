@@ -2,8 +2,8 @@
 
 `mesh` (the five-axis mesh, `make_mesh`), `rules` and `sharding` (logical axis names ->
 mesh axes; `use_rules`, `shard`), `per_device` (kernels XLA cannot partition, once per
-device), `zigzag`, `ring_attention` (ring and all-gather attention), `context_parallel`
-(a layer's choice between them) and `mask_leaves` (a mask's leaves through
+device), `zigzag`, `ring_attention` (ring and all-gather attention), `ulysses`
+(all-to-all attention), `context_parallel` (a layer's choice among them) and `mask_leaves` (a mask's leaves through
 `shard_map`). The attributes `tfjax.parallel.ring_attention` and
 `tfjax.parallel.zigzag` are the functions, not the modules: import other names from
 the modules (`from tfjax.parallel.zigzag import zigzag_data`).
@@ -17,11 +17,12 @@ from tfjax.parallel.ring_attention import all_gather_attention, ring_attention
 from tfjax.parallel.rules import logical_rules, tree_shardings
 from tfjax.parallel.sharding import (active_mesh, logical_to_spec, shard, use_rules,
                                      with_logical_axes)
+from tfjax.parallel.ulysses import ulysses_attention
 from tfjax.parallel.zigzag import (ZIGZAG_MODES, unzigzag, zigzag, zigzag_data,
                                    zigzag_data_devices, zigzag_order)
 
 __all__ = ["CONTEXT_PARALLEL_MODES", "ZIGZAG_MODES", "active_mesh", "all_gather_attention",
            "batch_sharded_attention", "context_parallel_attention", "logical_rules",
            "logical_to_spec", "make_mesh", "ring_attention", "shard", "tree_shardings",
-           "unzigzag", "use_rules", "with_logical_axes", "zigzag", "zigzag_data",
-           "zigzag_data_devices", "zigzag_order"]
+           "ulysses_attention", "unzigzag", "use_rules", "with_logical_axes", "zigzag",
+           "zigzag_data", "zigzag_data_devices", "zigzag_order"]

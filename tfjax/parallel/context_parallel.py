@@ -1,14 +1,12 @@
-"""Context parallelism for a layer: which sequence-parallel attention a
-self-attention layer runs under an active mesh.
+"""Context parallelism for a layer: which sequence-parallel attention a self-attention
+layer runs under an active mesh whose rules split "length" over one axis of size n > 1.
 
-`context_parallel_attention(q, k, v, mask, *, mode, zigzag, implementation, ...)`: under
-a mesh whose rules split "length" over one axis of size n > 1, "ring" (`ring_attention`,
-zig-zag balanced as `zigzag` says: `ZIGZAG_MODES`) or "all_gather"
-(`all_gather_attention`; `CONTEXT_PARALLEL_MODES`), running `implementation` per block
-(the ring: `tfjax.ops.attention.select_ring_block`) or per device at its global query
-offset (all-gather: "auto" and "blockwise" the blockwise functions, another through
-`dot_product_attention`). Otherwise None: the layer uses `dot_product_attention`.
-See docs/long_context.md.
+`context_parallel_attention(q, k, v, mask, *, mode, zigzag, implementation, ...)`:
+"ring" (`ring_attention`, zig-zag balanced as `zigzag` says), "all_gather"
+(`all_gather_attention`) or "ulysses" (`ulysses_attention`), running `implementation`
+per ring block (`select_ring_block`), per device at its global query offset, or per
+device on its heads over the whole sequence (`CONTEXT_PARALLEL_MODES`). Otherwise None:
+the layer uses `dot_product_attention`. See docs/long_context.md.
 """
 
 from __future__ import annotations
@@ -17,11 +15,12 @@ from tfjax.ops import masks as masks_lib
 from tfjax.ops.reference import Alibi, RelativeBias
 from tfjax.parallel.ring_attention import all_gather_attention, ring_attention
 from tfjax.parallel.sharding import active_mesh, logical_to_spec
+from tfjax.parallel.ulysses import ulysses_attention
 from tfjax.parallel.zigzag import ZIGZAG_MODES, zigzag_data_devices
 
 __all__ = ["CONTEXT_PARALLEL_MODES", "context_parallel_attention"]
 
-CONTEXT_PARALLEL_MODES = ("ring", "all_gather")
+CONTEXT_PARALLEL_MODES = ("ring", "all_gather", "ulysses")
 
 
 def context_parallel_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mode: str = "ring",
@@ -29,9 +28,9 @@ def context_parallel_attention(q, k, v, mask: masks_lib.Mask | None = None, *, m
                                softcap=None, alibi: Alibi | None = None,
                                relative_bias: RelativeBias | None = None, sinks=None):
     """Attention for a layer under an active mesh whose rules split "length" over a
-    mesh axis of size n > 1: `ring_attention` (mode "ring") or
-    `all_gather_attention` (mode "all_gather"), running `implementation` as the
-    module docstring says. Returns None when no such mesh is active or the call is
+    mesh axis of size n > 1: `ring_attention` (mode "ring"), `all_gather_attention`
+    (mode "all_gather") or `ulysses_attention` (mode "ulysses"), running
+    `implementation` as the module docstring says. Returns None when no such mesh is active or the call is
     not sequence-parallel self-attention (T != S, e.g. cross-attention): the caller
     then uses `dot_product_attention`.
 
@@ -84,6 +83,8 @@ def context_parallel_attention(q, k, v, mask: masks_lib.Mask | None = None, *, m
                   sinks=sinks, **Alibi.kwargs(alibi))
     if mode == "all_gather":
         return all_gather_attention(q, k, v, mask, **common)
+    if mode == "ulysses":
+        return ulysses_attention(q, k, v, mask, **common)
     zz = bool(data_n) or (zigzag != "none" and mask is not None and T % (2 * n) == 0)
     return ring_attention(q, k, v, mask, load_balance="zigzag" if zz else "none",
                           natural_order=not data_n, **common)

@@ -21,8 +21,8 @@ from tfjax.config import DEFAULT_RULES
 from tfjax.ops.reference import Alibi
 
 __all__ = ["KV_LEAVES", "Q_LEAVES", "TABLE_LEAVES", "bias_kwargs", "copy_tables", "device_axes",
-           "device_copies", "leaf_kind", "local_leaves", "shard_map", "split_mask", "token_specs",
-           "unflatten"]
+           "device_copies", "leaf_kind", "local_leaves", "resolve_batch_axes", "shard_map",
+           "split_mask", "token_specs", "unflatten"]
 
 # Leaf names by kind (the fields of masks, Alibi and RelativeBias that hold them).
 Q_LEAVES, KV_LEAVES = ("q_segment_ids", "q_positions"), ("kv_segment_ids", "kv_positions")
@@ -97,6 +97,20 @@ def infer_batch_axes(x, mesh, seq_axis):
             axes.append(a)
             n *= size
     return tuple(axes)
+
+
+def resolve_batch_axes(batch_axes, x, mesh, seq_axis, where: str):
+    """The caller's batch axes (a name or tuple; () = the batch replicated), or, for
+    None, those `infer_batch_axes` finds; None when there are none. The sequence axis
+    among them is a ValueError starting with `where` (the calling function)."""
+    if batch_axes is None:
+        batch_axes = infer_batch_axes(x, mesh, seq_axis)
+    if isinstance(batch_axes, str):
+        batch_axes = (batch_axes,)
+    if seq_axis in batch_axes:
+        raise ValueError(f"{where}: batch_axes {batch_axes} include the sequence axis "
+                         f"{seq_axis!r}; name the mesh axes the batch is split over")
+    return tuple(batch_axes) or None
 
 
 def device_axes(batch_axes, seq_axis=None) -> tuple:

@@ -49,19 +49,6 @@ def _merge(o, lse, o_new, lse_new):
 # --------------------------------------------------------------------------- #
 
 
-def _batch_axes(batch_axes, q, mesh, seq_axis):
-    """The caller's batch axes (a name or tuple; () = the batch replicated), or, for
-    None, those `mask_leaves.infer_batch_axes` finds; None when there are none."""
-    if batch_axes is None:
-        batch_axes = mask_leaves.infer_batch_axes(q, mesh, seq_axis)
-    if isinstance(batch_axes, str):
-        batch_axes = (batch_axes,)
-    if seq_axis in batch_axes:
-        raise ValueError(f"ring_attention: batch_axes {batch_axes} include the sequence axis "
-                         f"{seq_axis!r}; name the mesh axes the batch is split over")
-    return tuple(batch_axes) or None
-
-
 def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axis: str = "sequence",
                    batch_axes=None, scale=None, softcap=None, load_balance: str = "zigzag",
                    natural_order: bool = True, block_q: int = DEFAULT_BLOCK,
@@ -125,7 +112,7 @@ def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axi
         raise ValueError(f"ring_attention: T={T} and S={S} must be divisible by "
                          f"{n * pieces} ({n} devices on {seq_axis!r} x {pieces} chunks){hint}")
     Hv = v.shape[-1]
-    batch_axes = _batch_axes(batch_axes, q, mesh, seq_axis)
+    batch_axes = mask_leaves.resolve_batch_axes(batch_axes, q, mesh, seq_axis, "ring_attention")
     scale = float(H ** -0.5 if scale is None else scale)
     sinks = check_sinks(sinks, N, "ring_attention")
     # The mesh's platform, not the default backend: an AOT compile for a TPU topology
@@ -381,7 +368,8 @@ def all_gather_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh,
     alibi = make_alibi(alibi_slopes, alibi_positions, q.shape[0], q.shape[2], T, S)
     rel = check_relative_bias(relative_bias, q.shape[0], q.shape[2], T, S)
     sinks = check_sinks(sinks, q.shape[2], "all_gather_attention")
-    batch_axes = _batch_axes(batch_axes, q, mesh, seq_axis)
+    batch_axes = mask_leaves.resolve_batch_axes(batch_axes, q, mesh, seq_axis,
+                                                "all_gather_attention")
     dev = mask_leaves.device_axes(batch_axes, seq_axis)
     leaves, treedef, kinds = mask_leaves.split_mask(mask, alibi, rel)
     leaves = mask_leaves.copy_tables(leaves, kinds, mesh, dev)
