@@ -65,11 +65,11 @@ def one_device(tmp_path_factory):
     return _losses(tmp_path_factory.mktemp("one"), "one", 1, data=1)
 
 
-@pytest.mark.parametrize("mode", ["ring", "all_gather", "ulysses"])
+@pytest.mark.parametrize("mode", ["ring", "all_gather", "ulysses", "usp"])
 def test_sequence_parallel_training_matches_one_device(tmp_path, one_device, mode, monkeypatch):
     # Record which sequence-parallel attention the layer really ran.
     calls, layouts = [], set()
-    for name in ("ring_attention", "all_gather_attention", "ulysses_attention"):
+    for name in ("ring_attention", "all_gather_attention", "ulysses_attention", "usp_attention"):
         inner = getattr(cp_lib, name)
 
         def spy(*args, _inner=inner, _name=name, **kwargs):
@@ -79,7 +79,8 @@ def test_sequence_parallel_training_matches_one_device(tmp_path, one_device, mod
 
         monkeypatch.setattr(cp_lib, name, spy)
     trainers = []
-    got = _losses(tmp_path, mode, 8, trainers, data=2, sequence=4, cp=mode)
+    usp = dict(model=dict(attention=dict(ulysses_size=2))) if mode == "usp" else {}
+    got = _losses(tmp_path, mode, 8, trainers, data=2, sequence=4, cp=mode, **usp)
     assert len(got) == 3 == len(one_device)
     np.testing.assert_allclose(got, one_device, rtol=1e-4, atol=1e-4)
     assert set(calls) == {f"{mode}_attention"}
@@ -161,6 +162,9 @@ def test_context_parallel_is_validated():
                                          r"divisor of 4, or use context_parallel='ring'"):
         _config(cp="ulysses", data=1, sequence=8).validate()
     _config(cp="ulysses", data=2, sequence=4).validate()
+    with pytest.raises(ValueError, match=r"^model.attention.ulysses_size: 3 must divide "
+                                         r"mesh.sequence=4 and num_heads=4"):
+        _config(cp="usp", model=dict(attention=dict(ulysses_size=3)), sequence=4).validate()
     with pytest.raises(ValueError,
                        match=r"model.attention.zigzag: got 'zag'; allowed: 'data', 'layer'"):
         _config(model=dict(attention=dict(zigzag="zag"))).validate()
@@ -212,6 +216,7 @@ def _spy(monkeypatch, calls, module, name, label):
     ("ulysses", "xla", {"jax.nn"}),  # per device, its heads over the whole sequence
     # through dot_product_attention: the kernel's own custom_vjp runs its backward kernels
     ("ulysses", "pallas", {"pallas forward"}),
+    ("usp", "blockwise", {"blockwise forward", "blockwise backward"}),  # the ring's blocks
 ])
 def test_a_models_attention_impl_reaches_context_parallel_attention(monkeypatch, mode, impl,
                                                                      ran):
@@ -220,7 +225,8 @@ def test_a_models_attention_impl_reaches_context_parallel_attention(monkeypatch,
     parameter gradients equal the same model's on one device. (The ring's "auto" is
     the layer's default, run by every other sequence-parallel test; zigzag="none"
     keeps the ring to one block pair per step: the implementation is what is tested.)"""
-    model = _model(attention=dict(impl=impl, context_parallel=mode, zigzag="none"))
+    model = _model(attention=dict(impl=impl, context_parallel=mode, zigzag="none",
+                                  ulysses_size=2 if mode == "usp" else 1))
     x = jax.random.randint(jax.random.key(0), (2, 32), 0, 61)
     want_l, want_g = nnx.jit(nnx.value_and_grad(_loss))(model, x)
     calls = collections.Counter()

@@ -99,3 +99,23 @@ def test_ulysses_with_pallas_compiles_for_v5p(tpu_devices):
     assert "all-to-all" in hlo and "tpu_custom_call" in hlo
     gathers = [line for line in hlo.splitlines() if "all-gather" in line and "= " in line]
     assert all("bf16[" not in line for line in gathers), gathers
+
+
+def test_usp_with_pallas_compiles_for_v5p(tpu_devices):
+    """USP on 8 chips as 4 ring groups x 2 Ulysses chips: all-to-alls inside the
+    groups, the ring's collective-permutes across them, the Mosaic kernels per block."""
+    from tfjax.parallel.ulysses import usp_attention
+    mesh = Mesh(tpu_devices[:8], ("sequence",))
+    S = 8 * TOKENS_PER_DEVICE
+    sh = NamedSharding(mesh, P(None, "sequence"))
+    args = [jax.ShapeDtypeStruct((1, S, h, H), jnp.bfloat16, sharding=sh) for h in (N, K, K)]
+
+    def loss(q, k, v):
+        out = usp_attention(q, k, v, masks.causal(), mesh=mesh, ulysses_size=2,
+                            implementation="pallas")
+        return out.astype(jnp.float32).sum()
+
+    hlo = jax.jit(jax.grad(loss, (0, 1, 2)), in_shardings=(sh,) * 3).lower(*args).compile()
+    text = hlo.as_text()
+    assert "all-to-all" in text and "collective-permute" in text and "tpu_custom_call" in text
+    assert "all-gather" not in text

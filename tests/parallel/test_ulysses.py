@@ -12,7 +12,8 @@ from test_ring_attention import MASKS, SINKS, _alibi, _inputs, _out_and_grads, _
 
 from tfjax.ops import masks
 from tfjax.ops.reference import attention_reference
-from tfjax.parallel.ulysses import ulysses_attention, ulysses_kv_repeats
+from tfjax.parallel.mask_leaves import split_kv_heads
+from tfjax.parallel.ulysses import ulysses_attention, usp_attention
 
 ALL_MASKS = {**MASKS, "chunked": lambda: masks.chunked_causal(12),
              "window_segments": lambda: masks.sliding_window(9) & MASKS["segments"]()}
@@ -66,7 +67,8 @@ def test_every_mask_kind_matches_the_reference(mesh2x4, mask_name):
 def test_gqa_repeats_kv_heads_only_as_needed(mesh2x4, kv_heads):
     """8 query heads over 4 devices: 1 or 2 kv heads are repeated (to 4), 4 and 8
     split as they are; the result is the reference's either way."""
-    assert ulysses_kv_repeats(8, kv_heads, 4) == {1: 4, 2: 2, 4: 1, 8: 1}[kv_heads]
+    k = jnp.zeros((1, 4, kv_heads, 2))
+    assert split_kv_heads(k, k, 4)[0].shape[2] == {1: 4, 2: 4, 4: 4, 8: 8}[kv_heads]
     _compare(mesh2x4, masks.causal(), kv_heads=kv_heads)
 
 
@@ -106,8 +108,9 @@ def test_hlo_moves_kv_by_all_to_all_never_all_gather(mesh2x4):
 def test_bad_arguments(mesh2x4):
     q, k, v, _ = _inputs()
     with pytest.raises(ValueError, match=r"^ulysses_attention: the 6 query heads do not divide "
-                                         r"over the 4 devices .*set mesh.sequence to a divisor "
-                                         r"of 6, or use model.attention.context_parallel='ring'"):
+                                         r"over the 4 Ulysses devices .*set mesh.sequence to a "
+                                         r"divisor of 6, or use model.attention.context_parallel"
+                                         r"='ring' or 'usp'$"):
         ulysses_attention(q[:, :, :6], k, v, mesh=mesh2x4)
     with pytest.raises(ValueError, match=r"T=62 and S=62 must be divisible by the 4 devices"):
         ulysses_attention(q[:, :62], k[:, :62], v[:, :62], mesh=mesh2x4)
@@ -118,3 +121,85 @@ def test_bad_arguments(mesh2x4):
                                          r"for 2 heads\): "):
         jax.jit(lambda q, k, v: ulysses_attention(q, k, v, mesh=mesh2x4,
                                                   implementation="cudnn"))(q, k, v)
+
+
+# --------------------------------------------------------------------------- #
+# USP: Ulysses inside groups, the ring across them.
+# --------------------------------------------------------------------------- #
+
+
+def _compare_usp(mesh, mask, *, ulysses_size, load_balance="zigzag", kv_heads=2, Hv=16,
+                 alibi=None, relative=None, sinks=None, batch_axes="data"):
+    q, k, v, ct = _inputs(kv_heads=kv_heads, Hv=Hv)
+    alibi = alibi or {}
+    table = None if relative is None else relative["table"]
+
+    def usp(q, k, v, t, s):
+        return usp_attention(q, k, v, mask, mesh=mesh, ulysses_size=ulysses_size,
+                             batch_axes=batch_axes, load_balance=load_balance, block_q=8,
+                             block_kv=8, relative_bias=_rb(relative, t), sinks=s, **alibi)
+
+    args = (q, k, v, table, sinks, ct)
+    fn = jax.jit(lambda *a: _out_and_grads(usp, *a))
+    got = fn(*args)
+    want = jax.jit(lambda *a: _out_and_grads(
+        lambda q, k, v, t, s: attention_reference(q, k, v, mask, relative_bias=_rb(relative, t),
+                                                  sinks=s, **alibi), *a))(*args)
+    np.testing.assert_allclose(got[0], want[0], atol=1e-5, rtol=1e-5)
+    for name, g, w in zip(["q", "k", "v", "table", "sinks"], got[1:], want[1:]):
+        if w is not None:
+            np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4, err_msg=f"d{name}")
+    return fn, args
+
+
+@pytest.mark.parametrize("mask_name,load_balance", [
+    ("causal", "zigzag"), ("segments_causal", "zigzag"), ("window", "none"),
+    ("prefix_lm", "zigzag"), ("chunked", "none")])
+def test_usp_matches_the_reference(mesh2x4, mask_name, load_balance):
+    """sequence=4 as 2 ring groups x 2 Ulysses devices; 2 kv heads over 2: as they are."""
+    _compare_usp(mesh2x4, ALL_MASKS[mask_name](), ulysses_size=2, load_balance=load_balance)
+
+
+def test_usp_heads_and_biases_split_over_the_groups(mesh2x4):
+    """1 kv head repeated to 2; ALiBi's slopes, T5's table and the sinks split by head
+    over the Ulysses devices (their gradients gathered back), packed positions."""
+    _compare_usp(mesh2x4, MASKS["segments_causal"](), ulysses_size=2, kv_heads=1, Hv=8,
+                 alibi=_alibi(True), relative=_relative(True), sinks=SINKS)
+
+
+@pytest.mark.parametrize("ulysses_size", [1, 4])
+def test_usp_ends_are_the_ring_and_ulysses(mesh2x4, ulysses_size):
+    _compare_usp(mesh2x4, masks.causal(), ulysses_size=ulysses_size)
+
+
+@pytest.mark.xla_optimized  # compiled HLO
+def test_usp_hlo_has_all_to_all_and_the_ring(mesh2x4):
+    """From q, k, v split over the sequence as a layer holds them: all-to-alls inside
+    the Ulysses groups (forward and backward), the ring's collective-permutes across
+    them, and no all-gather of K/V."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    q, k, v, ct = _inputs()
+    split = NamedSharding(mesh2x4, P("data", "sequence"))
+
+    def usp(q, k, v):
+        return usp_attention(q, k, v, masks.causal(), mesh=mesh2x4, ulysses_size=2,
+                             batch_axes="data", block_q=8, block_kv=8)
+
+    fn = jax.jit(lambda *a: _out_and_grads(usp, *a), in_shardings=(split,) * 4,
+                 out_shardings=(split,) * 4)
+    hlo = fn.lower(q, k, v, ct).compile().as_text()
+    assert "all-to-all" in hlo and "collective-permute" in hlo
+    gathers = [line for line in hlo.splitlines() if " all-gather(" in line]
+    assert not gathers, gathers
+
+
+def test_usp_bad_arguments(mesh2x4):
+    q, k, v, _ = _inputs()
+    with pytest.raises(ValueError, match=r"^usp_attention: ulysses_size=3 must divide the 4 "
+                                         r"devices of 'sequence'"):
+        usp_attention(q, k, v, mesh=mesh2x4, ulysses_size=3)
+    with pytest.raises(ValueError, match=r"^usp_attention: the 6 query heads do not divide over "
+                                         r"the 4 Ulysses devices .*ulysses_size to a divisor"):
+        usp_attention(q[:, :, :6], k, v, mesh=mesh2x4, ulysses_size=4)

@@ -48,9 +48,11 @@ class AttentionConfig:
     # Self-attention when the mesh splits the sequence (mesh.sequence > 1): "ring"
     # (ring attention, K/V circulate; O(S/n) memory) | "all_gather" (each device
     # gathers the whole K/V; the simple baseline) | "ulysses" (all-to-alls trade the
-    # sequence shard for a head shard and back; num_heads % mesh.sequence == 0).
+    # sequence shard for a head shard and back; num_heads % mesh.sequence == 0) |
+    # "usp" (Ulysses inside groups of `ulysses_size` devices, the ring across them).
     # Ignored without a sequence axis.
     context_parallel: str = "ring"
+    ulysses_size: int = 1  # "usp": devices per Ulysses group (divides mesh.sequence)
     # Zig-zag load balancing of the causal ring (2n chunks, device i holds i and 2n-1-i):
     # "data" (the trainer reorders each batch once on the host; layers skip the
     # re-layout; falls back to "layer", with a note, for models with order-dependent
@@ -88,7 +90,9 @@ def validate_attention(c, p: str) -> None:
     """The attention section's ranges and what its variants need of the model `c` (a
     `ModelConfig`; which layer kinds carry the variants is `tfjax.models.check_names`'s)."""
     a, q = c.attention, f"{p}.attention"
-    one_of(f"{q}.context_parallel", a.context_parallel, ("ring", "all_gather", "ulysses"))
+    one_of(f"{q}.context_parallel", a.context_parallel, ("ring", "all_gather", "ulysses", "usp"))
+    if a.ulysses_size < 1:
+        fail(f"{q}.ulysses_size", f"must be >= 1, got {a.ulysses_size}")
     one_of(f"{q}.qk_norm_over", a.qk_norm_over, ("head", "projection"))
     one_of(f"{q}.qk_norm_layers", a.qk_norm_layers, ("all", "rope"))
     one_of(f"{q}.zigzag", a.zigzag, ("data", "layer", "none"))

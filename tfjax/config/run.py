@@ -273,11 +273,17 @@ class RunConfig:
         _validate_checkpoint(self.checkpoint, "checkpoint")
         _validate_lora(self.lora, "lora")
         seq, heads = self.mesh.sequence, self.model.num_heads
-        if self.model.attention.context_parallel == "ulysses" and seq > 1 and heads % seq:
+        a = self.model.attention
+        if a.context_parallel == "ulysses" and seq > 1 and heads % seq:
             fail("model.attention.context_parallel", f"'ulysses' gives each of the "
                  f"mesh.sequence={seq} devices num_heads / {seq} query heads, but num_heads="
                  f"{heads}; set mesh.sequence to a divisor of {heads}, or use "
-                 f"context_parallel='ring'")
+                 f"context_parallel='ring' or 'usp'")
+        u = a.ulysses_size
+        if a.context_parallel == "usp" and seq > 1 and (seq % u or heads % u):
+            fail("model.attention.ulysses_size", f"{u} must divide mesh.sequence={seq} and "
+                 f"num_heads={heads} (Ulysses groups of {u} devices, each holding num_heads / "
+                 f"{u} heads); set it to a common divisor")
         if self.data.tokenizer == "init_from" and not self.init_from:
             fail("data.tokenizer", "'init_from' takes the tokenizer of the checkpoint that "
                  "init_from names, but init_from is empty; set --config.init_from=DIR or name "

@@ -22,7 +22,8 @@ __all__ = ["NOT_COMPUTATION", "computation", "config_diff"]
 # training-only knobs); export writes the dtype it is asked for.
 NOT_COMPUTATION = frozenset((
     "dtype", "param_dtype", "init_std", "dropout_rate", "scan_layers", "remat",
-    "attention.impl", "attention.context_parallel", "attention.zigzag", "moe.impl",
+    "attention.impl", "attention.context_parallel", "attention.zigzag",
+    "attention.ulysses_size", "moe.impl",
     "moe.aux_loss_weight", "moe.z_loss_weight", "moe.bias_update_rate", "ssm.chunk",
     "mamba2.chunk", "mamba2.dt_min", "mamba2.dt_max", "linear.chunk", "gdn.chunk"))
 # A section's fields count only where a layer of its kind is.

@@ -104,7 +104,7 @@ class MultiHeadAttention(nnx.Module):
         if a.context_parallel not in CONTEXT_PARALLEL_MODES:
             raise ValueError(f"context_parallel: got {a.context_parallel!r}; allowed: "
                              f"{', '.join(map(repr, CONTEXT_PARALLEL_MODES))}")
-        self.context_parallel = a.context_parallel
+        self.context_parallel, self.ulysses_size = a.context_parallel, a.ulysses_size
         if a.zigzag not in ZIGZAG_MODES:
             raise ValueError(f"zigzag: got {a.zigzag!r}; allowed: "
                              f"{', '.join(map(repr, ZIGZAG_MODES))}")
@@ -242,7 +242,8 @@ class MultiHeadAttention(nnx.Module):
                              sinks=None if self.sinks is None else self.sinks[...],
                              implementation=self.implementation,
                              context_parallel=self.context_parallel, zigzag=self.zigzag,
-                             q_offset=q_offset, kv_offset=kv_offset)
+                             ulysses_size=self.ulysses_size, q_offset=q_offset,
+                             kv_offset=kv_offset)
 
         if not self.differential:
             out = run(q, k)
@@ -337,10 +338,11 @@ class MultiHeadAttention(nnx.Module):
 
 def attention(q, k, v, mask: Mask | None = None, bias=None, *, scale: float,
               softcap: float | None = None, sinks=None, implementation: str = "auto",
-              context_parallel: str = "ring", zigzag: str = "data", q_offset=0, kv_offset=0):
+              context_parallel: str = "ring", zigzag: str = "data", ulysses_size: int = 1,
+              q_offset=0, kv_offset=0):
     """A layer's attention of q `[B,T,N,H]`, k `[B,S,K,H]`, v `[B,S,K,Hv]` ->
-    `[B,T,N,Hv]`: context-parallel under a sequence-splitting mesh (`context_parallel`
-    and `zigzag` say how; only for a per-tile bias and no offsets), else
+    `[B,T,N,Hv]`: context-parallel under a sequence-splitting mesh (`context_parallel`,
+    `zigzag` and `ulysses_size` say how; only for a per-tile bias and no offsets), else
     `dot_product_attention`. `bias`: None, an additive array, a `tfjax.ops.Alibi` or
     a `tfjax.ops.RelativeBias`. Shared by every attention-like mixer."""
     is_alibi, is_relative = isinstance(bias, Alibi), isinstance(bias, RelativeBias)
@@ -350,7 +352,7 @@ def attention(q, k, v, mask: Mask | None = None, bias=None, *, scale: float,
                                          implementation=implementation, scale=scale,
                                          softcap=softcap, alibi=bias if is_alibi else None,
                                          relative_bias=bias if is_relative else None,
-                                         sinks=sinks)
+                                         sinks=sinks, ulysses_size=ulysses_size)
         if out is not None:
             return out
     elif zigzag_data_devices():

@@ -88,6 +88,7 @@ class MultiHeadLatentAttention(nnx.Module):
         self.scale = attention.scale or (dn + dr) ** -0.5
         self.rope, self.implementation = rope, attention.impl
         self.context_parallel, self.zigzag = attention.context_parallel, attention.zigzag
+        self.ulysses_size = attention.ulysses_size
         normal = nnx.initializers.normal(init_std)
         out_normal = nnx.initializers.normal(init_std if out_init_std is None else out_init_std)
 
@@ -161,7 +162,8 @@ class MultiHeadLatentAttention(nnx.Module):
         q = jnp.concatenate([q_nope, q_pe.astype(q_nope.dtype)], axis=-1)
         out = attention(q, k, v, mask, scale=self.scale, implementation=self.implementation,
                         context_parallel=self.context_parallel, zigzag=self.zigzag,
-                        q_offset=q_offset, kv_offset=kv_offset)  # [B, T, N, dv]
+                        ulysses_size=self.ulysses_size, q_offset=q_offset,
+                        kv_offset=kv_offset)  # [B, T, N, dv]
         return shard(self.o(out), ("batch", "length", "embed"))
 
     def attend_absorbed(self, q_nope, q_pe, latent, mask: Mask | None = None, *, q_offset=0,
@@ -175,7 +177,8 @@ class MultiHeadLatentAttention(nnx.Module):
         kv = latent[:, :, None, :].astype(q.dtype)  # [B, S, 1, r + dr]
         out = attention(q, kv, kv, mask, scale=self.scale, implementation=self.implementation,
                         context_parallel=self.context_parallel, zigzag=self.zigzag,
-                        q_offset=q_offset, kv_offset=kv_offset)
+                        ulysses_size=self.ulysses_size, q_offset=q_offset,
+                        kv_offset=kv_offset)
         out = jnp.einsum("BTNR,RNH->BTNH", out[..., :r], w[..., dn:])  # [B, T, N, dv]
         return shard(self.o(out), ("batch", "length", "embed"))
 

@@ -3,7 +3,8 @@ layer runs under an active mesh whose rules split "length" over one axis of size
 
 `context_parallel_attention(q, k, v, mask, *, mode, zigzag, implementation, ...)`:
 "ring" (`ring_attention`, zig-zag balanced as `zigzag` says), "all_gather"
-(`all_gather_attention`) or "ulysses" (`ulysses_attention`), running `implementation`
+(`all_gather_attention`), "ulysses" (`ulysses_attention`) or "usp" (`usp_attention`:
+Ulysses in groups of `ulysses_size` devices, the ring across them), running `implementation`
 per ring block (`select_ring_block`), per device at its global query offset, or per
 device on its heads over the whole sequence (`CONTEXT_PARALLEL_MODES`). Otherwise None:
 the layer uses `dot_product_attention`. See docs/long_context.md.
@@ -15,18 +16,19 @@ from tfjax.ops import masks as masks_lib
 from tfjax.ops.reference import Alibi, RelativeBias
 from tfjax.parallel.ring_attention import all_gather_attention, ring_attention
 from tfjax.parallel.sharding import active_mesh, logical_to_spec
-from tfjax.parallel.ulysses import ulysses_attention
+from tfjax.parallel.ulysses import ulysses_attention, usp_attention
 from tfjax.parallel.zigzag import ZIGZAG_MODES, zigzag_data_devices
 
 __all__ = ["CONTEXT_PARALLEL_MODES", "context_parallel_attention"]
 
-CONTEXT_PARALLEL_MODES = ("ring", "all_gather", "ulysses")
+CONTEXT_PARALLEL_MODES = ("ring", "all_gather", "ulysses", "usp")
 
 
 def context_parallel_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mode: str = "ring",
                                zigzag: str = "data", implementation: str = "auto", scale=None,
                                softcap=None, alibi: Alibi | None = None,
-                               relative_bias: RelativeBias | None = None, sinks=None):
+                               relative_bias: RelativeBias | None = None, sinks=None,
+                               ulysses_size: int = 1):
     """Attention for a layer under an active mesh whose rules split "length" over a
     mesh axis of size n > 1: `ring_attention` (mode "ring"), `all_gather_attention`
     (mode "all_gather") or `ulysses_attention` (mode "ulysses"), running
@@ -85,6 +87,11 @@ def context_parallel_attention(q, k, v, mask: masks_lib.Mask | None = None, *, m
         return all_gather_attention(q, k, v, mask, **common)
     if mode == "ulysses":
         return ulysses_attention(q, k, v, mask, **common)
+    if mode == "usp":  # the ring over the n / ulysses_size groups, zig-zag over their spans
+        g = n // ulysses_size if ulysses_size >= 1 else 0
+        zz = zigzag != "none" and mask is not None and g > 0 and T % (2 * g) == 0
+        return usp_attention(q, k, v, mask, ulysses_size=ulysses_size,
+                             load_balance="zigzag" if zz else "none", **common)
     zz = bool(data_n) or (zigzag != "none" and mask is not None and T % (2 * n) == 0)
     return ring_attention(q, k, v, mask, load_balance="zigzag" if zz else "none",
                           natural_order=not data_n, **common)

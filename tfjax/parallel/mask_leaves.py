@@ -11,6 +11,8 @@ per device: `copy_tables`, `local_leaves`, so its gradient sums over the devices
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,7 +24,7 @@ from tfjax.ops.reference import Alibi
 
 __all__ = ["KV_LEAVES", "Q_LEAVES", "TABLE_LEAVES", "bias_kwargs", "copy_tables", "device_axes",
            "device_copies", "leaf_kind", "local_leaves", "resolve_batch_axes", "shard_map",
-           "split_mask", "token_specs", "unflatten"]
+           "split_kv_heads", "split_mask", "token_specs", "unflatten"]
 
 # Leaf names by kind (the fields of masks, Alibi and RelativeBias that hold them).
 Q_LEAVES, KV_LEAVES = ("q_segment_ids", "q_positions"), ("kv_segment_ids", "kv_positions")
@@ -113,6 +115,18 @@ def resolve_batch_axes(batch_axes, x, mesh, seq_axis, where: str):
     return tuple(batch_axes) or None
 
 
+def split_kv_heads(k, v, n: int):
+    """k, v `[B,S,K,.]` with each kv head repeated the fewest times r that make the kv
+    heads divide over `n` devices (K*r = lcm(K, n); r = 1: as they are). With the query
+    heads split over the same n devices in order, query head h still reads a copy of
+    its own kv head (K*r divides N when K and n do); the repeat's transpose sums the
+    copies' gradients."""
+    r = n // math.gcd(k.shape[2], n)
+    if r == 1:
+        return k, v
+    return jnp.repeat(k, r, axis=2), jnp.repeat(v, r, axis=2)
+
+
 def device_axes(batch_axes, seq_axis=None) -> tuple:
     """The mesh axes the tokens are split over: the batch axes (a name, a tuple of
     names or None), then `seq_axis` if given."""
@@ -142,17 +156,20 @@ def local_leaves(leaves, kinds):
     return [x[0] if kd == "table" else x for x, kd in zip(leaves, kinds)]
 
 
-def token_specs(leaves, kinds, batch_axes, seq_axis):
+def token_specs(leaves, kinds, batch_axes, seq_axis, head_axis=None, slopes=None):
     """`shard_map` specs of a sequence-parallel call: q/k/v `[B,T,.,.]` split over
-    the batch axes and `seq_axis`, and the leaves (per-token ones likewise,
-    per-example ones over the batch axes only, T5's per-device table copies over the
-    batch axes and `seq_axis`). A leaf with a batch dim of 1 is replicated over the
-    batch axes."""
+    the batch axes, `seq_axis` and (their heads) `head_axis`, and the leaves
+    (per-token ones like the tokens, per-example ones over the batch axes only, T5's
+    per-device table copies `[D, nb, N]` over the batch axes and `seq_axis`, and, as
+    ALiBi's `slopes` `[B|1, N]` (the leaf that is it), over `head_axis` by head). A
+    leaf with a batch dim of 1 is replicated over the batch axes."""
     def leaf_spec(x, kind):
         if kind == "table":
-            return P(device_axes(batch_axes, seq_axis))
+            return P(device_axes(batch_axes, seq_axis), None, head_axis)
         b = batch_axes if x.shape[0] != 1 else None
+        if x is slopes:
+            return P(b, head_axis)
         return P(b, seq_axis) if kind != "other" else P(*([b] + [None] * (x.ndim - 1)))
 
-    return (P(batch_axes, seq_axis, None, None),
+    return (P(batch_axes, seq_axis, head_axis, None),
             [leaf_spec(x, kd) for x, kd in zip(leaves, kinds)])

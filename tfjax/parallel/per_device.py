@@ -11,8 +11,6 @@ the rules give "batch" and "heads". See docs/long_context.md.
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -51,14 +49,8 @@ def batch_sharded_attention(fn, q, k, v, mask, *, mesh, batch_axes, head_axes, b
     if not b_axes and not h_axes:
         return None
     Dh = int(np.prod([mesh.shape[a] for a in h_axes]))
-    if K % Dh:
-        # The head axes split the query heads but not the kv heads (MQA, or GQA with
-        # fewer kv heads than devices): each kv head is repeated r times, so that every
-        # device holds the kv heads of its own query heads (K*r = lcm(K, Dh) divides N,
-        # so query head n still reads copy n // (N / (K*r)) of kv head n // G). The
-        # repeat's transpose sums the copies' gradients.
-        r = Dh // math.gcd(K, Dh)
-        k, v = jnp.repeat(k, r, axis=2), jnp.repeat(v, r, axis=2)
+    # MQA, or GQA with fewer kv heads than head devices: kv heads repeated as needed
+    k, v = mask_leaves.split_kv_heads(k, v, Dh)
     b, h = b_axes or None, h_axes or None
     takes_relative = relative_bias is not _ABSENT  # fn's signature has relative_bias=
     rel = None if relative_bias is _ABSENT else relative_bias

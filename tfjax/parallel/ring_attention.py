@@ -55,7 +55,8 @@ def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axi
                    block_kv: int = DEFAULT_BLOCK, skip_masked_blocks: bool = True,
                    implementation: str = "auto", block_sizes=None, unroll: bool | None = None,
                    alibi_slopes=None, alibi_positions=None,
-                   relative_bias: RelativeBias | None = None, sinks=None):
+                   relative_bias: RelativeBias | None = None, sinks=None,
+                   head_axis: str | None = None):
     """q `[B,T,N,H]`, k `[B,S,K,H]`, v `[B,S,K,Hv]` (global arrays) -> out `[B,T,N,Hv]`.
 
     Same semantics as `attention_reference(q, k, v, mask, scale=, softcap=,
@@ -68,7 +69,9 @@ def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axi
     chunk's global offset. T5's table (`relative_bias`): every device gets a copy and
     returns its partial gradient, summed over the devices; so do learned `sinks`
     `[N]`, which join each query row once, after its ring of blocks is merged
-    (`tfjax.ops.sinks`).
+    (`tfjax.ops.sinks`). `head_axis`: a mesh axis the heads are split over too (USP,
+    `tfjax.parallel.ulysses.usp_attention`); query and kv heads must divide over it,
+    and the sinks, ALiBi's slopes and T5's table are split with them.
 
     load_balance: "zigzag" (the default: 2n chunks, device i holds chunks i and
     2n-1-i, so causal work is even; needs T == S and T % 2n == 0) or "none" (device i
@@ -102,6 +105,11 @@ def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axi
     S, K = k.shape[1], k.shape[2]
     if N % K:
         raise ValueError(f"ring_attention: {N} query heads are not a multiple of {K} kv heads")
+    u = 1 if head_axis is None else mesh.shape[head_axis]
+    if N % u or K % u:
+        raise ValueError(f"ring_attention: {N} query and {K} kv heads must divide over the {u} "
+                         f"devices of head_axis={head_axis!r} (repeat the kv heads: "
+                         f"mask_leaves.split_kv_heads)")
     masks_lib.check_lengths(mask, T, S, "ring_attention")
     pieces = 2 if load_balance == "zigzag" else 1
     if load_balance == "zigzag" and T != S:
@@ -132,7 +140,8 @@ def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axi
     # Natural order in and out under zigzag: re-laid out inside shard_map (ppermutes).
     reorder = load_balance == "zigzag" and natural_order and n > 1
 
-    tok, leaf_specs = mask_leaves.token_specs(leaves, kinds, batch_axes, seq_axis)
+    tok, leaf_specs = mask_leaves.token_specs(leaves, kinds, batch_axes, seq_axis, head_axis,
+                                              None if alibi is None else alibi.slopes)
     Tl, Sl = T // n, S // n
     cq, ckv = Tl // pieces, Sl // pieces  # piece lengths
 
@@ -212,8 +221,9 @@ def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axi
         q_seg, kv_leaves, other = local_parts(q, mleaves, table)
         qs = cut(q, cq)
         b = q.shape[0]
-        acc = tuple((jnp.zeros((b, cq, N, Hv), jnp.float32),
-                     jnp.full((b, N, cq), -jnp.inf, jnp.float32)) for _ in range(pieces))
+        Nd = q.shape[2]  # this device's heads (N / u)
+        acc = tuple((jnp.zeros((b, cq, Nd, Hv), jnp.float32),
+                     jnp.full((b, Nd, cq), -jnp.inf, jnp.float32)) for _ in range(pieces))
 
         def step(acc, blk, src):
             kb, vb, kvl = blk
@@ -240,7 +250,8 @@ def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axi
         q_seg, kv_leaves, other = local_parts(q, mleaves, table)
         qs, outs, douts = cut(q, cq), cut(out, cq), cut(dout.astype(q.dtype), cq)
         lses = cut(lse, cq, axis=2)
-        dq0 = tuple(jnp.zeros((q.shape[0], cq, N, H), jnp.float32) for _ in range(pieces))
+        dq0 = tuple(jnp.zeros(q.shape[:1] + (cq,) + q.shape[2:], jnp.float32)
+                    for _ in range(pieces))
         # T5's table: this device's partial gradient, threaded with dQ
         dt0 = None if table is None else jnp.zeros(table.shape, jnp.float32)
 
@@ -329,12 +340,10 @@ def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axi
         return out
 
     dev = mask_leaves.device_axes(batch_axes, seq_axis)
-    sink_spec = None if sinks is None else P(dev)
+    sink_spec = None if sinks is None else P(dev, head_axis)
     fn = mask_leaves.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, sink_spec, *leaf_specs),
                                out_specs=tok)
     return fn(q, k, v, mask_leaves.device_copies(sinks, mesh, dev), *leaves)
-
-
 
 
 # --------------------------------------------------------------------------- #

@@ -1,23 +1,21 @@
-"""Ulysses context parallelism (DeepSpeed-Ulysses, Jacobs et al. 2023) over a mesh axis.
+"""Ulysses context parallelism (DeepSpeed-Ulysses, Jacobs et al. 2023) and USP (Fang &
+Zhao 2024) over a mesh's sequence axis.
 
-`ulysses_attention(q, k, v, mask, *, mesh, seq_axis="sequence", implementation="auto",
-...)`: global q `[B,T,N,H]`, k `[B,S,K,H]`, v `[B,S,K,Hv]` sharded over `seq_axis` ->
-`[B,T,N,Hv]`, `attention_reference`'s result. Under `jax.shard_map`, one all-to-all per
-tensor trades the sequence shard for a head shard (each of the n devices then holds the
-whole sequence for N/n query heads), the layer's own implementation attends there with
-every mask at its natural positions, and one all-to-all brings the output back to the
-sequence shard. The backward is autodiff's: all-to-alls the other way. K/V are never
-all-gathered; GQA with fewer kv heads than n repeats each kv head as few times as it
-takes. See docs/long_context.md.
+`ulysses_attention(q, k, v, mask, *, mesh, seq_axis, implementation, ...)`: q, k, v split
+over `seq_axis` -> `attention_reference`'s result. Under `jax.shard_map` an all-to-all
+per tensor trades the sequence shard for a head shard (the whole sequence, N/n heads a
+device), the layer's implementation attends with every mask at natural positions, and
+an all-to-all brings the output back; kv heads are repeated as needed, never gathered.
+`usp_attention(..., ulysses_size=u)`: Ulysses inside groups of u consecutive devices,
+`ring_attention` across the groups. See docs/long_context.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 
-import jax.numpy as jnp
 from jax import lax
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from tfjax.ops import masks as masks_lib
@@ -26,20 +24,19 @@ from tfjax.ops.reference import RelativeBias, check_relative_bias, make_alibi
 from tfjax.ops.sinks import check_sinks
 from tfjax.ops.target import device_platform, targeting
 from tfjax.parallel import mask_leaves
+from tfjax.parallel.ring_attention import ring_attention
 
-__all__ = ["ulysses_attention", "ulysses_kv_repeats"]
+__all__ = ["check_heads", "ulysses_attention", "usp_attention", "usp_mesh"]
 
 
-def ulysses_kv_repeats(num_heads: int, num_kv_heads: int, n: int, where: str = "ulysses") -> int:
-    """How many times Ulysses repeats each kv head over `n` devices (1: none): the least r
-    with `num_kv_heads * r` divisible by n. Query heads not divisible by n: a one-line
-    ValueError naming the fix."""
+def check_heads(num_heads: int, n: int, where: str, fix: str = "") -> None:
+    """Query heads that do not divide over Ulysses' n devices: a one-line ValueError
+    naming the fix (default: for Ulysses over the whole sequence axis)."""
     if num_heads % n:
+        fix = fix or (f"set mesh.sequence to a divisor of {num_heads}, or use "
+                      f"model.attention.context_parallel='ring' or 'usp'")
         raise ValueError(f"{where}: the {num_heads} query heads do not divide over the {n} "
-                         f"devices of the sequence axis (Ulysses gives each device N/n heads); "
-                         f"set mesh.sequence to a divisor of {num_heads}, or use "
-                         f"model.attention.context_parallel='ring'")
-    return n // math.gcd(num_kv_heads, n)
+                         f"Ulysses devices (each gets N/{n} heads); {fix}")
 
 
 def ulysses_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh,
@@ -60,9 +57,8 @@ def ulysses_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh,
     if T % n or S % n:
         raise ValueError(f"ulysses_attention: T={T} and S={S} must be divisible by the {n} "
                          f"devices on {seq_axis!r}")
-    r = ulysses_kv_repeats(N, K, n, "ulysses_attention")
-    if r > 1:  # each device needs whole kv heads for its query heads
-        k, v = jnp.repeat(k, r, axis=2), jnp.repeat(v, r, axis=2)
+    check_heads(N, n, "ulysses_attention")
+    k, v = mask_leaves.split_kv_heads(k, v, n)  # whole kv heads for each device's heads
     alibi = make_alibi(alibi_slopes, alibi_positions, B, N, T, S)
     rel = check_relative_bias(relative_bias, B, N, T, S)
     sinks = check_sinks(sinks, N, "ulysses_attention")
@@ -106,3 +102,43 @@ def ulysses_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh,
                                out_specs=tok)
     return fn(q, k, v, mask_leaves.device_copies(sinks, mesh, dev), *leaves)
 
+
+
+def usp_mesh(mesh, seq_axis: str, ulysses_size: int) -> tuple[Mesh, str, str]:
+    """(mesh', ring axis, Ulysses axis): `mesh` with `seq_axis` (n devices) split into
+    "<seq_axis>_ring" (n / u groups) and "<seq_axis>_ulysses" (u consecutive devices),
+    the same devices in the same order: a sequence split over `seq_axis` is the same
+    split over (ring, Ulysses)."""
+    names, shape = list(mesh.axis_names), list(mesh.devices.shape)
+    i, u = names.index(seq_axis), ulysses_size
+    ring, heads = f"{seq_axis}_ring", f"{seq_axis}_ulysses"
+    devices = mesh.devices.reshape(shape[:i] + [shape[i] // u, u] + shape[i + 1:])
+    kinds = getattr(mesh, "axis_types", None)
+    extra = {} if kinds is None else dict(
+        axis_types=(*kinds[:i], kinds[i], kinds[i], *kinds[i + 1:]))
+    return Mesh(devices, (*names[:i], ring, heads, *names[i + 1:]), **extra), ring, heads
+
+
+def usp_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh,
+                  seq_axis: str = "sequence", ulysses_size: int, batch_axes=None,
+                  load_balance: str = "zigzag", **ring_kwargs):
+    """USP (Fang & Zhao 2024) over the n devices of `seq_axis`: q, k, v resharded from
+    the sequence split to (sequence over the n/u groups, heads over the u devices of
+    each group: Ulysses' all-to-all inside a group, inserted by XLA at the ring's
+    `shard_map`), then `ring_attention` across the groups on each device's heads
+    (`load_balance`: zig-zag over the groups' spans, natural order in and out), the
+    output resharded back. `ulysses_size` 1 is the ring, n Ulysses. Query heads must
+    divide by u (one line naming the fix); kv heads are repeated as needed. Other
+    keyword arguments: `ring_attention`'s."""
+    n, u = mesh.shape[seq_axis], ulysses_size
+    if u < 1 or n % u:
+        raise ValueError(f"usp_attention: ulysses_size={u} must divide the {n} devices of "
+                         f"{seq_axis!r}; set model.attention.ulysses_size to a divisor of {n}")
+    check_heads(q.shape[2], u, "usp_attention",
+                f"set model.attention.ulysses_size to a divisor of {q.shape[2]} and {n}")
+    batch_axes = mask_leaves.resolve_batch_axes(batch_axes, q, mesh, seq_axis, "usp_attention")
+    k, v = mask_leaves.split_kv_heads(k, v, u)
+    sub, ring_axis, head_axis = usp_mesh(mesh, seq_axis, u)
+    return ring_attention(q, k, v, mask, mesh=sub, seq_axis=ring_axis, head_axis=head_axis,
+                          batch_axes=batch_axes or (), load_balance=load_balance,
+                          natural_order=True, **ring_kwargs)

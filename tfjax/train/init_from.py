@@ -38,7 +38,8 @@ __all__ = ["RUNTIME_FIELDS", "check_tokenizer", "checkpoint_kind", "initial_stat
 
 # How the model runs, not what it is: always the config file's (docs/training.md).
 RUNTIME_FIELDS = ("dtype", "param_dtype", "attention.impl", "attention.context_parallel",
-                  "attention.zigzag", "remat", "dropout_rate", "init_std", "moe.impl")
+                  "attention.zigzag", "attention.ulysses_size", "remat", "dropout_rate",
+                  "init_std", "moe.impl")
 
 
 def checkpoint_kind(path: str) -> str:
