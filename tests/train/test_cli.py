@@ -249,6 +249,29 @@ def test_two_processes_read_their_own_rows_of_a_cache_mixture_like_one(tmp_path)
 
 
 @pytest.mark.slow
+def test_two_processes_as_two_slices_train_like_one(tmp_path):
+    """`mesh.dcn_data=2` over two processes (on CPU each process stands for a slice),
+    `mesh.data=2` within each: the hybrid mesh gives the losses of one process with
+    data=4, bit for bit (the same four shards of the batch, reduced in the same order)."""
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    args = ["--config.train.steps=3", "--config.train.sample_tokens=0",
+            "--config.train.eval_at_end=False", "--config.checkpoint.enabled=False", *TINY]
+    one = cli("--workdir", str(tmp_path / "one"), *args, "--config.mesh.data=4", devices=4)
+    two = [cli("--workdir", str(tmp_path / "two"), *args, "--config.mesh.data=2",
+               "--config.mesh.dcn_data=2", devices=2,
+               *[f"--coordinator_address=localhost:{port}", "--num_processes=2",
+                 f"--process_id={i}"]) for i in range(2)]
+    outs = finish([one, *two], 400, "one process and two slices")
+    assert all(p.returncode == 0 for p in [one, *two]), "\n----\n".join(outs)
+    assert "'data': 4" in outs[1], outs[1]  # the mesh: dcn_data x data
+    a, b = losses(str(tmp_path / "one")), losses(str(tmp_path / "two"))
+    assert sorted(a) == sorted(b) == [1, 2, 3]
+    assert [b[k] for k in a] == [a[k] for k in a]
+
+
+@pytest.mark.slow
 def test_compile_only_for_a_tpu_slice(tmp_path):
     pytest.importorskip("libtpu")
     p = subprocess.run([sys.executable, "-m", "tfjax.train", "--config",

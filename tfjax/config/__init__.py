@@ -18,7 +18,7 @@ from tfjax.config.model import (DTYPES, GatedDeltaNetConfig, LinearConfig, MLACo
                                 Mamba2Config, ModelConfig, MoEConfig, RopeConfig, SSMConfig,
                                 T5Config)
 from tfjax.config.shared import SharedBlockConfig
-from tfjax.config.run import (DEFAULT_RULES, MESH_AXES, CheckpointConfig, DataConfig,
+from tfjax.config.run import (DCN_AXES, DEFAULT_RULES, MESH_AXES, CheckpointConfig, DataConfig,
                               LoraConfig, MeshConfig,
                               ParamGroup, RunConfig, TrainConfig, parse_param_groups,
                               parse_profile_steps)
@@ -48,6 +48,7 @@ __all__ = [
     "DEFAULT_RULES",
     "DTYPES",
     "MESH_AXES",
+    "DCN_AXES",
     "model_config",
     "run_config",
     "default_config",

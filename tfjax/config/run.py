@@ -10,11 +10,12 @@ import dataclasses
 from tfjax.config.checks import fail, non_negative, one_of, positive
 from tfjax.config.model import ModelConfig, validate_model
 
-__all__ = ["CheckpointConfig", "DataConfig", "DEFAULT_RULES", "DECAY_SHAPES", "LoraConfig",
+__all__ = ["CheckpointConfig", "DataConfig", "DCN_AXES", "DEFAULT_RULES", "DECAY_SHAPES", "LoraConfig",
            "MESH_AXES", "MeshConfig", "ParamGroup", "RunConfig", "SCHEDULES", "TrainConfig",
            "parse_param_groups", "parse_profile_steps"]
 
 MESH_AXES = ("data", "fsdp", "sequence", "tensor", "expert")
+DCN_AXES = ("data", "fsdp")  # the mesh axes that may also span slices (`MeshConfig.dcn_*`)
 SCHEDULES = ("cosine", "constant", "linear", "wsd")
 DECAY_SHAPES = ("linear", "cosine", "1-sqrt")  # the decay of the wsd schedule
 DATA_SOURCES = ("stdlib", "text", "jsonl", "cache")
@@ -196,18 +197,32 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Device mesh sizes (-1 fills the rest; at most one) and the logical-axis rules."""
+    """Device mesh sizes (-1 fills the rest; at most one) and the logical-axis rules.
+
+    data ... expert: sizes within one slice (ICI). dcn_data, dcn_fsdp: how many slices
+    (TPU slices joined by the data-center network; on CPU, processes) the same named
+    axis spans, so mesh axis `data` has dcn_data * data devices; the dcn_* sizes
+    multiply to the number of slices (`tfjax.parallel.mesh.make_mesh`).
+    """
 
     data: int = -1
     fsdp: int = 1
     sequence: int = 1
     tensor: int = 1
     expert: int = 1
+    dcn_data: int = 1
+    dcn_fsdp: int = 1
     rules: tuple[tuple[str, ...], ...] = DEFAULT_RULES
 
     @property
     def shape(self) -> tuple[int, ...]:
+        """The sizes within a slice, in `MESH_AXES` order."""
         return tuple(getattr(self, a) for a in MESH_AXES)
+
+    @property
+    def dcn_shape(self) -> tuple[int, ...]:
+        """How many slices each mesh axis spans, in `MESH_AXES` order (1 where no DCN)."""
+        return tuple(getattr(self, f"dcn_{a}") if a in DCN_AXES else 1 for a in MESH_AXES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -456,6 +471,10 @@ def _validate_mesh(c: MeshConfig, p: str) -> None:
         v = getattr(c, a)
         if v != -1 and v < 1:
             fail(f"{p}.{a}", f"must be >= 1, or -1 to take the remaining devices, got {v}")
+    for a in DCN_AXES:
+        if getattr(c, f"dcn_{a}") < 1:
+            fail(f"{p}.dcn_{a}", f"must be >= 1 (the slices mesh axis {a!r} spans; 1 = "
+                 f"within one slice), got {getattr(c, f'dcn_{a}')}")
     if len(fill) > 1:
         fail(f"{p}.{fill[1]}", f"only one mesh axis may be -1 (fill the rest); "
               f"{', '.join(fill)} are; give all but one a size")

@@ -42,6 +42,8 @@ flags.DEFINE_bool("distributed", False, "call jax.distributed.initialize() with 
 flags.DEFINE_bool("compile_only", False, "AOT-compile the train step and print memory; no training")
 flags.DEFINE_string("topology", None, "with --compile_only: a TPU slice such as v5p:4x4x4, "
                     "or a host of GPUs such as h200:8 (jax's CUDA plugin, no GPU)")
+flags.DEFINE_integer("num_slices", 1, "with --compile_only --topology: compile for this many "
+                     "TPU slices of the topology (mesh.dcn_data / mesh.dcn_fsdp span them)")
 
 
 def main(argv):
@@ -82,7 +84,11 @@ def main(argv):
         print(f"config error: {e}", file=sys.stderr)
         return 2
     if FLAGS.compile_only:
-        return compile_only(cfg, FLAGS.topology)
+        try:  # a mesh that does not fit the slices is one line, before compiling
+            return compile_only(cfg, FLAGS.topology, num_slices=FLAGS.num_slices)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     try:  # a bad run (data, mesh, a checkpoint that cannot resume) is refused before compiling
         trainer = Trainer(cfg, FLAGS.workdir, eval_hooks=eval_hooks(cfg))
         summary = trainer.train()

@@ -6,7 +6,9 @@ fits the chip's HBM. `--topology h200:8` does the same for one host of NVIDIA GP
 CUDA plugin, `pip install "jax[cuda13]"`, not a GPU). Without --topology it compiles
 for the local devices. The step is traced under the topology's mesh, so attention
 dispatch and the Pallas kernels build what that platform runs (the Mosaic TPU
-kernels; on Hopper the Mosaic GPU ones), not the CPU's choices.
+kernels; on Hopper the Mosaic GPU ones), not the CPU's choices. `--num_slices N`
+compiles for N TPU slices (`mesh.dcn_*` spans them) and prints the collectives that
+cross the data-center network (docs/training.md, "Multi-slice").
 """
 
 from __future__ import annotations
@@ -19,15 +21,16 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from tfjax.config import RunConfig
+from tfjax.config import DCN_AXES, RunConfig
 from tfjax.data.tokenizer import load_tokenizer
 from tfjax.models import build, check_names
 from tfjax.ops.target import gpu_lowering_target
-from tfjax.parallel.mesh import make_mesh
+from tfjax.parallel.collectives import collectives, dcn_totals
+from tfjax.parallel.mesh import device_slices, make_mesh
 from tfjax.train.trainer import build_program, check_run
 
-__all__ = ["GPU_TARGET_CONFIGS", "HBM_BYTES", "compile_only", "compile_step", "gpu_devices",
-           "step_figures", "tpu_devices"]
+__all__ = ["GPU_TARGET_CONFIGS", "HBM_BYTES", "compile_only", "compile_step", "dcn_collectives",
+           "gpu_devices", "step_figures", "tpu_devices"]
 
 GiB = 1024 ** 3
 # HBM per chip.
@@ -57,8 +60,9 @@ device_description_str: "NVIDIA {name.upper()}"
 GPU_HBM_BYTES = {"h100": 85520809984, "h200": 150754820096}
 
 
-def tpu_devices(topology: str):
-    """Compile-only devices of a TPU slice, e.g. "v5e:2x2" or "v5p:4x4x4"."""
+def tpu_devices(topology: str, num_slices: int = 1):
+    """Compile-only devices of `num_slices` TPU slices, each e.g. "v5e:2x2" or
+    "v5p:4x4x4" (several slices: devices carry their `slice_index`)."""
     from jax.experimental import topologies
 
     # libtpu guards a real TPU with a lockfile; a compile-only topology needs no chip.
@@ -75,7 +79,7 @@ def tpu_devices(topology: str):
     try:
         topo = topologies.get_topology_desc(
             topology_name=f"{chip}:{shape}", platform="tpu", chip_config_name="default",
-            chips_per_host_bounds=tuple(host), num_slices=1,
+            chips_per_host_bounds=tuple(host), num_slices=num_slices,
             wrap=tuple(d >= 4 for d in dims))
     except Exception as e:
         raise ValueError(f"--topology {topology}: libtpu could not describe this slice ({e}); "
@@ -103,16 +107,23 @@ def gpu_devices(topology: str):
     return list(topo.devices), GPU_HBM_BYTES[chip]
 
 
-def topology_devices(topology: str):
-    """(devices, HBM bytes per device) of a TPU slice ("v5p:2x2x1") or a host of
-    GPUs ("h200:8")."""
+def topology_devices(topology: str, num_slices: int = 1):
+    """(devices, HBM bytes per device) of `num_slices` TPU slices ("v5p:2x2x1") or a
+    host of GPUs ("h200:8")."""
+    if num_slices < 1:
+        raise ValueError(f"--num_slices: must be >= 1, got {num_slices}")
     if topology.split(":", 1)[0] in GPU_TARGET_CONFIGS:
+        if num_slices > 1:
+            raise ValueError(f"--num_slices {num_slices}: several slices are TPU slices; "
+                             f"--topology {topology} is one host of GPUs, drop --num_slices")
         return gpu_devices(topology)
-    return tpu_devices(topology)
+    return tpu_devices(topology, num_slices)
 
 
 def _fmt(n: float) -> str:
-    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / 1024 ** 2:.1f} MiB"
+    if n >= GiB:
+        return f"{n / GiB:.2f} GiB"
+    return f"{n / 1024 ** 2:.1f} MiB" if n >= 1024 ** 2 else f"{n / 1024:.1f} KiB"
 
 
 def _per_device_bytes(abstract, shardings) -> int:
@@ -122,13 +133,15 @@ def _per_device_bytes(abstract, shardings) -> int:
     return total
 
 
-def compile_step(cfg: RunConfig, topology: str | None, build_model=None):
-    """AOT-compile the run's sharded train step for `topology` (None: the local
-    devices): (the compiled step, its `Program`, the mesh, HBM bytes per device or
-    None)."""
+def compile_step(cfg: RunConfig, topology: str | None, build_model=None, num_slices: int = 1):
+    """AOT-compile the run's sharded train step for `num_slices` slices of `topology`
+    (None: the local devices): (the compiled step, its `Program`, the mesh, HBM bytes
+    per device or None)."""
     check_names(cfg.validate().model)
     if topology:
-        devices, hbm = topology_devices(topology)
+        devices, hbm = topology_devices(topology, num_slices)
+    elif num_slices != 1:
+        raise ValueError("--num_slices: needs --topology (the slices to compile for)")
     else:
         devices, hbm = jax.devices(), None
     mesh = make_mesh(cfg.mesh, devices)
@@ -161,12 +174,24 @@ def step_figures(compiled, p) -> dict[str, float]:
                 arguments=arguments, optimal_seconds=float(cost.get("optimal_seconds", 0.0) or 0.0))
 
 
-def compile_only(cfg: RunConfig, topology: str | None, build_model=None, out=sys.stdout) -> int:
-    compiled, p, mesh, hbm = compile_step(cfg, topology, build_model)
+def dcn_collectives(compiled, mesh, cfg: RunConfig) -> dict[str, tuple[int, int]]:
+    """{kind: (executions, bytes per device)} per step of the compiled step's
+    collectives that cross slices (`tfjax.parallel.collectives`)."""
+    devices = list(mesh.devices.flat)
+    slice_number = {d: i for i, group in enumerate(device_slices(devices, cfg.mesh))
+                    for d in group}
+    return dcn_totals(collectives(compiled.as_text(), [slice_number[d] for d in devices]))
+
+
+def compile_only(cfg: RunConfig, topology: str | None, build_model=None, out=sys.stdout,
+                 num_slices: int = 1) -> int:
+    compiled, p, mesh, hbm = compile_step(cfg, topology, build_model, num_slices)
     devices, t = list(mesh.devices.flat), cfg.train
     f = step_figures(compiled, p)
     total = f["total"]
     where = topology or f"{len(devices)} local {devices[0].platform} device(s)"
+    if num_slices > 1:
+        where = f"{num_slices} slices of {where}"
     lines = [
         f"compiled train step for {where}, mesh {dict(mesh.shape)}",
         f"  model: {p.num_params / 1e6:,.1f}M parameters ({cfg.model.param_dtype}), "
@@ -174,9 +199,15 @@ def compile_only(cfg: RunConfig, topology: str | None, build_model=None, out=sys
         f"  per device: parameters {_fmt(f['params'])}, optimizer {_fmt(f['opt'])}, "
         f"temporaries {_fmt(f['temp'])}, code {_fmt(f['code'])} -> {_fmt(total)}",
     ]
-    if f["optimal_seconds"]:
+    if f["optimal_seconds"] > 0:  # XLA:TPU gives negative estimates for several slices
         lines.append(f"  XLA's step-time estimate (optimal_seconds): "
                      f"{f['optimal_seconds'] * 1e3:,.1f} ms")
+    if num_slices > 1:
+        dcn = dcn_collectives(compiled, mesh, cfg)
+        spans = " x ".join(f"dcn_{a}={getattr(cfg.mesh, f'dcn_{a}')}" for a in DCN_AXES)
+        lines.append(f"  {num_slices} slices of {len(devices) // num_slices} chips, {spans}")
+        lines.append("  across slices (DCN), per device per step: " + (", ".join(
+            f"{kind} {n}x {_fmt(b)}" for kind, (n, b) in dcn.items()) or "no collectives"))
     if hbm:
         lines.append(f"  HBM per chip {hbm / GiB:.0f} GiB: "
                      f"{'FITS' if total <= hbm else 'DOES NOT FIT'} ({100 * total / hbm:.0f}%)")
