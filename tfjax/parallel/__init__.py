@@ -1,13 +1,13 @@
 """Parallelism: the device mesh, logical-axis sharding, and attention across devices.
 
-`mesh` (the five-axis mesh, `make_mesh`), `rules` and `sharding` (logical axis names ->
-mesh axes; `use_rules`, `shard`), `per_device` (kernels XLA cannot partition, once per
-device), `zigzag`, `ring_attention` (ring and all-gather attention), `ulysses`
-(all-to-all attention), `context_parallel` (a layer's choice among them) and `mask_leaves` (a mask's leaves through
-`shard_map`). The attributes `tfjax.parallel.ring_attention` and
-`tfjax.parallel.zigzag` are the functions, not the modules: import other names from
-the modules (`from tfjax.parallel.zigzag import zigzag_data`).
-See docs/long_context.md.
+`mesh` (the five-axis mesh, `make_mesh`, within and across slices), `rules` and
+`sharding` (logical axis names -> mesh axes; `use_rules`, `shard`), `per_device`
+(kernels XLA cannot partition, once per device), `zigzag`, `ring_attention` (ring and
+all-gather attention), `ulysses` (Ulysses and USP), `context_parallel` (a layer's
+choice among them), `mask_leaves` (a mask's leaves through `shard_map`) and
+`collectives` (a compiled program's collectives). The attributes
+`tfjax.parallel.ring_attention` and `tfjax.parallel.zigzag` are the functions, not the
+modules: import other names from the modules. See docs/long_context.md.
 """
 
 from tfjax.parallel.context_parallel import CONTEXT_PARALLEL_MODES, context_parallel_attention

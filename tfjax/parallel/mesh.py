@@ -23,8 +23,8 @@ from jax.sharding import Mesh
 
 from tfjax.config import DCN_AXES, MESH_AXES, MeshConfig
 
-__all__ = ["MESH_AXES", "batch_axes_size", "cpu_device_count", "device_slices", "make_mesh", "mesh_shape",
-           "usable_cores", "use_cpu_cores"]
+__all__ = ["MESH_AXES", "batch_axes_size", "cpu_device_count", "device_slices", "make_mesh",
+           "mesh_shape", "usable_cores", "use_cpu_cores"]
 
 
 def _product(sizes) -> str:
