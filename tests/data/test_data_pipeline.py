@@ -153,6 +153,29 @@ def test_empty_corpus_is_a_clear_error(tmp_path):
         documents(DataConfig(source="text", paths=(str(tmp_path / "*.md"),)), "train")
 
 
+def test_paths_are_found_as_prepare_finds_its_inputs(tmp_path):
+    """data.paths takes files, globs and directories (one home: inputs.find_inputs);
+    hidden files are skipped; split keys are relative to the pattern's directory; what
+    only a token cache reads, or a bucket, is one line naming the fix."""
+    from tfjax.data.sources import expand_paths
+
+    (tmp_path / "c" / "sub").mkdir(parents=True)
+    for name in ("c/a.txt", "c/sub/b.txt", "c/.hidden.txt", "c/sub/.x.txt"):
+        (tmp_path / name).write_text("doc")
+    want = [(str(tmp_path / "c" / "a.txt"), "a.txt"),
+            (str(tmp_path / "c" / "sub" / "b.txt"), "sub/b.txt")]
+    assert expand_paths([str(tmp_path / "c")], "data.paths") == want
+    assert expand_paths([str(tmp_path / "c" / "**" / "*.txt")], "data.paths") == want
+    assert len(documents(DataConfig(source="text", paths=(str(tmp_path / "c"),),
+                                    val_paths=(str(tmp_path / "c" / "a.txt"),)), "train")) == 2
+    (tmp_path / "t.parquet").write_bytes(b"PAR1")
+    with pytest.raises(ValueError, match=r"^data.paths: .*t.parquet is a parquet; .*python -m "
+                                         r"tfjax.data.prepare.*data.source='cache'"):
+        expand_paths([str(tmp_path / "t.parquet")], "data.paths")
+    with pytest.raises(ValueError, match=r"^data.val_paths: '.*nope.txt': no such file"):
+        expand_paths([str(tmp_path / "nope.txt")], "data.val_paths")
+
+
 def test_local_tokenizers_json(tmp_path):
     tokenizers = pytest.importorskip("tokenizers")  # the `hf` extra
     from tokenizers import decoders, models, pre_tokenizers, trainers

@@ -15,9 +15,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import glob
 import gzip
 import io
 import json
+import os
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -99,26 +101,35 @@ def _input(path: epath.Path, name: str) -> Input:
         raise ValueError(f"{path}: cannot read ({e})") from None
 
 
-def find_inputs(patterns: Sequence[str]) -> list[Input]:
-    """The inputs that files, globs and directories name, in order (each directory and
-    glob sorted by relative path, as `sorted(glob)`); a pattern that names nothing is a
-    ValueError."""
+def find_inputs(patterns: Sequence[str], field: str = "") -> list[Input]:
+    """The inputs that files, globs and directories (local, `~` expanded, or on a
+    bucket) name, in order (each directory and glob sorted by relative path, as
+    `sorted(glob)`; hidden entries skipped); a pattern that names nothing is a
+    ValueError naming `field` (the config field or flag; default: "input")."""
     found: dict[str, Input] = {}
     for pat in patterns:
+        where = f"{field}: {pat!r}" if field else f"input {pat!r}"
+        pat = pat if "://" in pat else os.path.expanduser(pat)
         hits: list[tuple[epath.Path, str]]
         if any(c in pat for c in "*?["):
             literal = pat.split("*")[0].split("?")[0].split("[")[0]
             cut = literal.rfind("/") + 1  # names are relative to the glob's directory
             base, rest = epath.Path(pat[:cut] or "."), pat[cut:]
-            hits = [(p, p.relative_to(base).as_posix()) for p in sorted(base.glob(rest))
-                    if p.is_file() or _is_dataset(p)]
+            # locally the standard glob (`**` recursive); on a bucket epath's (no `**`)
+            paths = (sorted(base.glob(rest)) if "://" in pat else
+                     [epath.Path(h) for h in sorted(glob.glob(pat, recursive=True))])
+            named = ((p, p.relative_to(base).as_posix()) for p in paths)
+            hits = [(p, name) for p, name in named
+                    if not any(part.startswith(".") for part in name.split("/"))
+                    and (p.is_file() or _is_dataset(p))]
         else:
             p = epath.Path(pat)
             if not p.exists():
-                raise ValueError(f"input {pat!r}: no such file or directory")
-            hits = ([(p, p.name)] if p.is_file() or _is_dataset(p) else sorted(_walk(p, p), key=lambda h: h[1]))
+                raise ValueError(f"{where}: no such file or directory")
+            hits = ([(p, p.name)] if p.is_file() or _is_dataset(p)
+                    else sorted(_walk(p, p), key=lambda h: h[1]))
         if not hits:
-            raise ValueError(f"input {pat!r} matches no file (a glob, or an empty directory)")
+            raise ValueError(f"{where} matches no file (a glob, or an empty directory)")
         for p, name in hits:
             found.setdefault(str(p), _input(p, name))
     if not found:

@@ -18,7 +18,7 @@ import numpy as np
 
 from tfjax.config import DataConfig
 from tfjax.data.pipeline import RowStreams
-from tfjax.data.sources import _expand, is_validation
+from tfjax.data.sources import expand_paths, is_validation
 
 __all__ = ["ExampleBatches", "MappedBatches", "classification_row", "jsonl_examples",
            "mlm_row", "prefix_lengths", "row_rng", "seq2seq_row", "span_corrupt",
@@ -289,9 +289,9 @@ def jsonl_examples(cfg: DataConfig, split: str, fields: dict[str, str],
                          f"and data.paths")
     explicit = bool(cfg.val_paths)
     if split == "validation" and explicit:
-        files, rule = _expand(cfg.val_paths, "data.val_paths"), None
+        files, rule = expand_paths(cfg.val_paths, "data.val_paths"), None
     else:
-        files, rule = _expand(cfg.paths, "data.paths"), (None if explicit else split)
+        files, rule = expand_paths(cfg.paths, "data.paths"), (None if explicit else split)
     out = []
     for path, key in files:
         with open(path, "rb") as f:

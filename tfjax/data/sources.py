@@ -10,7 +10,6 @@ the field. See docs/data.md.
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import os
@@ -18,8 +17,9 @@ import sysconfig
 from collections.abc import Sequence
 
 from tfjax.config import DataConfig
+from tfjax.data.inputs import find_inputs
 
-__all__ = ["INSTRUCTION_FIELDS", "DocumentSource", "documents", "is_validation",
+__all__ = ["INSTRUCTION_FIELDS", "DocumentSource", "documents", "expand_paths", "is_validation",
            "stdlib_files"]
 
 VAL_MODULUS = 50
@@ -47,20 +47,24 @@ def stdlib_files(split: str, root: str | None = None) -> list[str]:
     return sorted(out)
 
 
-def _expand(patterns: Sequence[str], field: str) -> list[tuple[str, str]]:
-    """(path, split key) of every file the patterns match; the key is the path relative
-    to the pattern's directory (its part before any wildcard), so the split does not
-    depend on where the corpus lives."""
-    files: list[tuple[str, str]] = []
-    for pat in patterns:
-        pat = os.path.expanduser(pat)
-        hits = sorted(h for h in glob.glob(pat, recursive=True) if os.path.isfile(h))
-        if not hits:
-            raise ValueError(f"{field}: {pat!r} matches no file")
-        literal = pat.split("*")[0].split("?")[0].split("[")[0]
-        base = literal if literal.endswith(os.sep) else os.path.dirname(literal)
-        files += [(h, os.path.relpath(h, base or ".").replace(os.sep, "/")) for h in hits]
-    return files
+def expand_paths(patterns: Sequence[str], field: str) -> list[tuple[str, str]]:
+    """(path, split key) of every file the patterns (files, globs, directories) name,
+    found as `python -m tfjax.data.prepare` finds its inputs (`find_inputs`); the key
+    is the path relative to the pattern's directory (its part before any wildcard), so
+    the split does not depend on where the corpus lives. What only a token cache reads
+    (parquet, a `datasets` directory) is a ValueError naming `field` and the fix."""
+    found = find_inputs(patterns, field)
+    for i in found:
+        if "://" in i.path:
+            raise ValueError(f"{field}: {i.path}: text and jsonl sources read local files; "
+                             f"prepare a token cache (`python -m tfjax.data.prepare ... "
+                             f"--output gs://...`) and train from it (data.source='cache')")
+        if i.kind in ("parquet", "dataset"):
+            raise ValueError(f"{field}: {i.path} is a {i.kind}; text and jsonl sources read "
+                             f"text and JSON lines as they train: tokenize it once with "
+                             f"`python -m tfjax.data.prepare` and train from the cache "
+                             f"(data.source='cache')")
+    return [(i.path, i.name) for i in found]
 
 
 class DocumentSource:
@@ -207,9 +211,9 @@ def documents(cfg: DataConfig, split: str) -> DocumentSource:
     else:
         explicit = bool(cfg.val_paths)
         if split == "validation" and explicit:
-            files, rule = _expand(cfg.val_paths, "data.val_paths"), None
+            files, rule = expand_paths(cfg.val_paths, "data.val_paths"), None
         else:
-            files = _expand(cfg.paths, "data.paths")
+            files = expand_paths(cfg.paths, "data.paths")
             rule = None if (explicit and split == "train") else split
         if cfg.source == "text":
             if rule is not None:
