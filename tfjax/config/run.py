@@ -268,12 +268,17 @@ class RunConfig:
       safetensors) or a tfjax training workdir to take the model and its weights from
       (`tfjax.train.init_from`, which says how the model section must agree); "" =
       train from scratch.
+    context_extension: with `init_from`, the config's `model.max_len` and `model.rope.*`
+      (scaling, factor, original_max_len, theta, ...) may differ from the
+      checkpoint's and win: continuing a RoPE model at a longer context with a new
+      RoPE scaling (`tfjax.train.init_from.CONTEXT_FIELDS`, docs/long_context.md).
     lora: LoRA fine-tuning (`LoraConfig`, `tfjax.train.lora`); lora.rank=0 = off.
     """
 
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     seed: int = 0
     init_from: str = ""
+    context_extension: bool = False
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
@@ -303,6 +308,10 @@ class RunConfig:
             fail("data.tokenizer", "'init_from' takes the tokenizer of the checkpoint that "
                  "init_from names, but init_from is empty; set --config.init_from=DIR or name "
                  "a tokenizer ('byte' or a file)")
+        if self.context_extension and not self.init_from:
+            fail("context_extension", "continues the checkpoint that init_from names at a "
+                 "longer context, but init_from is empty; set --config.init_from=DIR or drop "
+                 "--config.context_extension")
         if self.data.format == "instruction" and self.train.objective != "causal_lm":
             fail("data.format", f"'instruction' scores the completions of a causal LM, but "
                  f"train.objective={self.train.objective!r}; set --config.train.objective="

@@ -6,6 +6,7 @@
 - `loading`: `load_source` (a model, its tokenizer and context, from `--hf` or
   `--workdir`), `check_context`, and `eval_mesh` / `parse_mesh` (`--mesh`).
 - `harness`: lm-eval's `tfjax` model (needs the `eval` extra; not imported here).
+- `passkey`: passkey retrieval by context length and depth (`python -m tfjax.eval.passkey`).
 - `python -m tfjax.eval` is the perplexity command line. See docs/evaluation.md.
 """
 

@@ -3,8 +3,8 @@ Face checkpoint directory or a tfjax training workdir (the parameters of its new
 checkpoint that restores; not its optimizer state, step or data position).
 
 `resolve_init_from(cfg)` takes the model from the checkpoint (`merge_model`: the
-config's `RUNTIME_FIELDS` win, any other field the config sets must agree, else a
-ValueError naming it); `check_tokenizer` refuses a tokenizer larger than the
+config's `RUNTIME_FIELDS` win, and with `context_extension` its `CONTEXT_FIELDS` too;
+any other field the config sets must agree, else a ValueError naming it); `check_tokenizer` refuses a tokenizer larger than the
 checkpoint's vocabulary; `initial_state` reads the weights, only when WORKDIR has no
 checkpoint of its own (with LoRA they become the frozen base). Every check runs before
 anything compiles. See docs/training.md ("Fine-tuning").
@@ -21,8 +21,8 @@ import jax
 from flax import nnx
 
 from tfjax import storage
-from tfjax.config import (ModelConfig, RunConfig, flat_fields, model_config, run_config,
-                          upgrade_saved)
+from tfjax.config import (ModelConfig, RopeConfig, RunConfig, flat_fields, model_config,
+                          run_config, upgrade_saved)
 from tfjax.data.tokenizer import TOKENIZER_FILES
 from tfjax.interop import hf
 from tfjax.interop.safetensors_io import SafetensorsCheckpoint
@@ -33,13 +33,20 @@ from tfjax.train.checkpoint import Checkpointer, abstract_with_shardings, read_j
 from tfjax.train.lora import model_params, train_state_shape
 from tfjax.train.program import Program
 
-__all__ = ["RUNTIME_FIELDS", "check_tokenizer", "checkpoint_kind", "initial_state",
+__all__ = ["CONTEXT_FIELDS", "RUNTIME_FIELDS", "check_tokenizer", "checkpoint_kind", "initial_state",
            "merge_model", "resolve_init_from"]
 
 # How the model runs, not what it is: always the config file's (docs/training.md).
 RUNTIME_FIELDS = ("dtype", "param_dtype", "attention.impl", "attention.context_parallel",
                   "attention.zigzag", "attention.ulysses_size", "remat", "dropout_rate",
                   "init_std", "moe.impl")
+
+# What a context extension may change (`RunConfig.context_extension`): the RoPE
+# frequencies and the length the model is built for, as Hugging Face's
+# `from_pretrained(..., rope_scaling=..., max_position_embeddings=...)` does; the
+# parameters stay the same shapes. `max_len` sizes a learned table: not for those.
+CONTEXT_FIELDS = ("max_len",) + tuple(f"rope.{f.name}" for f in dataclasses.fields(RopeConfig)
+                                      if f.name not in ("fraction", "layout"))
 
 
 def checkpoint_kind(path: str) -> str:
@@ -87,16 +94,35 @@ def _source(path: str) -> tuple[str, ModelConfig, str | None, Any]:
     return kind, src.model, src.data.tokenizer, src
 
 
-def merge_model(mine: ModelConfig, theirs: ModelConfig, where: str) -> ModelConfig:
-    """The checkpoint's model config `theirs` with the run-time fields of `mine`; a
-    field `mine` sets away from the default that disagrees with `theirs` is a
-    ValueError naming it (`where`: the checkpoint, for the message)."""
+def merge_model(mine: ModelConfig, theirs: ModelConfig, where: str, *,
+                extend: bool = False) -> ModelConfig:
+    """The checkpoint's model config `theirs` with the run-time fields of `mine` (and
+    with `extend`, a context extension, its `CONTEXT_FIELDS`); a field `mine` sets
+    away from the default that disagrees with `theirs` is a ValueError naming it
+    (`where`: the checkpoint, for the message)."""
     a, b, default = flat_fields(mine), flat_fields(theirs), flat_fields(ModelConfig())
     out = dict(b)
     for k, v in a.items():
         if k in RUNTIME_FIELDS:
             out[k] = v
-        elif v != default[k] and v != b[k]:
+        elif v == default[k] or v == b[k]:
+            continue
+        elif k in CONTEXT_FIELDS and extend:
+            if k == "max_len" and theirs.position == "learned":
+                raise ValueError(f"model.max_len: the checkpoint init_from={where} has a "
+                                 f"learned position table of {b[k]} rows, which a context "
+                                 f"extension cannot resize; drop --config.model.max_len")
+            if k.startswith("rope.") and theirs.position != "rope":
+                raise ValueError(f"model.{k}: the checkpoint init_from={where} has "
+                                 f"position={theirs.position!r}, not RoPE; drop "
+                                 f"--config.model.{k}")
+            out[k] = v
+        elif k in CONTEXT_FIELDS:
+            raise ValueError(f"model.{k}: the config sets {v!r}, but the checkpoint init_from="
+                             f"{where} has {b[k]!r}; to continue it at a longer context with "
+                             f"this RoPE setting set --config.context_extension=True, else drop "
+                             f"--config.model.{k}")
+        else:
             raise ValueError(f"model.{k}: the config sets {v!r}, but the checkpoint init_from="
                              f"{where} has {b[k]!r}, and a fine-tune takes its model from the "
                              f"checkpoint; drop --config.model.{k} (or set it to {b[k]!r})")
@@ -124,7 +150,7 @@ def resolve_init_from(cfg: RunConfig) -> RunConfig:
                              f"tokenizer.json nor tokenizer.model; put the model's tokenizer "
                              f"there or name one with --config.data.tokenizer=PATH")
         data = dataclasses.replace(data, tokenizer=tok)
-    model = merge_model(cfg.model, theirs, cfg.init_from)
+    model = merge_model(cfg.model, theirs, cfg.init_from, extend=cfg.context_extension)
     return dataclasses.replace(cfg, model=model, data=data).validate()
 
 
