@@ -33,7 +33,8 @@ __all__ = ["Sample", "accuracy_table", "build_samples", "format_table", "main", 
 
 INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and "
          "memorize it. I will quiz you about the important information there.")
-FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+FILLER = (" The grass is green. The sky is blue. The sun is yellow. Here we go. There and "
+          "back again.")
 NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = " What is the pass key? The pass key is"
 ANSWER = " {key}"
@@ -181,8 +182,8 @@ def _ints(text: str, flag: str) -> list[int]:
 
 def run(*, hf: str | None = None, workdir: str | None = None, step: int | None = None,
         lengths: str | None = None, depths: str = "0,25,50,75,100", samples: int = 5,
-        seed: int = 0, digits: int = 5, intro: bool = True, batch_size: int = 8, mesh: str | None = None,
-        output: str | None = None, plot_path: str | None = None,
+        seed: int = 0, digits: int = 5, intro: bool = True, batch_size: int = 8,
+        mesh: str | None = None, output: str | None = None, plot_path: str | None = None,
         progress: bool = True) -> dict:
     """The CLI as a function: the result dict (also written to `output` as JSON).
     `lengths` default: the model's context / 8, / 4, / 2 and the context."""

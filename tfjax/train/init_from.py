@@ -4,10 +4,10 @@ checkpoint that restores; not its optimizer state, step or data position).
 
 `resolve_init_from(cfg)` takes the model from the checkpoint (`merge_model`: the
 config's `RUNTIME_FIELDS` win, and with `context_extension` its `CONTEXT_FIELDS` too;
-any other field the config sets must agree, else a ValueError naming it); `check_tokenizer` refuses a tokenizer larger than the
-checkpoint's vocabulary; `initial_state` reads the weights, only when WORKDIR has no
-checkpoint of its own (with LoRA they become the frozen base). Every check runs before
-anything compiles. See docs/training.md ("Fine-tuning").
+any other field the config sets must agree, else a ValueError naming it);
+`check_tokenizer` refuses a tokenizer larger than the checkpoint's vocabulary;
+`initial_state` reads the weights, only when WORKDIR has no checkpoint of its own (with
+LoRA they become the frozen base). Every check runs before anything compiles. See docs/training.md ("Fine-tuning").
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from tfjax.train.checkpoint import Checkpointer, abstract_with_shardings, read_j
 from tfjax.train.lora import model_params, train_state_shape
 from tfjax.train.program import Program
 
-__all__ = ["CONTEXT_FIELDS", "RUNTIME_FIELDS", "check_tokenizer", "checkpoint_kind", "initial_state",
-           "merge_model", "resolve_init_from"]
+__all__ = ["CONTEXT_FIELDS", "RUNTIME_FIELDS", "check_tokenizer", "checkpoint_kind",
+           "initial_state", "merge_model", "resolve_init_from"]
 
 # How the model runs, not what it is: always the config file's (docs/training.md).
 RUNTIME_FIELDS = ("dtype", "param_dtype", "attention.impl", "attention.context_parallel",
