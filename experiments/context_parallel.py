@@ -39,7 +39,7 @@ from tfjax.parallel.collectives import KINDS, collectives
 from tfjax.train.aot import compile_step, step_figures
 
 GiB, MiB = 1024 ** 3, 1024 ** 2
-MODES = ("ring", "all_gather", "ulysses", "usp")
+MODES = ("ring", "all_gather", "ulysses", "ulysses:blockwise", "usp")
 USP_ULYSSES = 4
 # name -> (preset variant, topology, fsdp, sequence, batch, seq_len, MaxText topology)
 POINTS = {"8b_32k": (None, "v5p:4x4x4", 4, 16, 4, 32768, "v5p-128"),
@@ -50,10 +50,12 @@ MAXTEXT_STRATEGY = {"ring": "ring", "all_gather": "all_gather"}
 
 
 def tfjax_row(point, mode: str) -> dict:
+    """`mode`: a context_parallel mode, or "mode:impl" with `model.attention.impl`."""
     variant, topology, fsdp, sequence, batch, seq = point[:6]
+    mode, _, impl = mode.partition(":")
     cfg = preset_config("llama", variant)
     cfg.model.update(dict(dtype="bfloat16", remat="full", max_len=max(seq, cfg.model.max_len)))
-    cfg.model.attention.update(dict(context_parallel=mode,
+    cfg.model.attention.update(dict(context_parallel=mode, impl=impl or "auto",
                                     ulysses_size=USP_ULYSSES if mode == "usp" else 1))
     cfg.train.update(dict(batch_size=batch, seq_len=seq, loss_chunk=512))
     # parameters and optimizer state sharded over every chip (ZeRO-3 over fsdp and the
@@ -93,8 +95,9 @@ def maxtext_row(point, mode: str, python: str) -> dict | None:
     mem = re.search(r"Memory analysis: CompiledMemoryStats\((.*?)\)", text)
     if out.returncode or not mem:
         lines = text.strip().splitlines() or ["(no output)"]
-        why = next((x for x in reversed(lines) if "Error" in x), lines[-1]).strip()
-        raise RuntimeError(why[:300])
+        why = next((x for x in lines if "Value error" in x), None) or next(
+            (x for x in reversed(lines) if "Error" in x), lines[-1])
+        raise RuntimeError(why.strip().split(" [type=")[0][:300])
     m = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", mem.group(1))}
     opt = re.search(r"'optimal_seconds': ([\d.eE+-]+)", text)
     return dict(temp=m["temp_size_in_bytes"],
@@ -108,7 +111,8 @@ def main(argv=None):
     import argparse
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--points", default="", help="comma-separated; default all")
-    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help="context_parallel modes, or mode:impl (model.attention.impl)")
     parser.add_argument("--sides", default="tfjax,maxtext")
     parser.add_argument("--maxtext-python", default="/tmp/maxtext_venv/bin/python")
     parser.add_argument("--rows", default="/tmp/context_parallel_rows.jsonl",
@@ -130,13 +134,19 @@ def main(argv=None):
                     else:
                         r = _cached(a.rows, f"maxtext/{name}/{mode}",
                                     lambda: maxtext_row(point, mode, a.maxtext_python))
-                except RuntimeError as e:
-                    notes.append(f"{side} {mode} at {name} not compiled: {e}")
+                except Exception as e:  # noqa: BLE001 - a compile that fails is a result
+                    text = str(e)
+                    at = text.find("Ran out of memory")  # XLA:TPU's verdict, without its dump
+                    why = (text[at:at + 200].split("\\n")[0].splitlines()[0] if at >= 0
+                           else text.strip().splitlines()[0][:300])
+                    notes.append(f"{side} {mode} at {name} not compiled: {why}")
                     continue
                 if r is None:
                     if side == "maxtext" and mode in MAXTEXT_STRATEGY and point[6]:
                         notes.append(f"maxtext {mode} at {name}: no MaxText in "
                                      f"{a.maxtext_python!r}")
+                    continue
+                if side == "maxtext" and mode not in MAXTEXT_STRATEGY:
                     continue
                 if side == "tfjax" and mode == "ring":
                     base = r
