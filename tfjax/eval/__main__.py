@@ -20,7 +20,8 @@ import sys
 
 import numpy as np
 
-from tfjax.eval.loading import Source, check_context, eval_mesh, load_source
+from tfjax.eval.loading import (Source, add_eval_flags, check_context, eval_mesh, load_source,
+                                simulate_cpu_devices)
 from tfjax.eval.perplexity import Scorer, evaluate, summarize
 from tfjax.generate import add_checkpoint_flags
 from tfjax.train.metrics import ProgressBar
@@ -124,22 +125,13 @@ def main(argv=None) -> int:
     add_checkpoint_flags(p)
     p.add_argument("--data", required=True, help='jsonl: {"text": ...} or {"input_ids": [...]}')
     p.add_argument("--output", default=None, help="write the numbers here as JSON")
-    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
-    p.add_argument("--batch_size", type=int, default=8, help="windows per batch (all devices)")
+    add_eval_flags(p, "windows")
     p.add_argument("--context", type=int, default=None, help="window length in tokens "
                    "(default: the model's context)")
     p.add_argument("--stride", type=int, default=None, help="tokens between window starts "
                    "(default: the context, disjoint windows)")
-    p.add_argument("--mesh", default=None, help="mesh axis sizes, e.g. data=4,fsdp=2 "
-                   "(default: data-parallel over all devices)")
-    p.add_argument("--cpu_devices", type=int, default=0,
-                   help="simulate this many CPU devices (XLA host platform)")
-    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
-                   help="the progress bar")
     a = p.parse_args(argv)
-    if a.cpu_devices:  # read by jax when its backend starts, at the first device query
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                   f" --xla_force_host_platform_device_count={a.cpu_devices}")
+    simulate_cpu_devices(a.cpu_devices)
     try:
         run(data=a.data, hf=a.hf, workdir=a.workdir, output=a.output, step=a.step,
             batch_size=a.batch_size, context=a.context, stride=a.stride, mesh=a.mesh,

@@ -2,13 +2,15 @@
 -> `Source`), from a Hugging Face checkpoint directory (`--hf DIR`:
 `tfjax.generate.load_hf`; the context is `max_position_embeddings`) or a tfjax training
 run (`--workdir W`: `tfjax.train.checkpoint.load_run`; the context is `train.seq_len`).
-`check_context` bounds `--context`; `eval_mesh` / `parse_mesh` build the `--mesh`. A
+`check_context` bounds `--context`; `eval_mesh` / `parse_mesh` build the `--mesh`;
+`add_eval_flags` / `simulate_cpu_devices`: the flags the evaluation commands share. A
 tokenizer with more ids than the model's vocabulary is refused: it belongs to another
 model. See docs/evaluation.md.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 import os
@@ -21,7 +23,8 @@ from tfjax.generate import load_hf
 from tfjax.parallel.mesh import make_mesh
 from tfjax.train.checkpoint import load_run
 
-__all__ = ["Source", "check_context", "eval_mesh", "load_source", "parse_mesh", "run_source"]
+__all__ = ["Source", "add_eval_flags", "check_context", "eval_mesh", "load_source", "parse_mesh",
+           "run_source", "simulate_cpu_devices"]
 
 
 @dataclasses.dataclass
@@ -134,3 +137,26 @@ def eval_mesh(text: str | None, rules=DEFAULT_RULES) -> tuple[jax.sharding.Mesh,
     if -1 not in cfg.shape and math.prod(cfg.shape) < len(devices):
         devices = devices[:math.prod(cfg.shape)]
     return make_mesh(cfg, devices), cfg
+
+
+def add_eval_flags(parser: argparse.ArgumentParser, per_batch: str) -> None:
+    """`--step`, `--batch_size` (`per_batch`: what a batch holds), `--mesh`,
+    `--cpu_devices` and `--progress`: the flags of every evaluation command."""
+    parser.add_argument("--step", type=int, default=None,
+                        help="checkpoint step (default: latest)")
+    parser.add_argument("--batch_size", type=int, default=8,
+                        help=f"{per_batch} per batch (all devices)")
+    parser.add_argument("--mesh", default=None, help="mesh axis sizes, e.g. data=4,fsdp=2 or "
+                        "sequence=4 (default: data-parallel over all devices)")
+    parser.add_argument("--cpu_devices", type=int, default=0,
+                        help="simulate this many CPU devices (XLA host platform)")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+                        help="the progress bar")
+
+
+def simulate_cpu_devices(n: int) -> None:
+    """`--cpu_devices n` (0: as they are): XLA's host platform with n devices, read by
+    jax when its backend starts, at the first device query."""
+    if n:
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   f" --xla_force_host_platform_device_count={n}")

@@ -23,7 +23,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from tfjax.eval.loading import check_context, eval_mesh, load_source
+from tfjax.eval.loading import (add_eval_flags, check_context, eval_mesh, load_source,
+                                simulate_cpu_devices)
 from tfjax.eval.perplexity import Scorer
 from tfjax.generate import add_checkpoint_flags
 from tfjax.train.metrics import ProgressBar
@@ -232,7 +233,7 @@ def main(argv=None) -> int:
                                 description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_checkpoint_flags(p)
-    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    add_eval_flags(p, "rows")
     p.add_argument("--lengths", default=None, help="context lengths in tokens, e.g. "
                    "128,256,512,1024 (default: the model's context / 8, / 4, / 2, x 1)")
     p.add_argument("--depths", default="0,25,50,75,100", help="passkey depths in percent")
@@ -242,19 +243,10 @@ def main(argv=None) -> int:
     p.add_argument("--intro", action=argparse.BooleanOptionalAction, default=True,
                    help="begin with the paper's instructions (--no-intro: filler from the "
                    "first token, for short contexts)")
-    p.add_argument("--batch_size", type=int, default=8, help="rows per batch (all devices)")
-    p.add_argument("--mesh", default=None, help="mesh axis sizes, e.g. sequence=4 "
-                   "(default: data-parallel over all devices)")
-    p.add_argument("--cpu_devices", type=int, default=0,
-                   help="simulate this many CPU devices (XLA host platform)")
     p.add_argument("--output", default=None, help="write the table here as JSON")
     p.add_argument("--plot", default=None, help="write a heatmap here (png; matplotlib)")
-    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
-                   help="the progress bar")
     a = p.parse_args(argv)
-    if a.cpu_devices:  # read by jax when its backend starts, at the first device query
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                   f" --xla_force_host_platform_device_count={a.cpu_devices}")
+    simulate_cpu_devices(a.cpu_devices)
     try:
         run(hf=a.hf, workdir=a.workdir, step=a.step, lengths=a.lengths, depths=a.depths,
             samples=a.samples, seed=a.seed, digits=a.digits, intro=a.intro, batch_size=a.batch_size,
