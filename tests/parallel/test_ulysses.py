@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType
-from test_ring_attention import MASKS, SINKS, _alibi, _inputs, _out_and_grads, _rb, _relative
+from test_ring_attention import (MASKS, SINKS, _alibi, _inputs, _mesh, _out_and_grads, _rb,
+                                 _relative, mesh2x4)  # noqa: F401 - the fixture
 
 from tfjax.ops import masks
 from tfjax.ops.reference import attention_reference
@@ -19,41 +19,38 @@ ALL_MASKS = {**MASKS, "chunked": lambda: masks.chunked_causal(12),
              "window_segments": lambda: masks.sliding_window(9) & MASKS["segments"]()}
 
 
-def _mesh(shape, names):
-    n = int(np.prod(shape))
-    return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names),
-                         devices=jax.devices()[:n])
-
-
-@pytest.fixture(scope="module")
-def mesh2x4():
-    return _mesh((2, 4), ("data", "sequence"))
-
-
-def _compare(mesh, mask=None, *, kv_heads=2, Hv=16, alibi=None, relative=None, sinks=None,
-             batch_axes="data", **kwargs):
-    """ulysses_attention against the reference: out, dq, dk, dv (T5's dtable, the sinks'
-    gradient); returns the jitted Ulysses call and its arguments."""
+def _check(attention, mask, *, kv_heads=2, Hv=16, alibi=None, relative=None, sinks=None,
+           **reference):
+    """`attention(q, k, v, mask, relative_bias=, sinks=, **alibi)` against the reference
+    (`reference`: its scale / softcap): out, dq, dk, dv (T5's dtable, the sinks'
+    gradient); returns the jitted call with its gradients and its arguments."""
     q, k, v, ct = _inputs(kv_heads=kv_heads, Hv=Hv)
     alibi = alibi or {}
     table = None if relative is None else relative["table"]
 
-    def ulysses(q, k, v, t, s):
-        return ulysses_attention(q, k, v, mask, mesh=mesh, batch_axes=batch_axes,
-                                 relative_bias=_rb(relative, t), sinks=s, **alibi, **kwargs)
+    def run(q, k, v, t, s):
+        return attention(q, k, v, mask, relative_bias=_rb(relative, t), sinks=s, **alibi)
 
     args = (q, k, v, table, sinks, ct)
-    got = jax.jit(lambda *a: _out_and_grads(ulysses, *a))(*args)
+    fn = jax.jit(lambda *a: _out_and_grads(run, *a))
+    got = fn(*args)
     want = jax.jit(lambda *a: _out_and_grads(
-        lambda q, k, v, t, s: attention_reference(
-            q, k, v, mask, relative_bias=_rb(relative, t), sinks=s, **alibi,
-            **{n: kwargs[n] for n in ("scale", "softcap") if n in kwargs}),
-        *a))(*args)
+        lambda q, k, v, t, s: attention_reference(q, k, v, mask, relative_bias=_rb(relative, t),
+                                                  sinks=s, **alibi, **reference), *a))(*args)
     np.testing.assert_allclose(got[0], want[0], atol=1e-5, rtol=1e-5)
     for name, g, w in zip(["q", "k", "v", "table", "sinks"], got[1:], want[1:]):
         if w is not None:
             np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4, err_msg=f"d{name}")
-    return jax.jit(lambda *a: _out_and_grads(ulysses, *a)), args
+    return fn, args
+
+
+def _compare(mesh, mask=None, *, kv_heads=2, Hv=16, alibi=None, relative=None, sinks=None,
+             batch_axes="data", **kwargs):
+    """ulysses_attention (`kwargs`: its own) against the reference."""
+    reference = {n: kwargs[n] for n in ("scale", "softcap") if n in kwargs}
+    return _check(lambda q, k, v, m, **kw: ulysses_attention(
+        q, k, v, m, mesh=mesh, batch_axes=batch_axes, **kw, **kwargs), mask, kv_heads=kv_heads,
+        Hv=Hv, alibi=alibi, relative=relative, sinks=sinks, **reference)
 
 
 @pytest.mark.parametrize("mask_name", sorted(ALL_MASKS))
@@ -128,28 +125,12 @@ def test_bad_arguments(mesh2x4):
 # --------------------------------------------------------------------------- #
 
 
-def _compare_usp(mesh, mask, *, ulysses_size, load_balance="zigzag", kv_heads=2, Hv=16,
-                 alibi=None, relative=None, sinks=None, batch_axes="data"):
-    q, k, v, ct = _inputs(kv_heads=kv_heads, Hv=Hv)
-    alibi = alibi or {}
-    table = None if relative is None else relative["table"]
-
-    def usp(q, k, v, t, s):
-        return usp_attention(q, k, v, mask, mesh=mesh, ulysses_size=ulysses_size,
-                             batch_axes=batch_axes, load_balance=load_balance, block_q=8,
-                             block_kv=8, relative_bias=_rb(relative, t), sinks=s, **alibi)
-
-    args = (q, k, v, table, sinks, ct)
-    fn = jax.jit(lambda *a: _out_and_grads(usp, *a))
-    got = fn(*args)
-    want = jax.jit(lambda *a: _out_and_grads(
-        lambda q, k, v, t, s: attention_reference(q, k, v, mask, relative_bias=_rb(relative, t),
-                                                  sinks=s, **alibi), *a))(*args)
-    np.testing.assert_allclose(got[0], want[0], atol=1e-5, rtol=1e-5)
-    for name, g, w in zip(["q", "k", "v", "table", "sinks"], got[1:], want[1:]):
-        if w is not None:
-            np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4, err_msg=f"d{name}")
-    return fn, args
+def _compare_usp(mesh, mask, *, ulysses_size, load_balance="zigzag", batch_axes="data",
+                 **check):
+    """usp_attention against the reference (`check`: `_check`'s)."""
+    return _check(lambda q, k, v, m, **kw: usp_attention(
+        q, k, v, m, mesh=mesh, ulysses_size=ulysses_size, batch_axes=batch_axes,
+        load_balance=load_balance, block_q=8, block_kv=8, **kw), mask, **check)
 
 
 @pytest.mark.parametrize("mask_name,load_balance", [

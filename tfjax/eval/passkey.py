@@ -249,8 +249,9 @@ def main(argv=None) -> int:
     simulate_cpu_devices(a.cpu_devices)
     try:
         run(hf=a.hf, workdir=a.workdir, step=a.step, lengths=a.lengths, depths=a.depths,
-            samples=a.samples, seed=a.seed, digits=a.digits, intro=a.intro, batch_size=a.batch_size,
-            mesh=a.mesh, output=a.output, plot_path=a.plot, progress=a.progress)
+            samples=a.samples, seed=a.seed, digits=a.digits, intro=a.intro,
+            batch_size=a.batch_size, mesh=a.mesh, output=a.output, plot_path=a.plot,
+            progress=a.progress)
     except (ValueError, NotImplementedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
