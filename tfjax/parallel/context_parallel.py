@@ -31,9 +31,10 @@ def context_parallel_attention(q, k, v, mask: masks_lib.Mask | None = None, *, m
                                ulysses_size: int = 1):
     """Attention for a layer under an active mesh whose rules split "length" over a
     mesh axis of size n > 1: `ring_attention` (mode "ring"), `all_gather_attention`
-    (mode "all_gather") or `ulysses_attention` (mode "ulysses"), running
-    `implementation` as the module docstring says. Returns None when no such mesh is active or the call is
-    not sequence-parallel self-attention (T != S, e.g. cross-attention): the caller
+    (mode "all_gather"), `ulysses_attention` (mode "ulysses") or `usp_attention` (mode
+    "usp", groups of `ulysses_size` devices), running `implementation` as the module
+    docstring says. Returns None when no such mesh is active or the call is not
+    sequence-parallel self-attention (T != S, e.g. cross-attention): the caller
     then uses `dot_product_attention`.
 
     Ring load balancing (`zigzag`, when T % 2n == 0 and there is a mask): under
@@ -88,7 +89,7 @@ def context_parallel_attention(q, k, v, mask: masks_lib.Mask | None = None, *, m
     if mode == "ulysses":
         return ulysses_attention(q, k, v, mask, **common)
     if mode == "usp":  # the ring over the n / ulysses_size groups, zig-zag over their spans
-        g = n // ulysses_size if ulysses_size >= 1 else 0
+        g = n // ulysses_size if ulysses_size >= 1 else 0  # 0: usp_attention says why
         zz = zigzag != "none" and mask is not None and g > 0 and T % (2 * g) == 0
         return usp_attention(q, k, v, mask, ulysses_size=ulysses_size,
                              load_balance="zigzag" if zz else "none", **common)

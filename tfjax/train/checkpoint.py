@@ -235,7 +235,7 @@ def restore_run(workdir: str, step: int | None = None):
         raise ValueError(f"--workdir: {path} not found; point --workdir at the directory a "
                          f"`python -m tfjax.train --workdir ...` run wrote")
     # runs saved before a field moved
-    cfg = run_config(upgrade_saved(json.loads(storage.path(path).read_text())))
+    cfg = run_config(upgrade_saved(read_json_object(path, "--workdir", "a run config")))
     ckpt = Checkpointer(workdir, dataclasses.replace(cfg.checkpoint, async_save=False))
     try:
         steps = ckpt.all_steps()
