@@ -5,7 +5,8 @@ The model makes it (`model.init_cache(batch, max_len)`, `tfjax.models.caching`) 
 each `model.step` returns the next; the loops here only carry it. `logical_axes` names
 its arrays' axes so the rules table that shards the model shards it; `rewind` lowers
 the lengths, which undoes steps of caches whose slots are positions (global K/V and
-latent caches: `DecodeState.rewindable`). See docs/inference.md.
+latent caches: `DecodeState.rewindable`). The engine's cache is paged (`pages`, a
+`PageTables`: its pageable states hold page pools). See docs/inference.md.
 """
 
 from __future__ import annotations
@@ -17,7 +18,35 @@ import jax
 
 from tfjax.nn.state import DecodeState, decode_state, static_field
 
-__all__ = ["ModelCache", "check_rewindable", "logical_axes", "rewind"]
+__all__ = ["ModelCache", "PageTables", "check_rewindable", "logical_axes", "paged_size",
+           "rewind"]
+
+
+def paged_size(size: int, *, max_len: int, page_size: int, chunk: int) -> int:
+    """The logical slots a row keeps in pages for a cache geometry of `size` slots:
+    all of `max_len` (whole pages) for a global cache, and for a rolling buffer (a
+    window) enough whole pages that a step of up to `chunk` new tokens, written before
+    it is attended, overwrites no key its queries still see (`size - 1 + chunk`)."""
+    pages = min(-(-(size - 1 + chunk) // page_size), -(-max_len // page_size))
+    return pages * page_size
+
+
+@decode_state
+class PageTables:
+    """The page tables of a paged `ModelCache` (the engine's): `tables` maps each cache
+    geometry's `paged_size` to `[B, n]` page ids (row b's logical slot s in page
+    `tables[size][b, s // page_size]`); a step gives each row at most `chunk` new tokens."""
+
+    tables: dict
+    page_size: int = static_field(default=16)
+    chunk: int = static_field(default=1)
+
+    def replace(self, **kw):
+        return dataclasses.replace(self, **kw)
+
+    def size(self, slots: int, max_len: int) -> int:
+        """The paged size of a geometry of `slots` slots (`paged_size`)."""
+        return paged_size(slots, max_len=max_len, page_size=self.page_size, chunk=self.chunk)
 
 
 @decode_state
@@ -29,11 +58,13 @@ class ModelCache:
       ("attn", "shared" for a shared block's use, "cross" in an encoder-decoder).
     length: `[B]` tokens of each row in the cache (the next token's position).
     encoder_length: `[B]` real encoder tokens (encoder-decoder), else None.
+    pages: the engine's `PageTables` when the pageable states hold page pools, else None.
     """
 
     layers: Any
     length: jax.Array
     encoder_length: Any = None
+    pages: Any = None
     max_len: int = static_field(default=0)
 
     def replace(self, **kw):
@@ -47,7 +78,8 @@ def _states(layers) -> list:
 def logical_axes(cache: ModelCache):
     """A tree like `cache` of logical axis names per array (for `logical_to_spec`):
     each state's `AXES` (K/V `(layers?, batch, kv_heads, None, head_dim)`, ...),
-    counters `(batch,)`; a leading stacked axis is "layers"."""
+    counters `(batch,)`; a leading stacked axis is "layers". Page pools (a paged
+    cache's pageable states) have no batch axis: their pages belong to no row."""
     def names(x, base):
         extra = x.ndim - len(base)
         return ("layers",) * extra + tuple(base) if extra >= 0 else tuple(base[: x.ndim])
@@ -55,10 +87,20 @@ def logical_axes(cache: ModelCache):
     def one(c):
         if not isinstance(c, DecodeState):
             return names(c, ("batch",))
-        return c.replace(**{f.name: names(getattr(c, f.name), c.AXES.get(f.name, ("batch",)))
+        pooled = cache.pages is not None and c.pageable
+
+        def axes(name):
+            base = c.AXES.get(name, ("batch",))
+            return (None,) + tuple(base[1:]) if pooled else base
+
+        return c.replace(**{f.name: names(getattr(c, f.name), axes(f.name))
                             for f in dataclasses.fields(c) if not f.metadata.get("static")})
 
-    return jax.tree.map(one, cache, is_leaf=lambda c: isinstance(c, DecodeState))
+    tree = cache.replace(pages=None)
+    out = jax.tree.map(one, tree, is_leaf=lambda c: isinstance(c, DecodeState))
+    if cache.pages is None:
+        return out
+    return out.replace(pages=jax.tree.map(lambda t: ("batch", None), cache.pages))
 
 
 def check_rewindable(cache: ModelCache, what: str) -> None:

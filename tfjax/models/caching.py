@@ -5,8 +5,9 @@ stack, and what a cached step gives the layers.
     logits, cache = model.step(tokens, cache, ...)
 
 `empty_cache` lays the mixers' `init_state`s out as the stack's layout ("attn",
-"shared", "cross" per layer); `begin_step` computes a step's positions, masks, biases,
-`Slots` and new lengths (`StepInputs`). See docs/models.md.
+"shared", "cross" per layer), `empty_paged_cache` the engine's (page pools for the
+pageable states); `begin_step` computes a step's positions, masks, biases, `Slots`
+and new lengths (`StepInputs`). See docs/models.md.
 """
 
 from __future__ import annotations
@@ -17,12 +18,15 @@ import jax
 import jax.numpy as jnp
 
 from tfjax.config import ModelConfig
-from tfjax.inference.cache import ModelCache
+from tfjax.inference.cache import ModelCache, PageTables, paged_size
 from tfjax.inference.slots import slot_positions, step_slots
+from tfjax.ops import paged as paged_lib
 from tfjax.models.attention_inputs import cache_masks, layer_biases, layer_masks
 from tfjax.models.layer_kinds import LAYER_KINDS
+from tfjax.nn.state import Slots
 
-__all__ = ["StepInputs", "begin_step", "empty_cache", "last_token", "layer_states"]
+__all__ = ["StepInputs", "begin_step", "empty_cache", "empty_paged_cache", "last_token",
+           "layer_states", "page_geometries"]
 
 
 def _state_size(cfg: ModelConfig, kind: str, max_len: int) -> tuple[int, int]:
@@ -32,30 +36,42 @@ def _state_size(cfg: ModelConfig, kind: str, max_len: int) -> tuple[int, int]:
     return rec.slots(cfg, max_len) if rec.slots is not None else (max_len, 0)
 
 
+def _init_state(mixer, batch: int, size: int, dtype, window: int, pages):
+    """`mixer`'s empty state; with `pages` (a function of the geometry's size -> the
+    number of pages, and the page size) a pageable state's page pool."""
+    if pages is not None:
+        count, page_size = pages
+        kind = jax.eval_shape(lambda: mixer.init_state(1, 1, dtype, window=window))
+        if type(kind).pageable:
+            return mixer.init_state(count(size), page_size, dtype, window=window)
+    return mixer.init_state(batch, size, dtype, window=window)
+
+
 def _layer_state(cfg: ModelConfig, block, kind: str, shared_attn, batch: int, max_len: int,
-                 dtype, encoder_len: int | None) -> dict:
+                 dtype, encoder_len: int | None, pages=None) -> dict:
     if not hasattr(block.attn, "init_state"):
         raise NotImplementedError(
             f"no inference cache for layer kind {kind!r} (model.layer_pattern): its mixer "
             f"{type(block.attn).__name__} has no init_state")
     size, window = _state_size(cfg, kind, max_len)
-    state = {"attn": block.attn.init_state(batch, size, dtype, window=window)}
+    state = {"attn": _init_state(block.attn, batch, size, dtype, window, pages)}
     if LAYER_KINDS.get(kind).shared_block:  # a use's own K/V (the uses' inputs differ)
-        state["shared"] = shared_attn.init_state(batch, max_len, dtype)
+        state["shared"] = _init_state(shared_attn, batch, max_len, dtype, 0, pages)
     if encoder_len is not None:
         state["cross"] = block.cross_attn.init_cross_state(batch, encoder_len, dtype)
     return state
 
 
 def layer_states(cfg: ModelConfig, stack, batch: int, max_len: int, dtype,
-                 encoder_len: int | None = None) -> dict:
+                 encoder_len: int | None = None, pages=None) -> dict:
     """The empty states of `stack`'s layers (a `LayerStack`, abstract or not: only its
-    mixers' shapes are read), laid out as the stack is."""
+    mixers' shapes are read), laid out as the stack is; `pages`: see `_init_state`."""
     layout = stack.layout
     shared_attn = None if stack.shared is None else stack.shared.attn
 
     def make(block, kind):
-        return _layer_state(cfg, block, kind, shared_attn, batch, max_len, dtype, encoder_len)
+        return _layer_state(cfg, block, kind, shared_attn, batch, max_len, dtype, encoder_len,
+                            pages)
 
     cycles = None
     if layout.num_cycles:
@@ -78,7 +94,38 @@ def empty_cache(cfg: ModelConfig, stack, batch: int, max_len: int, *, dtype=None
         encoder_length = (jnp.full((batch,), encoder_len, jnp.int32) if encoder_length is None
                           else jnp.asarray(encoder_length, jnp.int32))
     return ModelCache(layers, jnp.zeros((batch,), jnp.int32),
-                      None if encoder_len is None else encoder_length, max_len)
+                      None if encoder_len is None else encoder_length, max_len=max_len)
+
+
+def page_geometries(cfg: ModelConfig, *, max_len: int, page_size: int, chunk: int) -> dict:
+    """{paged size: pages per row} of the cache geometries of `cfg`'s layer kinds
+    (`tfjax.inference.cache.paged_size`), shared blocks' K/V being global."""
+    sizes = set()
+    for kind in dict.fromkeys(cfg.layer_pattern):
+        rec = LAYER_KINDS.get(kind, field="model.layer_pattern")
+        if rec.slots is not None:
+            sizes.add(rec.slots(cfg, max_len)[0])
+        if rec.shared_block:
+            sizes.add(max_len)
+    paged = {paged_size(s, max_len=max_len, page_size=page_size, chunk=chunk) for s in sizes}
+    return {s: s // page_size for s in sorted(paged)}
+
+
+def empty_paged_cache(cfg: ModelConfig, stack, batch: int, max_len: int, *, page_size: int,
+                      chunk: int, num_pages: dict, dtype=None) -> ModelCache:
+    """The engine's empty cache: `batch` rows (slots) of up to `max_len` tokens, each
+    pageable state a pool of `num_pages[size]` pages of `page_size` for its geometry's
+    paged size (`page_geometries`), recurrent states one per row; page tables of
+    zeros (the engine fills them before each step, which gives each row at most
+    `chunk` new tokens)."""
+    dtype = jnp.dtype(dtype or cfg.dtype)
+    tables = PageTables({}, page_size, chunk)
+    count = lambda size: num_pages[tables.size(size, max_len)]  # noqa: E731
+    layers = layer_states(cfg, stack, batch, max_len, dtype, pages=(count, page_size))
+    geometries = page_geometries(cfg, max_len=max_len, page_size=page_size, chunk=chunk)
+    tables = tables.replace(tables={s: jnp.zeros((batch, n), jnp.int32)
+                                    for s, n in geometries.items()})
+    return ModelCache(layers, jnp.zeros((batch,), jnp.int32), pages=tables, max_len=max_len)
 
 
 @dataclasses.dataclass
@@ -120,6 +167,8 @@ def begin_step(cfg: ModelConfig, cache: ModelCache, tokens, lengths, *, rel_bias
     cache's slots then the fresh keys (by position).
     """
     B, T = tokens.shape
+    if cache.pages is not None:
+        return _paged_step(cfg, cache, tokens, lengths, rel_bias)
     if extend:
         lengths = (jnp.full((B,), T, jnp.int32) if lengths is None
                    else jnp.asarray(lengths, jnp.int32))
@@ -150,6 +199,39 @@ def begin_step(cfg: ModelConfig, cache: ModelCache, tokens, lengths, *, rel_bias
     return StepInputs(positions, masks, biases,
                       _slots(cfg, positions[:, 0], length, 1, cache.max_len, "decode"), length,
                       jnp.zeros((B,), jnp.int32), cache)
+
+
+def _paged_step(cfg: ModelConfig, cache: ModelCache, tokens, lengths, rel_bias) -> StepInputs:
+    """A step of a paged cache (the engine's): row b appends `lengths[b]` (0..T) tokens
+    at positions `cache.length[b]`..; each geometry's new K/V are written into its
+    pages first, then the queries attend over the row's pages by position."""
+    B, T = tokens.shape
+    pages, max_len = cache.pages, cache.max_len
+    if T > pages.chunk:
+        raise ValueError(f"a paged step takes at most chunk={pages.chunk} tokens per row, "
+                         f"got {T}")
+    lengths = (jnp.full((B,), T, jnp.int32) if lengths is None
+               else jnp.asarray(lengths, jnp.int32))
+    old = cache.length.astype(jnp.int32)
+    positions = old[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
+    length = old + lengths
+    valid = jnp.arange(T)[None, :] < lengths[:, None]
+    masks, biases = cache_masks(
+        cfg, rel_bias, positions,
+        lambda size: slot_positions(length, pages.size(size, max_len)), max_len)
+    slots, by_size = {}, {}
+    for kind in dict.fromkeys(cfg.layer_pattern):
+        rec = LAYER_KINDS.get(kind, field="model.layer_pattern")
+        size = None if rec.slots is None else pages.size(rec.slots(cfg, max_len)[0], max_len)
+        if size not in by_size:
+            index = table = None
+            if size is not None:
+                table = pages.tables[size]
+                index = paged_lib.flat_index(table, positions % size, pages.page_size, valid)
+            by_size[size] = Slots(lengths, index=index, table=table, mode="paged")
+        slots[kind] = by_size[size]
+    return StepInputs(positions, masks, biases, slots, length, jnp.maximum(lengths - 1, 0),
+                      cache)
 
 
 def last_token(x: jax.Array, last: jax.Array) -> jax.Array:

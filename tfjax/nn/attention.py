@@ -24,6 +24,7 @@ from tfjax.nn.positions import RotaryEmbedding, default_positions
 from tfjax.nn.state import (DecodeState, Slots, cached_attention, decode_state, slots_major,
                             static_field)
 from tfjax.ops import Alibi, RelativeBias, dot_product_attention
+from tfjax.ops.paged import dense
 from tfjax.ops.masks import Mask
 from tfjax.parallel.context_parallel import CONTEXT_PARALLEL_MODES, context_parallel_attention
 from tfjax.parallel.sharding import shard, with_logical_axes
@@ -50,6 +51,7 @@ class KVCache(DecodeState):
     v: jax.Array
     window: int = static_field(default=0)
     AXES = {"k": STORED_KV_AXES, "v": STORED_KV_AXES}
+    pageable = True
 
     @property
     def rewindable(self) -> bool:
@@ -248,6 +250,7 @@ class MultiHeadAttention(nnx.Module):
         if not self.differential:
             out = run(q, k)
         else:  # two maps over the same values, on the halves of each head
+            k, v = dense(k), dense(v)  # a paged cache's pages, gathered
             half = self.head_dim // 2
             a1, a2 = run(q[..., :half], k[..., :half]), run(q[..., half:], k[..., half:])
             init = diff_lambda_init(0 if layer is None else layer)

@@ -23,6 +23,7 @@ from tfjax.nn.norms import make_norm
 from tfjax.nn.positions import RotaryEmbedding, default_positions
 from tfjax.nn.state import DecodeState, Slots, cached_attention, decode_state
 from tfjax.ops.masks import Mask
+from tfjax.ops.paged import dense
 from tfjax.parallel.sharding import shard, with_logical_axes
 from tfjax.typing import DType
 
@@ -41,6 +42,7 @@ class LatentCache(DecodeState):
     latent: jax.Array
     AXES = {"latent": LATENT_AXES}
     rewindable = True
+    pageable = True
 
 
 def mla_scale(qk_head_dim: int, *, rope_scaling: str = "none", rope_factor: float = 1.0,
@@ -216,7 +218,7 @@ class MultiHeadLatentAttention(nnx.Module):
 
         def attend(arrays, cached):  # the absorbed form over cached latents
             form = self.attend_absorbed if cached else self.attend
-            return form(q_nope, q_pe, arrays[0], mask)
+            return form(q_nope, q_pe, dense(arrays[0]), mask)  # pages gathered
 
         out, (latent,) = cached_attention((state.latent,), (self.latent(x, positions, tables),),
                                           slots, LATENT_AXES, attend)

@@ -5,7 +5,8 @@ step's `Slots` and returns `(y, new_state)`. `Slots` say where each row's new to
 go; `tfjax.inference.slots` computes them once a step for all layers of one cache
 geometry (vLLM's slot mapping), and this module only applies them: a decode step
 writes one slot per row then attends over the slots, a prefill attends over the fresh
-keys then writes, a chunk attends over `[slots; fresh keys]` then writes. Recurrent
+keys then writes, a chunk attends over `[slots; fresh keys]` then writes; a paged step
+(the engine's) writes into the pages, then attends over each row's pages. Recurrent
 mixers run their step or their parallel form from the state, per-row lengths keeping
 padding out. See docs/layers.md and docs/inference.md.
 """
@@ -19,12 +20,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from tfjax.ops import paged as paged_lib
 from tfjax.parallel.sharding import shard
 
 __all__ = ["MODES", "DecodeState", "RecurrentMixer", "Slots", "cached_attention", "decode_state",
            "recurrent_call", "slots_major", "static_field", "write_slots"]
 
-MODES = ("prefill", "decode", "chunk")
+MODES = ("prefill", "decode", "chunk", "paged")
 
 
 def static_field(**kw):
@@ -44,6 +46,9 @@ class DecodeState:
     AXES: ClassVar[dict] = {}  # field -> logical axis names (without a stacked "layers" axis)
     # slot i holds position i, so lowering the model's length undoes a step (speculative)
     rewindable: ClassVar[bool] = False
+    # slot arrays `[B, S, ...]` (keys, values, latents) that the engine keeps in pages:
+    # `init_state(num_pages, page_size)` makes a layer's pool (`tfjax.ops.paged`)
+    pageable: ClassVar[bool] = False
 
     def replace(self, **kw):
         return dataclasses.replace(self, **kw)
@@ -54,14 +59,18 @@ class Slots:
     """A step's writes for one cache geometry: `new_tokens` `[B]` real new tokens of each
     row; a decode step's `slot` `[B]` (the slot each row writes); a prefill's or a
     chunk's `src` `[B, S]` (the index among the fresh tokens each of the S slots takes)
-    and `take` `[B, S]` (whether it takes one, else it keeps what it holds). Recurrent
+    and `take` `[B, S]` (whether it takes one, else it keeps what it holds). A paged
+    step's (`tfjax.ops.paged`) `index` `[B, T]` (the flat pool index each new token
+    goes to, `DROPPED` for padding) and `table` `[B, n]` (each row's pages). Recurrent
     states read `new_tokens` and `mode` alone."""
 
     new_tokens: jax.Array
     slot: jax.Array | None = None
     src: jax.Array | None = None
     take: jax.Array | None = None
-    mode: str = static_field(default="prefill")  # "prefill" | "decode" | "chunk"
+    index: jax.Array | None = None
+    table: jax.Array | None = None
+    mode: str = static_field(default="prefill")  # one of MODES
 
 
 def slots_major(x: jax.Array) -> jax.Array:
@@ -93,7 +102,16 @@ def cached_attention(olds, fresh, slots: Slots, axes, attend: Callable):
     `fresh` `[B, T, ...]`: a chunk attends over `[slots; fresh]`, then writes; a decode
     step writes, then attends over the slots; a prefill attends over the fresh arrays
     (the model's own masks), then writes. `attend(arrays, cached)` -> the output
-    (`cached` False for the prefill). -> (output, the new slot arrays)."""
+    (`cached` False for the prefill). -> (output, the new slot arrays).
+
+    A paged step: `olds` are page pools `[P, page, ...]` (`axes` still name a row's
+    `[B, S, ...]`); the fresh entries are written, then `attend` gets each row's
+    pages as `tfjax.ops.paged.Paged`."""
+    if slots.mode == "paged":
+        pool_axes = (None,) + tuple(axes[1:])  # pages belong to no row
+        news = tuple(shard(paged_lib.write(o, slots.index, f), pool_axes)
+                     for o, f in zip(olds, fresh))
+        return attend(tuple(paged_lib.Paged(n, slots.table) for n in news), True), news
     if slots.mode == "chunk":
         out = attend(tuple(jnp.concatenate([o, f.astype(o.dtype)], axis=1)
                            for o, f in zip(olds, fresh)), True)

@@ -20,6 +20,7 @@ from typing import Callable, Mapping
 import jax.numpy as jnp
 
 from tfjax.ops import blockwise, cudnn, reference, sinks as sinks_lib, target, xla
+from tfjax.ops.paged import Paged
 from tfjax.ops import masks as masks_lib
 from tfjax.ops import pallas
 from tfjax.ops.blockwise import DEFAULT_BLOCK
@@ -209,7 +210,12 @@ def dot_product_attention(q, k, v, mask: masks_lib.Mask | None = None, *, bias=N
     (`alibi_slopes` `[N]` / `[B|1, N]`, no gradient; `alibi_positions` see the
     module docstring and `tfjax.ops.reference.make_alibi`; `relative_bias` a
     `tfjax.ops.RelativeBias`, T5's bucketed bias, its table differentiable;
-    `sinks` `[N]` float, differentiable)."""
+    `sinks` `[N]` float, differentiable). k and v may be `tfjax.ops.paged.Paged` (both,
+    one table): pages read in place by an implementation that can, else gathered."""
+    paged = isinstance(k, Paged)
+    if paged != isinstance(v, Paged):
+        raise TypeError("dot_product_attention: k and v must both be tfjax.ops.paged.Paged "
+                        "or both arrays")
     _check_shapes(q, k, v, bias)
     B, T, N, _ = q.shape
     try:
@@ -230,7 +236,8 @@ def dot_product_attention(q, k, v, mask: masks_lib.Mask | None = None, *, bias=N
         q_shape=tuple(q.shape), k_shape=tuple(k.shape), dtype=str(q.dtype),
         # a `targeting` (use_rules), the mesh traced under, else q's / k's / v's
         # sharding's (a plain jit lowered for a TPU slice), else the host's
-        backend=target.target_platform(q, k, v), mask=mask,
+        backend=target.target_platform(q, *((k.pool, v.pool) if paged else (k, v))),
+        mask=mask,
         sharded_without_runner=(target.per_device() is None
                                 and target.sharded_outside_a_mesh(q)),
         has_bias=bias is not None or relative is not None, softcap=softcap,
@@ -238,9 +245,11 @@ def dot_product_attention(q, k, v, mask: masks_lib.Mask | None = None, *, bias=N
                      and q_offset == 0 and kv_offset == 0),
         return_lse=return_lse, has_alibi=alibi is not None,
         has_relative_bias=relative is not None, v_head_dim=v.shape[-1],
-        has_sinks=sinks is not None)
+        has_sinks=sinks is not None, paged=paged)
     name = select_implementation(request, implementation)
     impl = IMPLEMENTATIONS.get(name)
+    if paged and not impl.paged:
+        k, v = k.dense(), v.dense()
     kw = {}
     if impl.relative_bias:
         kw["relative_bias"] = relative

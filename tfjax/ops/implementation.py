@@ -41,6 +41,8 @@ class AttentionRequest:
     # per-device runner: a plain jit of sharded inputs), so XLA's SPMD partitioner
     # must split the call: "auto" then skips unpartitionable implementations
     sharded_without_runner: bool = False
+    # k and v are `tfjax.ops.paged.Paged` (a page pool and a page table per row)
+    paged: bool = False
 
     @property
     def value_head_dim(self) -> int:
@@ -70,3 +72,6 @@ class Implementation:
     # kernels); under an active per-device runner (`tfjax.ops.target.per_device`,
     # set by `use_rules`) the dispatch runs it once per device
     partitionable: bool = True
+    # True: fn takes paged k/v (`tfjax.ops.paged.Paged`) itself; False: the dispatch
+    # gives it the gathered `[B, S, K, H]` arrays
+    paged: bool = False

@@ -1,0 +1,76 @@
+"""Keys and values kept in pages: a pool of fixed-size pages and a page table per row.
+
+`Paged(pool, table)`: `pool` `[P, page, ...]` (one layer's pages; `[P, page, K, H]` for
+K or V), `table` `[B, n]` the page ids of each row's logical slots, row b's slot s held
+at `pool[table[b, s // page], s % page]`. It stands for the `[B, n * page, ...]` array
+it describes (`shape`, `dtype`), and `dot_product_attention` takes one as k and v: an
+implementation that reads pages itself gets it as is, any other the gathered array
+(`dense`). `write` puts a step's new entries into a pool by flat slot index
+(`flat_index`). See docs/inference.md ("The engine").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["DROPPED", "Paged", "dense", "flat_index", "write"]
+
+DROPPED = jnp.iinfo(jnp.int32).max  # a flat index past every pool: the write is dropped
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Paged:
+    """`[B, n * page, ...]` entries stored as `pool` `[P, page, ...]` and `table` `[B, n]`."""
+
+    pool: jax.Array
+    table: jax.Array
+
+    @property
+    def page_size(self) -> int:
+        return self.pool.shape[1]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        B, n = self.table.shape
+        return (B, n * self.page_size, *self.pool.shape[2:])
+
+    @property
+    def ndim(self) -> int:
+        return self.pool.ndim
+
+    @property
+    def dtype(self):
+        return self.pool.dtype
+
+    def dense(self) -> jax.Array:
+        """The gathered `[B, n * page, ...]` array (what the table describes)."""
+        B, n = self.table.shape
+        return jnp.take(self.pool, self.table, axis=0).reshape(self.shape)
+
+
+def dense(x):
+    """`x` itself, or a `Paged`'s gathered array."""
+    return x.dense() if isinstance(x, Paged) else x
+
+
+def flat_index(table: jax.Array, slots: jax.Array, page_size: int,
+               valid: jax.Array | None = None) -> jax.Array:
+    """Flat pool indices `[B, T]` (page id * page_size + offset) of logical `slots`
+    `[B, T]` of the rows of `table` `[B, n]`; `DROPPED` where not `valid`."""
+    page = jnp.take_along_axis(table, slots // page_size, axis=1)
+    index = page * page_size + slots % page_size
+    return index if valid is None else jnp.where(valid, index, DROPPED)
+
+
+def write(pool: jax.Array, index: jax.Array, new: jax.Array) -> jax.Array:
+    """`pool` `[P, page, ...]` with `new` `[B, T, ...]` written at flat `index` `[B, T]`
+    (`DROPPED` entries are not written)."""
+    P, page = pool.shape[:2]
+    flat = pool.reshape(P * page, *pool.shape[2:])
+    flat = flat.at[index.reshape(-1)].set(
+        new.reshape(-1, *new.shape[2:]).astype(pool.dtype), mode="drop")
+    return flat.reshape(pool.shape)
