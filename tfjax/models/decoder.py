@@ -97,6 +97,24 @@ class DecoderLM(nnx.Module):
         generated), one state per layer as the layer kinds say (`tfjax.models.caching`)."""
         return caching.empty_cache(self.config, self.layers, batch, max_len, dtype=dtype)
 
+    def init_paged_cache(self, batch: int, max_len: int, *, page_size: int, chunk: int,
+                         num_pages: dict, dtype=None) -> ModelCache:
+        """The inference engine's empty cache: `batch` rows (slots), page pools of
+        `num_pages[size]` pages per cache geometry (`page_geometries`), steps of at most
+        `chunk` new tokens per row (`tfjax.models.caching.empty_paged_cache`)."""
+        if self.config.prefix_lm:
+            raise ValueError("the inference engine prefills prompts in chunks, which a "
+                             "prefix-LM model (model.prefix_lm=True) cannot take; use "
+                             "tfjax.inference.generate")
+        return caching.empty_paged_cache(self.config, self.layers, batch, max_len,
+                                         page_size=page_size, chunk=chunk,
+                                         num_pages=num_pages, dtype=dtype)
+
+    def page_geometries(self, max_len: int, *, page_size: int, chunk: int) -> dict:
+        """{paged size: pages per row} of this model's paged cache geometries."""
+        return caching.page_geometries(self.config, max_len=max_len, page_size=page_size,
+                                       chunk=chunk)
+
     def step(self, tokens: jax.Array, cache: ModelCache, lengths: jax.Array | None = None, *,
              all_logits: bool = False, extend: bool = False, return_hidden: bool = False):
         """Inference: append `tokens` `[B,T]` to `cache` (`init_cache`).

@@ -1,0 +1,161 @@
+"""The inference engine against `generate`: greedy tokens equal alone and mixed in ragged
+batches, n samples forking a prompt's pages, prefix sharing, reproducible seeds, page
+accounting, cancellation and refusals.
+
+Tiny random models; every engine of one model structure shares its compiled programs
+(two step shapes, the reset and the fork), so each model compiles them once.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from tfjax import models
+from tfjax.config import model_config
+from tfjax.inference import generate
+from tfjax.inference.engine import Engine, EngineConfig, PagePool, Request, chain_hashes
+
+TINY = dict(vocab_size=61, d_model=32, num_layers=2, num_heads=4, d_ff=48, max_len=64,
+            init_std=1.0, tie_embeddings=False, num_kv_heads=2)
+CONFIG = EngineConfig(max_seqs=4, page_size=4, chunk=5, max_len=40)
+# global GQA; a local (ring pages) + global hybrid with sinks; Mamba-2 (a state per row)
+MODELS = {"global": {}, "local_global": dict(layer_pattern=("local", "global"),
+                                             attention=dict(sliding_window=3, sinks=True)),
+          "mamba2_global": dict(layer_pattern=("mamba2", "global"))}
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def model(request):
+    return models.build(model_config({**TINY, **MODELS[request.param]}), rngs=nnx.Rngs(3))
+
+
+def prompts(seed, lengths):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 61, n).tolist() for n in lengths]
+
+
+def reference(model, prompt, n):
+    return np.asarray(generate(model, jnp.asarray([prompt]), max_new_tokens=n))[0].tolist()
+
+
+def test_greedy_tokens_equal_generate_in_ragged_continuous_batches(model):
+    # 6 requests on 4 slots: admitted as slots free up, chunks of 5 beside decode rows
+    engine = Engine(model, CONFIG)
+    ps = prompts(1, (9, 3, 14, 1, 7, 20))
+    reqs = [Request(p, max_tokens=4 + i, sampling=dict(temperature=0)) for i, p in enumerate(ps)]
+    got = engine.generate(reqs)
+    for r, p in zip(reqs, ps):
+        assert got[r.request_id] == [reference(model, p, r.max_tokens)]
+    assert engine.pages_in_use() == 0 and not any(engine.slots)
+
+
+def test_n_samples_fork_the_prompt_and_seeds_reproduce_whatever_the_batch(model):
+    engine = Engine(model, CONFIG)
+    # prefix pages are shared only where every cached layer keeps global K/V
+    assert engine.shareable == (model.config.layer_pattern == ("global",))
+    p = prompts(2, (11,))[0]
+    hot = dict(temperature=1.5, seed=7)
+    many = engine.generate([Request(p, max_tokens=6, n=3, sampling=hot)])
+    (samples,) = many.values()
+    assert len({tuple(s) for s in samples}) > 1  # different draws
+    alone = engine.generate([Request(p, max_tokens=6, sampling=hot)])
+    assert list(alone.values())[0][0] == samples[0]  # sample 0 keeps the request's seed
+    # the same request among others, in another slot, gives the same tokens
+    others = [Request(q, max_tokens=5, sampling=dict(temperature=1.0, seed=i))
+              for i, q in enumerate(prompts(3, (4, 13)))]
+    mixed = engine.generate(others + [Request(p, max_tokens=6, sampling=hot)])
+    assert list(mixed.values())[-1][0] == samples[0]
+    assert engine.pages_in_use() == 0
+
+
+def test_greedy_samples_of_a_fork_equal_generate(model):
+    engine = Engine(model, CONFIG)
+    p = prompts(4, (10,))[0]
+    (samples,) = engine.generate([Request(p, max_tokens=5, n=2,
+                                          sampling=dict(temperature=0))]).values()
+    assert samples == [reference(model, p, 5)] * 2
+
+
+def test_prefix_pages_are_shared_and_kept_for_later_prompts():
+    model = models.build(model_config(TINY), rngs=nnx.Rngs(3))
+    engine = Engine(model, CONFIG)
+    assert engine.shareable
+    p = prompts(5, (14,))[0]
+    first = engine.generate([Request(p, max_tokens=3, sampling=dict(temperature=0))])
+    pool = engine.pools[engine.global_size]
+    assert pool.held == 0 and pool.available == pool.num_pages - 1  # cached pages reusable
+    engine.submit(Request(p + [5], max_tokens=3, sampling=dict(temperature=0)))
+    engine._drain(), engine._admit()
+    seq = next(s for s in engine.slots if s is not None)
+    assert seq.computed == 12  # three full pages of the 14 earlier tokens, not computed again
+    out = []
+    while engine.has_work():
+        out += [o.token for o in engine.step()]
+    assert list(first.values())[0][0] == reference(model, p, 3)
+    assert out == reference(model, p + [5], 3)
+
+
+def test_a_small_pool_admits_requests_as_pages_free_up():
+    model = models.build(model_config(TINY), rngs=nnx.Rngs(3))
+    engine = Engine(model, EngineConfig(max_seqs=4, page_size=4, chunk=5, max_len=40,
+                                        num_pages=12, prefix_caching=False))
+    ps = prompts(6, (12, 9, 15, 6))
+    reqs = [Request(p, max_tokens=8, sampling=dict(temperature=0)) for p in ps]
+    got = engine.generate(reqs)
+    for r, p in zip(reqs, ps):
+        assert got[r.request_id] == [reference(model, p, 8)]
+    assert engine.pages_in_use() == 0
+
+
+def test_stops_and_cancellation_free_pages():
+    model = models.build(model_config(TINY), rngs=nnx.Rngs(3))
+    p = prompts(7, (8,))[0]
+    ref = reference(model, p, 6)
+    engine = Engine(model, CONFIG, eos_ids=(ref[2],))
+    got = engine.generate([Request(p, max_tokens=6, sampling=dict(temperature=0))])
+    assert list(got.values())[0][0] == ref[:ref.index(ref[2]) + 1]  # up to and with EOS
+    got = engine.generate([Request(p, max_tokens=6, stop_token_ids=[ref[3]], ignore_eos=True,
+                                   sampling=dict(temperature=0))])
+    assert list(got.values())[0][0] == ref[:ref.index(ref[3]) + 1]
+    rid = engine.submit(Request(p, max_tokens=30, ignore_eos=True, sampling=dict(temperature=0)))
+    engine.step(), engine.step()
+    assert engine.pages_in_use() > 0
+    engine.cancel(rid)
+    outs = engine.step()
+    assert [o.finish_reason for o in outs] == ["abort"] and engine.pages_in_use() == 0
+    assert not engine.has_work()
+
+
+def test_pool_reference_counts_and_prefix_chain():
+    pool = PagePool(4)
+    a, b = pool.allocate(), pool.allocate()
+    assert 0 not in (a, b) and pool.available == 1
+    pool.retain(a)
+    pool.release([a])
+    assert pool.refs[a] == 1
+    keys = chain_hashes(list(range(8)), 4)
+    assert keys != chain_hashes([1] + list(range(1, 8)), 4)[:1] + keys[1:]  # a chain
+    pool.register(keys[0], a)
+    pool.release([a, b])
+    assert pool.available == 3 and pool.lookup(keys) == [a]  # kept, not free
+    with pytest.raises(RuntimeError, match="released more often"):
+        pool.release([b])
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(prompt=[]), "prompt: empty"),
+    (dict(prompt=[99]), "outside the vocabulary"),
+    (dict(prompt=[1] * 40), "leave no room"),
+    (dict(prompt=[1], max_tokens=0), "max_tokens"),
+    (dict(prompt=[1], n=5), "max_seqs"),
+    (dict(prompt=[1], logprobs=21), "logprobs"),
+    (dict(prompt=[1], sampling=dict(temperature=-1)), "temperature"),
+    (dict(prompt=[1], sampling=dict(top_p=0)), "top_p"),
+])
+def test_bad_requests_are_refused_in_one_line(kw, match):
+    model = models.build(model_config(TINY), rngs=nnx.Rngs(3))
+    engine = Engine(model, CONFIG)
+    with pytest.raises(ValueError, match=match) as e:
+        engine.submit(Request(**kw))
+    assert "\n" not in str(e.value)

@@ -1,0 +1,520 @@
+"""The inference engine: continuous batching over a paged KV cache.
+
+    engine = Engine(model, EngineConfig(max_seqs=16, page_size=16, chunk=64),
+                    eos_ids=(eos,), decode=tokenizer.decode)
+    engine.submit(Request(prompt, max_tokens=64, n=4, sampling=dict(temperature=0.8)))
+    while engine.has_work(): outputs = engine.step()     # [Output]: a token of a sample
+
+Every step is one jitted call over `max_seqs` rows (slots): a row prefilling its prompt
+takes up to `chunk` tokens, a decoding row one, an idle row none (ragged rows), and
+each row that reaches the end of what it knows samples its next token with its own
+settings. Two step shapes (1 or `chunk` tokens per row) serve every mix of requests.
+Requests are admitted when slots and pages free up (pages reserved for their longest
+answer, so no sequence is ever preempted); a sample that stops frees its pages at once.
+See docs/inference.md ("The engine").
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from tfjax.inference.cache import logical_axes
+from tfjax.inference.engine.pages import PagePool, chain_hashes
+from tfjax.inference.engine.requests import Output, Request
+from tfjax.inference.sampling import SamplingParams, sample_rows
+from tfjax.nn.state import DecodeState
+
+__all__ = ["Engine", "EngineConfig"]
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """max_seqs: rows of every step (sequences decoded at once). max_len: tokens of a
+    sequence, prompt and answer (0: the model's `max_len`). page_size: tokens per page.
+    chunk: prompt tokens a row prefills per step. num_pages: pages of the global K/V
+    pools (0: from `kv_memory` bytes, or 0 too: enough for every row's `max_len`).
+    prefix_caching: prompts reuse the full pages of earlier prompts they start with
+    (models whose every cached layer keeps global K/V). max_logprobs: the most top
+    log-probabilities a request may ask for."""
+
+    max_seqs: int = 8
+    max_len: int = 0
+    page_size: int = 16
+    chunk: int = 32
+    num_pages: int = 0
+    kv_memory: int = 0
+    dtype: str | None = None
+    prefix_caching: bool = True
+    max_logprobs: int = 20
+
+    def check(self):
+        for name in ("max_seqs", "page_size", "chunk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name}: must be >= 1, got {getattr(self, name)}")
+
+
+@dataclasses.dataclass
+class _Sequence:
+    """One sample of a request, in a slot."""
+
+    request: Request
+    index: int
+    slot: int
+    settings: dict
+    tokens: list  # prompt, then the generated tokens
+    prompt_len: int
+    target: int  # the tokens to put in the cache before the first sample (prompt or n-1)
+    computed: int = 0  # tokens in the cache
+    pages: list = dataclasses.field(default_factory=list)  # global page ids, logical order
+    worst: int = 0  # the most global pages it can come to hold
+    registered: int = 0  # its full prompt pages already in the prefix cache
+    hashes: list = dataclasses.field(default_factory=list)
+    followers: list = dataclasses.field(default_factory=list)  # slots waiting for a fork
+    fresh: bool = True  # its slot's rows still hold the previous sequence's state
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+
+class Engine:
+    """Continuous batching of `Request`s on a decoder-only `model` (see the module)."""
+
+    def __init__(self, model, config: EngineConfig = EngineConfig(), *, eos_ids=(),
+                 decode=None):
+        config.check()
+        cfg = model.config
+        if getattr(cfg, "arch", "decoder") != "decoder":
+            raise ValueError(f"the inference engine serves decoder-only models; this one is "
+                             f"model.arch={cfg.arch!r} (use tfjax.inference.generate)")
+        self.config = config
+        self.max_len = config.max_len or cfg.max_len
+        self.vocab_size = cfg.vocab_size
+        self.eos_ids, self.decode = frozenset(int(e) for e in eos_ids), decode
+        B, ps, C = config.max_seqs, config.page_size, config.chunk
+        model.eval()
+        self.graphdef, self.params = nnx.split(model)
+        geometries = model.page_geometries(self.max_len, page_size=ps, chunk=C)
+        self.global_size = -(-self.max_len // ps) * ps
+        self.rings = {s: n for s, n in geometries.items() if s != self.global_size}
+        num_pages = {s: 1 + B * n for s, n in self.rings.items()}
+        if self.global_size in geometries:
+            num_pages[self.global_size] = self._global_pages(model, num_pages)
+        self.pools = {s: PagePool(n) for s, n in num_pages.items()}
+        self.num_pages = num_pages
+        self.tables = {s: np.zeros((B, n), np.int32) for s, n in geometries.items()}
+        for s, n in self.rings.items():  # a ring's pages are its row's for good
+            self.tables[s][:] = 1 + np.arange(B * n, dtype=np.int32).reshape(B, n)
+        cache = model.init_paged_cache(B, self.max_len, page_size=ps, chunk=C,
+                                       num_pages=num_pages, dtype=config.dtype)
+        self.cache = cache
+        self._axes = logical_axes(cache)
+        self.shareable = (config.prefix_caching and not self.rings
+                          and not self._has_rows(cache))
+        self.seen = jnp.zeros((B, self.vocab_size), bool)
+        self.counts = jnp.zeros((B, self.vocab_size), jnp.int32)
+        self.slots: list[_Sequence | None] = [None] * B
+        self.waiting: collections.deque[tuple[Request, dict]] = collections.deque()
+        self._inbox: collections.deque = collections.deque()
+        self._lock = threading.Lock()
+        self._programs = _programs(self.graphdef)
+
+    # ------------------------------------------------------------------ sizes
+    def _global_pages(self, model, ring_pages: dict) -> int:
+        """The global pools' page count: `num_pages`, else what `kv_memory` holds, else
+        every row's `max_len`; never equal to a ring's (pools are told apart by it)."""
+        c, per_row = self.config, self.global_size // self.config.page_size
+        if c.num_pages:
+            n = c.num_pages
+        elif c.kv_memory:
+            n = int(c.kv_memory // self._page_bytes(model))
+        else:
+            n = 1 + c.max_seqs * per_row
+        if n < 1 + per_row:
+            raise ValueError(f"EngineConfig: {n} global pages cannot hold one sequence of "
+                             f"max_len={self.max_len} ({per_row} pages of {c.page_size} and "
+                             f"page 0); raise num_pages or kv_memory, or lower max_len")
+        while n in ring_pages.values():
+            n += 1
+        return n
+
+    def _page_bytes(self, model) -> int:
+        """Bytes of one global page summed over the layers (from the cache's shapes)."""
+        ps, C = self.config.page_size, self.config.chunk
+        geometries = model.page_geometries(self.max_len, page_size=ps, chunk=C)
+        probe = {s: 1 + (s == self.global_size) + n for s, n in geometries.items()}
+        one, two = (jax.eval_shape(functools.partial(
+            model.init_paged_cache, 1, self.max_len, page_size=ps, chunk=C,
+            num_pages={**probe, self.global_size: probe[self.global_size] + k},
+            dtype=self.config.dtype)) for k in (0, 1))
+        size = lambda c: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(c.layers))  # noqa
+        return max(1, size(two) - size(one))
+
+    @staticmethod
+    def _has_rows(cache) -> bool:
+        """Whether some layer keeps a state per row (a recurrent mixer), not in pages."""
+        states = jax.tree.leaves(cache.layers, is_leaf=lambda c: isinstance(c, DecodeState))
+        return any(not c.pageable for c in states)
+
+    # --------------------------------------------------------------- requests
+    def submit(self, request: Request) -> str:
+        """Queue `request` (thread-safe); a bad one raises a one-line ValueError now."""
+        settings = request.check(max_len=self.max_len, vocab_size=self.vocab_size,
+                                 max_logprobs=self.config.max_logprobs)
+        if request.n > self.config.max_seqs:
+            raise ValueError(f"n: {request.n} samples exceed the engine's max_seqs="
+                             f"{self.config.max_seqs} (request {request.request_id})")
+        with self._lock:
+            self._inbox.append(("submit", request, settings))
+        return request.request_id
+
+    def cancel(self, request_id: str) -> None:
+        """Stop `request_id` (thread-safe): its pages are freed at the next step."""
+        with self._lock:
+            self._inbox.append(("cancel", request_id, None))
+
+    def has_work(self) -> bool:
+        return bool(self._inbox or self.waiting or any(self.slots))
+
+    def _drain(self) -> list[Output]:
+        with self._lock:
+            commands, self._inbox = list(self._inbox), collections.deque()
+        out = []
+        for kind, what, settings in commands:
+            if kind == "submit":
+                self.waiting.append((what, settings))
+                continue
+            before = len(self.waiting)
+            self.waiting = collections.deque(w for w in self.waiting if w[0].request_id != what)
+            if len(self.waiting) < before:
+                continue
+            for seq in [s for s in self.slots if s is not None and s.request.request_id == what]:
+                out.append(Output(what, seq.index, None, finish_reason="abort"))
+                self._free(seq)
+        return out
+
+    # --------------------------------------------------------------- admission
+    def _committed(self) -> int:
+        return sum(s.worst - len(s.pages) for s in self.slots if s is not None)
+
+    def _admit(self) -> None:
+        """Admit waiting requests in order while slots and pages last."""
+        while self.waiting:
+            request, settings = self.waiting[0]
+            free = [b for b, s in enumerate(self.slots) if s is None]
+            if len(free) < request.n:
+                return
+            ps, L = self.config.page_size, len(request.prompt)
+            target = L - 1 if request.n > 1 else L
+            per_seq = -(-min(L + request.max_tokens, self.max_len) // ps)
+            shared = target // ps if request.n > 1 else 0  # the leader's full pages
+            worst = per_seq + (request.n - 1) * (per_seq - shared)
+            pool = self.pools.get(self.global_size)
+            hashes, cached = [], []
+            if self.shareable and pool is not None:
+                hashes = chain_hashes(request.prompt[:L - 1], ps)
+                cached = pool.lookup(hashes)
+            if pool is not None and pool.available < self._committed() + worst - len(cached):
+                if pool is not None:
+                    pool.release(cached)
+                if not any(self.slots):
+                    raise RuntimeError(f"request {request.request_id} needs {worst} pages; the "
+                                       f"pool has {pool.num_pages - 1}")
+                return
+            self.waiting.popleft()
+            leader = _Sequence(request, 0, free[0], settings, list(request.prompt), L, target,
+                               computed=len(cached) * ps, pages=list(cached),
+                               worst=per_seq, registered=len(cached), hashes=hashes)
+            leader.followers = free[1:request.n]
+            for b in free[:request.n]:
+                self.slots[b] = (leader if b == leader.slot
+                                 else _Placeholder(leader, per_seq - shared))
+
+    # -------------------------------------------------------------------- step
+    def step(self) -> list[Output]:
+        """One engine step: take new requests and cancellations, admit, run one jitted
+        step over every row, and return each sample's new token (or its end)."""
+        out = self._drain()
+        self._admit()
+        self._fork_ready()
+        rows = [s for s in self.slots if isinstance(s, _Sequence)]
+        if not rows:
+            return out
+        B, C, ps = self.config.max_seqs, self.config.chunk, self.config.page_size
+        feed = {s.slot: min(C, s.target - s.computed) if s.computed < s.target else 1
+                for s in rows}
+        T = C if max(feed.values()) > 1 else 1
+        tokens = np.zeros((B, T), np.int32)
+        n_new = np.zeros(B, np.int32)
+        length = np.zeros(B, np.int32)
+        samples = np.zeros(B, bool)
+        fresh = np.zeros(B, bool)
+        for s in rows:
+            n = feed[s.slot]
+            tokens[s.slot, :n] = s.tokens[s.computed:s.computed + n]
+            n_new[s.slot], length[s.slot] = n, s.computed
+            fresh[s.slot] = s.fresh
+            samples[s.slot] = s.computed + n >= s.target and not s.followers
+            self._grow(s, s.computed + n)
+        if fresh.any():
+            self._reset(fresh, rows)
+        params = self._sampling(rows)
+        positions = length + n_new  # the position of the token each row draws
+        num_logprobs = self.config.max_logprobs if any(
+            s.request.logprobs for s in rows) else 0
+        tables = {s: jnp.asarray(t) for s, t in self.tables.items()}
+        sampled, self.cache, self.counts = self._programs.step(T, num_logprobs)(
+            self.params, self.cache, self.seen, self.counts, jnp.asarray(tokens),
+            jnp.asarray(n_new), jnp.asarray(length), tables, params, jnp.asarray(positions),
+            jnp.asarray(samples))
+        sampled = jax.device_get(sampled)
+        for s in rows:
+            s.computed += feed[s.slot]
+            self._register(s)
+            if samples[s.slot]:
+                out.extend(self._emit(s, sampled))
+        return out
+
+    def _sampling(self, rows) -> SamplingParams:
+        requests: list = [None] * self.config.max_seqs
+        for s in rows:
+            requests[s.slot] = s.settings
+        return SamplingParams.of(requests)
+
+    def _grow(self, s: _Sequence, end: int) -> None:
+        """Give `s` the global pages that tokens up to `end` need."""
+        pool = self.pools.get(self.global_size)
+        if pool is None:
+            return
+        need = -(-end // self.config.page_size)
+        while len(s.pages) < need:
+            s.pages.append(pool.allocate())
+        row = self.tables[self.global_size][s.slot]
+        row[:] = 0
+        row[:len(s.pages)] = s.pages
+
+    def _register(self, s: _Sequence) -> None:
+        """Put the full prompt pages `s` has computed into the prefix cache."""
+        if not self.shareable:
+            return
+        pool, ps = self.pools[self.global_size], self.config.page_size
+        done = min(s.computed, s.prompt_len - 1) // ps
+        while s.registered < min(done, len(s.hashes)):
+            pool.register(s.hashes[s.registered], s.pages[s.registered])
+            s.registered += 1
+
+    def _reset(self, fresh: np.ndarray, rows) -> None:
+        """Clear the per-row states of newly admitted rows and mark their prompts seen."""
+        prompts = np.full((self.config.max_seqs, self.max_len), -1, np.int32)
+        for s in rows:
+            if s.fresh:
+                prompts[s.slot, :s.prompt_len] = s.tokens[:s.prompt_len]
+                s.fresh = False
+        self.cache, self.seen, self.counts = self._programs.reset(
+            self.cache, self.seen, self.counts, jnp.asarray(fresh), jnp.asarray(prompts))
+
+    def _fork_ready(self) -> None:
+        """Leaders of n > 1 samples whose prompt but its last token is in the cache get
+        their followers: full pages shared, the partial page, ring pages and per-row
+        state copied."""
+        ps = self.config.page_size
+        pairs = {s: [] for s in self.num_pages}
+        row_pairs = []
+        for leader in [s for s in self.slots if isinstance(s, _Sequence)]:
+            if not leader.followers or leader.computed < leader.target:
+                continue
+            pool = self.pools.get(self.global_size)
+            full = leader.computed // ps
+            for i, slot in enumerate(leader.followers, start=1):
+                seed = (leader.settings["seed"] + i * 0x9E3779B9) % 2**32  # its own draws
+                seq = dataclasses.replace(leader, index=i, slot=slot, tokens=list(leader.tokens),
+                                          settings=dict(leader.settings, seed=seed), pages=[],
+                                          worst=self.slots[slot].worst, followers=[],
+                                          hashes=[], registered=0)
+                if pool is not None:
+                    seq.pages = [pool.retain(p) for p in leader.pages[:full]]
+                    if len(leader.pages) > full:  # the partial page: a copy of its own
+                        page = pool.allocate()
+                        pairs[self.global_size].append((leader.pages[full], page))
+                        seq.pages.append(page)
+                    row = self.tables[self.global_size][slot]
+                    row[:] = 0
+                    row[:len(seq.pages)] = seq.pages
+                for size, n in self.rings.items():
+                    pairs[size].extend(zip(self.tables[size][leader.slot],
+                                           self.tables[size][slot]))
+                row_pairs.append((leader.slot, slot))
+                self.slots[slot] = seq
+            leader.followers = []
+        if row_pairs:
+            B = self.config.max_seqs
+            page_pairs = {self.num_pages[s]: _padded(p, B * len(self.tables[s][0]) if s in
+                                                     self.rings else B)
+                          for s, p in pairs.items()}
+            self.cache, self.seen, self.counts = self._programs.fork(
+                self.cache, self.seen, self.counts, page_pairs, _padded(row_pairs, B))
+
+    # ----------------------------------------------------------------- outputs
+    def _emit(self, s: _Sequence, sampled) -> list[Output]:
+        token = int(sampled.tokens[s.slot])
+        top = None
+        if s.request.logprobs:
+            k = s.request.logprobs
+            top = {int(t): float(p) for t, p in zip(sampled.top_ids[s.slot][:k],
+                                                     sampled.top_logprobs[s.slot][:k])}
+        s.tokens.append(token)
+        reason = stop_string = None
+        if token in s.request.stop_token_ids or (token in self.eos_ids
+                                                 and not s.request.ignore_eos):
+            reason = "stop"
+        elif s.request.stop and self.decode is not None:
+            text = self.decode(s.tokens[s.prompt_len:])
+            stop_string = next((x for x in s.request.stop if x in text), None)
+            reason = "stop" if stop_string is not None else None
+        if reason is None and (s.generated >= s.request.max_tokens
+                               or len(s.tokens) >= self.max_len):
+            reason = "length"
+        out = Output(s.request.request_id, s.index, token, float(sampled.logprobs[s.slot]),
+                     top, reason, stop_string)
+        if reason is not None:
+            self._free(s)
+        return [out]
+
+    def _free(self, s: _Sequence) -> None:
+        """Release `s`'s pages and slot (and its followers' slots, if not forked yet)."""
+        pool = self.pools.get(self.global_size)
+        if pool is not None:
+            pool.release(s.pages)
+        s.pages = []
+        for slot in [s.slot] + s.followers:
+            self.slots[slot] = None
+            if pool is not None:
+                self.tables[self.global_size][slot] = 0
+        s.followers = []
+
+    # ------------------------------------------------------------ convenience
+    def generate(self, requests: list[Request]) -> dict:
+        """Run `requests` to the end: {request_id: [tokens of sample 0, 1, ...]}."""
+        results = {r.request_id: [[] for _ in range(r.n)] for r in requests}
+        for r in requests:
+            self.submit(r)
+        while self.has_work():
+            for o in self.step():
+                if o.token is not None:
+                    results[o.request_id][o.index].append(o.token)
+        return results
+
+    def pages_in_use(self) -> int:
+        """Global pages some sequence holds (0 when the engine is idle)."""
+        pool = self.pools.get(self.global_size)
+        return 0 if pool is None else pool.held
+
+
+class _Placeholder:
+    """A slot reserved for a follower of `leader` (a sample not forked yet)."""
+
+    def __init__(self, leader: _Sequence, worst: int):
+        self.leader, self.request, self.worst, self.pages = leader, leader.request, worst, []
+
+    def __bool__(self):
+        return True
+
+
+def _padded(pairs, n: int) -> jax.Array:
+    """`[n, 2]` int32 (src, dst) pairs, padded with (0, 0) (a copy of page or row 0 onto
+    itself)."""
+    a = np.zeros((max(n, len(pairs)), 2), np.int32)
+    if pairs:
+        a[:len(pairs)] = pairs
+    return jnp.asarray(a)
+
+
+@functools.lru_cache(maxsize=8)
+def _programs(graphdef):
+    return _Programs(graphdef)
+
+
+class _Programs:
+    """The engine's jitted programs for one model structure."""
+
+    def __init__(self, graphdef):
+        self.graphdef = graphdef
+        self.reset = jax.jit(_reset_rows, donate_argnums=(0, 1, 2))
+        self.fork = jax.jit(_fork, donate_argnums=(0, 1, 2))
+
+    @functools.lru_cache(maxsize=8)
+    def step(self, T: int, num_logprobs: int):
+        graphdef = self.graphdef
+
+        def run(params, cache, seen, counts, tokens, n_new, length, tables, sampling,
+                positions, samples):
+            model = nnx.merge(graphdef, params)
+            cache = cache.replace(length=length, pages=cache.pages.replace(tables=tables))
+            logits, cache = model.step(tokens, cache, n_new)
+            sampled = sample_rows(logits[:, 0], sampling, positions, seen, counts,
+                                  num_logprobs=num_logprobs)
+            rows = jnp.arange(tokens.shape[0])
+            counts = counts.at[rows, sampled.tokens].add(samples.astype(jnp.int32))
+            return sampled, cache, counts
+
+        return jax.jit(run, donate_argnums=(1, 3))
+
+
+def _row_axis(names) -> int | None:
+    return names.index("batch") if "batch" in names else None
+
+
+def _reset_rows(cache, seen, counts, fresh, prompts):
+    """Zero the per-row states of rows `fresh` `[B]`; their seen tokens are `prompts`
+    `[B, L]` (-1: none), their counts zero."""
+    axes = logical_axes(cache)
+
+    def clear(x, names):
+        axis = _row_axis(names)
+        if axis is None:
+            return x
+        shape = [1] * x.ndim
+        shape[axis] = x.shape[axis]
+        return jnp.where(fresh.reshape(shape), jnp.zeros_like(x), x)
+
+    layers = jax.tree.map(clear, cache.layers, axes.layers)
+    B, V = seen.shape
+    marks = jnp.zeros((B, V), bool).at[jnp.arange(B)[:, None],
+                                       jnp.where(prompts >= 0, prompts, V)].set(True, mode="drop")
+    seen = jnp.where(fresh[:, None], marks, seen)
+    counts = jnp.where(fresh[:, None], 0, counts)
+    return cache.replace(layers=layers), seen, counts
+
+
+def _fork(cache, seen, counts, page_pairs: dict, row_pairs):
+    """Copy pages (`page_pairs`: {pool page count: [M, 2] (src, dst)}) in every pool of
+    that many pages, and rows (`row_pairs` `[R, 2]`) of every per-row state."""
+    axes = logical_axes(cache)
+    src, dst = row_pairs[:, 0], row_pairs[:, 1]
+
+    def copy(x, names):
+        axis = _row_axis(names)
+        if axis is not None:
+            return _copy_along(x, axis, src, dst)
+        lead = sum(1 for n in names if n == "layers")
+        pairs = page_pairs.get(x.shape[lead]) if x.ndim > lead else None
+        if pairs is None:
+            return x
+        return _copy_along(x, lead, pairs[:, 0], pairs[:, 1])
+
+    layers = jax.tree.map(copy, cache.layers, axes.layers)
+    return (cache.replace(layers=layers), _copy_along(seen, 0, src, dst),
+            _copy_along(counts, 0, src, dst))
+
+
+def _copy_along(x, axis: int, src, dst):
+    moved = jnp.moveaxis(x, axis, 0)
+    return jnp.moveaxis(moved.at[dst].set(moved[src]), 0, axis)
