@@ -5,14 +5,11 @@
     engine.submit(Request(prompt, max_tokens=64, n=4, sampling=dict(temperature=0.8)))
     while engine.has_work(): outputs = engine.step()     # [Output]: a token of a sample
 
-Every step is one jitted call over `max_seqs` rows (slots): a row prefilling its prompt
-takes up to `chunk` tokens, a decoding row one, an idle row none (ragged rows), and
-each row that reaches the end of what it knows samples its next token with its own
-settings. Two step shapes (1 or `chunk` tokens per row) serve every mix of requests.
-Requests are admitted when slots and pages free up (pages reserved for their longest
-answer, so no sequence is ever preempted); a sample that stops frees its pages at once.
-See docs/inference.md ("The engine").
-"""
+Each step is one jitted call over `max_seqs` rows: a prefilling row takes up to `chunk`
+prompt tokens, a decoding row one, an idle row none; two step shapes serve every mix.
+Requests are admitted as slots and pages free up (pages reserved for the longest
+answer: nothing is preempted); a stopped sample frees its pages at once.
+See docs/inference.md ("The engine")."""
 
 from __future__ import annotations
 
