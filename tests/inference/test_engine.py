@@ -152,6 +152,9 @@ def test_pool_reference_counts_and_prefix_chain():
     (dict(prompt=[1], logprobs=21), "logprobs"),
     (dict(prompt=[1], sampling=dict(temperature=-1)), "temperature"),
     (dict(prompt=[1], sampling=dict(top_p=0)), "top_p"),
+    (dict(prompt=[1, 2], score_from=1, max_tokens=0, n=2), "one sample"),
+    (dict(prompt=[1, 2], score_from=2), "score_from"),
+    (dict(prompt=[1, 2], max_tokens=0), "max_tokens"),
 ])
 def test_bad_requests_are_refused_in_one_line(kw, match):
     model = models.build(model_config(TINY), rngs=nnx.Rngs(3))
@@ -159,3 +162,32 @@ def test_bad_requests_are_refused_in_one_line(kw, match):
     with pytest.raises(ValueError, match=match) as e:
         engine.submit(Request(**kw))
     assert "\n" not in str(e.value)
+
+
+def test_scored_prompts_give_the_forward_log_probabilities_with_shared_contexts():
+    # lm-eval's loglikelihood: contexts shared by several continuations (prefix pages)
+    model = models.build(model_config(TINY), rngs=nnx.Rngs(3))
+    engine = Engine(model, CONFIG)
+    context = prompts(8, (13,))[0]
+    reqs = [Request(context + cont, max_tokens=0, score_from=len(context))
+            for cont in prompts(9, (3, 1, 6))]
+    reqs.append(Request(context + [7, 8], max_tokens=2, score_from=len(context),
+                        sampling=dict(temperature=0)))
+    for r in reqs:
+        engine.submit(r)
+    got = {}
+    while engine.has_work():
+        for o in engine.step():
+            if o.prompt_logprobs is not None:
+                got[o.request_id] = (o.prompt_logprobs, o.prompt_greedy)
+    for r in reqs:
+        p = np.asarray(r.prompt)
+        logits = np.asarray(nnx.jit(lambda m, t: m(t))(model, jnp.asarray(p[None])))[0]
+        logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1,
+                                                                                keepdims=True)) \
+            - logits.max(-1, keepdims=True)
+        k = len(context)
+        want = logp[np.arange(k - 1, len(p) - 1), p[k:]]
+        np.testing.assert_allclose(got[r.request_id][0], want, rtol=1e-4, atol=1e-4)
+        assert got[r.request_id][1] == list(logits[k - 1:len(p) - 1].argmax(-1) == p[k:])
+    assert engine.pages_in_use() == 0

@@ -19,16 +19,10 @@ from jax.sharding import Mesh
 from tfjax.config import MeshConfig
 from tfjax.eval.loading import Source, check_context, eval_mesh, load_source, run_source
 from tfjax.eval.perplexity import Scorer
-from tfjax.inference import generate
+from tfjax.inference.engine import Engine, EngineConfig, Request
 from tfjax.parallel.rules import logical_rules, tree_shardings
-from tfjax.parallel.sharding import use_rules
 
 __all__ = ["TfjaxRequests", "lm_eval_model", "task_manager", "training_evaluator"]
-
-
-def _bucket(n: int, cap: int) -> int:
-    """The padded length for `n` tokens: a power of two >= 8, at most `cap`."""
-    return min(cap, max(8, 1 << (max(n, 1) - 1).bit_length()))
 
 
 class TfjaxRequests:
@@ -82,6 +76,34 @@ class TfjaxRequests:
         self.model = model
         self.scorer = Scorer(model, mesh=self.mesh, rules=mesh_cfg.rules,
                              batch_size=int(batch_size))
+        self._engine = None
+
+    @property
+    def engine(self) -> Engine:
+        """The inference engine both request kinds run on (made on first use): batch_size
+        sequences at once, prompts up to max_length + 1 tokens (a scored one)."""
+        if self._engine is None:
+            self._engine = Engine(self.model, EngineConfig(
+                max_seqs=self.scorer.batch_size, max_len=self.max_length + 1, page_size=16,
+                chunk=min(64, self.max_length)), eos_ids=(self.eot_token_id,),
+                decode=self.tok_decode, mesh=self.mesh, rules=self.rules)
+        return self._engine
+
+    def _run(self, requests: list[Request], bar) -> dict:
+        """Run `requests` on the engine: {request_id: (tokens, the first output)}."""
+        engine, out = self.engine, {}
+        for r in requests:
+            engine.submit(r)
+            out[r.request_id] = ([], None)
+        while engine.has_work():
+            for o in engine.step():
+                tokens, first = out[o.request_id]
+                if o.token is not None:
+                    tokens.append(o.token)
+                out[o.request_id] = (tokens, first or o)
+                if o.finish_reason is not None:
+                    bar.update(1)
+        return out
 
     # --------------------------------------------------------------- tokens
     @property
@@ -113,32 +135,26 @@ class TfjaxRequests:
 
     # --------------------------------------------------------------- scoring
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
-        """[(key, context ids, continuation ids)] -> [(log p(continuation), greedy)]."""
+        """[(key, context ids, continuation ids)] -> [(log p(continuation), greedy)], on
+        the engine: each whole sequence a scored prompt (contexts shared by several
+        continuations computed once, their pages shared)."""
         from tqdm import tqdm
 
-        rows = []
+        scored = []
         for _, ctx, cont in requests:
             whole = (list(ctx) + list(cont))[-(self.max_length + 1):]
-            rows.append((whole[:-1], whole[1:], len(cont)))
-        order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))  # similar lengths
-        out: list[tuple[float, bool]] = [(0.0, False)] * len(rows)
-        B = self.scorer.batch_size
-        for b in tqdm(range(0, len(order), B), disable=disable_tqdm, desc="tfjax loglikelihood"):
-            idx = order[b:b + B]
-            T = _bucket(len(rows[idx[0]][0]), self.max_length)
-            tokens = np.zeros((B, T), np.int32)
-            targets = np.zeros((B, T), np.int32)
-            for r, i in enumerate(idx):
-                inp, tgt, _ = rows[i]
-                tokens[r, :len(inp)], targets[r, :len(tgt)] = inp, tgt
-            logp, greedy = self.scorer(tokens, targets)
-            for r, i in enumerate(idx):
-                n, k = len(rows[i][0]), rows[i][2]
-                answer = (float(logp[r, n - k:n].astype(np.float64).sum()),
-                          bool(greedy[r, n - k:n].all()))
-                out[i] = answer
-                if requests[i][0] is not None:
-                    self.cache_hook.add_partial("loglikelihood", requests[i][0], answer)
+            scored.append(Request(whole, max_tokens=0,
+                                  score_from=max(1, len(whole) - len(cont))))
+        with tqdm(total=len(scored), disable=disable_tqdm, desc="tfjax loglikelihood") as bar:
+            results = self._run(scored, bar)
+        out: list[tuple[float, bool]] = []
+        for req, r in zip(requests, scored):
+            first = results[r.request_id][1]
+            answer = (float(np.sum(np.asarray(first.prompt_logprobs, np.float64))),
+                      bool(all(first.prompt_greedy)))
+            out.append(answer)
+            if req[0] is not None:
+                self.cache_hook.add_partial("loglikelihood", req[0], answer)
         return out
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
@@ -165,14 +181,10 @@ class TfjaxRequests:
                                           postprocess_generated_text)
         from tqdm import tqdm
 
-        out: list[str | None] = [None] * len(requests)
-        groups: dict[str, list[int]] = {}
-        for i, req in enumerate(requests):
-            groups.setdefault(repr(sorted(req.args[1].items())), []).append(i)
-        B = self.scorer.batch_size
-        bar = tqdm(total=len(requests), disable=disable_tqdm, desc="tfjax generate_until")
-        for idx in groups.values():
-            kw = normalize_gen_kwargs(dict(requests[idx[0]].args[1]), self.max_gen_toks)
+        """Each request a `Request` of the engine, all of them batched continuously."""
+        jobs, untils = [], []
+        for req in requests:
+            kw = normalize_gen_kwargs(dict(req.args[1]), self.max_gen_toks)
             until = handle_stop_sequences(kw.pop("until", None), eos=None)
             n_new = int(kw.pop("max_gen_toks"))
             max_ctx = self.max_length - n_new
@@ -182,30 +194,20 @@ class TfjaxRequests:
             sample = bool(kw.get("do_sample")) and float(kw.get("temperature") or 0.0) > 0
             settings = dict(temperature=float(kw.get("temperature") or 0.0) if sample else 0.0,
                             top_k=kw.get("top_k") if sample else None,
-                            top_p=kw.get("top_p") if sample else None)
-            prompts = {i: self.tok_encode(requests[i].args[0], left_truncate_len=max_ctx)
-                       for i in idx}
-            order = sorted(idx, key=lambda i: -len(prompts[i]))
-            for b in range(0, len(order), B):
-                chunk = order[b:b + B]
-                T = _bucket(len(prompts[chunk[0]]), max_ctx)
-                ids = np.zeros((B, T), np.int32)
-                lengths = np.ones((B,), np.int32)
-                for r, i in enumerate(chunk):
-                    ids[r, :len(prompts[i])], lengths[r] = prompts[i], max(len(prompts[i]), 1)
-                with use_rules(self.mesh, self.rules):
-                    new = np.asarray(generate(self.model, ids, max_new_tokens=n_new,
-                                              prompt_lengths=lengths, eos_id=self.eot_token_id,
-                                              seed=int(kw.get("seed", 0) or 0), **settings))
-                for r, i in enumerate(chunk):
-                    toks = new[r].tolist()
-                    toks = toks[:toks.index(self.eot_token_id)] if self.eot_token_id in toks \
-                        else toks
-                    text = postprocess_generated_text(self.tok_decode(toks), until, None)
-                    out[i] = text
-                    self.cache_hook.add_partial("generate_until", requests[i].args, text)
-                bar.update(len(chunk))
-        bar.close()
+                            top_p=kw.get("top_p") if sample else None,
+                            seed=int(kw.get("seed", 0) or 0))
+            prompt = self.tok_encode(req.args[0], left_truncate_len=max_ctx) or \
+                [self.prefix_token_id]
+            jobs.append(Request(prompt, max_tokens=n_new, sampling=settings, stop=until))
+            untils.append(until)
+        with tqdm(total=len(jobs), disable=disable_tqdm, desc="tfjax generate_until") as bar:
+            results = self._run(jobs, bar)
+        out = []
+        for req, job, until in zip(requests, jobs, untils):
+            toks = [t for t in results[job.request_id][0] if t != self.eot_token_id]
+            text = postprocess_generated_text(self.tok_decode(toks), until, None)
+            out.append(text)
+            self.cache_hook.add_partial("generate_until", req.args, text)
         return out
 
 

@@ -14,6 +14,7 @@ See docs/inference.md ("The engine")."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import threading
@@ -28,6 +29,7 @@ from tfjax.inference.engine.pages import PagePool, chain_hashes
 from tfjax.inference.engine.requests import Output, Request
 from tfjax.inference.sampling import SamplingParams, sample_rows
 from tfjax.nn.state import DecodeState
+from tfjax.parallel.sharding import use_rules
 
 __all__ = ["Engine", "EngineConfig"]
 
@@ -76,6 +78,7 @@ class _Sequence:
     hashes: list = dataclasses.field(default_factory=list)
     followers: list = dataclasses.field(default_factory=list)  # slots waiting for a fork
     fresh: bool = True  # its slot's rows still hold the previous sequence's state
+    scores: list = dataclasses.field(default_factory=list)  # (logprob, greedy) per position
 
     @property
     def generated(self) -> int:
@@ -86,8 +89,12 @@ class Engine:
     """Continuous batching of `Request`s on a decoder-only `model` (see the module)."""
 
     def __init__(self, model, config: EngineConfig = EngineConfig(), *, eos_ids=(),
-                 decode=None):
+                 decode=None, mesh=None, rules=None):
+        """`eos_ids` end a sample (unless its request ignores them); `decode` (token ids ->
+        text) lets requests stop at strings; `mesh` and `rules` (`use_rules`): the
+        programs are traced under them, the model's parameters placed by the caller."""
         config.check()
+        self.mesh, self.rules = mesh, rules
         cfg = model.config
         if getattr(cfg, "arch", "decoder") != "decoder":
             raise ValueError(f"the inference engine serves decoder-only models; this one is "
@@ -122,7 +129,7 @@ class Engine:
         self.waiting: collections.deque[tuple[Request, dict]] = collections.deque()
         self._inbox: collections.deque = collections.deque()
         self._lock = threading.Lock()
-        self._programs = _programs(self.graphdef)
+        self._programs = _programs(self.graphdef, mesh)
 
     # ------------------------------------------------------------------ sizes
     def _global_pages(self, model, ring_pages: dict) -> int:
@@ -210,14 +217,17 @@ class Engine:
             if len(free) < request.n:
                 return
             ps, L = self.config.page_size, len(request.prompt)
-            target = L - 1 if request.n > 1 else L
+            # n > 1: the last prompt token is each sample's own first step; scoring
+            # only: its logits are not needed
+            target = L - 1 if request.n > 1 or not request.max_tokens else L
             per_seq = -(-min(L + request.max_tokens, self.max_len) // ps)
             shared = target // ps if request.n > 1 else 0  # the leader's full pages
             worst = per_seq + (request.n - 1) * (per_seq - shared)
             pool = self.pools.get(self.global_size)
             hashes, cached = [], []
-            if self.shareable and pool is not None:
-                hashes = chain_hashes(request.prompt[:L - 1], ps)
+            if self.shareable and pool is not None:  # (scored positions are computed)
+                hashes = chain_hashes(request.prompt[:L - 1 if not request.score_from
+                                                     else request.score_from - 1], ps)
                 cached = pool.lookup(hashes)
             if pool is not None and pool.available < self._committed() + worst - len(cached):
                 if pool is not None:
@@ -254,13 +264,20 @@ class Engine:
         length = np.zeros(B, np.int32)
         samples = np.zeros(B, bool)
         fresh = np.zeros(B, bool)
+        targets = np.full((B, T), -1, np.int32)  # the prompt tokens to score, per position
         for s in rows:
             n = feed[s.slot]
             tokens[s.slot, :n] = s.tokens[s.computed:s.computed + n]
             n_new[s.slot], length[s.slot] = n, s.computed
             fresh[s.slot] = s.fresh
-            samples[s.slot] = s.computed + n >= s.target and not s.followers
+            samples[s.slot] = (s.computed + n >= s.target and not s.followers
+                               and s.request.max_tokens > 0)
             self._grow(s, s.computed + n)
+            if s.request.score_from and s.computed < s.prompt_len:
+                for t in range(n):
+                    p = s.computed + t + 1
+                    if s.request.score_from <= p < s.prompt_len:
+                        targets[s.slot, t] = s.tokens[p]
         if fresh.any():
             self._reset(fresh, rows)
         params = self._sampling(rows)
@@ -268,17 +285,41 @@ class Engine:
         num_logprobs = self.config.max_logprobs if any(
             s.request.logprobs for s in rows) else 0
         tables = {s: jnp.asarray(t) for s, t in self.tables.items()}
-        sampled, self.cache, self.counts = self._programs.step(T, num_logprobs)(
-            self.params, self.cache, self.seen, self.counts, jnp.asarray(tokens),
-            jnp.asarray(n_new), jnp.asarray(length), tables, params, jnp.asarray(positions),
-            jnp.asarray(samples))
-        sampled = jax.device_get(sampled)
+        score = bool((targets >= 0).any())
+        with self._traced():
+            sampled, scored, self.cache, self.counts = self._programs.step(
+                T, num_logprobs, score)(
+                self.params, self.cache, self.seen, self.counts, jnp.asarray(tokens),
+                jnp.asarray(n_new), jnp.asarray(length), tables, params,
+                jnp.asarray(positions), jnp.asarray(samples), jnp.asarray(targets))
+        sampled, scored = jax.device_get((sampled, scored))
         for s in rows:
+            if score:
+                s.scores += [(float(scored[0][s.slot, t]), bool(scored[1][s.slot, t]))
+                             for t in range(T) if targets[s.slot, t] >= 0]
             s.computed += feed[s.slot]
             self._register(s)
             if samples[s.slot]:
                 out.extend(self._emit(s, sampled))
+            elif s.request.max_tokens == 0 and s.computed >= s.target:  # scored only
+                out.append(self._scored(Output(s.request.request_id, 0, None,
+                                               finish_reason="length"), s))
+                self._free(s)
         return out
+
+    @staticmethod
+    def _scored(output: Output, s: _Sequence) -> Output:
+        """`output` with the prompt's scores of a request with `score_from`."""
+        if s.request.score_from and output.prompt_logprobs is None:
+            output.prompt_logprobs = [lp for lp, _ in s.scores]
+            output.prompt_greedy = [g for _, g in s.scores]
+        return output
+
+    def _traced(self):
+        """The context the programs run in: the mesh's rules, if any."""
+        if self.mesh is None:
+            return contextlib.nullcontext()
+        return use_rules(self.mesh, self.rules)
 
     def _sampling(self, rows) -> SamplingParams:
         requests: list = [None] * self.config.max_seqs
@@ -315,8 +356,9 @@ class Engine:
             if s.fresh:
                 prompts[s.slot, :s.prompt_len] = s.tokens[:s.prompt_len]
                 s.fresh = False
-        self.cache, self.seen, self.counts = self._programs.reset(
-            self.cache, self.seen, self.counts, jnp.asarray(fresh), jnp.asarray(prompts))
+        with self._traced():
+            self.cache, self.seen, self.counts = self._programs.reset(
+                self.cache, self.seen, self.counts, jnp.asarray(fresh), jnp.asarray(prompts))
 
     def _fork_ready(self) -> None:
         """Leaders of n > 1 samples whose prompt but its last token is in the cache get
@@ -356,8 +398,9 @@ class Engine:
             page_pairs = {self.num_pages[s]: _padded(p, B * len(self.tables[s][0]) if s in
                                                      self.rings else B)
                           for s, p in pairs.items()}
-            self.cache, self.seen, self.counts = self._programs.fork(
-                self.cache, self.seen, self.counts, page_pairs, _padded(row_pairs, B))
+            with self._traced():
+                self.cache, self.seen, self.counts = self._programs.fork(
+                    self.cache, self.seen, self.counts, page_pairs, _padded(row_pairs, B))
 
     # ----------------------------------------------------------------- outputs
     def _emit(self, s: _Sequence, sampled) -> list[Output]:
@@ -381,6 +424,8 @@ class Engine:
             reason = "length"
         out = Output(s.request.request_id, s.index, token, float(sampled.logprobs[s.slot]),
                      top, reason, stop_string)
+        if s.generated == 1:
+            out = self._scored(out, s)
         if reason is not None:
             self._free(s)
         return [out]
@@ -435,7 +480,9 @@ def _padded(pairs, n: int) -> jax.Array:
 
 
 @functools.lru_cache(maxsize=8)
-def _programs(graphdef):
+def _programs(graphdef, mesh=None):
+    """The programs of one model structure (and mesh: `shard` constraints are read
+    when tracing)."""
     return _Programs(graphdef)
 
 
@@ -447,20 +494,31 @@ class _Programs:
         self.reset = jax.jit(_reset_rows, donate_argnums=(0, 1, 2))
         self.fork = jax.jit(_fork, donate_argnums=(0, 1, 2))
 
-    @functools.lru_cache(maxsize=8)
-    def step(self, T: int, num_logprobs: int):
+    @functools.lru_cache(maxsize=16)
+    def step(self, T: int, num_logprobs: int, score: bool):
+        """The step of T tokens per row; `score`: also the log-probabilities of `targets`
+        `[B, T]` (the next prompt token after each position, -1: none) and whether each
+        is the greedy choice."""
         graphdef = self.graphdef
 
         def run(params, cache, seen, counts, tokens, n_new, length, tables, sampling,
-                positions, samples):
+                positions, samples, targets):
             model = nnx.merge(graphdef, params)
             cache = cache.replace(length=length, pages=cache.pages.replace(tables=tables))
-            logits, cache = model.step(tokens, cache, n_new)
+            logits, cache = model.step(tokens, cache, n_new, all_logits=score)
+            scored = None
+            if score:
+                logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+                at = jnp.maximum(targets, 0)[..., None]
+                scored = (jnp.take_along_axis(logp, at, axis=-1)[..., 0],
+                          jnp.argmax(logits, axis=-1) == targets)
+                last = jnp.maximum(n_new - 1, 0)[:, None, None]
+                logits = jnp.take_along_axis(logits, last, axis=1)
             sampled = sample_rows(logits[:, 0], sampling, positions, seen, counts,
                                   num_logprobs=num_logprobs)
             rows = jnp.arange(tokens.shape[0])
             counts = counts.at[rows, sampled.tokens].add(samples.astype(jnp.int32))
-            return sampled, cache, counts
+            return sampled, scored, cache, counts
 
         return jax.jit(run, donate_argnums=(1, 3))
 

@@ -29,7 +29,10 @@ class Request:
     strings that end a sample once its text contains one (needs the engine's
     `decode`); stop_token_ids: tokens that end it; ignore_eos: the engine's EOS tokens
     do not. logprobs: how many most likely tokens to report with each token (0: only
-    the chosen token's log-probability).
+    the chosen token's log-probability). score_from: k >= 1 reports the
+    log-probability of each prompt token from position k on given the tokens before
+    it, and whether it is the greedy choice (lm-eval's loglikelihood), with the
+    prompt's first output; then `max_tokens` may be 0 (score only). One sample.
     """
 
     prompt: Sequence[int]
@@ -40,6 +43,7 @@ class Request:
     stop_token_ids: Sequence[int] = ()
     ignore_eos: bool = False
     logprobs: int = 0
+    score_from: int = 0
     request_id: str = ""
 
     def __post_init__(self):
@@ -59,12 +63,19 @@ class Request:
         if bad:
             raise ValueError(f"prompt: token id {bad[0]} outside the vocabulary [0, {vocab_size})"
                              f"{where}")
-        if len(self.prompt) >= max_len:
+        if len(self.prompt) > max_len or (len(self.prompt) == max_len and self.max_tokens):
             raise ValueError(f"prompt: {len(self.prompt)} tokens leave no room to generate in "
                              f"the engine's max_len={max_len}{where}; shorten the prompt")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens: must be an integer >= 1, got {self.max_tokens!r}"
-                             f"{where}")
+        if not isinstance(self.score_from, int) or not 0 <= self.score_from < len(self.prompt):
+            raise ValueError(f"score_from: must be an integer in [0, {len(self.prompt)}) (a "
+                             f"prompt position; 0: off), got {self.score_from!r}{where}")
+        least = 0 if self.score_from else 1
+        if not isinstance(self.max_tokens, int) or self.max_tokens < least:
+            raise ValueError(f"max_tokens: must be an integer >= {least}, got "
+                             f"{self.max_tokens!r}{where}")
+        if self.score_from and self.n != 1:
+            raise ValueError(f"n: a scored prompt (score_from) takes one sample, got "
+                             f"{self.n}{where}")
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n: must be an integer >= 1, got {self.n!r}{where}")
         if not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= max_logprobs:
@@ -78,7 +89,9 @@ class Output:
     """One step of one sample: `token` (None when the sample ended without a new token,
     e.g. aborted), its `logprob` and `top_logprobs` ({token: logprob} of the most
     likely `request.logprobs` tokens), and `finish_reason` ("stop", "length", "abort"
-    or None while it goes on; `stop_string` is the string that stopped it)."""
+    or None while it goes on; `stop_string` is the string that stopped it). A request
+    with `score_from` gets `prompt_logprobs` and `prompt_greedy` (lists over prompt
+    positions score_from..) with its first output."""
 
     request_id: str
     index: int
@@ -87,3 +100,5 @@ class Output:
     top_logprobs: dict | None = None
     finish_reason: str | None = None
     stop_string: str | None = None
+    prompt_logprobs: list | None = None
+    prompt_greedy: list | None = None
