@@ -1,0 +1,224 @@
+"""The inference engine on a mixed-length workload, against static-batch `generate` and
+against transformers' own continuous batching, on the same model and machine.
+
+    .venv/bin/python experiments/bench_serve.py            # ~10 min on 2 CPU cores
+    .venv/bin/python experiments/bench_serve.py --requests 96 --max_seqs 32 --d_model 512
+
+One random Llama-shaped model, exported to a Hugging Face directory and loaded by
+transformers (the same weights; float32). The workload: --requests prompts of random
+lengths (8 .. --max_prompt tokens) asking for random numbers of tokens (4 ..
+--max_new), EOS ignored, all submitted at once (an offline batch). Each system runs it
+once to compile / warm up, then once timed:
+
+- tfjax engine: `tfjax.inference.engine.Engine` (`--max_seqs` rows, pages of
+  `--page_size`, chunks of `--chunk`), every output timed as `step()` returns it;
+- tfjax static batches: `tfjax.inference.stream` over batches of `--max_seqs` requests
+  in order, prompts right-padded to the batch's longest, each batch generating its
+  longest answer (the tokens past a request's own count are wasted), timed per step;
+- transformers continuous batching: `model.init_continuous_batching` with
+  `max_requests_per_batch=--max_seqs`, per-request `max_new_tokens`, the tokens'
+  own timestamps.
+
+Printed: output tokens/s (the tokens the requests asked for, over the wall time from
+submission to the last token), time to first token (p50, p99; from submission, so it
+includes waiting for a slot), inter-token latency (p50, p99 over every gap between a
+request's consecutive tokens), and ratios to the engine; then the KV memory the engine's
+pages held at most against the static cache of `--max_seqs` rows of the longest
+sequence. Greedy tokens of the three are checked equal on the first requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from experiments.common import markdown_table
+from tfjax import models
+from tfjax.config import model_config
+from tfjax.inference import stream
+from tfjax.inference.engine import Engine, EngineConfig, Request
+from tfjax.interop import hf
+
+
+def workload(args):
+    rng = np.random.default_rng(args.seed)
+    prompts = [rng.integers(3, args.vocab, rng.integers(8, args.max_prompt + 1)).tolist()
+               for _ in range(args.requests)]
+    new = rng.integers(4, args.max_new + 1, args.requests).tolist()
+    return prompts, new
+
+
+def latencies(first, gaps, t0):
+    ttft = np.asarray([f - t0 for f in first])
+    gaps = np.asarray(gaps) if gaps else np.zeros(1)
+    return (np.percentile(ttft, 50), np.percentile(ttft, 99), np.percentile(gaps, 50),
+            np.percentile(gaps, 99))
+
+
+def run_engine(model, prompts, new, args):
+    engine = Engine(model, EngineConfig(max_seqs=args.max_seqs, max_len=args.max_len,
+                                        page_size=args.page_size, chunk=args.chunk,
+                                        prefix_caching=False))
+    reqs = [Request(p, max_tokens=n, ignore_eos=True, sampling=dict(temperature=0))
+            for p, n in zip(prompts, new)]
+    last, first, gaps, tokens, peak = {}, {}, [], {r.request_id: [] for r in reqs}, 0
+    t0 = time.perf_counter()
+    for r in reqs:
+        engine.submit(r)
+    while engine.has_work():
+        outs = engine.step()
+        now = time.perf_counter()
+        peak = max(peak, engine.pages_in_use())
+        for o in outs:
+            if o.token is None:
+                continue
+            tokens[o.request_id].append(o.token)
+            if o.request_id in last:
+                gaps.append(now - last[o.request_id])
+            else:
+                first[o.request_id] = now
+            last[o.request_id] = now
+    wall = time.perf_counter() - t0
+    page_bytes = engine._page_bytes(model)
+    return dict(wall=wall, lat=latencies(first.values(), gaps, t0),
+                tokens=[tokens[r.request_id] for r in reqs], kv_bytes=peak * page_bytes)
+
+
+def run_static(model, prompts, new, args):
+    """Fixed shapes (one compilation, as a static server has): every batch --max_seqs
+    rows of --max_prompt tokens generating --max_new tokens."""
+    first, gaps, out = [], [], []
+    t0 = time.perf_counter()
+    for b in range(0, len(prompts), args.max_seqs):
+        ps, ns = prompts[b:b + args.max_seqs], new[b:b + args.max_seqs]
+        ids = np.zeros((args.max_seqs, args.max_prompt), np.int32)
+        lengths = np.ones(args.max_seqs, np.int32)
+        for i, p in enumerate(ps):
+            ids[i, :len(p)], lengths[i] = p, len(p)
+        rows, last = [[] for _ in ps], None
+        for step in stream(model, jnp.asarray(ids), max_new_tokens=args.max_new,
+                           prompt_lengths=jnp.asarray(lengths)):
+            step = np.asarray(step)
+            now = time.perf_counter()
+            for i in range(len(ps)):
+                if len(rows[i]) < ns[i]:
+                    rows[i].append(int(step[i]))
+                    if len(rows[i]) == 1:
+                        first.append(now)
+                    else:
+                        gaps.append(now - last)
+            last = now
+        out.extend(rows)
+    return dict(wall=time.perf_counter() - t0, lat=latencies(first, gaps, t0), tokens=out)
+
+
+def run_transformers(path, rounds, args):
+    """`rounds` [(prompts, new)] on one manager (its set-up and first steps warm it)."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                 attn_implementation="paged|sdpa")
+    gen = GenerationConfig(do_sample=False, max_new_tokens=args.max_new, eos_token_id=None,
+                           pad_token_id=0)
+    cb = ContinuousBatchingConfig(max_requests_per_batch=args.max_seqs,
+                                  page_size=args.page_size)
+    manager = model.init_continuous_batching(generation_config=gen,
+                                             continuous_batching_config=cb)
+    manager.start()
+    try:
+        for prompts, new in rounds:
+            t0 = time.perf_counter()
+            ids = [manager.add_request(p, max_new_tokens=n, record_timestamps=True)
+                   for p, n in zip(prompts, new)]
+            results = {}
+            while len(results) < len(ids):
+                r = manager.get_result(timeout=60)
+                if r is not None and r.is_finished():
+                    results[r.request_id] = r
+            wall = max(r.lifespan[1] for r in results.values()) - t0
+    finally:
+        manager.stop(block=True)
+    first, gaps = [], []
+    for r in results.values():
+        ts = r.timestamps or []
+        if ts:
+            first.append(ts[0])
+            gaps.extend(np.diff(ts).tolist())
+    return dict(wall=wall, lat=latencies(first, gaps, t0),
+                tokens=[results[i].generated_tokens for i in ids])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--requests", type=int, default=48)
+    ap.add_argument("--max_prompt", type=int, default=192)
+    ap.add_argument("--max_new", type=int, default=96)
+    ap.add_argument("--max_seqs", type=int, default=16)
+    ap.add_argument("--page_size", type=int, default=16)
+    ap.add_argument("--chunk", type=int, default=64)
+    ap.add_argument("--d_model", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=2048)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--skip", default="", help="comma list of: static, transformers")
+    args = ap.parse_args()
+    args.max_len = args.max_prompt + args.max_new
+    cfg = model_config(dict(vocab_size=args.vocab, d_model=args.d_model, num_layers=args.layers,
+                            num_heads=args.d_model // 64, num_kv_heads=max(1, args.d_model // 128),
+                            d_ff=4 * args.d_model, max_len=args.max_len, norm="rmsnorm",
+                            activation="swiglu", position="rope", tie_embeddings=False,
+                            init_std=0.5))
+    model = models.build(cfg, rngs=nnx.Rngs(0))
+    prompts, new = workload(args)
+    warm_p, warm_n = prompts[:args.max_seqs], new[:args.max_seqs]
+    skip = set(filter(None, args.skip.split(",")))
+    results = {}
+    print(f"{jax.devices()[0].platform}, {os.cpu_count()} cores; {args.requests} requests, "
+          f"prompts 8..{args.max_prompt}, answers 4..{args.max_new} tokens, "
+          f"{args.max_seqs} at once", flush=True)
+    run_engine(model, warm_p, warm_n, args)
+    results["tfjax engine"] = run_engine(model, prompts, new, args)
+    if "static" not in skip:
+        run_static(model, warm_p, warm_n, args)
+        results["tfjax static generate"] = run_static(model, prompts, new, args)
+    if "transformers" not in skip:
+        with tempfile.TemporaryDirectory() as d:
+            hf.export(model, d)
+            results["transformers continuous batching"] = run_transformers(
+                d, [(warm_p, warm_n), (prompts, new)], args)
+    total = sum(new)
+    ref = results["tfjax engine"]
+    rows = []
+    for name, r in results.items():
+        tps = total / r["wall"]
+        t50, t99, i50, i99 = r["lat"]
+        rows.append([name, f"{tps:.1f}", f"{tps / (total / ref['wall']):.2f}",
+                     f"{t50 * 1e3:.0f}", f"{t99 * 1e3:.0f}", f"{i50 * 1e3:.1f}",
+                     f"{i99 * 1e3:.1f}"])
+        agree = np.mean([a[:5] == b[:5] for a, b in zip(ref["tokens"][:8], r["tokens"][:8])])
+        rows[-1].append(f"{agree:.2f}")
+    print(markdown_table(["system", "output tok/s", "x engine", "TTFT p50 ms", "TTFT p99 ms",
+                          "ITL p50 ms", "ITL p99 ms", "greedy agree (8 req x 5 tok)"], rows))
+    static_bytes = jax.eval_shape(lambda: model.init_cache(args.max_seqs, args.max_len))
+    static_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(static_bytes.layers))
+    print(f"\nKV memory: engine pages held at most {ref['kv_bytes'] / 2**20:.2f} MiB; static "
+          f"cache of {args.max_seqs} rows x {args.max_len} tokens {static_bytes / 2**20:.2f} MiB "
+          f"({ref['kv_bytes'] / static_bytes:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()
