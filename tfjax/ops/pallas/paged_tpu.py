@@ -1,14 +1,12 @@
-"""Paged attention for TPU in Pallas (Mosaic): queries over a KV cache kept in pages.
+"""Paged attention for TPU in Pallas (Mosaic): a step's queries over a KV cache in pages.
 
 `paged_attention_tpu(q, k, v, mask)`: q `[B,T,N,H]`, k and v `tfjax.ops.paged.Paged`
-(pools `[P, page, K, H]` and `[P, page, K, Hv]`, one page table `[B, n]`) under the
-cache's `Positions` mask -> out `[B,T,N,Hv]` (and lse `[B,N,T]` fp32), the semantics of
-`attention_reference` on the gathered arrays for any slot order (a ring's too). One
-program per (row, query tile) walks the row's live pages (those holding a key one of
-its queries sees, found from the mask's positions, ragged across rows) a block of
-pages at a time, each page of every kv head one DMA from the heads-major pool `[P, K,
-page, H]` the cache stores, double-buffered; the G query heads of a kv head run as
-rows. `IMPLEMENTATION` is the "paged_tpu" record. See docs/kernels.md.
+(pools `[P, page, K, H]`, `[P, page, K, Hv]`, one page table `[B, n]`) under the cache's
+`Positions` mask -> out `[B,T,N,Hv]` (and lse `[B,N,T]` fp32): `attention_reference` on
+the gathered arrays, for any slot order (rings too). One program per (row, query tile)
+walks only its row's live pages, a block at a time, one DMA per page of every kv head
+from the heads-major pool the cache stores, double-buffered; the G query heads of a kv
+head run as rows. `IMPLEMENTATION`: the "paged_tpu" record. See docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -32,7 +30,7 @@ from tfjax.ops.tiles import cdiv, logit_scaling, logits, pad_axis, round_up
 from tfjax.ops.vjp import zero_cotangents
 
 __all__ = ["DEFAULT_BLOCK_ROWS", "IMPLEMENTATION", "KEYS_PER_BLOCK", "default_pages_per_block",
-           "paged_attention_tpu", "supports"]
+           "live_pages", "paged_attention_tpu", "supports"]
 
 KEYS_PER_BLOCK = 128  # keys a block of pages holds by default (one MXU pass wide)
 BUFFER_BYTES = 4 << 20  # VMEM of the double-buffered K and V page blocks, at most by default
@@ -133,11 +131,12 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def live_pages(table, q_pos, kv_pos, page: int, window: int, num_pages: int, slots: int):
-    """Each row's live pages first: (page ids `[B, slots]`, clipped into the pool; past
-    a row's live pages its last one again, which the copies then skip), the positions
-    their slots hold `[B, slots, page]` (-1 past the live pages) and the live count `[B]`.
-    A page is live when one of its slots holds a position that some query of the row
-    sees (at most the row's latest query position, within the window of its earliest)."""
+    """Each row's live pages first, in table order: (page ids `[B, slots]`, clipped into
+    the pool; past a row's live pages its last one again, which a block's tail re-reads
+    harmlessly), the positions their slots hold `[B, slots, page]` (-1 past the live
+    pages: nothing there is attended) and the live count `[B]`. A page is live when one
+    of its slots holds a position some query of the row sees (at most the row's latest
+    query position, within the window of its earliest)."""
     B, n = table.shape
     kv = kv_pos.astype(jnp.int32).reshape(B, n, page)
     qp = q_pos.astype(jnp.int32)
