@@ -249,10 +249,11 @@ def test_dispatch():
 
 
 def test_the_table_is_fixed_and_the_auto_orders_are_written_out():
-    """Five implementations in one fixed table, "auto" orders per platform as they
+    """Six implementations in one fixed table, "auto" orders per platform as they
     are written in ops/attention.py (these orders are the contract: the GPU puts
-    cuDNN before the kernels, blockwise goes first on CPU and just before the
-    reference elsewhere), every ordered name in the table; nothing registers itself:
+    cuDNN before the kernels, the TPU its paged kernel (paged calls only) before
+    them, blockwise goes first on CPU and just before the reference elsewhere),
+    every ordered name in the table; nothing registers itself:
     the table refuses additions, and re-running an implementation module changes
     neither the table nor the orders."""
     import importlib
@@ -260,11 +261,12 @@ def test_the_table_is_fixed_and_the_auto_orders_are_written_out():
     from tfjax.ops import AUTO_ORDER, IMPLEMENTATIONS, cudnn, xla
     from tfjax.ops import attention as attention_lib
 
-    assert IMPLEMENTATIONS.names() == ("blockwise", "cudnn", "pallas", "reference", "xla")
+    assert IMPLEMENTATIONS.names() == ("blockwise", "cudnn", "paged_tpu", "pallas", "reference",
+                                       "xla")
     assert dict(AUTO_ORDER) == {
         "cpu": ("blockwise", "xla", "reference"),
         "gpu": ("cudnn", "pallas", "xla", "blockwise", "reference"),
-        "tpu": ("pallas", "xla", "blockwise", "reference"),
+        "tpu": ("paged_tpu", "pallas", "xla", "blockwise", "reference"),
     }
     assert all(name in IMPLEMENTATIONS for order in AUTO_ORDER.values() for name in order)
     assert sorted(IMPLEMENTATIONS) == list(IMPLEMENTATIONS.names())

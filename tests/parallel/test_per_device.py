@@ -163,3 +163,46 @@ def test_a_model_with_pallas_attention_on_a_data_tensor_mesh_equals_one_device(m
     # failed on the next); a wrong head split errs by the order of the entries
     jax.tree.map(lambda a, b: np.testing.assert_allclose(
         a, b, atol=5e-4 * float(jnp.max(jnp.abs(b)))), nnx.state(got_g), nnx.state(want_g))
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_paged_kernel_under_a_mesh_runs_per_device_on_its_rows(monkeypatch, kv_heads):
+    """Paged k/v (the paged TPU kernel, interpreted) through the per-device runner on
+    data=4 x tensor=2: every device holds every page (pages belong to no row), the
+    page tables and the mask split with the rows; the heads split where the tensor
+    axis divides the kv heads, else they stay whole (repeating a pool's kv heads
+    would copy the pool). The values equal the unmeshed call's."""
+    from tfjax.ops.paged import Paged
+    from tfjax.ops.pallas import paged_tpu
+
+    seen = []  # (rows, query heads, pages, kv heads, table rows) of each kernel call
+    kernel = paged_tpu.paged_attention_tpu
+    monkeypatch.setattr(paged_tpu, "paged_attention_tpu", lambda q, k, *a, **kw: seen.append(
+        (q.shape[0], q.shape[2], *k.pool.shape[0:3:2], k.table.shape[0])) or kernel(q, k, *a, **kw))
+    mesh = _mesh((4, 2), ("data", "tensor"))
+    B, T, page, n, pages = 4, 2, 3, 4, 19
+    ks = jax.random.split(jax.random.key(7), 3)
+    q = jax.random.normal(ks[0], (B, T, N, H))
+    k_pool, v_pool = (jax.random.normal(x, (pages, page, kv_heads, H)) for x in ks[1:])
+    table = np.random.default_rng(0).permutation(pages)[:B * n].reshape(B, n).astype(np.int32)
+    length = np.array([5, 12, 0, 7])
+    q_pos = (length[:, None] - T + np.arange(T)).astype(np.int32)
+    kv_pos = np.where(np.arange(n * page) < length[:, None], np.arange(n * page), -1)
+    mask = masks.positions(q_pos, kv_pos.astype(np.int32))
+
+    def attend(q, k_pool, v_pool):
+        return dot_product_attention(q, Paged(k_pool, table), Paged(v_pool, table), mask,
+                                     implementation="paged_tpu")
+
+    want = jax.jit(attend)(q, k_pool, v_pool)
+    seen.clear()
+
+    def under_mesh(*a):
+        with use_rules(mesh, [("batch", "data"), ("heads", "tensor")]):
+            return attend(*a)
+
+    got = jax.jit(under_mesh)(q, k_pool, v_pool)
+    split = kv_heads % 2 == 0
+    assert set(seen) == {(1, N // 2 if split else N, pages, kv_heads // 2 if split else kv_heads,
+                          1)}, seen
+    np.testing.assert_allclose(got, want, atol=2e-5)

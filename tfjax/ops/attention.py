@@ -26,6 +26,7 @@ from tfjax.ops import pallas
 from tfjax.ops.blockwise import DEFAULT_BLOCK
 from tfjax.ops.implementation import AttentionRequest, Implementation
 from tfjax.ops.pallas import mosaic_tpu as pallas_tpu
+from tfjax.ops.pallas import paged_tpu
 from tfjax.ops.pallas.common import BlockSizes, mask_support
 from tfjax.ops.reference import Alibi, RelativeBias, check_relative_bias, make_alibi
 from tfjax.registry import Registry
@@ -40,13 +41,15 @@ IMPLEMENTATIONS: Registry[Implementation] = Registry("attention implementation",
     "cudnn": cudnn.IMPLEMENTATION,  # cuDNN flash attention (GPU, plain requests)
     "blockwise": blockwise.IMPLEMENTATION,  # pure-JAX tiled online softmax
     "pallas": pallas.IMPLEMENTATION,  # the Pallas kernels (Mosaic TPU, Triton, Mosaic GPU)
+    "paged_tpu": paged_tpu.IMPLEMENTATION,  # Pallas TPU paged attention (paged k/v only)
 })
 
-# implementation="auto": the first that serves the request (other platforms: "cpu"'s).
+# implementation="auto": the first that serves the request (other platforms: "cpu"'s);
+# paged k/v go to an implementation that reads pages, or gathered to the next.
 AUTO_ORDER: Mapping[str, tuple[str, ...]] = types.MappingProxyType({
     "cpu": ("blockwise", "xla", "reference"),
     "gpu": ("cudnn", "pallas", "xla", "blockwise", "reference"),
-    "tpu": ("pallas", "xla", "blockwise", "reference"),
+    "tpu": ("paged_tpu", "pallas", "xla", "blockwise", "reference"),
 })
 
 

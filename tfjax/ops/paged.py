@@ -68,9 +68,15 @@ def flat_index(table: jax.Array, slots: jax.Array, page_size: int,
 
 def write(pool: jax.Array, index: jax.Array, new: jax.Array) -> jax.Array:
     """`pool` `[P, page, ...]` with `new` `[B, T, ...]` written at flat `index` `[B, T]`
-    (`DROPPED` entries are not written)."""
-    P, page = pool.shape[:2]
-    flat = pool.reshape(P * page, *pool.shape[2:])
-    flat = flat.at[index.reshape(-1)].set(
-        new.reshape(-1, *new.shape[2:]).astype(pool.dtype), mode="drop")
-    return flat.reshape(pool.shape)
+    (`DROPPED` entries are not written). A K or V pool `[P, page, K, H]` is written
+    heads-major, `[P, K, page, H]`: it is a view of the pages as the KV cache stores
+    them, so the swaps cancel and XLA scatters into the stored pages in place (a
+    flat scatter into the view made it copy both pools, twice, every step)."""
+    page = pool.shape[1]
+    flat = index.reshape(-1)
+    pages, offsets = flat // page, flat % page  # DROPPED // page is past every pool
+    new = new.reshape(-1, *new.shape[2:]).astype(pool.dtype)
+    if pool.ndim == 4:
+        heads = jnp.swapaxes(pool, 1, 2).at[pages, :, offsets].set(new, mode="drop")
+        return jnp.swapaxes(heads, 1, 2)
+    return pool.at[pages, offsets].set(new, mode="drop")

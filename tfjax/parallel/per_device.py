@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from tfjax.ops.paged import Paged
 from tfjax.parallel import mask_leaves
 
 __all__ = ["batch_sharded_attention"]
@@ -43,14 +44,18 @@ def batch_sharded_attention(fn, q, k, v, mask, *, mesh, batch_axes, head_axes, b
         return (axes, n) if axes and size % n == 0 else ((), 1)
 
     N, K = q.shape[2], k.shape[2]
+    paged = isinstance(k, Paged)
     b_axes, _ = axes_of(batch_axes, q.shape[0])
     h_axes, _ = axes_of(head_axes, N)
     h_axes = tuple(a for a in h_axes if a not in b_axes)
+    if paged and K % int(np.prod([mesh.shape[a] for a in h_axes])):
+        h_axes = ()  # repeating a pool's kv heads would copy the pool: heads stay whole
     if not b_axes and not h_axes:
         return None
     Dh = int(np.prod([mesh.shape[a] for a in h_axes]))
     # MQA, or GQA with fewer kv heads than head devices: kv heads repeated as needed
-    k, v = mask_leaves.split_kv_heads(k, v, Dh)
+    if not paged:
+        k, v = mask_leaves.split_kv_heads(k, v, Dh)
     b, h = b_axes or None, h_axes or None
     takes_relative = relative_bias is not _ABSENT  # fn's signature has relative_bias=
     rel = None if relative_bias is _ABSENT else relative_bias
@@ -74,7 +79,8 @@ def batch_sharded_attention(fn, q, k, v, mask, *, mesh, batch_axes, head_axes, b
     static = [isinstance(o, int) for o in offsets]
     dynamic = [jnp.asarray(o) for o, st in zip(offsets, static) if not st]
     args = [q, k, v, bias, *dynamic, *leaves]
-    specs = [tok, tok, tok, bias_spec, *[P() for _ in dynamic],
+    kv = Paged(P(None, None, h, None), P(b, None)) if paged else tok  # pool [P, page, K, H]
+    specs = [tok, kv, kv, bias_spec, *[P() for _ in dynamic],
              *[leaf_spec(x, kd) for x, kd in zip(leaves, kinds)]]
 
     def local(q, k, v, bias, *rest):

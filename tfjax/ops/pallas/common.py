@@ -16,10 +16,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jax.experimental import pallas as pl
+
 from tfjax.ops import masks as M
+from tfjax.ops.target import sharded_outside_a_mesh, traced_platform
 from tfjax.ops.tiles import TileTables, pad_axis, tile_tables
 
 __all__ = [
+    "AT_LOWERING",
     "BlockSizes",
     "Dims",
     "KernelConfig",
@@ -32,6 +36,8 @@ __all__ = [
     "mask_support",
     "offsets",
     "reduce_dbias",
+    "tpu_interpret",
+    "tpu_pallas_call",
     "unsupported_mask",
 ]
 
@@ -156,6 +162,41 @@ class KernelConfig:
     block_sizes: BlockSizes
     interpret: Any
     static_offsets: tuple[int, int] | None
+
+
+# The interpret mode of a Mosaic TPU kernel call when nothing traced names the target and
+# the host is a CPU: the call is staged for both (`lax.platform_dependent`) and lowering
+# keeps one.
+AT_LOWERING = "at lowering"
+
+
+def tpu_interpret(q, interpret, where: str):
+    """A Mosaic TPU kernel call's interpret mode: `interpret` as given, or for None by
+    the target (`tfjax.ops.target.traced_platform`: a `targeting`, the mesh of a
+    shard_map or of q's sharding): interpreted for a CPU target, Mosaic for a TPU; with
+    no target named on a CPU host, decided when lowering (`AT_LOWERING`), never by the
+    host alone. `where` names the caller in the error for a TPU-sharded q outside a
+    shard_map."""
+    if interpret is not None:
+        return interpret
+    platform, host = traced_platform(q), jax.default_backend()
+    if platform == "tpu" and host != "tpu" and sharded_outside_a_mesh(q):
+        raise ValueError(
+            f"{where}: q's sharding names a TPU mesh but the call is not inside "
+            "a shard_map over it (Mosaic kernels are not partitioned automatically); call "
+            "it in one (tfjax.parallel.sharding.use_rules does)")
+    return AT_LOWERING if platform is None and host == "cpu" else (platform or host) == "cpu"
+
+
+def tpu_pallas_call(interpret, kernel, **kw):
+    """`pl.pallas_call` in `interpret` mode (`tpu_interpret`); under `AT_LOWERING` the
+    Mosaic call for a TPU lowering and the interpreted one for a CPU lowering (any
+    other platform is a lowering error: the kernels are TPU kernels)."""
+    if interpret != AT_LOWERING:
+        return pl.pallas_call(kernel, interpret=interpret, **kw)
+    mosaic = pl.pallas_call(kernel, interpret=False, **kw)
+    interpreted = pl.pallas_call(kernel, interpret=True, **kw)
+    return lambda *args: lax.platform_dependent(*args, tpu=mosaic, cpu=interpreted)
 
 
 # --------------------------------------------------------------------------- #

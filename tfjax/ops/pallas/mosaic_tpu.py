@@ -25,8 +25,8 @@ from tfjax.ops import masks as M
 from tfjax.ops.reference import (Alibi, RelativeBias, check_relative_bias, constant_bucket,
                                   make_alibi, relative_position_bucket, relative_tile_ranges)
 from tfjax.ops.pallas.common import (BlockSizes, Dims, KernelConfig, MaskOperands, call_tables,
-                                     dot, dot_nt, offsets, reduce_dbias)
-from tfjax.ops.target import sharded_outside_a_mesh, traced_platform
+                                     dot, dot_nt, offsets, reduce_dbias, tpu_interpret,
+                                     tpu_pallas_call)
 from tfjax.ops.tiles import logit_scaling, logits, pad_axis, round_up
 from tfjax.ops.vjp import attention_vjp, backward_rows
 
@@ -50,44 +50,18 @@ def _vmem(shape, dtype):
     return pltpu.VMEM(shape, dtype)
 
 
-def _pallas_call(cfg, kernel, **kw):
-    """`pl.pallas_call` in `cfg`'s interpret mode; under `AT_LOWERING` the Mosaic call
-    for a TPU lowering and the interpreted one for a CPU lowering (any other platform
-    is a lowering error: the kernels are TPU kernels)."""
-    if cfg.interpret != AT_LOWERING:
-        return pl.pallas_call(kernel, interpret=cfg.interpret, **kw)
-    mosaic = pl.pallas_call(kernel, interpret=False, **kw)
-    interpreted = pl.pallas_call(kernel, interpret=True, **kw)
-    return lambda *args: lax.platform_dependent(*args, tpu=mosaic, cpu=interpreted)
-
-
 @dataclasses.dataclass(frozen=True)
 class _Config(KernelConfig):
     grad_dtype: Any = None  # dq/dk/dv dtype; None: the input dtypes
     keys_on_lanes: bool | None = None  # undifferentiated forward's K/V tiles (_inference_forward)
 
 
-# `_Config.interpret` when nothing traced names the target and the host is a CPU: each
-# kernel call is staged for both (`lax.platform_dependent`) and lowering keeps one.
-AT_LOWERING = "at lowering"
-
-
 def _config(q, scale, softcap, q_offset, kv_offset, block_sizes, interpret, grad_dtype=None,
             keys_on_lanes=None):
     """The kernels' static config and the `[2]` int32 offsets operand; python-int
     offsets build the tile tables at trace time. `interpret=None`: by the target
-    (`tfjax.ops.target.traced_platform`: a `targeting`, the mesh of a shard_map or of
-    q's sharding), interpreting on a CPU target, Mosaic on a TPU; with no target named
-    on a CPU host, decided when lowering (`AT_LOWERING`), never by the host alone."""
-    if interpret is None:
-        platform, host = traced_platform(q), jax.default_backend()
-        if platform == "tpu" and host != "tpu" and sharded_outside_a_mesh(q):
-            raise ValueError(
-                "flash_attention_tpu: q's sharding names a TPU mesh but the call is not inside "
-                "a shard_map over it (Mosaic kernels are not partitioned automatically); call "
-                "it in one (tfjax.parallel.sharding.use_rules does)")
-        interpret = AT_LOWERING if platform is None and host == "cpu" else \
-            (platform or host) == "cpu"
+    (`tfjax.ops.pallas.common.tpu_interpret`)."""
+    interpret = tpu_interpret(q, interpret, "flash_attention_tpu")
     H = q.shape[-1]
     static, offs = offsets(q_offset, kv_offset)
     cfg = _Config(*logit_scaling(H, scale, softcap), block_sizes or DEFAULT_BLOCK_SIZES,
@@ -465,8 +439,8 @@ def _forward(cfg, q, k, v, mask, bias, alibi, rel, offs, kv_lanes=False):
         scratch_shapes=[_vmem((bq, 1), jnp.float32), _vmem((bq, 1), jnp.float32),
                         _vmem((bq, d.Hp), jnp.float32),
                         *_column_scratch(mops.q_segments, bq)])
-    out, lse = _pallas_call(
-        cfg, kernel, grid_spec=grid_spec, out_shape=out_shape,
+    out, lse = tpu_pallas_call(
+        cfg.interpret, kernel, grid_spec=grid_spec, out_shape=out_shape,
         compiler_params=_compiler_params("parallel", "parallel", "parallel", "arbitrary"),
         name="tfjax_flash_fwd",
     )(tab.order, tab.count, tab.code, offs, *mops.scalars, *ranges, *operands)
@@ -562,8 +536,8 @@ def _backward_dq(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta):
         in_specs=in_specs, out_specs=out_specs,
         scratch_shapes=[_vmem((bq, d.Hp), jnp.float32), _vmem((bq, 1), jnp.float32),
                         _vmem((bq, 1), jnp.float32), *_column_scratch(mops.q_segments, bq)])
-    outs = _pallas_call(
-        cfg, kernel, grid_spec=grid_spec, out_shape=out_shape, name="tfjax_flash_dq",
+    outs = tpu_pallas_call(
+        cfg.interpret, kernel, grid_spec=grid_spec, out_shape=out_shape, name="tfjax_flash_dq",
         compiler_params=_compiler_params("parallel", "parallel",
                                          "arbitrary" if has_rel else "parallel", "arbitrary"),
     )(tab.order, tab.count, tab.code, offs, *mops.scalars, *ranges, *operands)
@@ -690,8 +664,8 @@ def _backward_dkv(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta):
         in_specs=in_specs, out_specs=out_specs,
         scratch_shapes=[_vmem((bk, d.Hp), jnp.float32), _vmem((bk, d.Hp), jnp.float32),
                         *_column_scratch(mops.kv_segments, bk)])
-    outs = _pallas_call(
-        cfg, kernel, grid_spec=grid_spec, out_shape=out_shape,
+    outs = tpu_pallas_call(
+        cfg.interpret, kernel, grid_spec=grid_spec, out_shape=out_shape,
         input_output_aliases=io_aliases, name="tfjax_flash_dkv",
         compiler_params=_compiler_params("parallel", "parallel", "parallel", "arbitrary",
                                          "arbitrary"),

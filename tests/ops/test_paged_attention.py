@@ -1,0 +1,112 @@
+"""Paged attention in the one dispatch: `dot_product_attention(q, Paged k, Paged v,
+Positions mask)` with every implementation of the table that serves it here (those
+that read pages get them, the others the gathered arrays) equals the reference on the
+logical arrays the pages stand for (`paged_cases.build`: the step's keys written at
+`flat_index`, the arrays computed independently in numpy): GQA (N/K = 1, 2, 4), MQA
+with a value head dim of its own (MLA's absorbed shape), a sliding window over a ring
+of pages (positions wrapping, also within the step), learned sinks, soft-cap, ragged
+rows (an empty one, a full one, padding queries), page sizes that divide nothing,
+page tables sharing pages between rows, decode (T = 1) and chunks (T > 1). Each
+(implementation, case) compiles once. Kernel specifics: test_paged_tpu.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from paged_cases import PagedCase, build, paged_request
+
+from tfjax.ops import IMPLEMENTATIONS, attention_reference, dot_product_attention
+from tfjax.ops import masks as M
+from tfjax.ops import paged as paged_lib
+from tfjax.ops import select_implementation
+from tfjax.ops.target import target_platform
+
+CASES = (
+    # rows 0 and 1 share a two-page prefix; row 2 is empty (nothing cached, no new
+    # token: fully masked), row 1 ends full; pages of 5 slots, 7 per row
+    PagedCase("decode-gqa2-global-shared-ragged", T=1, heads=(4, 2), H=16, page=5, n=7,
+              old=(12, 34, 0, 20), new=(1, 1, 0, 1), share=2),
+    # a ring of 5 pages of 4 under a window of 9: row 0 long wrapped, row 1 wraps
+    # within the step, row 3 is empty
+    PagedCase("chunk-gqa4-ring-window-softcap", T=3, heads=(8, 2), H=8, page=4, n=5,
+              old=(45, 19, 2, 0), new=(3, 3, 3, 0), window=9, softcap=5.0),
+    # multi-head (G = 1), the chunk ending row 0 full, padding queries in row 1
+    PagedCase("chunk-mha-sinks-full", T=4, heads=(3, 3), H=12, page=6, n=4,
+              old=(20, 5, 0), new=(4, 2, 4), sinks=True),
+    # MLA's absorbed shape: one kv head, q/k of rope + latent dims, v of the latent's
+    PagedCase("decode-mqa-hv-of-its-own-shared", T=1, heads=(4, 1), H=24, Hv=16, page=3,
+              n=9, old=(26, 9, 0), new=(1, 1, 0), share=3),
+    # a chunk longer than a page (pages of 3), softcap and sinks together
+    PagedCase("chunk-gqa2-long-chunk-softcap-sinks", T=7, heads=(6, 3), H=16, page=3, n=6,
+              old=(11, 0, 4), new=(7, 5, 0), softcap=20.0, sinks=True),
+)
+TOL = 2e-5
+
+
+def _params():
+    return [pytest.param(name, c, id=f"{name}-{c.name}")
+            for name in IMPLEMENTATIONS.names() for c in CASES]
+
+
+@pytest.mark.parametrize("name,c", _params())
+def test_paged_equals_the_reference_on_the_arrays_the_pages_hold(name, c):
+    q, k, v, mask, k_dense, v_dense, sinks = build(c)[:7]
+    reason = IMPLEMENTATIONS.get(name).supports(paged_request(c, mask, target_platform()))
+    if reason:
+        pytest.skip(f"{name}: {reason}")
+
+    @jax.jit
+    def attend(q, k, v, mask, sinks):
+        return dot_product_attention(q, k, v, mask, softcap=c.softcap, sinks=sinks,
+                                     implementation=name)
+
+    got = attend(q, k, v, mask, sinks)
+    want = attention_reference(q, k_dense, v_dense, mask, softcap=c.softcap, sinks=sinks)
+    assert got.shape == want.shape == (c.B, c.T, c.heads[0], c.Hv or c.H)
+    np.testing.assert_allclose(got, want, atol=TOL, rtol=TOL)
+    # a row that sees nothing (no cached or new token) is zeros
+    empty = [b for b in range(c.B) if c.old[b] + c.new[b] == 0]
+    assert all((np.asarray(got[b]) == 0).all() for b in empty)
+
+
+@pytest.mark.parametrize("c", CASES, ids=[c.name for c in CASES])
+def test_the_pages_hold_what_the_numpy_writes_say(c):
+    """`flat_index` and `write` put the step's keys where pages and offsets by hand do
+    (every page, those of no row and the padding tokens' untouched), and `Paged.dense`
+    gathers the rows' slots in order: the arrays compared with above are what the
+    cache holds. A latent pool (`[P, page, D]`, MLA's) is written the same way."""
+    built = build(c)
+    np.testing.assert_array_equal(built.k.pool, built.k_pool)
+    np.testing.assert_array_equal(built.v.pool, built.v_pool)
+    np.testing.assert_array_equal(built.k.dense(), built.k_dense)
+    np.testing.assert_array_equal(built.v.dense(), built.v_dense)
+    assert built.k.shape == (c.B, c.S, c.heads[1], c.H) and built.v.shape[-1] == (c.Hv or c.H)
+    P, page, K, H = built.k_pool.shape
+    latent = paged_lib.write(jnp.asarray(built.k_before.reshape(P, page, K * H)), built.index,
+                             jnp.asarray(built.k_new.reshape(c.B, c.T, K * H)))
+    np.testing.assert_array_equal(latent, built.k_pool.reshape(P, page, K * H))
+
+
+def test_auto_reads_pages_on_tpu_and_gathers_them_elsewhere():
+    """"auto": on TPU the paged kernel serves a paged call under the cache's Positions
+    mask; any other mask (or arrays) goes to the gathering order ("pallas" first); on
+    CPU and GPU the pages are gathered for the usual order."""
+    c = CASES[1]
+    mask = build(c)[3]
+    tpu = paged_request(c, mask, "tpu")
+    assert select_implementation(tpu) == "paged_tpu"
+    assert select_implementation(dataclasses.replace(tpu, mask=M.causal())) == "pallas"
+    assert select_implementation(dataclasses.replace(tpu, paged=False)) == "pallas"
+    assert select_implementation(dataclasses.replace(tpu, backend="cpu")) == "blockwise"
+    gpu = dataclasses.replace(tpu, backend="gpu", dtype="bfloat16")
+    assert select_implementation(gpu) == "pallas"
+
+
+def test_paged_and_array_k_v_do_not_mix():
+    q, k, v, mask, k_dense, _, _ = build(CASES[0])[:7]
+    with pytest.raises(TypeError, match="k and v must both be tfjax.ops.paged.Paged"):
+        dot_product_attention(q, k, k_dense[..., :16], mask)
