@@ -77,8 +77,10 @@ def sampling_probs(logits: jax.Array, temperature, top_k=None, top_p=None) -> ja
 # --------------------------------------------------------------------------- #
 
 def _number(name: str, value, where: str, *, integer: bool = False):
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
-            or (integer and not float(value).is_integer()):
+    number = isinstance(value, (int, float, np.integer, np.floating)) and \
+        not isinstance(value, bool)
+    whole = number and (isinstance(value, (int, np.integer)) or float(value).is_integer())
+    if not number or (integer and not whole):
         kind = "an integer" if integer else "a number"
         raise ValueError(f"{name} must be {kind}, got {value!r}{where}")
     return int(value) if integer else float(value)
@@ -108,7 +110,8 @@ def check_settings(settings: Mapping, where: str = "") -> dict:
     _in("min_p", m, where, 0.0 <= m <= 1.0, "in [0, 1] (0 = off)")
     r = _number("repetition_penalty", s["repetition_penalty"], where)
     _in("repetition_penalty", r, where, 0.0 < r < math.inf, "a finite number > 0 (1 = off)")
-    out = dict(temperature=t, top_k=k, top_p=p, min_p=m, repetition_penalty=r)
+    out = dict(temperature=t, top_k=min(k, 2**31 - 1), top_p=p, min_p=m,  # past V: off
+               repetition_penalty=r)
     for name in ("presence_penalty", "frequency_penalty"):
         v = _number(name, s[name], where)
         _in(name, v, where, -2.0 <= v <= 2.0, "in [-2, 2] (0 = off; OpenAI's range)")
