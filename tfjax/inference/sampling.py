@@ -232,8 +232,11 @@ def processed_logits(logits: jax.Array, params: SamplingParams, prompt_seen: jax
     logits = _penalise(logits.astype(jnp.float32), params, prompt_seen, output_counts)
     t = jnp.asarray(params.temperature, jnp.float32)[:, None]
     scaled = logits / jnp.where(t > 0, t, 1.0)
-    filtered = jax.vmap(filter_logits)(scaled, jnp.asarray(params.top_k, jnp.int32),
-                                       jnp.asarray(params.top_p, jnp.float32))
+    top_k = jnp.asarray(params.top_k, jnp.int32)
+    top_p = jnp.asarray(params.top_p, jnp.float32)
+    filtered = jax.lax.cond(  # no row filters: no sort (the filters would keep every token)
+        jnp.any(top_k > 0) | jnp.any(top_p < 1.0),
+        lambda x: jax.vmap(filter_logits)(x, top_k, top_p), lambda x: x, scaled)
     probs = jax.nn.softmax(filtered, axis=-1)
     floor = jnp.asarray(params.min_p, jnp.float32)[:, None] * jnp.max(probs, -1, keepdims=True)
     return jnp.where(probs >= floor, filtered, -jnp.inf)
@@ -255,10 +258,16 @@ def sample_rows(logits: jax.Array, params: SamplingParams, positions: jax.Array,
     logits = logits.astype(jnp.float32)
     raw = jax.nn.log_softmax(logits, axis=-1)
     greedy = jnp.argmax(_penalise(logits, params, prompt_seen, output_counts), axis=-1)
-    final = processed_logits(logits, params, prompt_seen, output_counts)
-    keys = row_keys(jnp.asarray(params.seed), jnp.asarray(positions, jnp.int32))
-    drawn = jax.vmap(jax.random.categorical)(keys, final)
-    tokens = jnp.where(jnp.asarray(params.temperature) > 0, drawn, greedy).astype(jnp.int32)
+    greedy = greedy.astype(jnp.int32)
+
+    def draw(logits):
+        final = processed_logits(logits, params, prompt_seen, output_counts)
+        keys = row_keys(jnp.asarray(params.seed), jnp.asarray(positions, jnp.int32))
+        return jax.vmap(jax.random.categorical)(keys, final).astype(jnp.int32)
+
+    sampled = jnp.asarray(params.temperature) > 0
+    drawn = jax.lax.cond(jnp.any(sampled), draw, lambda _: greedy, logits)  # all greedy: none
+    tokens = jnp.where(sampled, drawn, greedy)
     chosen = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
     if not num_logprobs:
         return Sampled(tokens, chosen)
