@@ -127,20 +127,25 @@ def _batch(seed=0):
     return logits, seen, counts.astype(np.int32)
 
 
-def test_processed_logits_match_the_numpy_reference():
-    logits, seen, counts = _batch()
-    params = SamplingParams.of(ROWS)
-    got = np.asarray(jax.jit(processed_logits)(logits, params, seen, counts))
-    for b, settings in enumerate(ROWS):
-        settings = settings or dict(temperature=0.0)
-        _, want = reference_rows(logits[b], settings, seen[b], counts[b])
-        if settings["temperature"] == 0:
+UNFILTERED = [0, 5, 6, 8]  # the rows without top-k or top-p: a batch of them sorts nothing
+
+
+@pytest.mark.parametrize("rows", [list(range(len(ROWS))), UNFILTERED], ids=["all", "unfiltered"])
+def test_processed_logits_match_the_numpy_reference(rows):
+    logits, seen, counts = (x[rows] for x in _batch())
+    settings = [ROWS[b] or dict(temperature=0.0) for b in rows]
+    assert (rows != UNFILTERED) == any(s.get("top_k") or s.get("top_p") for s in settings)
+    got = np.asarray(jax.jit(processed_logits)(logits, SamplingParams.of(settings), seen, counts))
+    for i, b in enumerate(rows):
+        _, want = reference_rows(logits[i], settings[i], seen[i], counts[i])
+        if settings[i]["temperature"] == 0:
             continue  # greedy rows draw nothing
-        np.testing.assert_array_equal(np.isfinite(got[b]), np.isfinite(want), err_msg=f"row {b}")
-        np.testing.assert_allclose(got[b][np.isfinite(want)], want[np.isfinite(want)], rtol=1e-6,
+        np.testing.assert_array_equal(np.isfinite(got[i]), np.isfinite(want), err_msg=f"row {b}")
+        np.testing.assert_allclose(got[i][np.isfinite(want)], want[np.isfinite(want)], rtol=1e-6,
                                    err_msg=f"row {b}")
-    assert np.isfinite(got[3]).sum() == 1 and np.isfinite(got[5]).sum() == 1
-    assert np.isfinite(got[4]).sum() == 4  # the ties at the k-th logit stay
+    count = dict(zip(rows, np.isfinite(got).sum(-1)))
+    assert count[5] == 1 and count.get(3, 1) == 1  # all but the top filtered
+    assert count.get(4, 4) == 4  # the ties at the k-th logit stay
 
 
 def test_sample_rows_tokens_and_logprobs():
@@ -199,34 +204,29 @@ def test_a_request_draws_the_same_tokens_in_any_batch():
     """Row b's key is a function of (seed[b], positions[b]) only: the same request
     alone, or at another row of a batch of other requests, gets the same token."""
     rng = np.random.default_rng(3)
-    V = 29
+    V, B = 29, 64
     mine = dict(temperature=1.1, top_p=0.9, seed=1234)
     logits = rng.normal(size=(V,)).astype(np.float32) * 0.3  # flat: draws vary
     run = jax.jit(sample_rows)
 
-    def draw(rows, where, others):
-        B = len(rows)
-        lg = rng.normal(size=(B, V)).astype(np.float32)
-        lg[where] = logits
-        positions = np.array(others, np.int32)
-        positions[where] = 17
-        return int(run(lg, SamplingParams.of(rows), positions, np.zeros((B, V), bool),
-                       np.zeros((B, V), np.int32)).tokens[where])
+    def draw(rows, positions):
+        return np.asarray(run(np.broadcast_to(logits, (len(rows), V)), SamplingParams.of(rows),
+                              np.asarray(positions, np.int32), np.zeros((len(rows), V), bool),
+                              np.zeros((len(rows), V), np.int32)).tokens)
 
-    alone = draw([mine], 0, [0])
-    other = dict(temperature=0.7, top_k=3, seed=5)
-    assert draw([other, None, mine, dict(temperature=0)], 2, [3, 0, 0, 9]) == alone
-    assert draw([mine, other], 0, [0, 4]) == alone
-    assert draw([None] * 5 + [mine] + [other] * 2, 5, list(range(8))) == alone
+    alone = draw([mine], [17])[0]
+    others = [dict(temperature=0.7, top_k=3, seed=5), None, dict(temperature=0),
+              dict(temperature=1.1, top_p=0.9, seed=1235)]
+    for where in (0, 5, B - 1):
+        rows = [others[i % len(others)] for i in range(B)]
+        rows[where] = mine
+        positions = rng.integers(0, 100, B)
+        positions[where] = 17
+        assert draw(rows, positions)[where] == alone, where
     # ... and the key depends on both: other positions or seeds draw other tokens
-    B = 64
-    same = np.broadcast_to(logits, (B, V))
-    by_position = run(same, SamplingParams.of([mine] * B), jnp.arange(B),
-                      np.zeros((B, V), bool), np.zeros((B, V), np.int32)).tokens
-    by_seed = run(same, SamplingParams.of([dict(mine, seed=s) for s in range(B)]),
-                  jnp.full((B,), 17), np.zeros((B, V), bool), np.zeros((B, V), np.int32)).tokens
-    assert len(set(np.asarray(by_position).tolist())) > 5
-    assert len(set(np.asarray(by_seed).tolist())) > 5
+    by_position = draw([mine] * B, np.arange(B))
+    by_seed = draw([dict(mine, seed=s) for s in range(B)], np.full(B, 17))
+    assert len(set(by_position.tolist())) > 5 and len(set(by_seed.tolist())) > 5
 
 
 def test_one_program_serves_every_mix_of_settings():

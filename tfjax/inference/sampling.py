@@ -77,8 +77,10 @@ def sampling_probs(logits: jax.Array, temperature, top_k=None, top_p=None) -> ja
 # --------------------------------------------------------------------------- #
 
 def _number(name: str, value, where: str, *, integer: bool = False):
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
-            or (integer and not float(value).is_integer()):
+    number = isinstance(value, (int, float, np.integer, np.floating)) and \
+        not isinstance(value, bool)
+    whole = number and (isinstance(value, (int, np.integer)) or float(value).is_integer())
+    if not number or (integer and not whole):
         kind = "an integer" if integer else "a number"
         raise ValueError(f"{name} must be {kind}, got {value!r}{where}")
     return int(value) if integer else float(value)
@@ -108,7 +110,8 @@ def check_settings(settings: Mapping, where: str = "") -> dict:
     _in("min_p", m, where, 0.0 <= m <= 1.0, "in [0, 1] (0 = off)")
     r = _number("repetition_penalty", s["repetition_penalty"], where)
     _in("repetition_penalty", r, where, 0.0 < r < math.inf, "a finite number > 0 (1 = off)")
-    out = dict(temperature=t, top_k=k, top_p=p, min_p=m, repetition_penalty=r)
+    out = dict(temperature=t, top_k=min(k, 2**31 - 1), top_p=p, min_p=m,  # past V: off
+               repetition_penalty=r)
     for name in ("presence_penalty", "frequency_penalty"):
         v = _number(name, s[name], where)
         _in(name, v, where, -2.0 <= v <= 2.0, "in [-2, 2] (0 = off; OpenAI's range)")
@@ -229,8 +232,11 @@ def processed_logits(logits: jax.Array, params: SamplingParams, prompt_seen: jax
     logits = _penalise(logits.astype(jnp.float32), params, prompt_seen, output_counts)
     t = jnp.asarray(params.temperature, jnp.float32)[:, None]
     scaled = logits / jnp.where(t > 0, t, 1.0)
-    filtered = jax.vmap(filter_logits)(scaled, jnp.asarray(params.top_k, jnp.int32),
-                                       jnp.asarray(params.top_p, jnp.float32))
+    top_k = jnp.asarray(params.top_k, jnp.int32)
+    top_p = jnp.asarray(params.top_p, jnp.float32)
+    filtered = jax.lax.cond(  # no row filters: no sort (the filters would keep every token)
+        jnp.any(top_k > 0) | jnp.any(top_p < 1.0),
+        lambda x: jax.vmap(filter_logits)(x, top_k, top_p), lambda x: x, scaled)
     probs = jax.nn.softmax(filtered, axis=-1)
     floor = jnp.asarray(params.min_p, jnp.float32)[:, None] * jnp.max(probs, -1, keepdims=True)
     return jnp.where(probs >= floor, filtered, -jnp.inf)
@@ -252,10 +258,16 @@ def sample_rows(logits: jax.Array, params: SamplingParams, positions: jax.Array,
     logits = logits.astype(jnp.float32)
     raw = jax.nn.log_softmax(logits, axis=-1)
     greedy = jnp.argmax(_penalise(logits, params, prompt_seen, output_counts), axis=-1)
-    final = processed_logits(logits, params, prompt_seen, output_counts)
-    keys = row_keys(jnp.asarray(params.seed), jnp.asarray(positions, jnp.int32))
-    drawn = jax.vmap(jax.random.categorical)(keys, final)
-    tokens = jnp.where(jnp.asarray(params.temperature) > 0, drawn, greedy).astype(jnp.int32)
+    greedy = greedy.astype(jnp.int32)
+
+    def draw(logits):
+        final = processed_logits(logits, params, prompt_seen, output_counts)
+        keys = row_keys(jnp.asarray(params.seed), jnp.asarray(positions, jnp.int32))
+        return jax.vmap(jax.random.categorical)(keys, final).astype(jnp.int32)
+
+    sampled = jnp.asarray(params.temperature) > 0
+    drawn = jax.lax.cond(jnp.any(sampled), draw, lambda _: greedy, logits)  # all greedy: none
+    tokens = jnp.where(sampled, drawn, greedy)
     chosen = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
     if not num_logprobs:
         return Sampled(tokens, chosen)
