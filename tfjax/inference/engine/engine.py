@@ -221,7 +221,9 @@ class Engine:
         """(tokens to cache before the first sample, global pages of one sample, full
         prompt pages its n samples share, pages of all n at their longest)."""
         ps, L = self.config.page_size, len(request.prompt)
-        target = L - 1 if request.n > 1 else L
+        # n > 1: the last prompt token is each sample's own first step; scoring
+        # only (max_tokens 0): its logits are not needed
+        target = L - 1 if request.n > 1 or not request.max_tokens else L
         per_seq = -(-min(L + request.max_tokens, self.max_len) // ps)
         shared = target // ps if request.n > 1 else 0  # the leader's full pages
         return target, per_seq, shared, per_seq + (request.n - 1) * (per_seq - shared)
