@@ -73,7 +73,7 @@ async def _invalid(request, e: RequestValidationError):
     loc = loc[1:] if loc and loc[0] == "body" else loc
     where = ".".join(loc) or "the request body"
     message = f"{where}: {err['msg']}"
-    if len(loc) >= 1 and loc[0] in _UNIONS:  # its errors are one per accepted type
+    if loc and loc[0] in _UNIONS and err["type"] != "missing":  # an error per accepted type
         message = f"{loc[0]}: must be {_UNIONS[loc[0]]}"
     return JSONResponse(error_body(400, message, loc[0] if loc else None), status_code=400)
 
@@ -206,7 +206,7 @@ def _request(served: Served, body, ids: list[int], request_id: str, limit, defau
     if limit is None:
         limit = min(default or room, room)
     elif isinstance(limit, int) and limit > room:
-        raise APIError(400, f"max_tokens: {limit} tokens after a {field} of {len(ids)} "
+        raise APIError(400, f"max_tokens: {limit} and the {len(ids)} tokens of the {field} "
                        f"exceed the context of {served.max_len} tokens; ask for at most "
                        f"{room}", param="max_tokens", code="context_length_exceeded")
     return Request(ids, max_tokens=limit, n=body.n, sampling=body.sampling(),
