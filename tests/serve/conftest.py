@@ -13,13 +13,9 @@ pytest.importorskip("fastapi", reason="the serve extra (fastapi) is not installe
 pytest.importorskip("uvicorn", reason="the serve extra (uvicorn) is not installed")
 openai = pytest.importorskip("openai", reason="the test extra (openai) is not installed")
 
-from serve_fixtures import save  # noqa: E402
+from serve_fixtures import CONFIG, NAME, save  # noqa: E402
 
-from tfjax.inference.engine import EngineConfig  # noqa: E402
 from tfjax.serve import create_app, load_served, running  # noqa: E402
-
-NAME = "tiny-llama"
-CONFIG = EngineConfig(max_seqs=4, max_len=128, page_size=8, chunk=16)
 
 
 @pytest.fixture(autouse=True, scope="package")

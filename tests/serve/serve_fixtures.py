@@ -13,6 +13,8 @@ import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from tfjax.inference.engine import EngineConfig
+
 SPECIAL = ["<|bos|>", "<|eos|>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>"]
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}"
             "<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n"
@@ -37,6 +39,8 @@ def tokenizer() -> transformers.PreTrainedTokenizerFast:
 
 
 WRITES = "Zürich→東京!"
+NAME = "tiny-llama"  # the served model's name
+CONFIG = EngineConfig(max_seqs=4, max_len=128, page_size=8, chunk=16)  # the server's engine
 HIDDEN, CODE = 48, 16  # the last CODE dims of the residual stream carry the cycle only
 
 

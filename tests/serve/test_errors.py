@@ -11,7 +11,7 @@ import time
 import httpx
 import openai
 import pytest
-from conftest import CONFIG, NAME
+from serve_fixtures import CONFIG, NAME
 
 LONG = dict(model=NAME, prompt="hello", max_tokens=100, temperature=0, ignore_eos=True)
 
@@ -173,16 +173,20 @@ def test_a_full_queue_is_a_429_and_the_queued_requests_finish(server, monkeypatc
     ask = lambda: server.client.completions.create(model=NAME, prompt="a b", max_tokens=3,  # noqa
                                                    temperature=0)
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        queued = [pool.submit(ask) for _ in range(2)]
-        deadline = time.monotonic() + 30
-        while server.engine.queued() < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        r = post(server, "/v1/completions", json=dict(model=NAME, prompt="hi", max_tokens=2))
-        check_error(r, 429, None, "--max_queue 2")
-        assert r.json()["error"]["type"] == "rate_limit_error"
-        with pytest.raises(openai.RateLimitError):
-            ask()
-        gate.set()
+        try:
+            queued = [pool.submit(ask) for _ in range(2)]
+            deadline = time.monotonic() + 30
+            while server.engine.queued() < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            r = post(server, "/v1/completions", timeout=10,
+                     json=dict(model=NAME, prompt="hi", max_tokens=2))
+            check_error(r, 429, None, "--max_queue 2")
+            assert r.json()["error"]["type"] == "rate_limit_error"
+            with pytest.raises(openai.RateLimitError):
+                server.client.with_options(timeout=10).completions.create(model=NAME,
+                                                                          prompt="a")
+        finally:
+            gate.set()
         assert all(f.result(timeout=60).choices[0].text is not None for f in queued)
     monkeypatch.undo()
     served_next(server)

@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import NAME
+from serve_fixtures import NAME
 
 REQUESTS, AT_ONCE, LIMIT_S = 200, 32, 300
 

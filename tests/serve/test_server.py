@@ -9,8 +9,7 @@ import concurrent.futures
 
 import httpx
 import pytest
-from conftest import NAME
-from serve_fixtures import WRITES, greedy
+from serve_fixtures import NAME, WRITES, greedy
 
 PROMPTS = ["hello world", "the quick brown fox", "a", "how are you today? the lazy dog",
            "Hi!", "all that glitters is not gold; a stitch in time"]
