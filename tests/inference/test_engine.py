@@ -188,4 +188,3 @@ def test_bad_requests_are_refused_in_one_line(kw, match):
     with pytest.raises(ValueError, match=match) as e:
         engine.submit(Request(**kw))
     assert "\n" not in str(e.value)
-

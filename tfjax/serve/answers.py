@@ -127,7 +127,7 @@ def _head(job: Job, chunk: bool) -> dict:
             "created": job.created, "model": job.model}
 
 
-def _chunk(served: Served, job: Job, choices: list[dict]) -> str:
+def _chunk(job: Job, choices: list[dict]) -> str:
     body = dict(_head(job, True), choices=choices)
     if job.include_usage:
         body["usage"] = None
@@ -141,10 +141,8 @@ async def events(run: Run):
     try:
         if job.kind == "chat":
             n = sum(r.n for r in job.requests)
-            yield _chunk(served, job, [{"index": i, "delta": {"role": "assistant",
-                                                             "content": ""},
-                                        "logprobs": None, "finish_reason": None}
-                                       for i in range(n)])
+            yield _chunk(job, [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None, "finish_reason": None} for i in range(n)])
         async for batch in run:
             choices = []
             for d in batch:
@@ -160,7 +158,7 @@ async def events(run: Run):
                     choice["text"] = d.text
                 choices.append(choice)
             if choices:
-                yield _chunk(served, job, choices)
+                yield _chunk(job, choices)
         if job.include_usage:
             body = dict(_head(job, True), choices=[], usage=_usage(job, generated))
             yield f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
