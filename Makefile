@@ -21,7 +21,8 @@ TRAIN_ARGS ?=
 # kernels and sharded steps really compile for TPUs), torch + transformers (the
 # `hf` extra: checkpoint-import parity tests) and nbclient (the `notebooks` extra:
 # colab/ notebooks run top to bottom), wandb (the `tracking` extra: offline W&B runs) and
-# lm_eval (the `eval` extra: the lm-eval-harness backend's parity test).
+# lm_eval (the `eval` extra: the lm-eval-harness backend's parity test), fastapi + uvicorn
+# (the `serve` extra: tests/serve/ start the server and talk to it with openai's client).
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -29,7 +30,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(PY) -m pip install -q -e ".[test,tpu,hf,data,cloud,notebooks,tracking,eval]"
+	$(PY) -m pip install -q -e ".[test,tpu,hf,data,cloud,notebooks,tracking,eval,serve]"
 	touch $@
 
 $(VENV)/.installed-docs: $(VENV)/.installed

@@ -14,7 +14,8 @@ Layers (a module may import its own layer and those below it):
     5  tfjax.models                                     architectures, layer kinds
     6  tfjax.data, tfjax.train, tfjax.interop,          the programs built on models
        tfjax.generate, tfjax.export
-    7  tfjax.eval                                       scoring what level 6 trains, loads
+    7  tfjax.eval, tfjax.serve                          scoring and serving what level 6
+                                                        trains and loads
     8  tfjax.*.__main__                                 command lines (`python -m tfjax.train`),
                                                         which nothing imports
 
@@ -39,7 +40,7 @@ LAYERS = (
     ("tfjax.inference",),
     ("tfjax.models",),
     ("tfjax.data", "tfjax.train", "tfjax.interop", "tfjax.generate", "tfjax.export"),
-    ("tfjax.eval",),
+    ("tfjax.eval", "tfjax.serve"),
 )
 COMMAND_LINES = len(LAYERS)  # every `__main__` module: the top layer
 # Files allowed past MAX_LINES: each is one kernel (its forward and backward

@@ -7,8 +7,8 @@ run (`--workdir`: the prompt is `[bos] + encode(prompt)`, stopping at the tokeni
 EOS) or from a Hugging Face checkpoint directory (`--hf`: its tokenizer.json, stopping
 at generation_config.json's EOS ids); `--chat` renders the checkpoint's chat template
 over the prompt and prints only the reply. Temperature 0 (the default) is greedy.
-
-`run`, `run_hf`, `load_hf` and `chat_prompt` are the same from Python. See docs/inference.md.
+`run`, `run_hf`, `load_hf`, `chat_prompt` and `chat_renderer` (the template over any
+messages, as `tfjax.serve` renders them) are the same from Python. See docs/inference.md.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import datetime
 import json
 import os
 import sys
+from collections.abc import Callable
 from typing import TextIO
 
 import numpy as np
@@ -26,7 +27,8 @@ from tfjax.inference import stream
 from tfjax.interop import hf
 from tfjax.train.checkpoint import load_run, read_json_object
 
-__all__ = ["add_checkpoint_flags", "chat_prompt", "load_hf", "main", "run", "run_hf"]
+__all__ = ["add_checkpoint_flags", "chat_prompt", "chat_renderer", "load_hf", "main", "run",
+           "run_hf"]
 
 
 def run(workdir: str, prompt: str, *, max_new_tokens: int = 200, temperature: float = 0.0,
@@ -113,12 +115,13 @@ def _special_tokens(path: str) -> dict[str, str]:
     return out
 
 
-def chat_prompt(path: str, prompt: str) -> str:
-    """`prompt` as the one user message of the checkpoint's chat template, with the
-    generation prompt added: the text to encode without adding special tokens. Rendered
-    as transformers' `apply_chat_template` renders (a sandboxed jinja2 environment with
-    trim_blocks, lstrip_blocks, loop controls, `tojson`, `raise_exception`,
-    `strftime_now`, the tokenizer's special tokens)."""
+def chat_renderer(path: str) -> Callable[[list[dict]], str]:
+    """The checkpoint's chat template as a function of the messages (a list of
+    {"role", "content"} dicts) to the text to encode without adding special tokens, with
+    the generation prompt added. Rendered as transformers' `apply_chat_template` renders
+    (a sandboxed jinja2 environment with trim_blocks, lstrip_blocks, loop controls,
+    `tojson`, `raise_exception`, `strftime_now`, the tokenizer's special tokens); a
+    template that does not render raises a one-line ValueError."""
     template = _chat_template(path)
     try:
         import jinja2.ext
@@ -140,12 +143,32 @@ def chat_prompt(path: str, prompt: str) -> str:
     env.filters["tojson"] = tojson
     env.globals.update(raise_exception=raise_exception,
                        strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
+    specials = _special_tokens(path)
     try:
-        return env.from_string(template).render(
-            messages=[{"role": "user", "content": prompt}], add_generation_prompt=True,
-            **_special_tokens(path))
+        compiled = env.from_string(template)
     except jinja2.exceptions.TemplateError as e:
-        raise ValueError(f"--chat: the chat template of {path} does not render: {e}") from None
+        raise ValueError(f"--chat: the chat template of {path} does not parse: {e}") from None
+
+    def render(messages: list[dict]) -> str:
+        try:
+            return compiled.render(messages=messages, add_generation_prompt=True, **specials)
+        except jinja2.exceptions.TemplateError as e:
+            raise ValueError(f"the chat template of {path} does not render these messages: "
+                             f"{e}") from None
+
+    return render
+
+
+def chat_prompt(path: str, prompt: str) -> str:
+    """`prompt` as the one user message of the checkpoint's chat template, with the
+    generation prompt added (`chat_renderer`): the text to encode without adding special
+    tokens."""
+    try:
+        return chat_renderer(path)([{"role": "user", "content": prompt}])
+    except ValueError as e:
+        message = str(e)
+        raise ValueError(message if message.startswith("--chat") else f"--chat: {message}") \
+            from None
 
 
 def run_hf(path: str, prompt: str, *, max_new_tokens: int = 200, temperature: float = 0.0,

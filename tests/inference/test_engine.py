@@ -138,6 +138,35 @@ def test_stops_and_cancellation_free_pages():
     assert not engine.has_work()
 
 
+def test_queued_counts_requests_until_admitted_and_a_cancelled_fork_frees_its_slots():
+    model = models.build(model_config(TINY), rngs=nnx.Rngs(3))
+    engine = Engine(model, EngineConfig(max_seqs=2, page_size=4, chunk=5, max_len=40))
+    assert engine.queued() == 0
+    p = prompts(8, (14,))[0]
+    first = engine.submit(Request(p, max_tokens=8, n=2, sampling=dict(temperature=1.0)))
+    engine.submit(Request(p, max_tokens=8, sampling=dict(temperature=0)))
+    assert engine.queued() == 2
+    engine.step()  # the first request takes both slots and prefills a chunk
+    assert engine.queued() == 1 and engine.pages_in_use() > 0
+    engine.cancel(first)  # before its fork: the follower's slot is a placeholder
+    engine.step()
+    assert engine.queued() == 0  # the second request got the freed slots
+    while engine.has_work():
+        engine.step()
+    assert engine.pages_in_use() == 0 and not any(engine.slots)
+
+
+def test_a_request_larger_than_the_pool_is_refused_at_submission():
+    model = models.build(model_config(TINY), rngs=nnx.Rngs(3))
+    engine = Engine(model, EngineConfig(max_seqs=4, page_size=4, chunk=5, max_len=40,
+                                        num_pages=12))
+    engine.submit(Request([1] * 8, max_tokens=32))  # 10 pages: fits in 11
+    with pytest.raises(ValueError, match=r"^max_tokens: 3 sample\(s\) .* need 28 pages, the "
+                       r"pool has 11; lower max_tokens or n") as e:
+        engine.submit(Request([1] * 8, max_tokens=32, n=3))
+    assert "\n" not in str(e.value)
+
+
 def test_pool_reference_counts_and_prefix_chain():
     pool = PagePool(4)
     a, b = pool.allocate(), pool.allocate()

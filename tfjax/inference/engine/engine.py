@@ -176,6 +176,13 @@ class Engine:
         if request.n > self.config.max_seqs:
             raise ValueError(f"n: {request.n} samples exceed the engine's max_seqs="
                              f"{self.config.max_seqs} (request {request.request_id})")
+        pool = self.pools.get(self.global_size)
+        worst = self._pages_needed(request)[-1]
+        if pool is not None and worst > pool.num_pages - 1:
+            raise ValueError(f"max_tokens: {request.n} sample(s) of up to "
+                             f"{min(len(request.prompt) + request.max_tokens, self.max_len)} "
+                             f"tokens need {worst} pages, the pool has {pool.num_pages - 1}; "
+                             f"lower max_tokens or n (request {request.request_id})")
         with self._lock:
             self._inbox.append(("submit", request, settings))
         return request.request_id
@@ -188,24 +195,43 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self._inbox or self.waiting or any(self.slots))
 
-    def _drain(self) -> list[Output]:
+    def queued(self) -> int:
+        """Requests submitted and not admitted yet (thread-safe): what a server bounds."""
         with self._lock:
-            commands, self._inbox = list(self._inbox), collections.deque()
+            return sum(c[0] == "submit" for c in self._inbox) + len(self.waiting)
+
+    def _drain(self) -> list[Output]:
         out = []
-        for kind, what, settings in commands:
-            if kind == "submit":
-                self.waiting.append((what, settings))
-                continue
-            before = len(self.waiting)
-            self.waiting = collections.deque(w for w in self.waiting if w[0].request_id != what)
-            if len(self.waiting) < before:
-                continue
-            for seq in [s for s in self.slots if s is not None and s.request.request_id == what]:
-                out.append(Output(what, seq.index, None, finish_reason="abort"))
-                self._free(seq)
+        with self._lock:  # held throughout, so that `queued` never misses a request
+            commands = list(self._inbox)
+            self._inbox.clear()
+            for kind, what, settings in commands:
+                if kind == "submit":
+                    self.waiting.append((what, settings))
+                    continue
+                before = len(self.waiting)
+                self.waiting = collections.deque(w for w in self.waiting
+                                                 if w[0].request_id != what)
+                if len(self.waiting) < before:
+                    continue
+                for seq in [s for s in self.slots  # a leader frees its unforked followers
+                            if isinstance(s, _Sequence) and s.request.request_id == what]:
+                    out.append(Output(what, seq.index, None, finish_reason="abort"))
+                    self._free(seq)
         return out
 
     # --------------------------------------------------------------- admission
+    def _pages_needed(self, request: Request) -> tuple[int, int, int, int]:
+        """(tokens to cache before the first sample, global pages of one sample, full
+        prompt pages its n samples share, pages of all n at their longest)."""
+        ps, L = self.config.page_size, len(request.prompt)
+        # n > 1: the last prompt token is each sample's own first step; scoring
+        # only (max_tokens 0): its logits are not needed
+        target = L - 1 if request.n > 1 or not request.max_tokens else L
+        per_seq = -(-min(L + request.max_tokens, self.max_len) // ps)
+        shared = target // ps if request.n > 1 else 0  # the leader's full pages
+        return target, per_seq, shared, per_seq + (request.n - 1) * (per_seq - shared)
+
     def _committed(self) -> int:
         return sum(s.worst - len(s.pages) for s in self.slots if s is not None)
 
@@ -217,12 +243,7 @@ class Engine:
             if len(free) < request.n:
                 return
             ps, L = self.config.page_size, len(request.prompt)
-            # n > 1: the last prompt token is each sample's own first step; scoring
-            # only: its logits are not needed
-            target = L - 1 if request.n > 1 or not request.max_tokens else L
-            per_seq = -(-min(L + request.max_tokens, self.max_len) // ps)
-            shared = target // ps if request.n > 1 else 0  # the leader's full pages
-            worst = per_seq + (request.n - 1) * (per_seq - shared)
+            target, per_seq, shared, worst = self._pages_needed(request)
             pool = self.pools.get(self.global_size)
             hashes, cached = [], []
             if self.shareable and pool is not None:  # (scored positions are computed)
@@ -230,8 +251,7 @@ class Engine:
                                                      else request.score_from - 1], ps)
                 cached = pool.lookup(hashes)
             if pool is not None and pool.available < self._committed() + worst - len(cached):
-                if pool is not None:
-                    pool.release(cached)
+                pool.release(cached)
                 if not any(self.slots):
                     raise RuntimeError(f"request {request.request_id} needs {worst} pages; the "
                                        f"pool has {pool.num_pages - 1}")
