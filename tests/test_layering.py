@@ -295,3 +295,16 @@ def test_module_docstrings_are_short():
                 long.append(f"tfjax/{path.relative_to(ROOT).as_posix()}: {n} lines")
     assert not long, (f"module docstrings over {MAX_DOCSTRING_LINES} lines (quotes "
                       f"included):\n  " + "\n  ".join(long))
+
+
+def test_test_modules_have_unique_basenames():
+    """pytest imports test modules by basename (no packages under tests/): two files
+    of one name in different folders break collection of the whole suite."""
+    tests = pathlib.Path(__file__).parent
+    seen = {}
+    for path in sorted(tests.rglob("*.py")):
+        if path.name == "conftest.py" or path.name == "__init__.py":
+            continue
+        seen.setdefault(path.name, []).append(str(path.relative_to(tests)))
+    clashes = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert not clashes, f"rename so each test file has its own basename: {clashes}"
