@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-import jax
 import jax.numpy as jnp
 
 from tfjax.inference.cache import check_rewindable, rewind

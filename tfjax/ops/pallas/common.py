@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-
 from jax.experimental import pallas as pl
 
 from tfjax.ops import masks as M
