@@ -4,14 +4,15 @@ against transformers' own continuous batching, on the same model and machine.
     .venv/bin/python experiments/bench_serve.py            # ~10 min on 2 CPU cores
     .venv/bin/python experiments/bench_serve.py --requests 96 --max_seqs 32 --d_model 512
 
-One random Llama-shaped model, exported to a Hugging Face directory and loaded by
+One random Llama-shaped model (layers unrolled, as decoding wants them), exported to a Hugging Face directory and loaded by
 transformers (the same weights; float32). The workload: --requests prompts of random
 lengths (8 .. --max_prompt tokens) asking for random numbers of tokens (4 ..
 --max_new), EOS ignored, all submitted at once (an offline batch). Each system runs it
 once to compile / warm up, then once timed:
 
 - tfjax engine: `tfjax.inference.engine.Engine` (`--max_seqs` rows, pages of
-  `--page_size`, chunks of `--chunk`), every output timed as `step()` returns it;
+  `--page_size`, chunks of `--chunk` for up to `--prefill_rows` rows a step; every step
+  shape compiled first by `warm_up`), every output timed as `step()` returns it;
 - tfjax static batches: `tfjax.inference.stream` over batches of `--max_seqs` requests
   in order, prompts right-padded to the batch's longest, each batch generating its
   longest answer (the tokens past a request's own count are wasted), timed per step;
@@ -69,7 +70,8 @@ def latencies(first, gaps, t0):
 def run_engine(model, prompts, new, args):
     engine = Engine(model, EngineConfig(max_seqs=args.max_seqs, max_len=args.max_len,
                                         page_size=args.page_size, chunk=args.chunk,
-                                        prefix_caching=False))
+                                        prefill_rows=args.prefill_rows, prefix_caching=False))
+    engine.warm_up()
     reqs = [Request(p, max_tokens=n, ignore_eos=True, sampling=dict(temperature=0))
             for p, n in zip(prompts, new)]
     last, first, gaps, tokens, peak = {}, {}, [], {r.request_id: [] for r in reqs}, 0
@@ -170,6 +172,7 @@ def main():
     ap.add_argument("--max_seqs", type=int, default=16)
     ap.add_argument("--page_size", type=int, default=16)
     ap.add_argument("--chunk", type=int, default=64)
+    ap.add_argument("--prefill_rows", type=int, default=4)
     ap.add_argument("--d_model", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=2048)
@@ -179,7 +182,7 @@ def main():
     args.max_len = args.max_prompt + args.max_new
     cfg = model_config(dict(vocab_size=args.vocab, d_model=args.d_model, num_layers=args.layers,
                             num_heads=args.d_model // 64, num_kv_heads=max(1, args.d_model // 128),
-                            d_ff=4 * args.d_model, max_len=args.max_len, norm="rmsnorm",
+                            d_ff=4 * args.d_model, max_len=args.max_len, norm="rmsnorm", scan_layers=False,
                             activation="swiglu", position="rope", tie_embeddings=False,
                             init_std=0.5))
     model = models.build(cfg, rngs=nnx.Rngs(0))

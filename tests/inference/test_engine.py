@@ -6,6 +6,7 @@ Tiny random models; every engine of one model structure shares its compiled prog
 (two step shapes, the reset and the fork), so each model compiles them once.
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -59,6 +60,31 @@ def test_greedy_tokens_equal_generate_in_ragged_continuous_batches(model):
     for r, ref in zip(reqs, references(model, ps)):
         assert got[r.request_id] == [ref[:r.max_tokens]]
     assert engine.pages_in_use() == 0 and not any(engine.slots)
+
+
+def test_chunks_run_over_the_prefilling_rows_only_in_shapes_warm_up_compiled(model):
+    # prefill_rows=2: chunk calls over 1 or 2 rows (per-row states gathered and put
+    # back), decode calls over all 4; after warm_up a ragged mix compiles nothing
+    engine = Engine(model, EngineConfig(max_seqs=4, page_size=4, chunk=5, max_len=40,
+                                        prefill_rows=2))
+    assert engine._row_counts == [1, 2]
+    engine.warm_up()
+    calls, compiles = [], []
+    run = engine._run
+    engine._run = lambda group, T: calls.append((len(group), T)) or run(group, T)
+    listener = lambda event, secs, **kw: compiles.append(event)  # noqa: E731
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        ps = prompts(9, (12, 3, 17, 1, 8))
+        reqs = [Request(p, max_tokens=3 + i, sampling=dict(temperature=0))
+                for i, p in enumerate(ps)]
+        got = engine.generate(reqs)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    for r, ref in zip(reqs, references(model, ps)):
+        assert got[r.request_id] == [ref[:r.max_tokens]]
+    assert max(n for n, T in calls if T > 1) == 2 and (3, 1) in calls  # chunks of 2 rows
+    assert "/jax/core/compile/backend_compile_duration" not in compiles
 
 
 def test_n_samples_fork_the_prompt_and_seeds_reproduce_whatever_the_batch(model):

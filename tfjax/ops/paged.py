@@ -47,8 +47,13 @@ class Paged:
         return self.pool.dtype
 
     def dense(self) -> jax.Array:
-        """The gathered `[B, n * page, ...]` array (what the table describes)."""
-        B, n = self.table.shape
+        """The gathered `[B, n * page, ...]` array (what the table describes). A K or V
+        pool `[P, page, K, H]` is read heads-major, as `write` writes it: the swaps
+        cancel against the stored layout, so XLA gathers the rows' pages from the
+        stored pool (a gather from the view transposed the whole pool every step)."""
+        if self.pool.ndim == 4:
+            rows = jnp.take(jnp.swapaxes(self.pool, 1, 2), self.table, axis=0)  # [B,n,K,pg,H]
+            return jnp.swapaxes(rows, 2, 3).reshape(self.shape)
         return jnp.take(self.pool, self.table, axis=0).reshape(self.shape)
 
 

@@ -1,5 +1,5 @@
 """`python -m tfjax.serve (--hf DIR | --workdir W [--step S]) [--host 127.0.0.1 --port 8000
---max_seqs N --max_len L --page_size P --chunk C --num_pages K --kv_memory BYTES
+--max_seqs N --max_len L --page_size P --chunk C --prefill_rows R --num_pages K --kv_memory BYTES
 --max_queue Q --served_model_name NAME]`
 
 Serves the model with OpenAI's API (`/v1/completions`, `/v1/chat/completions`,
@@ -39,6 +39,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--page_size", type=int, default=d.page_size, help="tokens per KV page")
     p.add_argument("--chunk", type=int, default=d.chunk, help="prompt tokens a row prefills "
                    "per step")
+    p.add_argument("--prefill_rows", type=int, default=d.prefill_rows,
+                   help="the most rows that prefill a chunk in one step")
     p.add_argument("--num_pages", type=int, default=d.num_pages, help="KV pages (0: from "
                    "--kv_memory, or enough for every sequence's max_len)")
     p.add_argument("--kv_memory", type=float, default=d.kv_memory,
@@ -61,13 +63,15 @@ def main(argv=None) -> int:
         if a.max_queue < 1:
             raise ValueError(f"--max_queue: must be >= 1, got {a.max_queue}")
         config = EngineConfig(max_seqs=a.max_seqs, max_len=a.max_len, page_size=a.page_size,
-                              chunk=a.chunk, num_pages=a.num_pages, kv_memory=int(a.kv_memory))
+                              chunk=a.chunk, prefill_rows=a.prefill_rows, num_pages=a.num_pages,
+                              kv_memory=int(a.kv_memory))
         config.check()
         served = load_served(hf=a.hf, workdir=a.workdir, step=a.step,
                              name=a.served_model_name, config=config, max_queue=a.max_queue)
     except (ValueError, NotImplementedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    served.loop.engine.warm_up()  # every step shape compiled before the first request
     print(f"[tfjax.serve: {served.name} on http://{a.host}:{a.port} ({served.max_len} tokens "
           f"of context, {config.max_seqs} sequences at once)]", file=sys.stderr, flush=True)
     run_server(create_app(served), a.host, a.port, a.log_level)

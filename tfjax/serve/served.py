@@ -13,6 +13,7 @@ from collections.abc import Callable
 from tfjax.eval.loading import Source, load_source
 from tfjax.generate import chat_renderer
 from tfjax.inference.engine import Engine, EngineConfig
+from tfjax.models import unrolled
 from tfjax.serve.loop import EngineLoop
 
 __all__ = ["Served", "load_served", "serve_source"]
@@ -40,9 +41,10 @@ class Served:
 
 def serve_source(src: Source, name: str, config: EngineConfig = EngineConfig(), *,
                  max_queue: int = 128, chat=None, no_chat: str = "") -> Served:
-    """An engine over `src`'s model (its EOS ids end answers; `src.decode` finds stop
-    strings) under `name`."""
-    engine = Engine(src.model, config, eos_ids=src.eos_ids, decode=src.decode)
+    """An engine over `src`'s model, its layers unrolled (`tfjax.models.unrolled`: decode
+    steps update each layer's pages in place), under `name`; its EOS ids end answers,
+    `src.decode` finds stop strings."""
+    engine = Engine(unrolled(src.model), config, eos_ids=src.eos_ids, decode=src.decode)
     return Served(name=name, encode=src.encode, decode=src.decode,
                   loop=EngineLoop(engine, max_queue), chat=chat, no_chat=no_chat)
 

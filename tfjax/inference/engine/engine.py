@@ -5,11 +5,11 @@
     engine.submit(Request(prompt, max_tokens=64, n=4, sampling=dict(temperature=0.8)))
     while engine.has_work(): outputs = engine.step()     # [Output]: a token of a sample
 
-Each step is one jitted call over `max_seqs` rows: a prefilling row takes up to `chunk`
-prompt tokens, a decoding row one, an idle row none; two step shapes serve every mix.
-Requests are admitted as slots and pages free up (pages reserved for the longest
-answer: nothing is preempted); a stopped sample frees its pages at once.
-See docs/inference.md ("The engine")."""
+A step runs a few prefilling rows a `chunk` further (a call over just those rows) and
+every decoding row one token (a call over all rows): few shapes, compiled by `warm_up`.
+Admission reserves pages for the longest answer (no preemption); a stopped sample frees
+its pages at once. Serve unrolled layers (`tfjax.models.unrolled`). See
+docs/inference.md ("The engine")."""
 
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tfjax.inference.cache import logical_axes
 from tfjax.inference.engine.pages import PagePool, chain_hashes
+from tfjax.inference.engine.programs import programs
 from tfjax.inference.engine.requests import Output, Request
-from tfjax.inference.sampling import SamplingParams, sample_rows
+from tfjax.inference.sampling import SamplingParams
 from tfjax.nn.state import DecodeState
 from tfjax.parallel.sharding import use_rules
 
@@ -42,7 +42,9 @@ class EngineConfig:
     pools (0: from `kv_memory` bytes, or 0 too: enough for every row's `max_len`).
     prefix_caching: prompts reuse the full pages of earlier prompts they start with
     (models whose every cached layer keeps global K/V). max_logprobs: the most top
-    log-probabilities a request may ask for."""
+    log-probabilities a request may ask for. prefill_rows: the most rows that prefill a
+    chunk in one step (at most max_seqs; the chunk call runs over 1, 2, 4 .. of them; decoding
+    rows run apart, one token each, so a prompt costs its own chunk, not every row's)."""
 
     max_seqs: int = 8
     max_len: int = 0
@@ -53,9 +55,10 @@ class EngineConfig:
     dtype: str | None = None
     prefix_caching: bool = True
     max_logprobs: int = 20
+    prefill_rows: int = 4
 
     def check(self):
-        for name in ("max_seqs", "page_size", "chunk"):
+        for name in ("max_seqs", "page_size", "chunk", "prefill_rows"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name}: must be >= 1, got {getattr(self, name)}")
 
@@ -120,7 +123,6 @@ class Engine:
         cache = model.init_paged_cache(B, self.max_len, page_size=ps, chunk=C,
                                        num_pages=num_pages, dtype=config.dtype)
         self.cache = cache
-        self._axes = logical_axes(cache)
         self.shareable = (config.prefix_caching and not self.rings
                           and not self._has_rows(cache))
         self.seen = jnp.zeros((B, self.vocab_size), bool)
@@ -129,7 +131,12 @@ class Engine:
         self.waiting: collections.deque[tuple[Request, dict]] = collections.deque()
         self._inbox: collections.deque = collections.deque()
         self._lock = threading.Lock()
-        self._programs = _programs(self.graphdef, mesh)
+        self._programs = programs(self.graphdef, mesh)
+        most = min(config.prefill_rows, B)
+        self._row_counts = sorted({1 << i for i in range(most.bit_length()) if 1 << i < most}
+                                  | {most})  # the chunk calls' row counts
+        self._last_sampling = (None, None, None)
+        self._tables_on_device = None
 
     # ------------------------------------------------------------------ sizes
     def _global_pages(self, model, ring_pages: dict) -> int:
@@ -267,60 +274,83 @@ class Engine:
 
     # -------------------------------------------------------------------- step
     def step(self) -> list[Output]:
-        """One engine step: take new requests and cancellations, admit, run one jitted
-        step over every row, and return each sample's new token (or its end)."""
+        """One engine step: take new requests and cancellations, admit, then run up to
+        `prefill_rows` prefilling rows a chunk further (one jitted call over those rows)
+        and every decoding row one token (one call over all rows); return each sample's
+        new token (or its end)."""
         out = self._drain()
         self._admit()
         self._fork_ready()
         rows = [s for s in self.slots if isinstance(s, _Sequence)]
         if not rows:
             return out
-        B, C, ps = self.config.max_seqs, self.config.chunk, self.config.page_size
-        feed = {s.slot: min(C, s.target - s.computed) if s.computed < s.target else 1
-                for s in rows}
-        T = C if max(feed.values()) > 1 else 1
-        tokens = np.zeros((B, T), np.int32)
-        n_new = np.zeros(B, np.int32)
-        length = np.zeros(B, np.int32)
-        samples = np.zeros(B, bool)
-        fresh = np.zeros(B, bool)
-        targets = np.full((B, T), -1, np.int32)  # the prompt tokens to score, per position
-        for s in rows:
-            n = feed[s.slot]
-            tokens[s.slot, :n] = s.tokens[s.computed:s.computed + n]
-            n_new[s.slot], length[s.slot] = n, s.computed
-            fresh[s.slot] = s.fresh
-            samples[s.slot] = (s.computed + n >= s.target and not s.followers
-                               and s.request.max_tokens > 0)
+        if any(s.fresh for s in rows):
+            self._reset(rows)
+        prefilling = [s for s in rows if s.computed < s.target]
+        decoding = [s for s in rows if s.computed >= s.target]
+        if prefilling:
+            out += self._run(prefilling[:self._row_counts[-1]], self.config.chunk)
+        if decoding:
+            out += self._run(decoding, 1)
+        return out
+
+    def _run(self, group: list[_Sequence], T: int) -> list[Output]:
+        """One jitted call: each sequence of `group` takes its next tokens (up to T: the
+        prompt's next chunk, else its last token). T == 1 runs over every row (rows
+        outside `group` idle); a chunk over the fewest rows of `_row_counts` that hold
+        `group`, padded with other rows that idle."""
+        B = self.config.max_seqs
+        if T == 1:
+            slots = list(range(B))
+            where = {s.slot: s.slot for s in group}
+        else:
+            R = next(r for r in self._row_counts if r >= len(group))
+            taken = {s.slot for s in group}
+            slots = [s.slot for s in group] + [b for b in range(B) if b not in taken]
+            slots = slots[:R]
+            where = {s.slot: i for i, s in enumerate(group)}
+        R = len(slots)
+        tokens = np.zeros((R, T), np.int32)
+        n_new = np.zeros(R, np.int32)
+        length = np.zeros(R, np.int32)
+        samples = np.zeros(R, bool)
+        targets = np.full((R, T), -1, np.int32)  # the prompt tokens to score, per position
+        feed = {}
+        for s in group:
+            i = where[s.slot]
+            n = feed[s.slot] = min(T, s.target - s.computed) if s.computed < s.target else 1
+            tokens[i, :n] = s.tokens[s.computed:s.computed + n]
+            n_new[i], length[i] = n, s.computed
+            samples[i] = (s.computed + n >= s.target and not s.followers
+                          and s.request.max_tokens > 0)
             self._grow(s, s.computed + n)
             if s.request.score_from and s.computed < s.prompt_len:
                 for t in range(n):
                     p = s.computed + t + 1
                     if s.request.score_from <= p < s.prompt_len:
-                        targets[s.slot, t] = s.tokens[p]
-        if fresh.any():
-            self._reset(fresh, rows)
-        params = self._sampling(rows)
-        positions = length + n_new  # the position of the token each row draws
-        num_logprobs = self.config.max_logprobs if any(
-            s.request.logprobs for s in rows) else 0
-        tables = {s: jnp.asarray(t) for s, t in self.tables.items()}
+                        targets[i, t] = s.tokens[p]
+        for i, b in enumerate(slots):  # idle rows keep their length (nothing is written)
+            if b not in where and isinstance(self.slots[b], _Sequence):
+                length[i] = self.slots[b].computed
+        num_logprobs = self.config.max_logprobs if any(s.request.logprobs for s in group) else 0
         score = bool((targets >= 0).any())
+        rows = None if T == 1 else np.asarray(slots, np.int32)
         with self._traced():
             sampled, scored, self.cache, self.counts = self._programs.step(
-                T, num_logprobs, score)(
-                self.params, self.cache, self.seen, self.counts, jnp.asarray(tokens),
-                jnp.asarray(n_new), jnp.asarray(length), tables, params,
-                jnp.asarray(positions), jnp.asarray(samples), jnp.asarray(targets))
+                T, R if T > 1 else 0, num_logprobs, score)(
+                self.params, self.cache, self.seen, self.counts, rows, tokens, n_new, length,
+                self._device_tables(), self._sampling(slots), length + n_new, samples, targets)
         sampled, scored = jax.device_get((sampled, scored))
-        for s in rows:
+        out = []
+        for s in group:
+            i = where[s.slot]
             if score:
-                s.scores += [(float(scored[0][s.slot, t]), bool(scored[1][s.slot, t]))
-                             for t in range(T) if targets[s.slot, t] >= 0]
+                s.scores += [(float(scored[0][i, t]), bool(scored[1][i, t]))
+                             for t in range(T) if targets[i, t] >= 0]
             s.computed += feed[s.slot]
             self._register(s)
-            if samples[s.slot]:
-                out.extend(self._emit(s, sampled))
+            if samples[i]:
+                out.extend(self._emit(s, sampled, i))
             elif s.request.max_tokens == 0 and s.computed >= s.target:  # scored only
                 out.append(self._scored(Output(s.request.request_id, 0, None,
                                                finish_reason="length"), s))
@@ -341,11 +371,20 @@ class Engine:
             return contextlib.nullcontext()
         return use_rules(self.mesh, self.rules)
 
-    def _sampling(self, rows) -> SamplingParams:
-        requests: list = [None] * self.config.max_seqs
-        for s in rows:
-            requests[s.slot] = s.settings
-        return SamplingParams.of(requests)
+    def _sampling(self, slots: list[int]) -> SamplingParams:
+        """The sampling settings of the sequences in `slots`, row by row (built once for
+        each set of sequences: a decode step's is the last one's)."""
+        settings = [getattr(self.slots[b], "settings", None) for b in slots]
+        key = tuple(map(id, settings))
+        if self._last_sampling[0] != key:  # (the settings are kept: their ids stay theirs)
+            self._last_sampling = (key, settings, jax.device_put(SamplingParams.of(settings)))
+        return self._last_sampling[2]
+
+    def _device_tables(self) -> dict:
+        """The page tables on the device, sent again only after they changed."""
+        if self._tables_on_device is None:
+            self._tables_on_device = jax.device_put(self.tables)
+        return self._tables_on_device
 
     def _grow(self, s: _Sequence, end: int) -> None:
         """Give `s` the global pages that tokens up to `end` need."""
@@ -355,9 +394,11 @@ class Engine:
         need = -(-end // self.config.page_size)
         while len(s.pages) < need:
             s.pages.append(pool.allocate())
-        row = self.tables[self.global_size][s.slot]
-        row[:] = 0
-        row[:len(s.pages)] = s.pages
+        if need > 0 and self.tables[self.global_size][s.slot, need - 1] != s.pages[need - 1]:
+            row = self.tables[self.global_size][s.slot]
+            row[:] = 0
+            row[:len(s.pages)] = s.pages
+            self._tables_on_device = None
 
     def _register(self, s: _Sequence) -> None:
         """Put the full prompt pages `s` has computed into the prefix cache."""
@@ -369,16 +410,17 @@ class Engine:
             pool.register(s.hashes[s.registered], s.pages[s.registered])
             s.registered += 1
 
-    def _reset(self, fresh: np.ndarray, rows) -> None:
+    def _reset(self, rows) -> None:
         """Clear the per-row states of newly admitted rows and mark their prompts seen."""
         prompts = np.full((self.config.max_seqs, self.max_len), -1, np.int32)
+        fresh = np.zeros(self.config.max_seqs, bool)
         for s in rows:
             if s.fresh:
                 prompts[s.slot, :s.prompt_len] = s.tokens[:s.prompt_len]
-                s.fresh = False
+                fresh[s.slot], s.fresh = True, False
         with self._traced():
             self.cache, self.seen, self.counts = self._programs.reset(
-                self.cache, self.seen, self.counts, jnp.asarray(fresh), jnp.asarray(prompts))
+                self.cache, self.seen, self.counts, fresh, prompts)
 
     def _fork_ready(self) -> None:
         """Leaders of n > 1 samples whose prompt but its last token is in the cache get
@@ -407,6 +449,7 @@ class Engine:
                     row = self.tables[self.global_size][slot]
                     row[:] = 0
                     row[:len(seq.pages)] = seq.pages
+                    self._tables_on_device = None
                 for size, n in self.rings.items():
                     pairs[size].extend(zip(self.tables[size][leader.slot],
                                            self.tables[size][slot]))
@@ -414,22 +457,28 @@ class Engine:
                 self.slots[slot] = seq
             leader.followers = []
         if row_pairs:
-            B = self.config.max_seqs
-            page_pairs = {self.num_pages[s]: _padded(p, B * len(self.tables[s][0]) if s in
-                                                     self.rings else B)
-                          for s, p in pairs.items()}
             with self._traced():
                 self.cache, self.seen, self.counts = self._programs.fork(
-                    self.cache, self.seen, self.counts, page_pairs, _padded(row_pairs, B))
+                    self.cache, self.seen, self.counts, self._page_pairs(pairs),
+                    _padded(row_pairs, self.config.max_seqs))
+
+    def _page_pairs(self, pairs: dict) -> dict:
+        """{pool page count: (src, dst) pairs padded to a fixed count}: a ring's every
+        page of every row, the global pool's one partial page a row."""
+        B = self.config.max_seqs
+        return {self.num_pages[s]: _padded(p, B * len(self.tables[s][0]) if s in self.rings
+                                           else B)
+                for s, p in pairs.items()}
 
     # ----------------------------------------------------------------- outputs
-    def _emit(self, s: _Sequence, sampled) -> list[Output]:
-        token = int(sampled.tokens[s.slot])
+    def _emit(self, s: _Sequence, sampled, i: int) -> list[Output]:
+        """The token `s` drew (row i of `sampled`), and whether it ends `s`."""
+        token = int(sampled.tokens[i])
         top = None
         if s.request.logprobs:
             k = s.request.logprobs
-            top = {int(t): float(p) for t, p in zip(sampled.top_ids[s.slot][:k],
-                                                     sampled.top_logprobs[s.slot][:k])}
+            top = {int(t): float(p) for t, p in zip(sampled.top_ids[i][:k],
+                                                     sampled.top_logprobs[i][:k])}
         s.tokens.append(token)
         reason = stop_string = None
         if token in s.request.stop_token_ids or (token in self.eos_ids
@@ -442,7 +491,7 @@ class Engine:
         if reason is None and (s.generated >= s.request.max_tokens
                                or len(s.tokens) >= self.max_len):
             reason = "length"
-        out = Output(s.request.request_id, s.index, token, float(sampled.logprobs[s.slot]),
+        out = Output(s.request.request_id, s.index, token, float(sampled.logprobs[i]),
                      top, reason, stop_string)
         if s.generated == 1:
             out = self._scored(out, s)
@@ -460,9 +509,42 @@ class Engine:
             self.slots[slot] = None
             if pool is not None:
                 self.tables[self.global_size][slot] = 0
+                self._tables_on_device = None
         s.followers = []
 
     # ------------------------------------------------------------ convenience
+    def warm_up(self, logprobs: bool = False, scoring: bool = False) -> None:
+        """Compile every step shape now (a server's start-up), not at the first request
+        that needs it: the decode step and the chunk step of each row count, with top
+        log-probabilities and prompt scoring if asked. Runs them with no tokens: the
+        caches are left as they were; so are the reset of admitted rows and the fork
+        of n samples (no row, page 0 onto itself)."""
+        B, C = self.config.max_seqs, self.config.chunk
+        with self._traced():
+            self.cache, self.seen, self.counts = self._programs.reset(
+                self.cache, self.seen, self.counts, np.zeros(B, bool),
+                np.full((B, self.max_len), -1, np.int32))
+            self.cache, self.seen, self.counts = self._programs.fork(
+                self.cache, self.seen, self.counts, self._page_pairs({s: [] for s in
+                                                                      self.num_pages}),
+                _padded([], B))
+        shapes = [(1, 0)] + [(C, r) for r in self._row_counts]
+        for T, R in shapes:
+            for num_logprobs in {0, self.config.max_logprobs if logprobs else 0}:
+                for score in {False, scoring and T > 1}:
+                    n = R or B
+                    zeros = np.zeros((n, T), np.int32)
+                    rows = np.arange(n, dtype=np.int32) if R else None
+                    lengths = np.asarray([getattr(self.slots[b], "computed", 0)
+                                          for b in range(n)], np.int32)
+                    with self._traced():
+                        _, _, self.cache, self.counts = self._programs.step(
+                            T, R, num_logprobs, score)(
+                            self.params, self.cache, self.seen, self.counts, rows, zeros,
+                            np.zeros(n, np.int32), lengths, self._device_tables(),
+                            self._sampling(list(range(n))), lengths, np.zeros(n, bool),
+                            zeros - 1)
+
     def generate(self, requests: list[Request]) -> dict:
         """Run `requests` to the end: {request_id: [tokens of sample 0, 1, ...]}."""
         results = {r.request_id: [[] for _ in range(r.n)] for r in requests}
@@ -486,110 +568,11 @@ class _Placeholder:
     def __init__(self, leader: _Sequence, worst: int):
         self.leader, self.request, self.worst, self.pages = leader, leader.request, worst, []
 
-    def __bool__(self):
-        return True
 
-
-def _padded(pairs, n: int) -> jax.Array:
+def _padded(pairs, n: int) -> np.ndarray:
     """`[n, 2]` int32 (src, dst) pairs, padded with (0, 0) (a copy of page or row 0 onto
     itself)."""
     a = np.zeros((max(n, len(pairs)), 2), np.int32)
     if pairs:
         a[:len(pairs)] = pairs
-    return jnp.asarray(a)
-
-
-@functools.lru_cache(maxsize=8)
-def _programs(graphdef, mesh=None):
-    """The programs of one model structure (and mesh: `shard` constraints are read
-    when tracing)."""
-    return _Programs(graphdef)
-
-
-class _Programs:
-    """The engine's jitted programs for one model structure."""
-
-    def __init__(self, graphdef):
-        self.graphdef = graphdef
-        self.reset = jax.jit(_reset_rows, donate_argnums=(0, 1, 2))
-        self.fork = jax.jit(_fork, donate_argnums=(0, 1, 2))
-
-    @functools.lru_cache(maxsize=16)
-    def step(self, T: int, num_logprobs: int, score: bool):
-        """The step of T tokens per row; `score`: also the log-probabilities of `targets`
-        `[B, T]` (the next prompt token after each position, -1: none) and whether each
-        is the greedy choice."""
-        graphdef = self.graphdef
-
-        def run(params, cache, seen, counts, tokens, n_new, length, tables, sampling,
-                positions, samples, targets):
-            model = nnx.merge(graphdef, params)
-            cache = cache.replace(length=length, pages=cache.pages.replace(tables=tables))
-            logits, cache = model.step(tokens, cache, n_new, all_logits=score)
-            scored = None
-            if score:
-                logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-                at = jnp.maximum(targets, 0)[..., None]
-                scored = (jnp.take_along_axis(logp, at, axis=-1)[..., 0],
-                          jnp.argmax(logits, axis=-1) == targets)
-                last = jnp.maximum(n_new - 1, 0)[:, None, None]
-                logits = jnp.take_along_axis(logits, last, axis=1)
-            sampled = sample_rows(logits[:, 0], sampling, positions, seen, counts,
-                                  num_logprobs=num_logprobs)
-            rows = jnp.arange(tokens.shape[0])
-            counts = counts.at[rows, sampled.tokens].add(samples.astype(jnp.int32))
-            return sampled, scored, cache, counts
-
-        return jax.jit(run, donate_argnums=(1, 3))
-
-
-def _row_axis(names) -> int | None:
-    return names.index("batch") if "batch" in names else None
-
-
-def _reset_rows(cache, seen, counts, fresh, prompts):
-    """Zero the per-row states of rows `fresh` `[B]`; their seen tokens are `prompts`
-    `[B, L]` (-1: none), their counts zero."""
-    axes = logical_axes(cache)
-
-    def clear(x, names):
-        axis = _row_axis(names)
-        if axis is None:
-            return x
-        shape = [1] * x.ndim
-        shape[axis] = x.shape[axis]
-        return jnp.where(fresh.reshape(shape), jnp.zeros_like(x), x)
-
-    layers = jax.tree.map(clear, cache.layers, axes.layers)
-    B, V = seen.shape
-    marks = jnp.zeros((B, V), bool).at[jnp.arange(B)[:, None],
-                                       jnp.where(prompts >= 0, prompts, V)].set(True, mode="drop")
-    seen = jnp.where(fresh[:, None], marks, seen)
-    counts = jnp.where(fresh[:, None], 0, counts)
-    return cache.replace(layers=layers), seen, counts
-
-
-def _fork(cache, seen, counts, page_pairs: dict, row_pairs):
-    """Copy pages (`page_pairs`: {pool page count: [M, 2] (src, dst)}) in every pool of
-    that many pages, and rows (`row_pairs` `[R, 2]`) of every per-row state."""
-    axes = logical_axes(cache)
-    src, dst = row_pairs[:, 0], row_pairs[:, 1]
-
-    def copy(x, names):
-        axis = _row_axis(names)
-        if axis is not None:
-            return _copy_along(x, axis, src, dst)
-        lead = sum(1 for n in names if n == "layers")
-        pairs = page_pairs.get(x.shape[lead]) if x.ndim > lead else None
-        if pairs is None:
-            return x
-        return _copy_along(x, lead, pairs[:, 0], pairs[:, 1])
-
-    layers = jax.tree.map(copy, cache.layers, axes.layers)
-    return (cache.replace(layers=layers), _copy_along(seen, 0, src, dst),
-            _copy_along(counts, 0, src, dst))
-
-
-def _copy_along(x, axis: int, src, dst):
-    moved = jnp.moveaxis(x, axis, 0)
-    return jnp.moveaxis(moved.at[dst].set(moved[src]), 0, axis)
+    return a

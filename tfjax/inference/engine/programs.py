@@ -1,0 +1,141 @@
+"""The inference engine's jitted programs, one set per model structure (and mesh): the
+step of T tokens over all rows or a few (per-row states gathered and put back), the
+reset of admitted rows and the fork of n samples. Called by `engine.Engine`; see
+docs/inference.md ("The engine")."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tfjax.inference.cache import logical_axes
+from tfjax.inference.sampling import sample_rows
+
+__all__ = ["programs"]
+
+
+@functools.lru_cache(maxsize=8)
+def programs(graphdef, mesh=None):
+    """The programs of one model structure (and mesh: `shard` constraints are read
+    when tracing)."""
+    return _Programs(graphdef)
+
+
+class _Programs:
+    """The engine's jitted programs for one model structure."""
+
+    def __init__(self, graphdef):
+        self.graphdef = graphdef
+        self.reset = jax.jit(_reset_rows, donate_argnums=(0, 1, 2))
+        self.fork = jax.jit(_fork, donate_argnums=(0, 1, 2))
+
+    @functools.lru_cache(maxsize=32)
+    def step(self, T: int, R: int, num_logprobs: int, score: bool):
+        """The step of T tokens for R rows of the cache (`rows` `[R]`, distinct; R 0:
+        every row, `rows` None); `score`: also the log-probabilities of `targets`
+        `[R, T]` (the next prompt token after each position, -1: none) and whether each
+        is the greedy choice."""
+        graphdef = self.graphdef
+
+        def run(params, cache, seen, counts, rows, tokens, n_new, length, tables, sampling,
+                positions, samples, targets):
+            model = nnx.merge(graphdef, params)
+            whole = cache
+            if R:  # the rows' own states, tables, seen and counts
+                axes = logical_axes(cache)
+                cache = cache.replace(layers=jax.tree.map(
+                    lambda x, names: _rows_of(x, names, rows), cache.layers, axes.layers))
+                tables = {s: t[rows] for s, t in tables.items()}
+                seen, all_counts, counts = seen[rows], counts, counts[rows]
+            cache = cache.replace(length=length, pages=cache.pages.replace(tables=tables))
+            logits, cache = model.step(tokens, cache, n_new, all_logits=score)
+            scored = None
+            if score:
+                logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+                at = jnp.maximum(targets, 0)[..., None]
+                scored = (jnp.take_along_axis(logp, at, axis=-1)[..., 0],
+                          jnp.argmax(logits, axis=-1) == targets)
+                last = jnp.maximum(n_new - 1, 0)[:, None, None]
+                logits = jnp.take_along_axis(logits, last, axis=1)
+            sampled = sample_rows(logits[:, 0], sampling, positions, seen, counts,
+                                  num_logprobs=num_logprobs)
+            counts = counts.at[jnp.arange(tokens.shape[0]), sampled.tokens].add(
+                samples.astype(jnp.int32))
+            if R:  # back into the whole cache: per-row states by row, pools as they are
+                cache = whole.replace(layers=jax.tree.map(
+                    lambda x, new, names: _set_rows(x, new, names, rows),
+                    whole.layers, cache.layers, axes.layers))
+                counts = all_counts.at[rows].set(counts)
+            return sampled, scored, cache, counts
+
+        return jax.jit(run, donate_argnums=(1, 3))
+
+
+def _rows_of(x, names, rows):
+    """Rows `rows` of a per-row state (a leaf with a batch axis); other leaves whole."""
+    axis = _row_axis(names)
+    return x if axis is None else jnp.take(x, rows, axis=axis)
+
+
+def _set_rows(x, new, names, rows):
+    """`x` with rows `rows` from `new` (a per-row state), or `new` (a pool)."""
+    axis = _row_axis(names)
+    if axis is None:
+        return new
+    moved = jnp.moveaxis(x, axis, 0)
+    return jnp.moveaxis(moved.at[rows].set(jnp.moveaxis(new, axis, 0)), 0, axis)
+
+
+def _row_axis(names) -> int | None:
+    return names.index("batch") if "batch" in names else None
+
+
+def _reset_rows(cache, seen, counts, fresh, prompts):
+    """Zero the per-row states of rows `fresh` `[B]`; their seen tokens are `prompts`
+    `[B, L]` (-1: none), their counts zero."""
+    axes = logical_axes(cache)
+
+    def clear(x, names):
+        axis = _row_axis(names)
+        if axis is None:
+            return x
+        shape = [1] * x.ndim
+        shape[axis] = x.shape[axis]
+        return jnp.where(fresh.reshape(shape), jnp.zeros_like(x), x)
+
+    layers = jax.tree.map(clear, cache.layers, axes.layers)
+    B, V = seen.shape
+    marks = jnp.zeros((B, V), bool).at[jnp.arange(B)[:, None],
+                                       jnp.where(prompts >= 0, prompts, V)].set(True, mode="drop")
+    seen = jnp.where(fresh[:, None], marks, seen)
+    counts = jnp.where(fresh[:, None], 0, counts)
+    return cache.replace(layers=layers), seen, counts
+
+
+def _fork(cache, seen, counts, page_pairs: dict, row_pairs):
+    """Copy pages (`page_pairs`: {pool page count: [M, 2] (src, dst)}) in every pool of
+    that many pages, and rows (`row_pairs` `[R, 2]`) of every per-row state."""
+    axes = logical_axes(cache)
+    src, dst = row_pairs[:, 0], row_pairs[:, 1]
+
+    def copy(x, names):
+        axis = _row_axis(names)
+        if axis is not None:
+            return _copy_along(x, axis, src, dst)
+        lead = sum(1 for n in names if n == "layers")
+        pairs = page_pairs.get(x.shape[lead]) if x.ndim > lead else None
+        if pairs is None:
+            return x
+        return _copy_along(x, lead, pairs[:, 0], pairs[:, 1])
+
+    layers = jax.tree.map(copy, cache.layers, axes.layers)
+    return (cache.replace(layers=layers), _copy_along(seen, 0, src, dst),
+            _copy_along(counts, 0, src, dst))
+
+
+def _copy_along(x, axis: int, src, dst):
+    moved = jnp.moveaxis(x, axis, 0)
+    return jnp.moveaxis(moved.at[dst].set(moved[src]), 0, axis)
