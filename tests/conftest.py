@@ -45,6 +45,17 @@ if FAST_COMPILE:
     jax.config.update("jax_disable_most_optimizations", True)
 
 
+@pytest.fixture(scope="session")
+def one_torch_thread():
+    """torch on one intra-op thread for the tests that ask (their conftests, autouse):
+    idle intra-op threads spin, many CPU-seconds for tiny models on 2 cores."""
+    torch = pytest.importorskip("torch", reason="the hf extra (torch) is not installed")
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(autouse=True)
 def _xla_optimized(request):
     """Full XLA optimisation for the duration of a test marked `xla_optimized`."""

@@ -11,17 +11,14 @@ import pytest
 from eval_fixtures import save_tiny_llama
 from tiny_run import saved_run
 
-torch = pytest.importorskip("torch", reason="the hf extra (torch) is not installed")
+pytest.importorskip("torch", reason="the hf extra (torch) is not installed")
 transformers = pytest.importorskip("transformers", reason="the hf extra (transformers) is not "
                                    "installed")
 
 
 @pytest.fixture(autouse=True, scope="package")
-def _one_torch_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _torch_on_one_thread(one_torch_thread):
+    pass
 
 
 @pytest.fixture(scope="package")

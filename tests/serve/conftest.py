@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-torch = pytest.importorskip("torch", reason="the hf extra (torch) is not installed")
+pytest.importorskip("torch", reason="the hf extra (torch) is not installed")
 pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
 pytest.importorskip("fastapi", reason="the serve extra (fastapi) is not installed")
 pytest.importorskip("uvicorn", reason="the serve extra (uvicorn) is not installed")
@@ -19,11 +19,8 @@ from tfjax.serve import create_app, load_served, running  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="package")
-def _one_torch_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _torch_on_one_thread(one_torch_thread):
+    pass
 
 
 @pytest.fixture(scope="session")

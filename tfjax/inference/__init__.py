@@ -13,8 +13,8 @@ See docs/inference.md.
 from tfjax.inference import cache, sampling, slots
 from tfjax.inference.cache import ModelCache
 from tfjax.inference.generate import generate, stream
-from tfjax.inference.sampling import filter_logits, sample
+from tfjax.inference.sampling import SamplingParams, filter_logits, sample, sample_rows
 from tfjax.inference.speculative import speculative_generate
 
-__all__ = ["ModelCache", "cache", "filter_logits", "generate", "sample", "sampling", "slots",
-           "speculative_generate", "stream"]
+__all__ = ["ModelCache", "SamplingParams", "cache", "filter_logits", "generate", "sample",
+           "sample_rows", "sampling", "slots", "speculative_generate", "stream"]
