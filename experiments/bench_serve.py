@@ -133,7 +133,7 @@ def run_transformers(path, rounds, args):
 
     torch.set_num_threads(os.cpu_count() or 1)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                 attn_implementation="paged|sdpa")
+                                                 attn_implementation="sdpa")
     gen = GenerationConfig(do_sample=False, max_new_tokens=args.max_new, eos_token_id=None,
                            pad_token_id=0)
     cb = ContinuousBatchingConfig(max_requests_per_batch=args.max_seqs,

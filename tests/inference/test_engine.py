@@ -64,10 +64,10 @@ def test_greedy_tokens_equal_generate_in_ragged_continuous_batches(model):
 
 def test_chunks_run_over_the_prefilling_rows_only_in_shapes_warm_up_compiled(model):
     # prefill_rows=2: chunk calls over 1 or 2 rows (per-row states gathered and put
-    # back), decode calls over all 4; after warm_up a ragged mix compiles nothing
+    # back), decode calls over 1, 2 or all 4; after warm_up a ragged mix compiles nothing
     engine = Engine(model, EngineConfig(max_seqs=4, page_size=4, chunk=5, max_len=40,
                                         prefill_rows=2))
-    assert engine._row_counts == [1, 2]
+    assert engine._row_counts == {5: [1, 2], 1: [1, 2, 4]}
     engine.warm_up()
     calls, compiles = [], []
     run = engine._run
@@ -83,7 +83,7 @@ def test_chunks_run_over_the_prefilling_rows_only_in_shapes_warm_up_compiled(mod
         jax.monitoring.unregister_event_duration_listener(listener)
     for r, ref in zip(reqs, references(model, ps)):
         assert got[r.request_id] == [ref[:r.max_tokens]]
-    assert max(n for n, T in calls if T > 1) == 2 and (3, 1) in calls  # chunks of 2 rows
+    assert max(n for n, T in calls if T > 1) == 2 and (3, 1) in calls and (1, 1) in calls
     assert "/jax/core/compile/backend_compile_duration" not in compiles
 
 

@@ -5,8 +5,8 @@
     engine.submit(Request(prompt, max_tokens=64, n=4, sampling=dict(temperature=0.8)))
     while engine.has_work(): outputs = engine.step()     # [Output]: a token of a sample
 
-A step runs a few prefilling rows a `chunk` further (a call over just those rows) and
-every decoding row one token (a call over all rows): few shapes, compiled by `warm_up`.
+A step runs a few prefilling rows a `chunk` further and every decoding row one token,
+each in one call over just those rows (1, 2, 4 .. of them): few shapes (`warm_up`).
 Admission reserves pages for the longest answer (no preemption); a stopped sample frees
 its pages at once. Serve unrolled layers (`tfjax.models.unrolled`). See
 docs/inference.md ("The engine")."""
@@ -43,8 +43,9 @@ class EngineConfig:
     prefix_caching: prompts reuse the full pages of earlier prompts they start with
     (models whose every cached layer keeps global K/V). max_logprobs: the most top
     log-probabilities a request may ask for. prefill_rows: the most rows that prefill a
-    chunk in one step (at most max_seqs; the chunk call runs over 1, 2, 4 .. of them; decoding
-    rows run apart, one token each, so a prompt costs its own chunk, not every row's)."""
+    chunk in one step (at most max_seqs; the chunk call runs over 1, 2, 4 .. of them);
+    decoding rows run apart, one token each, so a prompt costs its own chunk, not every
+    row's."""
 
     max_seqs: int = 8
     max_len: int = 0
@@ -132,9 +133,9 @@ class Engine:
         self._inbox: collections.deque = collections.deque()
         self._lock = threading.Lock()
         self._programs = programs(self.graphdef, mesh)
-        most = min(config.prefill_rows, B)
-        self._row_counts = sorted({1 << i for i in range(most.bit_length()) if 1 << i < most}
-                                  | {most})  # the chunk calls' row counts
+        self._row_counts = {  # the rows of each call of T tokens: 1, 2, 4 .. up to a limit
+            T: sorted({1 << i for i in range(most.bit_length()) if 1 << i < most} | {most})
+            for T, most in ((C, min(config.prefill_rows, B)), (1, B))}
         self._last_sampling = (None, None, None)
         self._tables_on_device = None
 
@@ -275,9 +276,9 @@ class Engine:
     # -------------------------------------------------------------------- step
     def step(self) -> list[Output]:
         """One engine step: take new requests and cancellations, admit, then run up to
-        `prefill_rows` prefilling rows a chunk further (one jitted call over those rows)
-        and every decoding row one token (one call over all rows); return each sample's
-        new token (or its end)."""
+        `prefill_rows` prefilling rows a chunk further and every decoding row one token
+        (a jitted call each, over those rows); return each sample's new token (or its
+        end)."""
         out = self._drain()
         self._admit()
         self._fork_ready()
@@ -289,27 +290,27 @@ class Engine:
         prefilling = [s for s in rows if s.computed < s.target]
         decoding = [s for s in rows if s.computed >= s.target]
         if prefilling:
-            out += self._run(prefilling[:self._row_counts[-1]], self.config.chunk)
+            out += self._run(prefilling[:self._row_counts[self.config.chunk][-1]],
+                             self.config.chunk)
         if decoding:
             out += self._run(decoding, 1)
         return out
 
     def _run(self, group: list[_Sequence], T: int) -> list[Output]:
         """One jitted call: each sequence of `group` takes its next tokens (up to T: the
-        prompt's next chunk, else its last token). T == 1 runs over every row (rows
-        outside `group` idle); a chunk over the fewest rows of `_row_counts` that hold
-        `group`, padded with other rows that idle."""
+        prompt's next chunk, else its last token), over the fewest rows of
+        `_row_counts[T]` that hold `group`, padded with other rows that idle (all
+        `max_seqs` rows: the cache as it is, no rows gathered)."""
         B = self.config.max_seqs
-        if T == 1:
+        R = next(r for r in self._row_counts[T] if r >= len(group))
+        if R == B:
             slots = list(range(B))
             where = {s.slot: s.slot for s in group}
         else:
-            R = next(r for r in self._row_counts if r >= len(group))
             taken = {s.slot for s in group}
             slots = [s.slot for s in group] + [b for b in range(B) if b not in taken]
             slots = slots[:R]
             where = {s.slot: i for i, s in enumerate(group)}
-        R = len(slots)
         tokens = np.zeros((R, T), np.int32)
         n_new = np.zeros(R, np.int32)
         length = np.zeros(R, np.int32)
@@ -334,10 +335,10 @@ class Engine:
                 length[i] = self.slots[b].computed
         num_logprobs = self.config.max_logprobs if any(s.request.logprobs for s in group) else 0
         score = bool((targets >= 0).any())
-        rows = None if T == 1 else np.asarray(slots, np.int32)
+        rows = None if R == B else np.asarray(slots, np.int32)
         with self._traced():
             sampled, scored, self.cache, self.counts = self._programs.step(
-                T, R if T > 1 else 0, num_logprobs, score)(
+                T, R if R < B else 0, num_logprobs, score)(
                 self.params, self.cache, self.seen, self.counts, rows, tokens, n_new, length,
                 self._device_tables(), self._sampling(slots), length + n_new, samples, targets)
         sampled, scored = jax.device_get((sampled, scored))
@@ -528,7 +529,7 @@ class Engine:
                 self.cache, self.seen, self.counts, self._page_pairs({s: [] for s in
                                                                       self.num_pages}),
                 _padded([], B))
-        shapes = [(1, 0)] + [(C, r) for r in self._row_counts]
+        shapes = [(T, r if r < B else 0) for T in {1, C} for r in self._row_counts[T]]
         for T, R in shapes:
             for num_logprobs in {0, self.config.max_logprobs if logprobs else 0}:
                 for score in {False, scoring and T > 1}:
