@@ -49,3 +49,35 @@ def test_relative_bias_with_more_than_128_buckets():
     for g, w in zip(got[1], want[1]):
         np.testing.assert_allclose(g, w, atol=1e-4)
     assert np.abs(np.asarray(want[1][1][128:])).max() > 1e-3  # buckets past 128 are used
+
+
+def test_the_packed_tile_table_holds_columns_and_codes_and_sizes_its_scalar_memory():
+    """One int32 table (`column | code << 16`) stands for `order` and `code`; its bytes
+    (`table_bytes`) decide whether the kernels fit a core's 1 MiB of scalar memory: a
+    128k causal call does (it did not with two tables), 256k goes to another
+    implementation with the reason."""
+    from tfjax.ops.implementation import AttentionRequest
+    from tfjax.ops.pallas import mosaic_tpu, supports
+    from tfjax.ops.tiles import tile_tables
+
+    tab = tile_tables(M.causal(), 300, 520, 64, 128, q_offset=220)
+    packed = mosaic_tpu._packed(tab)
+    assert packed.dtype == jnp.int32
+    np.testing.assert_array_equal(mosaic_tpu._column(packed), tab.order)
+    np.testing.assert_array_equal(mosaic_tpu._code(packed), tab.code)
+    assert len(set(np.asarray(tab.code).ravel().tolist())) > 1  # FULL and PARTIAL tiles
+    T, S, qt = 300, 520, lambda block: mosaic_tpu._query_tile(block, 300)  # noqa: E731
+    grids = ((qt(BS.block_q), BS.block_kv, False), (qt(BS.block_q_dq), BS.block_kv_dq, False),
+             (qt(BS.block_q_dkv), BS.block_kv_dkv, True))  # dk/dv: transposed
+    tables = [tile_tables(M.causal(), T, S, bq, bk, transpose=tr) for bq, bk, tr in grids]
+    assert mosaic_tpu.table_bytes(T, S, block_sizes=BS) == max(
+        mosaic_tpu._packed(t).nbytes + t.count.nbytes for t in tables)
+
+    def request(T):
+        return AttentionRequest(q_shape=(1, T, 8, 128), k_shape=(1, T, 8, 128),
+                                dtype="bfloat16", backend="tpu", mask=M.causal(),
+                                has_bias=False, softcap=None, offsets=False, return_lse=False)
+
+    assert supports(request(131072)) is None
+    reason = supports(request(262144))
+    assert "2052 KiB" in reason and "1 MiB of scalar memory" in reason

@@ -234,6 +234,13 @@ def supports(r: AttentionRequest) -> str | None:
         return f"the pallas kernels take float32/bfloat16/float16 inputs, got {r.dtype}"
     if r.backend == "gpu":
         return triton.supports(r)
+    if r.backend == "tpu":
+        rows = (r.mask.batch_size or 1) if r.mask is not None else 1
+        need = mosaic_tpu.table_bytes(r.q_shape[1], r.k_shape[1], rows)
+        if need > mosaic_tpu.SMEM_BYTES * 3 // 4:  # the rest: counts, offsets, mask scalars
+            return (f"the pallas TPU kernels' tile table ({need >> 10} KiB for "
+                    f"{r.q_shape[1]} x {r.k_shape[1]} tokens, {rows} table(s)) would not "
+                    f"fit a core's {mosaic_tpu.SMEM_BYTES >> 20} MiB of scalar memory")
     return None
 
 

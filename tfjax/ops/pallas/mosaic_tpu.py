@@ -30,7 +30,8 @@ from tfjax.ops.pallas.common import (BlockSizes, Dims, KernelConfig, MaskOperand
 from tfjax.ops.tiles import logit_scaling, logits, pad_axis, round_up
 from tfjax.ops.vjp import attention_vjp, backward_rows
 
-__all__ = ["DEFAULT_BLOCK_SIZES", "flash_attention_tpu", "flash_attention_tpu_backward"]
+__all__ = ["DEFAULT_BLOCK_SIZES", "SMEM_BYTES", "flash_attention_tpu", "flash_attention_tpu_backward",
+           "table_bytes"]
 
 LANES = 128
 # Large tiles amortise the per grid step cost; [512, 512] fp32 logits are 1 MiB of VMEM.
@@ -296,11 +297,11 @@ def _row_inputs(c: _Call, q, k, v, bias, alibi, rel, extra=(), kv_lanes=False):
     row = lambda b, h, i, j, *_: (b, h, i, 0)
     if kv_lanes:
         kv_spec = pl.BlockSpec((None, None, d.Hp, d.bk), lambda b, h, i, j, order, *_: (
-            b, h // d.G, 0, order[rb(b), i, j]))
+            b, h // d.G, 0, _column(order[rb(b), i, j])))
         kv_operand = _sequence_minor
     else:
         kv_spec = pl.BlockSpec((None, None, d.bk, d.Hp), lambda b, h, i, j, order, *_: (
-            b, h // d.G, order[rb(b), i, j], 0))
+            b, h // d.G, _column(order[rb(b), i, j]), 0))
         kv_operand = _heads_major
     in_specs = [pl.BlockSpec((None, None, d.bq, d.Hp), row), kv_spec, kv_spec]
     operands = [_heads_major(q, d.Tp, d.Hp), kv_operand(k, d.Sp, d.Hp),
@@ -310,7 +311,7 @@ def _row_inputs(c: _Call, q, k, v, bias, alibi, rel, extra=(), kv_lanes=False):
         in_specs.append(pl.BlockSpec(
             (None, None, d.bq, d.bk),
             lambda b, h, i, j, order, *_: (b if Bb > 1 else 0, h if Nb > 1 else 0, i,
-                                           order[rb(b), i, j])))
+                                           _column(order[rb(b), i, j]))))
         operands.append(_bias_operand(bias, d))
     _position_operands(in_specs, operands, alibi, rel, lambda b, h, *_: h)
     for spec, x in extra:
@@ -321,16 +322,49 @@ def _row_inputs(c: _Call, q, k, v, bias, alibi, rel, extra=(), kv_lanes=False):
         operands.append(qs[:, None, :])
     for ks in c.mops.kv_segments:
         in_specs.append(pl.BlockSpec((None, 1, d.bk),
-                                     lambda b, h, i, j, order, *_: (b, 0, order[rb(b), i, j])))
+                                     lambda b, h, i, j, order, *_: (b, 0, _column(order[rb(b), i, j]))))
         operands.append(ks[:, None, :])
     return in_specs, operands
+
+
+_COLUMN_BITS = 16  # a packed tile entry: its column tile in the low bits, its code above
+SMEM_BYTES = 1 << 20  # scalar memory per TPU core (v4, v5e, v5p, v6e)
+
+
+def _packed(tab) -> jax.Array:
+    """The tile table as one int32 array, `column | code << 16`: half the scalar memory
+    of `order` and `code` apart (at 128k tokens the two filled a TPU core's SMEM)."""
+    if tab.order.shape[-1] >= 1 << _COLUMN_BITS:
+        raise ValueError(f"pallas (TPU): {tab.order.shape[-1]} column tiles do not fit the "
+                         f"packed tile table (< {1 << _COLUMN_BITS}); raise the block sizes")
+    return tab.order | (tab.code << _COLUMN_BITS)
+
+
+def _column(entry):
+    return entry & ((1 << _COLUMN_BITS) - 1)
+
+
+def _code(entry):
+    return entry >> _COLUMN_BITS
+
+
+def table_bytes(T: int, S: int, rows: int = 1,
+                block_sizes: BlockSizes = DEFAULT_BLOCK_SIZES) -> int:
+    """The most scalar-memory bytes a kernel's packed tile table and counts take for T
+    queries, S keys and `rows` tables (a mask with per-example data: the batch): the
+    forward's, dq's or dk/dv's (transposed), whichever is largest."""
+    bs = block_sizes
+    grids = ((T, S, _query_tile(bs.block_q, T), bs.block_kv),
+             (T, S, _query_tile(bs.block_q_dq, T), bs.block_kv_dq),
+             (S, T, bs.block_kv_dkv, _query_tile(bs.block_q_dkv, T)))
+    return max(4 * rows * -(-n // br) * (-(-m // bc) + 1) for n, m, br, bc in grids)
 
 
 def _split_refs(refs, n_scalars, has_bias, has_alibi, has_rel, n_seg, n_extra_in, n_out,
                 n_scratch):
     it = iter(refs)
     take = lambda n: [next(it) for _ in range(n)]
-    order, count, code, offs = take(4)
+    order, count, offs = take(3)  # order: the packed tile table (`_packed`)
     sref = take(n_scalars)
     q_ref, k_ref, v_ref = take(3)
     bias_ref = next(it) if has_bias else None
@@ -341,7 +375,7 @@ def _split_refs(refs, n_scalars, has_bias, has_alibi, has_rel, n_seg, n_extra_in
     outs = take(n_out)
     scratch = take(n_scratch)
     columns = take(n_seg)  # the column copies of the lane-major segment tiles
-    return (order, count, code, offs, sref, q_ref, k_ref, v_ref, (bias_ref, alibi_ref, rel_ref),
+    return (order, count, offs, sref, q_ref, k_ref, v_ref, (bias_ref, alibi_ref, rel_ref),
             extra, (qseg, columns), kseg, outs, scratch)
 
 
@@ -383,7 +417,7 @@ def _forward(cfg, q, k, v, mask, bias, alibi, rel, offs, kv_lanes=False):
     has_alibi, has_rel = alibi is not None, rel is not None
 
     def kernel(*refs):
-        (order, count, code, offs_ref, sref, q_ref, k_ref, v_ref, (bias_ref, alibi_ref, rel_ref),
+        (order, count, offs_ref, sref, q_ref, k_ref, v_ref, (bias_ref, alibi_ref, rel_ref),
          _, (qrows, qseg), kseg, (o_ref, lse_ref), (m_sc, l_sc, acc_sc)) = _split_refs(
             refs, ns, has_bias, has_alibi, has_rel, nseg, 0, 2, 3)
         b, h, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
@@ -398,7 +432,7 @@ def _forward(cfg, q, k, v, mask, bias, alibi, rel, offs, kv_lanes=False):
 
         @pl.when(j < count[r, i])
         def _step():
-            kj = order[r, i, j]
+            kj = _column(order[r, i, j])
             rel_tile, _, _ = _relative(rel_ref, rel, b, i, kj, d, offs_ref, mops, qseg, kseg,
                                        sref[len(mops.scalars):])
             qk = dot(q_ref[...], k_ref[...]) if kv_lanes else dot_nt(q_ref[...], k_ref[...])
@@ -409,7 +443,7 @@ def _forward(cfg, q, k, v, mask, bias, alibi, rel, offs, kv_lanes=False):
             def apply_mask(s):
                 return _masked(s, i, kj, d, mask, mops, offs_ref, b, sref, qseg, kseg)
 
-            s = lax.cond(code[r, i, j] == M.PARTIAL, apply_mask, lambda s: s, s)
+            s = lax.cond(_code(order[r, i, j]) == M.PARTIAL, apply_mask, lambda s: s, s)
             m_prev, l_prev = m_sc[...], l_sc[...]  # [bq, 1]
             m_new = jnp.maximum(m_prev, s.max(axis=-1, keepdims=True))
             m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -434,7 +468,7 @@ def _forward(cfg, q, k, v, mask, bias, alibi, rel, offs, kv_lanes=False):
     out_shape = [jax.ShapeDtypeStruct((d.B, d.N, d.Tp, d.Hp), q.dtype),
                  jax.ShapeDtypeStruct((d.B, d.N, 1, d.Tp), jnp.float32)]
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=4 + ns, grid=(d.B, d.N, d.Tp // bq, tab.steps),
+        num_scalar_prefetch=3 + ns, grid=(d.B, d.N, d.Tp // bq, tab.steps),
         in_specs=in_specs, out_specs=out_specs,
         scratch_shapes=[_vmem((bq, 1), jnp.float32), _vmem((bq, 1), jnp.float32),
                         _vmem((bq, d.Hp), jnp.float32),
@@ -443,7 +477,7 @@ def _forward(cfg, q, k, v, mask, bias, alibi, rel, offs, kv_lanes=False):
         cfg.interpret, kernel, grid_spec=grid_spec, out_shape=out_shape,
         compiler_params=_compiler_params("parallel", "parallel", "parallel", "arbitrary"),
         name="tfjax_flash_fwd",
-    )(tab.order, tab.count, tab.code, offs, *mops.scalars, *ranges, *operands)
+    )(_packed(tab), tab.count, offs, *mops.scalars, *ranges, *operands)
     out = out[:, :, :d.T, :d.Hv].transpose(0, 2, 1, 3)
     return out, lse[:, :, 0, :d.T]
 
@@ -464,7 +498,7 @@ def _backward_dq(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta):
         nbp = round_up(rel.num_buckets, 8)
 
     def kernel(*refs):
-        (order, count, code, offs_ref, sref, q_ref, k_ref, v_ref, (bias_ref, alibi_ref, rel_ref),
+        (order, count, offs_ref, sref, q_ref, k_ref, v_ref, (bias_ref, alibi_ref, rel_ref),
          (do_ref, lse_row, delta_row), (qrows, qseg), kseg, outs, (acc_sc, lse_ref, delta_ref)
          ) = _split_refs(refs, ns, has_bias, has_alibi, has_rel, nseg, 3, 2 if has_rel else 1, 3)
         dq_ref = outs[0]
@@ -485,7 +519,7 @@ def _backward_dq(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta):
 
         @pl.when(j < count[r, i])
         def _step():
-            kj = order[r, i, j]
+            kj = _column(order[r, i, j])
             kk = k_ref[...]
             rel_tile, buckets, const = _relative(rel_ref, rel, b, i, kj, d, offs_ref, mops, qseg,
                                                  kseg, sref[len(mops.scalars):])
@@ -496,7 +530,7 @@ def _backward_dq(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta):
             def apply_mask(s):
                 return _masked(s, i, kj, d, mask, mops, offs_ref, b, sref, qseg, kseg)
 
-            s = lax.cond(code[r, i, j] == M.PARTIAL, apply_mask, lambda s: s, s)
+            s = lax.cond(_code(order[r, i, j]) == M.PARTIAL, apply_mask, lambda s: s, s)
             p = jnp.exp(s - lse_ref[...])  # [bq, bk]; lse of fully masked rows is 0 here
             dp = dot_nt(do_ref[...], v_ref[...])
             ds = p * (dp - delta_ref[...])
@@ -532,7 +566,7 @@ def _backward_dq(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta):
                                       lambda b, h, i, j, *_: (b, h, 0, 0)))
         out_shape.append(jax.ShapeDtypeStruct((d.B, d.N, nbp, LANES), jnp.float32))
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=4 + ns, grid=(d.B, d.N, d.Tp // bq, tab.steps),
+        num_scalar_prefetch=3 + ns, grid=(d.B, d.N, d.Tp // bq, tab.steps),
         in_specs=in_specs, out_specs=out_specs,
         scratch_shapes=[_vmem((bq, d.Hp), jnp.float32), _vmem((bq, 1), jnp.float32),
                         _vmem((bq, 1), jnp.float32), *_column_scratch(mops.q_segments, bq)])
@@ -540,7 +574,7 @@ def _backward_dq(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta):
         cfg.interpret, kernel, grid_spec=grid_spec, out_shape=out_shape, name="tfjax_flash_dq",
         compiler_params=_compiler_params("parallel", "parallel",
                                          "arbitrary" if has_rel else "parallel", "arbitrary"),
-    )(tab.order, tab.count, tab.code, offs, *mops.scalars, *ranges, *operands)
+    )(_packed(tab), tab.count, offs, *mops.scalars, *ranges, *operands)
     dq = outs[0][:, :, :d.T, :d.H].transpose(0, 2, 1, 3)
     dtable = None
     if has_rel:  # [B, N, nbp, 128] -> [nb, N]
@@ -565,7 +599,7 @@ def _backward_dkv(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta):
     has_alibi, has_rel = alibi is not None, rel is not None
 
     def kernel(*refs):
-        (order, count, code, offs_ref, sref, q_ref, k_ref, v_ref, (bias_ref, alibi_ref, rel_ref),
+        (order, count, offs_ref, sref, q_ref, k_ref, v_ref, (bias_ref, alibi_ref, rel_ref),
          extra, (qseg, kseg), krows, outs, (dk_sc, dv_sc)) = _split_refs(  # kseg: krows' columns
             refs, ns, has_bias, has_alibi, has_rel, nseg, 4 if has_bias else 3, n_out, 2)
         do_ref, lse_ref, delta_ref = extra[:3]
@@ -588,7 +622,7 @@ def _backward_dkv(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta):
 
         @pl.when(j < count[r, kj])
         def _step():
-            qi = order[r, kj, j]
+            qi = _column(order[r, kj, j])
             qq, kk, vv, dd = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
             rel_tile, _, _ = _relative(rel_ref, rel, b, qi, kj, d, offs_ref, mops, qseg, kseg,
                                        sref[len(mops.scalars):], kv_major=True)
@@ -601,7 +635,7 @@ def _backward_dkv(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta):
                 return _masked(s, qi, kj, d, mask, mops, offs_ref, b, sref, qseg, kseg,
                                kv_major=True)
 
-            s = lax.cond(code[r, kj, j] == M.PARTIAL, apply_mask, lambda s: s, s)
+            s = lax.cond(_code(order[r, kj, j]) == M.PARTIAL, apply_mask, lambda s: s, s)
             p = jnp.exp(s - lse_ref[...])  # [bk, bq]
             dv_sc[...] += dot(p.astype(dd.dtype), dd)
             dp = dot_nt(vv, dd)
@@ -617,9 +651,9 @@ def _backward_dkv(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta):
             dk_ref[...] = dk_sc[...].astype(dk_ref.dtype)
             dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
 
-    q_idx = lambda b, kh, kj, g, j, order, *_: (b, kh * G + g, order[rb(b), kj, j], 0)
+    q_idx = lambda b, kh, kj, g, j, order, *_: (b, kh * G + g, _column(order[rb(b), kj, j]), 0)
     kv_row = lambda b, kh, kj, g, j, *_: (b, kh, kj, 0)
-    lse_idx = lambda b, kh, kj, g, j, order, *_: (b, kh * G + g, 0, order[rb(b), kj, j])
+    lse_idx = lambda b, kh, kj, g, j, order, *_: (b, kh * G + g, 0, _column(order[rb(b), kj, j]))
     in_specs = [pl.BlockSpec((None, None, bq, d.Hp), q_idx),
                 pl.BlockSpec((None, None, bk, d.Hp), kv_row),
                 pl.BlockSpec((None, None, bk, d.Hp), kv_row)]
@@ -630,7 +664,7 @@ def _backward_dkv(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta):
         in_specs.append(pl.BlockSpec(
             (None, None, bq, bk),
             lambda b, kh, kj, g, j, order, *_: (b if Bb > 1 else 0, kh * G + g if Nb > 1 else 0,
-                                                order[rb(b), kj, j], kj)))
+                                                _column(order[rb(b), kj, j]), kj)))
         operands.append(_bias_operand(bias, d))
     _position_operands(in_specs, operands, alibi, rel, lambda b, kh, kj, g, *_: kh * G + g)
     in_specs += [pl.BlockSpec((None, None, bq, d.Hp), q_idx),
@@ -642,10 +676,10 @@ def _backward_dkv(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta):
     if has_bias:  # zero-initialised dbias, aliased to the output: EMPTY tiles stay 0
         in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
         operands.append(jnp.zeros((d.B, d.N, d.Tp, d.Sp), jnp.float32))
-        io_aliases = {4 + ns + len(operands) - 1: 2}
+        io_aliases = {3 + ns + len(operands) - 1: 2}
     for qs in mops.q_segments:
         in_specs.append(pl.BlockSpec(
-            (None, 1, bq), lambda b, kh, kj, g, j, order, *_: (b, 0, order[rb(b), kj, j])))
+            (None, 1, bq), lambda b, kh, kj, g, j, order, *_: (b, 0, _column(order[rb(b), kj, j]))))
         operands.append(qs[:, None, :])
     for ks in mops.kv_segments:  # lane-major; the kernel keeps a column copy per kv tile
         in_specs.append(pl.BlockSpec((None, 1, bk), lambda b, kh, kj, g, j, *_: (b, 0, kj)))
@@ -657,10 +691,10 @@ def _backward_dkv(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta):
     if has_bias:
         out_specs.append(pl.BlockSpec(
             (None, None, bq, bk),
-            lambda b, kh, kj, g, j, order, *_: (b, kh * G + g, order[rb(b), kj, j], kj)))
+            lambda b, kh, kj, g, j, order, *_: (b, kh * G + g, _column(order[rb(b), kj, j]), kj)))
         out_shape.append(jax.ShapeDtypeStruct((d.B, d.N, d.Tp, d.Sp), jnp.float32))
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=4 + ns, grid=(d.B, d.K, d.Sp // bk, G, tab.steps),
+        num_scalar_prefetch=3 + ns, grid=(d.B, d.K, d.Sp // bk, G, tab.steps),
         in_specs=in_specs, out_specs=out_specs,
         scratch_shapes=[_vmem((bk, d.Hp), jnp.float32), _vmem((bk, d.Hp), jnp.float32),
                         *_column_scratch(mops.kv_segments, bk)])
@@ -669,7 +703,7 @@ def _backward_dkv(cfg, q, k, v, mask, bias, alibi, rel, offs, do, lse, delta):
         input_output_aliases=io_aliases, name="tfjax_flash_dkv",
         compiler_params=_compiler_params("parallel", "parallel", "parallel", "arbitrary",
                                          "arbitrary"),
-    )(tab.order, tab.count, tab.code, offs, *mops.scalars, *ranges, *operands)
+    )(_packed(tab), tab.count, offs, *mops.scalars, *ranges, *operands)
     dk = outs[0][:, :, :d.S, :d.H].transpose(0, 2, 1, 3)
     dv = outs[1][:, :, :d.S, :d.Hv].transpose(0, 2, 1, 3)
     dbias = None
