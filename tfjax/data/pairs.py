@@ -54,6 +54,9 @@ def encode_pairs(examples: Sequence[dict], tokenizer, seq_len: int) -> list[dict
 def pair_row(pairs: list[dict], seq_len: int, tokenizer) -> dict:
     """Whole pairs laid end to end in one row -> `PAIR_KEYS` arrays (`pairs` a scalar)."""
     need = seq_len + 1
+    if sum(p["length"] for p in pairs) > need:
+        raise ValueError(f"pair_row: {len(pairs)} pairs of {sum(p['length'] for p in pairs)} "
+                         f"tokens do not fit a row of {need}")
     toks = np.full(need, tokenizer.pad_id, np.int32)
     seg, pos, score = (np.zeros(need, np.int32) for _ in range(3))
     at, piece = 0, 0
