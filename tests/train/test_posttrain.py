@@ -212,3 +212,29 @@ def test_distill_preset_from_a_teacher(tmp_path):
     w = transformers.LlamaForCausalLM.from_pretrained(teacher).lm_head.weight.detach().numpy()
     head = tr.state["reference"]["params"]["embed"]["head"]["kernel"].get_value()
     np.testing.assert_allclose(np.asarray(head), w.T, rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_lora_reference_is_the_frozen_base_and_a_dpo_workdir_starts_another(tmp_path, hf_llama):
+    """With LoRA the reference is the frozen base (no copy in the state; step 1's loss is
+    log 2, the policy being the base); a DPO workdir is an init_from like any other, its
+    trained policy the new run's reference."""
+    import dataclasses
+
+    data = write_pairs(tmp_path / "pairs.jsonl", 32)
+    cfg = dataclasses.replace(_dpo_config(hf_llama, data, steps=3),
+                              lora=C.LoraConfig(rank=4, alpha=8.0, targets="all"))
+    tr = Trainer(cfg, str(tmp_path / "lora"), devices=jax.devices()[:1], log=lambda s: None)
+    tr.train()
+    assert "reference" not in tr.state and "frozen" in tr.state
+    assert abs(_records(str(tmp_path / "lora"))[0]["loss"] - np.log(2)) < 1e-6
+
+    first = Trainer(_dpo_config(hf_llama, data, steps=2), str(tmp_path / "dpo"),
+                    devices=jax.devices()[:1], log=lambda s: None)
+    first.train()
+    second = Trainer(_dpo_config(str(tmp_path / "dpo"), data, steps=1), str(tmp_path / "again"),
+                     devices=jax.devices()[:1], log=lambda s: None)
+    state = second.init_state()
+    for a, b in zip(jax.tree.leaves(state["reference"]["params"]),
+                    jax.tree.leaves(first.state["params"])):
+        np.testing.assert_array_equal(a, b)
