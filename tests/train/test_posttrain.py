@@ -22,6 +22,7 @@ from tfjax.data.pairs import PAIR_KEYS, encode_pairs, pair_batches, pair_row
 from tfjax.data.tokenizer import ByteTokenizer
 from tfjax.models import build
 from tfjax.train import Trainer
+from tfjax.train.checkpoint import load_run
 from tfjax.train.preference import pair_sums
 
 torch = pytest.importorskip("torch", reason="the hf extra (torch) is not installed")
@@ -218,7 +219,7 @@ def test_distill_preset_from_a_teacher(tmp_path):
 def test_lora_reference_is_the_frozen_base_and_a_dpo_workdir_starts_another(tmp_path, hf_llama):
     """With LoRA the reference is the frozen base (no copy in the state; step 1's loss is
     log 2, the policy being the base); a DPO workdir is an init_from like any other, its
-    trained policy the new run's reference."""
+    trained policy the new run's reference, and `load_run` (export, evaluation) reads it."""
     import dataclasses
 
     data = write_pairs(tmp_path / "pairs.jsonl", 32)
@@ -238,3 +239,8 @@ def test_lora_reference_is_the_frozen_base_and_a_dpo_workdir_starts_another(tmp_
     for a, b in zip(jax.tree.leaves(state["reference"]["params"]),
                     jax.tree.leaves(first.state["params"])):
         np.testing.assert_array_equal(a, b)
+    # export / evaluation read the policy of a run whose state also holds the reference
+    model, _, _, step = load_run(str(tmp_path / "dpo"))
+    assert step == 2
+    np.testing.assert_array_equal(model.embed.tokens.embedding.get_value(),
+                                  first.state["params"]["embed"]["tokens"]["embedding"].get_value())

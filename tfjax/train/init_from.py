@@ -32,7 +32,6 @@ from tfjax.parallel.rules import logical_rules, tree_shardings
 from tfjax.train.checkpoint import Checkpointer, abstract_with_shardings, read_json_object
 from tfjax.train.lora import model_params, train_state_shape
 from tfjax.train.program import Program
-from tfjax.train.reference import reference_of
 
 __all__ = ["CONTEXT_FIELDS", "RUNTIME_FIELDS", "check_tokenizer", "checkpoint_kind",
            "initial_state", "load_teacher", "merge_model", "resolve_init_from", "teacher_config"]
@@ -191,12 +190,10 @@ def _tfjax_params(path: str, src: RunConfig, mesh, rules, log):
 
     _, aparams, arest = nnx.split(nnx.eval_shape(make_model), nnx.Param, ...)
     astate, lora, _ = train_state_shape(src, aparams, arest)  # a LoRA run: base + adapters
-    ref = reference_of(src, None, aparams, arest, lora, build, teacher_config(src))
-    if ref is not None and ref.abstract is not None:  # a dpo / distill run's frozen model
-        astate = dict(astate, reference=ref.abstract)
-    abstract = abstract_with_shardings(astate, tree_shardings(astate, mesh, rules, []))
     ckpt = Checkpointer(path, dataclasses.replace(src.checkpoint, async_save=False))
     try:
+        astate = ckpt.with_saved_reference(astate)  # a dpo / distill run's frozen model
+        abstract = abstract_with_shardings(astate, tree_shardings(astate, mesh, rules, []))
         got = ckpt.restore(abstract, warn=lambda s: log(f"  warning: init_from: {s}"))
     finally:
         ckpt.close()
