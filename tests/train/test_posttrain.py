@@ -244,3 +244,21 @@ def test_lora_reference_is_the_frozen_base_and_a_dpo_workdir_starts_another(tmp_
     assert step == 2
     np.testing.assert_array_equal(model.embed.tokens.embedding.get_value(),
                                   first.state["params"]["embed"]["tokens"]["embedding"].get_value())
+
+
+@pytest.mark.slow
+def test_orpo_microbatches_and_local_gradients_equal_one_batch(tmp_path):
+    """Each loss term over its global count: 2 microbatches, and 2 devices summing
+    local gradients, give the losses of one batch on one device."""
+    data = write_pairs(tmp_path / "pairs.jsonl", 48)
+    out = {}
+    for name, mesh, micro, n in (("one", 1, 1, 1), ("micro", 1, 2, 1), ("mesh", 2, 2, 2)):
+        cfg = tiny_config(train=dict(objective="orpo", steps=3, batch_size=4, seq_len=64,
+                                     microbatches=micro),
+                          data=dict(source="jsonl", paths=(data,), val_paths=(data,)),
+                          mesh=dict(data=mesh))
+        tr = Trainer(cfg, str(tmp_path / name), devices=jax.devices()[:n], log=lambda s: None)
+        out[name] = tr.train()["history"]
+    for name in ("micro", "mesh"):
+        np.testing.assert_allclose([out[name][k] for k in (1, 2, 3)],
+                                   [out["one"][k] for k in (1, 2, 3)], rtol=1e-5)

@@ -456,7 +456,8 @@ def eval_metrics(obj: Objective, sums: dict[str, float]) -> dict[str, float]:
 def eval_line(ev: dict[str, Any], final: bool) -> str:
     """The log text of an evaluation (`final`: the end-of-run line, with units)."""
     if final:
-        parts = [f"val_loss {ev['val_loss']:.4f} nats/token"]
+        pairs = any(k.startswith("val_rewards/") for k in ev)  # a preference loss: per pair
+        parts = [f"val_loss {ev['val_loss']:.4f}{'' if pairs else ' nats/token'}"]
         if "val_bpb" in ev:
             parts.append(f"val_bpb {ev['val_bpb']:.4f} bits/byte on {int(ev['val_bytes']):,} "
                          f"validation bytes")
