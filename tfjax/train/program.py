@@ -24,7 +24,7 @@ from tfjax.parallel.rules import logical_rules, replicated, tree_shardings
 from tfjax.parallel.sharding import logical_to_spec, use_rules
 from tfjax.parallel.zigzag import zigzag_data, zigzag_order
 from tfjax.train.lora import Lora, train_state_shape
-from tfjax.train.objectives import OBJECTIVES
+from tfjax.train.objectives import OBJECTIVES, bound_objective
 from tfjax.train.reference import Reference, reference_of
 from tfjax.train.step import changes_state, local_gradient_axes, make_eval_step, make_train_step
 
@@ -142,7 +142,7 @@ def build_program(cfg: RunConfig, mesh, build_model, teacher=None) -> Program:
     # Batches: [B, T] split over the "batch" mesh axes; the step itself constrains
     # activations to ("batch", "length") (sequence sharding).
     batch_sharding = NamedSharding(mesh, logical_to_spec(("batch", None), rules))
-    objective = OBJECTIVES.get(t.objective, field="train.objective")
+    objective = bound_objective(t.objective, t)
     shapes = objective.shapes(cfg)
     shardings = {k: NamedSharding(mesh, logical_to_spec(("batch", None)[:len(v)], rules))
                  for k, v in shapes.items()}
