@@ -81,7 +81,8 @@ def test_pair_rows_hold_whole_pairs_scored_on_the_responses():
 
 def test_packed_forward_equals_unpacked():
     """Pairs packed two to a row give the sums of each pair in a row of its own (the
-    segment ids and positions keep the sequences apart), with a reference too."""
+    segment ids and positions keep the sequences apart), with a reference too; and
+    `loss_chunk` gives the same sums as the whole logits."""
     m = tiny_config().model
     policy = build(m, rngs=nnx.Rngs(0))
     ref = build(m, rngs=nnx.Rngs(1))
@@ -92,8 +93,12 @@ def test_packed_forward_equals_unpacked():
 
     @jax.jit
     def f(sp, sr, b):
-        return {kind: pair_sums(kind, cfg, nnx.merge(gp, sp), b, nnx.merge(gr, sr))
-                for kind in ("dpo", "orpo")}
+        out = {kind: pair_sums(kind, cfg, nnx.merge(gp, sp), b, nnx.merge(gr, sr))
+               for kind in ("dpo", "orpo")}
+        # train.loss_chunk: the log-probs 16 positions at a time, through the head
+        out["chunked"] = pair_sums("orpo", cfg, nnx.merge(gp, sp), b, nnx.merge(gr, sr),
+                                   loss_chunk=16)
+        return out
 
     packed = f(sp, sr, _rows(enc, [[0, 1], [2]], 80))
     alone = f(sp, sr, _rows(enc, [[0], [1], [2]], 80))
@@ -103,6 +108,9 @@ def test_packed_forward_equals_unpacked():
             np.testing.assert_allclose(packed[kind][k], alone[kind][k], rtol=2e-5, atol=2e-5,
                                        err_msg=f"{kind} {k}")
         assert float(packed[kind]["tokens"]) == 3
+    for k in packed["orpo"]:
+        np.testing.assert_allclose(packed["chunked"][k], packed["orpo"][k], rtol=2e-5,
+                                   atol=2e-5, err_msg=f"chunked {k}")
 
 
 def test_bad_pairs_name_the_line(tmp_path):

@@ -369,7 +369,7 @@ def _preference_check(cfg, tokenizer, n_seq):
 def _register_preference(kind):
     def bind(t):
         def forward(model, b, loss_chunk=0, reference=None):
-            return pair_sums(kind, t.preference, model, b, reference)
+            return pair_sums(kind, t.preference, model, b, reference, loss_chunk)
         return forward
 
     orpo = kind == "orpo"

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from tfjax.config import PreferenceConfig
+from tfjax.train.losses import token_log_probs
 
 __all__ = ["pair_losses", "pair_sums", "sequence_sums", "token_logps"]
 
@@ -76,20 +77,31 @@ def pair_losses(kind: str, cfg: PreferenceConfig, logps, lengths, ref_logps=None
     return loss, rewards[..., 0], rewards[..., 1]
 
 
-def pair_sums(kind: str, cfg: PreferenceConfig, model, b, reference=None) -> dict:
+def _response_logps(model, b, loss_chunk: int) -> jax.Array:
+    """log p(target) `[B, T]` of `model` on the batch; with `loss_chunk` (and T >
+    loss_chunk) through its `hidden`, `head_input` and `head`, a chunk of positions at a
+    time (no `[B, T, V]` logits held)."""
+    args = dict(positions=b["positions"], segment_ids=b["segment_ids"])
+    if loss_chunk and b["targets"].shape[1] > loss_chunk and hasattr(model, "hidden"):
+        features = model.head_input(model.hidden(b["inputs"], **args))
+        return token_log_probs(model.head, features, b["targets"], chunk=loss_chunk)
+    return token_logps(model(b["inputs"], **args), b["targets"])
+
+
+def pair_sums(kind: str, cfg: PreferenceConfig, model, b, reference=None,
+              loss_chunk: int = 0) -> dict:
     """The loss sums of a batch of packed pairs (`tfjax.data.pairs.PAIR_KEYS`): nll (the
     pair losses), tokens (pairs), chosen / rejected rewards, wins (chosen reward >
     rejected), margins; ORPO adds sft_nll / sft_tokens (every target of the chosen
-    sequences, TRL's NLL term)."""
-    args = dict(positions=b["positions"], segment_ids=b["segment_ids"])
+    sequences, TRL's NLL term). `loss_chunk`: `train.loss_chunk` (`_response_logps`)."""
     seg = b["segment_ids"]
-    lp = token_logps(model(b["inputs"], **args), b["targets"])
+    lp = _response_logps(model, b, loss_chunk)
     mask = b["mask"].astype(jnp.float32)
     logps = sequence_sums(lp * mask, seg)
     lengths = sequence_sums(mask, seg)
     ref = None
     if reference is not None:
-        rlp = token_logps(reference(b["inputs"], **args), b["targets"])
+        rlp = _response_logps(reference, b, loss_chunk)
         ref = jax.lax.stop_gradient(sequence_sums(rlp * mask, seg))
     valid = (jnp.arange(logps.shape[1])[None] < b["pairs"][:, None]).astype(jnp.float32)
     # the empty slots past a row's pairs: finite stand-ins (ORPO's log(1 - p) at p = 1
