@@ -6,7 +6,8 @@ or an invalid combination raises `ValueError` naming the field and what would be
 Below the boundary a layer takes its section's record whole (`Mamba(d_model, cfg.ssm)`),
 never the ConfigDict. This package imports nothing else of tfjax; names a registry owns
 are checked by `tfjax.models.check_names`. Modules: `model`, `attention`, `shared` (the
-model's sections), `run` (the trainer's, `RunConfig`), `convert`, `checks`. See
+model's sections), `run` (the trainer's, `RunConfig`), `posttrain` (its preference and
+distillation sections), `convert`, `checks`. See
 docs/presets.md.
 """
 
@@ -17,6 +18,8 @@ from tfjax.config.convert import (apply_variant, default_config, flat_fields, fr
 from tfjax.config.model import (DTYPES, GatedDeltaNetConfig, LinearConfig, MLAConfig,
                                 Mamba2Config, ModelConfig, MoEConfig, RopeConfig, SSMConfig,
                                 T5Config)
+from tfjax.config.posttrain import (PREFERENCE_OBJECTIVES, REFERENCE_OBJECTIVES, DistillConfig,
+                                    PreferenceConfig)
 from tfjax.config.shared import SharedBlockConfig
 from tfjax.config.run import (DCN_AXES, DEFAULT_RULES, MESH_AXES, CheckpointConfig, DataConfig,
                               LoraConfig, MeshConfig,
@@ -44,6 +47,10 @@ __all__ = [
     "MeshConfig",
     "CheckpointConfig",
     "LoraConfig",
+    "PreferenceConfig",
+    "DistillConfig",
+    "PREFERENCE_OBJECTIVES",
+    "REFERENCE_OBJECTIVES",
     "RunConfig",
     "DEFAULT_RULES",
     "DTYPES",

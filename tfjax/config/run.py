@@ -9,6 +9,7 @@ import dataclasses
 
 from tfjax.config.checks import fail, non_negative, one_of, positive
 from tfjax.config.model import ModelConfig, validate_model
+from tfjax.config.posttrain import DistillConfig, PreferenceConfig, validate_posttrain
 
 __all__ = ["CheckpointConfig", "DataConfig", "DCN_AXES", "DEFAULT_RULES", "DECAY_SHAPES", "LoraConfig",
            "MESH_AXES", "MeshConfig", "ParamGroup", "RunConfig", "SCHEDULES", "TrainConfig",
@@ -98,6 +99,10 @@ class TrainConfig:
       whether whole words are selected. noise_density, mean_span_length: span
       corruption's (T5: 0.15, 3). target_len: the decoder length of the
       encoder-decoder objectives; 0 = automatic.
+    Post-training (`tfjax.config.posttrain`, docs/training.md "Post-training"):
+      decoder "dpo" | "ipo" | "orpo" | "simpo" (`preference`: beta, label_smoothing,
+      simpo_gamma) on jsonl pairs; "distill" from `teacher` (a Hugging Face directory
+      or a tfjax workdir with the student's vocabulary; `distill`: beta, temperature).
     """
 
     steps: int = 1000
@@ -158,6 +163,9 @@ class TrainConfig:
     noise_density: float = 0.15
     mean_span_length: float = 3.0
     target_len: int = 0
+    preference: PreferenceConfig = dataclasses.field(default_factory=PreferenceConfig)
+    distill: DistillConfig = dataclasses.field(default_factory=DistillConfig)
+    teacher: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,6 +320,8 @@ class RunConfig:
             fail("context_extension", "continues the checkpoint that init_from names at a "
                  "longer context, but init_from is empty; set --config.init_from=DIR or drop "
                  "--config.context_extension")
+        validate_posttrain(self.train.objective, self.train.preference, self.train.distill,
+                           self.train.teacher, self.init_from)
         if self.data.format == "instruction" and self.train.objective != "causal_lm":
             fail("data.format", f"'instruction' scores the completions of a causal LM, but "
                  f"train.objective={self.train.objective!r}; set --config.train.objective="

@@ -277,12 +277,13 @@ def _bad(path, lineno, msg):
 
 
 def jsonl_examples(cfg: DataConfig, split: str, fields: dict[str, str],
-                   num_classes: int = 0) -> list[dict]:
+                   num_classes: int = 0, where: bool = False) -> list[dict]:
     """The examples of `split` from `data.paths` / `data.val_paths` (jsonl; the split
     rule of `tfjax.data.sources`): one dict per line with `fields` (name -> "text" or
     "label"). Every line is checked: a JSON object whose text fields are non-empty
     strings and whose label is an integer in [0, num_classes), or a ValueError naming
-    the file, the 1-based line and the field."""
+    the file, the 1-based line and the field. `where`: each example also holds
+    "where", its "file:line" (for later errors about it)."""
     if cfg.source != "jsonl":
         raise ValueError(f"data.source: {cfg.source!r}; this objective reads examples from "
                          f"jsonl files with fields {', '.join(fields)}: set data.source='jsonl' "
@@ -316,6 +317,8 @@ def jsonl_examples(cfg: DataConfig, split: str, fields: dict[str, str],
                              f"[0, {num_classes}) (model.num_classes={num_classes}), got {v!r}")
                 if rule is None or is_validation(f"{key}:{lineno}") == (rule == "validation"):
                     out.append({name: rec[name] for name in fields})
+                    if where:
+                        out[-1]["where"] = f"{path}:{lineno + 1}"
     if not out:
         raise ValueError(f"data.paths: the {split} split has no examples (data.paths="
                          f"{cfg.paths!r}, data.val_paths={cfg.val_paths!r}); 1 in 50 lines goes "

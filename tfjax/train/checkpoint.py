@@ -166,6 +166,24 @@ class Checkpointer:
             raise _Damaged(reason or "it cannot be read on another process")
         return state, data, step
 
+    def with_saved_reference(self, abstract_state: dict, step: int | None = None) -> dict:
+        """`abstract_state` plus the frozen model a dpo / ipo / distill run saved
+        (`state["reference"]`, `tfjax.train.reference`) as the checkpoint's metadata
+        describes it, so a reader that needs only the policy (export, evaluation,
+        init_from) restores the run without knowing its teacher."""
+        steps = self.all_steps()
+        if "reference" in abstract_state or not steps:
+            return abstract_state
+        try:
+            saved = self.manager.item_metadata(steps[-1] if step is None else step)["state"]
+        except Exception:  # noqa: BLE001 - unreadable metadata: the restore says so
+            return abstract_state
+        if not hasattr(saved, "keys") or "reference" not in saved.keys():
+            return abstract_state
+        ref = jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype),
+                           saved["reference"])
+        return dict(abstract_state, reference=ref)
+
     def _check_tree(self, abstract_state: Any, step: int) -> None:
         try:
             saved = self.manager.item_metadata(step)["state"]
@@ -255,6 +273,7 @@ def restore_run(workdir: str, step: int | None = None):
         abstract = nnx.eval_shape(make_model)
         graphdef, aparams, arest = nnx.split(abstract, nnx.Param, ...)
         astate, lora, _ = train_state_shape(cfg, aparams, arest)
+        astate = ckpt.with_saved_reference(astate, step)
         one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         astate = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one),
                               astate)

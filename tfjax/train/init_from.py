@@ -34,7 +34,7 @@ from tfjax.train.lora import model_params, train_state_shape
 from tfjax.train.program import Program
 
 __all__ = ["CONTEXT_FIELDS", "RUNTIME_FIELDS", "check_tokenizer", "checkpoint_kind",
-           "initial_state", "merge_model", "resolve_init_from"]
+           "initial_state", "load_teacher", "merge_model", "resolve_init_from", "teacher_config"]
 
 # How the model runs, not what it is: always the config file's (docs/training.md).
 RUNTIME_FIELDS = ("dtype", "param_dtype", "attention.impl", "attention.context_parallel",
@@ -190,9 +190,10 @@ def _tfjax_params(path: str, src: RunConfig, mesh, rules, log):
 
     _, aparams, arest = nnx.split(nnx.eval_shape(make_model), nnx.Param, ...)
     astate, lora, _ = train_state_shape(src, aparams, arest)  # a LoRA run: base + adapters
-    abstract = abstract_with_shardings(astate, tree_shardings(astate, mesh, rules, []))
     ckpt = Checkpointer(path, dataclasses.replace(src.checkpoint, async_save=False))
     try:
+        astate = ckpt.with_saved_reference(astate)  # a dpo / distill run's frozen model
+        abstract = abstract_with_shardings(astate, tree_shardings(astate, mesh, rules, []))
         got = ckpt.restore(abstract, warn=lambda s: log(f"  warning: init_from: {s}"))
     finally:
         ckpt.close()
@@ -241,3 +242,41 @@ def initial_state(program: Program, cfg: RunConfig, mesh, log: Callable[[str], N
     log(f"  init_from: {program.num_params / 1e6:.2f}M parameters from {path} ({where}); "
         f"optimizer state fresh")
     return state
+
+
+def teacher_config(cfg: RunConfig) -> ModelConfig | None:
+    """The model config of `train.teacher` (read as `init_from` reads a checkpoint), with
+    the student's dtypes; None without a teacher. A vocabulary other than the
+    student's is a ValueError naming `train.teacher`."""
+    path = cfg.train.teacher
+    if not path:
+        return None
+    try:
+        _, m, _, _ = _source(path)
+    except ValueError as e:
+        raise ValueError(f"train.teacher: {str(e).replace('init_from', 'the teacher')}") from None
+    if m.vocab_size != cfg.model.vocab_size:
+        raise ValueError(f"train.teacher: {path} has vocab_size {m.vocab_size}, the student "
+                         f"model.vocab_size {cfg.model.vocab_size}; distillation compares "
+                         f"logits over one vocabulary: use a teacher with the student's "
+                         f"tokenizer and vocabulary")
+    return dataclasses.replace(m, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype)
+
+
+def load_teacher(program: Program, cfg: RunConfig, mesh, state: dict,
+                 log: Callable[[str], None]) -> dict:
+    """`state` with `state["reference"]["params"]` read from `train.teacher` (a fresh
+    run's; a resumed run restores the teacher with its checkpoint)."""
+    path, m = cfg.train.teacher, teacher_config(cfg)
+    kind, _, _, source = _source(path)
+    rules = logical_rules(cfg.mesh.rules)
+    if kind == "hf":
+        loaded = _hf_params(path, source, m, mesh, cfg.mesh.rules)
+    else:
+        loaded, _ = _tfjax_params(path, source, mesh, rules, log)
+    want = program.abstract_state["reference"]["params"]
+    sh = program.state_shardings["reference"]["params"]
+    loaded = jax.tree.map(lambda x, a: x.astype(a.dtype), loaded, want)
+    log(f"  teacher: {sum(x.size for x in jax.tree.leaves(loaded)) / 1e6:.2f}M parameters "
+        f"from {path}")
+    return dict(state, reference=dict(state["reference"], params=jax.device_put(loaded, sh)))

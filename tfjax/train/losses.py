@@ -5,7 +5,8 @@
 crosses a document boundary) -> the sums nll, z, tokens and bytes, not means, so
 microbatches and evaluation batches weight every token equally.
 `chunked_cross_entropy_sums` gives the same sums from the final hidden states `[B, T, D]`
-and the output head without holding the `[B, T, V]` logits. See docs/training.md
+and the output head without holding the `[B, T, V]` logits; `token_log_probs` the
+per-token log-probabilities the same way (preference losses). See docs/training.md
 ("The loss").
 """
 
@@ -18,7 +19,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-__all__ = ["bits_per_byte", "chunked_cross_entropy_sums", "cross_entropy_sums"]
+__all__ = ["bits_per_byte", "chunked_cross_entropy_sums", "cross_entropy_sums",
+           "token_log_probs"]
 
 LN2 = math.log(2.0)
 
@@ -67,6 +69,13 @@ def chunked_cross_entropy_sums(head: Callable[[jax.Array], jax.Array], x: jax.Ar
     n = -(-T // chunk) if chunk > 0 else 1
     if n <= 1:
         return cross_entropy_sums(head(x), targets, mask, target_bytes)
+    return _sums(*_chunked_terms(head, x, targets, n), mask, target_bytes)
+
+
+def _chunked_terms(head, x, targets, n: int) -> tuple[jax.Array, jax.Array]:
+    """(log Z, the target's logit) `[B, T]` of `head(x)`, n chunks of positions at a time,
+    each chunk's logits recomputed in the backward."""
+    B, T = targets.shape
     c = -(-T // n)  # positions per chunk
     pad = n * c - T
     if pad:
@@ -86,7 +95,18 @@ def chunked_cross_entropy_sums(head: Callable[[jax.Array], jax.Array], x: jax.Ar
     def unchunk(y):  # [n, B, c] -> [B, T]
         return y.transpose(1, 2, 0).reshape(B, n * c)[:, :T]
 
-    return _sums(unchunk(lse), unchunk(target_logit), mask, target_bytes)
+    return unchunk(lse), unchunk(target_logit)
+
+
+def token_log_probs(head: Callable[[jax.Array], jax.Array], x: jax.Array, targets: jax.Array,
+                    *, chunk: int = 0) -> jax.Array:
+    """log p(target) `[B, T]` (float32) of the logits `head(x)`, at most `chunk`
+    positions of a row at a time as `chunked_cross_entropy_sums` (0: all at once)."""
+    T = targets.shape[1]
+    n = -(-T // chunk) if chunk > 0 else 1
+    lse, target_logit = (_token_terms(head(x), targets) if n <= 1
+                         else _chunked_terms(head, x, targets, n))
+    return target_logit - lse
 
 
 def bits_per_byte(nll_sum, num_bytes):

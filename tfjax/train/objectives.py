@@ -18,16 +18,19 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from tfjax.config import RunConfig
+from tfjax.config import RunConfig, TrainConfig
 from tfjax.data import objectives as D
 from tfjax.data.mixture import MixtureBatches, open_caches
 from tfjax.data.pipeline import BATCH_KEYS, PackedBatches
+from tfjax.data.pairs import PAIR_KEYS, encode_pairs, pair_batches, pair_examples
 from tfjax.data.sources import documents
 from tfjax.models.mtp import mtp_predictions
 from tfjax.registry import Registry
+from tfjax.train.distill import distill_sums
 from tfjax.train.losses import LN2, chunked_cross_entropy_sums, cross_entropy_sums
+from tfjax.train.preference import pair_sums
 
-__all__ = ["OBJECTIVES", "Objective", "check_objective", "encdec_lengths", "eval_line",
+__all__ = ["OBJECTIVES", "Objective", "bound_objective", "check_objective", "encdec_lengths", "eval_line",
            "eval_metrics"]
 
 
@@ -58,6 +61,14 @@ class Objective:
     compression: bool = False  # ... beside gzip / xz on the same bytes
     samples: bool = False  # a greedy sample at the end (decoder LMs)
     zigzag: bool = False  # batches may be put in zig-zag order (`model.attention.zigzag="data"`)
+    # A loss of several terms, each summed and divided by its own count: ((sum, count),
+    # ...), with `counts(batch)` -> {count: global value} for the step (None: nll / tokens)
+    terms: tuple[tuple[str, str], ...] | None = None
+    counts: Callable | None = None
+    # report(sums) -> the metrics logged beside the loss (train; "val_" + name in eval)
+    report: Callable[[dict], dict] | None = None
+    # bind(train config) -> forward, for an objective whose forward reads its config
+    bind: Callable | None = None
 
 
 OBJECTIVES: Registry[Objective] = Registry("objective")
@@ -319,6 +330,84 @@ OBJECTIVES.register("seq2seq", Objective(
     bits_per_byte=True))
 
 
+# --------------------------------------------------------------- preference
+def _pair_batches(cfg, tokenizer, source, local_rows, train):
+    t = cfg.train
+    return pair_batches(encode_pairs(source, tokenizer, t.seq_len), tokenizer, seq_len=t.seq_len,
+                        global_batch=t.batch_size, local_rows=local_rows, seed=cfg.seed,
+                        shuffle=train and cfg.data.shuffle, repeat=train)
+
+
+def _pair_shapes(cfg):
+    t = cfg.train
+    return {**{k: (t.batch_size, t.seq_len) for k in PAIR_KEYS}, "pairs": (t.batch_size,)}
+
+
+def _pair_counts(batch, orpo=False):
+    out = {"tokens": batch["pairs"].astype(jnp.float32).sum()}
+    if orpo:  # every target of the chosen sequences (odd segments)
+        chosen = batch["seq_mask"] * (batch["segment_ids"] % 2 == 1)
+        out["sft_tokens"] = chosen.astype(jnp.float32).sum()
+    return out
+
+
+def preference_report(sums: dict) -> dict:
+    """Pair sums -> TRL's reward metrics (means over the pairs)."""
+    n = max(float(sums["tokens"]), 1.0)
+    return {"rewards/chosen": sums["chosen_rewards"] / n,
+            "rewards/rejected": sums["rejected_rewards"] / n,
+            "rewards/accuracies": sums["wins"] / n, "rewards/margins": sums["margins"] / n}
+
+
+def _preference_check(cfg, tokenizer, n_seq):
+    if cfg.data.source != "jsonl":
+        raise ValueError(f"data.source: train.objective={cfg.train.objective!r} reads "
+                         f"{{\"prompt\", \"chosen\", \"rejected\"}} jsonl lines, but data.source="
+                         f"{cfg.data.source!r}; set --config.data.source=jsonl and data.paths")
+
+
+def _register_preference(kind):
+    def bind(t):
+        def forward(model, b, loss_chunk=0, reference=None):
+            return pair_sums(kind, t.preference, model, b, reference, loss_chunk)
+        return forward
+
+    orpo = kind == "orpo"
+    extra = ("chosen_rewards", "rejected_rewards", "wins", "margins") + (
+        ("sft_nll", "sft_tokens") if orpo else ())
+    OBJECTIVES.register(kind, Objective(
+        arch="decoder", source=lambda cfg, split: pair_examples(cfg, split),
+        batches=_pair_batches, shapes=_pair_shapes, forward=bind(TrainConfig()),
+        bind=bind, check=_preference_check,
+        extra=extra, terms=(("nll", "tokens"),) + ((("sft_nll", "sft_tokens"),) if orpo else ()),
+        counts=lambda batch: _pair_counts(batch, orpo), report=preference_report))
+
+
+for _kind in ("dpo", "ipo", "orpo", "simpo"):
+    _register_preference(_kind)
+
+
+# ------------------------------------------------------------------ distill
+def _distill_bind(t):
+    def forward(model, b, loss_chunk=0, reference=None):
+        return distill_sums(model, b, reference, beta=t.distill.beta,
+                            temperature=t.distill.temperature)
+    return forward
+
+
+OBJECTIVES.register("distill", Objective(
+    arch="decoder", source=_documents, batches=_packed, shapes=_lm_shapes,
+    forward=_distill_bind(TrainConfig()), bind=_distill_bind))
+
+
+def bound_objective(name: str, train: TrainConfig | None) -> Objective:
+    """The record of `name` with its forward bound to the run's `train` section."""
+    obj = OBJECTIVES.get(name, field="train.objective")
+    if obj.bind is None or train is None:
+        return obj
+    return dataclasses.replace(obj, forward=obj.bind(train))
+
+
 # ------------------------------------------------------------------- shared
 def check_objective(cfg: RunConfig, tokenizer, n_seq: int = 1) -> Objective:
     """The record of `train.objective`, after its checks against the model, the
@@ -351,7 +440,12 @@ def eval_metrics(obj: Objective, sums: dict[str, float]) -> dict[str, float]:
     """Summed eval outputs -> val_loss (nats per scored token or example), val_bpb and
     val_bytes where meaningful (`bits_per_byte`), val_accuracy where counted."""
     tokens = max(sums["tokens"], 1.0)
-    out = dict(val_loss=sums["nll"] / tokens)
+    if obj.terms is None:
+        out = dict(val_loss=sums["nll"] / tokens)
+    else:
+        out = dict(val_loss=sum(sums[k] / max(sums[c], 1.0) for k, c in obj.terms))
+    if obj.report is not None:
+        out.update({f"val_{k}": v for k, v in obj.report(sums).items()})
     if obj.bits_per_byte:
         out.update(val_bpb=sums["nll"] / LN2 / max(sums["bytes"], 1.0), val_bytes=sums["bytes"])
     if "correct" in sums:
@@ -362,11 +456,15 @@ def eval_metrics(obj: Objective, sums: dict[str, float]) -> dict[str, float]:
 def eval_line(ev: dict[str, Any], final: bool) -> str:
     """The log text of an evaluation (`final`: the end-of-run line, with units)."""
     if final:
-        parts = [f"val_loss {ev['val_loss']:.4f} nats/token"]
+        pairs = any(k.startswith("val_rewards/") for k in ev)  # a preference loss: per pair
+        parts = [f"val_loss {ev['val_loss']:.4f}{'' if pairs else ' nats/token'}"]
         if "val_bpb" in ev:
             parts.append(f"val_bpb {ev['val_bpb']:.4f} bits/byte on {int(ev['val_bytes']):,} "
                          f"validation bytes")
         if "val_accuracy" in ev:
             parts.append(f"val_accuracy {ev['val_accuracy']:.4f}")
+        parts += [f"{k} {ev[k]:.4f}" for k in ev if k.startswith("val_rewards/")]
         return ", ".join(parts)
-    return " ".join(f"{k} {ev[k]:.4f}" for k in ("val_loss", "val_bpb", "val_accuracy") if k in ev)
+    return " ".join(f"{k} {ev[k]:.4f}" for k in ("val_loss", "val_bpb", "val_accuracy",
+                                                  "val_rewards/accuracies",
+                                                  "val_rewards/margins") if k in ev)

@@ -24,7 +24,8 @@ from tfjax.parallel.rules import logical_rules, replicated, tree_shardings
 from tfjax.parallel.sharding import logical_to_spec, use_rules
 from tfjax.parallel.zigzag import zigzag_data, zigzag_order
 from tfjax.train.lora import Lora, train_state_shape
-from tfjax.train.objectives import OBJECTIVES
+from tfjax.train.objectives import OBJECTIVES, bound_objective
+from tfjax.train.reference import Reference, reference_of
 from tfjax.train.step import changes_state, local_gradient_axes, make_eval_step, make_train_step
 
 __all__ = ["Program", "build_program", "zigzag_devices", "zigzag_rows"]
@@ -94,11 +95,13 @@ class Program:
     batch_shardings: dict | None = None  # key -> NamedSharding (rows over the batch axes)
     lora: Lora | None = None  # LoRA: `params` are the adapters, `frozen` the base
     start: Callable | None = None  # (model params, rest) -> the step-0 state (not jitted)
+    reference: Reference | None = None  # the frozen model of dpo / ipo / distill
 
 
-def build_program(cfg: RunConfig, mesh, build_model) -> Program:
+def build_program(cfg: RunConfig, mesh, build_model, teacher=None) -> Program:
     """Abstract model -> shardings (unknown logical axes fail here, before compiling) ->
-    the jitted, sharded, donating train step."""
+    the jitted, sharded, donating train step. `teacher`: distillation's teacher model
+    config (`tfjax.train.reference`)."""
     rules = logical_rules(cfg.mesh.rules)
     t = cfg.train
 
@@ -112,17 +115,23 @@ def build_program(cfg: RunConfig, mesh, build_model) -> Program:
     eval_graphdef = nnx.split(abstract, nnx.Param, ...)[0]
     # with LoRA (`tfjax.train.lora`) the optimizer sees the adapters alone
     abstract_state, lora, tx = train_state_shape(cfg, aparams, arest)
+    ref = reference_of(cfg, eval_graphdef, aparams, arest, lora, build_model, teacher)
+    if ref is not None and ref.abstract is not None:
+        abstract_state = dict(abstract_state, reference=ref.abstract)
     notes: list[str] = [lora.summary(aparams)] if lora else []
     state_shardings = tree_shardings(abstract_state, mesh, rules, notes)
     num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(aparams))
 
     def start(params, rest):
+        extra = {}
+        if ref is not None and (frozen := ref.start(params, rest)) is not None:
+            extra["reference"] = frozen
         if lora is None:
             return dict(step=jnp.zeros((), jnp.int32), params=params, opt=tx.init(params),
-                        rest=rest)
+                        rest=rest, **extra)
         adapters = lora.init(params, jax.random.key(cfg.seed))
         return dict(step=jnp.zeros((), jnp.int32), params=adapters, opt=tx.init(adapters),
-                    rest=rest, frozen=params)
+                    rest=rest, frozen=params, **extra)
 
     def init():
         with use_rules(mesh, rules):
@@ -133,7 +142,7 @@ def build_program(cfg: RunConfig, mesh, build_model) -> Program:
     # Batches: [B, T] split over the "batch" mesh axes; the step itself constrains
     # activations to ("batch", "length") (sequence sharding).
     batch_sharding = NamedSharding(mesh, logical_to_spec(("batch", None), rules))
-    objective = OBJECTIVES.get(t.objective, field="train.objective")
+    objective = bound_objective(t.objective, t)
     shapes = objective.shapes(cfg)
     shardings = {k: NamedSharding(mesh, logical_to_spec(("batch", None)[:len(v)], rules))
                  for k, v in shapes.items()}
@@ -142,7 +151,8 @@ def build_program(cfg: RunConfig, mesh, build_model) -> Program:
     if note:
         notes.append(note)
     local = local_gradient_axes(mesh, rules, state_shardings)
-    if local and changes_state(graphdef, aparams, arest, shapes, objective, t.loss_chunk):
+    if local and (ref is not None  # the frozen model's forward runs outside the local map
+                  or changes_state(graphdef, aparams, arest, shapes, objective, t.loss_chunk)):
         local = ()
     if local:
         notes.append(f"gradients summed once a step over mesh axes {', '.join(local)} "
@@ -163,10 +173,11 @@ def build_program(cfg: RunConfig, mesh, build_model) -> Program:
         num_params=num_params,
         init=jax.jit(init, out_shardings=state_shardings),
         zigzag=zz, batch_shapes=shapes, batch_shardings=shardings, lora=lora, start=start,
+        reference=ref,
         step=jax.jit(traced(make_train_step(graphdef, tx, t, mesh, rules, lora and lora.merge,
-                                            local)),
+                                            local, ref)),
                      in_shardings=(state_shardings, shardings),
                      out_shardings=(state_shardings, rep), donate_argnums=0),
         eval=jax.jit(traced(make_eval_step(eval_graphdef, mesh, rules, t.objective,
-                                           lora and lora.merge, t.loss_chunk)),
+                                           lora and lora.merge, t.loss_chunk, ref, t)),
                      in_shardings=(state_shardings, shardings), out_shardings=rep))

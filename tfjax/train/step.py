@@ -24,22 +24,28 @@ from jax.sharding import PartitionSpec as P
 from tfjax.config import TrainConfig
 from tfjax.nn.moe import balance_experts, moe_aux
 from tfjax.parallel.sharding import shard, use_rules
-from tfjax.train.objectives import OBJECTIVES, Objective
+from tfjax.train.objectives import OBJECTIVES, Objective, bound_objective
 
 __all__ = ["changes_state", "forward_sums", "local_gradient_axes", "make_eval_step",
            "make_train_step"]
 
 
 def forward_sums(graphdef, params, rest, batch, objective: Objective | None = None,
-                 loss_chunk: int = 0) -> tuple[dict[str, jax.Array], Any]:
+                 loss_chunk: int = 0, reference=None) -> tuple[dict[str, jax.Array], Any]:
     """Run the model on a batch as `objective` says (default causal_lm; `loss_chunk`:
-    `train.loss_chunk`); return the loss sums and the model's updated non-param state."""
+    `train.loss_chunk`; `reference`: the frozen model, `tfjax.train.reference`, for the
+    objectives that compare with one); return the loss sums and the model's updated
+    non-param state."""
     # Fresh Variables in this trace: `rest` (RNG counters, MoE statistics) enters from
     # outside value_and_grad, and nnx transforms inside the model (scan) refuse
     # Variables of another trace level.
     rest = jax.tree.map(lambda x: x, rest)
     model = nnx.merge(graphdef, params, rest)
-    sums = (objective or OBJECTIVES.get("causal_lm")).forward(model, batch, loss_chunk)
+    objective = objective or OBJECTIVES.get("causal_lm")
+    if reference is None:
+        sums = objective.forward(model, batch, loss_chunk)
+    else:
+        sums = objective.forward(model, batch, loss_chunk, reference=reference)
     # MoE load-balancing + router z-losses (already weighted; 0 without MoE layers),
     # as a sum over tokens so microbatches add up like the other sums.
     sums["moe_aux"] = moe_aux(model)["aux_loss"] * sums["tokens"]
@@ -89,30 +95,40 @@ def changes_state(graphdef, params, rest, batch_shapes: dict, objective: Objecti
     return len(jaxpr.outvars) != m or any(o is not i for o, i in zip(jaxpr.outvars, entered))
 
 
+def _loss(objective: Objective, sums, denom, z_loss: float):
+    """The loss of summed terms: (nll + z + MoE aux + MTP) / denom, or for an objective
+    with `terms` the sum of each term over its count (`denom`: their global counts)."""
+    if objective.terms is None:
+        return (sums["nll"] + z_loss * sums["z"] + sums["moe_aux"] + sums["mtp"]) / denom
+    return sum(sums[k] / denom[c] for k, c in objective.terms) + (
+        sums["moe_aux"] + sums["mtp"]) / denom["tokens"]
+
+
 def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: TrainConfig,
                     mesh=None, rules=(), merge: Callable | None = None,
-                    local_axes: tuple[str, ...] = ()) -> Callable:
+                    local_axes: tuple[str, ...] = (), reference=None) -> Callable:
     """A pure `train_step(state, batch) -> (state, metrics)` (not yet jitted). With
     `merge` (LoRA, `tfjax.train.lora`), `state["params"]` are the trainable adapters
     and the model computes with `merge(state["frozen"], params)`: the frozen base gets
     no gradient and no update. `local_axes` (`local_gradient_axes`): compute the
-    gradients per device over these mesh axes and sum them once."""
+    gradients per device over these mesh axes and sum them once. `reference`
+    (`tfjax.train.reference.Reference`): the frozen model the objective compares with."""
     M = cfg.microbatches
-    objective = OBJECTIVES.get(cfg.objective, field="train.objective")
+    objective = bound_objective(cfg.objective, cfg)
 
-    def loss_fn(params, rest, batch, denom, frozen):
+    def loss_fn(params, rest, batch, denom, frozen, ref_parts=None):
         # the frozen base enters from outside value_and_grad, like `rest` (forward_sums)
         full = params if merge is None else merge(jax.tree.map(lambda x: x, frozen), params)
-        sums, rest = forward_sums(graphdef, full, rest, batch, objective, cfg.loss_chunk)
-        loss = (sums["nll"] + cfg.z_loss * sums["z"] + sums["moe_aux"] + sums["mtp"]) / denom
-        return loss, (sums, rest)
+        ref = None if reference is None else reference.model(*ref_parts)
+        sums, rest = forward_sums(graphdef, full, rest, batch, objective, cfg.loss_chunk, ref)
+        return _loss(objective, sums, denom, cfg.z_loss), (sums, rest)
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
-    def gradients(params, rest, batch, denom, frozen):
+    def gradients(params, rest, batch, denom, frozen, ref_parts=None):
         """(grads, sums, rest) over `batch`, its microbatches accumulated."""
         if M == 1:
-            (_, (sums, rest)), grads = grad_fn(params, rest, batch, denom, frozen)
+            (_, (sums, rest)), grads = grad_fn(params, rest, batch, denom, frozen, ref_parts)
             return grads, sums, rest
         B = batch["mask"].shape[0]
         micro = jax.tree.map(lambda x: x.reshape(B // M, M, *x.shape[1:]).swapaxes(0, 1), batch)
@@ -123,7 +139,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: TrainConfig
         def body(carry, mb):
             acc, rest, tot = carry
             mb = _constrain(mb)
-            (_, (sums, rest)), g = grad_fn(params, rest, mb, denom, frozen)
+            (_, (sums, rest)), g = grad_fn(params, rest, mb, denom, frozen, ref_parts)
             acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc, g)
             tot = {k: tot[k] + sums[k] for k in tot}
             return (acc, rest, tot), None
@@ -148,15 +164,25 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: TrainConfig
         with use_rules(mesh, rules) if mesh is not None else _nullcontext():
             batch = _constrain(batch)
             params, rest, frozen = state["params"], state["rest"], state.get("frozen")
-            denom = jnp.maximum(batch["mask"].astype(jnp.float32).sum(), 1.0)
-            grads, sums, rest = (local_gradients if local_axes else gradients)(
-                params, rest, batch, denom, frozen)
+            if objective.terms is None:
+                denom = jnp.maximum(batch["mask"].astype(jnp.float32).sum(), 1.0)
+            else:  # each term over its global count (pairs, scored tokens)
+                denom = {k: jnp.maximum(v, 1.0) for k, v in objective.counts(batch).items()}
+            if reference is None:
+                grads, sums, rest = (local_gradients if local_axes else gradients)(
+                    params, rest, batch, denom, frozen)
+            else:  # never with local gradients (`build_program`)
+                grads, sums, rest = gradients(params, rest, batch, denom, frozen,
+                                              reference.parts(state))
             grad_norm = optax.global_norm(grads)
             updates, opt = tx.update(grads, state["opt"], params)
             params = optax.apply_updates(params, updates)
             rest = balance_experts(rest)  # MoE aux-loss-free balancing (a no-op without)
             new = dict(state, step=state["step"] + 1, params=params, opt=opt, rest=rest)
-            metrics = dict(loss=sums["nll"] / jnp.maximum(sums["tokens"], 1.0),
+            loss = (sums["nll"] / jnp.maximum(sums["tokens"], 1.0) if objective.terms is None
+                    else _loss(objective, sums, {c: jnp.maximum(sums[c], 1.0)
+                                                 for _, c in objective.terms}, 0.0))
+            metrics = dict(loss=loss,
                            z=sums["z"] / jnp.maximum(sums["tokens"], 1.0),
                            moe_aux=sums["moe_aux"] / jnp.maximum(sums["tokens"], 1.0),
                            mtp=sums["mtp"] / jnp.maximum(sums["tokens"], 1.0),
@@ -168,18 +194,21 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: TrainConfig
 
 
 def make_eval_step(graphdef, mesh=None, rules=(), objective: str = "causal_lm",
-                   merge: Callable | None = None, loss_chunk: int = 0) -> Callable:
+                   merge: Callable | None = None, loss_chunk: int = 0,
+                   reference=None, train: TrainConfig | None = None) -> Callable:
     """A pure `eval_step(state, batch) -> sums` (nll, z, tokens, bytes, and the
-    objective's `extra` sums); `merge` as for `make_train_step`, `loss_chunk` is
-    `train.loss_chunk`."""
-    obj = OBJECTIVES.get(objective, field="train.objective")
+    objective's `extra` sums); `merge` and `reference` as for `make_train_step`,
+    `loss_chunk` is `train.loss_chunk`; `train`: the run's train section (the
+    objectives whose forward reads it)."""
+    obj = bound_objective(objective, train)
 
     def eval_step(state, batch):
         with use_rules(mesh, rules) if mesh is not None else _nullcontext():
             params = state["params"] if merge is None else merge(state["frozen"],
                                                                  state["params"])
+            ref = None if reference is None else reference.model(*reference.parts(state))
             sums, _ = forward_sums(graphdef, params, state["rest"], _constrain(batch), obj,
-                                   loss_chunk)
+                                   loss_chunk, ref)
             return sums
 
     return eval_step

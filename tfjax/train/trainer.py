@@ -37,7 +37,8 @@ from tfjax.parallel.rules import logical_rules
 from tfjax.parallel.sharding import use_rules
 from tfjax.train.checkpoint import Checkpointer, abstract_with_shardings
 from tfjax.train.compile_cache import persistent_compilation_cache
-from tfjax.train.init_from import check_tokenizer, initial_state, resolve_init_from
+from tfjax.train.init_from import (check_tokenizer, initial_state, load_teacher,
+                                   resolve_init_from, teacher_config)
 from tfjax.train.lora import model_params
 from tfjax.train.losses import LN2
 from tfjax.train.metrics import (MetricWriter, ProgressBar, WallClock, compression_report,
@@ -107,7 +108,8 @@ class Trainer:
         self.val_docs = self.objective.source(cfg, "validation")
         if cfg.data.source == "cache":  # made with the run's tokenizer, before compiling
             check_caches([*self.train_docs, *self.val_docs], self.tokenizer, cfg.data.tokenizer)
-        self.program = build_program(cfg, self.mesh, self.build_model)  # LoRA: program.lora
+        # LoRA: program.lora; dpo / ipo / distill: program.reference (the frozen model)
+        self.program = build_program(cfg, self.mesh, self.build_model, teacher_config(cfg))
         self.local_rows = self._local_rows(t.batch_size)
         self._lr = lr_schedule(t)
         self.checkpointer = Checkpointer(workdir, cfg.checkpoint)
@@ -154,9 +156,11 @@ class Trainer:
     def init_state(self):
         """A fresh start: the program's init, or the weights `init_from` names
         (`tfjax.train.init_from`: never called when WORKDIR has a checkpoint)."""
-        if self.cfg.init_from:
-            return initial_state(self.program, self.cfg, self.mesh, self.log)
-        return self.program.init()
+        state = (initial_state(self.program, self.cfg, self.mesh, self.log) if self.cfg.init_from
+                 else self.program.init())
+        if self.cfg.train.teacher:
+            state = load_teacher(self.program, self.cfg, self.mesh, state, self.log)
+        return state
 
     def restore_or_init(self):
         """(state, data_state, step): the newest checkpoint in WORKDIR that restores, or a
@@ -331,6 +335,9 @@ class Trainer:
                        lr=float(self._lr(step - 1)), grad_norm=vals[-1][1]["grad_norm"])
             if not self.objective.bits_per_byte:  # no code length of text (objectives.py)
                 del rec["bpb"]
+            if self.objective.report is not None:  # e.g. TRL's rewards/* of preference runs
+                rec.update(self.objective.report(
+                    {k: sum(v[k] for _, v in vals) for k in ("tokens", *self.objective.extra)}))
             if "correct" in vals[0][1]:
                 rec["accuracy"] = (sum(v["correct"] for _, v in vals)
                                    / max(sum(v["tokens"] for _, v in vals), 1.0))
@@ -345,7 +352,8 @@ class Trainer:
             writer.write(step, **rec, **clock.split())
             speed = (f" {rec['tokens_per_s']:,.0f} tok/s mfu {100 * rec['mfu']:.1f}%"
                      if "mfu" in rec else "")
-            shown = "".join(f" {k} {rec[k]:.3f}" for k in ("bpb", "accuracy") if k in rec)
+            shown = "".join(f" {k} {rec[k]:.3f}" for k in ("bpb", "accuracy", "rewards/accuracies",
+                                                            "rewards/margins") if k in rec)
             bar.update(step, f"loss {loss:.3f}{shown} lr {rec['lr']:.2e} "
                              f"|g| {rec['grad_norm']:.2f}{speed}")
 
