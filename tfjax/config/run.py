@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from tfjax.config.checks import fail, non_negative, one_of, positive
+from tfjax.config.grpo import GRPOConfig, validate_grpo
 from tfjax.config.model import ModelConfig, validate_model
 
 __all__ = ["CheckpointConfig", "DataConfig", "DCN_AXES", "DEFAULT_RULES", "DECAY_SHAPES", "LoraConfig",
@@ -158,6 +159,7 @@ class TrainConfig:
     noise_density: float = 0.15
     mean_span_length: float = 3.0
     target_len: int = 0
+    grpo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)  # objective "grpo"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -360,6 +362,11 @@ def _validate_train(c: TrainConfig, p: str) -> None:
     if c.batch_size % c.microbatches:
         fail(f"{p}.batch_size", f"{c.batch_size} is not divisible by train.microbatches="
               f"{c.microbatches}; use a multiple of it")
+    if c.objective == "grpo":
+        validate_grpo(c.grpo, f"{p}.grpo")
+        if c.batch_size % c.grpo.num_generations:
+            fail(f"{p}.batch_size", f"{c.batch_size} completions do not divide into groups of "
+                 f"train.grpo.num_generations={c.grpo.num_generations}; use a multiple of it")
 
 
 def parse_profile_steps(text: str, steps: int,
