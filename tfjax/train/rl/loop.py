@@ -5,7 +5,8 @@ group advantages, old and reference log-probs, and `num_iterations` jitted updat
 of `policy_loss`. The state is the trainer's (`tfjax.train.program`), plus `ref`
 (a frozen copy of the starting policy) when beta > 0 without LoRA (with LoRA the
 reference is the base with the adapters off). Checkpoints at rollout boundaries
-resume exactly. See docs/training.md ("Reinforcement learning: GRPO and GSPO")."""
+resume exactly (a final save mid-batch resumes with a fresh rollout). See
+docs/training.md ("Reinforcement learning: GRPO and GSPO")."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from tfjax.parallel.mesh import make_mesh
 from tfjax.parallel.rules import logical_rules, replicated
 from tfjax.parallel.sharding import logical_to_spec
 from tfjax.train.checkpoint import Checkpointer, abstract_with_shardings
+from tfjax.train.compile_cache import persistent_compilation_cache
 from tfjax.train.init_from import check_tokenizer, initial_state, resolve_init_from
 from tfjax.train.lora import model_params
 from tfjax.train.metrics import MetricWriter
@@ -37,7 +39,7 @@ from tfjax.train.rl.losses import completion_logps, group_advantages, policy_los
 from tfjax.train.rl.rewards import REWARDS, score
 from tfjax.train.rl.rollout import Rollouts, sft_rows
 from tfjax.train.rl.tasks import TASKS, examples
-from tfjax.train.trainer import check_run
+from tfjax.train.trainer import _plain, check_run
 
 __all__ = ["GRPOTrainer", "check_grpo"]
 
@@ -197,6 +199,12 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------- loop
     def train(self) -> dict:
+        """Run to `train.steps` (resuming from the latest checkpoint); returns the
+        summary: `step` and `history` (each step's logged record)."""
+        with persistent_compilation_cache(self.cfg.train.compilation_cache, self.workdir):
+            return self._train()
+
+    def _train(self) -> dict:
         cfg, g, t = self.cfg, self.g, self.cfg.train
         log = self.log
         state, start = self.restore_or_init()
@@ -227,7 +235,7 @@ class GRPOTrainer:
                 else:
                     if rl == 0 and g.sft_steps and self.with_ref:  # the warmed-up policy
                         state["ref"] = jax.tree.map(jnp.copy, state["params"])
-                    if rl % g.num_iterations == 0:
+                    if rl % g.num_iterations == 0 or batch is None:  # (None: resumed mid-way)
                         batch, rollout_metrics = self.rollout(state, rollouts, step)
                     tick = time.perf_counter()
                     state, m = self.update(state, batch)
@@ -251,10 +259,3 @@ class GRPOTrainer:
         self.state = state
         return dict(step=step, history=history)
 
-
-def _plain(x):
-    if dataclasses.is_dataclass(x):
-        return {f.name: _plain(getattr(x, f.name)) for f in dataclasses.fields(x)}
-    if isinstance(x, tuple):
-        return [_plain(v) for v in x]
-    return x
