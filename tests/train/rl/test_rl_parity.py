@@ -2,7 +2,7 @@
 loaded into tfjax: the loss TRL's `_compute_loss` returns (its own per-token log-probs
 from the Hugging Face model, through its fused LM head at the sampling temperature)
 equals the loss of tfjax's update step (log-probs from the tfjax model) within 1e-5,
-with its kl and clip metrics, for GRPO and GSPO, beta 0 and > 0, num_iterations 1
+with its kl and clip metrics and its gradient's global norm, for GRPO and GSPO, beta 0 and > 0, num_iterations 1
 and 2 (old log-probs off the policy: ratios != 1); and the group advantages equal
 TRL's formula computed with its own `nanstd`."""
 
@@ -132,12 +132,19 @@ def test_loss_matches_trl(models, tmp_path, level, beta, iters, loss_type, bias_
         batch["ref_logps"] = np.pad(ref, ((0, 0), (P - 1, 0)))
     stub = _stub(trl_args, hf_model)
     hf_model.train()  # TRL's "train" metrics; Llama has no dropout
-    with torch.no_grad():
-        theirs = float(GRPOTrainer._compute_loss(stub, hf_model, inputs))
+    hf_model.zero_grad()
+    loss = GRPOTrainer._compute_loss(stub, hf_model, inputs)
+    loss.backward()
+    theirs = float(loss)
+    their_norm = float(torch.sqrt(sum((p.grad.double() ** 2).sum()
+                                      for p in hf_model.parameters() if p.grad is not None)))
     tx = optax.sgd(0.0)
     state = dict(step=jnp.zeros((), jnp.int32), params=params, opt=tx.init(params), rest=rest)
     _, m = jax.jit(make_update(graphdef, tx, g))(state, jax.tree.map(jnp.asarray, batch))
     np.testing.assert_allclose(float(m["loss"]), theirs, atol=1e-5, rtol=0)
+    # the same gradient: its global norm (the weights are the same numbers, laid out
+    # differently) within float32 rounding
+    np.testing.assert_allclose(float(m["grad_norm"]), their_norm, rtol=1e-4)
     metrics = stub._metrics["train"]
     if beta:
         np.testing.assert_allclose(float(m["kl"]), metrics["kl"][0], atol=1e-5, rtol=0)
