@@ -50,6 +50,7 @@ def test_config_errors(grpo, train, match):
     (dict(task="mul"), {}, r"unknown train.grpo.task='mul'"),
     (dict(max_completion_length=20), {}, r"train.seq_len: 16 < train.grpo.max_prompt_length"),
     ({}, dict(microbatches=2), r"train.microbatches: GRPO"),
+    ({}, dict(objective="causal_lm"), r"train.objective: GRPOTrainer runs 'grpo'"),
 ])
 def test_run_errors(grpo, train, match):
     c = _cfg(**grpo)

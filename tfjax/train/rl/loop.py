@@ -47,6 +47,9 @@ __all__ = ["GRPOTrainer", "check_grpo"]
 def check_grpo(cfg: RunConfig) -> None:
     """Checks of a GRPO run that need the registries; each error names the field."""
     g, t = cfg.train.grpo, cfg.train
+    if t.objective != "grpo":
+        raise ValueError(f"train.objective: GRPOTrainer runs 'grpo', got {t.objective!r}; set "
+                         f"--config.train.objective=grpo")
     for name in g.reward_funcs:
         REWARDS.get(name, field="train.grpo.reward_funcs")
     TASKS.get(g.task, field="train.grpo.task")
