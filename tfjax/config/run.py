@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from tfjax.config.checks import fail, non_negative, one_of, positive
+from tfjax.config.grpo import GRPOConfig, validate_grpo
 from tfjax.config.model import ModelConfig, validate_model
 from tfjax.config.posttrain import DistillConfig, PreferenceConfig, validate_posttrain
 
@@ -166,6 +167,7 @@ class TrainConfig:
     preference: PreferenceConfig = dataclasses.field(default_factory=PreferenceConfig)
     distill: DistillConfig = dataclasses.field(default_factory=DistillConfig)
     teacher: str = ""
+    grpo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)  # objective "grpo"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -370,6 +372,11 @@ def _validate_train(c: TrainConfig, p: str) -> None:
     if c.batch_size % c.microbatches:
         fail(f"{p}.batch_size", f"{c.batch_size} is not divisible by train.microbatches="
               f"{c.microbatches}; use a multiple of it")
+    if c.objective == "grpo":
+        validate_grpo(c.grpo, f"{p}.grpo")
+        if c.batch_size % c.grpo.num_generations:
+            fail(f"{p}.batch_size", f"{c.batch_size} completions do not divide into groups of "
+                 f"train.grpo.num_generations={c.grpo.num_generations}; use a multiple of it")
 
 
 def parse_profile_steps(text: str, steps: int,

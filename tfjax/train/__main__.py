@@ -25,6 +25,7 @@ from tfjax.models import check_names
 from tfjax.parallel.mesh import use_cpu_cores
 from tfjax.train.aot import compile_only
 from tfjax.train.init_from import resolve_init_from
+from tfjax.train.rl import GRPOTrainer
 from tfjax.train.trainer import Trainer
 
 FLAGS = flags.FLAGS
@@ -90,12 +91,15 @@ def main(argv):
             print(f"error: {e}", file=sys.stderr)
             return 2
     try:  # a bad run (data, mesh, a checkpoint that cannot resume) is refused before compiling
-        trainer = Trainer(cfg, FLAGS.workdir, eval_hooks=eval_hooks(cfg))
+        if cfg.train.objective == "grpo":  # RL: rollouts from the engine (tfjax.train.rl)
+            trainer = GRPOTrainer(cfg, FLAGS.workdir)
+        else:
+            trainer = Trainer(cfg, FLAGS.workdir, eval_hooks=eval_hooks(cfg))
         summary = trainer.train()
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return 143 if summary["preempted"] else 0
+    return 143 if summary.get("preempted") else 0
 
 
 def eval_hooks(cfg) -> list:
