@@ -13,9 +13,12 @@ import pytest
 from flax import nnx
 
 from tfjax import models
-from tfjax.config import model_config
+from tfjax.config import MeshConfig, model_config
+from tfjax.config.run import DEFAULT_RULES
 from tfjax.inference import generate
 from tfjax.inference.engine import Engine, EngineConfig, PagePool, Request, chain_hashes
+from tfjax.parallel.mesh import make_mesh
+from tfjax.parallel.rules import logical_rules
 
 TINY = dict(vocab_size=61, d_model=32, num_layers=2, num_heads=4, d_ff=48, max_len=64,
             init_std=1.0, tie_embeddings=False, num_kv_heads=2)
@@ -85,6 +88,31 @@ def test_chunks_run_over_the_prefilling_rows_only_in_shapes_warm_up_compiled(mod
         assert got[r.request_id] == [ref[:r.max_tokens]]
     assert max(n for n, T in calls if T > 1) == 2 and (3, 1) in calls and (1, 1) in calls
     assert "/jax/core/compile/backend_compile_duration" not in compiles
+
+
+@pytest.mark.slow  # ~45 s: every program compiled for an 8-device mesh
+def test_under_a_mesh_nothing_compiles_after_warm_up_and_tokens_stay():
+    # the state is placed as every program returns it: a new input sharding would
+    # compile the reset, step and fork again on their second and third use
+    model = models.build(model_config({**TINY, **MODELS["mamba2_global"]}), rngs=nnx.Rngs(3))
+    mesh = make_mesh(MeshConfig(data=2, tensor=2, fsdp=2))
+    engine = Engine(model, CONFIG, mesh=mesh, rules=logical_rules(DEFAULT_RULES))
+    engine.warm_up()
+    compiles = []
+    listener = lambda event, secs, **kw: compiles.append(event)  # noqa: E731
+    ps = prompts(10, (9, 3, 14))
+    got = []
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        for _ in range(2):
+            reqs = [Request(p, max_tokens=4, n=2 if i == 0 else 1,
+                            sampling=dict(temperature=0)) for i, p in enumerate(ps)]
+            got.append(list(engine.generate(reqs).values()))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert "/jax/core/compile/backend_compile_duration" not in compiles
+    refs = references(model, ps)
+    assert got[0] == got[1] == [[ref[:4]] * (2 if i == 0 else 1) for i, ref in enumerate(refs)]
 
 
 def test_n_samples_fork_the_prompt_and_seeds_reproduce_whatever_the_batch(model):

@@ -133,6 +133,10 @@ class Engine:
         self._inbox: collections.deque = collections.deque()
         self._lock = threading.Lock()
         self._programs = programs(self.graphdef, mesh)
+        if mesh is not None:  # placed as every program returns them
+            with self._traced():
+                self.cache, self.seen, self.counts = self._programs.place(
+                    self.cache, self.seen, self.counts)
         self._row_counts = {  # the rows of each call of T tokens: 1, 2, 4 .. up to a limit
             T: sorted({1 << i for i in range(most.bit_length()) if 1 << i < most} | {most})
             for T, most in ((C, min(config.prefill_rows, B)), (1, B))}

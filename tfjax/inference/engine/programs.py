@@ -13,6 +13,7 @@ from flax import nnx
 
 from tfjax.inference.cache import logical_axes
 from tfjax.inference.sampling import sample_rows
+from tfjax.parallel.sharding import shard
 
 __all__ = ["programs"]
 
@@ -29,8 +30,9 @@ class _Programs:
 
     def __init__(self, graphdef):
         self.graphdef = graphdef
-        self.reset = jax.jit(_reset_rows, donate_argnums=(0, 1, 2))
-        self.fork = jax.jit(_fork, donate_argnums=(0, 1, 2))
+        self.reset = jax.jit(lambda *a: placed(*_reset_rows(*a)), donate_argnums=(0, 1, 2))
+        self.fork = jax.jit(lambda *a: placed(*_fork(*a)), donate_argnums=(0, 1, 2))
+        self.place = jax.jit(placed, donate_argnums=(0, 1, 2))
 
     @functools.lru_cache(maxsize=32)
     def step(self, T: int, R: int, num_logprobs: int, score: bool):
@@ -69,6 +71,7 @@ class _Programs:
                     lambda x, new, names: _set_rows(x, new, names, rows),
                     whole.layers, cache.layers, axes.layers))
                 counts = all_counts.at[rows].set(counts)
+            cache, _, counts = placed(cache, None, counts)
             return sampled, scored, cache, counts
 
         return jax.jit(run, donate_argnums=(1, 3))
@@ -91,6 +94,17 @@ def _set_rows(x, new, names, rows):
 
 def _row_axis(names) -> int | None:
     return names.index("batch") if "batch" in names else None
+
+
+def placed(cache, seen, counts):
+    """The engine's state constrained to the shardings its logical axes map to under
+    the active rules (none without a mesh): every program returns it so, and the engine
+    places it so at the start, so no program compiles again for a new input sharding."""
+    axes = logical_axes(cache)
+    cache = jax.tree.map(lambda x, names: x if x is None else shard(x, names), cache, axes,
+                         is_leaf=lambda x: x is None)
+    rows = lambda x: None if x is None else shard(x, ("batch", None))  # noqa: E731
+    return cache, rows(seen), rows(counts)
 
 
 def _reset_rows(cache, seen, counts, fresh, prompts):
