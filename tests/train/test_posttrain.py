@@ -121,6 +121,17 @@ def test_bad_pairs_name_the_line(tmp_path):
                       data=dict(source="jsonl", paths=(str(bad),), val_paths=(str(bad),)))
     with pytest.raises(ValueError, match=r"bad\.jsonl:2: field 'chosen' must be a non-empty"):
         Trainer(cfg, str(tmp_path / "w"), devices=jax.devices()[:1], log=lambda s: None)
+    for side in ("chosen", "rejected"):  # an empty response
+        empty = tmp_path / f"empty_{side}.jsonl"
+        empty.write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n'
+                         + json.dumps({"prompt": "a", "chosen": "b", "rejected": "c", side: ""})
+                         + "\n")
+        cfg = tiny_config(train=dict(objective="orpo"),
+                          data=dict(source="jsonl", paths=(str(empty),), val_paths=(str(bad),)))
+        with pytest.raises(ValueError, match=rf"empty_{side}\.jsonl:2: field '{side}' must be "
+                                             rf"a non-empty") as e:
+            Trainer(cfg, str(tmp_path / "w"), devices=jax.devices()[:1], log=lambda s: None)
+        assert "\n" not in str(e.value)
     long = tmp_path / "long.jsonl"
     long.write_text(json.dumps(dict(prompt="p" * 30, chosen="c", rejected="r")) + "\n")
     cfg = tiny_config(train=dict(objective="simpo", seq_len=32),
@@ -129,6 +140,15 @@ def test_bad_pairs_name_the_line(tmp_path):
     with pytest.raises(ValueError, match=r"long\.jsonl:1: prompt \+ chosen and prompt \+ "
                                          r"rejected are 66 tokens.*train\.seq_len to 65"):
         tr.train_iterator()
+    longer = tmp_path / "longer.jsonl"  # the prompt alone is longer than seq_len
+    longer.write_text(json.dumps(dict(prompt="c", chosen="c", rejected="r")) + "\n"
+                      + json.dumps(dict(prompt="p" * 40, chosen="c", rejected="r")) + "\n")
+    cfg = tiny_config(train=dict(objective="simpo", seq_len=32),
+                      data=dict(source="jsonl", paths=(str(longer),), val_paths=(str(long),)))
+    tr = Trainer(cfg, str(tmp_path / "w4"), devices=jax.devices()[:1], log=lambda s: None)
+    with pytest.raises(ValueError, match=r"longer\.jsonl:2: prompt \+ chosen .* 86 tokens") as e:
+        tr.train_iterator()
+    assert "\n" not in str(e.value)
     cfg = tiny_config(train=dict(objective="orpo"))  # the stdlib corpus has no pairs
     with pytest.raises(ValueError, match=r"data\.source: train\.objective='orpo' reads"):
         Trainer(cfg, str(tmp_path / "w3"), devices=jax.devices()[:1], log=lambda s: None)

@@ -167,7 +167,7 @@ class Checkpointer:
         return state, data, step
 
     def with_saved_reference(self, abstract_state: dict, step: int | None = None) -> dict:
-        """`abstract_state` plus the frozen model a dpo / ipo / distill run saved
+        """`abstract_state` plus the frozen model a dpo / ipo / grpo / distill run saved
         (`state["reference"]`, `tfjax.train.reference`) as the checkpoint's metadata
         describes it, so a reader that needs only the policy (export, evaluation,
         init_from) restores the run without knowing its teacher."""

@@ -1,6 +1,6 @@
 """Training objectives: one record (`Objective`) per `train.objective`, registered once in
-`OBJECTIVES` (causal_lm, prefix_lm, mlm, classification, span_corruption, seq2seq) and
-read by the trainer (the data source, the batches and their shapes, the checks, what
+`OBJECTIVES` (causal_lm, prefix_lm, mlm, classification, span_corruption, seq2seq, the
+preference objectives, distill, grpo) and read by the trainer (the data source, the batches and their shapes, the checks, what
 evaluation reports) and by the step (how to call the model, the loss sums).
 `check_objective` checks the objective against the model, the tokenizer and the sequence
 shards; `eval_metrics` turns evaluation sums into val_loss, val_bpb, val_accuracy.
@@ -398,6 +398,22 @@ def _distill_bind(t):
 OBJECTIVES.register("distill", Objective(
     arch="decoder", source=_documents, batches=_packed, shapes=_lm_shapes,
     forward=_distill_bind(TrainConfig()), bind=_distill_bind))
+
+
+# --------------------------------------------------------------------- grpo
+def _grpo_check(cfg, tokenizer, n_seq):
+    raise ValueError("train.objective: 'grpo' trains on rollouts from the engine in its own "
+                     "loop: run tfjax.train.rl.GRPOTrainer(cfg, workdir).train() (python -m "
+                     "tfjax.train does), not Trainer")
+
+
+# GRPO / GSPO (`tfjax.train.rl`): its record lays out the program GRPOTrainer builds (the
+# model, optimizer, reference and shardings of a decoder; the step's shapes are a causal
+# LM's, never run: the updates are `tfjax.train.rl.loop.make_update`); `check` sends a
+# Trainer to GRPOTrainer.
+OBJECTIVES.register("grpo", Objective(
+    arch="decoder", source=_documents, batches=_packed, shapes=_lm_shapes,
+    forward=_causal_lm_forward, check=_grpo_check))
 
 
 def bound_objective(name: str, train: TrainConfig | None) -> Objective:

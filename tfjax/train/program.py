@@ -95,7 +95,7 @@ class Program:
     batch_shardings: dict | None = None  # key -> NamedSharding (rows over the batch axes)
     lora: Lora | None = None  # LoRA: `params` are the adapters, `frozen` the base
     start: Callable | None = None  # (model params, rest) -> the step-0 state (not jitted)
-    reference: Reference | None = None  # the frozen model of dpo / ipo / distill
+    reference: Reference | None = None  # the frozen model of dpo / ipo / grpo / distill
 
 
 def build_program(cfg: RunConfig, mesh, build_model, teacher=None) -> Program:

@@ -1,5 +1,6 @@
-"""The frozen second model an objective compares the policy with, run in the same step:
-DPO / IPO's reference (the starting policy) and distillation's teacher.
+"""The frozen second model an objective compares the policy with: DPO / IPO's reference
+(the starting policy, run in the same step), GRPO's KL reference (train.grpo.beta > 0,
+run at each rollout batch) and distillation's teacher.
 
 `Reference` holds its graph (eval mode: no dropout) and where its weights live in the
 train state: with LoRA the reference is the frozen base itself (`state["frozen"]`, the
@@ -61,7 +62,7 @@ def reference_of(cfg: RunConfig, eval_graphdef, aparams, arest, lora, build_mode
     """The frozen model `train.objective` needs, or None. `teacher`: the teacher's model
     config (`tfjax.train.init_from.teacher_config`), required by "distill"."""
     objective = cfg.train.objective
-    if objective in REFERENCE_OBJECTIVES:
+    if objective in REFERENCE_OBJECTIVES or (objective == "grpo" and cfg.train.grpo.beta > 0):
         if lora is not None:
             return Reference("reference", eval_graphdef, None)
         return Reference("reference", eval_graphdef, dict(params=aparams, rest=arest))

@@ -1,7 +1,8 @@
 """Bad GRPO input is one line naming the field and the fix, before anything compiles:
 num_generations < 2, a batch that does not divide into groups, an unknown reward or
 task, completions that do not fit seq_len, a prompt longer than max_prompt_length;
-and through the command line (exit status 2)."""
+and through the command line (exit status 2). `Trainer` sends "grpo" to its loop; the
+KL reference is `tfjax.train.reference`'s."""
 
 from __future__ import annotations
 
@@ -9,12 +10,16 @@ import os
 import subprocess
 import sys
 
+import jax
+import numpy as np
 import pytest
 
 from configs.grpo import get_config
 from tfjax.config import run_config
 from tfjax.data.tokenizer import load_tokenizer
-from tfjax.train.rl import check_grpo
+from tfjax.train import OBJECTIVES, Trainer
+from tfjax.train.reference import Reference
+from tfjax.train.rl import GRPOTrainer, check_grpo
 from tfjax.train.rl.rollout import encode_prompt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -81,3 +86,39 @@ def test_command_line_errors(tmp_path, override, match):
     lines = [line for line in p.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and match in lines[0], p.stderr[-2000:]
     assert not os.path.exists(tmp_path / "checkpoints")
+
+
+def test_trainer_sends_grpo_to_its_loop(tmp_path):
+    """"grpo" is a registered objective (its name in the lists and errors), and the
+    one trainer refuses it in one line naming the loop that runs it."""
+    assert "grpo" in OBJECTIVES
+    with pytest.raises(ValueError, match=r"train.objective: 'grpo' .* tfjax.train.rl.GRPOTrainer"
+                       ) as e:
+        Trainer(run_config(_cfg()), str(tmp_path), log=lambda s: None)
+    assert "\n" not in str(e.value)
+    assert not os.path.exists(tmp_path / "checkpoints")
+
+
+@pytest.mark.parametrize("beta,lora", [(0.0, False), (0.1, False), (0.1, True)])
+def test_reference_is_the_one_home(tmp_path, beta, lora):
+    """GRPO's KL reference is `tfjax.train.reference`'s: state["reference"] = {params,
+    rest} (a copy of the starting policy) without LoRA, the base with LoRA, none at
+    beta 0."""
+    c = _cfg(beta=beta)
+    if lora:
+        c.lora.update(dict(rank=2, targets="all"))
+    trainer = GRPOTrainer(run_config(c), str(tmp_path), log=lambda s: None)
+    ref, abstract = trainer.program.reference, trainer.program.abstract_state
+    if not beta:
+        assert ref is None and "reference" not in abstract
+        return
+    assert isinstance(ref, Reference) and ref.kind == "reference"
+    if lora:
+        assert ref.abstract is None and "reference" not in abstract
+        return
+    assert set(abstract["reference"]) == {"params", "rest"}
+    state = trainer._fresh()
+    params, rest = ref.parts(state)
+    for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(state["params"]), strict=True):
+        assert x is not y
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

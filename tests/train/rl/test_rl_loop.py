@@ -105,11 +105,12 @@ def test_lora_reference_is_the_base(tmp_path):
     c.train.lr = 1e-2
     c.lora.update(dict(rank=4, alpha=8.0, targets="all"))
     trainer = GRPOTrainer(run_config(c), str(tmp_path), log=lambda s: None)
-    assert not trainer.with_ref  # no frozen copy: the base is the reference
+    ref = trainer.program.reference  # tfjax.train.reference, as DPO's
+    assert ref is not None and ref.abstract is None  # no frozen copy: the base is the reference
     trainer.train()
     state = trainer.state
-    assert "ref" not in state
-    assert trainer.reference_params(state) is state["frozen"]
+    assert "reference" not in state
+    assert ref.parts(state)[0] is state["frozen"]
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert rows[3]["kl"] > 1e-3  # the warm-up moved the adapters away from the base
 

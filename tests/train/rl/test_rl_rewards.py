@@ -61,6 +61,16 @@ def test_unit_tests_run_in_another_process_and_time_out(tmp_path):
     assert not mark.exists()
 
 
+def test_crashing_code_scores_zero_through_score():
+    """What the loop calls: a completion whose code crashes (or never ends) is reward
+    0, the others are scored, and nothing is raised."""
+    exs = [dict(tests="assert add(2, 3) == 5", timeout=1.0)] * 4
+    codes = ["def add(a, b):\n    return a + b", "import os\nos.abort()", "raise MemoryError",
+             "while True:\n    pass"]
+    total, means = score(("unit_tests",), (), [""] * 4, codes, exs)
+    assert total == [1.0, 0.0, 0.0, 0.0] and means == {"unit_tests": 0.25}
+
+
 def test_score_weights_and_means():
     exs = [dict(answer="7", format=r"\d+")] * 3
     total, means = score(("exact_match", "format"), (1.0, 0.5), ["3+4="] * 3, ["7", "8", "x"], exs)

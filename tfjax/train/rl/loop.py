@@ -2,9 +2,10 @@
 warm-up steps on the task's answers, then per rollout batch: prompts from the task,
 completions from the engine (`tfjax.train.rl.rollout`), rewards (`rewards.score`),
 group advantages, old and reference log-probs, and `num_iterations` jitted updates
-of `policy_loss`. The state is the trainer's (`tfjax.train.program`), plus `ref`
-(a frozen copy of the starting policy) when beta > 0 without LoRA (with LoRA the
-reference is the base with the adapters off). Checkpoints at rollout boundaries
+of `policy_loss`. The state is the trainer's (`tfjax.train.program` of train.objective
+"grpo"), its KL reference (beta > 0) that of `tfjax.train.reference`: a frozen copy
+of the starting policy in `state["reference"]`, or with LoRA the base with the
+adapters off (no copy). Checkpoints at rollout boundaries
 resume exactly (a final save mid-batch resumes with a fresh rollout). See
 docs/training.md ("Reinforcement learning: GRPO and GSPO")."""
 
@@ -108,17 +109,15 @@ class GRPOTrainer:
         check_tokenizer(cfg, self.tokenizer)
         self.mesh = make_mesh(cfg.mesh, devices)
         self.rules = logical_rules(cfg.mesh.rules)
-        # the program of a causal LM of the same model: its init, optimizer and
-        # shardings; its train step is never called (jit compiles lazily)
-        self.lm_cfg = dataclasses.replace(cfg, train=dataclasses.replace(t, objective="causal_lm"))
-        check_run(self.lm_cfg, self.mesh, self.tokenizer)
-        p = self.program = build_program(self.lm_cfg, self.mesh, build)
-        self.with_ref = self.g.beta > 0 and p.lora is None
-        self.abstract = dict(p.abstract_state)
-        self.shardings = dict(p.state_shardings)
-        if self.with_ref:  # a frozen copy of the starting policy, checkpointed with the state
-            self.abstract["ref"] = p.abstract_state["params"]
-            self.shardings["ref"] = p.state_shardings["params"]
+        # the device and data checks of a decoder LM (the "grpo" record's own check
+        # sends a Trainer here)
+        check_run(dataclasses.replace(cfg, train=dataclasses.replace(t, objective="causal_lm")),
+                  self.mesh, self.tokenizer)
+        # the program of "grpo": init, optimizer, shardings and the KL reference
+        # (`program.reference`, beta > 0); its train step is never called (jit compiles
+        # lazily): the updates are `make_update`'s
+        p = self.program = build_program(cfg, self.mesh, build)
+        self.abstract, self.shardings = p.abstract_state, p.state_shardings
         rep = replicated(self.mesh)
         merge = p.lora and p.lora.merge
         jit = lambda f: jax.jit(f, out_shardings=(self.shardings, rep), donate_argnums=0)  # noqa
@@ -126,7 +125,7 @@ class GRPOTrainer:
         self.sft_update = jit(make_update(p.graphdef, p.tx, self.g, merge, sft=True))
         temperature = self.g.temperature
 
-        def logps(params, rest, tokens):
+        def logps(params, rest, tokens):  # the policy's, or the reference's
             model = nnx.merge(p.eval_graphdef, params, rest)
             return completion_logps(model(tokens), tokens, temperature)
 
@@ -135,12 +134,9 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------ state
     def _fresh(self):
-        p = self.program
-        state = initial_state(p, self.cfg, self.mesh, self.log) if self.cfg.init_from \
+        p = self.program  # its start copies the starting policy into the reference
+        return initial_state(p, self.cfg, self.mesh, self.log) if self.cfg.init_from \
             else p.init()
-        if self.with_ref:
-            state["ref"] = jax.tree.map(jnp.copy, state["params"])
-        return state
 
     def restore_or_init(self):
         c = self.cfg.checkpoint
@@ -153,10 +149,6 @@ class GRPOTrainer:
             raise ValueError(f"checkpoint.resume=False, but {self.checkpointer.directory} holds "
                              f"steps {steps}; use a new --workdir")
         return self._fresh(), 0
-
-    def reference_params(self, state):
-        """The reference's parameters: the base with LoRA, else the frozen copy."""
-        return state["frozen"] if self.program.lora is not None else state["ref"]
 
     # ---------------------------------------------------------------- batches
     def _seed(self, step: int) -> int:
@@ -189,8 +181,8 @@ class GRPOTrainer:
         batch = self._batch(arrays)
         if g.num_iterations > 1:
             batch["old_logps"] = self.logps(policy, state["rest"], batch["tokens"])
-        if g.beta:
-            batch["ref_logps"] = self.logps(self.reference_params(state), state["rest"],
+        if g.beta:  # the reference: the LoRA base, or state["reference"]
+            batch["ref_logps"] = self.logps(*self.program.reference.parts(state),
                                             batch["tokens"])
         rw = np.asarray(rewards)
         groups_std = rw.reshape(-1, g.num_generations).std(1, ddof=1)
@@ -236,8 +228,10 @@ class GRPOTrainer:
                     rec = dict(sft_loss=float(m["loss"]), grad_norm=float(m["grad_norm"]),
                                update_s=time.perf_counter() - tick)
                 else:
-                    if rl == 0 and g.sft_steps and self.with_ref:  # the warmed-up policy
-                        state["ref"] = jax.tree.map(jnp.copy, state["params"])
+                    ref = self.program.reference
+                    if rl == 0 and g.sft_steps and ref is not None and ref.abstract is not None:
+                        # the reference: the warmed-up policy (LoRA: the base stays it)
+                        state["reference"] = ref.start(state["params"], state["rest"])
                     if rl % g.num_iterations == 0 or batch is None:  # (None: resumed mid-way)
                         batch, rollout_metrics = self.rollout(state, rollouts, step)
                     tick = time.perf_counter()
