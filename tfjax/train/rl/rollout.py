@@ -65,7 +65,7 @@ class Rollouts:
 
     `graphdef` is the model's eval-mode structure; each call merges it with the given
     arrays (no copy) and hands their state to the engine built once in `__init__`,
-    whose jitted step then runs on them (a new compile only if shapes change)."""
+    whose jitted steps (every shape compiled here, `Engine.warm_up`) then run on them."""
 
     def __init__(self, graphdef, params, rest, tokenizer, g: GRPOConfig, rows: int, *,
                  mesh=None, rules=None):
@@ -78,6 +78,7 @@ class Rollouts:
                                                  chunk=min(32, g.max_prompt_length),
                                                  prefix_caching=False),
                              eos_ids=(tokenizer.eos_id,), mesh=mesh, rules=rules)
+        self.engine.warm_up()  # every step shape now, not in the middle of a rollout
 
     def set_params(self, params, rest) -> None:
         """Point the engine at these arrays (the policy's current ones)."""
