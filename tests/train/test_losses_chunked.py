@@ -132,3 +132,35 @@ def test_train_and_eval_steps_read_train_loss_chunk():
     assert float(m4["loss"]) == float(m0["loss"]) and float(s4["nll"]) == float(s0["nll"])
     for a, c in zip(p0, p4):
         np.testing.assert_allclose(c, a, rtol=1e-6, atol=1e-7)
+
+
+def test_a_sequence_sharded_row_keeps_loss_chunk_positions_on_each_device():
+    """With the row's positions split over the mesh's sequence axis, a chunk spans
+    loss_chunk x shards positions (loss_chunk on each device): 4 times fewer trips of
+    the scan on 4 sequence shards, each of which reduces the head's gradient over the
+    devices once (per trip it was the whole head at 8B: 64 GiB a step); the same sums."""
+    from jaxpr_walk import of_primitive
+
+    from tfjax.parallel.mesh import make_mesh
+    from tfjax.parallel.rules import logical_rules
+    from tfjax.parallel.sharding import use_rules
+
+    Tl, D, Vl, chunk = 64, 8, 32, 4
+    r = np.random.default_rng(0)
+    x = jnp.asarray(r.normal(size=(B, Tl, D)), jnp.float32)
+    w = jnp.asarray(r.normal(size=(D, Vl)), jnp.float32)
+    t = jnp.asarray(r.integers(0, Vl, (B, Tl)))
+    m = jnp.ones((B, Tl))
+
+    def loss(x):
+        return chunked_cross_entropy_sums(lambda h: h @ w, x, t, m, chunk=chunk)["nll"]
+
+    def trips():  # a new function each time: traced afresh under the active rules
+        jaxpr = jax.make_jaxpr(lambda x: loss(x))(x).jaxpr
+        return [e.params["length"] for e in of_primitive(jaxpr, "scan")]
+
+    plain = cross_entropy_sums(x @ w, t, m)["nll"]
+    assert trips() == [Tl // chunk]
+    with use_rules(make_mesh(C.MeshConfig(data=2, sequence=4)), logical_rules(C.DEFAULT_RULES)):
+        assert trips() == [Tl // (chunk * 4)]
+        np.testing.assert_allclose(jax.jit(lambda x: loss(x))(x), plain, rtol=1e-6)

@@ -87,7 +87,8 @@ class TrainConfig:
     Activation checkpointing is `model.remat` (per scanned layer, in the model).
     z_loss: weight of log(Z)^2 (PaLM); 0 = off.
     loss_chunk: the decoder objectives' next-token loss computes the logits of at
-      most this many positions of a row at once, recomputing them in the backward
+      most this many positions of a row at once on each device (a sequence-sharded
+      row: this many on each of its shards), recomputing them in the backward
       (`tfjax.train.losses.chunked_cross_entropy_sums`): no `[B, T, V]` float32
       logits in memory; 0 (or >= seq_len) = all at once. The same sums (bitwise in
       float32) and gradients within rounding.

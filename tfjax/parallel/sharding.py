@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import threading
 from typing import Callable, Iterator, Sequence
 
@@ -77,6 +78,17 @@ def logical_to_spec(names: Sequence[str | None], rules: LogicalRules | None = No
         used.update(axes)
         out.append(axes[0] if len(axes) == 1 else (axes or None))
     return PartitionSpec(*out)
+
+
+def shard_count(name: str) -> int:
+    """How many ways the active rules split logical axis `name` over the active mesh (1
+    without a mesh): the product of the mesh axes it maps to."""
+    mesh = _ACTIVE.mesh
+    if mesh is None:
+        return 1
+    axes = logical_to_spec((name,))[0]
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    return math.prod(mesh.shape[a] for a in axes)
 
 
 def shard(x: jax.Array, names: Sequence[str | None]) -> jax.Array:

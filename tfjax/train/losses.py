@@ -19,6 +19,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from tfjax.parallel.sharding import shard_count
+
 __all__ = ["bits_per_byte", "chunked_cross_entropy_sums", "cross_entropy_sums",
            "token_log_probs"]
 
@@ -58,7 +60,7 @@ def chunked_cross_entropy_sums(head: Callable[[jax.Array], jax.Array], x: jax.Ar
                                target_bytes: jax.Array | None = None, *,
                                chunk: int) -> dict[str, jax.Array]:
     """`cross_entropy_sums(head(x), targets, mask, target_bytes)` with the logits of
-    at most `chunk` positions of each row alive at once (docs/training.md).
+    at most `chunk` positions of each row alive at once on a device (docs/training.md).
 
     head: final hidden states `[B, c, D]` -> logits `[B, c, V]` (any c; row-wise, as
     an output projection is). x `[B, T, D]`; targets, mask, target_bytes `[B, T]`.
@@ -66,10 +68,18 @@ def chunked_cross_entropy_sums(head: Callable[[jax.Array], jax.Array], x: jax.Ar
     multiple of the chunk count is padded with masked positions.
     """
     B, T = targets.shape
-    n = -(-T // chunk) if chunk > 0 else 1
+    n = _chunk_count(T, chunk)
     if n <= 1:
         return cross_entropy_sums(head(x), targets, mask, target_bytes)
     return _sums(*_chunked_terms(head, x, targets, n), mask, target_bytes)
+
+
+def _chunk_count(T: int, chunk: int) -> int:
+    """Chunks of T positions with at most `chunk` of a row's positions on each device:
+    a row's sequence shards (the active rules' "length") each hold T / shards
+    positions, so a chunk spans chunk x shards of them. Fewer chunks, fewer trips of
+    the scan: each trip reduces the head's gradient over the devices once."""
+    return -(-T // (chunk * shard_count("length"))) if chunk > 0 else 1
 
 
 def _chunked_terms(head, x, targets, n: int) -> tuple[jax.Array, jax.Array]:
@@ -102,8 +112,7 @@ def token_log_probs(head: Callable[[jax.Array], jax.Array], x: jax.Array, target
                     *, chunk: int = 0) -> jax.Array:
     """log p(target) `[B, T]` (float32) of the logits `head(x)`, at most `chunk`
     positions of a row at a time as `chunked_cross_entropy_sums` (0: all at once)."""
-    T = targets.shape[1]
-    n = -(-T // chunk) if chunk > 0 else 1
+    n = _chunk_count(targets.shape[1], chunk)
     lse, target_logit = (_token_terms(head(x), targets) if n <= 1
                          else _chunked_terms(head, x, targets, n))
     return target_logit - lse
