@@ -4,16 +4,19 @@
    the byte tokenizer's tokenizer.json beside it) and one set of synthetic pairs (prompt,
    chosen and rejected of fixed byte lengths, so of fixed token lengths on both sides).
    TRL 1.16's `DPOTrainer` (loss_type sigmoid, beta 0.1, a reference model copied from
-   the policy, no precomputed reference log-probs, torch threads = the cores) timed per
-   optimizer step by a callback after warm-up steps; tfjax's `configs/dpo.py` through
-   `python -m tfjax.train` with `init_from` the same directory and the same pairs per
-   step, its per-step `step_time_s` (metrics.jsonl, log_every 1) after the compile step.
-   Each side runs in its own process, one after the other.
+   the policy, no precomputed reference log-probs; torch threads = the cores, and 1)
+   timed per optimizer step by a callback after warm-up steps; tfjax's `configs/dpo.py`
+   through `python -m tfjax.train` with `init_from` the same directory and the same pairs
+   per step, its per-step `step_time_s` (metrics.jsonl, log_every 1) after the compile
+   step (2 CPU devices, the default, and 1); with `--tunix-python`, google-tunix's
+   `DPOTrainer` in that venv on the same weights and pairs. Each in its own process, one
+   after the other, in alternating rounds; ratios are taken within a round.
 2. GRPO: `configs/grpo.py:tiny` run in a child process with timers around the rollout
    batch's parts (the engine's sampling, the reward functions, the old / reference
    log-probs) and the trainer's own `update_s`.
 
-    python experiments/posttrain.py            # ~5 min on 2 cores
+    python experiments/posttrain.py            # ~6 min on 2 cores (2 rounds of DPO, GRPO)
+    python experiments/posttrain.py --tunix-python /tmp/tunix_venv/bin/python   # + tunix, ~8.5
     python experiments/posttrain.py --quick    # tiny sizes, proves it runs
 
 Results: experiments/results/posttrain_cpu.md (see docs/training.md, "Post-training").
@@ -326,6 +329,8 @@ def main(argv=None):
     for name in ("batch", "steps", "warmup", "devices", "threads"):
         p.add_argument("--" + name, type=int, help=argparse.SUPPRESS)
     p.add_argument("--skip", default="", help="comma-separated parts to skip: dpo, grpo")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="alternating rounds of the DPO systems (default 2; --quick 1)")
     p.add_argument("--tunix-python", default="",
                    help="python of a separate venv with google-tunix: time its DPOTrainer too")
     if "--part" in (argv if argv is not None else sys.argv):  # a child: its part, then exit
@@ -338,6 +343,7 @@ def main(argv=None):
     exp = Experiment("posttrain_cpu", __doc__, parser=p, argv=argv)
     skip = set(filter(None, exp.args.skip.split(",")))
     q = exp.quick
+    exp.args.rounds = exp.args.rounds or (1 if q else 2)
     exp.text(f"Load average (1/5/15 min) at the start: {load()} on {os.cpu_count()} cores.")
     if "dpo" not in skip:
         shape = dict(layers=2, d=64, heads=4, d_ff=172) if q else \
@@ -352,36 +358,55 @@ def main(argv=None):
             make_pairs(pairs, 4 * batch * (warmup + steps + 2), prompt_len, response_len)
             common = ["--model", model, "--pairs", pairs, "--batch", str(batch),
                       "--steps", str(steps), "--warmup", str(warmup)]
-            trl_out = child("trl", common + ["--workdir", os.path.join(tmp, "trl")], 600)
-            ours = tfjax_dpo(model, pairs, os.path.join(tmp, "tfjax"), batch, seq_len, steps,
-                             warmup, -1, 600)
-            ours1 = tfjax_dpo(model, pairs, os.path.join(tmp, "tfjax1"), batch, seq_len, steps,
-                              warmup, 1, 600)
-            tunix, tunix_error = [], None
-            if exp.args.tunix_python:
-                for n in (2, 1):
+            # Alternating rounds: the machine is shared, so each ratio is taken within a round.
+            runs: dict[str, list[dict]] = {}
+            tunix_error = None
+            loads = []
+            for r in range(exp.args.rounds):
+                w = os.path.join(tmp, f"r{r}")
+                loads.append(load())
+                for th in (os.cpu_count(), 1):
+                    runs.setdefault(f"trl{th}", []).append(child(
+                        "trl", common + ["--workdir", w + f"trl{th}", "--threads", str(th)], 600))
+                for n in (-1, 1):
+                    runs.setdefault(f"tfjax{n}", []).append(tfjax_dpo(
+                        model, pairs, w + f"tfjax{n}", batch, seq_len, steps, warmup, n, 600))
+                if exp.args.tunix_python and tunix_error is None:
                     try:
-                        tunix.append(child("tunix", common + ["--devices", str(n)], 600,
-                                           python=exp.args.tunix_python))
+                        runs.setdefault("tunix", []).append(child(
+                            "tunix", common + ["--devices", "2"], 600,
+                            python=exp.args.tunix_python))
                     except (RuntimeError, subprocess.TimeoutExpired) as e:
                         tunix_error = str(e)[-1500:]
-                        break
-        med_trl = statistics.median(trl_out["times"])
-        rows = [["TRL %s DPOTrainer (torch %s, %d threads)" % (trl_out["trl"], trl_out["torch"],
-                                                              trl_out["threads"]),
-                 1000 * med_trl, 1000 * min(trl_out["times"]), batch / med_trl, 1.0]]
-        for label, o in (("tfjax configs/dpo.py (2 CPU devices, data-parallel: the default)",
-                          ours), ("tfjax configs/dpo.py (--cpu_devices=1)", ours1)):
-            m = statistics.median(o["times"])
-            rows.append([label, 1000 * m, 1000 * min(o["times"]), batch / m, m / med_trl])
-        for o in tunix:
-            m = o["timed"] / o["steps"]
-            rows.append([f"google-tunix {o['tunix']} DPOTrainer (jax {o['jax']}, {o['devices']} "
-                         f"CPU device(s), fsdp; mean)", 1000 * m, "-", batch / m, m / med_trl])
-        exp.table(["system", "step ms (median)", "step ms (min)", "pairs/s (median)",
-                   "step time / TRL's (median)"], rows,
+        for o in runs.get("tunix", []):  # no per-step times: the mean over the timed steps
+            o["times"] = [o["timed"] / o["steps"]]
+        trl_out = runs[f"trl{os.cpu_count()}"][0]
+        ours, ours1 = runs["tfjax-1"][0], runs["tfjax1"][0]
+        tunix = runs.get("tunix", [])
+        # the faster TRL of the round: torch's threads can lose badly on a shared machine
+        base = [min(statistics.median(a["times"]), statistics.median(b["times"]))
+                for a, b in zip(runs[f"trl{os.cpu_count()}"], runs["trl1"])]
+        labels = {f"trl{os.cpu_count()}": f"TRL {trl_out['trl']} DPOTrainer (torch "
+                                          f"{trl_out['torch']}, {os.cpu_count()} threads)",
+                  "trl1": f"TRL {trl_out['trl']} DPOTrainer (torch {trl_out['torch']}, 1 thread)",
+                  "tfjax-1": "tfjax configs/dpo.py (2 CPU devices, data-parallel: the default)",
+                  "tfjax1": "tfjax configs/dpo.py (--cpu_devices=1)",
+                  "tunix": "google-tunix %s DPOTrainer (jax %s, 2 CPU devices, fsdp; mean)" % (
+                      tunix[0]["tunix"], tunix[0]["jax"]) if tunix else ""}
+        rows = []
+        for key, label in labels.items():
+            if key not in runs:
+                continue
+            meds = [statistics.median(o["times"]) for o in runs[key]]
+            rows.append([label, " / ".join(f"{1000 * m:.0f}" for m in meds),
+                         1000 * min(min(o["times"]) for o in runs[key]),
+                         " / ".join(f"{batch / m:.2f}" for m in meds),
+                         " / ".join(f"{m / b:.3f}" for m, b in zip(meds, base))])
+        exp.table(["system", "step ms (median; round 1 / 2 ...)", "step ms (min, all rounds)",
+                   "pairs/s", "step time / TRL's faster (same round)"], rows,
                   title=f"DPO step, {shape['layers']} layers d {shape['d']} float32 Llama, "
-                        f"{batch} pairs a step, {steps} timed steps after {warmup} warm-up")
+                        f"{batch} pairs a step, {steps} timed steps after {warmup} warm-up, "
+                        f"{exp.args.rounds} alternating rounds")
         exp.text(
             f"Each pair: prompt {trl_out['lens'][0]} tokens ([bos] + {prompt_len} bytes), chosen "
             f"and rejected {trl_out['lens'][1]} / {trl_out['lens'][2]} tokens ({response_len} "
@@ -395,7 +420,9 @@ def main(argv=None):
             f"forward, one jitted step. Both AdamW, grad clip 1.0, float32. tfjax compile "
             f"(first step): {ours['compile_s']:.1f} s (2 devices), {ours1['compile_s']:.1f} s "
             f"(1 device); wall of the whole tfjax run {ours['wall']:.0f} s / {ours1['wall']:.0f} s."
-            f" Step times: TRL {', '.join(f'{1000 * x:.0f}' for x in trl_out['times'])} ms; "
+            f" Load average (1/5/15) at each round's start: {'; '.join(loads)}."
+            f" Round 1's step times: TRL "
+            f"{', '.join(f'{1000 * x:.0f}' for x in trl_out['times'])} ms; "
             f"tfjax {', '.join(f'{1000 * x:.0f}' for x in ours['times'])} ms / "
             f"{', '.join(f'{1000 * x:.0f}' for x in ours1['times'])} ms.")
         if tunix:
@@ -409,7 +436,7 @@ def main(argv=None):
                 f"clip 1.0 + AdamW. Timed as the wall time of `train()` over {steps} steps "
                 f"after {warmup} (its loop dispatches ahead, so no per-step times), weights "
                 f"fetched at the end: the mean. First {warmup} steps incl. compile: "
-                + ", ".join(f"{o['first']:.1f} s ({o['devices']} device(s))" for o in tunix)
+                + ", ".join(f"{o['first']:.1f} s" for o in tunix)
                 + ". Installed with `pip install google-tunix` into a separate python 3.11 "
                   "venv.")
         if tunix_error:
