@@ -149,6 +149,15 @@ def test_bad_pairs_name_the_line(tmp_path):
     with pytest.raises(ValueError, match=r"longer\.jsonl:2: prompt \+ chosen .* 86 tokens") as e:
         tr.train_iterator()
     assert "\n" not in str(e.value)
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    no_rejected = tmp_path / "no_rejected.parquet"  # parquet pairs (tests/data/test_examples.py)
+    pq.write_table(pa.table({"prompt": ["a"], "chosen": ["b"]}), no_rejected)
+    cfg = tiny_config(train=dict(objective="orpo"),
+                      data=dict(source="jsonl", paths=(str(no_rejected),), val_paths=(str(bad),)))
+    with pytest.raises(ValueError, match=r"no_rejected\.parquet: no column 'rejected'; its "
+                                         r"columns: prompt, chosen") as e:
+        Trainer(cfg, str(tmp_path / "w5"), devices=jax.devices()[:1], log=lambda s: None)
+    assert "\n" not in str(e.value)
     cfg = tiny_config(train=dict(objective="orpo"))  # the stdlib corpus has no pairs
     with pytest.raises(ValueError, match=r"data\.source: train\.objective='orpo' reads"):
         Trainer(cfg, str(tmp_path / "w3"), devices=jax.devices()[:1], log=lambda s: None)
