@@ -358,12 +358,11 @@ def read_records(inp: Input, columns: Sequence[str], label: str = "",
                 for row, rec in enumerate(batch.to_pylist(), first):
                     yield f"{inp.name}:{row}", f"{inp.path}: row {row} (0-based)", rec
         elif inp.kind == "dataset":
-            ds = _dataset(inp, columns, label, fix)
+            ds = _dataset(inp, columns, label, fix).select_columns(list(columns))
             for a in range(0, len(ds), _BATCH):
                 part = ds[a:a + _BATCH]
-                for i in range(len(part[columns[0]]) if columns else 0):
-                    row = a + i
-                    yield (f"{inp.name}:{row}", f"{inp.path}: row {row} (0-based)",
+                for i in range(min(_BATCH, len(ds) - a)):
+                    yield (f"{inp.name}:{a + i}", f"{inp.path}: row {a + i} (0-based)",
                            {c: part[c][i] for c in columns})
         elif inp.kind == "json" and _starts_a_list(inp):
             yield from _json_items(inp)
