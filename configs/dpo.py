@@ -7,7 +7,8 @@ and train on jsonl preference pairs (`tfjax.train.preference`, `tfjax.data.pairs
     python -m tfjax.train --config configs/dpo.py:lora ...      # the reference is the frozen base
     ... --config.train.objective=simpo --config.train.preference.beta=2.0
 
-Each jsonl line is {"prompt": "...", "chosen": "...", "rejected": "..."}; the two
+Each jsonl line is {"prompt": "...", "chosen": "...", "rejected": "..."} (or parquet files /
+a `datasets` directory with those columns: --config.data.paths="('pairs/*.parquet',)"); the two
 sequences of a pair are packed into one 1024-token row (with other whole pairs), the
 loss on the responses. beta 0.1 (TRL's default), lr 5e-7 as in the DPO / Zephyr
 recipes (LoRA: 5e-5). Logged as TRL logs: loss, rewards/chosen, rewards/rejected,

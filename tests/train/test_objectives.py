@@ -249,7 +249,7 @@ def jsonl_data(jsonl, objective):
     return dict(source="jsonl", paths=(train,), val_paths=(val,))
 
 
-def test_jsonl_examples_are_checked(tmp_path):
+def test_examples_are_checked(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "a", "label": 1}\n{"text": "b", "label": 2}\n')
     cfg = config("classification", data=dict(source="jsonl", paths=(str(bad),),

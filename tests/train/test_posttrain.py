@@ -149,9 +149,39 @@ def test_bad_pairs_name_the_line(tmp_path):
     with pytest.raises(ValueError, match=r"longer\.jsonl:2: prompt \+ chosen .* 86 tokens") as e:
         tr.train_iterator()
     assert "\n" not in str(e.value)
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    no_rejected = tmp_path / "no_rejected.parquet"  # parquet pairs (tests/data/test_examples.py)
+    pq.write_table(pa.table({"prompt": ["a"], "chosen": ["b"]}), no_rejected)
+    cfg = tiny_config(train=dict(objective="orpo"),
+                      data=dict(source="jsonl", paths=(str(no_rejected),), val_paths=(str(bad),)))
+    with pytest.raises(ValueError, match=r"no_rejected\.parquet: no column 'rejected'; its "
+                                         r"columns: prompt, chosen") as e:
+        Trainer(cfg, str(tmp_path / "w5"), devices=jax.devices()[:1], log=lambda s: None)
+    assert "\n" not in str(e.value)
     cfg = tiny_config(train=dict(objective="orpo"))  # the stdlib corpus has no pairs
     with pytest.raises(ValueError, match=r"data\.source: train\.objective='orpo' reads"):
         Trainer(cfg, str(tmp_path / "w3"), devices=jax.devices()[:1], log=lambda s: None)
+
+
+def test_parquet_pairs_train_as_the_jsonl_ones(tmp_path):
+    """The trainer's batches of the same pairs as jsonl and as parquet are the same
+    (every kind: tests/data/test_examples.py)."""
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    jsonl = write_pairs(tmp_path / "pairs.jsonl", n=16)
+    records = [json.loads(line) for line in open(jsonl)]
+    pq.write_table(pa.table({k: [r[k] for r in records] for k in records[0]}),
+                   tmp_path / "pairs.parquet")
+
+    def first_batch(path, name):
+        cfg = tiny_config(train=dict(objective="orpo", batch_size=2, seq_len=128),
+                          data=dict(source="jsonl", paths=(path,), val_paths=(jsonl,)))
+        tr = Trainer(cfg, str(tmp_path / name), devices=jax.devices()[:1], log=lambda s: None)
+        return next(tr.train_iterator())
+
+    got, want = first_batch(str(tmp_path / "pairs.parquet"), "p"), first_batch(jsonl, "j")
+    assert set(got) == set(want) and want["pairs"].sum() > 2
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
 
 
 def test_reference_and_teacher_errors(tmp_path, hf_llama):

@@ -180,7 +180,9 @@ class DataConfig:
       in `paths`, one document per file) | jsonl (one document per line, field
       `jsonl_field`) | cache (token caches of `python -m tfjax.data.prepare`). For
       text/jsonl, `val_paths` names the validation files; if empty, the same sha1
-      rule splits files (text) or lines (jsonl).
+      rule splits files (text) or lines (jsonl). The objectives that read examples
+      (classification, seq2seq, preference) take jsonl, parquet and `datasets`
+      inputs alike with source jsonl (`tfjax.data.objectives.read_examples`).
     tokenizer: "byte" (256 bytes + specials), a local file (a `tokenizers` JSON or
       a sentencepiece `.model`) or directory (its tokenizer.json or tokenizer.model,
       specials from the files beside it), or "init_from": the tokenizer of the

@@ -6,8 +6,9 @@ JSON lines), `.parquet` (a column), a Hugging Face `datasets` directory (`save_t
 any other file as text (one document). Each document has a name, its split key for
 `is_validation`: a text file's relative path, a record's "<relative path>:<0-based line,
 item or row>" (as `data.source="jsonl"` names lines). Blank documents are skipped. Bad
-input is a one-line ValueError naming the file, the line / row and `--field`. See
-docs/data.md.
+input is a one-line ValueError naming the file, the line / row and `--field`.
+`read_records` gives whole records (several fields or columns) of any kind, for the
+objectives that read examples (`tfjax.data.objectives.read_examples`). See docs/data.md.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 from etils import epath
 
-__all__ = ["Input", "Piece", "find_inputs", "pieces", "read_piece"]
+__all__ = ["Input", "Piece", "find_inputs", "pieces", "read_piece", "read_records"]
 
 _DATASET_FILES = ("dataset_info.json", "state.json")
 _BATCH = 1024  # rows per parquet / datasets batch
@@ -179,7 +180,7 @@ def _pieces(i: int, inp: Input, target: int, field: str) -> list[Piece]:
         return [Piece(i, g, g + 1, int(starts[g]), inp.size * int(starts[g + 1] - starts[g])
                       // rows) for g in range(meta.num_row_groups)]
     if inp.kind == "dataset":
-        rows = len(_dataset(inp, field))
+        rows = len(_dataset(inp, (field,), *_FIELD))
         step = max(1, rows * target // max(inp.size, 1))
         return [Piece(i, a, min(a + step, rows), a, inp.size * (min(a + step, rows) - a) // rows)
                 for a in range(0, rows, step)]
@@ -236,7 +237,8 @@ def _string(value, where: str, field: str) -> str:
     return value
 
 
-def _lines(inp: Input, piece: Piece, field: str) -> Iterator[tuple[str, str]]:
+def _json_lines(inp: Input, piece: Piece) -> Iterator[tuple[str, str, object]]:
+    """(name, where, JSON value) of the piece's lines that are not blank."""
     path = epath.Path(inp.path)
     with _open(path) as f:
         if piece.stop:
@@ -256,38 +258,65 @@ def _lines(inp: Input, piece: Piece, field: str) -> Iterator[tuple[str, str]]:
                                      f"{inp.kind} input holds one JSON object per line"
                                      + (" or a list of objects" if inp.kind == "json" else "")
                                      + ": fix or drop this line") from None
-                yield f"{inp.name}:{lineno}", _text(record, f"{inp.path}:{lineno + 1}", field)
+                yield f"{inp.name}:{lineno}", f"{inp.path}:{lineno + 1}", record
             lineno += 1
 
 
-def _json_list(inp: Input, field: str) -> Iterator[tuple[str, str]]:
+def _lines(inp: Input, piece: Piece, field: str) -> Iterator[tuple[str, str]]:
+    for name, where, record in _json_lines(inp, piece):
+        yield name, _text(record, where, field)
+
+
+def _json_items(inp: Input) -> Iterator[tuple[str, str, object]]:
+    """(name, where, JSON value) of each item of a file that holds one JSON list."""
     with _open(epath.Path(inp.path)) as f:
         try:
             items = json.load(f)
         except ValueError as e:
             raise ValueError(f"{inp.path}: not a JSON list of objects ({e})") from None
     for i, item in enumerate(items):
-        yield f"{inp.name}:{i}", _text(item, f"{inp.path}: item {i} (0-based)", field)
+        yield f"{inp.name}:{i}", f"{inp.path}: item {i} (0-based)", item
+
+
+def _json_list(inp: Input, field: str) -> Iterator[tuple[str, str]]:
+    for name, where, item in _json_items(inp):
+        yield name, _text(item, where, field)
+
+
+# prepare's one column: what a missing one is called, and the fix
+_FIELD = (" (--field)", "set --field to the column that holds the text")
+
+
+def _check_columns(inp: Input, have: Sequence[str], want: Sequence[str], label: str,
+                   fix: str) -> None:
+    for column in want:
+        if column not in have:
+            raise ValueError(f"{inp.path}: no column {column!r}{label}; its columns: "
+                             f"{', '.join(have) or 'none'}; {fix}")
+
+
+def _parquet_batches(inp: Input, piece: Piece, columns: Sequence[str], label: str,
+                     fix: str) -> Iterator[tuple[int, object]]:
+    """(first row, pyarrow RecordBatch of `columns`) of the piece's row groups (a whole
+    piece: every row group); a missing column is a ValueError naming it, `label`, `fix`."""
+    with epath.Path(inp.path).open("rb") as f:
+        pf = _parquet_file(inp, f)
+        _check_columns(inp, pf.schema_arrow.names, columns, label, fix)
+        groups = range(piece.start, piece.stop) if piece.stop else range(pf.num_row_groups)
+        row = piece.first
+        for batch in pf.iter_batches(_BATCH, row_groups=groups, columns=list(columns)):
+            yield row, batch
+            row += batch.num_rows
 
 
 def _parquet(inp: Input, piece: Piece, field: str) -> Iterator[tuple[str, str]]:
-    with epath.Path(inp.path).open("rb") as f:
-        pf = _parquet_file(inp, f)
-        if field not in pf.schema_arrow.names:
-            raise ValueError(f"{inp.path}: no column {field!r} (--field); its columns: "
-                             f"{', '.join(pf.schema_arrow.names)}; set --field to the column "
-                             "that holds the text")
-        row = piece.first
-        for batch in pf.iter_batches(_BATCH, row_groups=range(piece.start, piece.stop),
-                                     columns=[field]):
-            for value in batch.column(0).to_pylist():
-                yield f"{inp.name}:{row}", _string(value, f"{inp.path}: row {row} (0-based)",
-                                                   field)
-                row += 1
+    for first, batch in _parquet_batches(inp, piece, (field,), *_FIELD):
+        for row, value in enumerate(batch.column(0).to_pylist(), first):
+            yield f"{inp.name}:{row}", _string(value, f"{inp.path}: row {row} (0-based)", field)
 
 
 @functools.lru_cache(maxsize=4)
-def _dataset(inp: Input, field: str):
+def _load_dataset(inp: Input):
     """The `datasets.Dataset` of a `save_to_disk` directory; of a DatasetDict, its
     "train" split (the others are not read: give DIR/<split> to read one)."""
     datasets = _need("datasets", "datasets", f"{inp.path}: a Hugging Face datasets directory")
@@ -298,18 +327,50 @@ def _dataset(inp: Input, field: str):
                              f"{', '.join(ds)}); give the split's directory, e.g. "
                              f"{inp.path}/{next(iter(ds), 'SPLIT')}")
         ds = ds["train"]
-    if field not in ds.column_names:
-        raise ValueError(f"{inp.path}: no column {field!r} (--field); its columns: "
-                         f"{', '.join(ds.column_names)}; set --field to the column that holds "
-                         "the text")
+    return ds
+
+
+def _dataset(inp: Input, columns: Sequence[str], label: str, fix: str):
+    """`_load_dataset`, after checking that it has `columns` (`_check_columns`)."""
+    ds = _load_dataset(inp)
+    _check_columns(inp, ds.column_names, columns, label, fix)
     return ds
 
 
 def _dataset_rows(inp: Input, piece: Piece, field: str) -> Iterator[tuple[str, str]]:
-    ds = _dataset(inp, field)
+    ds = _dataset(inp, (field,), *_FIELD)
     for a in range(piece.start, piece.stop, _BATCH):
         for row, value in enumerate(ds[a:min(a + _BATCH, piece.stop)][field], a):
             yield f"{inp.name}:{row}", _string(value, f"{inp.path}: row {row} (0-based)", field)
+
+
+def read_records(inp: Input, columns: Sequence[str], label: str = "",
+                 fix: str = "") -> Iterator[tuple[str, str, object]]:
+    """(name, where, record) of every record of a whole input, in order: the JSON value of
+    each line that is not blank (jsonl; a text file is read as JSON lines) or item (a
+    .json list), or a dict of `columns` per row (parquet, dataset). `name` is its split
+    key (as `read_piece` names documents), `where` "file:line" (1-based) or "file: row
+    r (0-based)" for errors. A parquet file or dataset without one of `columns` is a
+    ValueError naming the file and the column, `label` after it, then `fix`."""
+    try:
+        if inp.kind == "parquet":
+            for first, batch in _parquet_batches(inp, Piece(0), columns, label, fix):
+                for row, rec in enumerate(batch.to_pylist(), first):
+                    yield f"{inp.name}:{row}", f"{inp.path}: row {row} (0-based)", rec
+        elif inp.kind == "dataset":
+            ds = _dataset(inp, columns, label, fix).select_columns(list(columns))
+            for a in range(0, len(ds), _BATCH):
+                part = ds[a:a + _BATCH]
+                for i in range(min(_BATCH, len(ds) - a)):
+                    yield (f"{inp.name}:{a + i}", f"{inp.path}: row {a + i} (0-based)",
+                           {c: part[c][i] for c in columns})
+        elif inp.kind == "json" and _starts_a_list(inp):
+            yield from _json_items(inp)
+        else:
+            yield from _json_lines(dataclasses.replace(inp, kind="jsonl") if inp.kind == "text"
+                                   else inp, Piece(0))
+    except (OSError, EOFError) as e:
+        raise ValueError(f"{inp.path}: cannot read ({e}); check the file") from None
 
 
 def read_piece(inp: Input, piece: Piece, field: str) -> Iterator[tuple[str, str | bytes]]:

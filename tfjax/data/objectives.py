@@ -1,16 +1,16 @@
 """The host side (numpy) of the training objectives: what each one makes of packed
-rows (`PackedBatches`) or of jsonl examples, as arrays `[rows, length]` per key.
+rows (`PackedBatches`) or of examples, as arrays `[rows, length]` per key.
 
 MLM masking (`mlm_batch`, `mlm_row`), prefix lengths (`prefix_lm_batch`), T5's span
-corruption (`span_corruption_batch`, `span_lengths`) and jsonl examples
-(`jsonl_examples`, `ExampleBatches`: classification and seq2seq rows). Special ids sit
-above the tokenizer's vocabulary (`special_ids`); every random choice is drawn from
-`row_rng(seed, batch, row, salt)`, so resume is exact. See docs/data.md.
+corruption (`span_corruption_batch`, `span_lengths`) and examples read from jsonl,
+parquet or `datasets` inputs (`read_examples`, `ExampleBatches`: classification and
+seq2seq rows). Special ids sit above the tokenizer's vocabulary (`special_ids`); every
+random choice is drawn from `row_rng(seed, batch, row, salt)`, so resume is exact. See
+docs/data.md.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Iterator, Sequence
 
@@ -18,10 +18,11 @@ import numpy as np
 
 from tfjax.config import DataConfig
 from tfjax.data.pipeline import RowStreams
-from tfjax.data.sources import expand_paths, is_validation
+from tfjax.data.inputs import find_inputs, read_records
+from tfjax.data.sources import is_validation
 
-__all__ = ["ExampleBatches", "MappedBatches", "classification_row", "jsonl_examples",
-           "mlm_row", "prefix_lengths", "row_rng", "seq2seq_row", "span_corrupt",
+__all__ = ["ExampleBatches", "MappedBatches", "classification_row", "mlm_row",
+           "prefix_lengths", "read_examples", "row_rng", "seq2seq_row", "span_corrupt",
            "span_lengths", "span_noise_mask", "special_ids", "token_bytes_of", "word_units"]
 
 # Salts: the objectives draw from different streams even with one seed.
@@ -271,57 +272,54 @@ def span_corruption_batch(packed: dict, batch: int, rows: Sequence[int], *, toke
     return {k: np.stack([o[k] for o in out]) for k in ENCDEC_KEYS}
 
 
-# ------------------------------------------------------------ jsonl examples
-def _bad(path, lineno, msg):
-    raise ValueError(f"{path}:{lineno}: {msg}")
+# ------------------------------------------------------------------ examples
+def _check_field(where: str, rec: dict, name: str, kind: str, num_classes: int) -> None:
+    v = rec.get(name)
+    if kind == "text" and not (isinstance(v, str) and v.strip()):
+        raise ValueError(f"{where}: field {name!r} must be a non-empty string, got {v!r}")
+    if kind == "label" and (isinstance(v, bool) or not isinstance(v, int)
+                            or not 0 <= v < num_classes):
+        raise ValueError(f"{where}: field {name!r} must be an integer class in [0, "
+                         f"{num_classes}) (model.num_classes={num_classes}), got {v!r}")
 
 
-def jsonl_examples(cfg: DataConfig, split: str, fields: dict[str, str],
-                   num_classes: int = 0, where: bool = False) -> list[dict]:
-    """The examples of `split` from `data.paths` / `data.val_paths` (jsonl; the split
-    rule of `tfjax.data.sources`): one dict per line with `fields` (name -> "text" or
-    "label"). Every line is checked: a JSON object whose text fields are non-empty
-    strings and whose label is an integer in [0, num_classes), or a ValueError naming
-    the file, the 1-based line and the field. `where`: each example also holds
-    "where", its "file:line" (for later errors about it)."""
+def read_examples(cfg: DataConfig, split: str, fields: dict[str, str],
+                  num_classes: int = 0, where: bool = False) -> list[dict]:
+    """The examples of `split` from `data.paths` / `data.val_paths` (files, globs,
+    directories, local or on a bucket; the split rule of `tfjax.data.sources`): one dict
+    with `fields` (name -> "text" or "label") per record, each input read by its kind
+    as `tfjax.data.prepare` reads it (`read_records`): JSON lines (.jsonl, any other
+    file), a .json list, the columns of a .parquet file or of a Hugging Face `datasets`
+    directory. Every record is checked: an object whose text fields are non-empty
+    strings and whose label is an integer in [0, num_classes), or a one-line ValueError
+    naming the file, the line (1-based) or row (0-based) and the field; a parquet file
+    or dataset without a field's column names the file and the column. `where`: each
+    example also holds "where", its "file:line" / "file: row r" (for later errors)."""
+    names = ", ".join(fields)
     if cfg.source != "jsonl":
-        raise ValueError(f"data.source: {cfg.source!r}; this objective reads examples from "
-                         f"jsonl files with fields {', '.join(fields)}: set data.source='jsonl' "
-                         f"and data.paths")
+        raise ValueError(f"data.source: {cfg.source!r}; this objective reads examples with "
+                         f"fields {names} from jsonl, parquet or Hugging Face datasets inputs: "
+                         f"set data.source='jsonl' and data.paths")
     explicit = bool(cfg.val_paths)
     if split == "validation" and explicit:
-        files, rule = expand_paths(cfg.val_paths, "data.val_paths"), None
+        patterns, field, rule = cfg.val_paths, "data.val_paths", None
     else:
-        files, rule = expand_paths(cfg.paths, "data.paths"), (None if explicit else split)
+        patterns, field, rule = cfg.paths, "data.paths", (None if explicit else split)
+    fix = f"these examples need columns {names}: rename the column or point {field} elsewhere"
     out = []
-    for path, key in files:
-        with open(path, "rb") as f:
-            for lineno, line in enumerate(f):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except ValueError as e:
-                    _bad(path, lineno + 1, f"not a JSON line ({e})")
-                if not isinstance(rec, dict):
-                    _bad(path, lineno + 1, f"expected a JSON object with fields "
-                         f"{', '.join(fields)}")
-                for name, kind in fields.items():
-                    v = rec.get(name)
-                    if kind == "text" and not (isinstance(v, str) and v.strip()):
-                        _bad(path, lineno + 1, f"field {name!r} must be a non-empty string, got "
-                             f"{v!r}")
-                    if kind == "label" and (isinstance(v, bool) or not isinstance(v, int)
-                                            or not 0 <= v < num_classes):
-                        _bad(path, lineno + 1, f"field {name!r} must be an integer class in "
-                             f"[0, {num_classes}) (model.num_classes={num_classes}), got {v!r}")
-                if rule is None or is_validation(f"{key}:{lineno}") == (rule == "validation"):
-                    out.append({name: rec[name] for name in fields})
-                    if where:
-                        out[-1]["where"] = f"{path}:{lineno + 1}"
+    for inp in find_inputs(patterns, field):
+        for key, at, rec in read_records(inp, tuple(fields), fix=fix):
+            if not isinstance(rec, dict):
+                raise ValueError(f"{at}: expected a JSON object with fields {names}")
+            for name, kind in fields.items():
+                _check_field(at, rec, name, kind, num_classes)
+            if rule is None or is_validation(key) == (rule == "validation"):
+                out.append({name: rec[name] for name in fields})
+                if where:
+                    out[-1]["where"] = at
     if not out:
         raise ValueError(f"data.paths: the {split} split has no examples (data.paths="
-                         f"{cfg.paths!r}, data.val_paths={cfg.val_paths!r}); 1 in 50 lines goes "
+                         f"{cfg.paths!r}, data.val_paths={cfg.val_paths!r}); 1 in 50 records goes "
                          f"to validation unless data.val_paths names files")
     return out
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tfjax.data.objectives import ExampleBatches, jsonl_examples
+from tfjax.data.objectives import ExampleBatches, read_examples
 from tfjax.data.pipeline import BATCH_KEYS, row_batch
 
 __all__ = ["PAIR_KEYS", "encode_pairs", "pair_batches", "pair_examples", "pair_row"]
@@ -22,10 +22,11 @@ PAIR_KEYS = (*BATCH_KEYS, "seq_mask", "pairs")
 
 
 def pair_examples(cfg, split: str) -> list[dict]:
-    """The pairs of `split` from the jsonl files of `data.paths` / `data.val_paths`; a line
-    without a non-empty prompt, chosen or rejected string is a ValueError naming it."""
-    return jsonl_examples(cfg.data, split, {"prompt": "text", "chosen": "text",
-                                            "rejected": "text"}, where=True)
+    """The pairs of `split` from `data.paths` / `data.val_paths` (jsonl lines, parquet or
+    `datasets` columns: `read_examples`); a record without a non-empty prompt, chosen or
+    rejected string is a ValueError naming its line or row."""
+    return read_examples(cfg.data, split, {"prompt": "text", "chosen": "text",
+                                           "rejected": "text"}, where=True)
 
 
 def encode_pairs(examples: Sequence[dict], tokenizer, seq_len: int) -> list[dict]:

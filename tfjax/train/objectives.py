@@ -209,8 +209,8 @@ OBJECTIVES.register("mlm", Objective(
 
 # ----------------------------------------------------------- classification
 def _classification_source(cfg, split):
-    return D.jsonl_examples(cfg.data, split, {cfg.data.jsonl_field: "text", "label": "label"},
-                            num_classes=cfg.model.num_classes)
+    return D.read_examples(cfg.data, split, {cfg.data.jsonl_field: "text", "label": "label"},
+                           num_classes=cfg.model.num_classes)
 
 
 def _classification_batches(cfg, tokenizer, source, local_rows, train):
@@ -307,7 +307,7 @@ OBJECTIVES.register("span_corruption", Objective(
 
 
 def _seq2seq_source(cfg, split):
-    return D.jsonl_examples(cfg.data, split, {"input": "text", "target": "text"})
+    return D.read_examples(cfg.data, split, {"input": "text", "target": "text"})
 
 
 def _seq2seq_batches(cfg, tokenizer, source, local_rows, train):
@@ -362,8 +362,9 @@ def preference_report(sums: dict) -> dict:
 def _preference_check(cfg, tokenizer, n_seq):
     if cfg.data.source != "jsonl":
         raise ValueError(f"data.source: train.objective={cfg.train.objective!r} reads "
-                         f"{{\"prompt\", \"chosen\", \"rejected\"}} jsonl lines, but data.source="
-                         f"{cfg.data.source!r}; set --config.data.source=jsonl and data.paths")
+                         f"{{\"prompt\", \"chosen\", \"rejected\"}} records (jsonl lines, "
+                         f"parquet or datasets columns), but data.source={cfg.data.source!r}; "
+                         f"set --config.data.source=jsonl and data.paths")
 
 
 def _register_preference(kind):
@@ -434,7 +435,7 @@ def check_objective(cfg: RunConfig, tokenizer, n_seq: int = 1) -> Objective:
         packing = [n for n in OBJECTIVES if OBJECTIVES.get(n).source is _documents]
         raise ValueError(f"data.source: a token cache feeds the objectives that pack documents "
                          f"({', '.join(map(repr, packing))}), not train.objective="
-                         f"{t.objective!r}, which reads jsonl examples; set "
+                         f"{t.objective!r}, which reads examples (jsonl, parquet, datasets); set "
                          f"--config.data.source=jsonl")
     if obj.arch != m.arch:
         mine = [n for n in OBJECTIVES if OBJECTIVES.get(n).arch == m.arch]
