@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from tfjax.inference.engine.pages import PagePool, chain_hashes
-from tfjax.inference.engine.programs import programs
+from tfjax.inference.engine.programs import programs, state_shardings
 from tfjax.inference.engine.requests import Output, Request
 from tfjax.inference.sampling import SamplingParams
 from tfjax.nn.state import DecodeState
@@ -133,10 +133,10 @@ class Engine:
         self._inbox: collections.deque = collections.deque()
         self._lock = threading.Lock()
         self._programs = programs(self.graphdef, mesh)
-        if mesh is not None:  # placed as every program returns them
-            with self._traced():
-                self.cache, self.seen, self.counts = self._programs.place(
-                    self.cache, self.seen, self.counts)
+        if mesh is not None:  # placed as every program returns them (`programs.placed`)
+            self.cache, self.seen, self.counts = jax.device_put(
+                (self.cache, self.seen, self.counts),
+                state_shardings(self.cache, mesh, dict(rules or ())))
         self._row_counts = {  # the rows of each call of T tokens: 1, 2, 4 .. up to a limit
             T: sorted({1 << i for i in range(most.bit_length()) if 1 << i < most} | {most})
             for T, most in ((C, min(config.prefill_rows, B)), (1, B))}

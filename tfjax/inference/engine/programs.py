@@ -10,10 +10,11 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from tfjax.inference.cache import logical_axes
 from tfjax.inference.sampling import sample_rows
-from tfjax.parallel.sharding import shard
+from tfjax.parallel.sharding import logical_to_spec, shard
 
 __all__ = ["programs"]
 
@@ -32,7 +33,6 @@ class _Programs:
         self.graphdef = graphdef
         self.reset = jax.jit(lambda *a: placed(*_reset_rows(*a)), donate_argnums=(0, 1, 2))
         self.fork = jax.jit(lambda *a: placed(*_fork(*a)), donate_argnums=(0, 1, 2))
-        self.place = jax.jit(placed, donate_argnums=(0, 1, 2))
 
     @functools.lru_cache(maxsize=32)
     def step(self, T: int, R: int, num_logprobs: int, score: bool):
@@ -105,6 +105,16 @@ def placed(cache, seen, counts):
                          is_leaf=lambda x: x is None)
     rows = lambda x: None if x is None else shard(x, ("batch", None))  # noqa: E731
     return cache, rows(seen), rows(counts)
+
+
+def state_shardings(cache, mesh, rules) -> tuple:
+    """The shardings `placed` gives the engine's state (cache, seen, counts) on `mesh`
+    under `rules`: where the engine puts it at the start, whatever devices it was
+    made on."""
+    on = lambda names: NamedSharding(mesh, logical_to_spec(names, rules))  # noqa: E731
+    cache_shardings = jax.tree.map(lambda x, names: None if x is None else on(names), cache,
+                                   logical_axes(cache), is_leaf=lambda x: x is None)
+    return cache_shardings, on(("batch", None)), on(("batch", None))
 
 
 def _reset_rows(cache, seen, counts, fresh, prompts):
