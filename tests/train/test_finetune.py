@@ -32,12 +32,7 @@ EXAMPLES = [("Q: 2+2?\nA:", " 4"), ("Translate 'chat':", " cat"), ("", "free tex
             ("Name a colour:", " blue, or perhaps a long green"), ("x" * 40, " y" * 12)] * 4
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -32,12 +32,7 @@ PAIRS = [dict(prompt="copy apple:", chosen=" apple", rejected=" a river, or ston
 TOL = 1e-5
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def _llama(path, seed):
