@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from tiny_hf import save_tiny_llama
 from tiny_setup import preempt_after, tiny_config
 
 from tfjax import config as C
@@ -37,16 +38,9 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 @pytest.fixture(scope="module")
 def hf_llama(tmp_path_factory):
-    """A tiny random LlamaForCausalLM saved as save_pretrained does, with the byte
-    tokenizer's tokenizer.json (259 ids, vocab 272)."""
+    """tests/tiny_hf.py's Llama (context 64) with the byte tokenizer's tokenizer.json."""
     path = tmp_path_factory.mktemp("hf_llama")
-    torch.manual_seed(0)
-    c = transformers.LlamaConfig(vocab_size=272, hidden_size=32, intermediate_size=48,
-                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                 max_position_embeddings=64, rms_norm_eps=1e-6,
-                                 tie_word_embeddings=False, bos_token_id=257, eos_token_id=258)
-    transformers.LlamaForCausalLM(c).save_pretrained(str(path))
-    ByteTokenizer().hf_tokenizer().save(str(path / "tokenizer.json"))
+    save_tiny_llama(path, max_position_embeddings=64)
     return str(path)
 
 

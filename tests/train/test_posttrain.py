@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from pairs_data import write_pairs
+from tiny_hf import save_tiny_llama
 from tiny_setup import preempt_after, tiny_config
 
 from tfjax import config as C
@@ -34,13 +35,7 @@ PAIRS = [dict(prompt="copy apple:", chosen=" apple", rejected=" a river, or ston
 
 
 def _hf_llama(path, vocab_size=272, seed=0):
-    torch.manual_seed(seed)
-    c = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=48,
-                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                 max_position_embeddings=256, rms_norm_eps=1e-6,
-                                 tie_word_embeddings=False, bos_token_id=257, eos_token_id=258)
-    transformers.LlamaForCausalLM(c).save_pretrained(str(path))
-    ByteTokenizer().hf_tokenizer().save(str(path / "tokenizer.json"))
+    save_tiny_llama(path, seed=seed, vocab_size=vocab_size)
     return str(path)
 
 

@@ -13,6 +13,7 @@ import types
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiny_hf import save_tiny_llama
 
 from tfjax.config import PreferenceConfig
 from tfjax.data.pairs import encode_pairs, pair_row
@@ -36,17 +37,9 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def _llama(path, seed):
-    torch.manual_seed(seed)
-    c = transformers.LlamaConfig(vocab_size=272, hidden_size=32, intermediate_size=48,
-                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                 max_position_embeddings=128, rms_norm_eps=1e-6,
-                                 tie_word_embeddings=False, bos_token_id=257, eos_token_id=258)
-    m = transformers.LlamaForCausalLM(c)
-    with torch.no_grad():  # larger weights: log-ratios well away from 0
-        for p in m.parameters():
-            p.mul_(4.0) if p.ndim > 1 else None
-    m.save_pretrained(str(path))
-    return m.eval()
+    # larger weights: log-ratios well away from 0
+    return save_tiny_llama(path, seed=seed, weight_scale=4.0, tokenizer=None,
+                           max_position_embeddings=128)
 
 
 @pytest.fixture(scope="module")
