@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import random
@@ -347,11 +348,11 @@ def run_tunix_grpo(a) -> dict:
     import optax
     import transformers
     from flax import nnx
+    from tunix.models.llama3 import model as llama
+    from tunix.models.llama3 import params as llama_params
     from tunix.rl import rl_cluster as rlc
     from tunix.rl.grpo import grpo_learner as grpo
     from tunix.rl.rollout import base_rollout
-    from tunix.models.llama3 import model as llama
-    from tunix.models.llama3 import params as llama_params
 
     from tfjax.train.rl.rewards import REWARDS  # tfjax's own functions: the same rewards
 
@@ -385,9 +386,17 @@ def run_tunix_grpo(a) -> dict:
     T = tokens.shape[1]
     positions = jnp.broadcast_to(jnp.arange(T), tokens.shape)
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (tokens.shape[0], T, T))
-    with mesh:
-        logits, _ = policy(tokens, positions, None, causal)
-    probe_diff = float(np.abs(np.asarray(logits) - probe["logits"]).max())
+
+    def probe_diff():  # max |logit difference| against tfjax's on the probe rows
+        with mesh:
+            logits, _ = policy(tokens, positions, None, causal)
+        return float(np.abs(np.asarray(logits) - probe["logits"]).max())
+
+    # tunix 0.1.7's Llama3 attention calls apply_rope without the config's rope_theta
+    # (its default, 1e6, whatever the checkpoint's): give it the checkpoint's
+    unpatched = probe_diff()
+    llama.apply_rope = functools.partial(llama.apply_rope, rope_theta=cfg.rope_theta)
+    patched = probe_diff()
     tok = transformers.AutoTokenizer.from_pretrained(a.model)
 
     rollout_cfg = base_rollout.RolloutConfig(
@@ -484,7 +493,8 @@ def run_tunix_grpo(a) -> dict:
                  sample_compile=spans["rollout_compile"][i], exact=exact[i])
         b["other"] = spans["prepare"][i] - b["rollout"] - b["reward"] - b["logps"]
         per_batch.append(b)
-    return dict(per_batch=per_batch, wall=wall, compile_s=compiled["s"], probe_diff=probe_diff,
+    return dict(per_batch=per_batch, wall=wall, compile_s=compiled["s"], probe_diff=patched,
+                probe_diff_unpatched=unpatched, rope_theta=cfg.rope_theta,
                 logps_per_batch=n_lp, updates=cluster.actor_trainer.train_steps,
                 devices=a.devices, tunix=version("google-tunix"), jax=jax.__version__)
 
@@ -563,9 +573,13 @@ def grpo_against_tunix(exp: Experiment, g: dict, tg: dict) -> None:
         f"rollout (tunix's `Sampler`, KV cache of {s['max_prompt_length']} + "
         f"{s['max_completion_length']} tokens). The model: tfjax's tiny preset model after "
         f"its {s['sft_steps']} supervised warm-up steps, exported by `tfjax.interop.hf.export` "
-        f"as a Llama and loaded into tunix's Llama3 (float32, tied embeddings; max |logit "
-        f"difference| against tfjax's on 4 probe rows: {tg['probe_diff']:.1e}), the "
-        f"reference a second load; the prompts: the {len(ours)} rollout batches tfjax drew, "
+        f"as a Llama and loaded into tunix's Llama3 (float32, tied embeddings), the "
+        f"reference a second load. tunix 0.1.7's Llama3 attention calls `apply_rope` "
+        f"without the config's `rope_theta` (so always its default 1e6); the child binds "
+        f"the checkpoint's ({tg['rope_theta']}) to it: max |logit difference| against "
+        f"tfjax's on 4 probe rows {tg['probe_diff']:.1e} with it, "
+        f"{tg['probe_diff_unpatched']:.1e} without (a different starting policy). "
+        f"The prompts: the {len(ours)} rollout batches tfjax drew, "
         f"in its order; the rewards: tfjax's `exact_match` + {s['reward_weights'][1]} x "
         f"`format`. The same settings: {s['num_generations']} generations, num_iterations "
         f"{s['num_iterations']}, beta {s['beta']}, epsilon {s['epsilon']}, temperature "
