@@ -13,10 +13,15 @@
    after the other, in alternating rounds; ratios are taken within a round.
 2. GRPO: `configs/grpo.py:tiny` run in a child process with timers around the rollout
    batch's parts (the engine's sampling, the reward functions, the old / reference
-   log-probs) and the trainer's own `update_s`.
+   log-probs) and the trainer's own `update_s`; with `--tunix-python`, google-tunix's
+   `GRPOLearner` (its `RLCluster`, vanilla rollout) in that venv on the same task after
+   it: the tfjax run's policy after its warm-up (exported to HF, loaded into tunix's
+   Llama3), its rollout batches' prompts, tfjax's reward functions, the same settings;
+   the same parts of each rollout batch timed, side by side.
 
     python experiments/posttrain.py            # ~6 min on 2 cores (2 rounds of DPO, GRPO)
-    python experiments/posttrain.py --tunix-python /tmp/tunix_venv/bin/python   # + tunix, ~8.5
+    python experiments/posttrain.py --tunix-python /tmp/tunix_venv/bin/python   # + tunix, ~11
+    python experiments/posttrain.py --skip dpo --tunix-python /tmp/tunix_venv/bin/python
     python experiments/posttrain.py --quick    # tiny sizes, proves it runs
 
 Results: experiments/results/posttrain_cpu.md (see docs/training.md, "Post-training").
@@ -25,6 +30,8 @@ Results: experiments/results/posttrain_cpu.md (see docs/training.md, "Post-train
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 import os
 import random
@@ -175,10 +182,26 @@ def run_grpo(a) -> dict:
 
     trainer.logps = timed_logps
     rollout = trainer.rollout
+    start = {"export_s": 0.0}
+    batches: list[list[dict]] = []  # each rollout batch's examples, for the tunix child
+    draw = rl_loop.examples
 
-    def timed_rollout(*args):
+    def recorded_examples(task, n, *args, **kw):
+        out = draw(task, n, *args, **kw)
+        if n != cfg.train.batch_size:  # a rollout batch's prompts (the warm-up draws batch_size)
+            batches.append([dict(prompt=e["prompt"], answer=e["answer"], format=e["format"])
+                            for e in out])
+        return out
+
+    rl_loop.examples = recorded_examples
+
+    def timed_rollout(state, *args):
+        if a.export and not batches:  # the first RL batch: the policy after the warm-up
+            t = time.perf_counter()
+            export_start(trainer, state, a.export)
+            start["export_s"] = time.perf_counter() - t
         t, c = time.perf_counter(), compiled["s"]
-        out = rollout(*args)
+        out = rollout(state, *args)
         spans["prepare"].append(time.perf_counter() - t)
         spans["prepare_compile"].append(compiled["s"] - c)
         return out
@@ -186,7 +209,11 @@ def run_grpo(a) -> dict:
     trainer.rollout = timed_rollout
     t0 = time.perf_counter()
     summary = trainer.train()
-    wall = time.perf_counter() - t0
+    wall = time.perf_counter() - t0 - start["export_s"]
+    if a.export:
+        with open(os.path.join(a.export, "prompts.jsonl"), "w") as f:
+            for b in batches:
+                f.write(json.dumps(b) + "\n")
     h = summary["history"]
     g = cfg.train.grpo
     sft = [r["update_s"] for r in h if "sft_loss" in r]
@@ -202,11 +229,37 @@ def run_grpo(a) -> dict:
         b["compile"] = spans["prepare_compile"][i]
         b["sample_compile"] = spans["sample_compile"][i]
     em = [r["rewards/exact_match"] for r in rl]
+    for i, b in enumerate(per_batch):
+        b["exact"] = em[i * k]
     return dict(per_batch=per_batch, sft=sft, wall=wall, compile_s=compiled["s"],
+                export_s=start["export_s"], batches=len(batches),
+                settings=dict(dataclasses.asdict(g), lr=cfg.train.lr, b1=cfg.train.b1,
+                              b2=cfg.train.b2, grad_clip=cfg.train.grad_clip),
                 compiles=compiled["n"], devices=devices or 1,
                 prompts=cfg.train.batch_size // g.num_generations, n=g.num_generations,
                 num_iterations=k, beta=g.beta, logps_per_batch=n_lp,
                 exact_first=statistics.mean(em[:40]), exact_last=statistics.mean(em[-40:]))
+
+
+def export_start(trainer, state, path: str) -> None:
+    """The policy in `state` (a `GRPOTrainer`'s) as a Hugging Face Llama in `path`, with
+    the run's tokenizer, and a probe: its logits on a few token rows (probe.npz), which
+    the tunix child compares with its own load of the directory."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from tfjax.interop import hf
+
+    p = trainer.program
+    model = nnx.merge(p.eval_graphdef, state["params"], state["rest"])
+    hf.export(model, path, tokenizer=trainer.tokenizer)
+    tok = trainer.tokenizer
+    rows = [[tok.bos_id] + list(tok.encode(f"{i}+{j}=")) + list(tok.encode(str(i + j)))
+            for i, j in ((0, 0), (3, 4), (1, 5), (2, 6))]
+    tokens = np.array(rows, np.int32)
+    np.savez(os.path.join(path, "probe.npz"), tokens=tokens,
+             logits=np.asarray(jax.device_get(model(tokens)), np.float32))
 
 
 # ------------------------------------------------------------------ child: tunix DPO
@@ -278,6 +331,174 @@ def run_tunix(a) -> dict:
         tunix=version("google-tunix"), jax=jax.__version__)
 
 
+# ------------------------------------------------------------------ child: tunix GRPO
+def run_tunix_grpo(a) -> dict:
+    """tunix's GRPOLearner (its RLCluster, vanilla rollout = its Sampler) on the tfjax
+    tiny run's starting policy (`--model`, exported by the grpo child after its
+    warm-up) and its rollout batches' prompts (`--prompts`), with tfjax's reward
+    functions, run by the tunix venv's python: per rollout batch the sampling, the
+    rewards, the reference / old log-probs and the `num_iterations` updates, timed."""
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + f" --xla_force_host_platform_device_count={a.devices}")
+    from importlib.metadata import version
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    import transformers
+    from flax import nnx
+    from tunix.models.llama3 import model as llama
+    from tunix.models.llama3 import params as llama_params
+    from tunix.rl import rl_cluster as rlc
+    from tunix.rl.grpo import grpo_learner as grpo
+    from tunix.rl.rollout import base_rollout
+
+    from tfjax.train.rl.rewards import REWARDS  # tfjax's own functions: the same rewards
+
+    g = json.loads(a.grpo)  # the tfjax run's settings (the parent passes them)
+    hf = json.load(open(os.path.join(a.model, "config.json")))
+    rope = hf.get("rope_parameters") or {}
+    cfg = llama.ModelConfig(
+        num_layers=hf["num_hidden_layers"], vocab_size=hf["vocab_size"],
+        embed_dim=hf["hidden_size"], hidden_dim=hf["intermediate_size"],
+        num_heads=hf["num_attention_heads"], head_dim=hf["head_dim"],
+        num_kv_heads=hf["num_key_value_heads"],
+        rope_theta=int(rope.get("rope_theta", hf.get("rope_theta", 10000))),
+        norm_eps=hf["rms_norm_eps"], weight_tying=hf["tie_word_embeddings"])
+    batches = [json.loads(line) for line in open(a.prompts)][:a.steps]
+    compiled = {"s": 0.0}
+
+    def on_event(event, duration, **kw):
+        if event.startswith("/jax/core/compile/"):
+            compiled["s"] += duration
+
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    mesh = jax.make_mesh((a.devices, 1), ("fsdp", "tp"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    with mesh:
+        policy = llama_params.create_model_from_safe_tensors(a.model, cfg, mesh,
+                                                            dtype=jnp.float32)
+        reference = llama_params.create_model_from_safe_tensors(a.model, cfg, mesh,
+                                                               dtype=jnp.float32)
+    probe = np.load(os.path.join(a.model, "probe.npz"))
+    tokens = jnp.asarray(probe["tokens"])
+    T = tokens.shape[1]
+    positions = jnp.broadcast_to(jnp.arange(T), tokens.shape)
+    causal = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (tokens.shape[0], T, T))
+
+    def probe_diff():  # max |logit difference| against tfjax's on the probe rows
+        with mesh:
+            logits, _ = policy(tokens, positions, None, causal)
+        return float(np.abs(np.asarray(logits) - probe["logits"]).max())
+
+    # tunix 0.1.7's Llama3 attention calls apply_rope without the config's rope_theta
+    # (its default, 1e6, whatever the checkpoint's): give it the checkpoint's
+    unpatched = probe_diff()
+    llama.apply_rope = functools.partial(llama.apply_rope, rope_theta=cfg.rope_theta)
+    patched = probe_diff()
+    tok = transformers.AutoTokenizer.from_pretrained(a.model)
+
+    rollout_cfg = base_rollout.RolloutConfig(
+        max_tokens_to_generate=g["max_completion_length"], temperature=g["temperature"],
+        top_p=g["top_p"], top_k=g["top_k"] or None, max_prompt_length=g["max_prompt_length"],
+        kv_cache_size=g["max_prompt_length"] + g["max_completion_length"],
+        eos_tokens=[hf["eos_token_id"]])
+    tx = optax.chain(optax.clip_by_global_norm(g["grad_clip"]),
+                     optax.adamw(g["lr"], b1=g["b1"], b2=g["b2"], weight_decay=0.0))
+    cluster = rlc.RLCluster(
+        actor=policy, reference=reference, tokenizer=tok,
+        cluster_config=rlc.ClusterConfig(
+            role_to_mesh={rlc.Role.ACTOR: mesh, rlc.Role.REFERENCE: mesh,
+                          rlc.Role.ROLLOUT: mesh},
+            rollout_engine="vanilla", offload_to_cpu=False, rollout_config=rollout_cfg,
+            training_config=rlc.RLTrainingConfig(
+                actor_optimizer=tx, eval_every_n_steps=10**9,
+                max_steps=len(batches) * g["num_iterations"], pbar_description=None)))
+    algo = grpo.GRPOConfig(num_generations=g["num_generations"],
+                           num_iterations=g["num_iterations"], beta=g["beta"],
+                           epsilon=g["epsilon"], loss_agg_mode="token-mean",
+                           kl_loss_mode="low_var_kl")
+    exact: list[float] = []
+    weights = dict(zip(g["reward_funcs"], g["reward_weights"] or [1.0] * len(g["reward_funcs"])))
+
+    def reward(name):
+        fn = REWARDS.get(name)
+
+        def rate(prompts, completions, answer, format, **kw):  # noqa: A002 (the key)
+            got = [fn(p, c, dict(answer=str(x), format=str(f)))
+                   for p, c, x, f in zip(prompts, completions, answer, format)]
+            if name == "exact_match":
+                exact.append(float(np.mean(got)))
+            return [weights[name] * r for r in got]
+
+        rate.__name__ = name
+        return rate
+
+    learner = grpo.GRPOLearner(rl_cluster=cluster, algo_config=algo,
+                               reward_fns=[reward(n) for n in g["reward_funcs"]])
+    spans = {k: [] for k in ("rollout", "reward", "logps", "prepare", "update",
+                              "rollout_compile")}
+
+    def timed(obj, name, key, block=False):
+        fn = getattr(obj, name)
+
+        def wrapper(*args, **kw):
+            t, c = time.perf_counter(), compiled["s"]
+            out = fn(*args, **kw)
+            if block:
+                jax.block_until_ready(out)
+            spans[key].append(time.perf_counter() - t)
+            if key == "rollout":
+                spans["rollout_compile"].append(compiled["s"] - c)
+            return out
+
+        setattr(obj, name, wrapper)
+
+    generate = cluster.generate
+
+    def seeded_generate(*args, **kw):  # a new sampling seed each batch (tunix's: fixed)
+        rollout_cfg.seed = len(spans["rollout"])
+        return generate(*args, **kw)
+
+    cluster.generate = seeded_generate
+    timed(cluster, "generate", "rollout")
+    timed(cluster, "get_ref_per_token_logps", "logps", block=True)
+    timed(cluster, "get_old_per_token_logps", "logps", block=True)
+    timed(learner, "_compute_rewards", "reward")
+    timed(learner, "_generate_and_compute_advantage", "prepare", block=True)
+    update_actor = cluster.update_actor
+
+    def timed_update(*args, **kw):
+        t = time.perf_counter()
+        update_actor(*args, **kw)
+        jax.block_until_ready(nnx.state(cluster.actor_trainer.model))
+        spans["update"].append(time.perf_counter() - t)
+
+    cluster.update_actor = timed_update
+    data = [dict(prompts=np.array([e["prompt"] for e in b]),
+                 answer=np.array([e["answer"] for e in b]),
+                 format=np.array([e["format"] for e in b])) for b in batches]
+    t = time.perf_counter()
+    learner.train(data)
+    wall = time.perf_counter() - t
+    k = g["num_iterations"]
+    n = len(spans["prepare"])
+    n_lp = len(spans["logps"]) // max(n, 1)
+    per_batch = []
+    for i in range(n):
+        b = dict(rollout=spans["rollout"][i], reward=spans["reward"][i],
+                 logps=sum(spans["logps"][i * n_lp:(i + 1) * n_lp]),
+                 update=sum(spans["update"][i * k:(i + 1) * k]),
+                 sample_compile=spans["rollout_compile"][i], exact=exact[i])
+        b["other"] = spans["prepare"][i] - b["rollout"] - b["reward"] - b["logps"]
+        per_batch.append(b)
+    return dict(per_batch=per_batch, wall=wall, compile_s=compiled["s"], probe_diff=patched,
+                probe_diff_unpatched=unpatched, rope_theta=cfg.rope_theta,
+                logps_per_batch=n_lp, updates=cluster.actor_trainer.train_steps,
+                devices=a.devices, tunix=version("google-tunix"), jax=jax.__version__)
+
+
 # ------------------------------------------------------------------ parent
 def child(part: str, argv: list[str], timeout: int, python: str = sys.executable) -> dict:
     with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
@@ -320,11 +541,74 @@ def load() -> str:
     return " / ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
+def grpo_against_tunix(exp: Experiment, g: dict, tg: dict) -> None:
+    """The table of tfjax's and tunix's GRPO rollout batches side by side, and its notes."""
+    ours, theirs = g["per_batch"], tg["per_batch"]
+    skip = 3 if min(len(ours), len(theirs)) > 6 else 1
+    keys = ("rollout", "reward", "logps", "update", "other")
+    names = {"rollout": "rollout (sampling; to text)", "reward": "rewards (tfjax's functions)",
+             "logps": "old + reference log-probs", "update": "updates",
+             "other": "the rest (advantages, batch layout)"}
+    rows = []
+    for key in (*keys, "total"):
+        ms = [1000 * statistics.median(sum(b[k] for k in keys) if key == "total" else b[key]
+                                       for b in run[skip:]) for run in (ours, theirs)]
+        rows.append([names.get(key, "total"), ms[0], ms[1], ms[1] / ms[0]])
+    n = min(20, len(ours) // 2, len(theirs) // 2) or 1
+    for label, run in (("tfjax", ours), ("google-tunix", theirs)):
+        first = statistics.mean(b["exact"] for b in run[:n])
+        last = statistics.mean(b["exact"] for b in run[-n:])
+        rows.append([f"exact match, {label}: batch 1 (the start); first {n} batches -> last {n}",
+                     f"{run[0]['exact']:.2f}; {first:.2f} -> {last:.2f}", "", ""])
+    exp.table(["per rollout batch", "tfjax ms (median after %d)" % skip,
+               "google-tunix %s ms (median after %d)" % (tg["tunix"], skip), "tunix / tfjax"],
+              rows, title=f"GRPO tiny task, tfjax and google-tunix side by side: "
+                          f"{len(ours)} / {len(theirs)} rollout batches of {g['prompts']} "
+                          f"prompts x {g['n']} completions, {g['devices']} CPU devices each")
+    s = g["settings"]
+    exp.text(
+        f"google-tunix {tg['tunix']} (jax {tg['jax']}, its own venv): `GRPOLearner` with an "
+        f"`RLCluster` (actor, reference and rollout on one {tg['devices']}-device (fsdp, tp) "
+        f"mesh, so the sampler shares the actor's weights: no weight sync) and the vanilla "
+        f"rollout (tunix's `Sampler`, KV cache of {s['max_prompt_length']} + "
+        f"{s['max_completion_length']} tokens). The model: tfjax's tiny preset model after "
+        f"its {s['sft_steps']} supervised warm-up steps, exported by `tfjax.interop.hf.export` "
+        f"as a Llama and loaded into tunix's Llama3 (float32, tied embeddings), the "
+        f"reference a second load. tunix 0.1.7's Llama3 attention calls `apply_rope` "
+        f"without the config's `rope_theta` (so always its default 1e6); the child binds "
+        f"the checkpoint's ({tg['rope_theta']}) to it: max |logit difference| against "
+        f"tfjax's on 4 probe rows {tg['probe_diff']:.1e} with it, "
+        f"{tg['probe_diff_unpatched']:.1e} without (a different starting policy). "
+        f"The prompts: the {len(ours)} rollout batches tfjax drew, "
+        f"in its order; the rewards: tfjax's `exact_match` + {s['reward_weights'][1]} x "
+        f"`format`. The same settings: {s['num_generations']} generations, num_iterations "
+        f"{s['num_iterations']}, beta {s['beta']}, epsilon {s['epsilon']}, temperature "
+        f"{s['temperature']}, at most {s['max_completion_length']} completion tokens, "
+        f"token-mean loss (tfjax's \"dapo\"), AdamW lr {s['lr']} (b1 {s['b1']}, b2 "
+        f"{s['b2']}), clip {s['grad_clip']}. Where they differ: tunix's KL is k3 "
+        f"(\"low_var_kl\") without tfjax's ratio factor (`use_bias_correction_kl`), its "
+        f"advantages divide by std + 1e-6 (tfjax 1e-4), its completions stop before EOS "
+        f"(no EOS token trained; tfjax keeps it, as TRL), its prompts are left-padded to "
+        f"{s['max_prompt_length']}, and its optimizer starts fresh at the first RL step "
+        f"(tfjax's AdamW state continues from the warm-up). tunix's rollout seed is one "
+        f"config value; the child sets it to the batch's index before each rollout. Timed "
+        f"by wrapping `RLCluster.generate`, the reward and log-prob calls and "
+        f"`update_actor` (each blocked until its arrays are ready). Whole `train()`: tfjax "
+        f"{g['wall']:.0f} s (its warm-up included), tunix {tg['wall']:.0f} s ({tg['updates']} "
+        f"updates; jax compiled for {tg['compile_s']:.1f} s in the whole process, model "
+        f"loading included, {sum(b['sample_compile'] for b in theirs):.1f} s of it inside "
+        f"rollouts); "
+        f"first rollout batch (compiles): tfjax "
+        f"{sum(ours[0][k] for k in keys):.1f} s, tunix {sum(theirs[0][k] for k in keys):.1f} s.")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
-    p.add_argument("--part", choices=("trl", "grpo", "tunix"), help=argparse.SUPPRESS)
+    p.add_argument("--part", choices=("trl", "grpo", "tunix", "tunix_grpo"),
+                   help=argparse.SUPPRESS)
+    p.add_argument("--grpo", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
-    for name in ("model", "pairs", "workdir"):
+    for name in ("model", "pairs", "workdir", "export", "prompts"):
         p.add_argument("--" + name, help=argparse.SUPPRESS)
     for name in ("batch", "steps", "warmup", "devices", "threads"):
         p.add_argument("--" + name, type=int, help=argparse.SUPPRESS)
@@ -332,11 +616,13 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=None,
                    help="alternating rounds of the DPO systems (default 2; --quick 1)")
     p.add_argument("--tunix-python", default="",
-                   help="python of a separate venv with google-tunix: time its DPOTrainer too")
+                   help="python of a separate venv with google-tunix: time its DPOTrainer "
+                        "and its GRPOLearner too")
     if "--part" in (argv if argv is not None else sys.argv):  # a child: its part, then exit
         a, _ = p.parse_known_args(argv)
         a.quick = "--quick" in (argv if argv is not None else sys.argv)
-        out = dict(trl=run_trl, grpo=run_grpo, tunix=run_tunix)[a.part](a)
+        out = dict(trl=run_trl, grpo=run_grpo, tunix=run_tunix,
+                   tunix_grpo=run_tunix_grpo)[a.part](a)
         with open(a.result, "w") as f:
             json.dump(out, f)
         return
@@ -442,8 +728,21 @@ def main(argv=None):
         if tunix_error:
             exp.text(f"google-tunix did not run:\n\n```\n{tunix_error}\n```")
     if "grpo" not in skip:
+        tg, tunix_grpo_error = None, None
         with tempfile.TemporaryDirectory() as tmp:
-            g = child("grpo", ["--workdir", tmp] + (["--quick"] if q else []), 900)
+            start = os.path.join(tmp, "start")  # the policy after the warm-up, for tunix
+            g = child("grpo", ["--workdir", os.path.join(tmp, "w")]
+                      + (["--export", start] if exp.args.tunix_python else [])
+                      + (["--quick"] if q else []), 900)
+            if exp.args.tunix_python:
+                try:
+                    tg = child("tunix_grpo", [
+                        "--model", start, "--prompts", os.path.join(start, "prompts.jsonl"),
+                        "--steps", str(g["batches"]), "--devices", str(g["devices"]),
+                        "--grpo", json.dumps(g["settings"])], 600,
+                        python=exp.args.tunix_python)
+                except (RuntimeError, subprocess.TimeoutExpired) as e:
+                    tunix_grpo_error = str(e)[-1500:]
         pb = g["per_batch"]
         steady = pb[3:] if len(pb) > 6 else pb[1:]
         keys = ("rollout", "reward", "logps", "update", "other")
@@ -479,6 +778,10 @@ def main(argv=None):
             f"it in those {len(slow)} batches), {sum(b['compile'] for b in pb):.1f} s inside "
             f"the rollout batches' whole preparation (sampling, rewards, log-probs); in the "
             f"whole process {g['compile_s']:.1f} s over {g['compiles']} XLA compiles.")
+        if tg:
+            grpo_against_tunix(exp, g, tg)
+        if tunix_grpo_error:
+            exp.text(f"google-tunix's GRPO did not run:\n\n```\n{tunix_grpo_error}\n```")
     exp.text(f"Load average (1/5/15 min) at the end: {load()}.")
     exp.finish()
 
