@@ -62,8 +62,15 @@ def hook_names(model, tokens, **inputs) -> list[str]:
 
 
 def _run(model, tokens, inputs, session: hooks.Session, wanted: tuple[str, ...]):
-    with hooks.session(session):
-        out = model(tokens, **inputs)
+    """model(tokens, **inputs) in `session`, jitted (one program, not op by op; inlined
+    under the caller's jit); the session's cache gets the kept values."""
+    @nnx.jit
+    def call(model, tokens, inputs):
+        with hooks.session(session):
+            out = model(tokens, **inputs)
+        return out, dict(session.cache)
+
+    out, session.cache = call(model, tokens, inputs)
     named = wanted + tuple(n for n in session.hooks)
     missing = [n for n in named if n not in session.seen]
     if missing:

@@ -54,17 +54,17 @@ class Session:
 
 @dataclasses.dataclass
 class Frame:
-    """The values a scanned cycle keeps: `values[template]` (traced, one cycle's) and
-    `names[template]`, the full name of each cycle's layer; `emit` splits the scan's
-    stacked outputs `[C, ...]` into the session's cache."""
+    """The values a scanned cycle keeps: `values[key]` (traced, one cycle's) and
+    `names[key]`, the full name of each cycle's layer (the key: cycle 0's); `emit`
+    splits the scan's stacked outputs `[C, ...]` into the session's cache."""
 
     values: dict[str, Any] = dataclasses.field(default_factory=dict)
     names: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
     def emit(self, stacked: dict[str, Any]) -> None:
         s = _SESSION.get()
-        for template, ys in stacked.items():
-            for c, name in enumerate(self.names[template]):
+        for key, ys in stacked.items():
+            for c, name in enumerate(self.names[key]):
                 if s.keep(name):
                     s.cache[name] = ys[c]
 
@@ -154,8 +154,7 @@ def hook(name: str, x):
         if sc.cycle is None:
             s.cache[names[0]] = x
         else:
-            t = sc.template(name)
-            sc.frame.values[t], sc.frame.names[t] = x, names
+            sc.frame.values[names[0]], sc.frame.names[names[0]] = x, names
     return x
 
 
