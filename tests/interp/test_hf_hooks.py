@@ -1,6 +1,6 @@
 """Hook values against transformers: for random tiny checkpoints of several families
 (saved with `save_pretrained`, loaded by `tfjax.interop.hf.load`, scanned) each
-layer's `hook_resid_pre` and `ln_final.hook_normalized` equal `output_hidden_states`,
+layer's `hook_resid_pre` (and the last one's output, normed) equal `output_hidden_states`,
 `hook_pattern` equals `output_attentions` (eager attention), and a head ablated at
 `hook_z` gives the logits of the HF model with that head's output columns zeroed."""
 
@@ -69,7 +69,7 @@ def test_hidden_states_and_patterns_equal_transformers(name, tmp_path):
     with torch.no_grad():
         out = ref(torch.tensor(ids), output_hidden_states=True, output_attentions=True)
     logits, cache = run_with_cache(model, jnp.asarray(ids), names=lambda n: (
-        n.endswith(("hook_resid_pre", "hook_pattern")) or n == "ln_final.hook_normalized"))
+        n.endswith(("hook_resid_pre", "hook_pattern")) or n == f"blocks.{L - 1}.hook_resid_post"))
     np.testing.assert_allclose(logits, out.logits.numpy(), atol=1e-4)
     hidden, attentions = out.hidden_states, out.attentions  # L + 1 (the last normed), L
     assert len(hidden) == L + 1 and len(attentions) == L
@@ -79,7 +79,10 @@ def test_hidden_states_and_patterns_equal_transformers(name, tmp_path):
         np.testing.assert_allclose(cache[f"blocks.{l}.attn.hook_pattern"],
                                    attentions[l].numpy(), atol=1e-5,
                                    err_msg=f"{name} pattern {l}")
-    np.testing.assert_allclose(cache["ln_final.hook_normalized"], hidden[L].numpy(), atol=1e-4)
+    # HF's last hidden state is after the final norm (with its scale: hook_normalized,
+    # as TransformerLens's, is before it)
+    np.testing.assert_allclose(model.final_norm(cache[f"blocks.{L - 1}.hook_resid_post"]),
+                               hidden[L].numpy(), atol=1e-4)
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma2"])

@@ -3,9 +3,11 @@ scope, replaced and kept inside one."""
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from flax import nnx
 
-from tfjax.nn import hooks
+from tfjax.nn import hooks, norms
 
 
 def test_without_a_session_every_point_is_the_identity():
@@ -64,3 +66,28 @@ def test_a_bad_hook_function_is_named(fn, match):
     s = hooks.Session(hooks={"hook_embed": [fn]})
     with hooks.session(s), pytest.raises(ValueError, match=f"hook_embed {match}"):
         hooks.hook("hook_embed", jnp.ones((2, 3)))
+
+
+@pytest.mark.parametrize("kind", list(norms.NORMS))
+def test_hook_normalized_is_before_the_norm_s_scale_and_bias(kind):
+    """As TransformerLens's: x normalised, then the learned scale and bias, which
+    apply to what a hook function gives back; the output is the norm's own."""
+    norm = norms.make_norm(kind, 8, eps=1e-5, use_bias=True, dtype=jnp.float32,
+                           param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+    params = nnx.state(norm, nnx.Param)
+    nnx.update(norm, jax.tree.map(lambda a: a + 0.5, params))  # off the identity init
+    x = 3.0 * jax.random.normal(jax.random.key(0), (2, 5, 8)) + 1.0
+    s = hooks.Session(keep=lambda n: True)
+    with hooks.session(s):
+        y = norms.hooked_norm("ln1", norm, x)
+    np.testing.assert_allclose(y, norm(x), atol=1e-6)
+    h = s.cache["ln1.hook_normalized"]
+    np.testing.assert_allclose(jnp.sqrt(jnp.mean(jnp.square(h), -1)), 1.0, atol=1e-3)
+    if kind == "layernorm":
+        np.testing.assert_allclose(jnp.mean(h, -1), 0.0, atol=1e-5)
+    s = hooks.Session(hooks={"ln1.hook_normalized": [lambda h, _: jnp.zeros_like(h)]})
+    with hooks.session(s):
+        zeroed = norms.hooked_norm("ln1", norm, x)
+    bias = norm.bias[...] if kind == "layernorm" else jnp.zeros(8)
+    np.testing.assert_allclose(zeroed, jnp.broadcast_to(bias, x.shape), atol=1e-6)
+    assert norms.hooked_norm("ln1", norm, x) is not None  # no session: the norm itself

@@ -20,7 +20,8 @@ from tfjax.inference.cache import ModelCache
 from tfjax.models import caching
 from tfjax.models.attention_inputs import layer_biases, layer_masks, relative_bias
 from tfjax.models.stack import Embedder, LayerStack, build_norm, default_positions
-from tfjax.nn.hooks import hook, scope
+from tfjax.nn.hooks import scope
+from tfjax.nn.norms import hooked_norm
 from tfjax.ops import masks as masks_lib
 
 __all__ = ["EncoderDecoderModel"]
@@ -52,8 +53,7 @@ class EncoderDecoderModel(nnx.Module):
         biases = layer_biases(self.config, self.encoder_rel_bias, positions, positions)
         x = self.embed(encoder_tokens, positions)
         x = self.encoder(x, masks=masks, biases=biases, positions=positions)
-        return x if self.encoder_norm is None else hook("ln_final.hook_normalized",
-                                                        self.encoder_norm(x))
+        return x if self.encoder_norm is None else hooked_norm("ln_final", self.encoder_norm, x)
 
     def decode(self, decoder_tokens, encoded, encoder_segment_ids=None, decoder_segment_ids=None,
                decoder_positions=None):
@@ -81,7 +81,7 @@ class EncoderDecoderModel(nnx.Module):
         x = self.decoder(x, masks=masks, biases=biases, positions=positions, context=encoded,
                          context_mask=cross)
         if self.decoder_norm is not None:
-            x = hook("ln_final.hook_normalized", self.decoder_norm(x))
+            x = hooked_norm("ln_final", self.decoder_norm, x)
         return self.embed.logits(x)
 
     def init_cache(self, batch: int, max_len: int, *, encoder_len: int, encoder_length=None,

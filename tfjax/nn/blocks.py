@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tfjax.nn.hooks import hook, scope
+from tfjax.nn.norms import hooked_norm
 from tfjax.registry import Registry
 
 __all__ = ["BLOCKS", "PLACEMENTS", "TransformerBlock"]
@@ -93,7 +94,7 @@ class TransformerBlock(nnx.Module):
             return norm(x + self._drop(hook(f"hook_{name}_out", f(x))))
         if self.placement == "output":
             return x + self._drop(hook(f"hook_{name}_out", norm(f(x))))
-        y = f(hook(f"{_NORM_HOOKS[name]}.hook_normalized", norm(x)))
+        y = f(hooked_norm(_NORM_HOOKS[name], norm, x))
         if post_norm is not None:
             y = post_norm(y)
         return x + self._drop(hook(f"hook_{name}_out", y))
@@ -103,7 +104,7 @@ class TransformerBlock(nnx.Module):
         layer 0 the residual is h (`layer` traced under a scan: a select)."""
         if layer is None:
             raise ValueError("first_norm_residual: the block needs its layer index (layer=)")
-        h = hook("ln1.hook_normalized", self.attn_norm(x))
+        h = hooked_norm("ln1", self.attn_norm, x)
         if isinstance(layer, int):
             x = h if layer == 0 else x
         else:
@@ -149,8 +150,8 @@ class TransformerBlock(nnx.Module):
                               positions=positions, **depth)
         x = hook("hook_resid_pre", x)
         if self.parallel:
-            h = hook("ln1.hook_normalized", self.attn_norm(x))
-            h2 = h if self.ffn_norm is None else hook("ln2.hook_normalized", self.ffn_norm(x))
+            h = hooked_norm("ln1", self.attn_norm, x)
+            h2 = h if self.ffn_norm is None else hooked_norm("ln2", self.ffn_norm, x)
             x = x + self._drop(hook("hook_attn_out", _scoped("attn", attn)(h)))
             if self.ffn is not None:
                 x = x + self._drop(hook("hook_mlp_out", _scoped("mlp", self.ffn)(h2)))
@@ -165,7 +166,7 @@ class TransformerBlock(nnx.Module):
             g = _scoped("shared", call)("shared", self.mixer_input, x, block=shared,
                                         embeddings=embeddings, mask=mask, bias=bias,
                                         positions=positions)
-            h = hook("ln1.hook_normalized", self.attn_norm(x + g))
+            h = hooked_norm("ln1", self.attn_norm, x + g)
             x = x + self._drop(hook("hook_attn_out", _scoped("attn", attn)(h)))
         else:
             x = self._sublayer(x, attn, self.attn_norm, self.post_attn_norm, "attn")
