@@ -41,7 +41,7 @@ from tfjax.train import __main__ as train_cli
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 PAGES = ["howto/attention_implementation.md", "howto/layer_kind.md", "howto/preset.md",
-         "howto/checkpoint_family.md", "presets.md"]
+         "howto/checkpoint_family.md", "presets.md", "interp.md"]
 FILE_COMMENT = re.compile(r"#\s+((?:tfjax|configs)/[\w/]+\.py)\b")
 
 

@@ -13,7 +13,7 @@ Layers (a module may import its own layer and those below it):
     4  tfjax.inference                                  caches, sampling, decode loop
     5  tfjax.models                                     architectures, layer kinds
     6  tfjax.data, tfjax.train, tfjax.interop,          the programs built on models
-       tfjax.generate, tfjax.export
+       tfjax.interp, tfjax.generate, tfjax.export
     7  tfjax.eval, tfjax.serve                          scoring and serving what level 6
                                                         trains and loads
     8  tfjax.*.__main__                                 command lines (`python -m tfjax.train`),
@@ -39,7 +39,8 @@ LAYERS = (
     ("tfjax.nn",),
     ("tfjax.inference",),
     ("tfjax.models",),
-    ("tfjax.data", "tfjax.train", "tfjax.interop", "tfjax.generate", "tfjax.export"),
+    ("tfjax.data", "tfjax.train", "tfjax.interop", "tfjax.interp", "tfjax.generate",
+     "tfjax.export"),
     ("tfjax.eval", "tfjax.serve"),
 )
 COMMAND_LINES = len(LAYERS)  # every `__main__` module: the top layer

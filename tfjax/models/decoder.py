@@ -23,6 +23,7 @@ from tfjax.models import caching
 from tfjax.models.attention_inputs import layer_biases, layer_masks, relative_bias
 from tfjax.models.mtp import MTPModule, block_config
 from tfjax.models.stack import Embedder, LayerStack, build_norm, default_positions
+from tfjax.nn.norms import hooked_norm
 from tfjax.ops import masks as masks_lib
 
 __all__ = ["DecoderLM"]
@@ -72,7 +73,9 @@ class DecoderLM(nnx.Module):
 
     def head_input(self, hidden: jax.Array) -> jax.Array:
         """The last layer's output -> what the head reads (after the final norm)."""
-        return hidden if self.final_norm is None else self.final_norm(hidden)
+        if self.final_norm is None:
+            return hidden
+        return hooked_norm("ln_final", self.final_norm, hidden)
 
     def hidden(self, tokens: jax.Array, positions: jax.Array | None = None,
                segment_ids: jax.Array | None = None, prefix_lengths: jax.Array | None = None):

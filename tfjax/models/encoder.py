@@ -19,6 +19,7 @@ from flax import nnx
 from tfjax.config import ModelConfig
 from tfjax.models.attention_inputs import layer_biases, layer_masks, relative_bias
 from tfjax.models.stack import Embedder, LayerStack, build_norm, default_positions, dtype_of
+from tfjax.nn.norms import hooked_norm
 from tfjax.ops import masks as masks_lib
 from tfjax.parallel.sharding import with_logical_axes
 
@@ -65,7 +66,7 @@ class EncoderModel(nnx.Module):
         biases = layer_biases(self.config, self.rel_bias, positions, positions)
         x = self.embed(tokens, positions, token_type_ids)
         x = self.layers(x, masks=masks, biases=biases, positions=positions)
-        return x if self.final_norm is None else self.final_norm(x)
+        return x if self.final_norm is None else hooked_norm("ln_final", self.final_norm, x)
 
     def mlm_logits(self, hidden):
         h = self.mlm_norm(jax.nn.gelu(self.mlm_dense(hidden), approximate=False))

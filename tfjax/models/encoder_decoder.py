@@ -20,6 +20,8 @@ from tfjax.inference.cache import ModelCache
 from tfjax.models import caching
 from tfjax.models.attention_inputs import layer_biases, layer_masks, relative_bias
 from tfjax.models.stack import Embedder, LayerStack, build_norm, default_positions
+from tfjax.nn.hooks import scope
+from tfjax.nn.norms import hooked_norm
 from tfjax.ops import masks as masks_lib
 
 __all__ = ["EncoderDecoderModel"]
@@ -38,6 +40,10 @@ class EncoderDecoderModel(nnx.Module):
         self.decoder_norm = build_norm(cfg, rngs) if final else None
 
     def encode(self, encoder_tokens, encoder_segment_ids=None, encoder_positions=None):
+        with scope("encoder"):  # hook names "encoder.*" (tfjax.nn.hooks)
+            return self._encode(encoder_tokens, encoder_segment_ids, encoder_positions)
+
+    def _encode(self, encoder_tokens, encoder_segment_ids, encoder_positions):
         if encoder_tokens.ndim != 2:
             raise ValueError(f"encoder_tokens must be [B, S] integers, got {encoder_tokens.shape}")
         positions = (default_positions(encoder_tokens) if encoder_positions is None
@@ -47,10 +53,16 @@ class EncoderDecoderModel(nnx.Module):
         biases = layer_biases(self.config, self.encoder_rel_bias, positions, positions)
         x = self.embed(encoder_tokens, positions)
         x = self.encoder(x, masks=masks, biases=biases, positions=positions)
-        return x if self.encoder_norm is None else self.encoder_norm(x)
+        return x if self.encoder_norm is None else hooked_norm("ln_final", self.encoder_norm, x)
 
     def decode(self, decoder_tokens, encoded, encoder_segment_ids=None, decoder_segment_ids=None,
                decoder_positions=None):
+        with scope("decoder"):  # hook names "decoder.*" (tfjax.nn.hooks)
+            return self._decode(decoder_tokens, encoded, encoder_segment_ids,
+                                decoder_segment_ids, decoder_positions)
+
+    def _decode(self, decoder_tokens, encoded, encoder_segment_ids, decoder_segment_ids,
+                decoder_positions):
         if decoder_tokens.ndim != 2:
             raise ValueError(f"decoder_tokens must be [B, T] integers, got {decoder_tokens.shape}")
         positions = (default_positions(decoder_tokens) if decoder_positions is None
@@ -69,7 +81,7 @@ class EncoderDecoderModel(nnx.Module):
         x = self.decoder(x, masks=masks, biases=biases, positions=positions, context=encoded,
                          context_mask=cross)
         if self.decoder_norm is not None:
-            x = self.decoder_norm(x)
+            x = hooked_norm("ln_final", self.decoder_norm, x)
         return self.embed.logits(x)
 
     def init_cache(self, batch: int, max_len: int, *, encoder_len: int, encoder_length=None,

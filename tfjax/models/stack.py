@@ -21,6 +21,7 @@ from tfjax.config import ModelConfig
 from tfjax.models.layer_kinds import (FFN_KINDS, LAYER_KINDS, attention, shared_block,
                                       shared_block_use)
 from tfjax.models.layout import StackLayout
+from tfjax.nn import hooks
 from tfjax.nn import positions as pos_lib
 from tfjax.nn.blocks import TransformerBlock
 from tfjax.nn.norms import make_norm
@@ -209,13 +210,17 @@ class LayerStack(nnx.Module):
         def apply(block, x, mask, bias, depth):
             return block(x, mask=mask, bias=bias, **depth, **kwargs)
 
-        if self.remat != "none":
+        # A hook session (tfjax.interp) keeps values from inside the blocks, which
+        # must not be tracers of a remat; remat changes no forward value.
+        recording = hooks.recording()
+        if self.remat != "none" and not recording:
             apply = nnx.remat(apply, policy=policy)
 
         first, L, x0 = self._first_init(x), self.layout.cycle_length, x
         rotary = self._rotary(kwargs.get("positions"))
         if self.cycles is not None:
-            pattern = self.pattern
+            pattern, C = self.pattern, self.layout.num_cycles
+            frame = hooks.Frame() if recording else None
 
             def body(carry, cycle, shared, c):
                 x, first = carry
@@ -224,18 +229,26 @@ class LayerStack(nnx.Module):
                                                cycle=c if j == 0 else None)
                     depth.update(self._shared_kwargs(shared, x0, kind, j, cycle=c))
                     depth.update(rotary(block))
-                    x = apply(block, x, masks[kind], biases[kind], depth)
-                return x, first
+                    with hooks.layer_scope("blocks", range(j, C * L, L), c, frame):
+                        x = apply(block, x, masks[kind], biases[kind], depth)
+                # the hooked values kept, stacked over the cycles by the scan
+                return ((x, first), frame.values) if recording else (x, first)
 
-            x, first = nnx.scan(body, in_axes=(nnx.Carry, 0, None, 0), out_axes=nnx.Carry,
-                                transform_metadata={nnx.PARTITION_NAME: "layers"})(
-                                    (x, first), self.cycles, self.shared, self._cycle_index())
+            out = nnx.scan(body, in_axes=(nnx.Carry, 0, None, 0),
+                           out_axes=(nnx.Carry, 0) if recording else nnx.Carry,
+                           transform_metadata={nnx.PARTITION_NAME: "layers"})(
+                               (x, first), self.cycles, self.shared, self._cycle_index())
+            if recording:
+                out, kept = out
+                frame.emit(kept)
+            x, first = out
         for j, block in enumerate(self.blocks):
             kind = self._block_kind(j)
             depth, first = self._depth(block, x, self.layout.block_layer(j), first)
             depth.update(self._shared_kwargs(self.shared, x0, kind, j))
             depth.update(rotary(block))
-            x = apply(block, x, masks[kind], biases[kind], depth)
+            with hooks.layer_scope("blocks", (self.layout.block_layer(j),)):
+                x = apply(block, x, masks[kind], biases[kind], depth)
         return x
 
     def _rotary(self, positions):
@@ -322,11 +335,12 @@ class Embedder(nnx.Module):
                                 rngs=rngs))
 
     def __call__(self, tokens, positions, token_types=None):
-        x = self.tokens(tokens) * jnp.asarray(self.scale, self.dtype)  # [B, T, D]
+        x = hooks.hook("hook_embed", self.tokens(tokens) * jnp.asarray(self.scale, self.dtype))
         if self.position == "sinusoidal":
-            x = x + pos_lib.sinusoidal_embedding(positions, self.d_model, dtype=x.dtype)
+            x = x + hooks.hook("hook_pos_embed", pos_lib.sinusoidal_embedding(
+                positions, self.d_model, dtype=x.dtype))
         elif self.positions is not None:
-            x = x + self.positions(positions).astype(x.dtype)
+            x = x + hooks.hook("hook_pos_embed", self.positions(positions).astype(x.dtype))
         if self.token_types is not None:
             types = jnp.zeros_like(tokens) if token_types is None else token_types
             x = x + self.token_types(types)

@@ -19,11 +19,13 @@ from jax.ad_checkpoint import checkpoint_name
 
 from tfjax.config import AttentionConfig
 from tfjax.config.attention import VALUE_RESIDUALS
+from tfjax.nn.hooks import active, hook, patched, scope
 from tfjax.nn.norms import make_norm
 from tfjax.nn.positions import RotaryEmbedding, default_positions
 from tfjax.nn.state import (DecodeState, Slots, cached_attention, decode_state, slots_major,
                             static_field)
 from tfjax.ops import Alibi, RelativeBias, dot_product_attention
+from tfjax.ops.reference import attend_pattern, attention_pattern, attention_scores
 from tfjax.ops.paged import dense
 from tfjax.ops.masks import Mask
 from tfjax.parallel.context_parallel import CONTEXT_PARALLEL_MODES, context_parallel_attention
@@ -194,6 +196,7 @@ class MultiHeadAttention(nnx.Module):
         q = shard(q, ("batch", "length", "heads", "head_dim"))
         k = shard(k, ("batch", "length", "kv_heads", "head_dim"))
         v = shard(v, ("batch", "length", "kv_heads", "head_dim"))
+        q, k, v = hook("hook_q", q), hook("hook_k", k), hook("hook_v", v)
         if first_values is not None:
             v = self.mix_values(v, first_values, layer)
         if self.q_norm is not None:
@@ -207,6 +210,7 @@ class MultiHeadAttention(nnx.Module):
             q_tables = self.rope.tables(positions) if rope_tables is None else rope_tables
             kv_tables = q_tables if kv_positions is positions else self.rope.tables(kv_positions)
             q, k = self._rotate(q, q_tables), self._rotate(k, kv_tables)
+            q, k = hook("hook_rot_q", q), hook("hook_rot_k", k)
         return (checkpoint_name(self._temper(q, positions), "attn_q"),
                 checkpoint_name(k, "attn_k"), checkpoint_name(v, "attn_v"))
 
@@ -252,7 +256,10 @@ class MultiHeadAttention(nnx.Module):
         else:  # two maps over the same values, on the halves of each head
             k, v = dense(k), dense(v)  # a paged cache's pages, gathered
             half = self.head_dim // 2
-            a1, a2 = run(q[..., :half], k[..., :half]), run(q[..., half:], k[..., half:])
+            with scope("positive"):  # each map's hook points (tfjax.nn.hooks) apart
+                a1 = run(q[..., :half], k[..., :half])
+            with scope("negative"):
+                a2 = run(q[..., half:], k[..., half:])
             init = diff_lambda_init(0 if layer is None else layer)
             lq1, lk1, lq2, lk2 = self.diff_lambda[...].astype(jnp.float32)
             lam = jnp.exp(jnp.sum(lq1 * lk1)) - jnp.exp(jnp.sum(lq2 * lk2)) + init
@@ -263,7 +270,7 @@ class MultiHeadAttention(nnx.Module):
                 raise ValueError("an attention layer with an output gate needs attend(..., x=) "
                                  "(the queries' input)")
             out = (out * jax.nn.sigmoid(self.gate(x).astype(jnp.float32))).astype(out.dtype)
-        return shard(self.o(out), ("batch", "length", "embed"))
+        return shard(self.o(hook("hook_z", out)), ("batch", "length", "embed"))
 
     def project_query(self, x, *, positions=None):
         """q `[B,T,N,H]` alone (after QK-norm and RoPE): cross-attention decode steps
@@ -347,7 +354,54 @@ def attention(q, k, v, mask: Mask | None = None, bias=None, *, scale: float,
     `[B,T,N,Hv]`: context-parallel under a sequence-splitting mesh (`context_parallel`,
     `zigzag` and `ulysses_size` say how; only for a per-tile bias and no offsets), else
     `dot_product_attention`. `bias`: None, an additive array, a `tfjax.ops.Alibi` or
-    a `tfjax.ops.RelativeBias`. Shared by every attention-like mixer."""
+    a `tfjax.ops.RelativeBias`. Shared by every attention-like mixer.
+
+    Its hook points (`tfjax.nn.hooks`): `hook_attn_scores` and `hook_pattern`
+    `[B,N,T,S]`, computed only when a hook session asks, by the reference
+    (`pattern_attention`) whatever the implementation."""
+    kw = dict(scale=scale, softcap=softcap, sinks=sinks, implementation=implementation,
+              context_parallel=context_parallel, zigzag=zigzag, ulysses_size=ulysses_size,
+              q_offset=q_offset, kv_offset=kv_offset)
+    if active("hook_attn_scores", "hook_pattern"):
+        return pattern_attention(q, k, v, mask, bias, **kw)
+    return _attention(q, k, v, mask, bias, **kw)
+
+
+def pattern_attention(q, k, v, mask: Mask | None = None, bias=None, **kw):
+    """`attention` with its scores and pattern materialised by the reference
+    (`tfjax.ops.reference.attention_scores`, `attention_pattern`) for the hook points
+    `hook_attn_scores` and `hook_pattern`: the output is the implementation's, or
+    where a hook function replaced the scores or the pattern, the pattern's average
+    of the values."""
+    if zigzag_data_devices():
+        raise ValueError("attention patterns (hook_pattern, hook_attn_scores) cannot read a "
+                         "zig-zag ordered batch; use model.attention.zigzag='layer'")
+    extra = {}
+    if isinstance(bias, Alibi):
+        extra, array_bias = Alibi.kwargs(bias), None
+    elif isinstance(bias, RelativeBias):
+        extra, array_bias = dict(relative_bias=bias), None
+    else:
+        array_bias = bias
+    kd, vd = dense(k), dense(v)  # a paged cache's pages, gathered
+    scores = attention_scores(q, kd, mask, bias=array_bias, scale=kw["scale"],
+                              softcap=kw["softcap"], q_offset=kw["q_offset"],
+                              kv_offset=kw["kv_offset"], **extra)
+    scores = hook("hook_attn_scores", scores)
+    sinks = kw["sinks"]
+    pattern = hook("hook_pattern", attention_pattern(scores, sinks))
+    hit = [patched("hook_attn_scores"), patched("hook_pattern")]  # bools, or traced ones
+    if all(h is False for h in hit):
+        return _attention(q, k, v, mask, bias, **kw)
+    by_pattern = attend_pattern(pattern, vd).astype(q.dtype)
+    if any(h is True for h in hit):
+        return by_pattern
+    return jnp.where(hit[0] | hit[1], by_pattern, _attention(q, k, v, mask, bias, **kw))
+
+
+def _attention(q, k, v, mask, bias, *, scale, softcap, sinks, implementation,
+               context_parallel, zigzag, ulysses_size, q_offset, kv_offset):
+    """`attention` without hook points: the model's own path."""
     is_alibi, is_relative = isinstance(bias, Alibi), isinstance(bias, RelativeBias)
     per_tile = bias is None or is_alibi or is_relative  # not an array
     if per_tile and _is_zero(q_offset) and _is_zero(kv_offset):

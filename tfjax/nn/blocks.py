@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from tfjax.nn.hooks import hook, scope
+from tfjax.nn.norms import hooked_norm
 from tfjax.registry import Registry
 
 __all__ = ["BLOCKS", "PLACEMENTS", "TransformerBlock"]
@@ -25,6 +27,17 @@ BLOCKS.register("sequential", "attention then feed-forward, each with its own re
 BLOCKS.register("parallel", "attention and feed-forward read the same input (PaLM, GPT-J, NeoX)")
 
 PLACEMENTS = ("pre", "post", "sandwich", "output")  # model.norm_placement
+# the hook name (TransformerLens's) of the norm before each sublayer
+_NORM_HOOKS = {"attn": "ln1", "mlp": "ln2", "cross_attn": "ln_cross"}
+
+
+def _scoped(name: str, f: Callable) -> Callable:
+    """f with its hook points named under `name.` (`tfjax.nn.hooks`)."""
+    def g(*args, **kwargs):
+        with scope(name):
+            return f(*args, **kwargs)
+
+    return g
 
 
 class TransformerBlock(nnx.Module):
@@ -72,27 +85,31 @@ class TransformerBlock(nnx.Module):
     def _drop(self, y):
         return y if self.dropout is None else self.dropout(y)
 
-    def _sublayer(self, x, f, norm, post_norm):
+    def _sublayer(self, x, f, norm, post_norm, name):
+        """x + f's contribution, as the placement says. `name` ("attn", "cross_attn",
+        "mlp"): the hook scope of f; what joins the residual is `hook_{name}_out`, a
+        pre-norm's output `ln1` / `ln2` / `ln_cross` `.hook_normalized`."""
+        f = _scoped(name, f)
         if self.placement == "post":
-            return norm(x + self._drop(f(x)))
+            return norm(x + self._drop(hook(f"hook_{name}_out", f(x))))
         if self.placement == "output":
-            return x + self._drop(norm(f(x)))
-        y = f(norm(x))
+            return x + self._drop(hook(f"hook_{name}_out", norm(f(x))))
+        y = f(hooked_norm(_NORM_HOOKS[name], norm, x))
         if post_norm is not None:
             y = post_norm(y)
-        return x + self._drop(y)
+        return x + self._drop(hook(f"hook_{name}_out", y))
 
     def _first_norm_residual(self, x, attn, layer):
         """The attention sublayer with `first_norm_residual`: h = attn_norm(x), and at
         layer 0 the residual is h (`layer` traced under a scan: a select)."""
         if layer is None:
             raise ValueError("first_norm_residual: the block needs its layer index (layer=)")
-        h = self.attn_norm(x)
+        h = hooked_norm("ln1", self.attn_norm, x)
         if isinstance(layer, int):
             x = h if layer == 0 else x
         else:
             x = jnp.where(layer == 0, h, x)
-        return x + self._drop(attn(h))
+        return x + self._drop(hook("hook_attn_out", _scoped("attn", attn)(h)))
 
     def mixer_values(self, x: jax.Array) -> jax.Array:
         """The values `[B,T,K,Hv]` this block's self-attention projects from the block
@@ -131,11 +148,14 @@ class TransformerBlock(nnx.Module):
             depth["rope_tables"] = rope_tables
         attn = lambda h: call("attn", self.attn, h, mask=mask, bias=bias,  # noqa: E731
                               positions=positions, **depth)
+        x = hook("hook_resid_pre", x)
         if self.parallel:
-            h = self.attn_norm(x)
-            h2 = h if self.ffn_norm is None else self.ffn_norm(x)
-            x = x + self._drop(attn(h))
-            x = x if self.ffn is None else x + self._drop(self.ffn(h2))
+            h = hooked_norm("ln1", self.attn_norm, x)
+            h2 = h if self.ffn_norm is None else hooked_norm("ln2", self.ffn_norm, x)
+            x = x + self._drop(hook("hook_attn_out", _scoped("attn", attn)(h)))
+            if self.ffn is not None:
+                x = x + self._drop(hook("hook_mlp_out", _scoped("mlp", self.ffn)(h2)))
+            x = hook("hook_resid_post", x)
             return x if state is None else (x, new_state)
         if self.first_norm_residual:
             x = self._first_norm_residual(x, attn, layer)
@@ -143,18 +163,22 @@ class TransformerBlock(nnx.Module):
             if shared is None or embeddings is None:
                 raise ValueError("this block has a mixer_input (a shared block's use): pass "
                                  "shared= (the block) and embeddings= (the stack's input)")
-            g = call("shared", self.mixer_input, x, block=shared, embeddings=embeddings,
-                     mask=mask, bias=bias, positions=positions)
-            x = x + self._drop(attn(self.attn_norm(x + g)))
+            g = _scoped("shared", call)("shared", self.mixer_input, x, block=shared,
+                                        embeddings=embeddings, mask=mask, bias=bias,
+                                        positions=positions)
+            h = hooked_norm("ln1", self.attn_norm, x + g)
+            x = x + self._drop(hook("hook_attn_out", _scoped("attn", attn)(h)))
         else:
-            x = self._sublayer(x, attn, self.attn_norm, self.post_attn_norm)
+            x = self._sublayer(x, attn, self.attn_norm, self.post_attn_norm, "attn")
         if self.cross_attn is not None:
             if context is None and state is None:
                 raise ValueError("this block has cross-attention: pass context (the encoder output)")
             cross = lambda h: call("cross", self.cross_attn, h, context,  # noqa: E731
                                    mask=context_mask, bias=context_bias, positions=positions,
                                    kv_positions=context_positions)
-            x = self._sublayer(x, cross, self.cross_norm, self.post_cross_norm)
+            x = self._sublayer(x, cross, self.cross_norm, self.post_cross_norm, "cross_attn")
         if self.ffn is not None:  # None: a mixer-only layer (Mamba)
-            x = self._sublayer(x, self.ffn, self.ffn_norm, self.post_ffn_norm)
+            x = hook("hook_resid_mid", x)
+            x = self._sublayer(x, self.ffn, self.ffn_norm, self.post_ffn_norm, "mlp")
+        x = hook("hook_resid_post", x)
         return x if state is None else (x, new_state)

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tfjax.nn.dense import linear_dot_general
+from tfjax.nn.hooks import hook
 from tfjax.parallel.sharding import with_logical_axes
 from tfjax.registry import Registry
 from tfjax.typing import Array, DType, Float
@@ -102,14 +103,14 @@ class FeedForward(nnx.Module):
             if adapter is not None:
                 dg, du = adapter(x)
                 g, u = g + dg.astype(g.dtype), u + du.astype(u.dtype)
-            h = act(g) * u
+            h = act(hook("hook_pre", g)) * hook("hook_pre_linear", u)
         else:
             h = self.wi(x)  # [B, T, F]
             if adapter is not None:
                 (d,) = adapter(x)
                 h = h + d.astype(h.dtype)
-            h = act(h)
-        return self.wo(h)
+            h = act(hook("hook_pre", h))
+        return self.wo(hook("hook_post", h))
 
 
 __all__ = ["ACTIVATIONS", "Activation", "FeedForward"]

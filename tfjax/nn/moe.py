@@ -21,6 +21,7 @@ from flax import nnx
 
 from tfjax.config import MoEConfig
 from tfjax.nn.ffn import ACTIVATIONS, FeedForward
+from tfjax.nn.hooks import hook, scope
 from tfjax.parallel.sharding import shard, with_logical_axes
 from tfjax.typing import Array, DType, Float
 
@@ -266,10 +267,12 @@ class MoE(nnx.Module):
                             self.router[...].astype(jnp.float32))
         if self.router_bias is not None:
             logits = logits + self.router_bias[...].astype(jnp.float32)
+        logits = hook("hook_router_logits", logits)  # [B,T,E] (tfjax.nn.hooks)
         scores, gates, experts = route(  # [B,T,E], [B,T,k], [B,T,k]
             logits, k, self.renormalize, score=self.score,
             bias=None if self.score_bias is None else self.score_bias[...],
             n_group=self.n_group, topk_group=self.topk_group, scale=self.routed_scaling_factor)
+        gates, experts = hook("hook_expert_weights", gates), hook("hook_expert_indices", experts)
         probs = scores if self.score == "softmax" else scores / jnp.sum(scores, -1, keepdims=True)
 
         counts = jnp.sum(jax.nn.one_hot(experts, E, dtype=jnp.float32), axis=(0, 1, 2))  # [E]
@@ -285,7 +288,8 @@ class MoE(nnx.Module):
             y = self._dropless_forward(x, gates, experts)
             self.dropped_fraction[...] = jnp.zeros((), jnp.float32)
         if self.shared is not None:
-            s = self.shared(x)
+            with scope("shared_expert"):
+                s = self.shared(x)
             if self.shared_gate is not None:
                 s = s * jax.nn.sigmoid(jnp.einsum("BTD,DO->BTO", x, self._w("shared_gate")))
             y = y + s

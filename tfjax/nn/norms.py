@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from tfjax.nn.hooks import active, hook
 from tfjax.parallel.sharding import with_logical_axes
 from tfjax.registry import Registry
 from tfjax.typing import Array, DType, Float
@@ -186,4 +188,38 @@ def make_norm(
     return builder(dim, eps=eps, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
 
-__all__ = ["NORMS", "RMSNormPlusOne", "make_norm"]
+__all__ = ["NORMS", "RMSNormPlusOne", "hooked_norm", "make_norm"]
+
+
+def hooked_norm(name: str, norm: nnx.Module, x: jax.Array) -> jax.Array:
+    """`norm(x)` with the hook point `{name}.hook_normalized` (`tfjax.nn.hooks`): as
+    TransformerLens has it, the normalised x before the learned scale and bias, fp32,
+    which then apply to what the hook gives back. Without a session: `norm(x)`."""
+    if not active(f"{name}.hook_normalized"):
+        return norm(x)
+    y, affine = _split(norm, x)
+    return affine(hook(f"{name}.hook_normalized", y))
+
+
+def _split(norm, x):
+    """(x normalised `[..., D]` fp32, the function applying `norm`'s scale and bias)."""
+    (x,) = _promote_to_float32((x,))
+    if isinstance(norm, RMSNormPlusOne):
+        (scale,) = _promote_to_float32((norm.scale[...],))
+        return norm.norm(x), lambda y: jnp.asarray(y * (1.0 + scale), norm.dtype)
+    if not isinstance(norm, (nnx.LayerNorm, nnx.RMSNorm)):
+        raise TypeError(f"hook_normalized: no split of a {type(norm).__name__} into its "
+                        f"normalisation and its scale")
+    centred = isinstance(norm, nnx.LayerNorm)
+    if centred:
+        x = x - jnp.mean(x, axis=-1, keepdims=True)
+    y = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + norm.epsilon)
+    scale = _promote_to_float32((norm.scale[...],))[0] if norm.scale else None
+    bias = _promote_to_float32((norm.bias[...],))[0] if centred and norm.bias else None
+
+    def affine(y):
+        y = y if scale is None else y * scale
+        y = y if bias is None else y + bias
+        return jnp.asarray(y, norm.dtype)
+
+    return y, affine

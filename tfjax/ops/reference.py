@@ -18,7 +18,8 @@ import jax.numpy as jnp
 from tfjax.ops import masks as masks_lib
 from tfjax.ops.implementation import Implementation
 
-__all__ = ["IMPLEMENTATION", "Alibi", "RelativeBias", "attention_reference", "check_relative_bias",
+__all__ = ["IMPLEMENTATION", "Alibi", "RelativeBias", "attend_pattern", "attention_pattern",
+           "attention_reference", "attention_scores", "check_relative_bias",
            "make_alibi", "relative_position_bucket"]
 
 
@@ -36,6 +37,60 @@ def attention_reference(q, k, v, mask=None, *, bias=None, scale=None, softcap=No
     """
     B, T, N, H = q.shape
     S, K, Hv = k.shape[1], k.shape[2], v.shape[-1]
+    G = N // K
+    logits = _masked_logits(q, k, mask, bias=bias, scale=scale, softcap=softcap,
+                            alibi_slopes=alibi_slopes, alibi_positions=alibi_positions,
+                            relative_bias=relative_bias, q_offset=q_offset,
+                            kv_offset=kv_offset)  # [B, K, G, T, S]
+    probs, denom, row_max = _softmax(logits, sinks)
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v.astype(jnp.float32))
+    out = out.reshape(B, T, N, Hv).astype(q.dtype)
+    if not return_lse:
+        return out
+    # row_max is a constant shift (stop_gradient): d lse / d logits is the softmax.
+    safe = jnp.where(denom[..., 0] > 0, denom[..., 0], 1.0)
+    lse = jnp.where(denom[..., 0] > 0,
+                    jnp.log(safe) + jax.lax.stop_gradient(row_max[..., 0]), -jnp.inf)  # [B,K,G,T]
+    return out, lse.reshape(B, N, T)
+
+
+def attention_scores(q, k, mask=None, *, bias=None, scale=None, softcap=None,
+                     alibi_slopes=None, alibi_positions=None, relative_bias=None,
+                     q_offset=0, kv_offset=0):
+    """The reference's logits `[B,N,T,S]` fp32 of q `[B,T,N,H]` and k `[B,S,K,H]`
+    (arguments as `attention_reference`), -inf where the mask forbids: what
+    TransformerLens calls the attention scores (`tfjax.interp`)."""
+    B, T, N, _ = q.shape
+    logits = _masked_logits(q, k, mask, bias=bias, scale=scale, softcap=softcap,
+                            alibi_slopes=alibi_slopes, alibi_positions=alibi_positions,
+                            relative_bias=relative_bias, q_offset=q_offset, kv_offset=kv_offset)
+    return logits.reshape(B, N, T, k.shape[1])
+
+
+def attention_pattern(scores, sinks=None):
+    """Scores `[B,N,T,S]` (`attention_scores`) -> the reference's softmax over keys
+    `[B,N,T,S]` fp32: a fully masked row is 0; with `sinks` `[N]` each row's sink
+    takes its share (the row sums to less than 1)."""
+    B, N, T, S = scores.shape
+    probs, _, _ = _softmax(scores.astype(jnp.float32).reshape(B, N, 1, T, S), sinks)
+    return probs.reshape(B, N, T, S)
+
+
+def attend_pattern(pattern, v):
+    """A pattern `[B,N,T,S]` over values v `[B,S,K,Hv]` -> `[B,T,N,Hv]` fp32 (query
+    head n reads kv head n // (N / K), as `attention_reference`)."""
+    B, N, T, S = pattern.shape
+    K, Hv = v.shape[2], v.shape[3]
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", pattern.astype(jnp.float32).reshape(B, K, N // K, T, S),
+                     v.astype(jnp.float32))
+    return out.reshape(B, T, N, Hv)
+
+
+def _masked_logits(q, k, mask, *, bias, scale, softcap, alibi_slopes, alibi_positions,
+                   relative_bias, q_offset, kv_offset):
+    """The logits `[B,K,G,T,S]` fp32 of `attention_reference`, -inf where masked."""
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
     G = N // K
     scale = H ** -0.5 if scale is None else scale
     qg = q.reshape(B, T, K, G, H)
@@ -56,7 +111,14 @@ def attention_reference(q, k, v, mask=None, *, bias=None, scale=None, softcap=No
         logits = logits + r.reshape(r.shape[0], K, G, T, S)
     allowed = masks_lib.dense(mask, T, S, q_offset=q_offset, kv_offset=kv_offset)  # [B|1, T, S]
     allowed = allowed[:, None, None]
-    logits = jnp.where(allowed, logits, -jnp.inf)
+    return jnp.where(allowed, logits, -jnp.inf)
+
+
+def _softmax(logits, sinks):
+    """Softmax over the keys of logits `[B,K,G,T,S]` with an optional sink column
+    (`sinks` `[N]`, N = K * G): (probs `[B,K,G,T,S]`, the row sums and maxima the
+    logsumexp needs); a fully masked row (no sink) gets 0."""
+    B, K, G, T, S = logits.shape
     if sinks is not None:  # the sink column: a logit without a value
         sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, K, G, 1, 1), (B, K, G, T, 1))
         logits = jnp.concatenate([logits, sink], axis=-1)
@@ -67,15 +129,7 @@ def attention_reference(q, k, v, mask=None, *, bias=None, scale=None, softcap=No
     probs = p / jnp.where(denom > 0, denom, 1.0)
     if sinks is not None:
         probs = probs[..., :S]
-    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v.astype(jnp.float32))
-    out = out.reshape(B, T, N, Hv).astype(q.dtype)
-    if not return_lse:
-        return out
-    # row_max is a constant shift (stop_gradient): d lse / d logits is the softmax.
-    safe = jnp.where(denom[..., 0] > 0, denom[..., 0], 1.0)
-    lse = jnp.where(denom[..., 0] > 0,
-                    jnp.log(safe) + jax.lax.stop_gradient(row_max[..., 0]), -jnp.inf)  # [B,K,G,T]
-    return out, lse.reshape(B, N, T)
+    return probs, denom, row_max
 
 
 @jax.tree_util.register_dataclass
