@@ -133,29 +133,21 @@ def quantize(model: nnx.Module, fmt: str, *, paths: str = QUANT_PATHS,
     return model
 
 
-# Platforms with a native matmul per format: int8 everywhere XLA runs; fp8 on NVIDIA
-# from Ada / Hopper (compute capability 8.9) and on TPU from v7; XLA:CPU converts f8
-# operands up (tests and compile-only runs).
+# fp8 needs NVIDIA's fp8 tensor cores (compute capability 8.9: Ada, Hopper and later);
+# XLA:TPU compiles f8 dots for v5e and v6e (experiments/results/quant.md) and XLA:CPU
+# converts them up (tests and compile-only runs).
 def _fp8_reason(device) -> str | None:
-    platform = device.platform
-    if platform == "cpu":
+    if device.platform not in ("gpu", "cuda"):
         return None
-    kind = getattr(device, "device_kind", "").lower()
-    if platform == "gpu" or platform == "cuda":
-        cc = getattr(device, "compute_capability", None)
-        if cc is not None and tuple(map(int, str(cc).split("."))) < (8, 9):
-            return f"{device.device_kind} (compute capability {cc}, fp8 needs >= 8.9)"
-        return None
-    if platform == "tpu":
-        if any(v in kind for v in ("v2", "v3", "v4", "v5", "v6")):
-            return f"{device.device_kind} (TPU fp8 matmuls start with v7)"
-        return None
-    return f"platform {platform!r}"
+    cc = getattr(device, "compute_capability", None)
+    if cc is not None and tuple(map(int, str(cc).split("."))) < (8, 9):
+        return f"{device.device_kind} (compute capability {cc}, fp8 needs >= 8.9)"
+    return None
 
 
 def check_backend(fmt: str, device) -> None:
     """Raise (one line) when `device` has no matmul for `fmt`."""
     if fmt == "fp8" and (reason := _fp8_reason(device)) is not None:
         raise ValueError(f"model.quant='fp8': {reason} has no fp8 matmul; use "
-                         f"model.quant='int8' there (fp8 runs on H100 / H200 / B200, "
-                         f"TPU v7 and, converted up, on CPU)")
+                         f"model.quant='int8' there (fp8 runs on NVIDIA GPUs of compute "
+                         f"capability >= 8.9, TPUs and, converted up, CPUs)")
