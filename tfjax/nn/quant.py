@@ -24,7 +24,7 @@ from qwix._src.core import dot_general_qt, ragged_dot_qt
 from tfjax.nn.moe import MoE
 from tfjax.nn.state import RecurrentMixer
 
-__all__ = ["FORMATS", "QUANT_PATHS", "QuantizedOps", "quantize", "check_backend",
+__all__ = ["FORMATS", "QUANT_PATHS", "QuantizedOp", "QuantizedOps", "quantize", "check_backend",
            "quantized_paths"]
 
 # format -> (forward operands' type, incoming gradients' type); fp8 as MaxText's
@@ -73,6 +73,18 @@ class QuantizedOps:
             dlhs_grad_qtype=self.bwd, drhs_grad_qtype=self.bwd)
         out = ragged_dot_qt.ragged_dot_qt(lhs, rhs, group_sizes, config)
         return out.astype(jnp.result_type(lhs, rhs))
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedOp:
+    """`ops`' method `name` as a value (equal and hashable by its fields, which a bound
+    method is not: it compares its instance by identity)."""
+
+    ops: QuantizedOps
+    name: str
+
+    def __call__(self, *args, **kwargs):
+        return getattr(self.ops, self.name)(*args, **kwargs)
 
 
 def _compile(field: str, pattern: str) -> re.Pattern:
@@ -124,12 +136,12 @@ def quantize(model: nnx.Module, fmt: str, *, paths: str = QUANT_PATHS,
         if "/".join(map(str, path)) not in selected:
             continue
         if isinstance(module, nnx.Linear):
-            module.dot_general = ops.dot_general
+            module.dot_general = QuantizedOp(ops, "dot_general")
         elif isinstance(module, nnx.Einsum):
-            module.einsum_op = ops.einsum
+            module.einsum_op = QuantizedOp(ops, "einsum")
         else:  # MoE: its experts; the router stays float
-            module.expert_einsum = ops.einsum
-            module.expert_ragged_dot = ops.ragged_dot
+            module.expert_einsum = QuantizedOp(ops, "einsum")
+            module.expert_ragged_dot = QuantizedOp(ops, "ragged_dot")
     return model
 
 
