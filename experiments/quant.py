@@ -46,9 +46,16 @@ def row(variant: str, topology: str, quant: str, batch: int, seq: int) -> dict:
     start = time.time()
     compiled, p, _, _ = compile_step(run_config(cfg), topology)
     f = step_figures(compiled, p)
+    cost = compiled.cost_analysis()
+    cost = (cost[0] if isinstance(cost, (list, tuple)) and cost else cost) or {}
+    print(topology, quant, {k: cost.get(k) for k in ("optimal_seconds", "flops",
+                                                     "bytes accessed", "utilization")},
+          flush=True)
     ops = dot_operand_types(compiled.as_text())
     eight = sum(n for k, n in ops.items() if any(t.startswith(("s8", "f8")) for t in k))
     return dict(optimal_seconds=f["optimal_seconds"], temp=f["temp"],
+                raw_seconds=float(cost.get("optimal_seconds", 0.0) or 0.0),
+                tflops=float(cost.get("flops", 0.0) or 0.0) / 1e12,
                 total=f["arguments"] + f["temp"] + f["code"], dots=sum(ops.values()),
                 eight_bit=eight, compile_s=time.time() - start)
 
@@ -70,10 +77,11 @@ def main(argv=None):
             table.append([topology, quant, est * 1e3 if est > 0 else "—",
                           est / base["optimal_seconds"] if est > 0 and base["optimal_seconds"] > 0
                           else "—", r["temp"] / GiB, r["total"] / GiB,
+                          r["raw_seconds"] * 1e3, r["tflops"],
                           f"{r['eight_bit']} / {r['dots']}", r["compile_s"]])
             print(table[-1], flush=True)
     exp.table(["topology", "model.quant", "optimal ms", "/ bf16", "temp GiB", "total GiB",
-               "8-bit dots / dots", "compile s"], table,
+               "raw optimal ms", "XLA TFLOP", "8-bit dots / dots", "compile s"], table,
               title=f"Llama-3.2-1B ({variant}) train step, batch {batch} x {seq}, fsdp 4, "
                     f"per chip, XLA:TPU (libtpu topologies on this CPU)")
     exp.finish()
