@@ -289,6 +289,11 @@ class ModelConfig:
     # activation checkpointing per layer (tfjax.models.stack.REMAT_POLICIES): none | full |
     # dots | dots_no_batch | attn | qkv_attn | dots_attn | attn_offload | qkv_attn_offload
     remat: str = "none"
+    # Quantized training (tfjax.nn.quant, docs/quantization.md): none | int8 | fp8 on the
+    # matmuls of the modules whose path fully matches quant_paths and not quant_exclude
+    quant: str = "none"
+    quant_paths: str = r"(.*/)?layers/.*"
+    quant_exclude: str = ""
 
     # Derived values ----------------------------------------------------------
     @property
@@ -343,6 +348,7 @@ def validate_model(c: ModelConfig, p: str) -> None:
     """Types were checked on conversion; here ranges and combinations."""
     one_of(f"{p}.dtype", c.dtype, DTYPES)
     one_of(f"{p}.param_dtype", c.param_dtype, DTYPES)
+    one_of(f"{p}.quant", c.quant, ("none", "int8", "fp8"))
 
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_len",
                  "norm_eps", "init_std"):

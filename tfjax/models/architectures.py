@@ -28,6 +28,7 @@ from tfjax.models import caching, mup
 from tfjax.models.layer_kinds import FFN_KINDS, LAYER_KINDS
 from tfjax.models.stack import REMAT_POLICIES, LayerStack
 from tfjax.nn.blocks import BLOCKS, PLACEMENTS
+from tfjax.nn.quant import quantize
 from tfjax.nn.ffn import ACTIVATIONS
 from tfjax.nn.linear_attention import FEATURE_MAPS
 from tfjax.nn.moe import MOE_IMPLEMENTATIONS
@@ -113,7 +114,8 @@ def build(model_cfg, *, rngs: nnx.Rngs | None = None) -> nnx.Module:
     cfg = check_names(model_config(model_cfg))
     mup.check(cfg)
     model = ARCHITECTURES.get(cfg.arch, field="model.arch")(cfg, rngs=rngs or nnx.Rngs(0))
-    return mup.rescale_init(model, cfg)
+    model = mup.rescale_init(model, cfg)
+    return quantize(model, cfg.quant, paths=cfg.quant_paths, exclude=cfg.quant_exclude)
 
 
 def unrolled(model: nnx.Module) -> nnx.Module:

@@ -110,6 +110,10 @@ class MoE(nnx.Module):
     `d_ff` is not read here (the ffn kind passes `moe.d_ff or model.d_ff` as
     `d_ff`), its `shared_d_ff` 0 is `d_ff`."""
 
+    # The experts' matmuls; `tfjax.nn.quant` sets quantized ones on the instance.
+    expert_einsum = staticmethod(jnp.einsum)
+    expert_ragged_dot = staticmethod(jax.lax.ragged_dot)
+
     def __init__(self, d_model: int, d_ff: int, moe: MoEConfig, *, activation: str = "swiglu",
                  use_bias: bool = False, dtype: DType = jnp.float32,
                  param_dtype: DType = jnp.float32, init_std: float = 0.02,
@@ -219,36 +223,36 @@ class MoE(nnx.Module):
     def _experts_dense(self, x):
         """Every expert on every token: x `[M, D]` -> `[M, E, D]` (the reference)."""
         first = "wi_gate" if self.gated else "wi"
-        h_gate = jnp.einsum("MD,EDF->MEF", x, self._w(first))
-        h_up = jnp.einsum("MD,EDF->MEF", x, self._w("wi_up")) if self.gated else None
+        h_gate = self.expert_einsum("MD,EDF->MEF", x, self._w(first))
+        h_up = self.expert_einsum("MD,EDF->MEF", x, self._w("wi_up")) if self.gated else None
         if self.use_bias:
             h_gate = h_gate + self._w("bi_gate" if self.gated else "bi")
             h_up = h_up + self._w("bi_up") if self.gated else None
-        y = jnp.einsum("MEF,EFD->MED", self._expert_hidden(h_gate, h_up), self._w("wo"))
+        y = self.expert_einsum("MEF,EFD->MED", self._expert_hidden(h_gate, h_up), self._w("wo"))
         return y + self._w("bo") if self.use_bias else y
 
     def _experts_ragged(self, xs, expert_ids, group_sizes):
         """xs `[A, D]` sorted by expert (`group_sizes [E]`) -> `[A, D]` (grouped matmul)."""
         first = "wi_gate" if self.gated else "wi"
-        h_gate = jax.lax.ragged_dot(xs, self._w(first), group_sizes)
-        h_up = jax.lax.ragged_dot(xs, self._w("wi_up"), group_sizes) if self.gated else None
+        h_gate = self.expert_ragged_dot(xs, self._w(first), group_sizes)
+        h_up = self.expert_ragged_dot(xs, self._w("wi_up"), group_sizes) if self.gated else None
         if self.use_bias:
             h_gate = h_gate + self._w("bi_gate" if self.gated else "bi")[expert_ids]
             h_up = h_up + self._w("bi_up")[expert_ids] if self.gated else None
-        y = jax.lax.ragged_dot(self._expert_hidden(h_gate, h_up), self._w("wo"), group_sizes)
+        y = self.expert_ragged_dot(self._expert_hidden(h_gate, h_up), self._w("wo"), group_sizes)
         return y + self._w("bo")[expert_ids] if self.use_bias else y
 
     def _experts_buffer(self, xb):
         """Capacity buffer xb `[E, B, C, D]` -> `[E, B, C, D]` (expert-parallel layout)."""
         xb = shard(xb, ("expert", "batch", None, "embed"))
         first = "wi_gate" if self.gated else "wi"
-        h_gate = jnp.einsum("EBCD,EDF->EBCF", xb, self._w(first))
-        h_up = jnp.einsum("EBCD,EDF->EBCF", xb, self._w("wi_up")) if self.gated else None
+        h_gate = self.expert_einsum("EBCD,EDF->EBCF", xb, self._w(first))
+        h_up = self.expert_einsum("EBCD,EDF->EBCF", xb, self._w("wi_up")) if self.gated else None
         if self.use_bias:
             h_gate = h_gate + self._w("bi_gate" if self.gated else "bi")[:, None, None]
             h_up = h_up + self._w("bi_up")[:, None, None] if self.gated else None
         h = shard(self._expert_hidden(h_gate, h_up), ("expert", "batch", None, "mlp"))
-        y = jnp.einsum("EBCF,EFD->EBCD", h, self._w("wo"))
+        y = self.expert_einsum("EBCF,EFD->EBCD", h, self._w("wo"))
         if self.use_bias:
             y = y + self._w("bo")[:, None, None]
         return shard(y, ("expert", "batch", None, "embed"))

@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding
 
 from tfjax.config import RunConfig
 from tfjax.models import FFN_KINDS, LAYER_KINDS, build
+from tfjax.nn.quant import check_backend
 from tfjax.parallel.rules import logical_rules, replicated, tree_shardings
 from tfjax.parallel.sharding import logical_to_spec, use_rules
 from tfjax.parallel.zigzag import zigzag_data, zigzag_order
@@ -109,6 +110,7 @@ def build_program(cfg: RunConfig, mesh, build_model, teacher=None) -> Program:
         with nnx.use_eager_sharding(False):
             return build_model(cfg.model, rngs=nnx.Rngs(cfg.seed))
 
+    check_backend(cfg.model.quant, mesh.devices.flat[0])
     abstract = nnx.eval_shape(make_model)
     graphdef, aparams, arest = nnx.split(abstract, nnx.Param, ...)
     abstract.eval()
