@@ -7,9 +7,8 @@ sharded over `seq_axis` -> `[B,T,N,Hv]`, exactly `attention_reference`'s result.
 fp32 through the logsumexp, fully masked blocks are skipped, and a hand-written
 `custom_vjp` circulates dK/dV on a second ring (O(S/n) saved per device, no O(S^2)).
 `ring_core` is that per-device ring, shared with USP (`tfjax.parallel.ulysses`).
-`all_gather_attention` (same arguments) is the baseline: each device gathers the
-whole K/V. A layer's choice between them: `tfjax.parallel.context_parallel`.
-See docs/long_context.md.
+`all_gather_attention` (same arguments) is the baseline: each device gathers the whole
+K/V. A layer's choice: `tfjax.parallel.context_parallel`. See docs/long_context.md.
 """
 
 from __future__ import annotations
