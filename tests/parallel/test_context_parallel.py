@@ -84,7 +84,7 @@ def test_sequence_parallel_training_matches_one_device(tmp_path, one_device, mod
     assert len(got) == 3 == len(one_device)
     np.testing.assert_allclose(got, one_device, rtol=1e-4, atol=1e-4)
     assert set(calls) == {f"{mode}_attention"}
-    if mode == "ring":  # zigzag="data": batches reordered once, no per-layer re-layout
+    if mode in ("ring", "usp"):  # zigzag="data": batches reordered once, no per-layer re-layout
         assert trainers[0].program.zigzag == 4
         assert layouts == {("zigzag", False)}
 

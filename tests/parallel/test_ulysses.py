@@ -1,19 +1,23 @@
-"""Ulysses attention on simulated CPU devices: forward and gradients against the
+"""Ulysses and USP attention on simulated CPU devices: forward and gradients against the
 single-device reference for every mask kind at global positions, GQA with fewer kv heads
 than devices, ALiBi / T5 positions, sinks and the implementations it runs per device;
-the compiled program's all-to-alls (and no all-gather of K/V); the one-line errors."""
+USP on zig-zag ordered data; the compiled programs' all-to-alls (and no all-gather of
+K/V); the one-line errors."""
+
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_ring_attention import (MASKS, SINKS, _alibi, _inputs, _mesh, _out_and_grads, _rb,
-                                 _relative, mesh2x4)  # noqa: F401 - the fixture
+                                 _relative, _segment_ids, mesh2x4)  # noqa: F401 - the fixture
 
 from tfjax.ops import masks
 from tfjax.ops.reference import attention_reference
 from tfjax.parallel.mask_leaves import split_kv_heads
 from tfjax.parallel.ulysses import ulysses_attention, usp_attention
+from tfjax.parallel.zigzag import unzigzag, zigzag
 
 ALL_MASKS = {**MASKS, "chunked": lambda: masks.chunked_causal(12),
              "window_segments": lambda: masks.sliding_window(9) & MASKS["segments"]()}
@@ -176,6 +180,75 @@ def test_usp_hlo_has_all_to_all_and_the_ring(mesh2x4):
     assert not gathers, gathers
 
 
+@pytest.mark.parametrize("ulysses_size", [1, 2, 4])
+def test_usp_zigzag_ordered_inputs(mesh2x4, ulysses_size):
+    """natural_order=False: q, k, v, the segment ids and the packed positions in zig-zag
+    order over the 4 devices (the trainer's order); inside each group the all-to-all
+    leaves the second halves' chunks in reverse member order, which USP undoes before
+    the ring: out and gradients, unzigzagged, equal the reference. With ALiBi and T5 at
+    the packed positions, the sinks, 1 kv head (repeated to 2 and 4); 1 group (u=4),
+    2 or 4 (u=1: the ring alone)."""
+    q, k, v, ct = _inputs(kv_heads=1)
+    zz = lambda x: zigzag(x, 4, axis=1)
+    ids, alibi, rel = _segment_ids(), _alibi(True), _relative(True)
+    alibi_zz = dict(alibi, alibi_positions=tuple(map(zz, alibi["alibi_positions"])))
+    rel_zz = dict(rel, q_positions=zz(rel["q_positions"]), kv_positions=zz(rel["kv_positions"]))
+
+    def usp(q, k, v, t, s):
+        return usp_attention(q, k, v, masks.segments(zz(ids)) & masks.causal(), mesh=mesh2x4,
+                             ulysses_size=ulysses_size, batch_axes="data", natural_order=False,
+                             block_q=8, block_kv=8, relative_bias=_rb(rel_zz, t), sinks=s,
+                             **alibi_zz)
+
+    got = jax.jit(lambda *a: _out_and_grads(usp, *a))(zz(q), zz(k), zz(v), rel["table"], SINKS,
+                                                      zz(ct))
+    want = _out_and_grads(lambda q, k, v, t, s: attention_reference(
+        q, k, v, masks.segments(ids) & masks.causal(), relative_bias=_rb(rel, t), sinks=s,
+        **alibi), q, k, v, rel["table"], SINKS, ct)
+    for name, g, w in zip(["out", "dq", "dk", "dv"], got, want):
+        np.testing.assert_allclose(unzigzag(g, 4, axis=1), w, atol=1e-4, rtol=1e-4,
+                                   err_msg=name)
+    for name, g, w in zip(["dtable", "dsinks"], got[4:], want[4:]):
+        np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4, err_msg=name)
+
+
+def _collectives(hlo: str, kind: str) -> list[str]:
+    """The compiled program's `kind` instructions (sync or async start)."""
+    return [line for line in hlo.splitlines()
+            if f" {kind}(" in line or f" {kind}-start(" in line]
+
+
+@pytest.mark.xla_optimized  # compiled HLO
+def test_usp_moves_heads_by_its_own_all_to_alls(mesh2x4):
+    """The reshard into the Ulysses groups is USP's own: the program's all-to-alls are
+    exactly the 8 of its shard_map (q, k, v and the output forward, their cotangents
+    backward), each inside a group of 2 consecutive devices, none inserted by XLA's
+    partitioner; no all-gather (no per-token mask leaf: none of anything). Every
+    collective-permute moves between the groups, member r to member r (the ring, and
+    with natural-order data the re-layout of each group's span to zig-zag and back);
+    zig-zag ordered data (natural_order=False) needs the ring's alone."""
+    q, k, v, ct = _inputs()
+    permutes = {}
+    for natural_order in (True, False):
+        def usp(q, k, v):
+            return usp_attention(q, k, v, masks.causal(), mesh=mesh2x4, ulysses_size=2,
+                                 batch_axes="data", natural_order=natural_order, block_q=8,
+                                 block_kv=8)
+
+        hlo = jax.jit(lambda *a: _out_and_grads(usp, *a)).lower(q, k, v, ct).compile().as_text()
+        a2a = _collectives(hlo, "all-to-all")
+        assert len(a2a) == 8, a2a
+        assert all("shard_map/all_to_all" in line and "replica_groups={{0,1},{2,3},{4,5},{6,7}}"
+                   in line for line in a2a), a2a
+        assert not _collectives(hlo, "all-gather")
+        permutes[natural_order] = _collectives(hlo, "collective-permute")
+        for line in permutes[natural_order]:  # devices 4 d + 2 group + member
+            pairs = re.search(r"source_target_pairs=\{(.*?)\}\}", line).group(1)
+            for a, b in re.findall(r"(\d+),(\d+)", pairs):
+                assert int(a) // 4 == int(b) // 4 and int(a) % 2 == int(b) % 2, line
+    assert 0 < len(permutes[False]) < len(permutes[True])
+
+
 def test_usp_bad_arguments(mesh2x4):
     q, k, v, _ = _inputs()
     with pytest.raises(ValueError, match=r"^usp_attention: ulysses_size=3 must divide the 4 "
@@ -184,3 +257,11 @@ def test_usp_bad_arguments(mesh2x4):
     with pytest.raises(ValueError, match=r"^usp_attention: the 6 query heads do not divide over "
                                          r"the 4 Ulysses devices .*ulysses_size to a divisor"):
         usp_attention(q[:, :, :6], k, v, mesh=mesh2x4, ulysses_size=4)
+    with pytest.raises(ValueError, match=r"^usp_attention: load_balance='zigzag' needs T == S"):
+        usp_attention(q, k[:, :32], v[:, :32], mesh=mesh2x4, ulysses_size=2)
+    with pytest.raises(ValueError, match=r"^usp_attention: T=36 and S=36 must be divisible by 8 "
+                                         r"\(4 devices on 'sequence' x 2 chunks\); or pass "
+                                         r"load_balance='none'"):
+        usp_attention(q[:, :36], k[:, :36], v[:, :36], mesh=mesh2x4, ulysses_size=2)
+    with pytest.raises(ValueError, match=r"^usp_attention: load_balance must be"):
+        usp_attention(q, k, v, mesh=mesh2x4, ulysses_size=2, load_balance="striped")

@@ -53,7 +53,8 @@ class AttentionConfig:
     # Ignored without a sequence axis.
     context_parallel: str = "ring"
     ulysses_size: int = 1  # "usp": devices per Ulysses group (divides mesh.sequence)
-    # Zig-zag load balancing of the causal ring (2n chunks, device i holds i and 2n-1-i):
+    # Zig-zag load balancing of the causal ring (2n chunks, device i holds i and 2n-1-i;
+    # under "usp" the ring across the groups):
     # "data" (the trainer reorders each batch once on the host; layers skip the
     # re-layout; falls back to "layer", with a note, for models with order-dependent
     # layers: mamba / linear mixers, capacity-factor MoE) | "layer" (natural-order

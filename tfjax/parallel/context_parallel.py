@@ -37,10 +37,11 @@ def context_parallel_attention(q, k, v, mask: masks_lib.Mask | None = None, *, m
     sequence-parallel self-attention (T != S, e.g. cross-attention): the caller
     then uses `dot_product_attention`.
 
-    Ring load balancing (`zigzag`, when T % 2n == 0 and there is a mask): under
-    `zigzag_data(n)` (the trainer's steps with `zigzag="data"`) q, k, v and the mask's
-    segment ids are already in zig-zag order, so the ring runs with
-    `natural_order=False` and the output stays in that order; otherwise ("data"
+    Ring load balancing (`zigzag`, when T % 2n == 0 and there is a mask; USP's ring
+    across its groups likewise): under `zigzag_data(n)` (the trainer's steps with
+    `zigzag="data"`) q, k, v and the mask's segment ids are already in zig-zag order,
+    so the ring (or USP) runs with `natural_order=False` and the output stays in that
+    order; otherwise ("data"
     outside such a step, e.g. sampling, or "layer") the data is in natural order and
     the ring re-lays it out in and out (four half-chunk ppermutes per tensor);
     "none": contiguous chunks, no balancing. Masks are evaluated on global natural
@@ -55,10 +56,11 @@ def context_parallel_attention(q, k, v, mask: masks_lib.Mask | None = None, *, m
     if zigzag not in ZIGZAG_MODES:
         raise ValueError(f"zigzag: got {zigzag!r}; allowed: {', '.join(map(repr, ZIGZAG_MODES))}")
     data_n = zigzag_data_devices()
-    if data_n and (zigzag != "data" or mode != "ring"):
+    if data_n and (zigzag != "data" or mode not in ("ring", "usp")):
         raise ValueError(f"context_parallel: the batch is in zig-zag order (zigzag_data({data_n}))"
                          f" but this layer has context_parallel={mode!r}, zigzag={zigzag!r}; "
-                         f"only context_parallel='ring' with zigzag='data' reads that order")
+                         f"only context_parallel='ring' or 'usp' with zigzag='data' reads that "
+                         f"order")
     mesh = active_mesh()
     seq_axes = ()
     if mesh is not None and q.shape[1] == k.shape[1]:
@@ -88,11 +90,10 @@ def context_parallel_attention(q, k, v, mask: masks_lib.Mask | None = None, *, m
         return all_gather_attention(q, k, v, mask, **common)
     if mode == "ulysses":
         return ulysses_attention(q, k, v, mask, **common)
-    if mode == "usp":  # the ring over the n / ulysses_size groups, zig-zag over their spans
-        g = n // ulysses_size if ulysses_size >= 1 else 0  # 0: usp_attention says why
-        zz = zigzag != "none" and mask is not None and g > 0 and T % (2 * g) == 0
-        return usp_attention(q, k, v, mask, ulysses_size=ulysses_size,
-                             load_balance="zigzag" if zz else "none", **common)
     zz = bool(data_n) or (zigzag != "none" and mask is not None and T % (2 * n) == 0)
+    if mode == "usp":  # the ring over the n / ulysses_size groups, zig-zag over their spans
+        return usp_attention(q, k, v, mask, ulysses_size=ulysses_size,
+                             load_balance="zigzag" if zz else "none", natural_order=not data_n,
+                             **common)
     return ring_attention(q, k, v, mask, load_balance="zigzag" if zz else "none",
                           natural_order=not data_n, **common)

@@ -128,11 +128,10 @@ def split_kv_heads(k, v, n: int):
 
 
 def device_axes(batch_axes, seq_axis=None) -> tuple:
-    """The mesh axes the tokens are split over: the batch axes (a name, a tuple of
-    names or None), then `seq_axis` if given."""
-    b = () if batch_axes is None else (batch_axes,) if isinstance(batch_axes, str) else \
-        tuple(batch_axes)
-    return (*b, seq_axis) if seq_axis is not None else b
+    """The mesh axes the tokens are split over: the batch axes, then the sequence
+    axes `seq_axis` if given (each a name, a tuple of names or None)."""
+    names = lambda a: () if a is None else (a,) if isinstance(a, str) else tuple(a)
+    return (*names(batch_axes), *names(seq_axis))
 
 
 def device_copies(x, mesh, axes):
@@ -156,20 +155,17 @@ def local_leaves(leaves, kinds):
     return [x[0] if kd == "table" else x for x, kd in zip(leaves, kinds)]
 
 
-def token_specs(leaves, kinds, batch_axes, seq_axis, head_axis=None, slopes=None):
+def token_specs(leaves, kinds, batch_axes, seq_axis):
     """`shard_map` specs of a sequence-parallel call: q/k/v `[B,T,.,.]` split over
-    the batch axes, `seq_axis` and (their heads) `head_axis`, and the leaves
-    (per-token ones like the tokens, per-example ones over the batch axes only, T5's
-    per-device table copies `[D, nb, N]` over the batch axes and `seq_axis`, and, as
-    ALiBi's `slopes` `[B|1, N]` (the leaf that is it), over `head_axis` by head). A
-    leaf with a batch dim of 1 is replicated over the batch axes."""
+    the batch axes and `seq_axis` (a name, or a tuple of names splitting the sequence
+    in order), and the leaves (per-token ones like the tokens, per-example ones over
+    the batch axes only, T5's per-device table copies `[D, nb, N]` over the batch axes
+    and `seq_axis`). A leaf with a batch dim of 1 is replicated over the batch axes."""
     def leaf_spec(x, kind):
         if kind == "table":
-            return P(device_axes(batch_axes, seq_axis), None, head_axis)
+            return P(device_axes(batch_axes, seq_axis), None, None)
         b = batch_axes if x.shape[0] != 1 else None
-        if x is slopes:
-            return P(b, head_axis)
         return P(b, seq_axis) if kind != "other" else P(*([b] + [None] * (x.ndim - 1)))
 
-    return (P(batch_axes, seq_axis, head_axis, None),
+    return (P(batch_axes, seq_axis, None, None),
             [leaf_spec(x, kd) for x, kd in zip(leaves, kinds)])

@@ -6,9 +6,9 @@ sharded over `seq_axis` -> `[B,T,N,Hv]`, exactly `attention_reference`'s result.
 `jax.shard_map`, K/V blocks travel the ring by `lax.ppermute`, partial results merge in
 fp32 through the logsumexp, fully masked blocks are skipped, and a hand-written
 `custom_vjp` circulates dK/dV on a second ring (O(S/n) saved per device, no O(S^2)).
-`all_gather_attention` (same arguments) is the baseline: each device gathers the
-whole K/V. A layer's choice between them: `tfjax.parallel.context_parallel`.
-See docs/long_context.md.
+`ring_core` is that per-device ring, shared with USP (`tfjax.parallel.ulysses`).
+`all_gather_attention` (same arguments) is the baseline: each device gathers the whole
+K/V. A layer's choice: `tfjax.parallel.context_parallel`. See docs/long_context.md.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from tfjax.ops.vjp import zero_cotangent
 from tfjax.parallel import mask_leaves
 from tfjax.parallel.zigzag import relayout_local
 
-__all__ = ["all_gather_attention", "ring_attention"]
+__all__ = ["all_gather_attention", "ring_attention", "ring_core"]
 
 
 def _merge(o, lse, o_new, lse_new):
@@ -45,105 +45,24 @@ def _merge(o, lse, o_new, lse_new):
 
 
 # --------------------------------------------------------------------------- #
-# ring_attention.
+# The per-device ring, shared with USP.
 # --------------------------------------------------------------------------- #
 
 
-def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axis: str = "sequence",
-                   batch_axes=None, scale=None, softcap=None, load_balance: str = "zigzag",
-                   natural_order: bool = True, block_q: int = DEFAULT_BLOCK,
-                   block_kv: int = DEFAULT_BLOCK, skip_masked_blocks: bool = True,
-                   implementation: str = "auto", block_sizes=None, unroll: bool | None = None,
-                   alibi_slopes=None, alibi_positions=None,
-                   relative_bias: RelativeBias | None = None, sinks=None,
-                   head_axis: str | None = None):
-    """q `[B,T,N,H]`, k `[B,S,K,H]`, v `[B,S,K,Hv]` (global arrays) -> out `[B,T,N,Hv]`.
-
-    Same semantics as `attention_reference(q, k, v, mask, scale=, softcap=,
-    alibi_slopes=, alibi_positions=, relative_bias=, sinks=)`; the sequence dims are split
-    over `seq_axis` of `mesh` and the batch over `batch_axes` (a mesh axis name, a
-    tuple of names, or () to replicate the batch; None, the default: inferred by
-    `mask_leaves.infer_batch_axes` from q's sharding, or traced from the mesh's
-    data axes, so no device computes examples another one holds). ALiBi's and T5's explicit positions travel like
-    segment ids (the kv ones rotate with K/V); index positions come from each
-    chunk's global offset. T5's table (`relative_bias`): every device gets a copy and
-    returns its partial gradient, summed over the devices; so do learned `sinks`
-    `[N]`, which join each query row once, after its ring of blocks is merged
-    (`tfjax.ops.sinks`). `head_axis`: a mesh axis the heads are split over too (USP,
-    `tfjax.parallel.ulysses.usp_attention`); query and kv heads must divide over it,
-    and the sinks, ALiBi's slopes and T5's table are split with them.
-
-    load_balance: "zigzag" (the default: 2n chunks, device i holds chunks i and
-    2n-1-i, so causal work is even; needs T == S and T % 2n == 0) or "none" (device i
-    holds positions [i*T/n, (i+1)*T/n)).
-    With "zigzag" and `natural_order=True` the inputs/outputs are in natural order and
-    re-laid out on device (ppermutes of half chunks, no gather); with
-    `natural_order=False` they are already in zig-zag order (including the segment
-    ids of a `masks.segments` mask) and the output is too.
-
-    implementation: the per-block attention (`tfjax.ops.attention.select_ring_block`
-    on the mesh's platform): "blockwise" (`tfjax.ops.blockwise`, any backend; tiles
-    `block_q` x `block_kv`), "pallas" (the Pallas TPU kernels: Mosaic on TPU,
-    interpret mode on CPU; tiles from `block_sizes`), or "auto" (the ring's order,
-    `RING_AUTO_ORDER`: pallas on TPU when the kernels can evaluate the mask, else
-    blockwise). Any other implementation, or one that cannot run this mask on this
-    platform, raises a ValueError naming what the ring can run.
-
-    unroll: unroll the ring's steps (`lax.scan(unroll=True)`) or run them as a while
-    loop. None: unrolled on CPU meshes only. XLA's CPU runtime may run a while loop that
-    holds collectives concurrently with other collectives (e.g. the data-parallel
-    gradient all-reduce), in a different order on each device, and deadlock;
-    unrolled, the collective-permutes are ordered like every other collective. The
-    while loop keeps one K/V block in flight; unrolled, XLA's CPU scheduler issues
-    the transfers early and holds more blocks (see the module docstring).
-    """
-    if load_balance not in ("none", "zigzag"):
-        raise ValueError(f"ring_attention: load_balance must be 'none' or 'zigzag', got "
-                         f"{load_balance!r}")
-    n = mesh.shape[seq_axis]
-    _, T, N, H = q.shape
-    S, K = k.shape[1], k.shape[2]
-    if N % K:
-        raise ValueError(f"ring_attention: {N} query heads are not a multiple of {K} kv heads")
-    u = 1 if head_axis is None else mesh.shape[head_axis]
-    if N % u or K % u:
-        raise ValueError(f"ring_attention: {N} query and {K} kv heads must divide over the {u} "
-                         f"devices of head_axis={head_axis!r} (repeat the kv heads: "
-                         f"mask_leaves.split_kv_heads)")
-    masks_lib.check_lengths(mask, T, S, "ring_attention")
-    pieces = 2 if load_balance == "zigzag" else 1
-    if load_balance == "zigzag" and T != S:
-        raise ValueError(f"ring_attention: load_balance='zigzag' needs T == S, got T={T}, "
-                         f"S={S}; pass load_balance='none'")
-    if T % (n * pieces) or S % (n * pieces):
-        hint = "; or pass load_balance='none' (T, S divisible by n)" if pieces == 2 else ""
-        raise ValueError(f"ring_attention: T={T} and S={S} must be divisible by "
-                         f"{n * pieces} ({n} devices on {seq_axis!r} x {pieces} chunks){hint}")
-    Hv = v.shape[-1]
-    batch_axes = mask_leaves.resolve_batch_axes(batch_axes, q, mesh, seq_axis, "ring_attention")
-    scale = float(H ** -0.5 if scale is None else scale)
-    sinks = check_sinks(sinks, N, "ring_attention")
-    # The mesh's platform, not the default backend: an AOT compile for a TPU topology
-    # runs on a CPU host.
-    platform = device_platform(mesh.devices.flat[0])
-    rel = check_relative_bias(relative_bias, q.shape[0], N, T, S)
-    block = select_ring_block(platform, mask, implementation, block_q=block_q, block_kv=block_kv,
-                              block_sizes=block_sizes)
-    if unroll is None:
-        unroll = platform == "cpu"
-
-    alibi = make_alibi(alibi_slopes, alibi_positions, q.shape[0], N, T, S)
-    leaves, treedef, kinds = mask_leaves.split_mask(mask, alibi, rel)
-    leaves = mask_leaves.copy_tables(leaves, kinds, mesh,
-                                      mask_leaves.device_axes(batch_axes, seq_axis))
+def ring_core(*, seq_axis: str, n: int, pieces: int, cq: int, ckv: int, Hv: int, block,
+              scale: float, softcap, kinds, treedef, skip_masked_blocks: bool = True,
+              unroll: bool = True):
+    """The ring's per-device attention, for a function run under `shard_map` over a mesh
+    with `seq_axis` (n devices): `core(q, k, v, table, sink, mleaves) -> out`, a
+    `custom_vjp` (the module docstring). Device i's local q `[b, pieces*cq, N', H]`,
+    k `[b, pieces*ckv, K', H]`, v `[b, pieces*ckv, K', Hv]` hold global chunk i of n
+    (`pieces` 1) or chunks i and 2n-1-i of 2n (`pieces` 2, zig-zag), any heads (N' a
+    multiple of K'); `mleaves` the local leaves of `mask_leaves.split_mask` (`kinds`,
+    `treedef`) laid out like the tokens, the table's slot None; `table` T5's table and
+    `sink` `[N']` for these heads, or None. `block`: `select_ring_block`'s per-block
+    implementation. Shared by `ring_attention` and `tfjax.parallel.ulysses.usp_attention`
+    (the ring across the Ulysses groups)."""
     ti = kinds.index("table") if "table" in kinds else None  # the table's leaf
-    # Natural order in and out under zigzag: re-laid out inside shard_map (ppermutes).
-    reorder = load_balance == "zigzag" and natural_order and n > 1
-
-    tok, leaf_specs = mask_leaves.token_specs(leaves, kinds, batch_axes, seq_axis, head_axis,
-                                              None if alibi is None else alibi.slopes)
-    Tl, Sl = T // n, S // n
-    cq, ckv = Tl // pieces, Sl // pieces  # piece lengths
 
     def piece_offsets(dev, c):
         if pieces == 1:
@@ -323,6 +242,104 @@ def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axi
                                            for x in mleaves]
 
     core.defvjp(core_fwd, core_bwd)
+    return core
+
+
+# --------------------------------------------------------------------------- #
+# ring_attention.
+# --------------------------------------------------------------------------- #
+
+
+def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axis: str = "sequence",
+                   batch_axes=None, scale=None, softcap=None, load_balance: str = "zigzag",
+                   natural_order: bool = True, block_q: int = DEFAULT_BLOCK,
+                   block_kv: int = DEFAULT_BLOCK, skip_masked_blocks: bool = True,
+                   implementation: str = "auto", block_sizes=None, unroll: bool | None = None,
+                   alibi_slopes=None, alibi_positions=None,
+                   relative_bias: RelativeBias | None = None, sinks=None):
+    """q `[B,T,N,H]`, k `[B,S,K,H]`, v `[B,S,K,Hv]` (global arrays) -> out `[B,T,N,Hv]`.
+
+    Same semantics as `attention_reference(q, k, v, mask, scale=, softcap=,
+    alibi_slopes=, alibi_positions=, relative_bias=, sinks=)`; the sequence dims are split
+    over `seq_axis` of `mesh` and the batch over `batch_axes` (a mesh axis name, a
+    tuple of names, or () to replicate the batch; None, the default: inferred by
+    `mask_leaves.infer_batch_axes` from q's sharding, or traced from the mesh's
+    data axes, so no device computes examples another one holds). ALiBi's and T5's explicit positions travel like
+    segment ids (the kv ones rotate with K/V); index positions come from each
+    chunk's global offset. T5's table (`relative_bias`): every device gets a copy and
+    returns its partial gradient, summed over the devices; so do learned `sinks`
+    `[N]`, which join each query row once, after its ring of blocks is merged
+    (`tfjax.ops.sinks`). The per-device ring is `ring_core` (USP runs it too).
+
+    load_balance: "zigzag" (the default: 2n chunks, device i holds chunks i and
+    2n-1-i, so causal work is even; needs T == S and T % 2n == 0) or "none" (device i
+    holds positions [i*T/n, (i+1)*T/n)).
+    With "zigzag" and `natural_order=True` the inputs/outputs are in natural order and
+    re-laid out on device (ppermutes of half chunks, no gather); with
+    `natural_order=False` they are already in zig-zag order (including the segment
+    ids of a `masks.segments` mask) and the output is too.
+
+    implementation: the per-block attention (`tfjax.ops.attention.select_ring_block`
+    on the mesh's platform): "blockwise" (`tfjax.ops.blockwise`, any backend; tiles
+    `block_q` x `block_kv`), "pallas" (the Pallas TPU kernels: Mosaic on TPU,
+    interpret mode on CPU; tiles from `block_sizes`), or "auto" (the ring's order,
+    `RING_AUTO_ORDER`: pallas on TPU when the kernels can evaluate the mask, else
+    blockwise). Any other implementation, or one that cannot run this mask on this
+    platform, raises a ValueError naming what the ring can run.
+
+    unroll: unroll the ring's steps (`lax.scan(unroll=True)`) or run them as a while
+    loop. None: unrolled on CPU meshes only. XLA's CPU runtime may run a while loop that
+    holds collectives concurrently with other collectives (e.g. the data-parallel
+    gradient all-reduce), in a different order on each device, and deadlock;
+    unrolled, the collective-permutes are ordered like every other collective. The
+    while loop keeps one K/V block in flight; unrolled, XLA's CPU scheduler issues
+    the transfers early and holds more blocks (see the module docstring).
+    """
+    if load_balance not in ("none", "zigzag"):
+        raise ValueError(f"ring_attention: load_balance must be 'none' or 'zigzag', got "
+                         f"{load_balance!r}")
+    n = mesh.shape[seq_axis]
+    _, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    if N % K:
+        raise ValueError(f"ring_attention: {N} query heads are not a multiple of {K} kv heads")
+    masks_lib.check_lengths(mask, T, S, "ring_attention")
+    pieces = 2 if load_balance == "zigzag" else 1
+    if load_balance == "zigzag" and T != S:
+        raise ValueError(f"ring_attention: load_balance='zigzag' needs T == S, got T={T}, "
+                         f"S={S}; pass load_balance='none'")
+    if T % (n * pieces) or S % (n * pieces):
+        hint = "; or pass load_balance='none' (T, S divisible by n)" if pieces == 2 else ""
+        raise ValueError(f"ring_attention: T={T} and S={S} must be divisible by "
+                         f"{n * pieces} ({n} devices on {seq_axis!r} x {pieces} chunks){hint}")
+    Hv = v.shape[-1]
+    batch_axes = mask_leaves.resolve_batch_axes(batch_axes, q, mesh, seq_axis, "ring_attention")
+    scale = float(H ** -0.5 if scale is None else scale)
+    sinks = check_sinks(sinks, N, "ring_attention")
+    # The mesh's platform, not the default backend: an AOT compile for a TPU topology
+    # runs on a CPU host.
+    platform = device_platform(mesh.devices.flat[0])
+    rel = check_relative_bias(relative_bias, q.shape[0], N, T, S)
+    block = select_ring_block(platform, mask, implementation, block_q=block_q, block_kv=block_kv,
+                              block_sizes=block_sizes)
+    if unroll is None:
+        unroll = platform == "cpu"
+
+    alibi = make_alibi(alibi_slopes, alibi_positions, q.shape[0], N, T, S)
+    leaves, treedef, kinds = mask_leaves.split_mask(mask, alibi, rel)
+    leaves = mask_leaves.copy_tables(leaves, kinds, mesh,
+                                      mask_leaves.device_axes(batch_axes, seq_axis))
+    ti = kinds.index("table") if "table" in kinds else None  # the table's leaf
+    # Natural order in and out under zigzag: re-laid out inside shard_map (ppermutes).
+    reorder = load_balance == "zigzag" and natural_order and n > 1
+
+    tok, leaf_specs = mask_leaves.token_specs(leaves, kinds, batch_axes, seq_axis)
+    Tl, Sl = T // n, S // n
+    cq, ckv = Tl // pieces, Sl // pieces  # piece lengths
+
+    core = ring_core(seq_axis=seq_axis, n=n, pieces=pieces, cq=cq, ckv=ckv, Hv=Hv, block=block,
+                     scale=scale, softcap=softcap, kinds=kinds, treedef=treedef,
+                     skip_masked_blocks=skip_masked_blocks, unroll=unroll)
 
     def local(q, k, v, sink_copy, *mleaves):
         if reorder:
@@ -340,7 +357,7 @@ def ring_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh, seq_axi
         return out
 
     dev = mask_leaves.device_axes(batch_axes, seq_axis)
-    sink_spec = None if sinks is None else P(dev, head_axis)
+    sink_spec = None if sinks is None else P(dev)
     fn = mask_leaves.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, sink_spec, *leaf_specs),
                                out_specs=tok)
     return fn(q, k, v, mask_leaves.device_copies(sinks, mesh, dev), *leaves)

@@ -6,25 +6,29 @@ over `seq_axis` -> `attention_reference`'s result. Under `jax.shard_map` an all-
 per tensor trades the sequence shard for a head shard (the whole sequence, N/n heads a
 device), the layer's implementation attends with every mask at natural positions, and
 an all-to-all brings the output back; kv heads are repeated as needed, never gathered.
-`usp_attention(..., ulysses_size=u)`: Ulysses inside groups of u consecutive devices,
-`ring_attention` across the groups. See docs/long_context.md.
+`usp_attention(..., ulysses_size=u)`: one `shard_map` too, an all-to-all inside groups of
+u consecutive devices, the ring's per-device attention (`ring_core`) across the groups on
+each device's heads, and the all-to-all back. See docs/long_context.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from tfjax.ops import masks as masks_lib
-from tfjax.ops.attention import dot_product_attention
+from tfjax.ops.attention import dot_product_attention, select_ring_block
+from tfjax.ops.blockwise import DEFAULT_BLOCK
 from tfjax.ops.reference import RelativeBias, check_relative_bias, make_alibi
 from tfjax.ops.sinks import check_sinks
 from tfjax.ops.target import device_platform, targeting
 from tfjax.parallel import mask_leaves
-from tfjax.parallel.ring_attention import ring_attention
+from tfjax.parallel.ring_attention import ring_core
+from tfjax.parallel.zigzag import relayout_local
 
 __all__ = ["check_heads", "ulysses_attention", "usp_attention", "usp_mesh"]
 
@@ -37,6 +41,22 @@ def check_heads(num_heads: int, n: int, where: str, fix: str = "") -> None:
                       f"model.attention.context_parallel='ring' or 'usp'")
         raise ValueError(f"{where}: the {num_heads} query heads do not divide over the {n} "
                          f"Ulysses devices (each gets N/{n} heads); {fix}")
+
+
+def _own_heads(x, axis_name, heads: int):
+    """This device's `heads` of a per-head array (last axis): its index on `axis_name`."""
+    return lax.dynamic_slice_in_dim(x, lax.axis_index(axis_name) * heads, heads, -1)
+
+
+def _local_extras(treedef, mleaves, kinds, axis_name, heads: int) -> tuple:
+    """Inside shard_map: `(mask, alibi, rel)` from the local leaves, ALiBi's slopes and
+    T5's table (the device's copy) cut to the device's `heads` on `axis_name`."""
+    m, a, rl = mask_leaves.unflatten(treedef, mask_leaves.local_leaves(mleaves, kinds))
+    if a is not None:
+        a = dataclasses.replace(a, slopes=_own_heads(a.slopes, axis_name, heads))
+    if rl is not None:
+        rl = dataclasses.replace(rl, table=_own_heads(rl.table, axis_name, heads))
+    return m, a, rl
 
 
 def ulysses_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh,
@@ -71,22 +91,14 @@ def ulysses_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh,
     platform = device_platform(mesh.devices.flat[0])
     heads = N // n
 
-    def own_heads(x, axis=-1):
-        """This device's `heads` of a per-head array (its index on `seq_axis`)."""
-        return lax.dynamic_slice_in_dim(x, lax.axis_index(seq_axis) * heads, heads, axis)
-
     def local(q, k, v, sink_copy, *mleaves):
         # [b, T/n, heads of all, .] -> [b, T, own heads, .] and back
         to_heads = lambda x: lax.all_to_all(x, seq_axis, 2, 1, tiled=True)
         gather = lambda x: lax.all_gather(x, seq_axis, axis=1, tiled=True)
         q, k, v = to_heads(q), to_heads(k), to_heads(v)
         mleaves = [gather(x) if kd in ("q", "kv") else x for x, kd in zip(mleaves, kinds)]
-        m, a, rl = mask_leaves.unflatten(treedef, mask_leaves.local_leaves(mleaves, kinds))
-        if a is not None:
-            a = dataclasses.replace(a, slopes=own_heads(a.slopes))
-        if rl is not None:
-            rl = dataclasses.replace(rl, table=own_heads(rl.table))
-        s = None if sink_copy is None else own_heads(sink_copy[0])
+        m, a, rl = _local_extras(treedef, mleaves, kinds, seq_axis, heads)
+        s = None if sink_copy is None else _own_heads(sink_copy[0], seq_axis, heads)
         try:
             with targeting(platform):  # inside shard_map: no per-device runner
                 out = dot_product_attention(q, k, v, m, scale=scale, softcap=softcap,
@@ -121,24 +133,111 @@ def usp_mesh(mesh, seq_axis: str, ulysses_size: int) -> tuple[Mesh, str, str]:
 
 def usp_attention(q, k, v, mask: masks_lib.Mask | None = None, *, mesh,
                   seq_axis: str = "sequence", ulysses_size: int, batch_axes=None,
-                  load_balance: str = "zigzag", **ring_kwargs):
-    """USP (Fang & Zhao 2024) over the n devices of `seq_axis`: q, k, v resharded from
-    the sequence split to (sequence over the n/u groups, heads over the u devices of
-    each group: Ulysses' all-to-all inside a group, inserted by XLA at the ring's
-    `shard_map`), then `ring_attention` across the groups on each device's heads
-    (`load_balance`: zig-zag over the groups' spans, natural order in and out), the
-    output resharded back. `ulysses_size` 1 is the ring, n Ulysses. Query heads must
-    divide by u (one line naming the fix); kv heads are repeated as needed. Other
-    keyword arguments: `ring_attention`'s."""
+                  load_balance: str = "zigzag", natural_order: bool = True, scale=None,
+                  softcap=None, implementation: str = "auto", block_q: int = DEFAULT_BLOCK,
+                  block_kv: int = DEFAULT_BLOCK, block_sizes=None,
+                  skip_masked_blocks: bool = True, unroll: bool | None = None,
+                  alibi_slopes=None, alibi_positions=None,
+                  relative_bias: RelativeBias | None = None, sinks=None):
+    """USP (Fang & Zhao 2024) over the n devices of `seq_axis`, in one `shard_map` over
+    them (as the mesh `usp_mesh` names them: g = n/u groups x u devices): an all-to-all
+    inside each group trades the device's sequence chunk for the group's span on N/u
+    heads (Ulysses), `ring_core` (the ring's per-device attention) runs across the g
+    groups on those heads, and an all-to-all brings the output back. `ulysses_size` u
+    1 is the ring, n Ulysses. Query heads must divide by u (one line naming the fix);
+    kv heads are repeated as needed; sinks, ALiBi's slopes and T5's table are sliced
+    to each device's heads. Other arguments as `ring_attention`'s.
+
+    load_balance "zigzag" (T == S, T % 2n == 0): the ring runs zig-zag over the groups
+    (group j holds chunks j and 2g-1-j of 2g). With `natural_order=True` the data is
+    in natural order, and each group's span is re-laid out over the ring (half-chunk
+    ppermutes) after the all-to-all and back before it. With `natural_order=False` the
+    data is in zig-zag order over the n devices (`zigzag(x, n)`): device j*u+r holds
+    chunks j*u+r and 2n-1-j*u-r of 2n, so after the all-to-all its group holds chunks
+    j*u..j*u+u-1 (group chunk j) and 2n-1-j*u-r for r < u (group chunk 2g-1-j, the
+    last member first): reversing the second halves' order is the whole re-layout."""
+    if load_balance not in ("none", "zigzag"):
+        raise ValueError(f"usp_attention: load_balance must be 'none' or 'zigzag', got "
+                         f"{load_balance!r}")
     n, u = mesh.shape[seq_axis], ulysses_size
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
     if u < 1 or n % u:
         raise ValueError(f"usp_attention: ulysses_size={u} must divide the {n} devices of "
                          f"{seq_axis!r}; set model.attention.ulysses_size to a divisor of {n}")
-    check_heads(q.shape[2], u, "usp_attention",
-                f"set model.attention.ulysses_size to a divisor of {q.shape[2]} and {n}")
+    check_heads(N, u, "usp_attention",
+                f"set model.attention.ulysses_size to a divisor of {N} and {n}")
+    if N % K:
+        raise ValueError(f"usp_attention: {N} query heads are not a multiple of {K} kv heads")
+    masks_lib.check_lengths(mask, T, S, "usp_attention")
+    zz = load_balance == "zigzag"
+    if zz and T != S:
+        raise ValueError(f"usp_attention: load_balance='zigzag' needs T == S, got T={T}, "
+                         f"S={S}; pass load_balance='none'")
+    pieces = 2 if zz else 1
+    if T % (n * pieces) or S % (n * pieces):
+        hint = "; or pass load_balance='none' (T, S divisible by n)" if zz else ""
+        raise ValueError(f"usp_attention: T={T} and S={S} must be divisible by {n * pieces} "
+                         f"({n} devices on {seq_axis!r} x {pieces} chunks){hint}")
+    g, heads = n // u, N // u
     batch_axes = mask_leaves.resolve_batch_axes(batch_axes, q, mesh, seq_axis, "usp_attention")
-    k, v = mask_leaves.split_kv_heads(k, v, u)
-    sub, ring_axis, head_axis = usp_mesh(mesh, seq_axis, u)
-    return ring_attention(q, k, v, mask, mesh=sub, seq_axis=ring_axis, head_axis=head_axis,
-                          batch_axes=batch_axes or (), load_balance=load_balance,
-                          natural_order=True, **ring_kwargs)
+    k, v = mask_leaves.split_kv_heads(k, v, u)  # whole kv heads for each device's heads
+    sub, ring_axis, uly_axis = usp_mesh(mesh, seq_axis, u)
+    platform = device_platform(mesh.devices.flat[0])
+    block = select_ring_block(platform, mask, implementation, block_q=block_q, block_kv=block_kv,
+                              block_sizes=block_sizes)
+    alibi = make_alibi(alibi_slopes, alibi_positions, B, N, T, S)
+    rel = check_relative_bias(relative_bias, B, N, T, S)
+    sinks = check_sinks(sinks, N, "usp_attention")
+    seq_axes = (ring_axis, uly_axis)  # the same split as seq_axis on mesh
+    dev = mask_leaves.device_axes(batch_axes, seq_axes)
+    leaves, treedef, kinds = mask_leaves.split_mask(mask, alibi, rel)
+    leaves = mask_leaves.copy_tables(leaves, kinds, sub, dev)
+    tok, leaf_specs = mask_leaves.token_specs(leaves, kinds, batch_axes, seq_axes)
+    ti = kinds.index("table") if "table" in kinds else None
+    core = ring_core(seq_axis=ring_axis, n=g, pieces=pieces, cq=u * T // (n * pieces),
+                     ckv=u * S // (n * pieces), Hv=v.shape[-1], block=block,
+                     scale=float(H ** -0.5 if scale is None else scale), softcap=softcap,
+                     kinds=kinds, treedef=treedef, skip_masked_blocks=skip_masked_blocks,
+                     unroll=platform == "cpu" if unroll is None else unroll)
+
+    def halves(x):  # [b, u*L, ...] in member order -> [b, u, 2, L/2, ...]
+        return x.reshape(x.shape[0], u, 2, x.shape[1] // (2 * u), *x.shape[2:])
+
+    def to_ring_layout(x):
+        """The group's tokens in member order (each member's chunk) -> the ring's."""
+        if not zz:  # member r holds the group span's r-th chunk: natural
+            return x
+        if natural_order:
+            return relayout_local(x, g, ring_axis, "natural", "zigzag") if g > 1 else x
+        y = halves(x)
+        return jnp.concatenate([y[:, :, 0], y[:, ::-1, 1]], axis=1).reshape(x.shape)
+
+    def from_ring_layout(x):
+        if not zz:
+            return x
+        if natural_order:
+            return relayout_local(x, g, ring_axis, "zigzag", "natural") if g > 1 else x
+        y = x.reshape(x.shape[0], 2, u, x.shape[1] // (2 * u), *x.shape[2:])
+        return jnp.stack([y[:, 0], y[:, 1, ::-1]], axis=2).reshape(x.shape)
+
+    def local(q, k, v, sink_copy, *mleaves):
+        # [b, T/n, all heads, .] -> [b, u T/n, own heads, .]: the group's span
+        to_group = lambda x: to_ring_layout(lax.all_to_all(x, uly_axis, 2, 1, tiled=True))
+        q, k, v = to_group(q), to_group(k), to_group(v)
+        mleaves = [to_ring_layout(lax.all_gather(x, uly_axis, axis=1, tiled=True))
+                   if kd in ("q", "kv") else x for x, kd in zip(mleaves, kinds)]
+        if treedef is not None:  # per-head leaves: this device's heads
+            mleaves = treedef.flatten_up_to(_local_extras(treedef, mleaves, kinds, uly_axis,
+                                                          heads))
+        table = None
+        if ti is not None:  # the (differentiable) table goes to the core by itself
+            table, mleaves = mleaves[ti], [None if j == ti else x for j, x in enumerate(mleaves)]
+        sink = None if sink_copy is None else _own_heads(sink_copy[0], uly_axis, heads)
+        out = from_ring_layout(core(q, k, v, table, sink, list(mleaves)))
+        return lax.all_to_all(out, uly_axis, 1, 2, tiled=True)
+
+    sink_spec = None if sinks is None else P(dev)
+    fn = mask_leaves.shard_map(local, mesh=sub, in_specs=(tok, tok, tok, sink_spec, *leaf_specs),
+                               out_specs=tok)
+    return fn(q, k, v, mask_leaves.device_copies(sinks, sub, dev), *leaves)

@@ -39,7 +39,7 @@ def _axes_size(mesh, rules, name: str) -> tuple[int, tuple[str, ...]]:
 
 def zigzag_devices(cfg: RunConfig, mesh, build_model=None) -> tuple[int, str | None]:
     """(n, note): n > 0 when the trainer feeds batches in zig-zag order over the n
-    devices of the sequence axis (`model.attention.zigzag="data"`, ring attention, seq_len % 2n
+    devices of the sequence axis (`model.attention.zigzag="data"`, ring or USP attention, seq_len % 2n
     == 0, a `tfjax.models.build` model), else 0. `note` says why "data" fell back to
     natural order: layers whose result depends on token order other than through
     attention's position-aware mask and position biases would see the tokens out of
@@ -50,7 +50,8 @@ def zigzag_devices(cfg: RunConfig, mesh, build_model=None) -> tuple[int, str | N
     m, t = cfg.model, cfg.train
     axes = [a for a in (dict(logical_rules(cfg.mesh.rules)).get("length") or ())
             if mesh.shape[a] > 1]
-    if m.attention.zigzag != "data" or m.attention.context_parallel != "ring" or len(axes) != 1:
+    if (m.attention.zigzag != "data" or m.attention.context_parallel not in ("ring", "usp")
+            or len(axes) != 1):
         return 0, None
     n = mesh.shape[axes[0]]
     why = [] if OBJECTIVES.get(t.objective, field="train.objective").zigzag else [
