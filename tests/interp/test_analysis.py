@@ -110,7 +110,7 @@ def test_patching_sweep_resid_cells_equal_single_patches():
     m, clean, corrupted = model("llama"), tokens(0), tokens(1)
     sweep = patching_sweep(m, clean, corrupted, logit_diff, "resid_pre", chunk=4)  # 18 cells
     assert sweep.shape == (L, T)
-    clean_logits, cache = run_with_cache(m, clean)
+    _, cache = run_with_cache(m, clean)
     for layer, pos in [(0, 0), (2, T - 1)]:
         want = logit_diff(_patch_resid(m, cache, layer, pos))
         np.testing.assert_allclose(sweep[layer, pos], want, rtol=1e-4, atol=1e-5)
