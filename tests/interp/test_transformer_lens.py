@@ -17,10 +17,11 @@ pytest.importorskip("transformer_lens", reason="the interp extra (transformer-le
 
 import jax.numpy as jnp  # noqa: E402
 import tokenizers  # noqa: E402
+from transformer_lens import patching  # noqa: E402
 from transformer_lens.model_bridge import TransformerBridge  # noqa: E402
 
 from tfjax.interop import hf  # noqa: E402
-from tfjax.interp import run_with_cache, run_with_hooks  # noqa: E402
+from tfjax.interp import patching_sweep, run_with_cache, run_with_hooks  # noqa: E402
 
 V, L, N, T = 96, 3, 4, 10
 
@@ -92,6 +93,7 @@ def test_patches_give_transformer_lens_s_logits(pair):
     with torch.no_grad():
         theirs = bridge.run_with_hooks(torch.tensor(clean), fwd_hooks=[
             (f"blocks.{layer}.attn.hook_z", ablate_theirs)])
+    assert np.ptp(theirs.numpy()) > 1e-3  # the cells differ: a grid worth comparing
     np.testing.assert_allclose(ours, theirs.numpy(), atol=1e-4)
 
     name = f"blocks.{layer}.hook_resid_pre"
@@ -107,7 +109,28 @@ def test_patches_give_transformer_lens_s_logits(pair):
 
     with torch.no_grad():
         theirs = bridge.run_with_hooks(torch.tensor(corrupted), fwd_hooks=[(name, patch_theirs)])
+    assert np.ptp(theirs.numpy()) > 1e-3  # the cells differ: a grid worth comparing
     np.testing.assert_allclose(ours, theirs.numpy(), atol=1e-4)
     plain = run_with_hooks(model, jnp.asarray(corrupted))
     assert np.abs(np.asarray(ours) - np.asarray(plain))[:, pos:].max() > 1e-3  # it moved
     np.testing.assert_allclose(np.asarray(ours)[:, :pos], np.asarray(plain)[:, :pos], atol=1e-5)
+
+
+def test_patching_sweep_equals_transformer_lens_s(pair):
+    """`patching_sweep(..., "resid_pre")` against TransformerLens's own sweep
+    (`transformer_lens.patching.get_act_patch_resid_pre`): the same [L, T] grid."""
+    model, bridge = pair
+    clean, corrupted = _ids(0), _ids(1)
+    answer, wrong = 5, 9
+
+    def metric(logits):  # jax or torch logits [B, T, V]
+        return (logits[:, -1, answer] - logits[:, -1, wrong]).mean()
+
+    ours = patching_sweep(model, jnp.asarray(clean), jnp.asarray(corrupted), metric, "resid_pre")
+    with torch.no_grad():
+        _, clean_cache = bridge.run_with_cache(torch.tensor(clean))
+        theirs = patching.get_act_patch_resid_pre(bridge, torch.tensor(corrupted), clean_cache,
+                                                  metric)
+    assert ours.shape == tuple(theirs.shape) == (L, T)
+    assert np.ptp(theirs.numpy()) > 1e-3  # the cells differ: a grid worth comparing
+    np.testing.assert_allclose(ours, theirs.numpy(), atol=1e-4)

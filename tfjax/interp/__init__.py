@@ -7,7 +7,10 @@
 See docs/interp.md.
 """
 
+from tfjax.interp.analysis import (ablate_heads, direct_logit_attribution, logit_attribution,
+                                    logit_lens, patching_sweep)
 from tfjax.interp.runs import hook_names, run_with_cache, run_with_hooks
 from tfjax.nn.hooks import HookPoint
 
-__all__ = ["HookPoint", "hook_names", "run_with_cache", "run_with_hooks"]
+__all__ = ["HookPoint", "ablate_heads", "direct_logit_attribution", "hook_names", "logit_attribution",
+           "logit_lens", "patching_sweep", "run_with_cache", "run_with_hooks"]
