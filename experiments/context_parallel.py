@@ -102,6 +102,8 @@ def maxtext_flags(mode: str, sequence: int) -> list[str]:
     """MaxText's settings for `mode` with the sequence over `sequence` chips."""
     flags = [f"context_parallel_strategy={MAXTEXT_STRATEGY[mode]}", "attention=flash",
              "use_tokamax_splash=true"]
+    if sequence == 8:  # on v5p:4x4x4 an axis of 8 chips splits a physical axis of 4
+        flags.append("allow_split_physical_axes=true")  # (MaxText refuses by default)
     if mode == "usp":  # the ring over `context`, the all-to-all over `context_usp_ulysses`
         return flags + [f"ici_context_parallelism={sequence // USP_ULYSSES}",
                         f"ici_context_usp_ulysses_parallelism={USP_ULYSSES}"]
