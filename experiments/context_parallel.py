@@ -1,9 +1,9 @@
 """Context parallelism on a TPU pod slice, compiled by the real XLA:TPU compiler on this
 CPU (libtpu topologies, no TPU): per-chip memory, XLA's step-time estimate and the
 collectives of the train step, for the ring, all-gather, Ulysses and USP, beside
-MaxText's own compile of its ring and all-gather at the same settings.
+MaxText's own compile of its all-gather, ring, Ulysses and USP at the same settings.
 
-    .venv/bin/python experiments/context_parallel.py             # 8 tfjax compiles + MaxText's
+    .venv/bin/python experiments/context_parallel.py             # 12 tfjax compiles + MaxText's
     .venv/bin/python experiments/context_parallel.py --sides tfjax
     .venv/bin/python experiments/context_parallel.py --quick     # Llama tiny on v5p:2x2x1
 
@@ -12,27 +12,43 @@ remat, the chunked loss) on v5p:4x4x4 (64 chips) at 32k and 128k tokens a row, t
 sequence split over 16 chips (context parallelism 16, as MaxText's published Llama
 long-context runs) and FSDP over the other 4, one row per FSDP group (global batch 4);
 parameters and optimizer state sharded over all 64 chips (the `embed` rule takes the
-sequence axis too).
+sequence axis too). One more point (`8b_32k_cp8`: the sequence over 8 chips, FSDP
+over 8, batch 8) compares the ring and Ulysses only: MaxText's Ulysses needs the 8 kv
+heads divisible by the context parallelism, so it refuses 16.
 Modes (`model.attention.context_parallel`): ring (zig-zag data), all_gather, ulysses
 (32 query heads: 2 a chip; 8 kv heads repeated to 16), usp with ulysses_size 4 (the ring
 over 4 groups of 4). Collective bytes are each chip's input to the step's collectives
-(`tfjax.parallel.collectives`: executions per step times bytes), by kind. MaxText's side
-is its `train_compile` (`ici_context_parallelism=16`, `context_parallel_strategy`) run
-with the Python of a venv that has it (`--maxtext-python`; experiments/vs_maxtext.py
-says how to install it); its rows are left out, with the reason, where it is missing.
+(`tfjax.parallel.collectives`: executions per step times bytes), by kind.
+
+MaxText's side is its `train_compile` (`ici_context_parallelism=16`,
+`context_parallel_strategy`; USP: `ici_context_parallelism=4`,
+`ici_context_usp_ulysses_parallelism=4`) on Tokamax's splash kernel (`attention=flash
+use_tokamax_splash=true`, which its TPU ring, Ulysses and USP require; the all-gather
+row runs it too), its collectives read the same way from the optimized HLO XLA dumps
+(`--xla_dump_to`). It needs MaxText >= 0.2.4 (the first release with TPU ring, Ulysses
+and USP; 0.2.4 still runs on jax 0.10.2 / libtpu 0.0.42.1) in the venv of
+`--maxtext-python`; `--install-maxtext` creates it:
+
+    python3.12 -m venv /tmp/maxtext_cp_venv
+    /tmp/maxtext_cp_venv/bin/pip install "maxtext[tpu]==0.2.4" jax==0.10.2 \
+        jaxlib==0.10.2 libtpu==0.0.42.1
+
+A MaxText row is left out, with the reason, where MaxText is missing or refuses the
+settings (its Ulysses needs the kv heads divisible by the context parallelism).
 Compiled rows are appended to `--rows` and not compiled again.
 """
 
 from __future__ import annotations
 
-import json
+import glob
 import os
 import re
 import subprocess
+import tempfile
 import time
 
 from common import Experiment, preset_config
-from vs_maxtext import _MAXTEXT_MAIN, _cached
+from vs_maxtext import _MAXTEXT_MAIN, _cached, install_maxtext
 
 from tfjax.config import run_config
 from tfjax.parallel.collectives import KINDS, collectives
@@ -43,10 +59,18 @@ MODES = ("ring", "all_gather", "ulysses", "ulysses:blockwise", "usp")
 USP_ULYSSES = 4
 # name -> (preset variant, topology, fsdp, sequence, batch, seq_len, MaxText topology)
 POINTS = {"8b_32k": (None, "v5p:4x4x4", 4, 16, 4, 32768, "v5p-128"),
-          "8b_128k": (None, "v5p:4x4x4", 4, 16, 4, 131072, "v5p-128")}
+          "8b_128k": (None, "v5p:4x4x4", 4, 16, 4, 131072, "v5p-128"),
+          # MaxText's Ulysses needs the 8 kv heads divisible by the context parallelism:
+          # its ring and Ulysses beside ours over 8 chips of sequence (FSDP over 8)
+          "8b_32k_cp8": (None, "v5p:4x4x4", 8, 8, 8, 32768, "v5p-128")}
+POINT_MODES = {"8b_32k_cp8": ("ring", "ulysses")}
 QUICK_POINTS = {"tiny_2k": ("tiny", "v5p:2x2x1", 1, 4, 1, 2048, None)}
-# MaxText's context_parallel_strategy for each of our modes that it has
-MAXTEXT_STRATEGY = {"ring": "ring", "all_gather": "all_gather"}
+# MaxText's context_parallel_strategy for each of our modes (all four since 0.2.4)
+MAXTEXT_STRATEGY = {"ring": "ring", "all_gather": "all_gather", "ulysses": "ulysses",
+                    "usp": "usp"}
+# What --install-maxtext installs (see the module docstring).
+MAXTEXT_REQUIREMENTS = ("maxtext[tpu]==0.2.4", "jax==0.10.2", "jaxlib==0.10.2",
+                        "libtpu==0.0.42.1")
 
 
 def tfjax_row(point, mode: str) -> dict:
@@ -74,6 +98,21 @@ def tfjax_row(point, mode: str) -> dict:
                 compile_s=time.time() - start)
 
 
+def maxtext_flags(mode: str, sequence: int) -> list[str]:
+    """MaxText's settings for `mode` with the sequence over `sequence` chips."""
+    flags = [f"context_parallel_strategy={MAXTEXT_STRATEGY[mode]}", "attention=flash",
+             "use_tokamax_splash=true"]
+    if sequence == 8:  # on v5p:4x4x4 an axis of 8 chips splits a physical axis of 4
+        flags.append("allow_split_physical_axes=true")  # (MaxText refuses by default)
+    if mode == "usp":  # the ring over `context`, the all-to-all over `context_usp_ulysses`
+        return flags + [f"ici_context_parallelism={sequence // USP_ULYSSES}",
+                        f"ici_context_usp_ulysses_parallelism={USP_ULYSSES}"]
+    flags.append(f"ici_context_parallelism={sequence}")
+    if mode == "ulysses":  # its default reorder would break the causal mask (its check)
+        flags.append("context_parallel_load_balance=false")
+    return flags
+
+
 def maxtext_row(point, mode: str, python: str) -> dict | None:
     """MaxText's train_compile of Llama-3.1-8B at the point with its context
     parallelism (`MAXTEXT_STRATEGY[mode]`); None where MaxText or the mode is missing."""
@@ -84,13 +123,25 @@ def maxtext_row(point, mode: str, python: str) -> dict | None:
     cmd = [python, "-c", _MAXTEXT_MAIN, "model_name=llama3.1-8b", f"compile_topology={topology}",
            "compile_topology_num_slices=1", f"per_device_batch_size={batch / chips:g}",
            f"max_target_length={seq}", f"ici_fsdp_parallelism={fsdp}",
-           f"ici_context_parallelism={sequence}",
-           f"context_parallel_strategy={MAXTEXT_STRATEGY[mode]}", "remat_policy=full",
+           *maxtext_flags(mode, sequence), "remat_policy=full",
            "dtype=bfloat16", "weight_dtype=float32", "dataset_type=synthetic",
            "enable_checkpointing=false", "run_name=cp", "base_output_directory=/tmp/cp_out"]
     start = time.time()
-    out = subprocess.run(cmd, capture_output=True, text=True,
-                         env=dict(os.environ, JAX_MOSAIC_UNZIP_DEBUG_LOCATIONS="false"))
+    with tempfile.TemporaryDirectory(prefix="maxtext_hlo_") as dump:
+        # the optimized HLO of the train step, for its collectives (as tfjax's rows read
+        # them from compiled.as_text())
+        flags = (f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump} "
+                 "--xla_dump_hlo_module_re=jit_train_step").strip()
+        out = subprocess.run(cmd, capture_output=True, text=True,
+                             env=dict(os.environ, JAX_MOSAIC_UNZIP_DEBUG_LOCATIONS="false",
+                                      XLA_FLAGS=flags, ALLOW_MULTIPLE_LIBTPU_LOAD="1"))
+        hlo = sorted(glob.glob(os.path.join(dump, "*jit_train_step*.after_optimizations.txt")))
+        by_kind = None
+        if hlo:
+            with open(hlo[-1]) as f:
+                by_kind = {}
+                for c in collectives(f.read()):
+                    by_kind[c.kind] = by_kind.get(c.kind, 0) + c.count * c.bytes
     text = out.stdout + out.stderr
     mem = re.search(r"Memory analysis: CompiledMemoryStats\((.*?)\)", text)
     if out.returncode or not mem:
@@ -103,8 +154,24 @@ def maxtext_row(point, mode: str, python: str) -> dict | None:
     return dict(temp=m["temp_size_in_bytes"],
                 total=m["argument_size_in_bytes"] + m["temp_size_in_bytes"]
                 + m.get("generated_code_size_in_bytes", 0),
-                optimal_seconds=float(opt.group(1)) if opt else 0.0, collectives=None,
+                optimal_seconds=float(opt.group(1)) if opt else 0.0, collectives=by_kind,
                 compile_s=time.time() - start)
+
+
+def _failure_as_row(compute) -> dict | None:
+    """compute(), or a refusal or an out-of-memory verdict as {"error": why} (a result,
+    kept in --rows so that a rerun reports it without compiling again); any other
+    failure (e.g. libtpu's lock file held by another process) raises, not kept."""
+    try:
+        return compute()
+    except Exception as e:  # noqa: BLE001 - a compile that fails is a result
+        text = str(e)
+        at = text.find("Ran out of memory")  # XLA:TPU's verdict, without its dump
+        why = (text[at:at + 200].split("\\n")[0].splitlines()[0] if at >= 0
+               else (text.strip().splitlines() or ["(no message)"])[0][:300])
+        if at < 0 and "Value error" not in why:
+            raise RuntimeError(why) from e
+        return dict(error=why)
 
 
 def main(argv=None):
@@ -114,11 +181,22 @@ def main(argv=None):
     parser.add_argument("--modes", default=",".join(MODES),
                         help="context_parallel modes, or mode:impl (model.attention.impl)")
     parser.add_argument("--sides", default="tfjax,maxtext")
-    parser.add_argument("--maxtext-python", default="/tmp/maxtext_venv/bin/python")
+    parser.add_argument("--maxtext-python", default="/tmp/maxtext_cp_venv/bin/python",
+                        help="a Python with MaxText >= 0.2.4 ('' = tfjax's side only)")
+    parser.add_argument("--install-maxtext", action="store_true",
+                        help="first create --maxtext-python's venv (where missing) and "
+                             "install MAXTEXT_REQUIREMENTS into it")
+    parser.add_argument("--base-python", default="python3.12",
+                        help="the Python (>= 3.12) that creates the MaxText venv")
     parser.add_argument("--rows", default="/tmp/context_parallel_rows.jsonl",
                         help="JSON lines of compiled rows, reused ('' = none)")
+    parser.add_argument("--from-rows", action="store_true",
+                        help="compile nothing: the table of the rows in --rows, the "
+                             "missing ones listed")
     exp = Experiment("context_parallel", __doc__, parser=parser, argv=argv)
     a = exp.args
+    if a.install_maxtext:
+        install_maxtext(a.maxtext_python, a.base_python, MAXTEXT_REQUIREMENTS)
     points = QUICK_POINTS if exp.quick else POINTS
     names = a.points.split(",") if a.points else list(points)
     table, notes = [], []
@@ -126,25 +204,31 @@ def main(argv=None):
         point = points[name]
         base = None
         for mode in a.modes.split(","):
+            if mode not in POINT_MODES.get(name, (mode,)):
+                continue
             for side in a.sides.split(","):
+                key = f"{side}/{name}/{mode}"
+                if side == "tfjax":
+                    compute = lambda: tfjax_row(point, mode)  # noqa: E731
+                else:
+                    compute = lambda: maxtext_row(point, mode, a.maxtext_python)  # noqa: E731
                 try:
-                    if side == "tfjax":
-                        r = _cached(a.rows, f"tfjax/{name}/{mode}",
-                                    lambda: tfjax_row(point, mode))
-                    else:
-                        r = _cached(a.rows, f"maxtext/{name}/{mode}",
-                                    lambda: maxtext_row(point, mode, a.maxtext_python))
-                except Exception as e:  # noqa: BLE001 - a compile that fails is a result
-                    text = str(e)
-                    at = text.find("Ran out of memory")  # XLA:TPU's verdict, without its dump
-                    why = (text[at:at + 200].split("\\n")[0].splitlines()[0] if at >= 0
-                           else text.strip().splitlines()[0][:300])
-                    notes.append(f"{side} {mode} at {name} not compiled: {why}")
+                    r = _cached(a.rows, key, (lambda: _failure_as_row(compute))
+                                if not a.from_rows else lambda: None)
+                except RuntimeError as e:
+                    notes.append(f"{side} {mode} at {name} not compiled: {e}")
+                    continue
+                if r is None and a.from_rows:
+                    if side == "tfjax" or (mode in MAXTEXT_STRATEGY and point[6]):
+                        notes.append(f"{side} {mode} at {name}: not in {a.rows!r} (--from-rows)")
+                    continue
+                if r is not None and "error" in r:
+                    notes.append(f"{side} {mode} at {name} not compiled: {r['error']}")
                     continue
                 if r is None:
                     if side == "maxtext" and mode in MAXTEXT_STRATEGY and point[6]:
                         notes.append(f"maxtext {mode} at {name}: no MaxText in "
-                                     f"{a.maxtext_python!r}")
+                                     f"{a.maxtext_python!r} (--install-maxtext installs it)")
                     continue
                 if side == "maxtext" and mode not in MAXTEXT_STRATEGY:
                     continue

@@ -19,11 +19,12 @@ venv that has MaxText (`--maxtext-python`, default /tmp/maxtext_venv/bin/python)
     /tmp/maxtext_venv/bin/pip install "maxtext[tpu]==0.2.2" jax==0.10.2 jaxlib==0.10.2 \
         libtpu==0.0.42.1
 
-(plain `pip install maxtext` installs no dependencies at all). MaxText 0.2.2 is the
-newest release that accepts the jax and libtpu tfjax compiles with (its `tpu` extra
-asks jax >= 0.9.2): both sides then run the same XLA:TPU and Mosaic, and MaxText's
-splash kernel compiles (0.2.5's jax 0.12 Mosaic bytecode does not parse in any
-libtpu tried: results/vs_maxtext.md). Where MaxText is
+(plain `pip install maxtext` installs no dependencies at all). MaxText 0.2.2 (its `tpu`
+extra asks jax >= 0.9.2) accepts the jax and libtpu tfjax compiles with, as do 0.2.3
+(jax >= 0.10.0) and 0.2.4 (jax >= 0.10.2; context_parallel.py installs it for its TPU
+ring and Ulysses): both sides then run the same XLA:TPU and Mosaic, and MaxText's splash
+kernel compiles (0.2.5 needs jax >= 0.11.1, and its jax 0.12 Mosaic bytecode does not
+parse in any libtpu tried: results/vs_maxtext.md). Where MaxText is
 missing or its compile fails, the report says why and shows the temporaries issue
 29 quotes for MaxText instead, marked as not remeasured (results/vs_maxtext.md says
 which jax / libtpu pairs were tried).
@@ -140,16 +141,17 @@ def maxtext_row(point, python: str) -> dict | None:
                 compile_s=time.time() - start)
 
 
-def install_maxtext(python: str, base_python: str) -> None:
+def install_maxtext(python: str, base_python: str,
+                    requirements=MAXTEXT_REQUIREMENTS) -> None:
     """Create the venv `python` belongs to (<venv>/bin/python) with `base_python` (3.12 or
-    newer: MaxText's floor) where it is missing, and pip-install MAXTEXT_REQUIREMENTS."""
+    newer: MaxText's floor) where it is missing, and pip-install `requirements`."""
     venv = os.path.dirname(os.path.dirname(os.path.abspath(python)))
     if not os.path.isfile(python):
         if not shutil.which(base_python):
             raise SystemExit(f"--install-maxtext: no {base_python!r} on PATH; MaxText needs "
                              f"Python >= 3.12: name one with --base-python")
         subprocess.run([base_python, "-m", "venv", venv], check=True)
-    subprocess.run([python, "-m", "pip", "install", *MAXTEXT_REQUIREMENTS], check=True)
+    subprocess.run([python, "-m", "pip", "install", *requirements], check=True)
 
 
 def _cached(path, key, compute):
