@@ -7,8 +7,8 @@ experiments/bench_serve.py's model and engine (16 rows, pages of 16).
 
 For each `max_len` of `--widths` (a page table of max_len / 16 pages a row) an engine is
 built, every row holding `--fill` of its pages, and these are timed, interleaved
-(one repeat of each in turn, `--repeats` times; medians), so that load from other
-jobs on a shared machine hits them alike:
+(one repeat of each in turn, `--repeats` times; medians of the wall time and of the
+process's CPU time), so that load from other jobs on a shared machine hits them alike:
 
 - `step`: the engine's decode program (`programs.step(1, 0, ...)`: the model's paged
   step, sampling, the output counts), one engine per attention implementation of
@@ -59,7 +59,7 @@ def decode_engine(width: int, fill: float, impl: str, args) -> tuple[Engine, cal
     function running its decode program once (greedy rows)."""
     model = bench_model(args.d_model, args.layers, args.vocab, width, attention_impl=impl)
     engine = Engine(model, EngineConfig(max_seqs=ROWS, max_len=width, page_size=PAGE, chunk=64,
-                                        prefix_caching=False))
+                                        prefix_caching=False, table_widths=args.table_widths))
     size = engine.global_size
     pages = size // PAGE
     held = max(1, int(round(fill * pages)))
@@ -71,7 +71,7 @@ def decode_engine(width: int, fill: float, impl: str, args) -> tuple[Engine, cal
     tokens = np.ones((ROWS, 1), np.int32)
     ones = np.ones(ROWS, np.int32)
     sampling = jax.device_put(SamplingParams.padding(ROWS))
-    program = engine._programs.step(1, 0, 0, False)
+    program = engine._programs.step(1, 0, 0, False, engine._narrow(held))
     call = lambda: (engine.params, engine.cache, engine.seen, engine.counts, None,  # noqa
                     tokens, ones, length, engine._device_tables(), sampling, length + 1,
                     ones.astype(bool), np.full((ROWS, 1), -1, np.int32))
@@ -120,16 +120,18 @@ def pieces(engine: Engine, step, args) -> dict:
 
 
 def timed(fns: dict, repeats: int) -> dict:
-    """Median seconds of each function, run in turn `repeats` times after a warm-up."""
+    """Median (wall, CPU) seconds of each function, run in turn `repeats` times after a
+    warm-up. The CPU time (the process's, every thread) counts the work done, which
+    other jobs on the cores inflate less than the wall time."""
     for f in fns.values():
         jax.block_until_ready(f())
     times = {k: [] for k in fns}
     for _ in range(repeats):
         for k, f in fns.items():
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             jax.block_until_ready(f())
-            times[k].append(time.perf_counter() - t)
-    return {k: float(np.median(v)) for k, v in times.items()}
+            times[k].append((time.perf_counter() - t, time.process_time() - c))
+    return {k: tuple(np.median(np.asarray(v), axis=0)) for k, v in times.items()}
 
 
 def op_profile(step, repeats: int, top: int) -> None:
@@ -167,6 +169,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--widths", default="96,288,1024", help="max_len of each engine")
     ap.add_argument("--fill", type=float, default=1.0, help="share of a row's pages held")
+    ap.add_argument("--table_widths", type=int, default=1,
+                    help="EngineConfig.table_widths (1: the step reads whole tables)")
     ap.add_argument("--impls", default="auto", help="attention.impl of each engine (A/B)")
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--ops", type=int, default=0, help="print the N costliest ops")
@@ -185,8 +189,8 @@ def main():
         first = next(iter(engines.values()))
         fns = {f"step ({impl})": step for impl, (_, step) in engines.items()}
         fns.update(pieces(*first, args))
-        for name, seconds in timed(fns, args.repeats).items():
-            rows.append([width, name, f"{seconds * 1e3:.2f}"])
+        for name, (wall, cpu) in timed(fns, args.repeats).items():
+            rows.append([width, name, f"{wall * 1e3:.2f}", f"{cpu * 1e3:.2f}"])
         if args.hlo:
             _, step = first
             with open(args.hlo, "w") as f:
@@ -196,7 +200,7 @@ def main():
             print(f"\nmax_len {width} ({args.impls.split(',')[0]}):")
             op_profile(first[1], 10, args.ops)
     print()
-    print(markdown_table(["max_len", "timed", "ms (median)"], rows))
+    print(markdown_table(["max_len", "timed", "wall ms (median)", "CPU ms (median)"], rows))
     print(f"load average {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
 
 
