@@ -3,7 +3,8 @@ experiments/bench_serve.py's model and engine (16 rows, pages of 16).
 
     .venv/bin/python experiments/engine_step.py                      # widths 96, 288, 1024
     .venv/bin/python experiments/engine_step.py --widths 288 --ops 30 --hlo /tmp/step.hlo
-    .venv/bin/python experiments/engine_step.py --impls auto,blockwise   # A/B: attention
+    .venv/bin/python experiments/engine_step.py --variants auto:1,blockwise:1   # A/B
+    .venv/bin/python experiments/engine_step.py --fill 0.5 --variants auto:1,auto:3
 
 For each `max_len` of `--widths` (a page table of max_len / 16 pages a row) an engine is
 built, every row holding `--fill` of its pages, and these are timed, interleaved
@@ -11,8 +12,9 @@ built, every row holding `--fill` of its pages, and these are timed, interleaved
 process's CPU time), so that load from other jobs on a shared machine hits them alike:
 
 - `step`: the engine's decode program (`programs.step(1, 0, ...)`: the model's paged
-  step, sampling, the output counts), one engine per attention implementation of
-  `--impls` (`attention.impl`; compare variants only within one run);
+  step, sampling, the output counts), one engine per `--variants` item `impl:widths`
+  (the model's `attention.impl`, `EngineConfig.table_widths`; compare variants only
+  within one run);
 - `model`: `model.step` over the paged cache alone (writes, gathers, attention, MLP);
 - `sample greedy` / `sample full`: `sample_rows` alone on `[16, V]` logits, every row
   greedy / every row with temperature, top-k, top-p, min-p and penalties;
@@ -54,12 +56,13 @@ FULL = dict(temperature=0.8, top_k=40, top_p=0.9, min_p=0.05, repetition_penalty
             presence_penalty=0.5, frequency_penalty=0.2)
 
 
-def decode_engine(width: int, fill: float, impl: str, args) -> tuple[Engine, callable]:
+def decode_engine(width: int, fill: float, impl: str, widths: int, args
+                  ) -> tuple[Engine, callable]:
     """An engine of max_len `width` whose rows hold `fill` of their pages, and a
     function running its decode program once (greedy rows)."""
     model = bench_model(args.d_model, args.layers, args.vocab, width, attention_impl=impl)
     engine = Engine(model, EngineConfig(max_seqs=ROWS, max_len=width, page_size=PAGE, chunk=64,
-                                        prefix_caching=False, table_widths=args.table_widths))
+                                        prefix_caching=False, table_widths=widths))
     size = engine.global_size
     pages = size // PAGE
     held = max(1, int(round(fill * pages)))
@@ -169,9 +172,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--widths", default="96,288,1024", help="max_len of each engine")
     ap.add_argument("--fill", type=float, default=1.0, help="share of a row's pages held")
-    ap.add_argument("--table_widths", type=int, default=1,
-                    help="EngineConfig.table_widths (1: the step reads whole tables)")
-    ap.add_argument("--impls", default="auto", help="attention.impl of each engine (A/B)")
+    ap.add_argument("--variants", default="auto:3",
+                    help="engines to compare: attention.impl:EngineConfig.table_widths, ...")
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--ops", type=int, default=0, help="print the N costliest ops")
     ap.add_argument("--hlo", default="", help="write the first step's optimized HLO here")
@@ -184,10 +186,10 @@ def main():
           f"{ROWS} rows, pages of {PAGE}, {args.fill:.0%} of each row's pages held")
     rows = []
     for width in map(int, args.widths.split(",")):
-        engines = {impl: decode_engine(width, args.fill, impl, args)
-                   for impl in args.impls.split(",")}
+        engines = {v: decode_engine(width, args.fill, v.split(":")[0], int(v.split(":")[1]),
+                                    args) for v in args.variants.split(",")}
         first = next(iter(engines.values()))
-        fns = {f"step ({impl})": step for impl, (_, step) in engines.items()}
+        fns = {f"step ({v})": step for v, (_, step) in engines.items()}
         fns.update(pieces(*first, args))
         for name, (wall, cpu) in timed(fns, args.repeats).items():
             rows.append([width, name, f"{wall * 1e3:.2f}", f"{cpu * 1e3:.2f}"])
@@ -197,7 +199,7 @@ def main():
                 f.write(step.program.lower(*step.arguments()).compile().as_text())
             args.hlo = ""
         if args.ops:
-            print(f"\nmax_len {width} ({args.impls.split(',')[0]}):")
+            print(f"\nmax_len {width} ({args.variants.split(',')[0]}):")
             op_profile(first[1], 10, args.ops)
     print()
     print(markdown_table(["max_len", "timed", "wall ms (median)", "CPU ms (median)"], rows))

@@ -533,10 +533,9 @@ class Engine:
     def warm_up(self, logprobs: bool = False, scoring: bool = False) -> None:
         """Compile every step shape now (a server's start-up), not at the first request
         that needs it: the decode step and the chunk step of each row count and table
-        width, with top
-        log-probabilities and prompt scoring if asked. Runs them with no tokens: the
-        caches are left as they were; so are the reset of admitted rows and the fork
-        of n samples (no row, page 0 onto itself)."""
+        width, with top log-probabilities and prompt scoring if asked. Runs them with
+        no tokens: the caches are left as they were; so are the reset of admitted rows
+        and the fork of n samples (no row, page 0 onto itself)."""
         B, C = self.config.max_seqs, self.config.chunk
         with self._traced():
             self.cache, self.seen, self.counts = self._programs.reset(
