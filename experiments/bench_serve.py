@@ -52,6 +52,17 @@ from tfjax.inference.engine import Engine, EngineConfig, Request
 from tfjax.interop import hf
 
 
+def bench_model(d_model: int, layers: int, vocab: int, max_len: int, attention_impl="auto"):
+    """The benchmark's random Llama-shaped model (heads of 64, half as many kv heads,
+    layers unrolled; `attention_impl`: its `attention.impl`)."""
+    cfg = model_config(dict(vocab_size=vocab, d_model=d_model, num_layers=layers,
+                            num_heads=d_model // 64, num_kv_heads=max(1, d_model // 128),
+                            d_ff=4 * d_model, max_len=max_len, norm="rmsnorm", scan_layers=False,
+                            activation="swiglu", position="rope", tie_embeddings=False,
+                            init_std=0.5, attention=dict(impl=attention_impl)))
+    return models.build(cfg, rngs=nnx.Rngs(0))
+
+
 def workload(args):
     rng = np.random.default_rng(args.seed)
     prompts = [rng.integers(3, args.vocab, rng.integers(8, args.max_prompt + 1)).tolist()
@@ -180,12 +191,7 @@ def main():
     ap.add_argument("--skip", default="", help="comma list of: static, transformers")
     args = ap.parse_args()
     args.max_len = args.max_prompt + args.max_new
-    cfg = model_config(dict(vocab_size=args.vocab, d_model=args.d_model, num_layers=args.layers,
-                            num_heads=args.d_model // 64, num_kv_heads=max(1, args.d_model // 128),
-                            d_ff=4 * args.d_model, max_len=args.max_len, norm="rmsnorm", scan_layers=False,
-                            activation="swiglu", position="rope", tie_embeddings=False,
-                            init_std=0.5))
-    model = models.build(cfg, rngs=nnx.Rngs(0))
+    model = bench_model(args.d_model, args.layers, args.vocab, args.max_len)
     prompts, new = workload(args)
     warm_p, warm_n = prompts[:args.max_seqs], new[:args.max_seqs]
     skip = set(filter(None, args.skip.split(",")))

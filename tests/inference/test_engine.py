@@ -71,10 +71,13 @@ def test_chunks_run_over_the_prefilling_rows_only_in_shapes_warm_up_compiled(mod
     engine = Engine(model, EngineConfig(max_seqs=4, page_size=4, chunk=5, max_len=40,
                                         prefill_rows=2))
     assert engine._row_counts == {5: [1, 2], 1: [1, 2, 4]}
+    # and over the first 3, 5 or all 10 pages of the global tables, as the rows fill them
+    assert engine._widths == [3, 5, 10]
     engine.warm_up()
-    calls, compiles = [], []
-    run = engine._run
+    calls, compiles, widths = [], [], set()
+    run, narrow = engine._run, engine._narrow
     engine._run = lambda group, T: calls.append((len(group), T)) or run(group, T)
+    engine._narrow = lambda held: widths.add(held) or narrow(held)
     listener = lambda event, secs, **kw: compiles.append(event)  # noqa: E731
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
@@ -87,6 +90,7 @@ def test_chunks_run_over_the_prefilling_rows_only_in_shapes_warm_up_compiled(mod
     for r, ref in zip(reqs, references(model, ps)):
         assert got[r.request_id] == [ref[:r.max_tokens]]
     assert max(n for n, T in calls if T > 1) == 2 and (3, 1) in calls and (1, 1) in calls
+    assert {narrow(h) for h in widths} == {((40, 3),), ((40, 5),), ()}
     assert "/jax/core/compile/backend_compile_duration" not in compiles
 
 

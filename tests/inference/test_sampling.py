@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from chi_square import chi_square_pvalue
 
-from tfjax.inference.sampling import (SamplingParams, check_settings, filter_logits,
+from tfjax.inference.sampling import (CANDIDATES, SamplingParams, check_settings, filter_logits,
                                       processed_logits, sample, sample_rows, token_counts)
 
 
@@ -146,6 +146,44 @@ def test_processed_logits_match_the_numpy_reference(rows):
     count = dict(zip(rows, np.isfinite(got).sum(-1)))
     assert count[5] == 1 and count.get(3, 1) == 1  # all but the top filtered
     assert count.get(4, 4) == 4  # the ties at the k-th logit stay
+
+
+@pytest.mark.parametrize("top_k,top_p", [(1, None), (9, None), (CANDIDATES, 0.8), (9, 0.3)])
+def test_a_small_top_k_ranks_its_candidates_as_the_whole_ranking_does(top_k, top_p):
+    """`filter_logits(candidates=C)` (lax.top_k's C largest, no sort) keeps what the
+    whole ranking keeps when top_k is in 1..C: the same tokens, ties at the k-th too."""
+    logits = np.array(jax.random.normal(jax.random.key(4), (3, 5 * CANDIDATES)) * 2.0)
+    logits[1, [5, 50, 70]] = np.sort(logits[1])[::-1][top_k - 1]  # ties at the k-th logit
+    got = filter_logits(jnp.asarray(logits), top_k, top_p, candidates=CANDIDATES)
+    np.testing.assert_array_equal(got, filter_logits(jnp.asarray(logits), top_k, top_p))
+    for row, g in zip(logits, np.asarray(got)):
+        assert set(np.flatnonzero(np.isfinite(g)).tolist()) >= reference_support(row, top_k,
+                                                                                   top_p)
+
+
+def test_rows_rank_candidates_or_the_whole_vocabulary_each_by_its_own_settings():
+    """A vocabulary wider than CANDIDATES: rows with top-k 1..CANDIDATES take the
+    candidates, top-p alone and a larger top-k the whole ranking, a row without
+    filters neither; each equals the numpy reference, and a row's processed logits do
+    not change with the rows beside it."""
+    V = 4 * CANDIDATES
+    settings = [dict(temperature=0.9, top_k=CANDIDATES, top_p=0.95, seed=1),
+                dict(temperature=0.9, top_k=CANDIDATES + 1, seed=2),
+                dict(temperature=1.1, top_p=0.7, seed=3),
+                dict(temperature=0.8, top_k=3, seed=4),
+                dict(temperature=1.0, seed=5)]
+    rng = np.random.default_rng(1)
+    logits = (rng.normal(size=(len(settings), V)) * 3.0).astype(np.float32)
+    seen, counts = np.zeros(logits.shape, bool), np.zeros(logits.shape, np.int32)
+    run = jax.jit(processed_logits)
+    got = np.asarray(run(logits, SamplingParams.of(settings), seen, counts))
+    for b, row in enumerate(settings):
+        want = reference_rows(logits[b], row, seen[b], counts[b])[1]
+        np.testing.assert_array_equal(np.isfinite(got[b]), np.isfinite(want), err_msg=f"row {b}")
+        np.testing.assert_allclose(got[b][np.isfinite(want)], want[np.isfinite(want)],
+                                   rtol=1e-6)
+        alone = run(logits[b:b + 1], SamplingParams.of([row]), seen[:1], counts[:1])
+        np.testing.assert_array_equal(alone[0], got[b])
 
 
 def test_sample_rows_tokens_and_logprobs():

@@ -67,3 +67,43 @@ def test_prefix_lm_models_are_refused_by_the_engine_cache():
     model = models.build(model_config({**TINY, "prefix_lm": True}), rngs=nnx.Rngs(3))
     with pytest.raises(ValueError, match="prefix-LM"):
         model.init_paged_cache(1, MAX_LEN, page_size=PAGE, chunk=2, num_pages={40: 11})
+
+
+def test_a_global_table_cut_to_the_pages_held_gives_the_same_logits():
+    """The engine cuts a call's global page tables to the pages its rows hold
+    (`EngineConfig.table_widths`): the steps' logits stay the full forward's; a ring's
+    table (a window's slots wrap at its paged size) cut so is refused by name."""
+    model = models.build(model_config({**TINY, **CASES["window_global_sinks"]}),
+                         rngs=nnx.Rngs(3))
+    geometries = model.page_geometries(MAX_LEN, page_size=PAGE, chunk=CHUNK)
+    glob, ring = max(geometries), min(geometries)
+    num_pages = {s: B * n + 1 for s, n in geometries.items()}
+    cache = model.init_paged_cache(B, MAX_LEN, page_size=PAGE, chunk=CHUNK, num_pages=num_pages)
+    tables = {s: 1 + jnp.arange(B * n, dtype=jnp.int32).reshape(B, n)
+              for s, n in geometries.items()}
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, 61, (B, L)).astype(np.int32)
+    full = np.asarray(nnx.jit(lambda m, t: m(t))(model, jnp.asarray(tokens)))
+    step = nnx.jit(lambda m, t, c, n: m.step(t, c, n, all_logits=True))
+    done, got, widths = np.zeros(B, int), np.zeros_like(full), set()
+    while (done < L).any():
+        n = np.minimum(L - done, (CHUNK, 2, 1))
+        half = geometries[glob] // 2  # two widths, as the engine's halvings
+        width = half if -(-(done + n).max() // PAGE) <= half else geometries[glob]
+        widths.add(width)
+        cut = {**tables, glob: tables[glob][:, :width]}
+        chunk = np.zeros((B, CHUNK), np.int32)
+        for b in range(B):
+            chunk[b, :n[b]] = tokens[b, done[b]:done[b] + n[b]]
+        logits, cache = step(model, jnp.asarray(chunk),
+                             cache.replace(pages=cache.pages.replace(tables=cut)),
+                             jnp.asarray(n, jnp.int32))
+        for b in range(B):
+            got[b, done[b]:done[b] + n[b]] = np.asarray(logits)[b, :n[b]]
+        done = done + n
+    np.testing.assert_allclose(got, full, rtol=1e-4, atol=1e-4 * np.abs(full).max())
+    assert widths == {geometries[glob] // 2, geometries[glob]}
+    cut = {**tables, ring: tables[ring][:, :1]}
+    with pytest.raises(ValueError, match="the page table of a ring of .* was cut"):
+        model.step(jnp.zeros((B, 1), jnp.int32), cache.replace(
+            pages=cache.pages.replace(tables=cut)), jnp.ones(B, jnp.int32))

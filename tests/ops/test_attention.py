@@ -249,10 +249,11 @@ def test_dispatch():
 
 
 def test_the_table_is_fixed_and_the_auto_orders_are_written_out():
-    """Six implementations in one fixed table, "auto" orders per platform as they
+    """Seven implementations in one fixed table, "auto" orders per platform as they
     are written in ops/attention.py (these orders are the contract: the GPU puts
     cuDNN before the kernels, the TPU its paged kernel (paged calls only) before
-    them, blockwise goes first on CPU and just before the reference elsewhere),
+    them, the CPU its plain-JAX paged attention (paged calls only) before blockwise,
+    which goes first on CPU for other calls and just before the reference elsewhere),
     every ordered name in the table; nothing registers itself:
     the table refuses additions, and re-running an implementation module changes
     neither the table nor the orders."""
@@ -261,10 +262,10 @@ def test_the_table_is_fixed_and_the_auto_orders_are_written_out():
     from tfjax.ops import AUTO_ORDER, IMPLEMENTATIONS, cudnn, xla
     from tfjax.ops import attention as attention_lib
 
-    assert IMPLEMENTATIONS.names() == ("blockwise", "cudnn", "paged_tpu", "pallas", "reference",
-                                       "xla")
+    assert IMPLEMENTATIONS.names() == ("blockwise", "cudnn", "paged", "paged_tpu", "pallas",
+                                       "reference", "xla")
     assert dict(AUTO_ORDER) == {
-        "cpu": ("blockwise", "xla", "reference"),
+        "cpu": ("paged", "blockwise", "xla", "reference"),
         "gpu": ("cudnn", "pallas", "xla", "blockwise", "reference"),
         "tpu": ("paged_tpu", "pallas", "xla", "blockwise", "reference"),
     }

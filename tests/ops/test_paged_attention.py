@@ -7,7 +7,8 @@ with a value head dim of its own (MLA's absorbed shape), a sliding window over a
 of pages (positions wrapping, also within the step), learned sinks, soft-cap, ragged
 rows (an empty one, a full one, padding queries), page sizes that divide nothing,
 page tables sharing pages between rows, decode (T = 1) and chunks (T > 1). Each
-(implementation, case) compiles once. Kernel specifics: test_paged_tpu.py."""
+(implementation, case) compiles once. Kernel specifics: test_paged_tpu.py; "paged"
+(plain JAX, CPU's first for paged calls): its refusals, no mask, offsets, below."""
 
 from __future__ import annotations
 
@@ -91,19 +92,58 @@ def test_the_pages_hold_what_the_numpy_writes_say(c):
     np.testing.assert_array_equal(latent, built.k_pool.reshape(P, page, K * H))
 
 
-def test_auto_reads_pages_on_tpu_and_gathers_them_elsewhere():
+def test_auto_reads_pages_on_tpu_and_cpu_and_gathers_them_elsewhere():
     """"auto": on TPU the paged kernel serves a paged call under the cache's Positions
     mask; any other mask (or arrays) goes to the gathering order ("pallas" first); on
-    CPU and GPU the pages are gathered for the usual order."""
+    CPU "paged" reads the pages (any mask), and a call with a bias, or arrays, goes to
+    the usual order; on GPU the pages are gathered for the usual order."""
     c = CASES[1]
     mask = build(c)[3]
     tpu = paged_request(c, mask, "tpu")
     assert select_implementation(tpu) == "paged_tpu"
     assert select_implementation(dataclasses.replace(tpu, mask=M.causal())) == "pallas"
     assert select_implementation(dataclasses.replace(tpu, paged=False)) == "pallas"
-    assert select_implementation(dataclasses.replace(tpu, backend="cpu")) == "blockwise"
+    cpu = dataclasses.replace(tpu, backend="cpu")
+    assert select_implementation(cpu) == "paged"
+    assert select_implementation(dataclasses.replace(cpu, mask=M.causal())) == "paged"
+    assert select_implementation(dataclasses.replace(cpu, has_bias=True)) == "blockwise"
+    assert select_implementation(dataclasses.replace(cpu, paged=False)) == "blockwise"
     gpu = dataclasses.replace(tpu, backend="gpu", dtype="bfloat16")
     assert select_implementation(gpu) == "pallas"
+
+
+def test_what_paged_refuses_and_why():
+    """"paged" serves paged calls only, without a bias or ALiBi; each refusal says so."""
+    c = CASES[0]
+    request = paged_request(c, build(c)[3], "cpu")
+    assert paged_lib.supports(request) is None
+    assert "this call's k and v are arrays" in paged_lib.supports(
+        dataclasses.replace(request, paged=False))
+    for field in ("has_bias", "has_alibi"):
+        assert "no additive bias, ALiBi" in paged_lib.supports(
+            dataclasses.replace(request, **{field: True}))
+    assert "[P, page, K, H] pages" in paged_lib.supports(
+        dataclasses.replace(request, k_shape=request.k_shape[:3]))
+    q, k, v, mask = build(c)[:4]
+    with pytest.raises(ValueError, match="implementation='paged' cannot serve this call: "
+                                         "reads K/V from pages"):
+        dot_product_attention(q, k.dense(), v.dense(), mask, implementation="paged")
+
+
+def test_paged_without_a_mask_and_with_offsets_equals_the_reference():
+    """No mask: every slot of every row's pages is seen (the gathered arrays' whole
+    attention); a mask's offsets move the pages' positions as the gathered arrays'."""
+    c = CASES[2]
+    q, k, v, _, k_dense, v_dense = build(c)[:6]
+    got = jax.jit(lambda q, k, v: dot_product_attention(q, k, v, implementation="paged"))(q, k, v)
+    np.testing.assert_allclose(got, attention_reference(q, k_dense, v_dense), atol=TOL, rtol=TOL)
+    mask = M.causal()
+    attend = jax.jit(lambda q, k, v: dot_product_attention(
+        q, k, v, mask, q_offset=c.S - c.T - 2, implementation="paged", return_lse=True))
+    want = attention_reference(q, k_dense, v_dense, mask, q_offset=c.S - c.T - 2,
+                               return_lse=True)
+    for g, w in zip(attend(q, k, v), want):
+        np.testing.assert_allclose(g, w, atol=TOL, rtol=TOL)
 
 
 def test_paged_and_array_k_v_do_not_mix():

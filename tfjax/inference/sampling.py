@@ -14,6 +14,7 @@ tokens do not depend on its batch. See docs/inference.md.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import secrets
 from collections.abc import Mapping, Sequence
@@ -22,18 +23,30 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["SamplingParams", "Sampled", "check_settings", "filter_logits", "processed_logits",
-           "row_keys", "sample", "sample_rows", "sampling_probs", "token_counts"]
+__all__ = ["CANDIDATES", "SamplingParams", "Sampled", "check_settings", "filter_logits",
+           "processed_logits", "row_keys", "sample", "sample_rows", "sampling_probs",
+           "token_counts"]
 
 
-def filter_logits(logits: jax.Array, top_k=None, top_p=None) -> jax.Array:
-    """logits `[..., V]` with -inf outside the top-k / top-p support."""
+# A row's top-k of at most this many is filtered on `lax.top_k`'s candidates (XLA:CPU
+# sorts a [16, 2048] batch of logits in ~5 ms, takes its top 64 in ~0.1 ms).
+CANDIDATES = 64
+
+
+def filter_logits(logits: jax.Array, top_k=None, top_p=None, *,
+                  candidates: int | None = None) -> jax.Array:
+    """logits `[..., V]` with -inf outside the top-k / top-p support. `candidates` C
+    (static): rank only the C largest logits (`lax.top_k`), exact when top_k is in
+    1..C (top-p then picks among the top k); None ranks all V (a sort)."""
     logits = logits.astype(jnp.float32)
     if top_k is None and top_p is None:
         return logits
     V = logits.shape[-1]
-    ranked = jnp.flip(jnp.sort(logits, axis=-1), axis=-1)  # [..., V] descending
-    idx = jnp.arange(V)
+    if candidates is None or candidates >= V:
+        ranked = jnp.flip(jnp.sort(logits, axis=-1), axis=-1)  # [..., V] descending
+    else:
+        ranked = jax.lax.top_k(logits, candidates)[0]  # [..., C] descending
+    idx = jnp.arange(ranked.shape[-1])
     if top_k is not None:
         k = jnp.asarray(top_k, jnp.int32)
         k = jnp.where(k <= 0, V, jnp.minimum(k, V))
@@ -234,9 +247,18 @@ def processed_logits(logits: jax.Array, params: SamplingParams, prompt_seen: jax
     scaled = logits / jnp.where(t > 0, t, 1.0)
     top_k = jnp.asarray(params.top_k, jnp.int32)
     top_p = jnp.asarray(params.top_p, jnp.float32)
-    filtered = jax.lax.cond(  # no row filters: no sort (the filters would keep every token)
-        jnp.any(top_k > 0) | jnp.any(top_p < 1.0),
-        lambda x: jax.vmap(filter_logits)(x, top_k, top_p), lambda x: x, scaled)
+    # a row with a top-k of 1..CANDIDATES ranks only that many logits, one with top-p
+    # alone (or a larger top-k) all of them (a sort), one with no filter none: each row
+    # by its own settings, so its tokens do not depend on the batch
+    few = (top_k >= 1) & (top_k <= CANDIDATES)
+    every = ~few & ((top_k > 0) | (top_p < 1.0))
+
+    def filtered_by(rows, candidates):
+        run = jax.vmap(functools.partial(filter_logits, candidates=candidates))
+        return jax.lax.cond(jnp.any(rows), lambda x: run(x, top_k, top_p), lambda x: x, scaled)
+
+    filtered = jnp.where(few[:, None], filtered_by(few, CANDIDATES),
+                         jnp.where(every[:, None], filtered_by(every, None), scaled))
     probs = jax.nn.softmax(filtered, axis=-1)
     floor = jnp.asarray(params.min_p, jnp.float32)[:, None] * jnp.max(probs, -1, keepdims=True)
     return jnp.where(probs >= floor, filtered, -jnp.inf)

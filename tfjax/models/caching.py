@@ -218,7 +218,7 @@ def _paged_step(cfg: ModelConfig, cache: ModelCache, tokens, lengths, rel_bias) 
     valid = jnp.arange(T)[None, :] < lengths[:, None]
     masks, biases = cache_masks(
         cfg, rel_bias, positions,
-        lambda size: slot_positions(length, pages.size(size, max_len)), max_len)
+        lambda size: slot_positions(length, _attended(pages, size, max_len)), max_len)
     slots, by_size = {}, {}
     for kind in dict.fromkeys(cfg.layer_pattern):
         rec = LAYER_KINDS.get(kind, field="model.layer_pattern")
@@ -232,6 +232,19 @@ def _paged_step(cfg: ModelConfig, cache: ModelCache, tokens, lengths, rel_bias) 
         slots[kind] = by_size[size]
     return StepInputs(positions, masks, biases, slots, length, jnp.maximum(lengths - 1, 0),
                       cache)
+
+
+def _attended(pages: PageTables, size: int, max_len: int) -> int:
+    """The slots a paged step's rows attend in a geometry of `size` slots: its page
+    table's, which for a global cache may be cut to the pages the step's rows hold
+    (slot s holds position s, so the first slots are the first positions); a ring's
+    table is whole (its slots wrap at the paged size)."""
+    paged = pages.size(size, max_len)
+    attended = pages.tables[paged].shape[1] * pages.page_size
+    if attended < paged and size < max_len:
+        raise ValueError(f"a paged step: the page table of a ring of {paged} slots (a window) "
+                         f"was cut to {attended} slots; only a global cache's can be")
+    return attended
 
 
 def last_token(x: jax.Array, last: jax.Array) -> jax.Array:

@@ -19,7 +19,7 @@ from typing import Callable, Mapping
 
 import jax.numpy as jnp
 
-from tfjax.ops import blockwise, cudnn, reference, sinks as sinks_lib, target, xla
+from tfjax.ops import blockwise, cudnn, paged, reference, sinks as sinks_lib, target, xla
 from tfjax.ops.paged import Paged
 from tfjax.ops import masks as masks_lib
 from tfjax.ops import pallas
@@ -41,13 +41,14 @@ IMPLEMENTATIONS: Registry[Implementation] = Registry("attention implementation",
     "cudnn": cudnn.IMPLEMENTATION,  # cuDNN flash attention (GPU, plain requests)
     "blockwise": blockwise.IMPLEMENTATION,  # pure-JAX tiled online softmax
     "pallas": pallas.IMPLEMENTATION,  # the Pallas kernels (Mosaic TPU, Triton, Mosaic GPU)
+    "paged": paged.IMPLEMENTATION,  # plain-JAX paged attention (paged k/v only)
     "paged_tpu": paged_tpu.IMPLEMENTATION,  # Pallas TPU paged attention (paged k/v only)
 })
 
 # implementation="auto": the first that serves the request (other platforms: "cpu"'s);
 # paged k/v go to an implementation that reads pages, or gathered to the next.
 AUTO_ORDER: Mapping[str, tuple[str, ...]] = types.MappingProxyType({
-    "cpu": ("blockwise", "xla", "reference"),
+    "cpu": ("paged", "blockwise", "xla", "reference"),
     "gpu": ("cudnn", "pallas", "xla", "blockwise", "reference"),
     "tpu": ("paged_tpu", "pallas", "xla", "blockwise", "reference"),
 })

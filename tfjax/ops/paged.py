@@ -6,7 +6,8 @@ at `pool[table[b, s // page], s % page]`. It stands for the `[B, n * page, ...]`
 it describes (`shape`, `dtype`), and `dot_product_attention` takes one as k and v: an
 implementation that reads pages itself gets it as is, any other the gathered array
 (`dense`). `write` puts a step's new entries into a pool by flat slot index
-(`flat_index`). See docs/inference.md ("The engine").
+(`flat_index`). `paged_attention` (the "paged" implementation, CPU's first for paged
+calls) reads the pages in plain JAX. See docs/inference.md ("The engine").
 """
 
 from __future__ import annotations
@@ -16,7 +17,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-__all__ = ["DROPPED", "Paged", "dense", "flat_index", "write"]
+from tfjax.ops import masks as masks_lib
+from tfjax.ops.implementation import AttentionRequest, Implementation
+from tfjax.ops.tiles import logit_scaling, logits
+
+__all__ = ["DROPPED", "IMPLEMENTATION", "Paged", "dense", "flat_index", "paged_attention",
+           "supports", "write"]
 
 DROPPED = jnp.iinfo(jnp.int32).max  # a flat index past every pool: the write is dropped
 
@@ -85,3 +91,60 @@ def write(pool: jax.Array, index: jax.Array, new: jax.Array) -> jax.Array:
         heads = jnp.swapaxes(pool, 1, 2).at[pages, :, offsets].set(new, mode="drop")
         return jnp.swapaxes(heads, 1, 2)
     return pool.at[pages, offsets].set(new, mode="drop")
+
+
+def paged_attention(q, k: Paged, v: Paged, mask: masks_lib.Mask | None = None, *, scale=None,
+                    softcap=None, q_offset=0, kv_offset=0, return_lse: bool = False):
+    """q `[B,T,N,H]` over `Paged` k and v (pools `[P, page, K, H]`, `[P, page, K, Hv]`,
+    one table `[B, n]`) under `mask` -> out `[B,T,N,Hv]` (and lse `[B,N,T]` fp32): the
+    reference's attention on the arrays the pages stand for, fully masked rows zero.
+
+    For XLA on CPU: each row's pages are gathered from the heads-major pools as the
+    cache stores them, a page a contiguous `[K, page, H]` slice (gathering `dense`'s
+    `[B, S, K, H]`, which the dots then want heads-major again, moved every element
+    twice), and the T queries are not padded to a tile (blockwise pads a decode step's
+    one query to 8): one einsum for the logits, one for the output."""
+    B, T, N, H = q.shape
+    _, page, K, _ = k.pool.shape
+    n = k.table.shape[1]
+    G, Hv = N // K, v.pool.shape[-1]
+    scale, softcap = logit_scaling(H, scale, softcap)
+    pages = lambda x: jnp.take(jnp.swapaxes(x.pool, 1, 2), x.table, axis=0,  # noqa: E731
+                               mode="clip")  # [B, n, K, page, H]: ids are valid pages
+    s = jnp.einsum("btkgh,bnksh->bkgtns", q.reshape(B, T, K, G, H), pages(k),
+                   preferred_element_type=jnp.float32)
+    s, _ = logits(s, scale, softcap)
+    allowed = masks_lib.dense(mask, T, n * page, q_offset=q_offset, kv_offset=kv_offset)
+    s = jnp.where(allowed.reshape(-1, 1, 1, T, n, page), s, -jnp.inf)
+    row_max = jnp.max(s, axis=(4, 5), keepdims=True)
+    row_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+    p = jnp.exp(s - row_max)
+    denom = jnp.sum(p, axis=(4, 5))  # [B, K, G, T]
+    out = jnp.einsum("bkgtns,bnksh->btkgh", p, pages(v), preferred_element_type=jnp.float32)
+    scale_out = jnp.moveaxis(jnp.where(denom > 0, denom, 1.0), 3, 1)[..., None]  # [B,T,K,G,1]
+    out = (out / scale_out).reshape(B, T, N, Hv).astype(q.dtype)
+    if not return_lse:
+        return out
+    safe = jnp.where(denom > 0, denom, 1.0)
+    lse = jnp.where(denom > 0, jnp.log(safe) + row_max[..., 0, 0], -jnp.inf)
+    return out, lse.reshape(B, N, T)
+
+
+def supports(r: AttentionRequest) -> str | None:
+    if not r.paged:
+        return "reads K/V from pages (tfjax.ops.paged.Paged); this call's k and v are arrays"
+    if r.has_alibi or r.has_bias:
+        return ("takes no additive bias, ALiBi or T5's relative bias (the other "
+                "implementations take them on the gathered pages)")
+    if len(r.k_shape) != 4:
+        return f"reads K/V pools of [P, page, K, H] pages, got k of shape {r.k_shape}"
+    return None
+
+
+def _impl(q, k, v, mask, *, bias, alibi, scale, softcap, q_offset, kv_offset, return_lse):
+    del bias, alibi  # refused by `supports`
+    return paged_attention(q, k, v, mask, scale=scale, softcap=softcap, q_offset=q_offset,
+                           kv_offset=kv_offset, return_lse=return_lse)
+
+
+IMPLEMENTATION = Implementation(_impl, supports, paged=True)

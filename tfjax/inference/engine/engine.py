@@ -45,7 +45,9 @@ class EngineConfig:
     log-probabilities a request may ask for. prefill_rows: the most rows that prefill a
     chunk in one step (at most max_seqs; the chunk call runs over 1, 2, 4 .. of them);
     decoding rows run apart, one token each, so a prompt costs its own chunk, not every
-    row's."""
+    row's. table_widths: the page-table widths of the global K/V each step shape is
+    compiled for (the whole table and its halvings, this many at most): a call's rows
+    attend over the narrowest that holds their pages (1: always the whole table)."""
 
     max_seqs: int = 8
     max_len: int = 0
@@ -57,9 +59,10 @@ class EngineConfig:
     prefix_caching: bool = True
     max_logprobs: int = 20
     prefill_rows: int = 4
+    table_widths: int = 3
 
     def check(self):
-        for name in ("max_seqs", "page_size", "chunk", "prefill_rows"):
+        for name in ("max_seqs", "page_size", "chunk", "prefill_rows", "table_widths"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name}: must be >= 1, got {getattr(self, name)}")
 
@@ -140,6 +143,8 @@ class Engine:
         self._row_counts = {  # the rows of each call of T tokens: 1, 2, 4 .. up to a limit
             T: sorted({1 << i for i in range(most.bit_length()) if 1 << i < most} | {most})
             for T, most in ((C, min(config.prefill_rows, B)), (1, B))}
+        self._widths = sorted({-(-geometries.get(self.global_size, 0) // 2 ** i)  # pages read
+                               for i in range(config.table_widths)})
         self._last_sampling = (None, None, None)
         self._tables_on_device = None
 
@@ -340,9 +345,10 @@ class Engine:
         num_logprobs = self.config.max_logprobs if any(s.request.logprobs for s in group) else 0
         score = bool((targets >= 0).any())
         rows = None if R == B else np.asarray(slots, np.int32)
+        held = -(-max(s.computed + feed[s.slot] for s in group) // self.config.page_size)
         with self._traced():
             sampled, scored, self.cache, self.counts = self._programs.step(
-                T, R if R < B else 0, num_logprobs, score)(
+                T, R if R < B else 0, num_logprobs, score, self._narrow(held))(
                 self.params, self.cache, self.seen, self.counts, rows, tokens, n_new, length,
                 self._device_tables(), self._sampling(slots), length + n_new, samples, targets)
         sampled, scored = jax.device_get((sampled, scored))
@@ -369,6 +375,12 @@ class Engine:
             output.prompt_logprobs = [lp for lp, _ in s.scores]
             output.prompt_greedy = [g for _, g in s.scores]
         return output
+
+    def _narrow(self, held: int) -> tuple:
+        """The `narrow` of a call whose rows hold up to `held` global pages: the
+        narrowest width of `_widths` that covers them (none: the whole table)."""
+        width = next(w for w in self._widths if w >= held or w == self._widths[-1])
+        return ((self.global_size, width),) if width < self._widths[-1] else ()
 
     def _traced(self):
         """The context the programs run in: the mesh's rules, if any."""
@@ -520,10 +532,10 @@ class Engine:
     # ------------------------------------------------------------ convenience
     def warm_up(self, logprobs: bool = False, scoring: bool = False) -> None:
         """Compile every step shape now (a server's start-up), not at the first request
-        that needs it: the decode step and the chunk step of each row count, with top
-        log-probabilities and prompt scoring if asked. Runs them with no tokens: the
-        caches are left as they were; so are the reset of admitted rows and the fork
-        of n samples (no row, page 0 onto itself)."""
+        that needs it: the decode step and the chunk step of each row count and table
+        width, with top log-probabilities and prompt scoring if asked. Runs them with
+        no tokens: the caches are left as they were; so are the reset of admitted rows
+        and the fork of n samples (no row, page 0 onto itself)."""
         B, C = self.config.max_seqs, self.config.chunk
         with self._traced():
             self.cache, self.seen, self.counts = self._programs.reset(
@@ -533,8 +545,9 @@ class Engine:
                 self.cache, self.seen, self.counts, self._page_pairs({s: [] for s in
                                                                       self.num_pages}),
                 _padded([], B))
-        shapes = [(T, r if r < B else 0) for T in {1, C} for r in self._row_counts[T]]
-        for T, R in shapes:
+        shapes = [(T, r if r < B else 0, w) for T in {1, C} for r in self._row_counts[T]
+                  for w in self._widths]
+        for T, R, width in shapes:
             for num_logprobs in {0, self.config.max_logprobs if logprobs else 0}:
                 for score in {False, scoring and T > 1}:
                     n = R or B
@@ -544,7 +557,7 @@ class Engine:
                                           for b in range(n)], np.int32)
                     with self._traced():
                         _, _, self.cache, self.counts = self._programs.step(
-                            T, R, num_logprobs, score)(
+                            T, R, num_logprobs, score, self._narrow(width))(
                             self.params, self.cache, self.seen, self.counts, rows, zeros,
                             np.zeros(n, np.int32), lengths, self._device_tables(),
                             self._sampling(list(range(n))), lengths, np.zeros(n, bool),

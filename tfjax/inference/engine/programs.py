@@ -34,13 +34,16 @@ class _Programs:
         self.reset = jax.jit(lambda *a: placed(*_reset_rows(*a)), donate_argnums=(0, 1, 2))
         self.fork = jax.jit(lambda *a: placed(*_fork(*a)), donate_argnums=(0, 1, 2))
 
-    @functools.lru_cache(maxsize=32)
-    def step(self, T: int, R: int, num_logprobs: int, score: bool):
+    @functools.lru_cache(maxsize=128)
+    def step(self, T: int, R: int, num_logprobs: int, score: bool, narrow: tuple = ()):
         """The step of T tokens for R rows of the cache (`rows` `[R]`, distinct; R 0:
         every row, `rows` None); `score`: also the log-probabilities of `targets`
         `[R, T]` (the next prompt token after each position, -1: none) and whether each
-        is the greedy choice."""
+        is the greedy choice. `narrow`: ((paged size, pages), ...): those page tables
+        cut to their first `pages` columns (a global cache's rows that hold no more:
+        the attention gathers and reads only those)."""
         graphdef = self.graphdef
+        widths = dict(narrow)
 
         def run(params, cache, seen, counts, rows, tokens, n_new, length, tables, sampling,
                 positions, samples, targets):
@@ -52,6 +55,7 @@ class _Programs:
                     lambda x, names: _rows_of(x, names, rows), cache.layers, axes.layers))
                 tables = {s: t[rows] for s, t in tables.items()}
                 seen, all_counts, counts = seen[rows], counts, counts[rows]
+            tables = {s: t[:, :widths.get(s, t.shape[1])] for s, t in tables.items()}
             cache = cache.replace(length=length, pages=cache.pages.replace(tables=tables))
             logits, cache = model.step(tokens, cache, n_new, all_logits=score)
             scored = None
@@ -71,6 +75,7 @@ class _Programs:
                     lambda x, new, names: _set_rows(x, new, names, rows),
                     whole.layers, cache.layers, axes.layers))
                 counts = all_counts.at[rows].set(counts)
+            cache = cache.replace(pages=whole.pages)  # its shapes as they came, whatever width
             cache, _, counts = placed(cache, None, counts)
             return sampled, scored, cache, counts
 
