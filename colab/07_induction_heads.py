@@ -26,7 +26,9 @@
 # We train a tiny 2-layer model on sequences of random tokens repeated twice (the
 # first half cannot be predicted, the second half can be copied), then find the heads
 # with `tfjax.interp`: by their attention patterns (`run_with_cache`, `hook_pattern`)
-# and by ablating each one (`run_with_hooks`, zeroing its `hook_z`).
+# and by ablating each one (`run_with_hooks`, zeroing its `hook_z`). Last, we test
+# the head we found on repeats of another length, and learn that a head can have the
+# induction pattern without being an induction head.
 
 # %%
 # Setup. In Colab: clone the repository (the package and its configs/) and install it.
