@@ -48,7 +48,7 @@ import tempfile
 import time
 
 from common import Experiment, preset_config
-from vs_maxtext import _MAXTEXT_MAIN, _cached, install_maxtext
+from vs_maxtext import _MAXTEXT_MAIN, _cached, add_maxtext_args, install_maxtext
 
 from tfjax.config import run_config
 from tfjax.parallel.collectives import KINDS, collectives
@@ -181,13 +181,8 @@ def main(argv=None):
     parser.add_argument("--modes", default=",".join(MODES),
                         help="context_parallel modes, or mode:impl (model.attention.impl)")
     parser.add_argument("--sides", default="tfjax,maxtext")
-    parser.add_argument("--maxtext-python", default="/tmp/maxtext_cp_venv/bin/python",
-                        help="a Python with MaxText >= 0.2.4 ('' = tfjax's side only)")
-    parser.add_argument("--install-maxtext", action="store_true",
-                        help="first create --maxtext-python's venv (where missing) and "
-                             "install MAXTEXT_REQUIREMENTS into it")
-    parser.add_argument("--base-python", default="python3.12",
-                        help="the Python (>= 3.12) that creates the MaxText venv")
+    add_maxtext_args(parser, "/tmp/maxtext_cp_venv/bin/python",
+                     "a Python with MaxText >= 0.2.4")
     parser.add_argument("--rows", default="/tmp/context_parallel_rows.jsonl",
                         help="JSON lines of compiled rows, reused ('' = none)")
     parser.add_argument("--from-rows", action="store_true",

@@ -141,6 +141,18 @@ def maxtext_row(point, python: str) -> dict | None:
                 compile_s=time.time() - start)
 
 
+def add_maxtext_args(parser, python: str, what: str) -> None:
+    """--maxtext-python (default `python`, `what` it must hold), --install-maxtext and
+    --base-python: the MaxText venv's flags of every script that compiles MaxText."""
+    parser.add_argument("--maxtext-python", default=python,
+                        help=f"{what} ('' = tfjax's side only)")
+    parser.add_argument("--install-maxtext", action="store_true",
+                        help="first create --maxtext-python's venv (where missing) and "
+                             "install MAXTEXT_REQUIREMENTS into it")
+    parser.add_argument("--base-python", default="python3.12",
+                        help="the Python (>= 3.12) that creates the MaxText venv")
+
+
 def install_maxtext(python: str, base_python: str,
                     requirements=MAXTEXT_REQUIREMENTS) -> None:
     """Create the venv `python` belongs to (<venv>/bin/python) with `base_python` (3.12 or
@@ -207,13 +219,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--points", default="", help="comma-separated; default all")
     parser.add_argument("--variants", default="", help="LOSS_CHUNK:REMAT, comma-separated")
-    parser.add_argument("--maxtext-python", default="/tmp/maxtext_venv/bin/python",
-                        help="a Python with MaxText ('' = tfjax's side only)")
-    parser.add_argument("--install-maxtext", action="store_true",
-                        help="first create --maxtext-python's venv (where missing) and "
-                             "install MAXTEXT_REQUIREMENTS into it")
-    parser.add_argument("--base-python", default="python3.12",
-                        help="the Python (>= 3.12) that creates the MaxText venv")
+    add_maxtext_args(parser, "/tmp/maxtext_venv/bin/python", "a Python with MaxText")
     parser.add_argument("--sides", default="tfjax,maxtext", help="which to compile")
     parser.add_argument("--rows", default="/tmp/vs_maxtext_rows.jsonl",
                         help="JSON lines of compiled rows, reused ('' = none)")
