@@ -262,6 +262,43 @@ def export_start(trainer, state, path: str) -> None:
              logits=np.asarray(jax.device_get(model(tokens)), np.float32))
 
 
+# ------------------------------------------------------------------ tunix's Llama3
+def load_tunix_llama(path: str, devices: int, copies: int = 2):
+    """`(cfg, mesh, models)`: tunix's Llama3 read `copies` times from the Hugging Face
+    checkpoint `path` (float32) on a `devices` x 1 ("fsdp", "tp") mesh, for the tunix
+    children (the policy and its reference); `bind_rope_theta(cfg)` before running them."""
+    import jax
+    import jax.numpy as jnp
+    from tunix.models.llama3 import model as llama
+    from tunix.models.llama3 import params as llama_params
+
+    hf = json.load(open(os.path.join(path, "config.json")))
+    rope = hf.get("rope_parameters") or {}  # transformers 5 keeps rope_theta there
+    cfg = llama.ModelConfig(
+        num_layers=hf["num_hidden_layers"], vocab_size=hf["vocab_size"],
+        embed_dim=hf["hidden_size"], hidden_dim=hf["intermediate_size"],
+        num_heads=hf["num_attention_heads"],
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+        num_kv_heads=hf["num_key_value_heads"],
+        rope_theta=int(rope.get("rope_theta", hf.get("rope_theta", 10000))),
+        norm_eps=hf["rms_norm_eps"], weight_tying=hf.get("tie_word_embeddings", False))
+    mesh = jax.make_mesh((devices, 1), ("fsdp", "tp"),  # tunix shards with Auto axes
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    with mesh:
+        models = [llama_params.create_model_from_safe_tensors(path, cfg, mesh,
+                                                              dtype=jnp.float32)
+                  for _ in range(copies)]
+    return cfg, mesh, models
+
+
+def bind_rope_theta(cfg) -> None:
+    """tunix 0.1.7's Llama3 attention calls `apply_rope` without the config's
+    `rope_theta` (so always its default, 1e6, whatever the checkpoint's): bind it."""
+    from tunix.models.llama3 import model as llama
+
+    llama.apply_rope = functools.partial(llama.apply_rope, rope_theta=cfg.rope_theta)
+
+
 # ------------------------------------------------------------------ child: tunix DPO
 def run_tunix(a) -> dict:
     """tunix's DPOTrainer on the same checkpoint (its Llama3 loaded from the safetensors)
@@ -273,29 +310,15 @@ def run_tunix(a) -> dict:
     from importlib.metadata import version
 
     import jax
-    import jax.numpy as jnp
     import numpy as np
     import optax
     from flax import nnx
-    from tunix.models.llama3 import model as llama
-    from tunix.models.llama3 import params as llama_params
     from tunix.sft.dpo import dpo_trainer as dpo
 
     hf = json.load(open(os.path.join(a.model, "config.json")))
-    cfg = llama.ModelConfig(
-        num_layers=hf["num_hidden_layers"], vocab_size=hf["vocab_size"],
-        embed_dim=hf["hidden_size"], hidden_dim=hf["intermediate_size"],
-        num_heads=hf["num_attention_heads"],
-        head_dim=hf["hidden_size"] // hf["num_attention_heads"],
-        num_kv_heads=hf["num_key_value_heads"], rope_theta=int(hf.get("rope_theta", 10000)),
-        norm_eps=hf["rms_norm_eps"])
-    mesh = jax.make_mesh((a.devices, 1), ("fsdp", "tp"),  # tunix shards with Auto axes
-                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    cfg, mesh, (policy, ref) = load_tunix_llama(a.model, a.devices)
+    bind_rope_theta(cfg)
     with mesh:
-        policy = llama_params.create_model_from_safe_tensors(a.model, cfg, mesh,
-                                                            dtype=jnp.float32)
-        ref = llama_params.create_model_from_safe_tensors(a.model, cfg, mesh,
-                                                         dtype=jnp.float32)
         bos, eos = hf["bos_token_id"], hf["eos_token_id"]
         rows = [json.loads(line) for line in open(a.pairs)]
 
@@ -348,8 +371,6 @@ def run_tunix_grpo(a) -> dict:
     import optax
     import transformers
     from flax import nnx
-    from tunix.models.llama3 import model as llama
-    from tunix.models.llama3 import params as llama_params
     from tunix.rl import rl_cluster as rlc
     from tunix.rl.grpo import grpo_learner as grpo
     from tunix.rl.rollout import base_rollout
@@ -358,14 +379,6 @@ def run_tunix_grpo(a) -> dict:
 
     g = json.loads(a.grpo)  # the tfjax run's settings (the parent passes them)
     hf = json.load(open(os.path.join(a.model, "config.json")))
-    rope = hf.get("rope_parameters") or {}
-    cfg = llama.ModelConfig(
-        num_layers=hf["num_hidden_layers"], vocab_size=hf["vocab_size"],
-        embed_dim=hf["hidden_size"], hidden_dim=hf["intermediate_size"],
-        num_heads=hf["num_attention_heads"], head_dim=hf["head_dim"],
-        num_kv_heads=hf["num_key_value_heads"],
-        rope_theta=int(rope.get("rope_theta", hf.get("rope_theta", 10000))),
-        norm_eps=hf["rms_norm_eps"], weight_tying=hf["tie_word_embeddings"])
     batches = [json.loads(line) for line in open(a.prompts)][:a.steps]
     compiled = {"s": 0.0}
 
@@ -374,13 +387,7 @@ def run_tunix_grpo(a) -> dict:
             compiled["s"] += duration
 
     jax.monitoring.register_event_duration_secs_listener(on_event)
-    mesh = jax.make_mesh((a.devices, 1), ("fsdp", "tp"),
-                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
-    with mesh:
-        policy = llama_params.create_model_from_safe_tensors(a.model, cfg, mesh,
-                                                            dtype=jnp.float32)
-        reference = llama_params.create_model_from_safe_tensors(a.model, cfg, mesh,
-                                                               dtype=jnp.float32)
+    cfg, mesh, (policy, reference) = load_tunix_llama(a.model, a.devices)
     probe = np.load(os.path.join(a.model, "probe.npz"))
     tokens = jnp.asarray(probe["tokens"])
     T = tokens.shape[1]
@@ -392,10 +399,8 @@ def run_tunix_grpo(a) -> dict:
             logits, _ = policy(tokens, positions, None, causal)
         return float(np.abs(np.asarray(logits) - probe["logits"]).max())
 
-    # tunix 0.1.7's Llama3 attention calls apply_rope without the config's rope_theta
-    # (its default, 1e6, whatever the checkpoint's): give it the checkpoint's
     unpatched = probe_diff()
-    llama.apply_rope = functools.partial(llama.apply_rope, rope_theta=cfg.rope_theta)
+    bind_rope_theta(cfg)
     patched = probe_diff()
     tok = transformers.AutoTokenizer.from_pretrained(a.model)
 

@@ -1,5 +1,6 @@
 """Test setup: 8 simulated CPU devices, set before jax is imported anywhere."""
 
+import gc
 import importlib.util
 import os
 import time
@@ -67,6 +68,35 @@ def _xla_optimized(request):
         yield
     finally:
         jax.config.update("jax_disable_most_optimizations", True)
+
+
+def _memory_map_limit():
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except (OSError, ValueError):  # not Linux: no such limit to keep under
+        return None
+
+
+MAP_LIMIT = _memory_map_limit()
+
+
+def _memory_maps():
+    with open(f"/proc/{os.getpid()}/maps") as f:
+        return sum(1 for _ in f)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _under_the_memory_map_limit():
+    """Each compiled XLA:CPU program holds a few memory mappings while jax caches it, and
+    an xdist worker runs ~900 tests: past the kernel's `vm.max_map_count` (65530 by
+    default) LLVM cannot map a new program's code and the worker dies in the compiler
+    (a segfault or "LLVM ERROR: Unable to allocate section memory"). After a module
+    that leaves the process over half the limit, drop jax's caches of compiled programs."""
+    yield
+    if MAP_LIMIT and _memory_maps() > MAP_LIMIT // 2:
+        jax.clear_caches()
+        gc.collect()
 
 
 @pytest.fixture(scope="session")
