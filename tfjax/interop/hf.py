@@ -31,7 +31,7 @@ from tfjax.interop.config_mapping import check_types
 from tfjax.interop.families import (Family, bert, bloom, deepseek_v3, gemma2, gemma3_text, gpt2,
                                     gpt_neox, gpt_oss, jamba, llama, llama4, mamba, mamba2,
                                     mixtral, modernbert, olmo2, phi3, qwen2, qwen3, qwen3_moe,
-                                    qwen3_next, smollm3, t5, zamba2)
+                                    qwen3_next, siglip, smollm3, t5, zamba2)
 from tfjax.interop.hf_invert import Inverse, Symbolic, hf_shapes, stack, symbolic_checkpoint
 from tfjax.interop.safetensors_io import SafetensorsCheckpoint, write_file
 from tfjax.interop.tensor_mapping import Weights
@@ -52,6 +52,7 @@ FAMILIES: Registry[Family] = Registry("Hugging Face model_type", {
         bert, modernbert,  # encoders
         t5,  # encoder-decoder
         mamba, mamba2, qwen3_next, jamba, zamba2,  # recurrent and hybrid
+        siglip,  # vision
     ) for model_type in module.FAMILY.model_types})
 
 
@@ -368,7 +369,8 @@ def export(model: nnx.Module, path: str, *, family: str | None = None, dtype: st
                              f"model.vocab_size is {cfg.vocab_size}; pass the run's own tokenizer")
     out_dtype = np.dtype(jnp.dtype(dtype or cfg.param_dtype))
     shapes = hf_shapes(hf)
-    inverse = Inverse(fam.weights, cfg, hf, shapes, family=model_type)
+    inverse = Inverse(fam.weights, cfg, hf, shapes, family=model_type,
+                      prefix_aliases=(fam.prefix,) if fam.prefix else ())
     state = dict(nnx.to_flat_state(nnx.state(inner)))  # Params, and state a mapping reads
     flat = {p: v.get_value() for p, v in state.items()}  # (DeepSeek's MoE score bias)
     layers: dict[tuple, set] = {}

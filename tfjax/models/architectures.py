@@ -24,6 +24,7 @@ from tfjax.config import ModelConfig, model_config
 from tfjax.models.decoder import DecoderLM
 from tfjax.models.encoder import EncoderModel
 from tfjax.models.encoder_decoder import EncoderDecoderModel
+from tfjax.models.vision import VisionEncoder
 from tfjax.models import caching, mup
 from tfjax.models.layer_kinds import FFN_KINDS, LAYER_KINDS
 from tfjax.models.stack import REMAT_POLICIES, LayerStack
@@ -44,6 +45,7 @@ ARCHITECTURES: Registry[type] = Registry("architecture")
 ARCHITECTURES.register("decoder", DecoderLM)
 ARCHITECTURES.register("encoder", EncoderModel)
 ARCHITECTURES.register("encoder_decoder", EncoderDecoderModel)
+ARCHITECTURES.register("vision", VisionEncoder)
 
 
 def _one_of(field: str, value, allowed: Iterable[str]) -> None:
