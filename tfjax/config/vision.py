@@ -25,6 +25,9 @@ class VisionConfig:
     patch_size: int = 16  # square patches; must divide the image's height and width
     channels: int = 3
     pooling: str = "none"  # none | cls | map
+    # a decoder's image placeholder token: its positions take the image's patch
+    # features, in order (PaliGemma's <image>); -1: none
+    image_token_id: int = -1
     # the image tower of a model whose own stack is not it (0 / "": the model's field)
     d_model: int = 0
     num_layers: int = 0
@@ -62,7 +65,16 @@ def validate_vision(arch: str, position: str, v: VisionConfig, p: str) -> None:
         fail(f"{p}.position", f"arch='vision' adds a learned table of patch positions: set "
              f"'learned', got {position!r}")
     if not v.image_size:
+        if v.image_token_id >= 0:
+            fail(f"{q}.image_token_id", "an image token needs images: set vision.image_size "
+                 "(and the tower), or image_token_id=-1")
         return
+    if arch == "decoder" and v.image_token_id < 0:
+        fail(f"{q}.image_token_id", "a decoder with images places their features at an image "
+             "token: set its id (PaliGemma's <image>)")
+    if arch not in ("decoder", "vision"):
+        fail(f"{q}.image_size", f"images go into arch='vision' or a 'decoder' (its prefix), "
+             f"not arch={arch!r}; set image_size=0")
     for name, size in (("image_size", v.image_size), ("image_width", v.width)):
         if size % v.patch_size:
             fail(f"{q}.{name}", f"{size} pixels is not a whole number of patches of "
