@@ -56,6 +56,11 @@ def test_a_decode_step_takes_no_images(model):
         model.step(ids[:, :1], cache, pixel_values=pixels)
 
 
+def test_a_tower_activation_is_checked_by_name():
+    with pytest.raises(ValueError, match="^model.vision.activation: got 'gelu_quick'; allowed"):
+        build(dict(CFG, vision=dict(VISION, activation="gelu_quick")))
+
+
 def test_prefix_lm_is_required():
     with pytest.raises(ValueError, match="^model.prefix_lm: a decoder with images"):
         build(dict(CFG, prefix_lm=False))

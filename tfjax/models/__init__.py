@@ -3,8 +3,7 @@ See docs/models.md.
 
     architectures.py     ARCHITECTURES, check_names (registry-owned names), build, unrolled,
                          cache_bytes
-    decoder.py encoder.py encoder_decoder.py vision.py    the four architectures
-    vision_language.py   ImagePrefixLM: a decoder with images as its prefix (PaliGemma)
+    decoder.py encoder.py encoder_decoder.py vision.py (+ vision_language.py: PaliGemma)
     layer_kinds.py       one record per layer kind and ffn kind (LAYER_KINDS, FFN_KINDS)
     layout.py            StackLayout: where layer i of a stack lives
     stack.py             LayerStack, the block of each layer, embedder and head
@@ -23,5 +22,5 @@ from tfjax.models.vision import VisionEncoder
 from tfjax.models.vision_language import ImagePrefixLM
 
 __all__ = ["ARCHITECTURES", "DecoderLM", "EncoderDecoderModel", "EncoderModel", "FFN_KINDS",
-           "FfnKind", "ImagePrefixLM", "LAYER_KINDS", "LayerKind", "StackLayout", "VisionEncoder", "build", "cache_bytes",
-           "check_names", "kv_bytes_per_token", "unrolled"]
+           "FfnKind", "ImagePrefixLM", "LAYER_KINDS", "LayerKind", "StackLayout", "VisionEncoder",
+           "build", "cache_bytes", "check_names", "kv_bytes_per_token", "unrolled"]

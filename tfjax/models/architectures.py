@@ -61,6 +61,8 @@ def check_names(cfg: ModelConfig, prefix: str = "model") -> ModelConfig:
     p, c = prefix, cfg
     _one_of(f"{p}.arch", c.arch, ARCHITECTURES)
     _one_of(f"{p}.activation", c.activation, ACTIVATIONS)
+    if c.vision.activation:  # an image tower's own
+        _one_of(f"{p}.vision.activation", c.vision.activation, ACTIVATIONS)
     _one_of(f"{p}.norm", c.norm, NORMS)
     if c.attention.qk_norm_kind:
         _one_of(f"{p}.attention.qk_norm_kind", c.attention.qk_norm_kind, NORMS)
