@@ -62,8 +62,10 @@ def test_gradients_reach_every_parameter():
 
 def test_tower_of_a_decoder_config():
     cfg = model_config(dict(d_model=32, num_heads=4, norm="rmsnorm", position="rope",
+                            prefix_lm=True,
                             vision=dict(image_size=8, patch_size=4, d_model=16, num_layers=3,
-                                        num_heads=2, d_ff=20, activation="gelu_tanh")))
+                                        num_heads=2, d_ff=20, activation="gelu_tanh",
+                                        image_token_id=5)))
     t = tower_config(cfg)
     assert (t.arch, t.d_model, t.num_layers, t.num_heads, t.d_ff) == ("vision", 16, 3, 2, 20)
     assert (t.norm, t.position, t.activation, t.attention.qkv_bias) == (
