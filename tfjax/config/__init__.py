@@ -5,7 +5,7 @@ anything is traced: an unknown key, a moved field, a wrong type, a value out of 
 or an invalid combination raises `ValueError` naming the field and what would be right.
 Below the boundary a layer takes its section's record whole (`Mamba(d_model, cfg.ssm)`),
 never the ConfigDict. This package imports nothing else of tfjax; names a registry owns
-are checked by `tfjax.models.check_names`. Modules: `model`, `attention`, `shared` (the
+are checked by `tfjax.models.check_names`. Modules: `model`, `attention`, `shared`, `vision` (the
 model's sections), `run` (the trainer's, `RunConfig`), `posttrain` (its preference and
 distillation sections), `convert`, `checks`. See
 docs/presets.md.
@@ -21,6 +21,7 @@ from tfjax.config.model import (DTYPES, GatedDeltaNetConfig, LinearConfig, MLACo
 from tfjax.config.posttrain import (PREFERENCE_OBJECTIVES, REFERENCE_OBJECTIVES, DistillConfig,
                                     PreferenceConfig)
 from tfjax.config.shared import SharedBlockConfig
+from tfjax.config.vision import VisionConfig
 from tfjax.config.run import (DCN_AXES, DEFAULT_RULES, MESH_AXES, CheckpointConfig, DataConfig,
                               LoraConfig, MeshConfig,
                               ParamGroup, RunConfig, TrainConfig, parse_param_groups,
@@ -38,6 +39,7 @@ __all__ = [
     "MLAConfig",
     "SharedBlockConfig",
     "T5Config",
+    "VisionConfig",
     "ModelConfig",
     "TrainConfig",
     "ParamGroup",

@@ -1,6 +1,6 @@
 """The model's config: `ModelConfig` and its sections (`rope`, `moe`, `ssm`,
 `mamba2`, `linear`, `gdn`, `mla`, `t5`; `attention` lives in `tfjax.config.attention`,
-`shared` in `tfjax.config.shared`), frozen
+`shared` in `tfjax.config.shared`, `vision` in `tfjax.config.vision`), frozen
 dataclasses, and their checks.
 
 `validate_model` checks types, ranges and combinations of fields (each error names
@@ -21,6 +21,7 @@ from tfjax.config.attention import MOVED as ATTENTION_MOVED
 from tfjax.config.attention import AttentionConfig, validate_attention
 from tfjax.config.checks import fail, non_negative, one_of, positive
 from tfjax.config.shared import SharedBlockConfig, validate_shared
+from tfjax.config.vision import VisionConfig, validate_vision
 
 __all__ = ["DTYPES", "GatedDeltaNetConfig", "LinearConfig", "MLAConfig", "Mamba2Config",
            "ModelConfig", "MoEConfig", "RopeConfig", "SSMConfig", "T5Config", "validate_model"]
@@ -204,7 +205,7 @@ class ModelConfig:
 
     MOVED: ClassVar[dict[str, str]] = _MOVED  # old flat field -> its path now
 
-    arch: str = "decoder"  # decoder | encoder | encoder_decoder
+    arch: str = "decoder"  # decoder | encoder | encoder_decoder | vision
     vocab_size: int = 256
     d_model: int = 64
     num_layers: int = 2  # decoder layers (encoder layers for arch="encoder")
@@ -244,6 +245,8 @@ class ModelConfig:
     position: str = "rope"  # none | sinusoidal | learned | rope | alibi | t5
     rope: RopeConfig = dataclasses.field(default_factory=RopeConfig)
     t5: T5Config = dataclasses.field(default_factory=T5Config)
+    # Images (tfjax.config.vision): the vision encoder's input and pooling, a tower's size
+    vision: VisionConfig = dataclasses.field(default_factory=VisionConfig)
 
     # Norms and blocks.
     norm: str = "layernorm"  # layernorm | rmsnorm | rmsnorm_plus_one
@@ -381,6 +384,7 @@ def validate_model(c: ModelConfig, p: str) -> None:
     validate_attention(c, p)
     _validate_sections(c, p)
     validate_shared(c, p)
+    validate_vision(c.arch, c.position, c.vision, p)
 
     if c.position == "rope":
         r, rp = c.rope, f"{p}.rope"

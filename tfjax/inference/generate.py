@@ -52,11 +52,12 @@ def _programs(graphdef, mesh=None):
         model.eval()
         return model
 
-    def prefill(state, prompt, lengths, cache, C):
-        """Decoder-only prefill, in chunks of C tokens when 0 < C < T."""
+    def prefill(state, prompt, lengths, cache, C, inputs=None):
+        """Decoder-only prefill, in chunks of C tokens when 0 < C < T; `inputs`: the
+        model's other prefill inputs by keyword (`pixel_values`), whole prompts only."""
         T = prompt.shape[1]
         if not C or C >= T:
-            return merge(state).step(prompt, cache, lengths)
+            return merge(state).step(prompt, cache, lengths, **(inputs or {}))
         n = -(-T // C)
         prompt = jnp.pad(prompt, ((0, 0), (0, n * C - T)))
 
@@ -80,7 +81,7 @@ def _programs(graphdef, mesh=None):
         return logits, cache
 
     def start(state, prompt, lengths, key, settings, *, cache_len, decoder_start_id,
-              prefill_chunk=0):
+              prefill_chunk=0, inputs=None):
         model = merge(state)
         B, T = prompt.shape
         if _is_encoder_decoder(model):
@@ -91,7 +92,7 @@ def _programs(graphdef, mesh=None):
             logits, cache = model.step(first, cache, encoded)
         else:
             cache = model.init_cache(B, cache_len)
-            logits, cache = prefill(state, prompt, lengths, cache, prefill_chunk)
+            logits, cache = prefill(state, prompt, lengths, cache, prefill_chunk, inputs)
         return sample(jax.random.fold_in(key, 0), logits[:, 0], **settings), cache
 
     def step(state, cache, tok, key, i, settings):
@@ -144,9 +145,10 @@ def _programs(graphdef, mesh=None):
         return jax.lax.while_loop(cond, body, init)[3]
 
     def run(state, prompt, lengths, key, settings, eos_id, pad_id, *, cache_len, n,
-            decoder_start_id, prefill_chunk=0, switch=None):
+            decoder_start_id, prefill_chunk=0, switch=None, inputs=None):
         tok, cache = start(state, prompt, lengths, key, settings, cache_len=cache_len,
-                           decoder_start_id=decoder_start_id, prefill_chunk=prefill_chunk)
+                           decoder_start_id=decoder_start_id, prefill_chunk=prefill_chunk,
+                           inputs=inputs)
         return loop(state, cache, tok, key, settings, eos_id, pad_id, prompt, lengths, n=n,
                     cache_len=cache_len, switch=switch)
 
@@ -225,10 +227,17 @@ def _prepare(model, prompt_tokens, max_new_tokens, prompt_lengths, temperature, 
 def generate(model, prompt_tokens, *, max_new_tokens: int, prompt_lengths=None,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
              eos_id: int | None = None, seed: int = 0, pad_id: int | None = None,
-             decoder_start_id: int = 0, prefill_chunk: int | None = None) -> jax.Array:
+             decoder_start_id: int = 0, prefill_chunk: int | None = None,
+             pixel_values=None) -> jax.Array:
     """`max_new_tokens` tokens `[B, max_new_tokens]` int32 after each (right-padded)
     prompt; rows that emitted `eos_id` continue with `pad_id`. `prefill_chunk=C`
-    prefills the prompt C tokens at a time (same result, prefill memory bounded by C)."""
+    prefills the prompt C tokens at a time (same result, prefill memory bounded by C).
+    `pixel_values`: the images of a decoder with an image prefix
+    (`tfjax.models.ImagePrefixLM`), encoded once by its prefill, checked first."""
+    inputs = None
+    if pixel_values is not None:
+        inputs = {"pixel_values": jnp.asarray(pixel_values)}
+        model.check_inputs(prompt_tokens, inputs["pixel_values"])
     graphdef, state, prompt, lengths, settings, cache_len, eos, pad, key = _prepare(
         model, prompt_tokens, max_new_tokens, prompt_lengths, temperature, top_k, top_p, eos_id,
         pad_id, seed)
@@ -237,7 +246,7 @@ def generate(model, prompt_tokens, *, max_new_tokens: int, prompt_lengths=None,
     return run(state, prompt, lengths, key, settings, eos, pad, cache_len=cache_len,
                n=int(max_new_tokens), decoder_start_id=int(decoder_start_id),
                prefill_chunk=chunk,
-               switch=longrope_switch(model, prompt.shape[1], cache_len))
+               switch=longrope_switch(model, prompt.shape[1], cache_len), inputs=inputs)
 
 
 def stream(model, prompt_tokens, *, max_new_tokens: int, prompt_lengths=None,

@@ -30,12 +30,13 @@ from tfjax.interop.computation import config_diff
 from tfjax.interop.config_mapping import check_types
 from tfjax.interop.families import (Family, bert, bloom, deepseek_v3, gemma2, gemma3_text, gpt2,
                                     gpt_neox, gpt_oss, jamba, llama, llama4, mamba, mamba2,
-                                    mixtral, modernbert, olmo2, phi3, qwen2, qwen3, qwen3_moe,
-                                    qwen3_next, smollm3, t5, zamba2)
+                                    mixtral, modernbert, olmo2, paligemma, phi3, qwen2, qwen3,
+                                    qwen3_moe, qwen3_next, siglip, smollm3, t5, zamba2)
 from tfjax.interop.hf_invert import Inverse, Symbolic, hf_shapes, stack, symbolic_checkpoint
 from tfjax.interop.safetensors_io import SafetensorsCheckpoint, write_file
 from tfjax.interop.tensor_mapping import Weights
 from tfjax.models import EncoderModel, StackLayout, build, check_names
+from tfjax.models.vision import tower_config
 from tfjax.parallel.rules import logical_rules, spec_for, variable_axes
 from tfjax.registry import Registry
 
@@ -52,6 +53,7 @@ FAMILIES: Registry[Family] = Registry("Hugging Face model_type", {
         bert, modernbert,  # encoders
         t5,  # encoder-decoder
         mamba, mamba2, qwen3_next, jamba, zamba2,  # recurrent and hybrid
+        siglip, paligemma,  # vision, vision-language
     ) for model_type in module.FAMILY.model_types})
 
 
@@ -60,25 +62,30 @@ FAMILIES: Registry[Family] = Registry("Hugging Face model_type", {
 # --------------------------------------------------------------------------- #
 
 
-def _layouts(cfg: ModelConfig) -> dict[str, StackLayout]:
-    """The model's layer stacks by attribute name, with their layouts."""
+def _layouts(cfg: ModelConfig) -> dict[tuple, StackLayout]:
+    """The model's layer stacks by path, with their layouts."""
     if cfg.arch == "encoder_decoder":
-        return {"encoder": StackLayout.of(cfg, cfg.encoder_layers),
-                "decoder": StackLayout.of(cfg, cfg.num_layers)}
-    return {"layers": StackLayout.of(cfg)}
+        return {("encoder",): StackLayout.of(cfg, cfg.encoder_layers),
+                ("decoder",): StackLayout.of(cfg, cfg.num_layers)}
+    out = {("layers",): StackLayout.of(cfg)}
+    if cfg.arch == "decoder" and cfg.vision.image_size:  # its image tower (PaliGemma)
+        out[("vision", "layers")] = StackLayout.of(tower_config(cfg))
+    return out
 
 
 def _target(cfg: ModelConfig, key: tuple) -> tuple[tuple, int | None]:
-    """Our per-layer key `(stack, i, ...)` -> (state path, index in the scanned stack)."""
-    layouts = _layouts(cfg)
-    if key[0] not in layouts or not isinstance(key[1], int):
-        return key, None
-    stack, i, *rest = key
-    where = layouts[stack].where(i)
-    if where[0] == "cycles":
-        _, j, c = where
-        return (stack, "cycles", "layers", j, *rest), c
-    return (stack, "blocks", where[1], *rest), None
+    """Our per-layer key `(*stack, i, ...)` -> (state path, index in the scanned stack)."""
+    for stack, layout in _layouts(cfg).items():
+        n = len(stack)
+        if key[:n] != stack or len(key) <= n or not isinstance(key[n], int):
+            continue
+        i, rest = key[n], key[n + 1:]
+        where = layout.where(i)
+        if where[0] == "cycles":
+            _, j, c = where
+            return (*stack, "cycles", "layers", j, *rest), c
+        return (*stack, "blocks", where[1], *rest), None
+    return key, None
 
 
 def _abstract(cfg: ModelConfig):
@@ -368,7 +375,8 @@ def export(model: nnx.Module, path: str, *, family: str | None = None, dtype: st
                              f"model.vocab_size is {cfg.vocab_size}; pass the run's own tokenizer")
     out_dtype = np.dtype(jnp.dtype(dtype or cfg.param_dtype))
     shapes = hf_shapes(hf)
-    inverse = Inverse(fam.weights, cfg, hf, shapes, family=model_type)
+    inverse = Inverse(fam.weights, cfg, hf, shapes, family=model_type,
+                      prefix_aliases=(fam.prefix,) if fam.prefix else ())
     state = dict(nnx.to_flat_state(nnx.state(inner)))  # Params, and state a mapping reads
     flat = {p: v.get_value() for p, v in state.items()}  # (DeepSeek's MoE score bias)
     layers: dict[tuple, set] = {}

@@ -327,18 +327,19 @@ class Inverse:
     """A family's weights mapping run backwards, for one model config.
 
     weights: the family's `weights(w, cfg, hf)`; shapes: `{tensor name: shape}` of the
-    HF model's state dict. After construction `params` is `{our key: Symbolic}` (what
+    HF model's state dict; prefix_aliases: as `Weights` takes them (the family's
+    prefix, which transformers may save without). After construction `params` is `{our key: Symbolic}` (what
     the mapping made of the checkpoint) and `written` the tensors export writes, in
     the order to write them (by the first parameter that fills each)."""
 
     def __init__(self, weights: Callable[[Weights, ModelConfig, dict], dict],
                  cfg: ModelConfig, hf: dict, shapes: dict[str, tuple[int, ...]],
-                 family: str = "the family"):
+                 family: str = "the family", prefix_aliases: tuple[str, ...] = ()):
         self.family = family
         self.shapes = {n: tuple(s) for n, s in shapes.items()}
         leaves = self._leaves = symbolic_checkpoint(self.shapes)
         ckpt = _Reads(leaves)
-        w = Weights(ckpt)
+        w = Weights(ckpt, prefix_aliases)
         self.params: dict[tuple, Symbolic] = weights(w, cfg, hf)
         left = w.leftovers()
         if left:
