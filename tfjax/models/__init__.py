@@ -4,6 +4,7 @@ See docs/models.md.
     architectures.py     ARCHITECTURES, check_names (registry-owned names), build, unrolled,
                          cache_bytes
     decoder.py encoder.py encoder_decoder.py    the three architectures
+    speech.py            the encoder-decoder over log-mel features (Whisper), its greedy generate
     layer_kinds.py       one record per layer kind and ffn kind (LAYER_KINDS, FFN_KINDS)
     layout.py            StackLayout: where layer i of a stack lives
     stack.py             LayerStack, the block of each layer, embedder and head
@@ -12,13 +13,15 @@ See docs/models.md.
 """
 
 from tfjax.models.architectures import (ARCHITECTURES, build, cache_bytes, check_names,
-                                        kv_bytes_per_token, unrolled)
+                                        kv_bytes_per_token, model_class, unrolled)
 from tfjax.models.decoder import DecoderLM
 from tfjax.models.encoder import EncoderModel
 from tfjax.models.encoder_decoder import EncoderDecoderModel
 from tfjax.models.layer_kinds import FFN_KINDS, LAYER_KINDS, FfnKind, LayerKind
 from tfjax.models.layout import StackLayout
+from tfjax.models.speech import SpeechEncoderDecoderModel
 
 __all__ = ["ARCHITECTURES", "DecoderLM", "EncoderDecoderModel", "EncoderModel", "FFN_KINDS",
-           "FfnKind", "LAYER_KINDS", "LayerKind", "StackLayout", "build", "cache_bytes",
-           "check_names", "kv_bytes_per_token", "unrolled"]
+           "FfnKind", "LAYER_KINDS", "LayerKind", "SpeechEncoderDecoderModel", "StackLayout",
+           "build", "cache_bytes", "check_names", "kv_bytes_per_token", "model_class",
+           "unrolled"]

@@ -24,6 +24,7 @@ from tfjax.config import ModelConfig, model_config
 from tfjax.models.decoder import DecoderLM
 from tfjax.models.encoder import EncoderModel
 from tfjax.models.encoder_decoder import EncoderDecoderModel
+from tfjax.models.speech import SpeechEncoderDecoderModel
 from tfjax.models import caching, mup
 from tfjax.models.layer_kinds import FFN_KINDS, LAYER_KINDS
 from tfjax.models.stack import REMAT_POLICIES, LayerStack
@@ -38,12 +39,20 @@ from tfjax.ops.attention import IMPLEMENTATIONS
 from tfjax.registry import Registry
 
 __all__ = ["ARCHITECTURES", "build", "cache_bytes", "check_names", "kv_bytes_per_token",
-           "unrolled"]
+           "model_class", "unrolled"]
 
 ARCHITECTURES: Registry[type] = Registry("architecture")
 ARCHITECTURES.register("decoder", DecoderLM)
 ARCHITECTURES.register("encoder", EncoderModel)
 ARCHITECTURES.register("encoder_decoder", EncoderDecoderModel)
+
+
+def model_class(cfg: ModelConfig) -> type:
+    """The class `build` makes of `cfg`: its architecture's, or with `model.audio` (an
+    encoder-decoder over log-mel features) `SpeechEncoderDecoderModel`."""
+    if cfg.arch == "encoder_decoder" and cfg.audio.n_mels:
+        return SpeechEncoderDecoderModel
+    return ARCHITECTURES.get(cfg.arch, field="model.arch")
 
 
 def _one_of(field: str, value, allowed: Iterable[str]) -> None:
@@ -113,7 +122,7 @@ def build(model_cfg, *, rngs: nnx.Rngs | None = None) -> nnx.Module:
     """A model from `cfg.model` (ConfigDict, dict or ModelConfig), checked first."""
     cfg = check_names(model_config(model_cfg))
     mup.check(cfg)
-    model = ARCHITECTURES.get(cfg.arch, field="model.arch")(cfg, rngs=rngs or nnx.Rngs(0))
+    model = model_class(cfg)(cfg, rngs=rngs or nnx.Rngs(0))
     model = mup.rescale_init(model, cfg)
     return quantize(model, cfg.quant, paths=cfg.quant_paths, exclude=cfg.quant_exclude)
 
@@ -141,7 +150,7 @@ def unrolled(model: nnx.Module) -> nnx.Module:
         raise ValueError("unrolled: the model's dropout layers are in mixed modes; call "
                          "model.eval() or model.train() first")
     config = getattr(model, "config", None)
-    if not isinstance(config, ModelConfig) or type(model) is not ARCHITECTURES.get(config.arch):
+    if not isinstance(config, ModelConfig) or type(model) is not model_class(config):
         raise ValueError(f"unrolled: takes a model `tfjax.models.build` made, not a "
                          f"{type(model).__name__} (an HF encoder: its `.model`, or "
                          f"hf.load(..., scan_layers=False))")
