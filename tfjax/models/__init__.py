@@ -3,8 +3,7 @@ See docs/models.md.
 
     architectures.py     ARCHITECTURES, check_names (registry-owned names), build, unrolled,
                          cache_bytes
-    decoder.py encoder.py encoder_decoder.py    the three architectures
-    speech.py            the encoder-decoder over log-mel features (Whisper), its greedy generate
+    decoder.py encoder.py encoder_decoder.py speech.py    the architectures (speech: Whisper)
     layer_kinds.py       one record per layer kind and ffn kind (LAYER_KINDS, FFN_KINDS)
     layout.py            StackLayout: where layer i of a stack lives
     stack.py             LayerStack, the block of each layer, embedder and head

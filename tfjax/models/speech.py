@@ -5,11 +5,10 @@
     tokens  = generate(model, features, decoder_input_ids, max_new_tokens=N)
 
 `EncoderDecoderModel` with `model.audio`: the encoder reads log-mel features
-`[B, n_mels, F]` through `tfjax.nn.audio.AudioFrontEnd` instead of tokens, its
-blocks with `audio.num_heads` heads and `audio.d_ff` (else the model's); the decoder,
-its cross-attention, its caches and the tied head are the encoder-decoder's. Bad
-features raise one line naming `input_features` before anything compiles.
-See docs/multimodal.md.
+`[B, n_mels, F]` through `tfjax.nn.audio.AudioFrontEnd`, with `audio.num_heads` /
+`audio.d_ff` where set; decoder, caches and head are the encoder-decoder's. Bad
+features: one line naming `input_features`, before anything compiles. See
+docs/multimodal.md.
 """
 
 from __future__ import annotations
