@@ -101,7 +101,6 @@ def test_k_bias_is_only_dropped_with_qkv_bias():
     assert m.decoder.cycles.layers[0].attn.k.bias is not None
 
 
-@pytest.mark.slow  # three compiled generations and a forward (~25 s on 2 busy cores)
 def test_generate_through_the_caches_equals_the_forward(model):
     feats = _features(seed=2)
     prompt = np.array([[1, 7, 3], [1, 2, 9]])
