@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 
 from tfjax.config import model_config
+from tfjax.data.audio import log_mel
 from tfjax.models import SpeechEncoderDecoderModel, build, unrolled
 from tfjax.models.speech import check_features, generate
 from tfjax.nn.audio import AudioFrontEnd, whisper_sinusoids
@@ -166,3 +167,10 @@ def test_config_errors_name_the_field(override, match):
 def test_audio_off_is_the_token_encoder_decoder():
     c = model_config(_cfg(audio=dict(n_mels=0)))
     assert type(build(c, rngs=nnx.Rngs(0))).__name__ == "EncoderDecoderModel"
+
+
+def test_raw_audio_through_log_mel_into_the_encoder(model):
+    wave = np.sin(np.arange(2500) * 0.1).astype(np.float32)  # 15 frames of 10 ms
+    feats = log_mel(wave, sampling_rate=16000, n_mels=MELS, seconds=None)[None]
+    assert feats.shape == (1, MELS, 15)
+    assert _encode(model, feats).shape == (1, 8, 20)
