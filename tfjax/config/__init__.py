@@ -5,13 +5,14 @@ anything is traced: an unknown key, a moved field, a wrong type, a value out of 
 or an invalid combination raises `ValueError` naming the field and what would be right.
 Below the boundary a layer takes its section's record whole (`Mamba(d_model, cfg.ssm)`),
 never the ConfigDict. This package imports nothing else of tfjax; names a registry owns
-are checked by `tfjax.models.check_names`. Modules: `model`, `attention`, `shared`, `vision` (the
+are checked by `tfjax.models.check_names`. Modules: `model`, `attention`, `shared`, `vision`, `audio` (the
 model's sections), `run` (the trainer's, `RunConfig`), `posttrain` (its preference and
 distillation sections), `convert`, `checks`. See
 docs/presets.md.
 """
 
 from tfjax.config.attention import AttentionConfig
+from tfjax.config.audio import AudioConfig
 from tfjax.config.convert import (apply_variant, default_config, flat_fields, from_dict,
                                   model_config, moved_field, run_config, to_config_dict,
                                   unknown_field, upgrade_saved)
@@ -30,6 +31,7 @@ from tfjax.config.run import (DCN_AXES, DEFAULT_RULES, MESH_AXES, CheckpointConf
 __all__ = [
     "upgrade_saved",
     "AttentionConfig",
+    "AudioConfig",
     "RopeConfig",
     "MoEConfig",
     "SSMConfig",

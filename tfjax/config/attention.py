@@ -21,6 +21,9 @@ class AttentionConfig:
     record whole). Zero means "derive" or "off" where noted."""
 
     qkv_bias: bool = False
+    # with qkv_bias: False leaves the key projection without one (Whisper; a key bias
+    # shifts every score of a query alike, which the softmax ignores)
+    k_bias: bool = True
     out_bias: bool = False
     qk_norm: bool = False
     # "head": q and k normalised per head over head_dim (Qwen3, Gemma 3); "projection":

@@ -19,6 +19,7 @@ from typing import ClassVar
 
 from tfjax.config.attention import MOVED as ATTENTION_MOVED
 from tfjax.config.attention import AttentionConfig, validate_attention
+from tfjax.config.audio import AudioConfig, validate_audio
 from tfjax.config.checks import fail, non_negative, one_of, positive
 from tfjax.config.shared import SharedBlockConfig, validate_shared
 from tfjax.config.vision import VisionConfig, validate_vision
@@ -247,6 +248,8 @@ class ModelConfig:
     t5: T5Config = dataclasses.field(default_factory=T5Config)
     # Images (tfjax.config.vision): the vision encoder's input and pooling, a tower's size
     vision: VisionConfig = dataclasses.field(default_factory=VisionConfig)
+    # Whisper's audio front end before the encoder (tfjax.config.audio); n_mels 0 -> off
+    audio: AudioConfig = dataclasses.field(default_factory=AudioConfig)
 
     # Norms and blocks.
     norm: str = "layernorm"  # layernorm | rmsnorm | rmsnorm_plus_one
@@ -434,6 +437,7 @@ def validate_model(c: ModelConfig, p: str) -> None:
     if c.arch != "encoder_decoder" and c.num_encoder_layers:
         fail(f"{p}.num_encoder_layers", f"only arch='encoder_decoder' has a separate encoder "
              f"(arch={c.arch!r}); use num_layers")
+    validate_audio(c, p)
 
 
 def _validate_mamba2(c: ModelConfig, p: str) -> None:

@@ -31,7 +31,8 @@ from tfjax.interop.config_mapping import check_types
 from tfjax.interop.families import (Family, bert, bloom, deepseek_v3, gemma2, gemma3_text, gpt2,
                                     gpt_neox, gpt_oss, jamba, llama, llama4, mamba, mamba2,
                                     mixtral, modernbert, olmo2, paligemma, phi3, qwen2, qwen3,
-                                    qwen3_moe, qwen3_next, siglip, smollm3, t5, zamba2)
+                                    qwen3_moe, qwen3_next, siglip, smollm3, t5, whisper,
+                                    zamba2)
 from tfjax.interop.hf_invert import Inverse, Symbolic, hf_shapes, stack, symbolic_checkpoint
 from tfjax.interop.safetensors_io import SafetensorsCheckpoint, write_file
 from tfjax.interop.tensor_mapping import Weights
@@ -52,6 +53,7 @@ FAMILIES: Registry[Family] = Registry("Hugging Face model_type", {
         gpt2, gpt_neox, bloom,  # fused QKV, LayerNorm
         bert, modernbert,  # encoders
         t5,  # encoder-decoder
+        whisper,  # speech encoder-decoder (log-mel features in)
         mamba, mamba2, qwen3_next, jamba, zamba2,  # recurrent and hybrid
         siglip, paligemma,  # vision, vision-language
     ) for model_type in module.FAMILY.model_types})

@@ -109,13 +109,13 @@ def embedding_and_head(w: Weights, cfg: ModelConfig, *,
 def attention_weights(w: Weights, p: str, L: tuple, cfg: ModelConfig,
                       names=("q_proj", "k_proj", "v_proj", "o_proj")) -> dict:
     """Separate q/k/v/o Linears `p + name` (a name starting with "/" is a full name),
-    their biases as `model.attention.qkv_bias` / `out_bias` say."""
+    their biases as `model.attention.qkv_bias` / `k_bias` / `out_bias` say."""
     N, K, H = cfg.num_heads, cfg.kv_heads, cfg.head_size
     full = [n[1:] if n.startswith("/") else p + n for n in names]
     out = {}
     for ours, theirs, heads in zip("qkv", full[:3], (N, K, K)):
         out[L + (ours, "kernel")] = heads_in(w[f"{theirs}.weight"], heads, H)
-        if cfg.attention.qkv_bias:
+        if cfg.attention.qkv_bias and (ours != "k" or cfg.attention.k_bias):
             out[L + (ours, "bias")] = w[f"{theirs}.bias"].reshape(heads, H)
     out[L + ("o", "kernel")] = heads_out(w[f"{full[3]}.weight"], N, H)
     if cfg.attention.out_bias:

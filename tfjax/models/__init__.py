@@ -3,7 +3,8 @@ See docs/models.md.
 
     architectures.py     ARCHITECTURES, check_names (registry-owned names), build, unrolled,
                          cache_bytes
-    decoder.py encoder.py encoder_decoder.py vision.py (+ vision_language.py: PaliGemma)
+    decoder.py encoder.py encoder_decoder.py vision.py vision_language.py (PaliGemma)
+                         speech.py (Whisper): the architectures
     layer_kinds.py       one record per layer kind and ffn kind (LAYER_KINDS, FFN_KINDS)
     layout.py            StackLayout: where layer i of a stack lives
     stack.py             LayerStack, the block of each layer, embedder and head
@@ -12,15 +13,17 @@ See docs/models.md.
 """
 
 from tfjax.models.architectures import (ARCHITECTURES, build, cache_bytes, check_names,
-                                        kv_bytes_per_token, unrolled)
+                                        kv_bytes_per_token, model_class, unrolled)
 from tfjax.models.decoder import DecoderLM
 from tfjax.models.encoder import EncoderModel
 from tfjax.models.encoder_decoder import EncoderDecoderModel
 from tfjax.models.layer_kinds import FFN_KINDS, LAYER_KINDS, FfnKind, LayerKind
 from tfjax.models.layout import StackLayout
+from tfjax.models.speech import SpeechEncoderDecoderModel
 from tfjax.models.vision import VisionEncoder
 from tfjax.models.vision_language import ImagePrefixLM
 
 __all__ = ["ARCHITECTURES", "DecoderLM", "EncoderDecoderModel", "EncoderModel", "FFN_KINDS",
-           "FfnKind", "ImagePrefixLM", "LAYER_KINDS", "LayerKind", "StackLayout", "VisionEncoder",
-           "build", "cache_bytes", "check_names", "kv_bytes_per_token", "unrolled"]
+           "FfnKind", "ImagePrefixLM", "LAYER_KINDS", "LayerKind", "SpeechEncoderDecoderModel",
+           "StackLayout", "VisionEncoder", "build", "cache_bytes", "check_names",
+           "kv_bytes_per_token", "model_class", "unrolled"]

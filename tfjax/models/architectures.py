@@ -26,6 +26,7 @@ from tfjax.models.encoder import EncoderModel
 from tfjax.models.encoder_decoder import EncoderDecoderModel
 from tfjax.models.vision import VisionEncoder
 from tfjax.models.vision_language import ImagePrefixLM
+from tfjax.models.speech import SpeechEncoderDecoderModel
 from tfjax.models import caching, mup
 from tfjax.models.layer_kinds import FFN_KINDS, LAYER_KINDS
 from tfjax.models.stack import REMAT_POLICIES, LayerStack
@@ -116,9 +117,14 @@ def _check_shared(c: ModelConfig, p: str) -> None:
 
 def model_class(cfg: ModelConfig) -> type:
     """The class `build` makes for `cfg`: its architecture's, or for a decoder with
-    images (model.vision.image_size > 0) the image-prefix decoder."""
+    images (model.vision.image_size > 0) the image-prefix decoder, for an
+    encoder-decoder over log-mel features (model.audio.n_mels > 0) the speech model."""
     cls = ARCHITECTURES.get(cfg.arch, field="model.arch")
-    return ImagePrefixLM if cls is DecoderLM and cfg.vision.image_size else cls
+    if cls is DecoderLM and cfg.vision.image_size:
+        return ImagePrefixLM
+    if cls is EncoderDecoderModel and cfg.audio.n_mels:
+        return SpeechEncoderDecoderModel
+    return cls
 
 
 def build(model_cfg, *, rngs: nnx.Rngs | None = None) -> nnx.Module:

@@ -28,12 +28,16 @@ __all__ = ["EncoderDecoderModel"]
 
 
 class EncoderDecoderModel(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    """`encoder_config`: the encoder's blocks' config where they differ from the
+    decoder's (heads, feed-forward: `tfjax.models.speech`); default `cfg`."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs,
+                 encoder_config: ModelConfig | None = None):
         self.config = cfg
         self.embed = Embedder(cfg, rngs)
         self.encoder_rel_bias = relative_bias(cfg, rngs, bidirectional=True)
         self.decoder_rel_bias = relative_bias(cfg, rngs, bidirectional=False)
-        self.encoder = LayerStack(cfg, rngs, num_layers=cfg.encoder_layers)
+        self.encoder = LayerStack(encoder_config or cfg, rngs, num_layers=cfg.encoder_layers)
         self.decoder = LayerStack(cfg, rngs, num_layers=cfg.num_layers, cross=True)
         final = cfg.final_norm and cfg.norm_placement != "post"
         self.encoder_norm = build_norm(cfg, rngs) if final else None

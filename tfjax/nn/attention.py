@@ -115,7 +115,8 @@ class MultiHeadAttention(nnx.Module):
         self.zigzag = a.zigzag
         self.q, self.k, self.v, self.o = head_projections(
             d_model, num_heads, K, H, v_head_dim=self.v_head_dim, context_dim=context_dim,
-            out_dim=out_dim, qkv_bias=a.qkv_bias, out_bias=a.out_bias, dtype=dtype,
+            out_dim=out_dim, qkv_bias=a.qkv_bias, k_bias=a.qkv_bias and a.k_bias,
+            out_bias=a.out_bias, dtype=dtype,
             param_dtype=param_dtype, init_std=init_std, out_init_std=out_init_std, rngs=rngs)
         if a.sinks:
             init = with_logical_axes(nnx.initializers.normal(init_std), ("heads",))
@@ -430,14 +431,15 @@ def _attention(q, k, v, mask, bias, *, scale, softcap, sinks, implementation,
 def head_projections(d_model: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
                      v_head_dim: int | None = None, context_dim: int | None = None,
                      out_dim: int | None = None, qkv_bias: bool = False,
-                     out_bias: bool = False, dtype: DType = jnp.float32,
+                     k_bias: bool | None = None, out_bias: bool = False, dtype: DType = jnp.float32,
                      param_dtype: DType = jnp.float32, init_std: float = 0.02,
                      out_init_std: float | None = None, rngs: nnx.Rngs):
     """The four einsum projections of an attention-like mixer: q `[D, N, H]`, k
     `[Dc, K, H]`, v `[Dc, K, Hv]` (Dc: `context_dim`, default D; Hv: `v_head_dim`,
     default H), o `[N, Hv, Do]` (Do: `out_dim`, default D), each with its
     logical axis names ("embed", "heads" / "kv_heads", "head_dim") and an optional
-    zero-initialised bias; N(0, init_std) kernels, o's N(0, out_init_std)."""
+    zero-initialised bias (k's: `k_bias`, default `qkv_bias`); N(0, init_std) kernels,
+    o's N(0, out_init_std)."""
     Dc, Hv = context_dim or d_model, v_head_dim or head_dim
     normal = nnx.initializers.normal(init_std)
     out_normal = nnx.initializers.normal(init_std if out_init_std is None else out_init_std)
@@ -452,7 +454,7 @@ def head_projections(d_model: int, num_heads: int, num_kv_heads: int, head_dim: 
     q = proj("BTD,DNH->BTNH", (d_model, num_heads, head_dim), ("embed", "heads", "head_dim"),
              ("heads", "head_dim"), normal, qkv_bias)
     k = proj("BSD,DKH->BSKH", (Dc, num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"),
-             ("kv_heads", "head_dim"), normal, qkv_bias)
+             ("kv_heads", "head_dim"), normal, qkv_bias if k_bias is None else k_bias)
     v = proj("BSD,DKH->BSKH", (Dc, num_kv_heads, Hv), ("embed", "kv_heads", "head_dim"),
              ("kv_heads", "head_dim"), normal, qkv_bias)
     o = proj("BTNH,NHD->BTD", (num_heads, Hv, out_dim or d_model), ("heads", "head_dim", "embed"),
