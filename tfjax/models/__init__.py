@@ -3,8 +3,7 @@ See docs/models.md.
 
     architectures.py     ARCHITECTURES, check_names (registry-owned names), build, unrolled,
                          cache_bytes
-    decoder.py encoder.py encoder_decoder.py vision.py vision_language.py (PaliGemma)
-                         speech.py (Whisper): the architectures
+    decoder.py encoder.py encoder_decoder.py vision.py vision_language.py speech.py
     layer_kinds.py       one record per layer kind and ffn kind (LAYER_KINDS, FFN_KINDS)
     layout.py            StackLayout: where layer i of a stack lives
     stack.py             LayerStack, the block of each layer, embedder and head
