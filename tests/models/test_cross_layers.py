@@ -93,7 +93,7 @@ def reference(model, tokens, context, bias, rows):
     return unrolled.embed.logits(unrolled.final_norm(x))
 
 
-@pytest.mark.parametrize("scan", [True, False])
+@pytest.mark.parametrize("scan", [pytest.param(True, marks=pytest.mark.slow), False])
 def test_forward_matches_reference(scan):
     cfg, model = _model(scan)
     tokens, context, allowed = _inputs()
@@ -118,6 +118,7 @@ def test_closed_gates_are_the_identity():
                                      context_rows=rows), model(tokens), atol=1e-6)
 
 
+@pytest.mark.slow
 def test_gradients_match_reference():
     cfg, model = _model(scan=False)
     tokens, context, allowed = _inputs(T=5, S=3)
@@ -137,6 +138,7 @@ def test_gradients_match_reference():
     assert len(gates) == 4 and all(abs(float(g.value)) > 0 for g in gates)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scan", [True, False])
 def test_cached_decode_matches_forward(scan):
     cfg, model = _model(scan)

@@ -1,0 +1,126 @@
+"""Llama-3.2-Vision (`MllamaModel`): the vision model, its projector and a decoder whose
+"cross" layers attend to the projected image features, called with Hugging Face's
+input names.
+
+    logits = model(input_ids, pixel_values=, aspect_ratio_ids=, aspect_ratio_mask=,
+                   cross_attention_mask=)                       # [B, T, V] float32
+    tokens = model.generate(input_ids, max_new_tokens, pixel_values=, ...)   # greedy
+
+pixel_values `[B, M, tiles, C, H, W]` (M images a row), aspect_ratio_ids `[B, M]`,
+aspect_ratio_mask `[B, M, tiles]`, cross_attention_mask `[B, T, M, tiles]` (1: the
+token sees that tile). Each tile's P tokens become context keys, `S = M tiles P`; a
+token whose mask row is all 0 attends to every key uniformly and its cross layers'
+ffn residual is dropped (HF's `full_text_row_masked_out_mask`); without images the
+cross layers are skipped. The decoder's vocabulary may be wider than the text's
+(HF's 8 extra embedding rows): logits are cut to `text_vocab`. Generation computes
+the image features once, at the prefill, into the cross layers' caches; each new
+token's mask row is the prompt's last. See docs/multimodal.md ("Llama-3.2-Vision").
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tfjax.config import ModelConfig
+from tfjax.config.mllama import MllamaVisionConfig
+from tfjax.models.decoder import DecoderLM
+from tfjax.models.layer_kinds import LAYER_KINDS
+from tfjax.models.mllama_vision import MllamaVisionModel, check_images
+
+__all__ = ["MllamaModel", "cross_attention_inputs"]
+
+
+def cross_attention_inputs(cross_attention_mask, patches: int):
+    """cross_attention_mask `[B, T, M, tiles]` -> (the cross layers' additive bias
+    `[B, 1, T, M tiles P]`, rows `[B, T]`: 1 where the token sees some tile)."""
+    allowed = jnp.repeat(jnp.asarray(cross_attention_mask).astype(bool), patches, axis=-1)
+    allowed = allowed.reshape(*allowed.shape[:2], -1)
+    rows = allowed.any(-1)
+    bias = jnp.where(allowed | ~rows[..., None], 0.0, jnp.finfo(jnp.float32).min)
+    return bias[:, None], rows.astype(jnp.float32)
+
+
+class MllamaModel(nnx.Module):
+    def __init__(self, cfg: ModelConfig, vision: MllamaVisionConfig, *,
+                 text_vocab: int | None = None, rngs: nnx.Rngs):
+        if not any(LAYER_KINDS.get(k, field="model.layer_pattern").context
+                   for k in cfg.layer_pattern):
+            raise ValueError("MllamaModel: model.layer_pattern has no 'cross' layer to attend "
+                             "to the images")
+        if vision.text_dim != cfg.d_model:
+            raise ValueError(f"vision.text_dim={vision.text_dim} must be the text model's "
+                             f"d_model={cfg.d_model}")
+        self.config, self.vision_config = cfg, vision
+        self.text_vocab = text_vocab or cfg.vocab_size
+        self.vision = MllamaVisionModel(vision, rngs=rngs)
+        self.projector = nnx.Linear(vision.output_dim, cfg.d_model, use_bias=True, rngs=rngs)
+        self.text = DecoderLM(cfg, rngs=rngs)
+
+    def image_features(self, pixel_values, aspect_ratio_ids, aspect_ratio_mask=None):
+        """The cross layers' context `[B, M tiles P, D]`."""
+        f = self.projector(self.vision(pixel_values, aspect_ratio_ids, aspect_ratio_mask))
+        return f.reshape(f.shape[0], -1, f.shape[-1])
+
+    def _check(self, input_ids, pixel_values, aspect_ratio_ids, aspect_ratio_mask,
+               cross_attention_mask):
+        if input_ids.ndim != 2:
+            raise ValueError(f"input_ids: expected [batch, length] token ids, got shape "
+                             f"{tuple(input_ids.shape)}")
+        if pixel_values is None:
+            if cross_attention_mask is not None:
+                raise ValueError("cross_attention_mask given without pixel_values: pass the "
+                                 "images it masks, or neither")
+            return
+        check_images(self.vision_config, pixel_values, aspect_ratio_ids, aspect_ratio_mask)
+        B, M, tiles = pixel_values.shape[:3]
+        if input_ids.shape[0] != B:
+            raise ValueError(f"pixel_values: {B} rows of images for {input_ids.shape[0]} rows "
+                             "of input_ids")
+        want = (B, input_ids.shape[1], M, tiles)
+        if cross_attention_mask is not None and tuple(cross_attention_mask.shape) != want:
+            raise ValueError(f"cross_attention_mask: expected shape {want} ([batch, tokens, "
+                             f"images, tiles] of these pixel_values), got "
+                             f"{tuple(cross_attention_mask.shape)}")
+
+    def _context(self, input_ids, pixel_values, aspect_ratio_ids, aspect_ratio_mask,
+                 cross_attention_mask) -> dict:
+        self._check(input_ids, pixel_values, aspect_ratio_ids, aspect_ratio_mask,
+                    cross_attention_mask)
+        if pixel_values is None:
+            return {}
+        context = self.image_features(pixel_values, aspect_ratio_ids, aspect_ratio_mask)
+        if cross_attention_mask is None:  # every token sees every tile
+            B, T = input_ids.shape
+            return dict(context=context, context_bias=jnp.zeros((B, 1, T, context.shape[1])))
+        bias, rows = cross_attention_inputs(cross_attention_mask, self.vision_config.patches)
+        return dict(context=context, context_bias=bias, context_rows=rows)
+
+    def __call__(self, input_ids, pixel_values=None, aspect_ratio_ids=None,
+                 aspect_ratio_mask=None, cross_attention_mask=None, positions=None):
+        """Logits `[B, T, text_vocab]` float32 (module docstring)."""
+        context = self._context(input_ids, pixel_values, aspect_ratio_ids, aspect_ratio_mask,
+                                cross_attention_mask)
+        return self.text(input_ids, positions, **context)[..., :self.text_vocab]
+
+    def generate(self, input_ids, max_new_tokens: int, pixel_values=None, aspect_ratio_ids=None,
+                 aspect_ratio_mask=None, cross_attention_mask=None):
+        """Greedy continuation `[B, max_new_tokens]` of `input_ids` `[B, T]` (no padding):
+        the prompt and images prefilled at once, then one token a step over the cache."""
+        context = self._context(input_ids, pixel_values, aspect_ratio_ids, aspect_ratio_mask,
+                                cross_attention_mask)
+        B, T = input_ids.shape
+        S = context["context"].shape[1] if context else 1  # no image: the cross layers skip
+        cache = self.text.init_cache(B, T + max_new_tokens, context_len=S)
+        logits, cache = self.text.step(input_ids, cache, **context)
+        last = {k: v[..., -1:] if k == "context_rows" else v[:, :, -1:]
+                for k, v in context.items() if k != "context"}
+        out = []
+        for _ in range(max_new_tokens):
+            token = jnp.argmax(logits[:, -1, :self.text_vocab], axis=-1)[:, None]
+            out.append(token)
+            if len(out) == max_new_tokens:
+                break
+            logits, cache = self.text.step(token.astype(jnp.int32), cache, **last)
+        return jnp.concatenate(out, axis=1)
