@@ -5,13 +5,16 @@ a padding tile, a token that sees no image, every gate opened) loaded into
 `tfjax.models.mllama.MllamaModel`: the vision features and the fp32 logits within 1e-4,
 greedy tokens equal to `generate`; bad images and masks raise one line before tracing."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from tfjax.interop import hf as tfjax_hf  # noqa: E402
 from tfjax.interop.families import mllama  # noqa: E402
 
 VISION = dict(hidden_size=16, num_hidden_layers=3, num_global_layers=2, attention_heads=2,
@@ -61,6 +64,17 @@ def _torch(x):
 
 def _jax(x):
     return {k: jnp.asarray(v) for k, v in x.items()}
+
+
+def test_hf_load_reads_a_checkpoint_directory(pair, tmp_path):
+    hf, ours = pair
+    hf.save_pretrained(tmp_path)
+    model, cfg = tfjax_hf.load(str(tmp_path))
+    assert cfg.layer_pattern == ("global", "cross") and cfg.vocab_size == TEXT["vocab_size"] + 8
+    a, b = nnx.state(model, nnx.Param), nnx.state(ours, nnx.Param)
+    jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
+    with pytest.raises(NotImplementedError, match="mesh=None"):
+        tfjax_hf.load(str(tmp_path), mesh=object())
 
 
 def test_config_maps_the_cross_layers():

@@ -3,6 +3,7 @@ model whose `cross_attention_layers` are tfjax's "cross" layers, the tiled visio
 (`tfjax.models.mllama_vision`) and the projector, as `tfjax.models.mllama.MllamaModel`.
 
     model = from_hf(config_dict, tensors)      # tensors: {HF name: array}
+    model, cfg = tfjax.interop.hf.load(path)   # the same, from a checkpoint directory
 
 The text model's embedding has HF's 8 extra rows (`vocab_size + 8`); the head, of
 `vocab_size` rows, is padded with zero rows to the same width and the model's logits
@@ -11,19 +12,21 @@ are cut back to `vocab_size`. See docs/multimodal.md ("Llama-3.2-Vision").
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from tfjax.config import ModelConfig, model_config
 from tfjax.config.mllama import MllamaVisionConfig
-from tfjax.interop.families import llama
+from tfjax.interop.families import Family, llama
 from tfjax.interop.tensor_mapping import (Weights, attention_weights, heads_in, heads_out,
                                           norm_weights, qk_norm_weights, swiglu_weights)
 from tfjax.models.layout import StackLayout
 from tfjax.models.mllama import MllamaModel
 
-__all__ = ["EXTRA_ROWS", "config", "from_hf", "layer_pattern", "vision_config", "weights"]
+__all__ = ["EXTRA_ROWS", "FAMILY", "config", "from_hf", "layer_pattern", "vision_config", "weights"]
 
 EXTRA_ROWS = 8  # HF's embed_tokens: vocab_size + 8 rows
 _T, _V = "model.language_model.", "model.vision_model."
@@ -146,6 +149,32 @@ def weights(w: Weights, cfg: ModelConfig, hf: dict) -> dict:
     return {**_text_weights(w, cfg), **_vision_weights(w, vision_config(hf))}
 
 
+# the names save_pretrained writes (and the Hub's checkpoints hold) -> the module's
+_SAVED = (("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."),
+          ("vision_model.", "model.vision_model."),
+          ("multi_modal_projector.", "model.multi_modal_projector."))
+
+
+class _Renamed(Mapping):
+    """A checkpoint's tensors under the module's names (`_SAVED`), read lazily."""
+
+    def __init__(self, tensors):
+        self.tensors, self.names = tensors, {}
+        for name in tensors:
+            new = next((new + name[len(old):] for old, new in _SAVED if name.startswith(old)),
+                       name)
+            self.names[new] = name
+
+    def __getitem__(self, name):
+        return self.tensors[self.names[name]]
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self):
+        return len(self.names)
+
+
 def _place(cfg: ModelConfig, key: tuple) -> tuple[tuple, int | None]:
     """Our key -> (the MllamaModel state path, index in a scanned stack)."""
     if key[0] == "layers":
@@ -164,9 +193,10 @@ def from_hf(hf: dict, tensors, *, scan_layers: bool = True, dtype: str = "float3
     every tensor is used and every parameter given, or a ValueError names it."""
     if hf.get("model_type") != "mllama":
         raise ValueError(f"config.json model_type: expected 'mllama', got {hf.get('model_type')!r}")
+    dtype = str(jnp.dtype(dtype))
     cfg = model_config(dict(config(hf), scan_layers=scan_layers, dtype=dtype, param_dtype=dtype))
     vcfg = vision_config(hf)
-    w = Weights(tensors)
+    w = Weights(_Renamed(tensors))
     arrays = weights(w, cfg, hf)
     left = w.leftovers()
     if left:
@@ -200,3 +230,6 @@ def from_hf(hf: dict, tensors, *, scan_layers: bool = True, dtype: str = "float3
     model = nnx.merge(graphdef, nnx.from_flat_state(out))
     model.eval()
     return model
+
+
+FAMILY = Family(model_types=("mllama",), config=config, weights=weights, build=from_hf)
