@@ -5,13 +5,10 @@
 Causal self-attention over the tokens; `segment_ids` `[B,T]` keep packed
 documents apart (with `positions` restarting per document); in prefix-LM mode
 (`prefix_lm=True`, Raffel et al. 2020 / UniLM) the first `prefix_lengths[b]`
-tokens attend bidirectionally. Layers of kind "local" add a sliding window.
-Layers of kind "cross" (Llama-3.2-Vision's gated cross-attention) attend to a
-`context` `[B, S, D]` (image features) under an additive `context_bias` `[B, 1, T, S]`,
-their ffn residual scaled by `context_rows` `[B, T]`; without a context they are skipped.
-`model.mtp_depth` > 0 adds DeepSeek-V3's multi-token prediction modules
-(`self.mtp`, `tfjax.models.mtp`), trained beside the next-token loss and used as
-the draft of `tfjax.inference.speculative`.
+tokens attend bidirectionally. "local" layers add a sliding window, "cross" layers
+attend to `context=` (image features, docs/multimodal.md).
+`model.mtp_depth` > 0: DeepSeek-V3's multi-token prediction modules (`self.mtp`,
+`tfjax.models.mtp`; trained beside the loss, the draft of `tfjax.inference.speculative`).
 """
 
 from __future__ import annotations

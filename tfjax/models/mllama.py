@@ -1,20 +1,13 @@
 """Llama-3.2-Vision (`MllamaModel`): the vision model, its projector and a decoder whose
-"cross" layers attend to the projected image features, called with Hugging Face's
-input names.
+"cross" layers attend to the projected image features, with Hugging Face's input names.
 
     logits = model(input_ids, pixel_values=, aspect_ratio_ids=, aspect_ratio_mask=,
                    cross_attention_mask=)                       # [B, T, V] float32
     tokens = model.generate(input_ids, max_new_tokens, pixel_values=, ...)   # greedy
 
-pixel_values `[B, M, tiles, C, H, W]` (M images a row), aspect_ratio_ids `[B, M]`,
-aspect_ratio_mask `[B, M, tiles]`, cross_attention_mask `[B, T, M, tiles]` (1: the
-token sees that tile). Each tile's P tokens become context keys, `S = M tiles P`; a
-token whose mask row is all 0 attends to every key uniformly and its cross layers'
-ffn residual is dropped (HF's `full_text_row_masked_out_mask`); without images the
-cross layers are skipped. The decoder's vocabulary may be wider than the text's
-(HF's 8 extra embedding rows): logits are cut to `text_vocab`. Generation computes
-the image features once, at the prefill, into the cross layers' caches; each new
-token's mask row is the prompt's last. See docs/multimodal.md ("Llama-3.2-Vision").
+A token whose mask row is all 0 attends to every image key and its cross layers' ffn
+residual is dropped (HF's); without images the cross layers are skipped; logits are cut
+to `text_vocab` (HF's embedding has 8 more rows). See docs/multimodal.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
 """Llama-3.2-Vision's image encoder (`MllamaVisionModel`) and its input checks.
 
     features = MllamaVisionModel(vcfg, rngs=)(pixel_values, aspect_ratio_ids, aspect_ratio_mask)
-    # pixel_values [B, M, tiles, C, H, W] (Hugging Face's layout), ids [B, M],
-    # mask [B, M, tiles] -> [B, M, tiles, P, output_dim], P = patches + class token
+    # [B, M, tiles, C, H, W], [B, M], [B, M, tiles] -> [B, M, tiles, P, output_dim]
 
-Each tile is cut into patches (a patch projection: HF's stride-p convolution), gets
-tanh-gated aspect-ratio embeddings of its tile, a class token and gated positional
-embeddings (`(1 - tanh g) pos + tanh g tile_pos[aspect ratio]`); the tiles of an
-image are then one sequence, padded per tile to a multiple of 8 tokens, through a
-local encoder (pre-norm LayerNorm blocks) and, after a second aspect-ratio embedding,
-a global encoder whose residuals are tanh-gated. The output is the global encoder's
-last hidden state concatenated with the local encoder's `intermediate_layers` outputs.
-The attention mask is HF's: a query-key pair is masked only when both are padding (a
-padding tile or a pad token). The blocks are tfjax's (`TransformerBlock`,
-`MultiHeadAttention`, `FeedForward`, LayerNorm). See docs/multimodal.md.
+Patches, tanh-gated aspect-ratio and positional embeddings, a class token per tile; the
+tiles of an image (each padded to a multiple of 8 tokens) through a local encoder, then
+a gated global one; out: the global output and the local `intermediate_layers` outputs
+concatenated. A pair is masked only where both tokens are padding (HF's mask). Built
+from tfjax's blocks, attention, FFN and LayerNorm. See docs/multimodal.md.
 """
 
 from __future__ import annotations
