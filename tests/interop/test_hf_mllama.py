@@ -77,6 +77,17 @@ def test_hf_load_reads_a_checkpoint_directory(pair, tmp_path):
         tfjax_hf.load(str(tmp_path), mesh=object())
 
 
+def test_export_is_read_back_by_transformers(pair, tmp_path):
+    hf, ours = pair
+    mllama.export(ours, str(tmp_path))
+    back = transformers.MllamaForConditionalGeneration.from_pretrained(str(tmp_path)).eval()
+    want, got = hf.state_dict(), back.state_dict()
+    assert set(want) == set(got)
+    for k in want:
+        np.testing.assert_array_equal(got[k].numpy(), want[k].numpy(), err_msg=k)
+    assert back.config.text_config.cross_attention_layers == [1, 3]
+
+
 def test_config_maps_the_cross_layers():
     assert mllama.layer_pattern(5, [1, 3]) == ("global", "cross")  # 2 cycles and a block
     assert mllama.layer_pattern(5, [2, 4]) == ("global", "global", "cross", "global", "cross")

@@ -4,6 +4,7 @@ model whose `cross_attention_layers` are tfjax's "cross" layers, the tiled visio
 
     model = from_hf(config_dict, tensors)      # tensors: {HF name: array}
     model, cfg = tfjax.interop.hf.load(path)   # the same, from a checkpoint directory
+    export(model, path)                        # what transformers' from_pretrained reads
 
 The text model's embedding has HF's 8 extra rows (`vocab_size + 8`); the head, of
 `vocab_size` rows, is padded with zero rows to the same width and the model's logits
@@ -12,6 +13,8 @@ are cut back to `vocab_size`. See docs/multimodal.md ("Llama-3.2-Vision").
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Mapping
 
 import jax.numpy as jnp
@@ -21,12 +24,15 @@ from flax import nnx
 from tfjax.config import ModelConfig, model_config
 from tfjax.config.mllama import MllamaVisionConfig
 from tfjax.interop.families import Family, llama
+from tfjax.interop.hf_invert import hf_shapes
+from tfjax.interop.safetensors_io import write_file
 from tfjax.interop.tensor_mapping import (Weights, attention_weights, heads_in, heads_out,
                                           norm_weights, qk_norm_weights, swiglu_weights)
 from tfjax.models.layout import StackLayout
 from tfjax.models.mllama import MllamaModel
 
-__all__ = ["EXTRA_ROWS", "FAMILY", "config", "from_hf", "layer_pattern", "vision_config", "weights"]
+__all__ = ["EXTRA_ROWS", "FAMILY", "config", "export", "from_hf", "layer_pattern", "to_hf",
+           "vision_config", "weights"]
 
 EXTRA_ROWS = 8  # HF's embed_tokens: vocab_size + 8 rows
 _T, _V = "model.language_model.", "model.vision_model."
@@ -233,3 +239,92 @@ def from_hf(hf: dict, tensors, *, scan_layers: bool = True, dtype: str = "float3
 
 
 FAMILY = Family(model_types=("mllama",), config=config, weights=weights, build=from_hf)
+
+
+# --------------------------------------------------------------------------- #
+# Export: the mapping run backwards on a probe of element indices.
+# --------------------------------------------------------------------------- #
+
+
+def to_hf(model: MllamaModel) -> dict:
+    """The config.json dict of `model` (the inverse of `config` and `vision_config`), or
+    a ValueError naming a field MLlama cannot hold."""
+    cfg, v = model.config, model.vision_config
+    text = llama.checked_to_hf(cfg, "mllama", "mllama_text_model", "MllamaForCausalLM",
+                               kinds=("global", "cross"))
+    if cfg.head_size * cfg.num_heads != cfg.d_model:
+        raise ValueError(f"export: mllama's head dim is d_model / num_heads; got "
+                         f"model.head_dim={cfg.head_size}")
+    if cfg.vocab_size != model.text_vocab + EXTRA_ROWS:
+        raise ValueError(f"export: mllama's embedding has vocab_size + {EXTRA_ROWS} rows; got "
+                         f"model.vocab_size={cfg.vocab_size} for {model.text_vocab} logits")
+    for k in ("architectures", "head_dim", "attention_dropout", "dtype"):
+        text.pop(k)
+    # token ids are the tokenizer's; MllamaTextConfig needs an int bos (Llama 3's, in range)
+    text.update(bos_token_id=128000 if model.text_vocab > 128000 else 0)
+    text.update(vocab_size=model.text_vocab, cross_attention_layers=[
+        i for i in range(cfg.num_layers) if cfg.layer_kind(i) == "cross"])
+    vision = dict(hidden_size=v.d_model, num_hidden_layers=v.num_layers,
+                  num_global_layers=v.num_global_layers, attention_heads=v.num_heads,
+                  intermediate_size=v.d_ff, image_size=v.image_size, patch_size=v.patch_size,
+                  num_channels=v.num_channels, max_num_tiles=v.max_num_tiles,
+                  norm_eps=v.norm_eps, hidden_act=v.activation, vision_output_dim=v.output_dim,
+                  intermediate_layers_indices=list(v.intermediate_layers),
+                  supported_aspect_ratios=_aspect_ratios(v))
+    return dict(model_type="mllama", architectures=["MllamaForConditionalGeneration"],
+                text_config=text, vision_config=vision, dtype=cfg.param_dtype)
+
+
+def _aspect_ratios(v: MllamaVisionConfig) -> list[list[int]]:
+    """HF's supported_aspect_ratios for max_num_tiles (its processor's order: every
+    (w, h) with w h <= tiles), which must count max_aspect_ratio_id."""
+    ratios = [[w, h] for w in range(1, v.max_num_tiles + 1)
+              for h in range(1, v.max_num_tiles + 1) if w * h <= v.max_num_tiles]
+    if len(ratios) != v.max_aspect_ratio_id:
+        raise ValueError(f"export: vision.max_aspect_ratio_id={v.max_aspect_ratio_id} is not "
+                         f"the {len(ratios)} aspect ratios of max_num_tiles={v.max_num_tiles}")
+    return ratios
+
+
+def export(model: MllamaModel, path: str) -> dict:
+    """Write `model` as a transformers checkpoint directory (config.json and
+    model.safetensors, the Hub's tensor names); returns the config dict. The mapping is
+    run on a probe whose elements are their own indices, so each of our parameters'
+    elements lands where `from_hf` read it (the checkpoint is built in host memory)."""
+    hf = to_hf(model)
+    shapes = hf_shapes(hf)
+    probe, start = {}, 1  # index 0: the head's zero padding rows, written nowhere
+    for name, shape in shapes.items():
+        size = int(np.prod(shape, dtype=np.int64))
+        probe[name] = np.arange(start, start + size, dtype=np.float64).reshape(shape)
+        start += size
+    w = Weights(_Renamed(probe))
+    cfg = model.config
+    arrays = weights(w, cfg, hf)
+    left = w.leftovers()
+    if left:
+        raise ValueError(f"export: the mllama mapping leaves tensors unwritten: {left[:8]}")
+    flat = {k: np.asarray(x.get_value())
+            for k, x in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    out, written = np.zeros(start, np.float64), np.zeros(start, bool)
+    for key, index in arrays.items():
+        where, c = _place(cfg, key)
+        value = flat[where] if c is None else flat[where][c]
+        index = np.asarray(index).astype(np.int64).ravel()
+        keep = index > 0
+        out[index[keep]] = np.asarray(value, np.float64).ravel()[keep]
+        written[index[keep]] = True
+    if not written[1:].all():
+        raise ValueError("export: the mllama mapping does not write every checkpoint element")
+    dtype = jnp.dtype(cfg.param_dtype)
+    tensors, start = {}, 1
+    for name, shape in shapes.items():
+        size = int(np.prod(shape, dtype=np.int64))
+        tensors[name] = out[start:start + size].reshape(shape).astype(dtype)
+        start += size
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf, f, indent=2)
+    write_file({n: (t.shape, t.dtype) for n, t in tensors.items()}, tensors.__getitem__,
+               os.path.join(path, "model.safetensors"))
+    return hf
