@@ -12,7 +12,6 @@ to `text_vocab` (HF's embedding has 8 more rows). See docs/multimodal.md.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -33,6 +32,12 @@ def cross_attention_inputs(cross_attention_mask, patches: int):
     rows = allowed.any(-1)
     bias = jnp.where(allowed | ~rows[..., None], 0.0, jnp.finfo(jnp.float32).min)
     return bias[:, None], rows.astype(jnp.float32)
+
+
+@nnx.jit
+def _step(text: DecoderLM, tokens, cache, context: dict):
+    """One jitted cached step of the decoder (the prefill and each new token)."""
+    return text.step(tokens, cache, **context)
 
 
 class MllamaModel(nnx.Module):
@@ -106,7 +111,7 @@ class MllamaModel(nnx.Module):
         B, T = input_ids.shape
         S = context["context"].shape[1] if context else 1  # no image: the cross layers skip
         cache = self.text.init_cache(B, T + max_new_tokens, context_len=S)
-        logits, cache = self.text.step(input_ids, cache, **context)
+        logits, cache = _step(self.text, jnp.asarray(input_ids, jnp.int32), cache, context)
         last = {k: v[..., -1:] if k == "context_rows" else v[:, :, -1:]
                 for k, v in context.items() if k != "context"}
         out = []
@@ -115,5 +120,5 @@ class MllamaModel(nnx.Module):
             out.append(token)
             if len(out) == max_new_tokens:
                 break
-            logits, cache = self.text.step(token.astype(jnp.int32), cache, **last)
+            logits, cache = _step(self.text, token.astype(jnp.int32), cache, last)
         return jnp.concatenate(out, axis=1)

@@ -108,7 +108,8 @@ def _text_weights(w: Weights, cfg: ModelConfig) -> dict:
 
 def _vision_block(w: Weights, p: str, B: tuple, heads: int, gated: bool) -> dict:
     out = {}
-    for ours, theirs in (("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm")):
+    for ours, theirs in (("attn_norm", "input_layernorm"),
+                         ("ffn_norm", "post_attention_layernorm")):
         out[B + (ours, "scale")] = w[p + theirs + ".weight"]
         out[B + (ours, "bias")] = w[p + theirs + ".bias"]
     for n in "qkv":
@@ -131,7 +132,8 @@ def _vision_weights(w: Weights, v: MllamaVisionConfig) -> dict:
            ("vision", "class_embedding"): w[_V + "class_embedding"]}
     g = ("vision", "gated_positional_embedding")
     out[g + ("embedding",)] = w[_V + "gated_positional_embedding.embedding"]
-    out[g + ("tile_embedding", "embedding")] = w[_V + "gated_positional_embedding.tile_embedding.weight"]
+    out[g + ("tile_embedding", "embedding")] = w[
+        _V + "gated_positional_embedding.tile_embedding.weight"]
     out[g + ("gate",)] = w[_V + "gated_positional_embedding.gate"].reshape(())
     for name in ("pre_tile_positional_embedding", "post_tile_positional_embedding"):
         out[("vision", name, "embedding", "embedding")] = w[f"{_V}{name}.embedding.weight"]
@@ -156,8 +158,8 @@ def weights(w: Weights, cfg: ModelConfig, hf: dict) -> dict:
 
 
 # the names save_pretrained writes (and the Hub's checkpoints hold) -> the module's
-_SAVED = (("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."),
-          ("vision_model.", "model.vision_model."),
+_SAVED = (("language_model.model.", "model.language_model."),
+          ("language_model.lm_head.", "lm_head."), ("vision_model.", "model.vision_model."),
           ("multi_modal_projector.", "model.multi_modal_projector."))
 
 
