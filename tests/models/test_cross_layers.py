@@ -36,6 +36,16 @@ def _model(scan=True, seed=0):
     return cfg, model
 
 
+@nnx.jit
+def _call(model, tokens, context):
+    return model(tokens, **context)
+
+
+@nnx.jit
+def _step(model, tokens, cache, context):
+    return model.step(tokens, cache, all_logits=True, **context)
+
+
 def _inputs(B=2, T=7, S=5, seed=1):
     r = np.random.default_rng(seed)
     tokens = jnp.asarray(r.integers(0, TINY["vocab_size"], (B, T)))
@@ -98,11 +108,11 @@ def test_forward_matches_reference(scan):
     cfg, model = _model(scan)
     tokens, context, allowed = _inputs()
     bias, rows = context_inputs(allowed)
-    got = model(tokens, context=context, context_bias=bias, context_rows=rows)
+    got = _call(model, tokens, dict(context=context, context_bias=bias, context_rows=rows))
     want = reference(model, tokens, context, bias, rows)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
     # the image changes the logits; without one, the cross layers are skipped
-    text_only = model(tokens)
+    text_only = _call(model, tokens, {})
     assert not np.allclose(got, text_only, atol=1e-3)
     plain = models.build(model_config(dict(TINY, layer_pattern=("global",), num_layers=3)),
                          rngs=nnx.Rngs(0))
@@ -129,33 +139,32 @@ def test_gradients_match_reference():
         m = nnx.merge(graphdef, params, rest)
         return jnp.sum(jnp.sin(fn(m, context)))
 
-    got = jax.grad(loss, argnums=(0, 1))(params, context, lambda m, c: m(
-        tokens, context=c, context_bias=bias, context_rows=rows))
-    want = jax.grad(loss, argnums=(0, 1))(params, context, lambda m, c: reference(
-        m, tokens, c, bias, rows))
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)
+    got = grad(params, context, lambda m, c: m(tokens, context=c, context_bias=bias,
+                                                 context_rows=rows))
+    want = grad(params, context, lambda m, c: reference(m, tokens, c, bias, rows))
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-4, rtol=2e-4), got, want)
     gates = [v for k, v in nnx.to_flat_state(got[0]) if k[-1] in ("attn_gate", "ffn_gate")]
     assert len(gates) == 4 and all(abs(float(g.value)) > 0 for g in gates)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("scan", [True, False])
+@pytest.mark.parametrize("scan", [pytest.param(True, marks=pytest.mark.slow), False])
 def test_cached_decode_matches_forward(scan):
     cfg, model = _model(scan)
     B, T, S = 2, 6, 5
     tokens, context, allowed = _inputs(B=B, T=T, S=S)
     bias, rows = context_inputs(allowed)
-    full = model(tokens, context=context, context_bias=bias, context_rows=rows)
+    full = _call(model, tokens, dict(context=context, context_bias=bias, context_rows=rows))
     P = 3
     cache = model.init_cache(B, 16, context_len=S)
     states = jax.tree.leaves(cache.layers, is_leaf=lambda c: isinstance(c, CrossKVCache))
     assert sum(isinstance(s, CrossKVCache) for s in states) == 2
-    logits, cache = model.step(tokens[:, :P], cache, all_logits=True, context=context,
-                               context_bias=bias[:, :, :P], context_rows=rows[:, :P])
+    logits, cache = _step(model, tokens[:, :P], cache, dict(
+        context=context, context_bias=bias[:, :, :P], context_rows=rows[:, :P]))
     np.testing.assert_allclose(logits, full[:, :P], atol=2e-5, rtol=2e-5)
     for t in range(P, T):  # the context's K/V from the cache: no context passed
-        logits, cache = model.step(tokens[:, t:t + 1], cache, context_bias=bias[:, :, t:t + 1],
-                                   context_rows=rows[:, t:t + 1])
+        logits, cache = _step(model, tokens[:, t:t + 1], cache, dict(
+            context_bias=bias[:, :, t:t + 1], context_rows=rows[:, t:t + 1]))
         np.testing.assert_allclose(logits[:, 0], full[:, t], atol=2e-5, rtol=2e-5)
 
 
