@@ -56,7 +56,7 @@ def _layer_state(cfg: ModelConfig, block, kind: str, shared_attn, batch: int, ma
     if LAYER_KINDS.get(kind).context:  # the context's K/V, written at the step that passes it
         if encoder_len is None:
             raise ValueError(f"layer kind {kind!r} (model.layer_pattern) caches its context's "
-                             "K/V: pass the context's length (init_cache(..., encoder_len=))")
+                             "K/V: pass its length, DecoderLM.init_cache(..., context_len=)")
         return {"attn": block.attn.init_cross_state(batch, encoder_len, dtype)}
     size, window = _state_size(cfg, kind, max_len)
     state = {"attn": _init_state(block.attn, batch, size, dtype, window, pages)}
