@@ -61,8 +61,8 @@ def fake(monkeypatch):
 def test_an_unregistered_kind_is_a_build_time_error():
     cfg = model_config(dict(TINY, layer_pattern=("global", "fake")))  # the config has no list
     with pytest.raises(ValueError, match=r"model.layer_pattern\[1\]: got 'fake'; allowed: "
-                                         r"'chunked', 'gated_deltanet', 'global', 'linear', 'local', "
-                                         r"'mamba'"):
+                                         r"'chunked', 'cross', 'gated_deltanet', 'global', 'linear', "
+                                         r"'local', 'mamba'"):
         models.check_names(cfg)
     with pytest.raises(ValueError, match=r"model.ffn_pattern\[0\]"):
         models.build(dict(TINY, ffn_pattern=("fake_ffn",)))

@@ -30,9 +30,9 @@ from tfjax.interop.computation import config_diff
 from tfjax.interop.config_mapping import check_types
 from tfjax.interop.families import (Family, bert, bloom, deepseek_v3, gemma2, gemma3_text, gpt2,
                                     gpt_neox, gpt_oss, jamba, llama, llama4, mamba, mamba2,
-                                    mixtral, modernbert, olmo2, paligemma, phi3, qwen2, qwen3,
-                                    qwen3_moe, qwen3_next, siglip, smollm3, t5, whisper,
-                                    zamba2)
+                                    mixtral, mllama, modernbert, olmo2, paligemma, phi3, qwen2,
+                                    qwen3, qwen3_moe, qwen3_next, siglip, smollm3, t5,
+                                    whisper, zamba2)
 from tfjax.interop.hf_invert import Inverse, Symbolic, hf_shapes, stack, symbolic_checkpoint
 from tfjax.interop.safetensors_io import SafetensorsCheckpoint, write_file
 from tfjax.interop.tensor_mapping import Weights
@@ -54,6 +54,7 @@ FAMILIES: Registry[Family] = Registry("Hugging Face model_type", {
         bert, modernbert,  # encoders
         t5,  # encoder-decoder
         whisper,  # speech encoder-decoder (log-mel features in)
+        mllama,  # vision-language: cross-attention layers to image features
         mamba, mamba2, qwen3_next, jamba, zamba2,  # recurrent and hybrid
         siglip, paligemma,  # vision, vision-language
     ) for model_type in module.FAMILY.model_types})
@@ -269,6 +270,11 @@ def load(path: str, *, dtype: str | None = None, mesh=None, rules=DEFAULT_RULES,
     cfg = dataclasses.replace(cfg, scan_layers=scan_layers)
     family = FAMILIES.get(hf["model_type"], field="config.json model_type")
     ckpt = SafetensorsCheckpoint(path)
+    if family.build is not None:  # not build(cfg)'s model (mllama: vision + text)
+        if mesh is not None:
+            raise NotImplementedError(f"{path}: model_type {hf['model_type']!r} loads on one "
+                                      "device; pass mesh=None")
+        return family.build(hf, ckpt, scan_layers=scan_layers, dtype=cfg.dtype), cfg
     depth = family.mtp_depth(hf, ckpt) if family.mtp_depth is not None else 0
     if depth:  # the checkpoint's multi-token-prediction modules (DeepSeek-V3, Qwen3-Next)
         cfg = dataclasses.replace(cfg, mtp_depth=depth)

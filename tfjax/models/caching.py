@@ -53,11 +53,16 @@ def _layer_state(cfg: ModelConfig, block, kind: str, shared_attn, batch: int, ma
         raise NotImplementedError(
             f"no inference cache for layer kind {kind!r} (model.layer_pattern): its mixer "
             f"{type(block.attn).__name__} has no init_state")
+    if LAYER_KINDS.get(kind).context:  # the context's K/V, written at the step that passes it
+        if encoder_len is None:
+            raise ValueError(f"layer kind {kind!r} (model.layer_pattern) caches its context's "
+                             "K/V: pass its length, DecoderLM.init_cache(..., context_len=)")
+        return {"attn": block.attn.init_cross_state(batch, encoder_len, dtype)}
     size, window = _state_size(cfg, kind, max_len)
     state = {"attn": _init_state(block.attn, batch, size, dtype, window, pages)}
     if LAYER_KINDS.get(kind).shared_block:  # a use's own K/V (the uses' inputs differ)
         state["shared"] = _init_state(shared_attn, batch, max_len, dtype, 0, pages)
-    if encoder_len is not None:
+    if encoder_len is not None and block.cross_attn is not None:
         state["cross"] = block.cross_attn.init_cross_state(batch, encoder_len, dtype)
     return state
 

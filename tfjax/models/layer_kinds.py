@@ -54,6 +54,7 @@ class LayerKind:
     order_dependent: bool = False
     variants: bool = False
     shared_block: bool = False
+    context: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +154,19 @@ LAYER_KINDS.register("local", _attention_kind(
     "sliding-window attention of model.attention.sliding_window keys back (RoPE base "
     "model.attention.local_rope_theta if set)", lambda cfg: cfg.attention.sliding_window,
     rope_theta_of=lambda cfg: cfg.attention.local_rope_theta))
+def _cross(cfg: ModelConfig, rngs: nnx.Rngs, *, positions: bool) -> MultiHeadAttention:
+    """The gated cross-attention layers' attention: the model's heads over the context
+    (no positions), each head's q and k normalised by the model's norm (MLlama)."""
+    a = dataclasses.replace(cfg.attention, qk_norm=True, qk_norm_layers="all",
+                            qk_norm_over="head", sliding_window=0)
+    return attention(dataclasses.replace(cfg, attention=a), rngs, positions=False)
+
+
+LAYER_KINDS.register("cross", LayerKind(
+    "gated cross-attention to the model's context (image features; Llama-3.2-Vision): "
+    "x + tanh(a) xattn(norm(x), context), x + tanh(m) ffn(norm(x)), per-head QK-norm, no "
+    "positions; the context's K/V computed once and cached; skipped without a context",
+    _cross, positions=False, decoder_only=True, context=True))
 LAYER_KINDS.register("nope", _attention_kind(
     "full attention without the model's position encoding (NoPE: Llama 4, SmolLM3; "
     "model.attention.temperature_floor)", lambda cfg: 0, positions=False))

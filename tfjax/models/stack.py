@@ -88,7 +88,8 @@ def build_block(cfg: ModelConfig, rngs: nnx.Rngs, *, cross: bool = False,
         placement=cfg.norm_placement, parallel=cfg.block == "parallel",
         parallel_shared_norm=cfg.parallel_shared_norm,
         first_norm_residual=cfg.first_norm_residual, dropout_rate=cfg.dropout_rate,
-        mixer_input=shared_block_use(cfg, rngs) if kind.shared_block else None, rngs=rngs)
+        mixer_input=shared_block_use(cfg, rngs) if kind.shared_block else None,
+        mixer_context=kind.context, gated=kind.context, rngs=rngs)
 
 
 class _Cycle(nnx.Module):

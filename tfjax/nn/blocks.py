@@ -40,6 +40,22 @@ def _scoped(name: str, f: Callable) -> Callable:
     return g
 
 
+def _gated(f: Callable, gate: nnx.Param) -> Callable:
+    """h -> tanh(gate) f(h): a tanh-gated sublayer."""
+    def g(h):
+        y = f(h)
+        return (jnp.tanh(gate[...]) * y.astype(jnp.float32)).astype(y.dtype)
+
+    return g
+
+
+def _rows(f: Callable, rows) -> Callable:
+    """h -> rows[..., None] f(h), `rows` `[B, T]` (None: f itself)."""
+    if rows is None:
+        return f
+    return lambda h: (lambda y: (rows[..., None] * y).astype(y.dtype))(f(h))
+
+
 class TransformerBlock(nnx.Module):
     """One layer. `make_norm()` builds a fresh norm (called once per norm needed).
     `first_norm_residual` (pre norm): at layer 0 (the `layer` its stack passes) the
@@ -51,13 +67,23 @@ class TransformerBlock(nnx.Module):
     use of a shared transformer block added to a Mamba-2 layer's input,
     `tfjax.nn.shared_block.SharedBlockUse`). It is called as `g(x, block=shared,
     embeddings=embeddings, mask=, bias=, positions=, state=, slots=)` with the `shared`
-    and `embeddings` the block's call gets; its decode state is "shared"."""
+    and `embeddings` the block's call gets; its decode state is "shared".
+
+    `mixer_context` (sequential, pre norm, no `cross_attn`): the mixer is a
+    cross-attention, called as `attn(norm(x), context, bias=context_bias)` (its decode
+    state, "attn", holds the context's K/V, so a later step passes no `context`);
+    with neither `context` nor `context_bias` the block is the identity (a text-only
+    input skips the layer, as Llama-3.2-Vision does). `gated` (sequential, pre norm):
+    `x + tanh(a) attn(..)`, then `x + tanh(m) rows ffn(norm(x))`, the scalars `a`,
+    `m` starting at 0 (Flamingo; MLlama), `rows` `[B, T]` the call's `context_rows`
+    (0 where a token's row sees no image) or 1."""
 
     def __init__(self, *, attn: nnx.Module, ffn: nnx.Module | None, make_norm: Callable[[], nnx.Module],
                  cross_attn: nnx.Module | None = None, placement: str = "pre",
                  parallel: bool = False, parallel_shared_norm: bool = True,
                  first_norm_residual: bool = False, dropout_rate: float = 0.0,
-                 mixer_input: nnx.Module | None = None, rngs: nnx.Rngs | None = None):
+                 mixer_input: nnx.Module | None = None, mixer_context: bool = False,
+                 gated: bool = False, rngs: nnx.Rngs | None = None):
         if placement not in PLACEMENTS:
             raise ValueError(f"norm_placement={placement!r}; allowed: {', '.join(PLACEMENTS)}")
         if parallel and placement != "pre":
@@ -69,7 +95,16 @@ class TransformerBlock(nnx.Module):
         if mixer_input is not None and (parallel or placement != "pre" or first_norm_residual):
             raise ValueError("mixer_input needs a sequential block with placement='pre' (it "
                              "joins the mixer's input inside the pre-norm)")
+        if (mixer_context or gated) and (parallel or placement != "pre" or cross_attn is not None
+                                         or first_norm_residual or mixer_input is not None):
+            raise ValueError("mixer_context / gated need a sequential block with placement='pre' "
+                             "and no other cross-attention, mixer_input or first_norm_residual")
         self.mixer_input = mixer_input
+        self.mixer_context = mixer_context
+        # tanh gates of the mixer's and the ffn's residuals, 0 at init: the layer starts
+        # as the identity (Flamingo's gated xattn-dense; MLlama's cross-attention layers)
+        self.attn_gate = nnx.Param(jnp.zeros((), jnp.float32)) if gated else None
+        self.ffn_gate = nnx.Param(jnp.zeros((), jnp.float32)) if gated and ffn is not None else None
         self.placement, self.parallel = placement, parallel
         self.first_norm_residual = first_norm_residual
         self.attn, self.ffn, self.cross_attn = attn, ffn, cross_attn
@@ -119,8 +154,8 @@ class TransformerBlock(nnx.Module):
 
     def __call__(self, x: jax.Array, *, mask=None, bias=None, positions=None,
                  context=None, context_mask=None, context_bias=None, context_positions=None,
-                 state=None, slots=None, layer=None, first_values=None, shared=None,
-                 embeddings=None, rope_tables=None):
+                 context_rows=None, state=None, slots=None, layer=None, first_values=None,
+                 shared=None, embeddings=None, rope_tables=None):
         """x `[B,T,D]`; `context [B,S,D]` is the encoder output for cross-attention.
         `layer` (the layer index) and `first_values` (the first layer's values), when
         given, go to the self-attention (differential attention, value residual), and
@@ -146,8 +181,18 @@ class TransformerBlock(nnx.Module):
             layer=layer, first_values=first_values)
         if rope_tables is not None:
             depth["rope_tables"] = rope_tables
-        attn = lambda h: call("attn", self.attn, h, mask=mask, bias=bias,  # noqa: E731
-                              positions=positions, **depth)
+        if self.mixer_context:
+            if context is None and context_bias is None:  # no image: the layer is skipped
+                return x if state is None else (x, new_state)
+            attn = lambda h: call("attn", self.attn, h, context,  # noqa: E731
+                                  mask=context_mask, bias=context_bias)
+        else:
+            attn = lambda h: call("attn", self.attn, h, mask=mask, bias=bias,  # noqa: E731
+                                  positions=positions, **depth)
+        ffn = self.ffn
+        if self.attn_gate is not None:
+            attn = _gated(attn, self.attn_gate)
+            ffn = _gated(_rows(ffn, context_rows), self.ffn_gate) if ffn is not None else None
         x = hook("hook_resid_pre", x)
         if self.parallel:
             h = hooked_norm("ln1", self.attn_norm, x)
@@ -177,8 +222,8 @@ class TransformerBlock(nnx.Module):
                                    mask=context_mask, bias=context_bias, positions=positions,
                                    kv_positions=context_positions)
             x = self._sublayer(x, cross, self.cross_norm, self.post_cross_norm, "cross_attn")
-        if self.ffn is not None:  # None: a mixer-only layer (Mamba)
+        if ffn is not None:  # None: a mixer-only layer (Mamba)
             x = hook("hook_resid_mid", x)
-            x = self._sublayer(x, self.ffn, self.ffn_norm, self.post_ffn_norm, "mlp")
+            x = self._sublayer(x, ffn, self.ffn_norm, self.post_ffn_norm, "mlp")
         x = hook("hook_resid_post", x)
         return x if state is None else (x, new_state)

@@ -33,6 +33,10 @@ class Family:
       base-model checkpoint lacks; "" where there is none to drop.
     mtp_depth: `mtp_depth(hf, tensor names) -> int`, the `model.mtp_depth` its tensors
       hold (multi-token-prediction modules); None: none.
+    build: `build(hf, tensors, scan_layers=, dtype=) -> model` for a family whose model
+      is not `tfjax.models.build(cfg)`'s (mllama: a vision model beside the decoder),
+      placing `weights`' arrays itself; None: `build`'s model, placed by
+      `tfjax.interop.hf.load_state`.
     """
 
     model_types: tuple[str, ...]
@@ -41,3 +45,4 @@ class Family:
     to_hf: Callable[[ModelConfig], dict] | None = None
     prefix: str = ""
     mtp_depth: Callable[[dict, Any], int] | None = None
+    build: Callable[..., Any] | None = None
