@@ -75,9 +75,9 @@ STEPS, BATCH, LR = 1200, 64, 1e-2
 
 # Two layers of 4 attention heads, no FFN (`ffn_pattern=("none",)`): the circuit is
 # all attention. A larger init than the default 0.02 shortens the plateau before the
-# circuit forms. RoPE positions are relative, so the model runs on longer sequences.
+# circuit forms.
 cfg = model_config(dict(vocab_size=VOCAB, d_model=64, num_layers=2, num_heads=4,
-                        ffn_pattern=("none",), max_len=128, position="rope",
+                        ffn_pattern=("none",), max_len=T, position="rope",
                         norm="rmsnorm", init_std=0.1))
 L, N = cfg.num_layers, cfg.num_heads
 
@@ -192,9 +192,10 @@ plt.show()
 # %% [markdown]
 # The repeated-token loss sits on a plateau a little below the uniform guess (the
 # model learns which tokens the context contains, not yet which one comes next), then
-# falls sharply: the induction bump, the moment the two-layer circuit forms. The first-occurrence loss rises a little at the same time: a copied
-# segment's first token is a first occurrence in this split, and the model now
-# predicts the token that followed its earlier occurrence, which is wrong there.
+# falls sharply: the induction bump, the moment the two-layer circuit forms. The
+# first-occurrence loss rises a little at the same time: a copied segment's first
+# token is a first occurrence in this split, and the model now predicts the token
+# that followed its earlier occurrence, which is wrong there.
 
 # %%
 onset = int(np.argmax(smooth[:, 1] < 0.5 * np.log(VOCAB)))
