@@ -7,9 +7,8 @@ it describes (`shape`, `dtype`), and `dot_product_attention` takes one as k and 
 implementation that reads pages itself gets it as is, any other the gathered array
 (`dense`). `write` puts a step's new entries into a pool by flat slot index
 (`flat_index`). `paged_attention` (the "paged" implementation, CPU's first for paged
-calls) reads the pages in plain JAX. An 8-bit cache's (`tfjax.ops.kv_quant`) `Paged`
-carries `scale`, a pool `[P, page, K]` of per (token, kv head) scales, and stands for
-the dequantized array. See docs/inference.md ("The engine").
+calls) reads the pages in plain JAX. An 8-bit cache's `Paged` (`tfjax.ops.kv_quant`)
+has `scale` `[P, page, K]` and stands for the dequantized array. See docs/inference.md.
 """
 
 from __future__ import annotations
