@@ -20,7 +20,6 @@ import collections
 import re
 import time
 
-import dataclasses
 import glob
 import os
 import tempfile
@@ -116,9 +115,7 @@ def decode_row(variant: str, topology: str, weights: str, group, kv: str, batch:
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = (cost[0] if isinstance(cost, (list, tuple)) and cost else cost) or {}
-    leaves = lambda t: [x for x in jax.tree.leaves(t) if hasattr(x, "dtype")]  # noqa: E731
-    nbytes = lambda x: x.size * jnp.dtype(x.dtype).itemsize  # noqa: E731
-    return dict(params=sum(map(nbytes, leaves(state))),
+    return dict(params=weight_bytes(model),  # int4 values at half a byte, as XLA packs them
                 cache=models.cache_bytes(model.config, batch, max_len),
                 arguments=mem.argument_size_in_bytes, temp=mem.temp_size_in_bytes,
                 optimal=float(cost.get("optimal_seconds", 0.0) or 0.0),

@@ -28,8 +28,8 @@ from tfjax.interop import hf
 from tfjax.nn.quant import GROUPS, WEIGHT_FORMATS, quantize_for_serving
 from tfjax.train.checkpoint import load_run, read_json_object
 
-__all__ = ["add_checkpoint_flags", "add_quant_flags", "quant_kwargs", "chat_prompt", "chat_renderer", "load_hf", "main", "run",
-           "run_hf"]
+__all__ = ["add_checkpoint_flags", "add_quant_flags", "chat_prompt", "chat_renderer", "load_hf",
+           "main", "quant_kwargs", "run", "run_hf"]
 
 
 def run(workdir: str, prompt: str, *, max_new_tokens: int = 200, temperature: float = 0.0,

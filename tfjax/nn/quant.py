@@ -27,8 +27,8 @@ from tfjax.ops import kv_quant
 from tfjax.nn.state import RecurrentMixer
 
 __all__ = ["FORMATS", "GROUPS", "QUANT_PATHS", "QuantizedOp", "QuantizedOps", "QuantizedParam",
-           "WEIGHT_FORMATS", "check_backend", "quantize", "quantize_for_serving", "quantize_weights",
-           "quantized_paths", "weight_bytes"]
+           "WEIGHT_FORMATS", "check_backend", "quantize", "quantize_for_serving",
+           "quantize_weights", "quantized_paths", "weight_bytes"]
 
 # format -> (forward operands' type, incoming gradients' type); fp8 as MaxText's
 # "fp8_full": e4m3 forward (precision), e5m2 gradients (range)
