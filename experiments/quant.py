@@ -5,7 +5,8 @@ step-time estimate, per-chip memory, 8-bit dots); and on this CPU the perplexity
 tiny model trained here, float against int8 / int4 weights and an int8 K/V cache.
 
     .venv/bin/python experiments/quant.py                    # all parts, 1B on v5e and v6e
-    .venv/bin/python experiments/quant.py --parts decode,ppl --topologies v5e:2x2
+    .venv/bin/python experiments/quant.py --parts decode --topologies v5e:2x2
+    JAX_PLATFORMS=cpu .venv/bin/python experiments/quant.py --parts ppl
     .venv/bin/python experiments/quant.py --quick            # Llama tiny on v5e:2x2
 
 Point: configs/llama.py "1b" (bf16 compute, float32 parameters and AdamW, full remat,
@@ -157,7 +158,7 @@ def trained_tiny(workdir: str, steps: int, train_paths, val_paths):
                    sample_tokens=0, progress=False, eval_at_end=False),
         data=dict(source="text", paths=tuple(train_paths), val_paths=tuple(val_paths)),
         checkpoint=dict(enabled=True, every_steps=0, async_save=False)))
-    Trainer(cfg, workdir, devices=jax.devices()[:1], log=lambda s: None).train()
+    Trainer(cfg, workdir, devices=jax.devices("cpu")[:1], log=lambda s: None).train()
     model, cfg, tok, _ = load_run(workdir)
     return model, cfg, tok
 
@@ -192,7 +193,8 @@ def ppl_table(exp, steps: int, max_rows: int):
                                           ("int8 weights + int8 KV", "int8", None, "int8")):
             model, _, _ = (float_model, None, None) if label == "float" else (
                 load_run(tmp)[0], None, None)
-            model = quantize_for_serving(model, weights=weights, group=group, kv=kv)
+            model = quantize_for_serving(model, weights=weights, group=group, kv=kv,
+                                         device=jax.devices("cpu")[0])
             loss = nll(model, rows)
             got = np.asarray(generate(model, prompts, max_new_tokens=32))
             table.append([label, weight_bytes(model), loss, float(np.exp(loss)),
