@@ -1,9 +1,12 @@
-"""Quantized training on TPU, compiled by the real XLA:TPU compiler on this CPU (libtpu
-topologies, no TPU): XLA's step-time estimate, per-chip memory and the 8-bit dots of the
-train step of Llama-3.2-1B with `model.quant` none (bf16 compute) / int8 / fp8.
+"""Quantization measured: the train step of Llama-3.2-1B with `model.quant` none (bf16
+compute) / int8 / fp8 and its decode step with int8 / int4 weights and an int8 K/V cache,
+both compiled by the real XLA:TPU compiler on this CPU (libtpu topologies, no TPU: XLA's
+step-time estimate, per-chip memory, 8-bit dots); and on this CPU the perplexity of a
+tiny model trained here, float against int8 / int4 weights and an int8 K/V cache.
 
-    .venv/bin/python experiments/quant.py                    # 1B on v5e:2x2 and v6e:2x2
-    .venv/bin/python experiments/quant.py --topologies v5e:2x2
+    .venv/bin/python experiments/quant.py                    # all parts, 1B on v5e and v6e
+    .venv/bin/python experiments/quant.py --parts decode --topologies v5e:2x2
+    JAX_PLATFORMS=cpu .venv/bin/python experiments/quant.py --parts ppl
     .venv/bin/python experiments/quant.py --quick            # Llama tiny on v5e:2x2
 
 Point: configs/llama.py "1b" (bf16 compute, float32 parameters and AdamW, full remat,
@@ -18,10 +21,25 @@ import collections
 import re
 import time
 
-from common import Experiment, preset_config
+import glob
+import os
+import tempfile
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from common import HERE, Experiment, preset_config
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from tfjax import config as C
+from tfjax import models
 from tfjax.config import run_config
-from tfjax.train.aot import compile_step, step_figures
+from tfjax.inference import generate
+from tfjax.nn.quant import quantize_for_serving, weight_bytes
+from tfjax.train.aot import compile_step, step_figures, tpu_devices
+from tfjax.train.checkpoint import load_run
+from tfjax.train.trainer import Trainer
 
 GiB = 1024 ** 3
 FORMATS = ("none", "int8", "fp8")
@@ -60,13 +78,135 @@ def row(variant: str, topology: str, quant: str, batch: int, seq: int) -> dict:
                 eight_bit=eight, compile_s=time.time() - start)
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
-    parser.add_argument("--topologies", default="v5e:2x2,v6e:2x2")
-    exp = Experiment("quant", __doc__, parser=parser, argv=argv)
-    a = exp.args
-    variant, batch, seq = ("tiny", 8, 256) if exp.quick else ("1b", 8, 2048)
-    topologies = ["v5e:2x2"] if exp.quick else a.topologies.split(",")
+# decode variants: (label, --quantize, --quantize_group, --kv_quant)
+DECODE = (("bf16", "none", None, "none"), ("int8 weights", "int8", None, "none"),
+          ("int8 KV", "none", None, "int8"), ("int8 weights + int8 KV", "int8", None, "int8"),
+          ("int4 (g128) weights + int8 KV", "int4", 128, "int8"))
+
+
+def decode_row(variant: str, topology: str, weights: str, group, kv: str, batch: int,
+               max_len: int) -> dict:
+    """The one-token decode step of `variant` (bf16 parameters and compute, scanned
+    layers) over a cache of `batch` x `max_len`, compiled for one chip of `topology`."""
+    cfg = preset_config("llama", variant)
+    cfg.model.update(dict(dtype="bfloat16", param_dtype="bfloat16"))
+    mcfg = run_config(cfg).model
+    devices, _ = tpu_devices(topology)
+    rep = NamedSharding(Mesh(np.asarray(devices[:1]), ("data",)), P())
+
+    def make():
+        model = models.build(mcfg, rngs=nnx.Rngs(0))
+        return quantize_for_serving(model, weights=weights, group=group, kv=kv,
+                                    device=devices[0])
+
+    with nnx.use_eager_sharding(False):
+        model = nnx.eval_shape(make)
+    graphdef, state = nnx.split(model)
+    cache = jax.eval_shape(lambda: model.init_cache(batch, max_len))
+    abstract = lambda t: jax.tree.map(  # noqa: E731
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), t)
+
+    def decode(state, cache, tokens):
+        return nnx.merge(graphdef, state).step(tokens, cache)
+
+    start = time.time()
+    compiled = jax.jit(decode, donate_argnums=1).lower(
+        abstract(state), abstract(cache), jax.ShapeDtypeStruct((batch, 1), jnp.int32,
+                                                               sharding=rep)).compile()
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = (cost[0] if isinstance(cost, (list, tuple)) and cost else cost) or {}
+    return dict(params=weight_bytes(model),  # int4 values at half a byte, as XLA packs them
+                cache=models.cache_bytes(model.config, batch, max_len),
+                arguments=mem.argument_size_in_bytes, temp=mem.temp_size_in_bytes,
+                optimal=float(cost.get("optimal_seconds", 0.0) or 0.0),
+                bytes_accessed=float(cost.get("bytes accessed", 0.0) or 0.0),
+                compile_s=time.time() - start)
+
+
+def decode_table(exp, variant, topologies, batch, max_len):
+    table = []
+    for topology in topologies:
+        base = None
+        for label, weights, group, kv in DECODE:
+            if exp.quick and group:  # Llama tiny's d_model 64: groups of 32
+                label, group = label.replace(f"g{group}", "g32"), 32
+            r = decode_row(variant, topology, weights, group, kv, batch, max_len)
+            base = base or r
+            table.append([topology, label, r["params"] / GiB, r["cache"] / GiB,
+                          r["cache"] / base["cache"], r["arguments"] / GiB, r["temp"] / GiB,
+                          (r["arguments"] + r["temp"]) / (base["arguments"] + base["temp"]),
+                          r["optimal"] * 1e3 if r["optimal"] > 0 else "—",
+                          r["bytes_accessed"] / GiB, r["compile_s"]])
+            print(table[-1], flush=True)
+    exp.table(["topology", "decode", "params GiB", "KV cache GiB", "KV / bf16",
+               "arguments GiB", "temp GiB", "memory / bf16", "optimal ms",
+               "XLA bytes accessed GiB", "compile s"], table,
+              title=f"Llama-3.2-1B ({variant}) decode step, batch {batch} x {max_len} tokens "
+                    f"of cache, one chip, XLA:TPU (libtpu topologies on this CPU)")
+
+
+CORPUS = os.path.join(HERE, "..", "docs")
+
+
+def trained_tiny(workdir: str, steps: int, train_paths, val_paths):
+    """(model, run config) of a byte-level 2-layer d=64 decoder trained here for `steps`."""
+    cfg = C.from_dict(C.RunConfig, dict(
+        model=dict(vocab_size=259, d_model=64, num_heads=4, num_kv_heads=2, d_ff=192,
+                   num_layers=2, norm="rmsnorm", position="rope", max_len=256),
+        train=dict(batch_size=8, seq_len=128, steps=steps, warmup_steps=20, log_every=100,
+                   sample_tokens=0, progress=False, eval_at_end=False),
+        data=dict(source="text", paths=tuple(train_paths), val_paths=tuple(val_paths)),
+        checkpoint=dict(enabled=True, every_steps=0, async_save=False)))
+    Trainer(cfg, workdir, devices=jax.devices("cpu")[:1], log=lambda s: None).train()
+    model, cfg, tok, _ = load_run(workdir)
+    return model, cfg, tok
+
+
+def nll(model, rows: np.ndarray) -> float:
+    """Mean next-token negative log-likelihood (nats) over `rows` `[R, T + 1]`."""
+    logits = model(jnp.asarray(rows[:, :-1])).astype(jnp.float32)
+    lp = jax.nn.log_softmax(logits, axis=-1)
+    return float(-jnp.mean(jnp.take_along_axis(lp, jnp.asarray(rows[:, 1:, None]), -1)))
+
+
+def ppl_table(exp, steps: int, max_rows: int):
+    files = sorted(glob.glob(os.path.join(CORPUS, "*.md")))
+    train, val = files[:-4], files[-4:]
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.time()
+        float_model, cfg, tok = trained_tiny(tmp, steps, train, val)
+        print(f"trained {steps} steps in {time.time() - start:.0f} s", flush=True)
+        ids = np.concatenate([tok.encode(open(f).read()) for f in val]).astype(np.int32)
+        T = 128
+        rows = ids[: (len(ids) // (T + 1)) * (T + 1)].reshape(-1, T + 1)[:max_rows]
+        prompts = jnp.asarray(rows[:16, :64])
+        base = nll(float_model, rows)
+        ref = np.asarray(generate(float_model, prompts, max_new_tokens=32))
+        table = []
+        for label, weights, group, kv in (("float", "none", None, "none"),
+                                          ("int8 weights", "int8", None, "none"),
+                                          ("int8 weights (g32)", "int8", 32, "none"),
+                                          ("int4 weights (g32)", "int4", 32, "none"),
+                                          ("int4 weights (per channel)", "int4", None, "none"),
+                                          ("int8 KV cache", "none", None, "int8"),
+                                          ("int8 weights + int8 KV", "int8", None, "int8")):
+            model, _, _ = (float_model, None, None) if label == "float" else (
+                load_run(tmp)[0], None, None)
+            model = quantize_for_serving(model, weights=weights, group=group, kv=kv,
+                                         device=jax.devices("cpu")[0])
+            loss = nll(model, rows)
+            got = np.asarray(generate(model, prompts, max_new_tokens=32))
+            table.append([label, weight_bytes(model), loss, float(np.exp(loss)),
+                          float(np.exp(loss) / np.exp(base)), float(np.mean(got == ref))])
+            print(table[-1], flush=True)
+    exp.table(["model", "parameter bytes", "val nll (nats/byte)", "perplexity",
+               "/ float", "greedy agreement (16 x 32 tokens)"], table,
+              title=f"a byte-level 2-layer d=64 decoder trained {steps} steps on docs/*.md "
+                    f"(validation: the last 4 files, {rows.shape[0]} x {T} tokens), this CPU")
+
+
+def train_table(exp, variant, topologies, batch, seq):
     table = []
     for topology in topologies:
         base = None
@@ -84,6 +224,24 @@ def main(argv=None):
                "raw optimal ms", "XLA TFLOP", "8-bit dots / dots", "compile s"], table,
               title=f"Llama-3.2-1B ({variant}) train step, batch {batch} x {seq}, fsdp 4, "
                     f"per chip, XLA:TPU (libtpu topologies on this CPU)")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    parser.add_argument("--topologies", default="v5e:2x2,v6e:2x2")
+    parser.add_argument("--parts", default="train,decode,ppl",
+                        help="train (the train step), decode (the decode step), ppl (CPU)")
+    exp = Experiment("quant", __doc__, parser=parser, argv=argv)
+    a = exp.args
+    parts = a.parts.split(",")
+    variant = "tiny" if exp.quick else "1b"
+    topologies = ["v5e:2x2"] if exp.quick else a.topologies.split(",")
+    if "train" in parts:
+        train_table(exp, variant, topologies, *((8, 256) if exp.quick else (8, 2048)))
+    if "decode" in parts:
+        decode_table(exp, variant, topologies, *((4, 256) if exp.quick else (8, 4096)))
+    if "ppl" in parts:
+        ppl_table(exp, *((20, 8) if exp.quick else (600, 64)))
     exp.finish()
 
 

@@ -1,14 +1,14 @@
 """`python -m tfjax.generate (--workdir DIR | --hf DIR) --prompt "..." [--chat --noeos
---max_new_tokens N --temperature T --top_k K --top_p P --seed S --step STEP]`
+--max_new_tokens N --temperature T --top_k K --top_p P --seed S --step STEP
+--quantize int8|int4 --quantize_group 32|64|128 --kv_quant int8|fp8]`
 
-Streams the continuation of a prompt to stdout as it is produced (KV-cached decoding,
-`tfjax.inference`), from the latest (or `--step`) checkpoint of a `python -m tfjax.train`
-run (`--workdir`: the prompt is `[bos] + encode(prompt)`, stopping at the tokenizer's
-EOS) or from a Hugging Face checkpoint directory (`--hf`: its tokenizer.json, stopping
-at generation_config.json's EOS ids); `--chat` renders the checkpoint's chat template
-over the prompt and prints only the reply. Temperature 0 (the default) is greedy.
-`run`, `run_hf`, `load_hf`, `chat_prompt` and `chat_renderer` (the template over any
-messages, as `tfjax.serve` renders them) are the same from Python. See docs/inference.md.
+Streams the continuation of a prompt to stdout (KV-cached decoding) from a training run
+(`--workdir`, latest or `--step` checkpoint: `[bos] + encode(prompt)`, stopping at EOS)
+or an HF checkpoint directory (`--hf`: its tokenizer.json and generation_config.json's
+EOS ids; `--chat`: through its chat template, the reply alone). Temperature 0 is greedy;
+`--quantize` / `--kv_quant`: int8 / int4 weights, an 8-bit K/V cache (docs/quantization.md).
+`run`, `run_hf`, `load_hf`, `chat_prompt`, `chat_renderer` are the same from Python.
+See docs/inference.md.
 """
 
 from __future__ import annotations
@@ -25,18 +25,22 @@ import numpy as np
 
 from tfjax.inference import stream
 from tfjax.interop import hf
+from tfjax.nn.quant import GROUPS, WEIGHT_FORMATS, quantize_for_serving
 from tfjax.train.checkpoint import load_run, read_json_object
 
-__all__ = ["add_checkpoint_flags", "chat_prompt", "chat_renderer", "load_hf", "main", "run",
-           "run_hf"]
+__all__ = ["add_checkpoint_flags", "add_quant_flags", "chat_prompt", "chat_renderer", "load_hf",
+           "main", "quant_kwargs", "run", "run_hf"]
 
 
 def run(workdir: str, prompt: str, *, max_new_tokens: int = 200, temperature: float = 0.0,
         top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-        step: int | None = None, stop_at_eos: bool = True, out: TextIO | None = None) -> str:
-    """Stream the continuation of `prompt` to `out` (stdout); return it."""
+        step: int | None = None, stop_at_eos: bool = True, out: TextIO | None = None,
+        quant: dict | None = None) -> str:
+    """Stream the continuation of `prompt` to `out` (stdout); return it. `quant`:
+    `quantize_for_serving`'s keywords (weights=, group=, kv=)."""
     out = sys.stdout if out is None else out
     model, cfg, tok, step = load_run(workdir, step)
+    quantize_for_serving(model, **(quant or {}))
     ids = np.concatenate([[tok.bos_id], tok.encode(prompt)]).astype(np.int32)[None]
     eos = tok.eos_id if stop_at_eos else None
     print(f"[tfjax.generate: step {step} of {workdir}, {cfg.model.arch}, "
@@ -173,12 +177,14 @@ def chat_prompt(path: str, prompt: str) -> str:
 
 def run_hf(path: str, prompt: str, *, max_new_tokens: int = 200, temperature: float = 0.0,
            top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-           stop_at_eos: bool = True, chat: bool = False, out: TextIO | None = None) -> str:
+           stop_at_eos: bool = True, chat: bool = False, out: TextIO | None = None,
+           quant: dict | None = None) -> str:
     """`run` for an HF checkpoint directory (`--hf DIR`); `chat`: through its chat
     template (`chat_prompt`), printing only the reply."""
     out = sys.stdout if out is None else out
     text = chat_prompt(path, prompt) if chat else prompt  # before the model loads
     model, cfg, tok, eos = load_hf(path)
+    quantize_for_serving(model, **(quant or {}))
     ids = np.asarray(tok.encode(text, add_special_tokens=not chat).ids, np.int32)[None]
     if ids.shape[1] == 0:
         raise ValueError("--prompt: encodes to no tokens; give a non-empty prompt")
@@ -222,6 +228,23 @@ def add_checkpoint_flags(parser: argparse.ArgumentParser) -> None:
                      "(config.json, *.safetensors, tokenizer.json)")
 
 
+def add_quant_flags(parser: argparse.ArgumentParser) -> None:
+    """`--quantize`, `--quantize_group`, `--kv_quant` (`quantize_for_serving`); the
+    command lines of `tfjax.generate` and `tfjax.serve` share them. `quant_kwargs`
+    reads them back."""
+    parser.add_argument("--quantize", choices=("none",) + WEIGHT_FORMATS, default="none",
+                        help="weight-only quantization of the layer stack's matmul weights")
+    parser.add_argument("--quantize_group", type=int, choices=GROUPS, default=None,
+                        help="inputs per scale (default: one scale per output channel)")
+    parser.add_argument("--kv_quant", choices=("none", "int8", "fp8"), default="none",
+                        help="an 8-bit K/V cache, one scale per token and kv head")
+
+
+def quant_kwargs(args: argparse.Namespace) -> dict:
+    """`quantize_for_serving`'s keywords from `add_quant_flags`' flags."""
+    return dict(weights=args.quantize, group=args.quantize_group, kv=args.kv_quant)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m tfjax.generate",
                                 description=__doc__.split("\n\n")[1],
@@ -237,10 +260,11 @@ def main(argv=None) -> int:
     p.add_argument("--noeos", action="store_true", help="do not stop at the EOS token")
     p.add_argument("--chat", action="store_true", help="with --hf: the prompt as a user message "
                    "of the checkpoint's chat template; print only the reply")
+    add_quant_flags(p)
     a = p.parse_args(argv)
     try:
         kw = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
-                  top_p=a.top_p, seed=a.seed, stop_at_eos=not a.noeos)
+                  top_p=a.top_p, seed=a.seed, stop_at_eos=not a.noeos, quant=quant_kwargs(a))
         if a.hf:
             if a.step is not None:
                 raise ValueError("--step is for --workdir runs; an HF checkpoint has one state")

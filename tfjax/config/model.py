@@ -300,6 +300,9 @@ class ModelConfig:
     quant: str = "none"
     quant_paths: str = r"(.*/)?layers/.*"
     quant_exclude: str = ""
+    # An 8-bit K/V cache for decoding (tfjax.ops.kv_quant, docs/quantization.md): none |
+    # int8 | fp8, one scale per token and kv head; the model's weights are unchanged
+    kv_quant: str = "none"
 
     # Derived values ----------------------------------------------------------
     @property
@@ -355,6 +358,7 @@ def validate_model(c: ModelConfig, p: str) -> None:
     one_of(f"{p}.dtype", c.dtype, DTYPES)
     one_of(f"{p}.param_dtype", c.param_dtype, DTYPES)
     one_of(f"{p}.quant", c.quant, ("none", "int8", "fp8"))
+    one_of(f"{p}.kv_quant", c.kv_quant, ("none", "int8", "fp8"))
 
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_len",
                  "norm_eps", "init_std"):

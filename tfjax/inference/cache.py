@@ -94,7 +94,8 @@ def logical_axes(cache: ModelCache):
             return (None,) + tuple(base[1:]) if pooled else base
 
         return c.replace(**{f.name: names(getattr(c, f.name), axes(f.name))
-                            for f in dataclasses.fields(c) if not f.metadata.get("static")})
+                            for f in dataclasses.fields(c)
+                            if not f.metadata.get("static") and getattr(c, f.name) is not None})
 
     tree = cache.replace(pages=None)
     out = jax.tree.map(one, tree, is_leaf=lambda c: isinstance(c, DecodeState))

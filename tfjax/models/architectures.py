@@ -197,7 +197,8 @@ def cache_bytes(cfg: ModelConfig, batch: int, length: int, *, dtype=None,
     """Bytes of the K/V (and other float state) of a cache of `batch` rows of `length`
     tokens for the model of `cfg`: its layers' `init_state`s, abstract (nothing is
     allocated; counters excluded). Local layers count their W+1 slots, cross-attention
-    (encoder_len > 0) its encoder K/V."""
+    (encoder_len > 0) its encoder K/V. An 8-bit cache (`model.kv_quant`) counts its
+    8-bit K/V and their per token and kv head scales (in `dtype`)."""
     dtype = jnp.dtype(dtype or cfg.dtype)
     cross = cfg.arch == "encoder_decoder"
     with nnx.use_eager_sharding(False):
@@ -207,7 +208,7 @@ def cache_bytes(cfg: ModelConfig, batch: int, length: int, *, dtype=None,
         cfg, stack, batch, length, dtype, max(encoder_len, 1) if cross else None))
     total = 0
     for leaf in jax.tree.leaves(tree):
-        if jnp.issubdtype(leaf.dtype, jnp.floating):
+        if jnp.issubdtype(leaf.dtype, jnp.floating) or leaf.dtype == jnp.int8:  # kv_quant
             total += int(np.prod(leaf.shape)) * leaf.dtype.itemsize
     if cross and not encoder_len:  # counted with S=1 above; take it out
         total -= (cfg.num_layers * batch * cfg.kv_heads * (cfg.head_size + cfg.value_head_size)

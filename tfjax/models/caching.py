@@ -23,6 +23,8 @@ from tfjax.inference.slots import slot_positions, step_slots
 from tfjax.ops import paged as paged_lib
 from tfjax.models.attention_inputs import cache_masks, layer_biases, layer_masks
 from tfjax.models.layer_kinds import LAYER_KINDS
+from tfjax.nn.attention import MultiHeadAttention
+from tfjax.nn.latent_attention import MultiHeadLatentAttention
 from tfjax.nn.state import Slots
 
 __all__ = ["StepInputs", "begin_step", "empty_cache", "empty_paged_cache", "last_token",
@@ -36,15 +38,26 @@ def _state_size(cfg: ModelConfig, kind: str, max_len: int) -> tuple[int, int]:
     return rec.slots(cfg, max_len) if rec.slots is not None else (max_len, 0)
 
 
-def _init_state(mixer, batch: int, size: int, dtype, window: int, pages):
+def _init_state(mixer, batch: int, size: int, dtype, window: int, pages, kv_quant="none"):
     """`mixer`'s empty state; with `pages` (a function of the geometry's size -> the
-    number of pages, and the page size) a pageable state's page pool."""
+    number of pages, and the page size) a pageable state's page pool. `kv_quant`: an
+    8-bit K/V cache for attention layers (recurrent states stay float; a latent (MLA)
+    cache has no heads to scale: refused)."""
+    kw = dict(window=window)
+    if kv_quant != "none":
+        if isinstance(mixer, MultiHeadAttention):
+            kw["quant"] = kv_quant
+        elif isinstance(mixer, MultiHeadLatentAttention):
+            raise ValueError(f"model.kv_quant={kv_quant!r}: an MLA layer's cache is a latent "
+                             f"without kv heads to scale; kv_quant takes multi-head K/V "
+                             f"caches (global, local, chunked, nope layers): use "
+                             f"model.kv_quant='none' for MLA models")
     if pages is not None:
         count, page_size = pages
-        kind = jax.eval_shape(lambda: mixer.init_state(1, 1, dtype, window=window))
+        kind = jax.eval_shape(lambda: mixer.init_state(1, 1, dtype, **kw))
         if type(kind).pageable:
-            return mixer.init_state(count(size), page_size, dtype, window=window)
-    return mixer.init_state(batch, size, dtype, window=window)
+            return mixer.init_state(count(size), page_size, dtype, **kw)
+    return mixer.init_state(batch, size, dtype, **kw)
 
 
 def _layer_state(cfg: ModelConfig, block, kind: str, shared_attn, batch: int, max_len: int,
@@ -59,9 +72,10 @@ def _layer_state(cfg: ModelConfig, block, kind: str, shared_attn, batch: int, ma
                              "K/V: pass its length, DecoderLM.init_cache(..., context_len=)")
         return {"attn": block.attn.init_cross_state(batch, encoder_len, dtype)}
     size, window = _state_size(cfg, kind, max_len)
-    state = {"attn": _init_state(block.attn, batch, size, dtype, window, pages)}
+    state = {"attn": _init_state(block.attn, batch, size, dtype, window, pages, cfg.kv_quant)}
     if LAYER_KINDS.get(kind).shared_block:  # a use's own K/V (the uses' inputs differ)
-        state["shared"] = _init_state(shared_attn, batch, max_len, dtype, 0, pages)
+        state["shared"] = _init_state(shared_attn, batch, max_len, dtype, 0, pages,
+                                      cfg.kv_quant)
     if encoder_len is not None and block.cross_attn is not None:
         state["cross"] = block.cross_attn.init_cross_state(batch, encoder_len, dtype)
     return state

@@ -24,9 +24,9 @@ from tfjax.nn.norms import make_norm
 from tfjax.nn.positions import RotaryEmbedding, default_positions
 from tfjax.nn.state import (DecodeState, Slots, cached_attention, decode_state, slots_major,
                             static_field)
-from tfjax.ops import Alibi, RelativeBias, dot_product_attention
+from tfjax.ops import Alibi, RelativeBias, dot_product_attention, kv_quant
 from tfjax.ops.reference import attend_pattern, attention_pattern, attention_scores
-from tfjax.ops.paged import dense
+from tfjax.ops.paged import Paged, dense
 from tfjax.ops.masks import Mask
 from tfjax.parallel.context_parallel import CONTEXT_PARALLEL_MODES, context_parallel_attention
 from tfjax.parallel.sharding import shard, with_logical_axes
@@ -38,6 +38,8 @@ __all__ = ["VALUE_RESIDUALS", "CrossKVCache", "KVCache", "MultiHeadAttention", "
 
 KV_AXES = ("batch", None, "kv_heads", "head_dim")  # [B, S, K, H]: as attended; S replicated
 STORED_KV_AXES = ("batch", "kv_heads", None, "head_dim")  # [B, K, S, H]: as stored
+SCALE_AXES = ("batch", None, "kv_heads")  # an 8-bit cache's scales [B, S, K]: as attended
+STORED_SCALE_AXES = ("batch", "kv_heads", None)  # [B, K, S]: as stored
 
 
 @decode_state
@@ -47,13 +49,25 @@ class KVCache(DecodeState):
     across a jit boundary where H = 128; `slots_major` gives the op's `[B, size, K, H]`
     view; experiments/results/attention_layer_tpu_aot_20261204.md). `window` > 0: a
     rolling buffer of a sliding window (size = min(window + 1, max_len)), whose slots
-    are reused, so it cannot be rewound."""
+    are reused, so it cannot be rewound. An 8-bit cache (`model.kv_quant`,
+    `tfjax.ops.kv_quant`) stores k and v as int8 / fp8 with `k_scale` and `v_scale`
+    `[B, K, size]`, one scale per token and kv head; a float cache has None there."""
 
     k: jax.Array
     v: jax.Array
     window: int = static_field(default=0)
-    AXES = {"k": STORED_KV_AXES, "v": STORED_KV_AXES}
+    k_scale: jax.Array | None = None
+    v_scale: jax.Array | None = None
+    AXES = {"k": STORED_KV_AXES, "v": STORED_KV_AXES, "k_scale": STORED_SCALE_AXES,
+            "v_scale": STORED_SCALE_AXES}
     pageable = True
+
+    @property
+    def quant(self) -> str:
+        """The 8-bit format ("int8", "fp8") or "none"."""
+        if self.k_scale is None:
+            return "none"
+        return "int8" if self.k.dtype == jnp.int8 else "fp8"
 
     @property
     def rewindable(self) -> bool:
@@ -285,14 +299,20 @@ class MultiHeadAttention(nnx.Module):
         return self._temper(q, positions)
 
     def init_state(self, batch: int, size: int, dtype=jnp.float32, *,
-                   window: int = 0) -> KVCache:
+                   window: int = 0, quant: str = "none") -> KVCache:
         """An empty `KVCache` of `size` slots (`window` > 0: a sliding window's rolling
-        buffer, see `KVCache`)."""
+        buffer, see `KVCache`); `quant` "int8" / "fp8": 8-bit K/V with scales in
+        `dtype`."""
         if size < 1:
             raise ValueError(f"init_state: a K/V cache needs size >= 1 slots, got {size}")
         shape = (batch, self.num_kv_heads, size)
-        return KVCache(jnp.zeros((*shape, self.head_dim), dtype),
-                       jnp.zeros((*shape, self.v_head_dim), dtype), window)
+        if quant == "none":
+            return KVCache(jnp.zeros((*shape, self.head_dim), dtype),
+                           jnp.zeros((*shape, self.v_head_dim), dtype), window)
+        stored = kv_quant.storage_dtype(quant)
+        return KVCache(jnp.zeros((*shape, self.head_dim), stored),
+                       jnp.zeros((*shape, self.v_head_dim), stored), window,
+                       jnp.ones(shape, dtype), jnp.ones(shape, dtype))
 
     def init_cross_state(self, batch: int, length: int, dtype=jnp.float32) -> CrossKVCache:
         """An empty `CrossKVCache` for an encoder output of `length` tokens."""
@@ -327,6 +347,8 @@ class MultiHeadAttention(nnx.Module):
                                  "keeps a CrossKVCache: init_cross_state)")
             q, k, v = self.project(x, positions=positions, rope_tables=rope_tables, **depth)
             extra = {} if layer is None else dict(layer=layer)
+            if state.quant != "none":
+                return self._quantized_step(q, k, v, state, slots, mask, bias, x, extra)
             out, (k, v) = cached_attention(
                 (slots_major(state.k), slots_major(state.v)), (k, v), slots, KV_AXES,
                 lambda kv, cached: self.attend(q, *kv, mask, bias, x=x, **extra))
@@ -334,6 +356,27 @@ class MultiHeadAttention(nnx.Module):
         q, k, v = self.project(x, context, positions=positions, kv_positions=kv_positions,
                                rope_tables=rope_tables, **depth)
         return self.attend(q, k, v, mask, bias, layer=layer, x=x)
+
+    def _quantized_step(self, q, k, v, state: KVCache, slots, mask, bias, x, extra):
+        """A cached step over an 8-bit `state`: the new K/V quantized as written (with
+        their per token and kv head scales), the slots dequantized as attended (a
+        paged step's `Paged` carries its scales, read by the op)."""
+        (kq, ks), (vq, vs) = (kv_quant.quantize(a, state.quant, state.k_scale.dtype)
+                              for a in (k, v))
+
+        def attend(arrays, cached):
+            k, v, ks, vs = arrays
+            if isinstance(k, Paged):
+                k, v = Paged(k.pool, k.table, ks.pool), Paged(v.pool, v.table, vs.pool)
+            else:
+                k, v = kv_quant.dequantize(k, ks, q.dtype), kv_quant.dequantize(v, vs, q.dtype)
+            return self.attend(q, k, v, mask, bias, x=x, **extra)
+
+        olds = tuple(map(slots_major, (state.k, state.v, state.k_scale, state.v_scale)))
+        out, news = cached_attention(olds, (kq, vq, ks, vs), slots,
+                                     (KV_AXES, KV_AXES, SCALE_AXES, SCALE_AXES), attend)
+        k, v, ks, vs = map(slots_major, news)
+        return out, state.replace(k=k, v=v, k_scale=ks, v_scale=vs)
 
     def _cross_step(self, x, context, state: CrossKVCache, mask, bias, positions, kv_positions):
         """A decode step of a cross-attention over the encoder output's cached K/V."""

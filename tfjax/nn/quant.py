@@ -1,14 +1,14 @@
-"""Quantized training (`model.quant = "int8" | "fp8"`) through qwix's QT ops, applied to a
-built model by rules on module paths (MaxText's qwix rules).
+"""Quantization by rules on module paths (MaxText's qwix rules): int8 / fp8 training
+(`model.quant`) through qwix's QT ops, and weight-only int8 / int4 for decoding.
 
 `quantize(model, fmt, paths=, exclude=)` gives every `nnx.Linear`, `nnx.Einsum` and MoE
-expert matmul whose module path (`layers/cycles/layers/0/ffn/wi`) fully matches `paths`
-and not `exclude` qwix's `dot_general_qt` (`ragged_dot_qt` for dropless experts): both
-operands quantized with dynamic absmax scales per channel (per token for activations,
-per output channel for weights), the incoming gradients too (straight-through). The op
-is a static attribute of the layer, so it runs inside the scanned stack and under any
-mesh; parameters stay float (checkpoints unchanged). `check_backend` refuses a format a
-device has no matmul for. See docs/quantization.md.
+expert matmul whose path (`layers/cycles/layers/0/ffn/wi`) fully matches `paths` and not
+`exclude` qwix's `dot_general_qt` (`ragged_dot_qt` for dropless experts), a static
+attribute: both operands quantized with dynamic absmax scales per channel, gradients too;
+parameters stay float. `quantize_weights(model, "int8" | "int4", group=)` stores the same
+layers' weights as qwix `QArray`s, dequantized where the layer reads them;
+`quantize_for_serving` adds the 8-bit K/V cache (`model.kv_quant`). `check_backend`
+refuses a format a device lacks. See docs/quantization.md.
 """
 
 from __future__ import annotations
@@ -18,14 +18,17 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
-from qwix._src.core import dot_general_qt, ragged_dot_qt
+from qwix._src.core import dot_general_qt, qarray, ragged_dot_qt
 
 from tfjax.nn.moe import MoE
+from tfjax.ops import kv_quant
 from tfjax.nn.state import RecurrentMixer
 
-__all__ = ["FORMATS", "QUANT_PATHS", "QuantizedOp", "QuantizedOps", "quantize", "check_backend",
-           "quantized_paths"]
+__all__ = ["FORMATS", "GROUPS", "QUANT_PATHS", "QuantizedOp", "QuantizedOps", "QuantizedParam",
+           "WEIGHT_FORMATS", "check_backend", "quantize", "quantize_for_serving",
+           "quantize_weights", "quantized_paths", "weight_bytes"]
 
 # format -> (forward operands' type, incoming gradients' type); fp8 as MaxText's
 # "fp8_full": e4m3 forward (precision), e5m2 gradients (range)
@@ -163,3 +166,136 @@ def check_backend(fmt: str, device) -> None:
         raise ValueError(f"model.quant='fp8': {reason} has no fp8 matmul; use "
                          f"model.quant='int8' there (fp8 runs on NVIDIA GPUs of compute "
                          f"capability >= 8.9, TPUs and, converted up, CPUs)")
+
+
+# Weight-only quantization for serving ------------------------------------------------
+
+WEIGHT_FORMATS = ("int8", "int4")
+GROUPS = (32, 64, 128)
+_EXPERT_WEIGHTS = ("wi", "wi_gate", "wi_up", "wo")  # a MoE's expert matmuls (not its router)
+
+
+class QuantizedParam(nnx.Param):
+    """A weight stored quantized: its value a qwix `QArray` (int8 / int4 values and
+    float scales); reading it (`param[...]`, as Linear, Einsum and MoE do before their
+    matmul) gives the dequantized array, so the matmul runs in the compute dtype on
+    weights that are held in 8 / 4 bits."""
+
+    def __getitem__(self, key):
+        return qarray.dequantize(self.get_value())[key]
+
+
+def _contracted_axes(module, name: str, ndim: int) -> tuple[int, ...]:
+    """The axes of `module`'s weight `name` (of `ndim` axes, a scanned stack's leading
+    layer axes included) that its matmul contracts."""
+    if isinstance(module, nnx.Einsum):
+        spec = module.einsum_str.replace(" ", "")
+        ins, out = spec.split("->")
+        kernel = ins.split(",")[1]
+        lead = ndim - len(kernel)
+        return tuple(lead + i for i, c in enumerate(kernel) if c not in out)
+    return (ndim - 2,)  # Linear [..., in, out]; MoE experts [..., E, in, out]
+
+
+def _weights(module) -> list[str]:
+    if isinstance(module, (nnx.Linear, nnx.Einsum)):
+        return ["kernel"]
+    return [n for n in _EXPERT_WEIGHTS if isinstance(getattr(module, n, None), nnx.Param)]
+
+
+def _how(fmt: str, shape, contracted, group: int | None, where: str) -> qarray.HowToQuantize:
+    """Per channel: one scale per output channel (and stacked layer). Per group: one
+    scale per `group` consecutive inputs of the contraction, taken from its innermost
+    axes (an output projection's `[N, H]`: a group of 128 over H = 64 spans two heads)."""
+    free = tuple(a for a in range(len(shape)) if a not in contracted)
+    if group is None:
+        return qarray.HowToQuantize(qtype=jnp.dtype(fmt), channelwise_axes=free)
+    tiles, left = {}, group
+    for axis in reversed(contracted):
+        if left == 1:
+            tiles[axis] = 1  # outside the group: a scale per index
+        elif left % shape[axis] == 0:
+            tiles[axis], left = shape[axis], left // shape[axis]
+        elif shape[axis] % left == 0:
+            tiles[axis], left = left, 1
+        else:
+            break
+    if left != 1:
+        width = int(np.prod([shape[a] for a in contracted]))
+        fits = [str(g) for g in GROUPS if width % g == 0]
+        raise ValueError(f"quantize_group={group}: {where} contracts {width} inputs "
+                         f"({' x '.join(str(shape[a]) for a in contracted)}), which groups of "
+                         f"{group} do not tile; use quantize_group "
+                         f"{' / '.join(fits) if fits else '(none fits)'} or per channel "
+                         f"(no quantize_group)")
+    return qarray.HowToQuantize(qtype=jnp.dtype(fmt), tiled_axes=tiles, channelwise_axes=free)
+
+
+def quantize_weights(model: nnx.Module, fmt: str, *, group: int | None = None,
+                     paths: str = QUANT_PATHS, exclude: str = "") -> nnx.Module:
+    """`model` (changed in place) with the matmul weights of the Linear, Einsum and MoE
+    expert layers that `paths` / `exclude` select stored as `fmt` ("int8" / "int4")
+    with symmetric absmax scales (qwix's `QArray`): per output channel, or per `group`
+    of 32 / 64 / 128 inputs along the contraction. Weight-only: activations, the
+    embeddings, the head and MoE routers stay float ("none": unchanged)."""
+    if fmt == "none":
+        return model
+    if fmt not in WEIGHT_FORMATS:
+        raise ValueError(f"--quantize: {fmt!r} is not a weight format; use one of 'none', "
+                         f"{', '.join(map(repr, WEIGHT_FORMATS))}")
+    if group is not None and group not in GROUPS:
+        raise ValueError(f"--quantize_group: {group} is not a group size; use one of "
+                         f"{', '.join(map(str, GROUPS))}, or none for per channel")
+    keep, drop = _compile("model.quant_paths", paths), _compile("model.quant_exclude", exclude)
+    chosen = []
+    for path, module in nnx.iter_modules(model):
+        name = "/".join(map(str, path))
+        if not keep.fullmatch(name) or (exclude and drop.fullmatch(name)):
+            continue
+        if isinstance(module, nnx.Embed):
+            raise ValueError(f"--quantize {fmt}: {name} is an embedding (a lookup, no matmul "
+                             f"weight to dequantize at); weight-only quantization takes "
+                             f"Linear, Einsum and MoE expert layers: add {name!r} to "
+                             f"model.quant_exclude")
+        if isinstance(module, (nnx.Linear, nnx.Einsum, MoE)):
+            chosen.append((name, module))
+    if not chosen:
+        raise ValueError(f"model.quant_paths: {paths!r} (less model.quant_exclude "
+                         f"{exclude!r}) matches no Linear, Einsum or MoE layer; the "
+                         f"default {QUANT_PATHS!r} takes every layer of the stack")
+    for name, module in chosen:
+        for weight in _weights(module):
+            param = getattr(module, weight)
+            if isinstance(param, QuantizedParam):
+                raise ValueError(f"quantize_weights: {name}/{weight} is quantized already")
+            value = param.get_value()
+            how = _how(fmt, value.shape, _contracted_axes(module, weight, value.ndim), group,
+                       f"{name}/{weight} {tuple(value.shape)}")
+            setattr(module, weight, QuantizedParam(qarray.quantize(value, how),
+                                                   **param.get_metadata()))
+    return model
+
+
+def weight_bytes(model: nnx.Module) -> int:
+    """Bytes of `model`'s parameters as stored: int4 values count half a byte (XLA
+    packs them two to a byte on TPU and GPU)."""
+    total = 0
+    for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)):
+        bits = jnp.iinfo(leaf.dtype).bits if jnp.issubdtype(leaf.dtype, jnp.integer) else \
+            jnp.finfo(leaf.dtype).bits
+        total += leaf.size * bits // 8
+    return total
+
+
+def quantize_for_serving(model: nnx.Module, *, weights: str = "none", group: int | None = None,
+                         kv: str = "none", device=None) -> nnx.Module:
+    """A built (trained or loaded) model made ready to decode in fewer bytes: its weights
+    `quantize_weights(weights, group)` under its config's `quant_paths` /
+    `quant_exclude`, its caches `kv` ("int8" / "fp8": `model.kv_quant`, checked
+    against `device`, default the first). Changed in place; returned."""
+    cfg = model.config
+    if kv != "none":
+        kv_quant.check_backend(kv, device or jax.devices()[0])
+        model.config = dataclasses.replace(cfg, kv_quant=kv)
+    return quantize_weights(model, weights, group=group, paths=cfg.quant_paths,
+                            exclude=cfg.quant_exclude)

@@ -80,37 +80,43 @@ def slots_major(x: jax.Array) -> jax.Array:
     return jnp.swapaxes(x, 1, 2)
 
 
+def _per_array(axes, n: int) -> tuple:
+    """`axes`: one tuple of names for all `n` arrays, or a tuple of one per array."""
+    return tuple(axes) if axes and isinstance(axes[0], tuple) else (axes,) * n
+
+
 def write_slots(olds, fresh, slots: Slots, axes) -> tuple:
     """Each of `fresh` `[B, T, ...]` written into the matching `olds` `[B, S, ...]` as
-    `slots` say, sharded as `axes`."""
+    `slots` say, sharded as `axes` (one for all, or one per array)."""
+    every = _per_array(axes, len(olds))
     if slots.mode == "decode":
         rows = jnp.arange(olds[0].shape[0])
-        return tuple(shard(o.at[rows, slots.slot].set(n[:, 0].astype(o.dtype)), axes)
-                     for o, n in zip(olds, fresh))
+        return tuple(shard(o.at[rows, slots.slot].set(n[:, 0].astype(o.dtype)), a)
+                     for o, n, a in zip(olds, fresh, every))
     out = []
-    for o, n in zip(olds, fresh):
+    for o, n, a in zip(olds, fresh, every):
         tail = (1,) * (o.ndim - 2)
         src = slots.src.reshape(*slots.src.shape, *tail)
         take = slots.take.reshape(*slots.take.shape, *tail)
         got = jnp.take_along_axis(n, src, axis=1).astype(o.dtype)
-        out.append(shard(jnp.where(take, got, o), axes))
+        out.append(shard(jnp.where(take, got, o), a))
     return tuple(out)
 
 
 def cached_attention(olds, fresh, slots: Slots, axes, attend: Callable):
     """One step of an attention over slot arrays `olds` `[B, S, ...]` with this step's
-    `fresh` `[B, T, ...]`: a chunk attends over `[slots; fresh]`, then writes; a decode
-    step writes, then attends over the slots; a prefill attends over the fresh arrays
-    (the model's own masks), then writes. `attend(arrays, cached)` -> the output
+    `fresh` `[B, T, ...]` (sharded as `axes`: one for all, or one per array): a chunk
+    attends over `[slots; fresh]`, then writes; a decode step writes, then attends over
+    the slots; a prefill attends over the fresh arrays (the model's own masks), then
+    writes. `attend(arrays, cached)` -> the output
     (`cached` False for the prefill). -> (output, the new slot arrays).
 
     A paged step: `olds` are page pools `[P, page, ...]` (`axes` still name a row's
     `[B, S, ...]`); the fresh entries are written, then `attend` gets each row's
     pages as `tfjax.ops.paged.Paged`."""
-    if slots.mode == "paged":
-        pool_axes = (None,) + tuple(axes[1:])  # pages belong to no row
-        news = tuple(shard(paged_lib.write(o, slots.index, f), pool_axes)
-                     for o, f in zip(olds, fresh))
+    if slots.mode == "paged":  # pages belong to no row
+        news = tuple(shard(paged_lib.write(o, slots.index, f), (None,) + tuple(a[1:]))
+                     for o, f, a in zip(olds, fresh, _per_array(axes, len(olds))))
         return attend(tuple(paged_lib.Paged(n, slots.table) for n in news), True), news
     if slots.mode == "chunk":
         out = attend(tuple(jnp.concatenate([o, f.astype(o.dtype)], axis=1)

@@ -249,7 +249,8 @@ def dot_product_attention(q, k, v, mask: masks_lib.Mask | None = None, *, bias=N
                      and q_offset == 0 and kv_offset == 0),
         return_lse=return_lse, has_alibi=alibi is not None,
         has_relative_bias=relative is not None, v_head_dim=v.shape[-1],
-        has_sinks=sinks is not None, paged=paged)
+        has_sinks=sinks is not None, paged=paged,
+        paged_scaled=paged and getattr(k, "scale", None) is not None)
     name = select_implementation(request, implementation)
     impl = IMPLEMENTATIONS.get(name)
     if paged and not impl.paged:

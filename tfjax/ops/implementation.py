@@ -43,6 +43,8 @@ class AttentionRequest:
     sharded_without_runner: bool = False
     # k and v are `tfjax.ops.paged.Paged` (a page pool and a page table per row)
     paged: bool = False
+    # the pages are 8-bit with per-token scales (`Paged.scale`, tfjax.ops.kv_quant)
+    paged_scaled: bool = False
 
     @property
     def value_head_dim(self) -> int:

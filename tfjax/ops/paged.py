@@ -7,7 +7,8 @@ it describes (`shape`, `dtype`), and `dot_product_attention` takes one as k and 
 implementation that reads pages itself gets it as is, any other the gathered array
 (`dense`). `write` puts a step's new entries into a pool by flat slot index
 (`flat_index`). `paged_attention` (the "paged" implementation, CPU's first for paged
-calls) reads the pages in plain JAX. See docs/inference.md ("The engine").
+calls) reads the pages in plain JAX. An 8-bit cache's `Paged` (`tfjax.ops.kv_quant`)
+has `scale` `[P, page, K]` and stands for the dequantized array. See docs/inference.md.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from tfjax.ops import kv_quant
 from tfjax.ops import masks as masks_lib
 from tfjax.ops.implementation import AttentionRequest, Implementation
 from tfjax.ops.tiles import logit_scaling, logits
@@ -30,10 +32,12 @@ DROPPED = jnp.iinfo(jnp.int32).max  # a flat index past every pool: the write is
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Paged:
-    """`[B, n * page, ...]` entries stored as `pool` `[P, page, ...]` and `table` `[B, n]`."""
+    """`[B, n * page, ...]` entries stored as `pool` `[P, page, ...]` and `table` `[B, n]`
+    (`scale` `[P, page, K]`: an 8-bit pool's scales, dequantized as read)."""
 
     pool: jax.Array
     table: jax.Array
+    scale: jax.Array | None = None
 
     @property
     def page_size(self) -> int:
@@ -50,7 +54,7 @@ class Paged:
 
     @property
     def dtype(self):
-        return self.pool.dtype
+        return self.pool.dtype if self.scale is None else self.scale.dtype
 
     def dense(self) -> jax.Array:
         """The gathered `[B, n * page, ...]` array (what the table describes). A K or V
@@ -59,8 +63,13 @@ class Paged:
         stored pool (a gather from the view transposed the whole pool every step)."""
         if self.pool.ndim == 4:
             rows = jnp.take(jnp.swapaxes(self.pool, 1, 2), self.table, axis=0)  # [B,n,K,pg,H]
-            return jnp.swapaxes(rows, 2, 3).reshape(self.shape)
-        return jnp.take(self.pool, self.table, axis=0).reshape(self.shape)
+            rows = jnp.swapaxes(rows, 2, 3).reshape(self.shape)
+        else:
+            rows = jnp.take(self.pool, self.table, axis=0).reshape(self.shape)
+        if self.scale is None:
+            return rows
+        scales = jnp.take(self.scale, self.table, axis=0).reshape(self.shape[:-1])
+        return kv_quant.dequantize(rows, scales, self.scale.dtype)
 
 
 def dense(x):
@@ -109,8 +118,13 @@ def paged_attention(q, k: Paged, v: Paged, mask: masks_lib.Mask | None = None, *
     n = k.table.shape[1]
     G, Hv = N // K, v.pool.shape[-1]
     scale, softcap = logit_scaling(H, scale, softcap)
-    pages = lambda x: jnp.take(jnp.swapaxes(x.pool, 1, 2), x.table, axis=0,  # noqa: E731
-                               mode="clip")  # [B, n, K, page, H]: ids are valid pages
+    def pages(x):  # [B, n, K, page, H]: ids are valid pages
+        rows = jnp.take(jnp.swapaxes(x.pool, 1, 2), x.table, axis=0, mode="clip")
+        if x.scale is None:
+            return rows
+        scales = jnp.take(jnp.swapaxes(x.scale, 1, 2), x.table, axis=0, mode="clip")
+        return kv_quant.dequantize(rows, scales, q.dtype)  # an 8-bit pool, read
+
     s = jnp.einsum("btkgh,bnksh->bkgtns", q.reshape(B, T, K, G, H), pages(k),
                    preferred_element_type=jnp.float32)
     s, _ = logits(s, scale, softcap)

@@ -1,6 +1,7 @@
 """`python -m tfjax.serve (--hf DIR | --workdir W [--step S]) [--host 127.0.0.1 --port 8000
 --max_seqs N --max_len L --page_size P --chunk C --prefill_rows R --num_pages K --kv_memory BYTES
---max_queue Q --served_model_name NAME]`
+--max_queue Q --served_model_name NAME --quantize int8|int4 --quantize_group G
+--kv_quant int8|fp8]`
 
 Serves the model with OpenAI's API (`/v1/completions`, `/v1/chat/completions`,
 `/v1/models`, `/health`) on continuous batching (`tfjax.inference.engine`), bound to
@@ -13,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tfjax.generate import add_checkpoint_flags
+from tfjax.generate import add_checkpoint_flags, add_quant_flags, quant_kwargs
 from tfjax.inference.engine import EngineConfig
 from tfjax.serve.app import create_app
 from tfjax.serve.served import load_served
@@ -50,6 +51,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--served_model_name", default=None, help="the model id clients send "
                    "(default: the --hf / --workdir path)")
     p.add_argument("--log_level", default="info", help="uvicorn's log level")
+    add_quant_flags(p)
     return p
 
 
@@ -67,7 +69,8 @@ def main(argv=None) -> int:
                               kv_memory=int(a.kv_memory))
         config.check()
         served = load_served(hf=a.hf, workdir=a.workdir, step=a.step,
-                             name=a.served_model_name, config=config, max_queue=a.max_queue)
+                             name=a.served_model_name, config=config, max_queue=a.max_queue,
+                             quant=quant_kwargs(a))
     except (ValueError, NotImplementedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -14,6 +14,7 @@ from tfjax.eval.loading import Source, load_source
 from tfjax.generate import chat_renderer
 from tfjax.inference.engine import Engine, EngineConfig
 from tfjax.models import unrolled
+from tfjax.nn.quant import quantize_for_serving
 from tfjax.serve.loop import EngineLoop
 
 __all__ = ["Served", "load_served", "serve_source"]
@@ -40,18 +41,21 @@ class Served:
 
 
 def serve_source(src: Source, name: str, config: EngineConfig = EngineConfig(), *,
-                 max_queue: int = 128, chat=None, no_chat: str = "") -> Served:
+                 max_queue: int = 128, chat=None, no_chat: str = "",
+                 quant: dict | None = None) -> Served:
     """An engine over `src`'s model, its layers unrolled (`tfjax.models.unrolled`: decode
-    steps update each layer's pages in place), under `name`; its EOS ids end answers,
-    `src.decode` finds stop strings."""
-    engine = Engine(unrolled(src.model), config, eos_ids=src.eos_ids, decode=src.decode)
+    steps update each layer's pages in place), then quantized as `quant` says
+    (`tfjax.nn.quant.quantize_for_serving`'s keywords), under `name`; its EOS ids end
+    answers, `src.decode` finds stop strings."""
+    model = quantize_for_serving(unrolled(src.model), **(quant or {}))
+    engine = Engine(model, config, eos_ids=src.eos_ids, decode=src.decode)
     return Served(name=name, encode=src.encode, decode=src.decode,
                   loop=EngineLoop(engine, max_queue), chat=chat, no_chat=no_chat)
 
 
 def load_served(*, hf: str | None = None, workdir: str | None = None, step: int | None = None,
                 name: str | None = None, config: EngineConfig = EngineConfig(),
-                max_queue: int = 128) -> Served:
+                max_queue: int = 128, quant: dict | None = None) -> Served:
     """The model of `--hf DIR` or `--workdir W` (exactly one) with its engine; `name`
     defaults to the path given, as vLLM names a model."""
     chat, no_chat = None, ("this model is a tfjax training run (--workdir), which has no "
@@ -64,4 +68,4 @@ def load_served(*, hf: str | None = None, workdir: str | None = None, step: int 
             no_chat = f"{reason}; use /v1/completions"
     src = load_source(hf=hf, workdir=workdir, step=step)
     return serve_source(src, name or hf or workdir, config, max_queue=max_queue, chat=chat,
-                        no_chat=no_chat)
+                        no_chat=no_chat, quant=quant)

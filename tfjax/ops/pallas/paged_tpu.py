@@ -298,6 +298,9 @@ def supports(r: AttentionRequest) -> str | None:
                 f"each slot holds), got {got}")
     if r.has_alibi or r.has_bias:
         return "takes no additive bias, ALiBi or T5's relative bias"
+    if r.paged_scaled:
+        return ("reads float pages; an 8-bit K/V cache's (model.kv_quant) pages are "
+                "dequantized by the 'paged' implementation or gathered for the others")
     if r.dtype not in ("float32", "bfloat16", "float16"):
         return f"takes float32/bfloat16/float16 queries, got {r.dtype}"
     return None
