@@ -108,39 +108,55 @@ def paged_attention(q, k: Paged, v: Paged, mask: masks_lib.Mask | None = None, *
     one table `[B, n]`) under `mask` -> out `[B,T,N,Hv]` (and lse `[B,N,T]` fp32): the
     reference's attention on the arrays the pages stand for, fully masked rows zero.
 
-    For XLA on CPU: each row's pages are gathered from the heads-major pools as the
-    cache stores them, a page a contiguous `[K, page, H]` slice (gathering `dense`'s
-    `[B, S, K, H]`, which the dots then want heads-major again, moved every element
-    twice), and the T queries are not padded to a tile (blockwise pads a decode step's
-    one query to 8): one einsum for the logits, one for the output."""
+    For XLA on CPU, the pages are gathered in the layout both dots take as they are:
+    `[B, K, n, page, H]`, one `[page, H]` block per (row, kv head, page) from the
+    heads-major pool seen as `[P * K, page, H]` (a free reshape of how the cache
+    stores it), so no relayout follows the gather (gathering `[B, n, K, page, H]`
+    and letting the dots move K forward copied every gathered element again, a
+    third of the decode step's time). The logits are keys x queries (`[.., S, G*T]`:
+    the keys the dot's left operand, rows over S and H minor, as XLA:CPU's dot
+    wants them); the query heads of a kv head and the T queries are one dimension,
+    and T is not padded to a tile (blockwise pads a decode step's one query to 8)."""
     B, T, N, H = q.shape
     _, page, K, _ = k.pool.shape
     n = k.table.shape[1]
     G, Hv = N // K, v.pool.shape[-1]
+    S = n * page
     scale, softcap = logit_scaling(H, scale, softcap)
-    def pages(x):  # [B, n, K, page, H]: ids are valid pages
-        rows = jnp.take(jnp.swapaxes(x.pool, 1, 2), x.table, axis=0, mode="clip")
-        if x.scale is None:
-            return rows
-        scales = jnp.take(jnp.swapaxes(x.scale, 1, 2), x.table, axis=0, mode="clip")
-        return kv_quant.dequantize(rows, scales, q.dtype)  # an 8-bit pool, read
+    blocks = (k.table[:, None, :] * K + jnp.arange(K, dtype=k.table.dtype)[None, :, None])
 
-    s = jnp.einsum("btkgh,bnksh->bkgtns", q.reshape(B, T, K, G, H), pages(k),
-                   preferred_element_type=jnp.float32)
+    def pages(x, dtype):  # [B, K, S, H]: ids are valid pages
+        flat = jnp.swapaxes(x.pool, 1, 2).reshape(-1, page, x.pool.shape[-1])
+        rows = jnp.take(flat, blocks, axis=0, mode="clip").reshape(B, K, S, -1)
+        if x.scale is None:
+            return rows.astype(dtype)
+        scales = jnp.swapaxes(x.scale, 1, 2).reshape(-1, page)  # an 8-bit pool, read
+        scales = jnp.take(scales, blocks, axis=0, mode="clip").reshape(B, K, S)
+        return kv_quant.dequantize(rows, scales, dtype)
+
+    dtype = jnp.promote_types(q.dtype, k.dtype)  # as an einsum of the two would compute
+    queries = jnp.moveaxis(q.reshape(B, T, K, G, H), 1, 3).reshape(B, K, G * T, H)
+    s = jax.lax.dot_general(pages(k, dtype), queries.astype(dtype),
+                            (((3,), (3,)), ((0, 1), (0, 1))),
+                            preferred_element_type=jnp.float32)  # [B, K, S, G*T]
+    s = s.reshape(B, K, S, G, T)
     s, _ = logits(s, scale, softcap)
-    allowed = masks_lib.dense(mask, T, n * page, q_offset=q_offset, kv_offset=kv_offset)
-    s = jnp.where(allowed.reshape(-1, 1, 1, T, n, page), s, -jnp.inf)
-    row_max = jnp.max(s, axis=(4, 5), keepdims=True)
+    allowed = masks_lib.dense(mask, T, S, q_offset=q_offset, kv_offset=kv_offset)  # [B|1,T,S]
+    s = jnp.where(jnp.swapaxes(allowed, 1, 2)[:, None, :, None, :], s, -jnp.inf)
+    row_max = jnp.max(s, axis=2, keepdims=True)  # [B, K, 1, G, T]
     row_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
     p = jnp.exp(s - row_max)
-    denom = jnp.sum(p, axis=(4, 5))  # [B, K, G, T]
-    out = jnp.einsum("bkgtns,bnksh->btkgh", p, pages(v), preferred_element_type=jnp.float32)
+    denom = jnp.sum(p, axis=2)  # [B, K, G, T]
+    p = jnp.moveaxis(p, 2, -1).reshape(B, K, G * T, S)  # the weights the left operand
+    out = jax.lax.dot_general(p, pages(v, p.dtype), (((3,), (2,)), ((0, 1), (0, 1))),
+                              preferred_element_type=jnp.float32)  # [B, K, G*T, Hv]
+    out = jnp.moveaxis(out.reshape(B, K, G, T, Hv), 3, 1)  # [B, T, K, G, Hv]
     scale_out = jnp.moveaxis(jnp.where(denom > 0, denom, 1.0), 3, 1)[..., None]  # [B,T,K,G,1]
     out = (out / scale_out).reshape(B, T, N, Hv).astype(q.dtype)
     if not return_lse:
         return out
     safe = jnp.where(denom > 0, denom, 1.0)
-    lse = jnp.where(denom > 0, jnp.log(safe) + row_max[..., 0, 0], -jnp.inf)
+    lse = jnp.where(denom > 0, jnp.log(safe) + row_max[:, :, 0], -jnp.inf)
     return out, lse.reshape(B, N, T)
 
 
