@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tfjax.config import GatedDeltaNetConfig
+from tfjax.nn.hooks import hook
 from tfjax.nn.norms import make_norm
 from tfjax.nn.ssm import causal_conv, dt_bias_init, last_conv_inputs
 from tfjax.nn.state import DecodeState, RecurrentMixer, decode_state
@@ -284,6 +285,7 @@ class GatedDeltaNet(RecurrentMixer):
                                     reset=reset)
         else:
             o, S = gated_delta_rule_reference(q, k, v, g, beta, state=state.S, reset=reset)
+        o, S = hook("hook_ssm_out", o), hook("hook_state", S)  # [B,T,Hv,dv], [B,Hv,dk,dv] fp32
         W = self.d_conv
         new = GatedDeltaNetState(
             conv_q=last_conv_inputs(qpad, lengths, W).astype(state.conv_q.dtype),

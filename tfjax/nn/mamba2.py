@@ -21,6 +21,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from tfjax.config import Mamba2Config
+from tfjax.nn.hooks import hook
 from tfjax.nn.ssm import SelectiveSSM, causal_conv, dt_bias_init, last_conv_inputs
 from tfjax.nn.state import DecodeState, decode_state
 from tfjax.parallel.sharding import shard, with_logical_axes
@@ -251,13 +252,14 @@ class Mamba2(SelectiveSSM):
         xc, xpad = causal_conv(xBC, state.conv, self.conv_w[...], positions,
                                None if self.conv_b is None else self.conv_b[...])
         x, Bm, Cm, dt = self._split(jax.nn.silu(xc), dt)
-        x = shard(x, ("batch", "length", "heads", None))
+        x = hook("hook_ssm_input", shard(x, ("batch", "length", "heads", None)))  # [B,T,H,P]
         if lengths is not None:  # dt = 0 on padding: decay 1 and no input
             valid = jnp.arange(T)[None, :] < jnp.asarray(lengths, jnp.int32)[:, None]
             dt = jnp.where(valid[..., None], dt, 0.0)
         reset = None if positions is None else positions == 0
         y, h = ssd(x, dt, self._A(), Bm, Cm, self.D[...], state.ssm,
                    chunk_size=self.chunk_size, reset=reset)
+        y, h = hook("hook_ssm_out", y), hook("hook_state", h)  # [B,T,H,P], [B,H,P,N] fp32
         conv = last_conv_inputs(xpad, lengths, K)  # up to each row's last real step
         return self._out(y, z), Mamba2State(conv=conv.astype(state.conv.dtype), ssm=h)
 

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tfjax.config import SSMConfig
+from tfjax.nn.hooks import hook
 from tfjax.nn.norms import make_norm
 from tfjax.nn.state import DecodeState, RecurrentMixer, decode_state
 from tfjax.parallel.sharding import shard, with_logical_axes
@@ -254,7 +255,7 @@ class Mamba(SelectiveSSM):
         x = shard(x, ("batch", "length", "mlp"))
         xc, xpad = causal_conv(x, state.conv, self.conv_w[...], positions,
                                None if self.conv_b is None else self.conv_b[...])
-        xc = jax.nn.silu(xc)
+        xc = hook("hook_ssm_input", jax.nn.silu(xc))  # [B,T,Di] (tfjax.nn.hooks)
         dt, Bm, Cm = self._ssm_inputs(xc)
         if lengths is not None:  # dt = 0 on padding: exp(0 * A) = 1 and no input
             valid = jnp.arange(T)[None, :] < jnp.asarray(lengths, jnp.int32)[:, None]
@@ -262,6 +263,7 @@ class Mamba(SelectiveSSM):
         reset = None if positions is None else positions == 0
         y, h = selective_scan(xc, dt, self._A(), Bm, Cm, self.D[...], state.ssm,
                               chunk_size=self.chunk_size, reset=reset)
+        y, h = hook("hook_ssm_out", y), hook("hook_state", h)  # [B,T,Di], [B,Di,N] fp32
         conv = last_conv_inputs(xpad, lengths, K)  # up to each row's last real step
         return self._out(y, z), MambaState(conv=conv.astype(state.conv.dtype), ssm=h)
 
