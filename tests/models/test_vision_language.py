@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from tfjax import interp
 from tfjax.config import model_config
 from tfjax.models import ImagePrefixLM, build
 
@@ -75,3 +76,14 @@ def test_config_errors(fields, match):
     with pytest.raises(ValueError, match=match) as e:
         model_config(dict(CFG, **fields))
     assert "\n" not in str(e.value)
+
+
+def test_hook_names_keep_the_tower_apart(model):
+    """The tower's hooks are `vision.*`, the decoder's `blocks.*`: one session sees both
+    stacks' layer 0 once each, with their own widths."""
+    ids, pixels = _inputs()
+    _, cache = interp.run_with_cache(model, ids, names=lambda n: n.endswith("hook_resid_post"),
+                                     pixel_values=pixels)
+    assert cache["vision.blocks.0.hook_resid_post"].shape == (2, 4, 16)
+    assert cache["blocks.0.hook_resid_post"].shape == (2, 7, 32)
+    assert cache["blocks.1.hook_resid_post"].shape == (2, 7, 32)

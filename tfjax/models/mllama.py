@@ -20,6 +20,7 @@ from tfjax.config.mllama import MllamaVisionConfig
 from tfjax.models.decoder import DecoderLM
 from tfjax.models.layer_kinds import LAYER_KINDS
 from tfjax.models.mllama_vision import MllamaVisionModel, check_images
+from tfjax.nn import hooks
 
 __all__ = ["MllamaModel", "cross_attention_inputs"]
 
@@ -58,7 +59,8 @@ class MllamaModel(nnx.Module):
 
     def image_features(self, pixel_values, aspect_ratio_ids, aspect_ratio_mask=None):
         """The cross layers' context `[B, M tiles P, D]`."""
-        f = self.projector(self.vision(pixel_values, aspect_ratio_ids, aspect_ratio_mask))
+        with hooks.scope("vision"):  # the tower's hook names "vision.*" (tfjax.nn.hooks)
+            f = self.projector(self.vision(pixel_values, aspect_ratio_ids, aspect_ratio_mask))
         return f.reshape(f.shape[0], -1, f.shape[-1])
 
     def _check(self, input_ids, pixel_values, aspect_ratio_ids, aspect_ratio_mask,

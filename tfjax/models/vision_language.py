@@ -24,6 +24,7 @@ from tfjax.models.attention_inputs import layer_biases, layer_masks
 from tfjax.models.decoder import DecoderLM
 from tfjax.models.stack import default_positions, dtype_of
 from tfjax.models.vision import VisionEncoder, check_images, tower_config
+from tfjax.nn import hooks
 from tfjax.parallel.sharding import with_logical_axes
 
 __all__ = ["ImagePrefixLM", "check_image_tokens", "prefix_lengths"]
@@ -78,7 +79,8 @@ class ImagePrefixLM(DecoderLM):
 
     def image_features(self, pixel_values):
         """`[B, C, H, W]` -> the projected patch features `[B, P, D]`."""
-        return self.projector(self.vision(pixel_values))
+        with hooks.scope("vision"):  # the tower's hook names "vision.*" (tfjax.nn.hooks)
+            return self.projector(self.vision(pixel_values))
 
     def embed_inputs(self, tokens, positions, pixel_values=None):
         """The token embeddings with each row's image tokens replaced, in order, by its
