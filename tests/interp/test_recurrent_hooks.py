@@ -1,7 +1,8 @@
-"""Hook points of the recurrent mixers (Mamba, Mamba-2, Gated DeltaNet) through a
-scanned stack: their names and shapes, `hook_state` against the decode cache after
-prefilling the same tokens, `hook_ssm_out` as a patch point and `hook_state` as a
-capture point (replacing it changes no logits of a whole-sequence run)."""
+"""Hook points of the recurrent mixers (Mamba, Mamba-2, Gated DeltaNet, causal linear
+attention) through a scanned stack: their names and shapes, `hook_state` against the
+decode cache after prefilling the same tokens, the per-token output (`hook_ssm_out`;
+linear attention's `hook_z`) as a patch point and `hook_state` as a capture point
+(replacing it changes no logits of a whole-sequence run)."""
 
 import functools
 
@@ -28,7 +29,11 @@ KINDS = {  # kind -> (its config, {hook: shape}); mixer-only layers, scanned ove
     "gated_deltanet": (dict(gdn=dict(num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=6,
                                      chunk=4)),
                        {"hook_ssm_out": (B, T, 4, 6), "hook_state": (B, 4, 8, 6)}),
+    "linear": (dict(linear=dict(chunk=4)),  # 4 heads of 8, elu+1 features of width 8
+               {"hook_z": (B, T, 4, 8), "hook_state": (B, 4, 8, 8),
+                "hook_state_norm": (B, 4, 8)}),
 }
+OUTPUT = {"linear": "hook_z"}  # the per-token output a patch changes; else hook_ssm_out
 
 
 @functools.cache
@@ -59,11 +64,14 @@ def test_names_shapes_and_the_final_state_equal_the_prefilled_cache_s(kind):
     # what a prefill of the same tokens leaves in the decode cache, per layer (cycle)
     last, decode = m.step(t, m.init_cache(B, 16))
     state = decode.layers["cycles"][0]["attn"]
-    held = state.S if kind == "gated_deltanet" else state.ssm  # [C, B, ...]
+    held = state.ssm if kind in ("mamba", "mamba2") else state.S  # [C, B, ...]
     assert float(jnp.abs(held[0] - held[1]).max()) > 0  # the layers' states differ
     for l in range(L):
         np.testing.assert_allclose(cache[f"blocks.{l}.attn.hook_state"], held[l], atol=1e-5,
                                    err_msg=f"layer {l}")
+        if kind == "linear":  # and its normaliser's running sum
+            np.testing.assert_allclose(cache[f"blocks.{l}.attn.hook_state_norm"], state.z[l],
+                                       atol=1e-5, err_msg=f"layer {l}")
     np.testing.assert_allclose(logits[:, -1:], last, atol=1e-4)  # the same prefill
 
 
@@ -73,15 +81,16 @@ def test_zeroing_ssm_out_is_zeroing_the_mixer_s_output_and_the_state_is_capture_
     logits = run_with_hooks(m, t, fwd_hooks=[])
     # no biases: a zero scan output gives a zero mixer output (Mamba: 0 * silu(z); Mamba-2
     # and Gated DeltaNet: their RMSNorm of 0 is 0), so this is the layer's mixer ablated
-    patched = run_with_hooks(m, t, fwd_hooks=[("blocks.1.attn.hook_ssm_out", zero)])
+    out = OUTPUT.get(kind, "hook_ssm_out")
+    patched = run_with_hooks(m, t, fwd_hooks=[(f"blocks.1.attn.{out}", zero)])
     by_hand = run_with_hooks(m, t, fwd_hooks=[("blocks.1.hook_attn_out", zero)])
     assert float(jnp.abs(patched - logits).max()) > 1e-3
     np.testing.assert_allclose(patched, by_hand, atol=1e-5)
     # only layer 1's: layer 0's ablation is another run
-    other = run_with_hooks(m, t, fwd_hooks=[("blocks.0.attn.hook_ssm_out", zero)])
+    other = run_with_hooks(m, t, fwd_hooks=[(f"blocks.0.attn.{out}", zero)])
     assert float(jnp.abs(other - patched).max()) > 1e-3
     # nothing in a whole-sequence run reads the final state
-    unread = run_with_hooks(m, t, fwd_hooks=[(lambda n: n.endswith("hook_state"), zero)])
+    unread = run_with_hooks(m, t, fwd_hooks=[(lambda n: "hook_state" in n, zero)])
     np.testing.assert_array_equal(unread, logits)
 
 

@@ -18,6 +18,7 @@ from flax import nnx
 
 from tfjax.config import AttentionConfig, LinearConfig
 from tfjax.nn.attention import head_projections
+from tfjax.nn.hooks import hook
 from tfjax.nn.state import DecodeState, RecurrentMixer, Slots, decode_state
 from tfjax.parallel.sharding import shard
 from tfjax.registry import Registry
@@ -238,8 +239,15 @@ class LinearAttention(RecurrentMixer):
                 raise ValueError("generation needs causal linear attention (LinearAttention("
                                  "causal=True)); a non-causal layer has no running state")
             return super().__call__(x, positions=positions, state=state, slots=slots)
-        positions = positions if self.causal else None
         q, k, v = self.project(x)
-        out = linear_attention(q, k, v, causal=self.causal, feature_map=self.feature_map,
-                               chunk_size=self.chunk_size, eps=self.eps, positions=positions)
+        if self.causal:
+            out, final = causal_linear_attention(q, k, v, feature_map=self.feature_map,
+                                                 chunk_size=self.chunk_size, eps=self.eps,
+                                                 positions=positions)
+            # capture points (tfjax.nn.hooks): nothing in this call reads the final state
+            hook("hook_state", final.S), hook("hook_state_norm", final.z)
+        else:
+            out = linear_attention(q, k, v, causal=False, feature_map=self.feature_map,
+                                   chunk_size=self.chunk_size, eps=self.eps)
+        out = hook("hook_z", out)  # [B, T, N, Hv]: each head's output, as attention's
         return shard(self.o(out), ("batch", "length", "embed"))
