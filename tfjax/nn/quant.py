@@ -99,16 +99,22 @@ def _compile(field: str, pattern: str) -> re.Pattern:
                          f"'layers/cycles/layers/0/ffn/wi'") from None
 
 
+def _selected_modules(model: nnx.Module, paths: str, exclude: str):
+    """`(name, module)` of each submodule whose path ("layers/cycles/0/attn/q") the rule
+    selects: `paths` matches it whole and `exclude` (if any) does not."""
+    keep, drop = _compile("model.quant_paths", paths), _compile("model.quant_exclude", exclude)
+    for path, module in nnx.iter_modules(model):
+        name = "/".join(map(str, path))
+        if keep.fullmatch(name) and not (exclude and drop.fullmatch(name)):
+            yield name, module
+
+
 def quantized_paths(model: nnx.Module, *, paths: str = QUANT_PATHS,
                     exclude: str = "") -> list[str]:
     """The module paths whose matmuls `quantize` replaces (Linear, Einsum, MoE experts);
     raises on a recurrent mixer the rule reaches."""
-    keep, drop = _compile("model.quant_paths", paths), _compile("model.quant_exclude", exclude)
     out = []
-    for path, module in nnx.iter_modules(model):
-        name = "/".join(map(str, path))
-        if not keep.fullmatch(name) or (exclude and drop.fullmatch(name)):
-            continue
+    for name, module in _selected_modules(model, paths, exclude):
         if isinstance(module, RecurrentMixer):
             raise ValueError(
                 f"model.quant: {name} is a {type(module).__name__}, whose recurrence runs "
@@ -246,12 +252,8 @@ def quantize_weights(model: nnx.Module, fmt: str, *, group: int | None = None,
     if group is not None and group not in GROUPS:
         raise ValueError(f"--quantize_group: {group} is not a group size; use one of "
                          f"{', '.join(map(str, GROUPS))}, or none for per channel")
-    keep, drop = _compile("model.quant_paths", paths), _compile("model.quant_exclude", exclude)
     chosen = []
-    for path, module in nnx.iter_modules(model):
-        name = "/".join(map(str, path))
-        if not keep.fullmatch(name) or (exclude and drop.fullmatch(name)):
-            continue
+    for name, module in _selected_modules(model, paths, exclude):
         if isinstance(module, nnx.Embed):
             raise ValueError(f"--quantize {fmt}: {name} is an embedding (a lookup, no matmul "
                              f"weight to dequantize at); weight-only quantization takes "
