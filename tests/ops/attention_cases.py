@@ -112,6 +112,8 @@ def make_mask(name, B, T, S):
         return M.positions(*cache_positions(B, T, S), window=37)
     if name == "prefix|window":
         return M.prefix_lm(np.array([5] * B)) | M.sliding_window(8)
+    if name == "windowed(prefix)":  # a prefix-LM's sliding layer: the prefix stays whole
+        return M.windowed(M.prefix_lm(np.array([T // 2 + 3] + [2] * (B - 1))), M.sliding_window(6))
     raise ValueError(name)
 
 

@@ -38,6 +38,13 @@ CASES = {
                         lambda b, i, j, p, q: q <= p and SEG_Q[b, i] == SEG_KV[b, j]),
     "window|prefix": (M.sliding_window(0, 1) | M.prefix_lm(PREFIX),
                       lambda b, i, j, p, q: -1 <= p - q <= 0 or q <= p or q < PREFIX[b]),
+    "prefix_block": (M.PrefixBlock(PREFIX), lambda b, i, j, p, q: p < PREFIX[b] and q < PREFIX[b]),
+    # a sliding layer of a prefix-LM: the window, except inside the prefix (HF's Gemma VLMs)
+    "windowed(prefix&padding)": (
+        M.windowed(M.prefix_lm(PREFIX) & M.padding(LENS), M.sliding_window(1)),
+        lambda b, i, j, p, q: q < LENS[b] and (0 <= p - q <= 1 or max(p, q) < PREFIX[b])),
+    "windowed(causal)": (M.windowed(M.causal(), M.sliding_window(1)),
+                         lambda b, i, j, p, q: 0 <= p - q <= 1),
     "causal&padding&window": (M.causal() & M.padding(LENS) & M.sliding_window(3),
                               lambda b, i, j, p, q: q <= p and q < LENS[b] and p - q <= 3),
     # explicit positions, indexed locally (offsets change nothing)

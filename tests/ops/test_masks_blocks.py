@@ -39,6 +39,7 @@ def _masks(T, S):
         "chunked": M.chunked_causal(6),
         "padding": M.padding(np.array([0, S // 2 + 1])),
         "prefix": M.prefix_lm(np.array([3, T // 2 + 2])),
+        "prefix_block": M.PrefixBlock(np.array([3, T // 2 + 2])),
         "segments": _segments(T, S, 0),
         "positions": _positions(T, S),
         "positions_window": _positions(T, S, window=4),
@@ -46,7 +47,7 @@ def _masks(T, S):
 
 
 PRIMITIVE = ["causal", "window_left", "window_left_right", "chunked", "padding", "prefix",
-             "segments", "positions", "positions_window"]
+             "prefix_block", "segments", "positions", "positions_window"]
 
 
 def _check(mask, T, S, bq, bk, qo, ko, exact):
@@ -101,6 +102,7 @@ COMBOS = {
     "chunked&segments|causal": lambda m: (m["chunked"] & m["segments"]) | m["causal"],
     "padding&prefix&window": lambda m: m["padding"] & m["prefix"] & m["window_left"],
     "positions&segments": lambda m: m["positions"] & m["segments"],
+    "windowed(padding&prefix)": lambda m: M.windowed(m["padding"] & m["prefix"], m["window_left"]),
 }
 
 

@@ -6,7 +6,7 @@ FULL) without building the `T x S` array, and evaluates itself on a tile's indic
 (`mask.evaluate`). Every view takes global offsets (`q_offset`, `kv_offset`); masks
 combine with `&` and `|` and are pytrees. Constructors: `causal`, `sliding_window`,
 `chunked_causal`, `padding`, `segments`, `prefix_lm`, `positions`, `longformer`,
-`bigbird`; `combine`. Fully masked rows give zeros everywhere. See docs/attention.md.
+`bigbird`; `combine`, `windowed`. Fully masked rows give zeros everywhere. See docs/attention.md.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import numpy as np
 __all__ = [
     "EMPTY", "PARTIAL", "FULL",
     "Mask", "Causal", "SlidingWindow", "ChunkedCausal", "Padding", "Segments", "PrefixLM",
-    "Positions", "And", "Or",
+    "PrefixBlock", "Positions", "And", "Or",
     "causal", "sliding_window", "chunked_causal", "padding", "segments", "prefix_lm",
     "positions",
-    "check_lengths", "dense", "combine",
+    "check_lengths", "dense", "combine", "windowed",
     "Longformer", "RandomBlocks", "longformer", "bigbird",
 ]
 
@@ -242,6 +242,28 @@ class PrefixLM(Mask):
 
 
 @_pytree
+class PrefixBlock(Mask):
+    """Queries and keys both in the first prefix_lengths[b] positions see each other
+    (the prefix of a prefix-LM as one bidirectional block; nothing outside it)."""
+
+    prefix_lengths: jax.Array  # [B] int
+
+    def _allowed(self, q, k, qo, ko):
+        p = self.prefix_lengths.astype(jnp.int32)[:, None, None]
+        return ((q + qo)[None] < p) & ((k + ko)[None] < p)
+
+    def _tiles(self, qs, qe, ks, ke, **_):
+        p = self.prefix_lengths.astype(jnp.int32)[:, None, None]
+        full = (qe[None] < p) & (ke[None] < p)
+        empty = (qs[None] >= p) | (ks[None] >= p)
+        return full, empty
+
+    @property
+    def batch_size(self):
+        return self.prefix_lengths.shape[0]
+
+
+@_pytree
 class Segments(Mask):
     """Packed sequences: query i sees key j iff their segment ids are equal."""
 
@@ -423,6 +445,26 @@ def prefix_lm(prefix_lengths) -> Mask:
     if prefix_lengths.ndim != 1:
         raise ValueError(f"prefix_lm: prefix_lengths must be [B], got shape {prefix_lengths.shape}")
     return PrefixLM(prefix_lengths)
+
+
+def windowed(base: Mask | None, window: Mask) -> Mask:
+    """`base & window`, but where `base` holds a prefix-LM mask its prefix stays one
+    bidirectional block whatever the window: `base & (window | the prefix block)`, as
+    transformers' Gemma-family vision-language models (PaliGemma 2, Gemma 3) mask
+    their sliding layers (their image and prompt prefix overlays the window)."""
+    prefix = _find(base, PrefixLM)
+    if prefix is not None:
+        window = window | PrefixBlock(prefix.prefix_lengths)
+    return combine(base, window)
+
+
+def _find(mask: Mask | None, cls: type) -> Mask | None:
+    """The first `cls` mask among `mask` and the masks it `&`s together."""
+    if isinstance(mask, cls):
+        return mask
+    if isinstance(mask, And):
+        return _find(mask.a, cls) or _find(mask.b, cls)
+    return None
 
 
 def combine(*masks: Mask | None) -> Mask | None:

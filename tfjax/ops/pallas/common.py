@@ -205,7 +205,7 @@ def tpu_pallas_call(interpret, kernel, **kw):
 _POSITIONAL = (M.Causal, M.SlidingWindow, M.ChunkedCausal)
 
 
-_KNOWN = _POSITIONAL + (M.Padding, M.PrefixLM, M.Segments, M.Positions, M.Longformer,
+_KNOWN = _POSITIONAL + (M.Padding, M.PrefixLM, M.PrefixBlock, M.Segments, M.Positions, M.Longformer,
                         M.RandomBlocks)
 
 
@@ -269,7 +269,7 @@ class MaskOperands:
                 pos = jnp.arange(n, dtype=jnp.int32) + jnp.asarray(off, jnp.int32)
                 flag = (M._count_in(g, pos, pos) > 0).astype(jnp.int32)
                 out.append(jnp.broadcast_to(flag, (B, n)))
-        elif isinstance(m, (M.Padding, M.PrefixLM)):
+        elif isinstance(m, (M.Padding, M.PrefixLM, M.PrefixBlock)):
             x = m.kv_lengths if isinstance(m, M.Padding) else m.prefix_lengths
             self._slot[id(m)] = len(self.scalars)
             self.scalars.append(jnp.broadcast_to(jnp.asarray(x, jnp.int32), (B,)))
@@ -311,6 +311,9 @@ class MaskOperands:
             return kp < sref[self._slot[id(m)]][b]
         if isinstance(m, M.PrefixLM):
             return (kp <= qp) | (kp < sref[self._slot[id(m)]][b])
+        if isinstance(m, M.PrefixBlock):
+            p = sref[self._slot[id(m)]][b]
+            return (qp < p) & (kp < p)
         if isinstance(m, M.Segments):
             s = self._slot[id(m)]
             return qseg[s] == kseg[s]
