@@ -47,7 +47,7 @@ def pipeline_smem(C: int, stages: int, fixed, ring, extra=(), barriers: int = 0)
 
 
 _ALLOWED_MASKS = (M.Causal, M.SlidingWindow, M.ChunkedCausal, M.Padding, M.PrefixLM,
-                  M.PrefixBlock, M.Segments, M.Positions)
+                  M.PrefixBlock, M.Segments, M.Blocks, M.Positions)
 
 
 def _mask_reason(mask) -> str | None:
