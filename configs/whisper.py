@@ -8,7 +8,8 @@ spoken digits (`data.source="synthetic"`, byte tokens):
     python -m tfjax.train --config configs/whisper.py:tiny --workdir /tmp/whisper
 
 ("tiny": 2 + 2 layers of d_model 64, 2 s windows of 80 mel bins, 16 utterances a
-batch, 800 steps; its loss and greedy transcriptions of held-out utterances:
+batch, 800 steps: about 10 min on the loaded 2-core CPU, the loss 5.6 -> 0.02, val_loss
+0.015 nats per token, 98 % of held-out digits transcribed right by greedy decoding;
 experiments/results/multimodal_training.md, "Audio"), or on your own
 audio with `--config.data.source=jsonl --config.data.paths="('train.jsonl',)"`, each
 line {"audio": "clip.wav", "text": ...} (16 kHz 16-bit WAV, a path relative to the

@@ -13,6 +13,7 @@ experiments/results/multimodal_training.md ("Audio").
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 
 import numpy as np
@@ -55,6 +56,8 @@ def main(argv=None):
     p.add_argument("--held_out", type=int, default=64)
     exp = Experiment("speech_digits", __doc__, parser=p, argv=argv)
     a = exp.args
+    import jax
+
     from tfjax.config import run_config
     from tfjax.train import Trainer
 
@@ -75,16 +78,18 @@ def main(argv=None):
         found[int(state["step"])] = (acc, exact, pairs)
         return {"digit_accuracy": acc, "exact_match": exact}
 
-    lines = []
+    lines, load = [], [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory() as workdir:
         trainer = Trainer(cfg, workdir, eval_hooks=[hook],
                           log=lambda s: (print(s, flush=True), lines.append(s)))
         summary = trainer.train()
+    load.append(os.getloadavg()[0])
     h = summary["history"]
     steps = sorted(h)
     exp.text(f"`configs/whisper.py:tiny`, {cfg.train.steps} steps of {cfg.train.batch_size} "
-             f"utterances; the machine was shared with other jobs (load average above 6 on "
-             f"2 cores), so times are loose.")
+             f"utterances, {len(jax.devices())} CPU device(s); the machine was shared with "
+             f"other jobs (1-minute load average {load[0]:.1f} at the start, {load[1]:.1f} at "
+             f"the end, on {os.cpu_count()} cores), so times are loose.")
     shown = sorted(set(steps[:: max(1, len(steps) // 10)]) | {steps[-1]})
     exp.table(["step", "train loss"], [[s, float(h[s])] for s in shown],
               title="Training loss (nats per token)")
