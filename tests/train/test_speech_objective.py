@@ -133,7 +133,7 @@ def test_speech_config_errors_name_the_field(tmp_path, kw, message):
 def test_synthetic_source_takes_no_paths():
     with pytest.raises(ValueError, match=re.escape("data.paths: data.source='synthetic' (the "
                                                    "objective's shipped examples) takes no paths")):
-        config(data=dict(paths=("x.jsonl",)))
+        config(data=dict(paths=("x.jsonl",))).validate()
 
 
 def test_too_long_audio_stops_the_run_before_compiling(tmp_path):
