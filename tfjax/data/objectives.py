@@ -287,11 +287,13 @@ def _check_field(where: str, rec: dict, name: str, kind: str, num_classes: int) 
                          f"{num_classes}) (model.num_classes={num_classes}), got {v!r}")
 
 
-def _beside(file: str, value):
-    """A relative path in `file` -> the path beside it; bytes and absolute paths as given."""
+def _beside(inp, value):
+    """A relative path in input `inp` -> the path beside its file (inside a `datasets`
+    directory); bytes and absolute paths as given."""
     if isinstance(value, bytes) or "://" in value or epath.Path(value).is_absolute():
         return value
-    return str(epath.Path(file).parent / value)
+    base = epath.Path(inp.path)
+    return str((base if inp.kind == "dataset" else base.parent) / value)
 
 
 def read_examples(cfg: DataConfig, split: str, fields: dict[str, str],
@@ -303,7 +305,8 @@ def read_examples(cfg: DataConfig, split: str, fields: dict[str, str],
     file), a .json list, the columns of a .parquet file or of a Hugging Face `datasets`
     directory. Every record is checked: an object whose text fields are non-empty
     strings, whose label is an integer in [0, num_classes) and whose file is a path
-    (returned beside the input: relative to its directory) or bytes, or a one-line ValueError
+    (relative to the input's directory, or a `datasets` directory itself; returned
+    resolved) or bytes, or a one-line ValueError
     naming the file, the line (1-based) or row (0-based) and the field; a parquet file
     or dataset without a field's column names the file and the column. `where`: each
     example also holds "where", its "file:line" / "file: row r" (for later errors)."""
@@ -326,7 +329,7 @@ def read_examples(cfg: DataConfig, split: str, fields: dict[str, str],
             for name, kind in fields.items():
                 _check_field(at, rec, name, kind, num_classes)
             if rule is None or is_validation(key) == (rule == "validation"):
-                out.append({name: _beside(inp.path, rec[name]) if kind == "file" else rec[name]
+                out.append({name: _beside(inp, rec[name]) if kind == "file" else rec[name]
                             for name, kind in fields.items()})
                 if where:
                     out[-1]["where"] = at
