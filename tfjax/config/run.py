@@ -20,7 +20,7 @@ MESH_AXES = ("data", "fsdp", "sequence", "tensor", "expert")
 DCN_AXES = ("data", "fsdp")  # the mesh axes that may also span slices (`MeshConfig.dcn_*`)
 SCHEDULES = ("cosine", "constant", "linear", "wsd")
 DECAY_SHAPES = ("linear", "cosine", "1-sqrt")  # the decay of the wsd schedule
-DATA_SOURCES = ("stdlib", "text", "jsonl", "cache")
+DATA_SOURCES = ("stdlib", "text", "jsonl", "cache", "shapes")
 DATA_FORMATS = ("document", "instruction")
 WANDB_MODES = ("online", "offline", "disabled")
 
@@ -178,7 +178,8 @@ class DataConfig:
     source: stdlib (the Python standard library's own .py files; validation iff
       int(sha1(relative path).hexdigest(), 16) % 50 == 0) | text (files or globs
       in `paths`, one document per file) | jsonl (one document per line, field
-      `jsonl_field`) | cache (token caches of `python -m tfjax.data.prepare`). For
+      `jsonl_field`) | cache (token caches of `python -m tfjax.data.prepare`) | shapes
+      (built-in rendered scenes with captions and questions, for `image_lm`). For
       text/jsonl, `val_paths` names the validation files; if empty, the same sha1
       rule splits files (text) or lines (jsonl). The objectives that read examples
       (classification, seq2seq, preference) take jsonl, parquet and `datasets`
@@ -331,6 +332,10 @@ class RunConfig:
             fail("data.format", f"'instruction' scores the completions of a causal LM, but "
                  f"train.objective={self.train.objective!r}; set --config.train.objective="
                  f"causal_lm or data.format='document'")
+        if self.data.source == "shapes" and self.train.objective != "image_lm":
+            fail("data.source", f"'shapes' (rendered scenes with captions and questions) feeds "
+                 f"train.objective='image_lm', not {self.train.objective!r}; set one or the "
+                 f"other")
         return self
 
 
@@ -444,6 +449,9 @@ def _validate_data(c: DataConfig, p: str) -> None:
     if c.source == "stdlib" and (c.paths or c.val_paths):
         fail(f"{p}.paths", "the stdlib corpus takes no paths; set data.source='text' or "
               "'jsonl' to read your own files")
+    if c.source == "shapes" and (c.paths or c.val_paths):
+        fail(f"{p}.paths", "the built-in shapes take no paths; set data.source='jsonl' to read "
+             "your own images")
     if c.source in ("text", "jsonl") and not c.paths:
         fail(f"{p}.paths", f"data.source={c.source!r} needs files or globs, e.g. "
               "--config.data.paths=\"('corpus/*.txt',)\"")
