@@ -55,6 +55,9 @@ PARAMS = {
     "gemma3:27b": 27_009_346_304,  # gemma-3-27b-pt, its text decoder
     "smollm3": 3_075_098_624,  # SmolLM3-3B
     "olmo2": 7_298_617_344,  # OLMo-2-1124-7B
+    # transformers' PaliGemmaForConditionalGeneration of PaliGemma-2-3B-224's sizes (gemma2
+    # text, SigLIP So400m/14 without its head: vision_use_head=False), on the meta device
+    "paligemma": 3_032_242_416,
 }
 ALL = sorted(p.stem for p in CONFIGS.glob("*.py") if not p.stem.startswith("_"))
 
