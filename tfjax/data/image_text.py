@@ -1,15 +1,13 @@
 """The host side of `train.objective="image_lm"`: examples of an image, a prompt and a
 target text laid out as PaliGemma trains them.
 
-A row is `[image tokens x P][bos] prompt "\\n" | target [eos]`, padded to `seq_len`: the
-image tokens (`model.vision.image_token_id`, one per patch), BOS, the prompt and its
-newline are the bidirectional prefix (`token_type_ids` 0), the target and EOS the causal
-suffix (type 1, and padding); the loss is on the target and EOS only. `pixel_values`
-are the image at the model's size in [-1, 1] (`tfjax.data.images`). Examples come from
-`data.source="shapes"` (`tfjax.data.synthetic_media.scene_examples`) or jsonl / json /
-parquet / datasets inputs with fields image, prompt, target (`read_examples`); every
-image's header and every example's length are checked before the first batch. See
-docs/multimodal.md ("Training").
+A row is `[image tokens x P][bos] prompt "\\n" | target [eos]`, padded: the image tokens
+(`model.vision.image_token_id`), BOS, prompt and newline are the bidirectional prefix
+(`token_type_ids` 0), target and EOS the causal, scored suffix (type 1, padding too);
+`pixel_values` the image at the model's size in [-1, 1] (`tfjax.data.images`). Examples:
+`data.source="shapes"` (`synthetic_media.scene_examples`) or jsonl / json / parquet /
+datasets inputs with fields image, prompt, target (`read_examples`); image headers and
+lengths are checked before the first batch. See docs/multimodal.md ("Training").
 """
 
 from __future__ import annotations
