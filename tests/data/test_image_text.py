@@ -199,3 +199,22 @@ def test_an_example_longer_than_the_row_names_seq_len(tmp_path):
                                          r"image tokens, 12 of BOS \+ prompt \+ newline, 41 .*"
                                          r"train.seq_len=48"):
         image_text_batches(examples, TOK, VISION, seq_len=48, global_batch=1)
+
+
+def test_a_datasets_directory_with_an_image_feature(scenes, tmp_path):
+    datasets = pytest.importorskip("datasets")
+    out, _ = scenes
+    for split in ("train", "validation"):
+        rows = [json.loads(line) for line in open(out / f"{split}.jsonl")]
+        ds = datasets.Dataset.from_dict({
+            "image": [str(out / r["image"]) for r in rows],
+            "prompt": [r["prompt"] for r in rows], "target": [r["target"] for r in rows],
+        }).cast_column("image", datasets.Image())
+        ds.save_to_disk(str(tmp_path / split))
+    data = DataConfig(source="jsonl", paths=(str(tmp_path / "train"),),
+                      val_paths=(str(tmp_path / "validation"),))
+    for split in ("train", "validation"):
+        want = _batches(DataConfig(source="shapes"), split)
+        for w, g in zip(want, _batches(data, split)):
+            for k in w:
+                np.testing.assert_array_equal(g[k], w[k], err_msg=k)
