@@ -81,3 +81,35 @@ def test_config_errors_name_the_field(tmp_path, sections, message):
     with pytest.raises(ValueError) as e:
         Trainer(config(**sections), str(tmp_path), devices=devices(1), log=lambda s: None)
     assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
+
+
+def test_the_forward_sums_are_the_prefix_models_target_loss():
+    """image_lm's loss sums against a plain computation: the model called with the
+    row's token types, the cross-entropy of the scored targets, exact rows counted."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from tfjax.config import DataConfig, VisionConfig
+    from tfjax.data.image_text import image_text_batches, image_text_examples
+    from tfjax.data.tokenizer import ByteTokenizer
+    from tfjax.models import build
+    from tfjax.train.objectives import OBJECTIVES
+
+    vision = VisionConfig(**VISION)
+    model = build(dict(vocab_size=260, d_model=32, num_layers=2, num_heads=4, d_ff=48,
+                       prefix_lm=True, vision=VISION), rngs=nnx.Rngs(0))
+    examples = image_text_examples(DataConfig(source="shapes"), "validation", vision)
+    b = next(image_text_batches(examples, ByteTokenizer(), vision, seq_len=64, global_batch=3,
+                                shuffle=False, repeat=False))
+    b = {k: jnp.asarray(v) for k, v in b.items()}
+    got = jax.jit(lambda m, b: OBJECTIVES.get("image_lm").forward(m, b))(model, b)
+    logits = model(b["inputs"], pixel_values=b["pixel_values"],
+                   token_type_ids=b["token_type_ids"], segment_ids=b["segment_ids"])
+    nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), b["targets"][..., None], -1)[..., 0]
+    mask = np.asarray(b["mask"], bool)
+    np.testing.assert_allclose(got["nll"], np.asarray(nll)[mask].sum(), rtol=1e-5)
+    assert got["tokens"] == mask.sum() and got["rows"] == 3
+    hit = np.asarray(jnp.argmax(logits, -1) == b["targets"])
+    assert got["correct"] == hit[mask].sum()
+    assert got["exact"] == sum(hit[r][mask[r]].all() for r in range(3))
