@@ -30,7 +30,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(PY) -m pip install -q -e ".[test,tpu,hf,data,cloud,notebooks,tracking,eval,serve,posttrain,interp]"
+	$(PY) -m pip install -q -e ".[test,tpu,hf,data,vision,cloud,notebooks,tracking,eval,serve,posttrain,interp]"
 	touch $@
 
 $(VENV)/.installed-docs: $(VENV)/.installed

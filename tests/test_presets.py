@@ -59,6 +59,9 @@ PARAMS = {
     # meta device, 37,760,640, less the encoder's frozen sinusoids (1500 x 384), which
     # tfjax computes instead of storing
     "whisper": 37_760_640 - 1500 * 384,
+    # transformers' PaliGemmaForConditionalGeneration of PaliGemma-2-3B-224's sizes (gemma2
+    # text, SigLIP So400m/14 without its head: vision_use_head=False), on the meta device
+    "paligemma": 3_032_242_416,
 }
 ALL = sorted(p.stem for p in CONFIGS.glob("*.py") if not p.stem.startswith("_"))
 

@@ -340,7 +340,8 @@ def test_presets_train_out_of_the_box(tmp_path):
 BAD = [
     (dict(objective="mlm"), {},
      "train.objective: 'mlm' trains arch='encoder' models, but model.arch='decoder'; objectives "
-     "for 'decoder': 'causal_lm', 'distill', 'dpo', 'grpo', 'ipo', 'orpo', 'prefix_lm', 'simpo'"),
+     "for 'decoder': 'causal_lm', 'distill', 'dpo', 'grpo', 'image_lm', 'ipo', 'orpo', 'prefix_lm', "
+     "'simpo'"),
     (dict(objective="causal_lm"), dict(arch="encoder"),
      "objectives for 'encoder': 'classification', 'mlm'"),
     (dict(objective="mlm"), dict(arch="encoder", vocab_size=259),
@@ -354,7 +355,7 @@ BAD = [
     (dict(objective="span_corruption", target_len=6), dict(arch="encoder_decoder", vocab_size=264),
      "train.target_len: 6 cannot hold span corruption's targets of train.seq_len=32 (8 tokens)"),
     (dict(objective="mlmm"), {}, "unknown train.objective='mlmm'; allowed: causal_lm, "
-     "classification, distill, dpo, grpo, ipo, mlm, orpo, prefix_lm, seq2seq, simpo, "
+     "classification, distill, dpo, grpo, image_lm, ipo, mlm, orpo, prefix_lm, seq2seq, simpo, "
      "span_corruption, speech_to_text"),
 ]
 

@@ -178,7 +178,8 @@ class DataConfig:
     source: stdlib (the Python standard library's own .py files; validation iff
       int(sha1(relative path).hexdigest(), 16) % 50 == 0) | text (files or globs
       in `paths`, one document per file) | jsonl (one document per line, field
-      `jsonl_field`) | cache (token caches of `python -m tfjax.data.prepare`). For
+      `jsonl_field`) | cache (token caches of `python -m tfjax.data.prepare`) | shapes
+      (built-in rendered scenes with captions and questions, for `image_lm`). For
       text/jsonl, `val_paths` names the validation files; if empty, the same sha1
       rule splits files (text) or lines (jsonl). The objectives that read examples
       (classification, seq2seq, preference) take jsonl, parquet and `datasets`

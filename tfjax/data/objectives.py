@@ -12,6 +12,7 @@ docs/data.md.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
@@ -19,6 +20,7 @@ from etils import epath
 
 from tfjax.config import DataConfig
 from tfjax.data.pipeline import RowStreams
+from tfjax.data.images import check_image_value, resolve_image
 from tfjax.data.inputs import find_inputs, read_records
 from tfjax.data.sources import is_validation
 
@@ -285,6 +287,8 @@ def _check_field(where: str, rec: dict, name: str, kind: str, num_classes: int) 
                             or not 0 <= v < num_classes):
         raise ValueError(f"{where}: field {name!r} must be an integer class in [0, "
                          f"{num_classes}) (model.num_classes={num_classes}), got {v!r}")
+    if kind == "image":
+        check_image_value(where, name, v)
 
 
 def _beside(inp, value):
@@ -300,13 +304,15 @@ def read_examples(cfg: DataConfig, split: str, fields: dict[str, str],
                   num_classes: int = 0, where: bool = False) -> list[dict]:
     """The examples of `split` from `data.paths` / `data.val_paths` (files, globs,
     directories, local or on a bucket; the split rule of `tfjax.data.sources`): one dict
-    with `fields` (name -> "text", "label" or "file") per record, each input read by its kind
-    as `tfjax.data.prepare` reads it (`read_records`): JSON lines (.jsonl, any other
-    file), a .json list, the columns of a .parquet file or of a Hugging Face `datasets`
-    directory. Every record is checked: an object whose text fields are non-empty
-    strings, whose label is an integer in [0, num_classes) and whose file is a path
-    (relative to the input's directory, or a `datasets` directory itself; returned
-    resolved) or bytes, or a one-line ValueError
+    with `fields` (name -> "text", "label", "file" or "image") per record, each input read
+    by its kind as `tfjax.data.prepare` reads it (`read_records`): JSON lines (.jsonl, any
+    other file), a .json list, the columns of a .parquet file or of a Hugging Face
+    `datasets` directory. Every record is checked: an object whose text fields are
+    non-empty strings, whose label is an integer in [0, num_classes), whose file is a
+    path (relative to the input's directory, or a `datasets` directory itself; returned
+    resolved) or bytes, and whose image names one (`tfjax.data.images.check_image_value`;
+    a relative path made relative to the file's directory, decoded later by
+    `load_image`), or a one-line ValueError
     naming the file, the line (1-based) or row (0-based) and the field; a parquet file
     or dataset without a field's column names the file and the column. `where`: each
     example also holds "where", its "file:line" / "file: row r" (for later errors)."""
@@ -329,8 +335,9 @@ def read_examples(cfg: DataConfig, split: str, fields: dict[str, str],
             for name, kind in fields.items():
                 _check_field(at, rec, name, kind, num_classes)
             if rule is None or is_validation(key) == (rule == "validation"):
-                out.append({name: _beside(inp, rec[name]) if kind == "file" else rec[name]
-                            for name, kind in fields.items()})
+                out.append({name: _beside(inp, rec[name]) if kind == "file" else
+                            resolve_image(rec[name], os.path.dirname(inp.path))
+                            if kind == "image" else rec[name] for name, kind in fields.items()})
                 if where:
                     out[-1]["where"] = at
     if not out:

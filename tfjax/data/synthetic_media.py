@@ -7,15 +7,25 @@ left") and a question with its one-word answer (shape, colour or place). Each
 utterance is 1-4 spoken digits ("three one four"), each digit a voiced sound of its
 own formants, with a speaker's pitch, tract length, speed and noise. Generators
 are seeded numpy (`seed`: an int or a `np.random.Generator`): the same seed gives the
-same scenes. See docs/multimodal.md ("Training").
+same scenes. `scene_examples` are the examples of `data.source="synthetic"` (captioning
+and VQA, PaliGemma's prompts); `python -m tfjax.data.synthetic_media --out DIR` writes
+the same examples as jsonl + PNG files and as parquet with the PNG bytes. See
+docs/multimodal.md ("Training").
 """
 
 from __future__ import annotations
 
+import argparse
+import io
+import json
+import os
+import sys
+
 import numpy as np
 
-__all__ = ["COLOURS", "DIGITS", "PLACES", "SHAPES", "shape_scenes", "digit_text",
-           "spoken_digit", "spoken_digits"]
+__all__ = ["CAPTION_PROMPT", "COLOURS", "DIGITS", "PLACES", "SCENE_SIZE", "SHAPES", "SPLITS",
+           "digit_text", "scene_examples", "shape_scenes", "spoken_digit", "spoken_digits",
+           "write_scenes"]
 
 SHAPES = ("square", "circle", "triangle", "cross")
 COLOURS = {"red": (220, 40, 40), "green": (40, 200, 60), "blue": (50, 90, 230),
@@ -198,3 +208,85 @@ def spoken_digits(seed, count: int, *, start: int = 0, sample_rate: int = 16000,
 def digit_text(digits) -> str:
     """The label of `digits`: their names joined by spaces ("three one four")."""
     return " ".join(DIGITS[d] for d in digits)
+# data.source="synthetic": scenes of SCENE_SIZE pixels, (seed, scenes) per split
+SCENE_SIZE = 24
+SPLITS = {"train": (0, 2000), "validation": (1, 100)}
+CAPTION_PROMPT = "caption en"  # PaliGemma's; its VQA prompt is "answer en <question>"
+
+
+def scene_examples(split: str, count: int | None = None) -> list[dict]:
+    """The examples of `split` ("train" | "validation": `SPLITS`' seed and scene count,
+    or the first `count` scenes): two per scene, in order, a caption (`prompt` "caption
+    en") and a question ("answer en " + question), each a dict of `image` (uint8 `[24,
+    24, 3]`), `prompt` and `target`."""
+    if split not in SPLITS:
+        raise ValueError(f"scene_examples: split {split!r}; splits: {', '.join(SPLITS)}")
+    seed, n = SPLITS[split]
+    n = n if count is None else count
+    s = shape_scenes(seed, n, image_size=SCENE_SIZE)
+    out = []
+    for i in range(n):
+        image = s["images"][i]
+        out.append(dict(image=image, prompt=CAPTION_PROMPT, target=s["captions"][i]))
+        out.append(dict(image=image, prompt=f"answer en {s['questions'][i]}",
+                        target=s["answers"][i]))
+    return out
+
+
+def _png(image: np.ndarray) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(image).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def write_scenes(out: str, counts: dict[str, int] | None = None) -> dict[str, list[str]]:
+    """Write `scene_examples` of each split as `OUT/<split>.jsonl` (fields image: a PNG
+    under `OUT/images/`, relative to the file; prompt; target) and `OUT/<split>.parquet`
+    (image: the PNG's bytes); `counts`: scenes per split (default `SPLITS`'). Returns
+    the files written per kind ("jsonl", "parquet")."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    os.makedirs(os.path.join(out, "images"), exist_ok=True)
+    written: dict[str, list[str]] = {"jsonl": [], "parquet": []}
+    for split in SPLITS:
+        examples = scene_examples(split, (counts or {}).get(split))
+        names, pngs = [], []
+        for i in range(0, len(examples), 2):  # a scene's two examples share its image
+            name = f"images/{split}_{i // 2:05d}.png"
+            png = _png(examples[i]["image"])
+            with open(os.path.join(out, name), "wb") as f:
+                f.write(png)
+            names += [name, name]
+            pngs += [png, png]
+        path = os.path.join(out, f"{split}.jsonl")
+        with open(path, "w") as f:
+            for name, ex in zip(names, examples):
+                f.write(json.dumps(dict(image=name, prompt=ex["prompt"],
+                                        target=ex["target"])) + "\n")
+        written["jsonl"].append(path)
+        path = os.path.join(out, f"{split}.parquet")
+        pq.write_table(pa.table({"image": pa.array(pngs, pa.binary()),
+                                 "prompt": [ex["prompt"] for ex in examples],
+                                 "target": [ex["target"] for ex in examples]}), path)
+        written["parquet"].append(path)
+    return written
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m tfjax.data.synthetic_media",
+                                description="Write the shape scenes of data.source='synthetic' "
+                                "as jsonl + PNG files and as parquet with image bytes.")
+    p.add_argument("--out", required=True, help="directory to write into")
+    args = p.parse_args(argv)
+    written = write_scenes(args.out)
+    for kind, paths in written.items():
+        print(f"{kind}: {', '.join(paths)}")
+    print(f"train on them: --config.data.source=jsonl --config.data.paths=\"('"
+          f"{written['jsonl'][0]}',)\" --config.data.val_paths=\"('{written['jsonl'][1]}',)\"")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

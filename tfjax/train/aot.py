@@ -27,6 +27,7 @@ from tfjax.models import build, check_names
 from tfjax.ops.target import gpu_lowering_target
 from tfjax.parallel.collectives import collectives, dcn_totals
 from tfjax.parallel.mesh import device_slices, make_mesh
+from tfjax.train.objectives import batch_dtype
 from tfjax.train.trainer import build_program, check_run
 
 __all__ = ["GPU_TARGET_CONFIGS", "HBM_BYTES", "compile_only", "compile_step", "dcn_collectives",
@@ -149,7 +150,7 @@ def compile_step(cfg: RunConfig, topology: str | None, build_model=None, num_sli
     p = build_program(cfg, mesh, build_model or build)
     abstract_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                   p.abstract_state, p.state_shardings)
-    batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=p.batch_shardings[k])
+    batch = {k: jax.ShapeDtypeStruct(shape, batch_dtype(k), sharding=p.batch_shardings[k])
              for k, shape in p.batch_shapes.items()}  # the objective's batch
     with _lowering_for(devices[0]):
         compiled = p.step.lower(abstract_state, batch).compile()

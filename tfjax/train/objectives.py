@@ -1,7 +1,8 @@
 """Training objectives: one record (`Objective`) per `train.objective`, registered once in
 `OBJECTIVES` (causal_lm, prefix_lm, mlm, classification, span_corruption, seq2seq,
-speech_to_text, the preference objectives, distill, grpo) and read by the trainer (the data source, the batches and their shapes, the checks, what
-evaluation reports) and by the step (how to call the model, the loss sums).
+speech_to_text, image_lm, the preference objectives, distill, grpo) and read by the
+trainer (the data source, the batches and their shapes, the checks, what evaluation
+reports) and by the step (how to call the model, the loss sums).
 `check_objective` checks the objective against the model, the tokenizer and the sequence
 shards; `eval_metrics` turns evaluation sums into val_loss, val_bpb, val_accuracy.
 Adding an objective is one registration here (and its host-side transform in
@@ -20,6 +21,7 @@ import numpy as np
 
 from tfjax.config import RunConfig, TrainConfig
 from tfjax.data import objectives as D
+from tfjax.data.image_text import IMAGE_TEXT_KEYS, image_text_batches, image_text_examples
 from tfjax.data.mixture import MixtureBatches, open_caches
 from tfjax.data.pipeline import BATCH_KEYS, PackedBatches
 from tfjax.data.pairs import PAIR_KEYS, encode_pairs, pair_batches, pair_examples
@@ -31,8 +33,16 @@ from tfjax.train.distill import distill_sums
 from tfjax.train.losses import LN2, chunked_cross_entropy_sums, cross_entropy_sums
 from tfjax.train.preference import pair_sums
 
-__all__ = ["OBJECTIVES", "Objective", "bound_objective", "check_objective", "encdec_lengths", "eval_line",
-           "eval_metrics"]
+__all__ = ["FLOAT_KEYS", "OBJECTIVES", "Objective", "batch_dtype", "bound_objective",
+           "check_objective", "encdec_lengths", "eval_line", "eval_metrics"]
+
+# batch keys whose arrays are float32 (images, audio features); every other key is int32
+FLOAT_KEYS = frozenset({"pixel_values", "input_features"})
+
+
+def batch_dtype(key: str):
+    """The dtype of batch key `key` (`FLOAT_KEYS` float32, else int32)."""
+    return jnp.float32 if key in FLOAT_KEYS else jnp.int32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -458,6 +468,72 @@ OBJECTIVES.register("grpo", Objective(
     forward=_causal_lm_forward, check=_grpo_check))
 
 
+# ----------------------------------------------------------------- image_lm
+def _image_lm_batches(cfg, tokenizer, source, local_rows, train):
+    t = cfg.train
+    return image_text_batches(source, tokenizer, cfg.model.vision, seq_len=t.seq_len,
+                              global_batch=t.batch_size, local_rows=local_rows, seed=cfg.seed,
+                              shuffle=train and cfg.data.shuffle, repeat=train)
+
+
+def _image_lm_shapes(cfg):
+    (B, T), v = (cfg.train.batch_size, cfg.train.seq_len), cfg.model.vision
+    return {k: (B, v.channels, v.image_size, v.width) if k == "pixel_values" else (B, T)
+            for k in IMAGE_TEXT_KEYS}
+
+
+def _image_lm_forward(model, b, loss_chunk=0):
+    logits = model(b["inputs"], pixel_values=b["pixel_values"],
+                   token_type_ids=b["token_type_ids"], positions=b["positions"],
+                   segment_ids=b["segment_ids"])
+    sums = cross_entropy_sums(logits, b["targets"], b["mask"], b["target_bytes"])
+    sums["correct"] = _correct(logits, b["targets"], b["mask"])
+    # rows whose every scored token is the argmax: the greedy answer is the target
+    mask = b["mask"] > 0
+    hit = (jnp.argmax(logits, -1) == b["targets"]) | ~mask
+    rows = mask.any(-1)
+    sums["exact"] = (rows & hit.all(-1)).astype(jnp.float32).sum()
+    sums["rows"] = rows.astype(jnp.float32).sum()
+    return sums
+
+
+def _image_lm_check(cfg, tokenizer, n_seq):
+    m, v, t = cfg.model, cfg.model.vision, cfg.train
+    if not v.image_size:
+        raise ValueError("train.objective: 'image_lm' trains a decoder with an image tower; set "
+                         "model.vision (image_size, patch_size, the tower's sizes, "
+                         "image_token_id), as configs/paligemma.py does")
+    if cfg.data.source not in ("synthetic", "jsonl"):
+        raise ValueError(f"data.source: 'image_lm' reads examples of image, prompt and target "
+                         f"(data.source='jsonl': jsonl, json, parquet or datasets inputs) or the "
+                         f"shipped scenes ('synthetic'), not {cfg.data.source!r}")
+    i = v.image_token_id
+    if i >= m.vocab_size or i in (tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id) or (
+            i < len(tokenizer.token_bytes) and tokenizer.token_bytes[i] > 0):
+        raise ValueError(f"model.vision.image_token_id: {i} must be an id of the model "
+                         f"(< model.vocab_size={m.vocab_size}) that the text never uses; set it "
+                         f"to {tokenizer.vocab_size} (above the tokenizer's vocabulary) and "
+                         f"model.vocab_size to {tokenizer.vocab_size + 1} or more")
+    if t.seq_len < v.num_patches + 4:
+        raise ValueError(f"train.seq_len: {t.seq_len} cannot hold a row's {v.num_patches} image "
+                         f"tokens, BOS, a prompt and a target; set it well above "
+                         f"{v.num_patches + 3}")
+
+
+def _image_lm_report(sums):
+    return {"exact_match": sums["exact"] / max(float(sums["rows"]), 1.0)}
+
+
+# PaliGemma's training: [image tokens][bos prompt \n] bidirectional, [target eos] causal
+# and scored (tfjax.data.image_text); captioning and VQA differ only in their prompts.
+OBJECTIVES.register("image_lm", Objective(
+    arch="decoder", source=lambda cfg, split: image_text_examples(cfg.data, split,
+                                                                  cfg.model.vision),
+    batches=_image_lm_batches, shapes=_image_lm_shapes, forward=_image_lm_forward,
+    check=_image_lm_check, extra=("correct", "exact", "rows"), report=_image_lm_report,
+    bits_per_byte=True, synthetic=True))
+
+
 def bound_objective(name: str, train: TrainConfig | None) -> Objective:
     """The record of `name` with its forward bound to the run's `train` section."""
     obj = OBJECTIVES.get(name, field="train.objective")
@@ -526,8 +602,10 @@ def eval_line(ev: dict[str, Any], final: bool) -> str:
                          f"validation bytes")
         if "val_accuracy" in ev:
             parts.append(f"val_accuracy {ev['val_accuracy']:.4f}")
+        if "val_exact_match" in ev:
+            parts.append(f"val_exact_match {ev['val_exact_match']:.4f}")
         parts += [f"{k} {ev[k]:.4f}" for k in ev if k.startswith("val_rewards/")]
         return ", ".join(parts)
     return " ".join(f"{k} {ev[k]:.4f}" for k in ("val_loss", "val_bpb", "val_accuracy",
-                                                  "val_rewards/accuracies",
+                                                  "val_exact_match", "val_rewards/accuracies",
                                                   "val_rewards/margins") if k in ev)

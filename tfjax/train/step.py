@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from tfjax.config import TrainConfig
 from tfjax.nn.moe import balance_experts, moe_aux
 from tfjax.parallel.sharding import shard, use_rules
-from tfjax.train.objectives import OBJECTIVES, Objective, bound_objective
+from tfjax.train.objectives import OBJECTIVES, Objective, batch_dtype, bound_objective
 
 __all__ = ["changes_state", "forward_sums", "local_gradient_axes", "make_eval_step",
            "make_train_step"]
@@ -55,8 +55,8 @@ def forward_sums(graphdef, params, rest, batch, objective: Objective | None = No
 
 
 def _constrain(batch):
-    """Token rows on ("batch", "length"); media (audio features `[B, n_mels, frames]`)
-    on the batch axes only."""
+    """Rows over the batch axes; tokens `[B, T]` also over the sequence axes (media:
+    an image `[B, C, H, W]`, audio features `[B, n_mels, frames]`, over the batch only)."""
     return {k: shard(v, ("batch", "length")[:v.ndim] if v.ndim <= 2
                      else ("batch",) + (None,) * (v.ndim - 1)) for k, v in batch.items()}
 
@@ -87,7 +87,7 @@ def changes_state(graphdef, params, rest, batch_shapes: dict, objective: Objecti
     global one, and statistics would need their own reduction."""
     if not jax.tree.leaves(rest):
         return False
-    batch = {k: jax.ShapeDtypeStruct(s, jnp.int32) for k, s in batch_shapes.items()}
+    batch = {k: jax.ShapeDtypeStruct(s, batch_dtype(k)) for k, s in batch_shapes.items()}
 
     def forward(params, rest, batch):
         return forward_sums(graphdef, params, rest, batch, objective, loss_chunk)[1]
