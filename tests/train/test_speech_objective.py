@@ -119,7 +119,7 @@ BAD = [
      "model.max_len=32"),
     (dict(train=dict(objective="causal_lm"), model=dict(arch="decoder", audio=dict(n_mels=0),
                                                         position="rope")),
-     "data.source: 'synthetic' (shipped examples) feeds 'speech_to_text', not "
+     "data.source: 'synthetic' (shipped examples) feeds 'image_lm', 'speech_to_text', not "
      "train.objective='causal_lm'"),
 ]
 

@@ -16,13 +16,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tfjax.config import DataConfig, VisionConfig
+from tfjax.config import DataConfig, RunConfig, VisionConfig
 from tfjax.data.images import check_image, load_image, pixel_values
 from tfjax.data.objectives import ExampleBatches, read_examples, token_bytes_of
 from tfjax.data.pipeline import BATCH_KEYS
 from tfjax.data.synthetic_media import scene_examples
 
-__all__ = ["IMAGE_TEXT_FIELDS", "IMAGE_TEXT_KEYS", "image_text_batches", "image_text_examples",
+__all__ = ["IMAGE_TEXT_FIELDS", "IMAGE_TEXT_KEYS", "check_image_lm", "image_text_batches",
+           "image_text_examples",
            "image_text_row"]
 
 IMAGE_TEXT_FIELDS = {"image": "image", "prompt": "text", "target": "text"}
@@ -46,7 +47,7 @@ def _encode_text(examples: Sequence[dict], tokenizer, vision: VisionConfig,
                  seq_len: int) -> list[dict]:
     """Each example's prefix ids (`[bos] + prompt + "\\n"`) and target ids (`target +
     [eos]`), checked: no image token in the text, and the row fits `seq_len`."""
-    P, image_id = vision.num_patches, vision.image_token_id
+    P, image_id = vision.image_tokens, vision.image_token_id
     out = []
     for ex in examples:
         prefix = np.concatenate([[tokenizer.bos_id], tokenizer.encode(ex["prompt"] + "\n")])
@@ -71,7 +72,7 @@ def image_text_row(examples: list[dict], seq_len: int, tokenizer, vision: Vision
     """One example (`image`: uint8 `[H, W, C]` at the model's size, `prefix`, `target`
     ids) -> the `IMAGE_TEXT_KEYS` arrays of one row; no example: a row of padding
     (nothing scored, zero pixels)."""
-    T, P = seq_len, vision.num_patches
+    T, P = seq_len, vision.image_tokens
     t = np.arange(T)
     if not examples:
         z = np.zeros(T, np.int32)
@@ -109,3 +110,28 @@ def image_text_batches(examples: Sequence[dict], tokenizer, vision: VisionConfig
                           lambda exs: image_text_row(exs, seq_len, tokenizer, vision),
                           global_batch=global_batch, local_rows=local_rows, seed=seed,
                           shuffle=shuffle, repeat=repeat)
+
+
+def check_image_lm(cfg: RunConfig, tokenizer) -> None:
+    """image_lm's one-line config errors: no image tower, a source without images, an
+    image token the text can produce, rows too short for the image tokens."""
+    m, v, t = cfg.model, cfg.model.vision, cfg.train
+    if not v.image_size:
+        raise ValueError("train.objective: 'image_lm' trains a decoder with an image tower; set "
+                         "model.vision (image_size, patch_size, the tower's sizes, "
+                         "image_token_id), as configs/paligemma.py does")
+    if cfg.data.source not in ("synthetic", "jsonl"):
+        raise ValueError(f"data.source: 'image_lm' reads examples of image, prompt and target "
+                         f"(data.source='jsonl': jsonl, json, parquet or datasets inputs) or the "
+                         f"shipped scenes ('synthetic'), not {cfg.data.source!r}")
+    i = v.image_token_id
+    if i >= m.vocab_size or i in (tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id) or (
+            i < len(tokenizer.token_bytes) and tokenizer.token_bytes[i] > 0):
+        raise ValueError(f"model.vision.image_token_id: {i} must be an id of the model "
+                         f"(< model.vocab_size={m.vocab_size}) that the text never uses; set it "
+                         f"to {tokenizer.vocab_size} (above the tokenizer's vocabulary) and "
+                         f"model.vocab_size to {tokenizer.vocab_size + 1} or more")
+    if t.seq_len < v.image_tokens + 4:
+        raise ValueError(f"train.seq_len: {t.seq_len} cannot hold a row's {v.image_tokens} image "
+                         f"tokens, BOS, a prompt and a target; set it well above "
+                         f"{v.image_tokens + 3}")

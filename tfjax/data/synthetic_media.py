@@ -1,16 +1,13 @@
 """Synthetic images and speech with their descriptions, for training and testing
 multimodal models at tiny scale on a CPU (`shape_scenes`, `spoken_digits`).
 
-Each scene is one coloured shape (square, circle, triangle, cross) on a dark, noisy
-background, in one cell of a 3 x 3 grid, with a caption ("a red circle at the top
-left") and a question with its one-word answer (shape, colour or place). Each
-utterance is 1-4 spoken digits ("three one four"), each digit a voiced sound of its
-own formants, with a speaker's pitch, tract length, speed and noise. Generators
-are seeded numpy (`seed`: an int or a `np.random.Generator`): the same seed gives the
-same scenes. `scene_examples` are the examples of `data.source="synthetic"` (captioning
-and VQA, PaliGemma's prompts); `python -m tfjax.data.synthetic_media --out DIR` writes
-the same examples as jsonl + PNG files and as parquet with the PNG bytes. See
-docs/multimodal.md ("Training").
+A scene is one coloured shape (square, circle, triangle, cross) in one cell of a 3 x 3
+grid on a noisy background, with a caption ("a red circle at the top left") and a
+question with its one-word answer. An utterance is 1-4 spoken digits ("three one
+four"), each a voiced sound of its own formants, with a speaker's pitch, tract, speed
+and noise. Seeded numpy: the same seed, the same data. `scene_examples`: image_lm's
+`data.source="synthetic"`; `python -m tfjax.data.synthetic_media --out DIR` writes
+them as jsonl + PNG and parquet. See docs/multimodal.md ("Training").
 """
 
 from __future__ import annotations

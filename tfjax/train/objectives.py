@@ -21,7 +21,8 @@ import numpy as np
 
 from tfjax.config import RunConfig, TrainConfig
 from tfjax.data import objectives as D
-from tfjax.data.image_text import IMAGE_TEXT_KEYS, image_text_batches, image_text_examples
+from tfjax.data.image_text import (IMAGE_TEXT_KEYS, check_image_lm, image_text_batches,
+                                   image_text_examples)
 from tfjax.data.mixture import MixtureBatches, open_caches
 from tfjax.data.pipeline import BATCH_KEYS, PackedBatches
 from tfjax.data.pairs import PAIR_KEYS, encode_pairs, pair_batches, pair_examples
@@ -497,29 +498,6 @@ def _image_lm_forward(model, b, loss_chunk=0):
     return sums
 
 
-def _image_lm_check(cfg, tokenizer, n_seq):
-    m, v, t = cfg.model, cfg.model.vision, cfg.train
-    if not v.image_size:
-        raise ValueError("train.objective: 'image_lm' trains a decoder with an image tower; set "
-                         "model.vision (image_size, patch_size, the tower's sizes, "
-                         "image_token_id), as configs/paligemma.py does")
-    if cfg.data.source not in ("synthetic", "jsonl"):
-        raise ValueError(f"data.source: 'image_lm' reads examples of image, prompt and target "
-                         f"(data.source='jsonl': jsonl, json, parquet or datasets inputs) or the "
-                         f"shipped scenes ('synthetic'), not {cfg.data.source!r}")
-    i = v.image_token_id
-    if i >= m.vocab_size or i in (tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id) or (
-            i < len(tokenizer.token_bytes) and tokenizer.token_bytes[i] > 0):
-        raise ValueError(f"model.vision.image_token_id: {i} must be an id of the model "
-                         f"(< model.vocab_size={m.vocab_size}) that the text never uses; set it "
-                         f"to {tokenizer.vocab_size} (above the tokenizer's vocabulary) and "
-                         f"model.vocab_size to {tokenizer.vocab_size + 1} or more")
-    if t.seq_len < v.num_patches + 4:
-        raise ValueError(f"train.seq_len: {t.seq_len} cannot hold a row's {v.num_patches} image "
-                         f"tokens, BOS, a prompt and a target; set it well above "
-                         f"{v.num_patches + 3}")
-
-
 def _image_lm_report(sums):
     return {"exact_match": sums["exact"] / max(float(sums["rows"]), 1.0)}
 
@@ -530,7 +508,8 @@ OBJECTIVES.register("image_lm", Objective(
     arch="decoder", source=lambda cfg, split: image_text_examples(cfg.data, split,
                                                                   cfg.model.vision),
     batches=_image_lm_batches, shapes=_image_lm_shapes, forward=_image_lm_forward,
-    check=_image_lm_check, extra=("correct", "exact", "rows"), report=_image_lm_report,
+    check=lambda cfg, tokenizer, n_seq: check_image_lm(cfg, tokenizer),
+    extra=("correct", "exact", "rows"), report=_image_lm_report,
     bits_per_byte=True, synthetic=True))
 
 
