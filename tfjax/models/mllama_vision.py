@@ -18,6 +18,7 @@ from flax import nnx
 
 from tfjax.config import AttentionConfig
 from tfjax.config.mllama import MllamaVisionConfig
+from tfjax.nn import hooks
 from tfjax.nn.attention import MultiHeadAttention
 from tfjax.nn.blocks import TransformerBlock
 from tfjax.nn.ffn import FeedForward
@@ -145,13 +146,15 @@ class MllamaVisionModel(nnx.Module):
         x = x.reshape(B * M, tiles * (P + pad), D)
         kept = {}
         for i, block in enumerate(self.transformer):
-            x = block(x, bias=bias)
+            with hooks.layer_scope("blocks", (i,)):  # hook names blocks.{i}.*
+                x = block(x, bias=bias)
             if i in vcfg.intermediate_layers:
                 kept[i] = x
         x = self.layernorm_post(x).reshape(B * M, tiles, P + pad, D)
         x = self.post_tile_positional_embedding(x, ids).reshape(B * M, tiles * (P + pad), D)
-        for block in self.global_transformer:
-            x = block(x, bias=bias)
+        for i, block in enumerate(self.global_transformer):
+            with hooks.layer_scope("global_blocks", (i,)):
+                x = block(x, bias=bias)
         out = x
         if vcfg.intermediate_layers:  # [BM, L, D, n] flattened D-major: HF's stack(dim=-1)
             kept = jnp.stack([kept[i] for i in vcfg.intermediate_layers], axis=-1)
