@@ -207,6 +207,10 @@ right = np.array([[a == b for a, b in zip(parts(got), parts(want))]
                   for got, want in zip(captions, test["captions"])])
 print("held-out accuracy: colour {:.0%}, shape {:.0%}, place {:.0%}; whole caption {:.0%}"
       .format(*right.mean(0), np.mean([g == w for g, w in zip(captions, test["captions"])])))
+row_right = [g.split()[5:6] == w.split()[5:6] for g, w in zip(captions, test["captions"])]
+col_right = [g.split()[6:7] == w.split()[6:7] for g, w in zip(captions, test["captions"])]
+print(f"the place's first word (row, or 'centre') {np.mean(row_right):.0%}, its second "
+      f"(column) {np.mean(col_right):.0%}")
 fig, axes = plt.subplots(2, 4, figsize=(11, 6))
 for ax, image, got, want in zip(axes.flat, test["images"], captions, test["captions"]):
     ax.imshow(image), ax.axis("off")
@@ -223,7 +227,8 @@ plt.show()
 # place words are the rows of `the` (predicting the row word: `top`, `middle`,
 # `bottom`, or `centre`) and of the row word (predicting the column word). We run the
 # held-out scenes with their true captions (teacher forcing), average the heads, and
-# drop the class token (its share is printed).
+# drop the class token (its share is printed). Each map's colours span its own range
+# (bright: the map's largest weights), so compare where a map peaks, not how bright.
 
 # %%
 test_tokens = jnp.asarray(encode(test["captions"])[:, :-1])
@@ -250,6 +255,7 @@ def cell_mask(place):
 
 
 def overlay(ax, image, attention, title):
+    """The map upsampled to pixels over the image; each map's colours span its own range."""
     ax.imshow(image)
     ax.imshow(np.kron(attention, np.ones((PATCH, PATCH))), cmap="magma", alpha=0.6)
     ax.set_title(title, fontsize=8), ax.axis("off")
@@ -294,12 +300,39 @@ plt.show()
 # there.
 
 # %%
-share = {name: [] for name in QUERIES}
+share = {name: [] for name in QUERIES}  # per scene: heads averaged, then each head
 for b in range(len(test_tokens)):
     n_words = len(test["captions"][b].split())
     for name, q in QUERIES.items():
         if q < n_words:  # the query predicts a word of this caption
-            share[name].append((patch_map(b, q) * cell_mask(test["places"][b])).sum())
+            m = cell_mask(test["places"][b])
+            share[name].append([(patch_map(b, q, head) * m).sum()
+                                for head in (None, *range(cfg.num_heads))])
 for name, values in share.items():
-    print(f"query {name:16s} share on the shape's cell {np.mean(values):.2f} "
-          f"(chance 0.11; {len(values)} scenes)")
+    values = np.mean(values, axis=0)
+    heads = " ".join(f"{v:.2f}" for v in values[1:])
+    print(f"query {name:16s} share on the shape's cell {values[0]:.2f} (heads {heads}; "
+          f"chance 0.11)")
+
+# %% [markdown]
+# **What the maps show** (the run we made: seed 0, 2500 steps, about 2.5 minutes of
+# training on a loaded 2-core CPU; the numbers printed above are this run's). The model
+# learns colour and shape (right on all 64 held-out scenes) and, in part, the place: the
+# column word is right on nearly every scene (98%), the row word (or "centre") on half,
+# so about half the captions are right as a whole; the loss is still falling.
+#
+# The place queries do attend to the shape's cell. The query that predicts the row word
+# (`the`) puts 0.23 of its patch attention there and the one that predicts the column
+# word 0.37, against 0.11 by chance; three of the four heads do it (0.27 to 0.65) and
+# one does not (0.07). In the maps they peak on the shape's patches, often on its
+# edge. Finding the shape is not the same as reading its place: the row query finds it
+# as well as the column query does in many scenes, yet the row word is wrong half the
+# time.
+#
+# The query that predicts the shape word (the colour token) does not look at the shape:
+# its share is at chance (0.10; heads 0.06 to 0.15), and one head looks everywhere but
+# the shape, yet the shape word is always right. The shape need not be read where it is
+# drawn: the tower's self-attention layers mix every patch with the others before the
+# cross layer reads them, and about a sixth of the cross attention goes to the class
+# token. An attention map says where a query reads from, not where the evidence was in
+# the pixels.
