@@ -211,10 +211,10 @@ row_right = [g.split()[5:6] == w.split()[5:6] for g, w in zip(captions, test["ca
 col_right = [g.split()[6:7] == w.split()[6:7] for g, w in zip(captions, test["captions"])]
 print(f"the place's first word (row, or 'centre') {np.mean(row_right):.0%}, its second "
       f"(column) {np.mean(col_right):.0%}")
-fig, axes = plt.subplots(2, 4, figsize=(11, 6))
+fig, axes = plt.subplots(2, 4, figsize=(14, 6.5))
 for ax, image, got, want in zip(axes.flat, test["images"], captions, test["captions"]):
     ax.imshow(image), ax.axis("off")
-    ax.set_title(f"{got}\n(true: {want})", fontsize=8, color="black" if got == want else "red")
+    ax.set_title(f"{got}\n(true: {want})", fontsize=7, color="black" if got == want else "red")
 plt.show()
 
 # %% [markdown]
