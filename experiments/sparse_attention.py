@@ -35,6 +35,7 @@ import numpy as np
 
 from tfjax.ops import dot_product_attention
 from tfjax.ops import masks as M
+from tfjax.ops import sparse_masks as SM
 
 BLOCK = 128
 MIB = 1024 ** 2
@@ -45,9 +46,9 @@ def patterns(T):
     return {
         "causal (dense)": M.causal(),
         "window 256 & causal": M.sliding_window(256) & M.causal(),
-        "longformer w=256, G=16 first": M.longformer(256, range(16)),
-        "longformer w=256, G=16 spread": M.longformer(256, spread),
-        "bigbird w=192, G=64, R=3x64": M.bigbird(192, 64, 3, 64, seed=0, seq_len=T),
+        "longformer w=256, G=16 first": SM.longformer(256, range(16)),
+        "longformer w=256, G=16 spread": SM.longformer(256, spread),
+        "bigbird w=192, G=64, R=3x64": SM.bigbird(192, 64, 3, 64, seed=0, seq_len=T),
     }
 
 

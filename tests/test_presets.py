@@ -55,6 +55,10 @@ PARAMS = {
     "gemma3:27b": 27_009_346_304,  # gemma-3-27b-pt, its text decoder
     "smollm3": 3_075_098_624,  # SmolLM3-3B
     "olmo2": 7_298_617_344,  # OLMo-2-1124-7B
+    # whisper-tiny: transformers' WhisperForConditionalGeneration(WhisperConfig()) on the
+    # meta device, 37,760,640, less the encoder's frozen sinusoids (1500 x 384), which
+    # tfjax computes instead of storing
+    "whisper": 37_760_640 - 1500 * 384,
 }
 ALL = sorted(p.stem for p in CONFIGS.glob("*.py") if not p.stem.startswith("_"))
 
@@ -98,7 +102,10 @@ def test_tiny_forward_backward(name):
     x = jax.random.randint(jax.random.key(0), (B, T), 0, cfg.vocab_size)
 
     def loss(m):
-        if cfg.arch == "encoder_decoder":
+        if cfg.audio.n_mels:  # a speech model: log-mel features into the encoder
+            feats = jax.random.normal(jax.random.key(1), (B, cfg.audio.n_mels, 2 * T))
+            logits = m(x[:, :7], input_features=feats)
+        elif cfg.arch == "encoder_decoder":
             logits = m(x, x[:, :7])
         elif cfg.arch == "encoder":
             logits = m(x, attention_mask=jnp.ones_like(x))

@@ -134,3 +134,32 @@ def test_paligemma_1_is_refused_by_name():
     cfg["text_config"]["model_type"] = "gemma"
     with pytest.raises(NotImplementedError, match="text_config.model_type='gemma'"):
         hf.config_from_hf(cfg)
+
+
+def test_sliding_layers_under_the_prefix(tmp_path):
+    """Gemma 2's sliding layers with a window shorter than the image + prompt prefix:
+    transformers' mask and ours agree, prefill and greedy decoding."""
+    torch.manual_seed(1)
+    model = transformers.PaliGemmaForConditionalGeneration(_config(
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], sliding_window=5))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.1)
+    model.save_pretrained(tmp_path / "hf")
+    ref = transformers.PaliGemmaForConditionalGeneration.from_pretrained(
+        tmp_path / "hf", attn_implementation="eager").eval()
+    ours, _ = hf.load(str(tmp_path / "hf"))
+    ids, pixels = _inputs(prompt=7, seed=2)
+    for split in (12, 16):  # the prefix ends mid-prompt, or covers it all
+        types = np.zeros_like(ids)
+        types[:, split:] = 1
+        assert_logits_close(ours(ids, pixel_values=pixels, token_type_ids=types),
+                            _hf_logits(ref, ids, pixels, types))
+    ref.generation_config.eos_token_id = None
+    with torch.no_grad():
+        theirs = ref.generate(input_ids=torch.tensor(ids), pixel_values=torch.tensor(pixels),
+                              token_type_ids=torch.zeros(ids.shape, dtype=torch.long),
+                              max_new_tokens=10, do_sample=False, pad_token_id=0)
+    np.testing.assert_array_equal(
+        np.asarray(generate(ours, jnp.asarray(ids), max_new_tokens=10, pixel_values=pixels)),
+        theirs[:, ids.shape[1]:].numpy())

@@ -80,6 +80,7 @@ def test_no_intermediate_layers_and_one_tile():
     (_cfg(num_heads=3), "model.vision.num_heads"),
     (_cfg(max_num_tiles=-1), "model.vision.max_num_tiles"),
     (_cfg(activation="swish"), "model.vision.activation"),
+    (_cfg(projector="pooled", tokens_per_image=4), "model.vision.projector"),
 ])
 def test_inconsistent_settings_raise_one_line(change, match):
     with pytest.raises(ValueError, match=match) as e:

@@ -63,14 +63,48 @@ def test_a_tower_activation_is_checked_by_name():
 
 
 def test_prefix_lm_is_required():
-    with pytest.raises(ValueError, match="^model.prefix_lm: a decoder with images"):
+    with pytest.raises(ValueError, match="^model.prefix_lm: a decoder whose image and prompt"):
         build(dict(CFG, prefix_lm=False))
+    with pytest.raises(ValueError, match="^model.prefix_lm: image blocks"):
+        build(dict(CFG, vision=dict(VISION, image_attention="blocks")))
+
+
+GEMMA3 = dict(CFG, prefix_lm=False, layer_pattern=("local", "global"),
+              attention=dict(sliding_window=2),
+              vision=dict(VISION, image_size=16, projector="pooled", tokens_per_image=4,
+                          image_attention="blocks"))
+
+
+def test_image_blocks_pooled_features_and_the_cached_prefill():
+    """Gemma 3's way: a 4 x 4 patch grid pooled to 2 x 2 tokens, the image mid-row
+    bidirectional within itself (also in the sliding layers, window 2), the text causal;
+    the cached prefill and a decode step equal the whole-sequence call."""
+    model = build(GEMMA3, rngs=nnx.Rngs(1))
+    ids = jnp.asarray([[5, 6, 63, 63, 63, 63, 7, 8, 9], [63, 63, 63, 63, 5, 9, 9, 4, 2]])
+    pixels = jax.random.normal(jax.random.key(1), (2, 3, 16, 16))
+    tower = model.vision(pixels).reshape(2, 2, 2, 2, 2, -1).mean((2, 4)).reshape(2, 4, -1)
+    np.testing.assert_allclose(model.image_features(pixels),
+                               model.projector.linear(model.projector.norm(tower)), rtol=1e-5)
+    want = model(ids, pixel_values=pixels)
+    logits, cache = model.step(ids[:, :8], model.init_cache(2, 12), pixel_values=pixels,
+                               all_logits=True)
+    np.testing.assert_allclose(logits, want[:, :8], rtol=2e-5, atol=2e-5)
+    last, _ = model.step(ids[:, 8:], cache)
+    np.testing.assert_allclose(last[:, 0], want[:, 8], rtol=2e-5, atol=2e-5)
+    # an image token sees the tokens after it in its image (even 3 on, past the window)
+    other = pixels.at[:, :, 8:, 8:].add(1.0)  # the image's last pooled token only
+    moved = model(ids, pixel_values=other)
+    assert np.abs(np.asarray(moved[0, 2] - want[0, 2])).max() > 1e-4
+    np.testing.assert_allclose(moved[0, :2], want[0, :2], atol=1e-6)  # text before: causal
 
 
 @pytest.mark.parametrize("fields,match", [
     (dict(vision=dict(VISION, image_token_id=-1)), r"model.vision.image_token_id: a decoder"),
     (dict(vision=dict(image_token_id=3)), r"model.vision.image_token_id: an image token needs"),
     (dict(arch="encoder", prefix_lm=False), r"model.vision.image_size: images go into"),
+    (dict(vision=dict(VISION, projector="pooled", tokens_per_image=3)),
+     r"model.vision.tokens_per_image: the pooled projector averages the 2 x 2 patch grid"),
+    (dict(vision=dict(VISION, projector="conv")), r"model.vision.projector: got 'conv'"),
 ])
 def test_config_errors(fields, match):
     with pytest.raises(ValueError, match=match) as e:

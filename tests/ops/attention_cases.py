@@ -11,6 +11,7 @@ import numpy as np
 
 from tfjax.ops import IMPLEMENTATIONS, AttentionRequest, attention_reference
 from tfjax.ops import masks as M
+from tfjax.ops import sparse_masks as SM
 from tfjax.ops.sinks import add_sinks
 from tfjax.ops.target import target_platform
 
@@ -103,15 +104,21 @@ def make_mask(name, B, T, S):
     if name == "padding_fully_masked":  # example 0 sees no key: its rows are fully masked
         return M.padding(np.array([0] + [S - S // 3] * (B - 1)))
     if name == "longformer&causal":  # global flags are kernel operands
-        return M.causal() & M.longformer(9, (0, 1, T // 2, T - 1))
+        return M.causal() & SM.longformer(9, (0, 1, T // 2, T - 1))
     if name == "bigbird":  # window | globals | seeded random blocks (in-kernel hash)
-        return M.bigbird(6, 3, 2, 32, seed=11, seq_len=max(T, S) + 8)
+        return SM.bigbird(6, 3, 2, 32, seed=11, seq_len=max(T, S) + 8)
     if name == "positions":  # a KV cache's mask: explicit positions, empty slots
         return M.positions(*cache_positions(B, T, S))
     if name == "positions_window":
         return M.positions(*cache_positions(B, T, S), window=37)
     if name == "prefix|window":
         return M.prefix_lm(np.array([5] * B)) | M.sliding_window(8)
+    if name == "windowed(prefix)":  # a prefix-LM's sliding layer: the prefix stays whole
+        return M.windowed(M.prefix_lm(np.array([T // 2 + 3] + [2] * (B - 1))), 6)
+    if name == "windowed(causal|blocks)":  # Gemma 3's sliding layer over images in a text
+        ids = np.full((B, max(T, S)), -1)
+        ids[:, 5:40], ids[:, 60:62] = 0, 1
+        return M.windowed(M.causal() | M.blocks(ids[:, :T], ids[:, :S]), 9)
     raise ValueError(name)
 
 

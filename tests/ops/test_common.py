@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tfjax.ops import masks as M
+from tfjax.ops import sparse_masks as SM
 from tfjax.ops.pallas.common import _draw_random_block, mask_support, unsupported_mask
 
 
@@ -13,7 +14,7 @@ def test_in_kernel_random_block_hash_is_bit_identical_to_the_mask():
     it must give the draws of masks.RandomBlocks (uint32 hash) exactly."""
     qb = jnp.arange(0, 5000, 7, dtype=jnp.int32)
     for seed, num_blocks in ((0, 1), (7, 13), (2**31 + 5, 1000), (2**32 - 1, 2**20 + 7)):
-        m = M.RandomBlocks(3, 16, num_blocks, seed)
+        m = SM.RandomBlocks(3, 16, num_blocks, seed)
         for r in range(3):
             np.testing.assert_array_equal(_draw_random_block(seed, qb, r, num_blocks),
                                           m._draw(qb, r))
@@ -32,4 +33,4 @@ def test_unsupported_mask_names_the_first_kind_not_evaluated():
     assert unsupported_mask(M.padding(np.array([3])) & Custom(), positional) is M.Padding
     assert mask_support(M.causal() & Custom()) == \
         "the pallas kernels cannot evaluate a Custom mask in a tile"
-    assert mask_support(M.bigbird(6, 3, 2, 32, seed=1, seq_len=64) & M.causal()) is None
+    assert mask_support(SM.bigbird(6, 3, 2, 32, seed=1, seq_len=64) & M.causal()) is None

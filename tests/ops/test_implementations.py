@@ -155,7 +155,7 @@ BLOCKWISE = (
            Hv=24 if mask in ("causal", "bigbird", "prefix") else None, block_q=32, block_kv=32)
       for mask in ("none", "causal", "window_lr", "chunked", "prefix", "causal&segments",
                    "padding_fully_masked", "longformer&causal", "bigbird", "positions_window",
-                   "prefix|window")],
+                   "prefix|window", "windowed(prefix)", "windowed(causal|blocks)")],
     case(2, 100, 100, (8, 1), 32, "causal&segments", Hv=16, alibi="N", relative="pos",
          bias=(1, 8)),
     # a sweep (slow): masks by heads (32 x 64 tiles) with a broadcast bias and a soft-cap
@@ -183,6 +183,8 @@ MOSAIC_TPU = (
     case(2, 384, 384, (4, 1), 32, "none", relative="causal", kv_offset=9),
     case(2, 100, 384, (8, 2), 32, "prefix|window", kv_offset=5, alibi="N", relative="bidir"),
     case(2, 200, 300, (8, 2), 64, "bigbird", kv_offset=5),
+    case(2, 100, 100, (4, 2), 32, "windowed(prefix)", q_offset=2, kv_offset=2),
+    case(2, 100, 100, (4, 2), 32, "windowed(causal|blocks)"),
     case(2, 130, 130, (4, 1), 32, "longformer&causal", q_offset=3, softcap=30.0),
     # a KV cache's masks: chunked prefill over [cache; fresh keys], and decode
     case(2, 100, 300, (8, 2), 64, "positions_window", softcap=10.0, primal=True),

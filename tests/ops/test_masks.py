@@ -25,6 +25,8 @@ POS_Q = np.array([[3, 4, 5, 6, 7, 8, 9], [-1, 0, 1, 20, 21, 22, 23]])  # -1: a p
 POS_KV = np.array([[0, 1, 2, 3, 4, 5, -1, -1, -1], [18, 19, 20, 21, -1, 15, 16, 17, 2]])  # a ring
 LENS = np.array([4, 9])
 PREFIX = np.array([3, 0])
+BLOCK_Q = np.array([[-1, 0, 0, 0, 0, -1, 1], [-1, -1, 0, 0, -1, -1, -1]])  # images in a text
+BLOCK_KV = np.array([[-1, 0, 0, 0, 0, -1, 1, 1, -1], [-1, -1, 0, 0, -1, -1, -1, -1, -1]])
 
 CASES = {
     "causal": (M.causal(), lambda b, i, j, p, q: q <= p),
@@ -38,6 +40,18 @@ CASES = {
                         lambda b, i, j, p, q: q <= p and SEG_Q[b, i] == SEG_KV[b, j]),
     "window|prefix": (M.sliding_window(0, 1) | M.prefix_lm(PREFIX),
                       lambda b, i, j, p, q: -1 <= p - q <= 0 or q <= p or q < PREFIX[b]),
+    "prefix_block": (M.PrefixBlock(PREFIX), lambda b, i, j, p, q: p < PREFIX[b] and q < PREFIX[b]),
+    # a sliding layer of a prefix-LM: the window, except inside the prefix (HF's Gemma VLMs)
+    "windowed(prefix&padding)": (
+        M.windowed(M.prefix_lm(PREFIX) & M.padding(LENS), 1),
+        lambda b, i, j, p, q: q < LENS[b] and (0 <= p - q <= 1 or max(p, q) < PREFIX[b])),
+    "windowed(causal)": (M.windowed(M.causal(), 1), lambda b, i, j, p, q: 0 <= p - q <= 1),
+    "blocks": (M.blocks(BLOCK_Q, BLOCK_KV),
+               lambda b, i, j, p, q: BLOCK_Q[b, i] == BLOCK_KV[b, j] >= 0),
+    # Gemma 3's sliding layer: the window bounds only how far back a query looks
+    "windowed(causal|blocks)": (
+        M.windowed(M.causal() | M.blocks(BLOCK_Q, BLOCK_KV), 1),
+        lambda b, i, j, p, q: p - q <= 1 and (q <= p or BLOCK_Q[b, i] == BLOCK_KV[b, j] >= 0)),
     "causal&padding&window": (M.causal() & M.padding(LENS) & M.sliding_window(3),
                               lambda b, i, j, p, q: q <= p and q < LENS[b] and p - q <= 3),
     # explicit positions, indexed locally (offsets change nothing)

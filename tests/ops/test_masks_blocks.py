@@ -20,6 +20,15 @@ def _segments(T, S, seed):
     return M.segments(q, kv)
 
 
+def _blocks(T, S):
+    """Images in a text: runs of block ids 0, 1 among -1s (the keys' runs as the queries')."""
+    def ids(n):
+        out = np.full((B, n), -1)
+        out[0, 2:n // 2], out[0, n // 2 + 3:n - 1], out[1, 1:4] = 0, 1, 0
+        return out
+    return M.blocks(ids(T), ids(S))
+
+
 def _positions(T, S, window=0):
     """A KV cache's mask: row 0 a linear cache (slot = position, the last third
     empty), row 1 a ring buffer (rotated slots, some empty); queries at later
@@ -39,6 +48,8 @@ def _masks(T, S):
         "chunked": M.chunked_causal(6),
         "padding": M.padding(np.array([0, S // 2 + 1])),
         "prefix": M.prefix_lm(np.array([3, T // 2 + 2])),
+        "prefix_block": M.PrefixBlock(np.array([3, T // 2 + 2])),
+        "blocks": _blocks(T, S),
         "segments": _segments(T, S, 0),
         "positions": _positions(T, S),
         "positions_window": _positions(T, S, window=4),
@@ -46,7 +57,7 @@ def _masks(T, S):
 
 
 PRIMITIVE = ["causal", "window_left", "window_left_right", "chunked", "padding", "prefix",
-             "segments", "positions", "positions_window"]
+             "prefix_block", "blocks", "segments", "positions", "positions_window"]
 
 
 def _check(mask, T, S, bq, bk, qo, ko, exact):
@@ -89,9 +100,10 @@ GEOMETRY = [  # T, S, bq, bk, q_offset, kv_offset
 def test_primitive_block_view_is_exact(name, geometry):
     T, S, bq, bk, qo, ko = geometry
     # chunked causal: a tile may straddle chunks; a windowed Positions tile's keys
-    # may fall between its queries' windows: only conservativeness is promised there
+    # may fall between its queries' windows; block ids are not sorted (a tile's -1s
+    # between two blocks): only conservativeness is promised there
     _check(_masks(T, S)[name], T, S, bq, bk, qo, ko,
-           exact=name not in ("chunked", "positions_window"))
+           exact=name not in ("chunked", "positions_window", "blocks"))
 
 
 COMBOS = {
@@ -101,6 +113,8 @@ COMBOS = {
     "chunked&segments|causal": lambda m: (m["chunked"] & m["segments"]) | m["causal"],
     "padding&prefix&window": lambda m: m["padding"] & m["prefix"] & m["window_left"],
     "positions&segments": lambda m: m["positions"] & m["segments"],
+    "windowed(padding&prefix)": lambda m: M.windowed(m["padding"] & m["prefix"], 5),
+    "windowed(causal|blocks)": lambda m: M.windowed(m["causal"] | m["blocks"], 5),
 }
 
 

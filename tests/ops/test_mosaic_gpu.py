@@ -15,6 +15,7 @@ from attention_cases import check_against_reference, inputs, lower_for_cuda
 from jaxpr_walk import of_primitive
 
 from tfjax.ops import masks as M
+from tfjax.ops import sparse_masks as SM
 from tfjax.ops.pallas import flash_attention_gpu
 from tfjax.ops.target import gpu_lowering_target
 from tfjax.ops.pallas.mosaic_gpu import HopperConfig, flash_forward_hopper, supports
@@ -123,7 +124,7 @@ def test_refusals_name_the_fix():
                              jnp.zeros((1, 64, 1, 256), jnp.bfloat16),
                              jnp.zeros((1, 64, 1, 256), jnp.bfloat16), None, scale=1.0,
                              softcap=None, config=HopperConfig(block_kv=128, stages=2))
-    assert "Longformer" in supports(jnp.bfloat16, 64, M.longformer(4, (0,)), False)
+    assert "Longformer" in supports(jnp.bfloat16, 64, SM.longformer(4, (0,)), False)
     assert supports(jnp.bfloat16, 64, M.causal() & M.segments(np.zeros((1, 8))), False) is None
     with pytest.raises(ValueError, match="block_kv"):
         HopperConfig(block_kv=96)

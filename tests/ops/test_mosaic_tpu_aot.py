@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tfjax.ops import masks as M
+from tfjax.ops import sparse_masks as SM
 from tfjax.ops.pallas import BlockSizes, flash_attention_tpu
 
 # Real XLA:TPU / Mosaic compilation and its memory: XLA's full pipeline, as production.
@@ -68,8 +69,8 @@ def compile_attention(topology, *, T, S, N, K, H, dtype, mask_name, softcap=None
                 "causal&segments": M.causal() & M.segments(q_seg, kv_seg),
                 "padding": M.padding(kv_seg[:, 0] * 0 + S // 2),
                 # global flags as operands; random blocks by an in-kernel int32 hash
-                "longformer&causal": M.causal() & M.longformer(128, (0, 1, 500)),
-                "bigbird": M.bigbird(64, 2, 2, 128, seed=3, seq_len=max(T, S))}[mask_name]
+                "longformer&causal": M.causal() & SM.longformer(128, (0, 1, 500)),
+                "bigbird": SM.bigbird(64, 2, 2, 128, seed=3, seq_len=max(T, S))}[mask_name]
 
         slopes = 2.0 ** -jnp.arange(1, N + 1, dtype=jnp.float32) if alibi else None
 

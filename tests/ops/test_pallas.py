@@ -13,6 +13,7 @@ from attention_cases import inputs, lower_for_cuda, make_mask
 import tfjax.ops.pallas as pallas_lib
 from tfjax.ops import RelativeBias
 from tfjax.ops import masks as M
+from tfjax.ops import sparse_masks as SM
 from tfjax.ops.pallas import flash_attention, flash_attention_gpu
 from tfjax.ops.target import gpu_lowering_target
 
@@ -191,7 +192,7 @@ def test_auto_picks_hopper_only_on_sm90_for_what_it_supports(monkeypatch):
     assert pick(f32, f32) == "triton"
     assert pick(bf, f32) == "triton"
     assert pick(bf, bf, bias=jnp.zeros((1, 1, 8, 8))) == "triton"
-    assert pick(bf, bf, M.bigbird(2, 1, 1, 4, seed=0, seq_len=8)) == "triton"
+    assert pick(bf, bf, SM.bigbird(2, 1, 1, 4, seed=0, seq_len=8)) == "triton"
     assert pick(jnp.zeros((1, 8, 2, 320), jnp.bfloat16), jnp.zeros((1, 8, 2, 320),
                                                                    jnp.bfloat16)) == "triton"
     bwd = lambda q: kernel("backward", q)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from tfjax.ops import dot_product_attention, masks
+from tfjax.ops import sparse_masks as SM
 from tfjax.ops.masks import EMPTY, FULL
 
 
@@ -40,20 +41,20 @@ def check_blocks(mask, T, S, bq, bk, qo=0, ko=0):
     (2, (0,), 0, 0), (3, (0, 5, 6, 17), 0, 0), (1, (), 4, 0), (4, (3, 20), 8, 8)])
 def test_longformer_dense_matches_definition(window, globals_, qo, ko):
     T, S = 13, 21
-    m = masks.longformer(window, globals_)
+    m = SM.longformer(window, globals_)
     np.testing.assert_array_equal(m.dense(T, S, q_offset=qo, kv_offset=ko)[0],
                                   longformer_def(T, S, window, set(globals_), qo, ko))
 
 
 @pytest.mark.parametrize("bq,bk,qo", [(4, 4, 0), (3, 5, 0), (8, 4, 16), (2, 2, 5)])
 def test_longformer_blocks_exact(bq, bk, qo):
-    m = masks.longformer(3, (0, 1, 2, 3, 30))
+    m = SM.longformer(3, (0, 1, 2, 3, 30))
     n_empty, n_full = check_blocks(m, 37, 41, bq, bk, qo=qo, ko=0)
     assert n_empty > 0 and n_full > 0, "the test must exercise both codes"
 
 
 def test_longformer_global_rows_and_columns_are_full():
-    m = masks.longformer(1, (0, 9))
+    m = SM.longformer(1, (0, 9))
     d = np.asarray(m.dense(12, 12))[0]
     assert d[0].all() and d[:, 0].all() and d[9].all() and d[:, 9].all()
     assert not d[5, 2]
@@ -61,13 +62,13 @@ def test_longformer_global_rows_and_columns_are_full():
 
 def test_bigbird_pattern():
     T, bs, R = 64, 4, 2
-    m = masks.bigbird(2, 3, R, bs, seed=7, seq_len=T)
+    m = SM.bigbird(2, 3, R, bs, seed=7, seq_len=T)
     d = np.asarray(m.dense(T, T))[0]
     np.testing.assert_array_less(0, d.sum(-1))
     base = longformer_def(T, T, 2, set(range(3)))
     extra = d & ~base
     assert (d | base == d).all(), "bigbird includes its longformer part"
-    rnd = np.asarray(masks.RandomBlocks(R, bs, T // bs, 7).dense(T, T))[0]
+    rnd = np.asarray(SM.RandomBlocks(R, bs, T // bs, 7).dense(T, T))[0]
     np.testing.assert_array_equal(d, base | rnd)
     assert extra.any()
     for qb in range(T // bs):  # same key blocks for every query of a block, 1..R of them
@@ -76,21 +77,21 @@ def test_bigbird_pattern():
         kblocks = rows[0].reshape(T // bs, bs)
         assert (kblocks.all(1) | ~kblocks.any(1)).all(), "whole key blocks"
         assert 1 <= kblocks.all(1).sum() <= R
-    other = np.asarray(masks.bigbird(2, 3, R, bs, seed=8, seq_len=T).dense(T, T))[0]
+    other = np.asarray(SM.bigbird(2, 3, R, bs, seed=8, seq_len=T).dense(T, T))[0]
     assert (other != d).any(), "the seed changes the random blocks"
-    again = np.asarray(masks.bigbird(2, 3, R, bs, seed=7, seq_len=T).dense(T, T))[0]
+    again = np.asarray(SM.bigbird(2, 3, R, bs, seed=7, seq_len=T).dense(T, T))[0]
     np.testing.assert_array_equal(again, d)
 
 
 @pytest.mark.parametrize("bq,bk,qo", [(4, 4, 0), (8, 8, 0), (3, 5, 0), (4, 8, 12)])
 def test_bigbird_blocks_exact(bq, bk, qo):
-    m = masks.bigbird(2, 2, 2, 4, seed=3, seq_len=64)
+    m = SM.bigbird(2, 2, 2, 4, seed=3, seq_len=64)
     n_empty, _ = check_blocks(m, 37, 64, bq, bk, qo=qo)
     assert n_empty > 0
 
 
 def test_bigbird_random_blocks_are_full_tiles_at_block_size():
-    m = masks.RandomBlocks(2, 4, 16, seed=1)
+    m = SM.RandomBlocks(2, 4, 16, seed=1)
     _, n_full = check_blocks(m, 64, 64, 4, 4)
     assert n_full >= 16  # every query block has at least one drawn key block
 
@@ -101,8 +102,8 @@ def test_tiled_attention_with_sparse_masks():
     q = jax.random.normal(ks[0], (B, T, N, H))
     k = jax.random.normal(ks[1], (B, T, K, H))
     v = jax.random.normal(ks[2], (B, T, K, H))
-    for mask in (masks.causal() & masks.longformer(3, (0, 17)),
-                 masks.bigbird(3, 2, 2, 8, seed=1, seq_len=T)):
+    for mask in (masks.causal() & SM.longformer(3, (0, 17)),
+                 SM.bigbird(3, 2, 2, 8, seed=1, seq_len=T)):
         want = dot_product_attention(q, k, v, mask, implementation="reference")
         got = jax.jit(lambda q, k, v, m: dot_product_attention(q, k, v, m,
                                                                implementation="blockwise"))(q, k, v, mask)
@@ -111,6 +112,6 @@ def test_tiled_attention_with_sparse_masks():
 
 def test_invalid_arguments_are_errors():
     with pytest.raises(ValueError, match="window"):
-        masks.longformer(-1)
+        SM.longformer(-1)
     with pytest.raises(ValueError, match="seq_len"):
-        masks.bigbird(2, 1, 2, 4, seed=0)
+        SM.bigbird(2, 1, 2, 4, seed=0)

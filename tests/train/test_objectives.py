@@ -355,7 +355,7 @@ BAD = [
      "train.target_len: 6 cannot hold span corruption's targets of train.seq_len=32 (8 tokens)"),
     (dict(objective="mlmm"), {}, "unknown train.objective='mlmm'; allowed: causal_lm, "
      "classification, distill, dpo, grpo, ipo, mlm, orpo, prefix_lm, seq2seq, simpo, "
-     "span_corruption"),
+     "span_corruption, speech_to_text"),
 ]
 
 

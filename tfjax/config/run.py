@@ -20,7 +20,7 @@ MESH_AXES = ("data", "fsdp", "sequence", "tensor", "expert")
 DCN_AXES = ("data", "fsdp")  # the mesh axes that may also span slices (`MeshConfig.dcn_*`)
 SCHEDULES = ("cosine", "constant", "linear", "wsd")
 DECAY_SHAPES = ("linear", "cosine", "1-sqrt")  # the decay of the wsd schedule
-DATA_SOURCES = ("stdlib", "text", "jsonl", "cache")
+DATA_SOURCES = ("stdlib", "text", "jsonl", "cache", "synthetic")
 DATA_FORMATS = ("document", "instruction")
 WANDB_MODES = ("online", "offline", "disabled")
 
@@ -183,6 +183,8 @@ class DataConfig:
       rule splits files (text) or lines (jsonl). The objectives that read examples
       (classification, seq2seq, preference) take jsonl, parquet and `datasets`
       inputs alike with source jsonl (`tfjax.data.objectives.read_examples`).
+      synthetic: the objective's shipped examples (speech_to_text: spoken digits,
+      `tfjax.data.speech`); no paths.
     tokenizer: "byte" (256 bytes + specials), a local file (a `tokenizers` JSON or
       a sentencepiece `.model`) or directory (its tokenizer.json or tokenizer.model,
       specials from the files beside it), or "init_from": the tokenizer of the
@@ -444,6 +446,9 @@ def _validate_data(c: DataConfig, p: str) -> None:
     if c.source == "stdlib" and (c.paths or c.val_paths):
         fail(f"{p}.paths", "the stdlib corpus takes no paths; set data.source='text' or "
               "'jsonl' to read your own files")
+    if c.source == "synthetic" and (c.paths or c.val_paths):
+        fail(f"{p}.paths", "data.source='synthetic' (the objective's shipped examples) takes no "
+             "paths; set data.source='jsonl' to read your own files")
     if c.source in ("text", "jsonl") and not c.paths:
         fail(f"{p}.paths", f"data.source={c.source!r} needs files or globs, e.g. "
               "--config.data.paths=\"('corpus/*.txt',)\"")

@@ -12,12 +12,20 @@ import dataclasses
 
 from tfjax.config.checks import fail, non_negative, one_of, positive
 
-__all__ = ["POOLINGS", "VisionConfig", "validate_vision"]
+__all__ = ["IMAGE_ATTENTION", "POOLINGS", "PROJECTORS", "VisionConfig", "validate_vision"]
 
 # none: the patch features only (PaliGemma's tower); cls: a learned class token in
 # front, pooled as its final feature (ViT); map: multihead attention pooling by a
 # learned probe, then a norm and an MLP (SigLIP's head)
 POOLINGS = ("none", "cls", "map")
+# a decoder's image features -> its image tokens: linear (PaliGemma: one token per
+# patch, a linear layer with a bias); pooled (Gemma 3: the patch grid average-pooled to
+# tokens_per_image, an RMSNorm (1 + w), a linear map without a bias)
+PROJECTORS = ("linear", "pooled")
+# what a decoder's image tokens see: prefix (PaliGemma: the type-0 tokens, image and
+# prompt, are one bidirectional prefix, model.prefix_lm); blocks (Gemma 3: each run of
+# image tokens sees itself both ways, everything else is causal)
+IMAGE_ATTENTION = ("prefix", "blocks")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +38,9 @@ class VisionConfig:
     # a decoder's image placeholder token: its positions take the image's patch
     # features, in order (PaliGemma's <image>); -1: none
     image_token_id: int = -1
+    projector: str = "linear"  # linear | pooled (PROJECTORS)
+    tokens_per_image: int = 0  # "pooled": image tokens per image, a square number
+    image_attention: str = "prefix"  # prefix | blocks (IMAGE_ATTENTION)
     # the image tower of a model whose own stack is not it (0 / "": the model's field)
     d_model: int = 0
     num_layers: int = 0
@@ -62,6 +73,11 @@ class VisionConfig:
         rows, cols = self.grid
         return rows * cols
 
+    @property
+    def image_tokens(self) -> int:
+        """A decoder's image tokens per image: one per patch, or the pooled grid's."""
+        return self.tokens_per_image if self.projector == "pooled" else self.num_patches
+
 
 # the fields only Llama-3.2-Vision's tiled tower reads
 _TILED = ("num_global_layers", "max_num_tiles", "max_aspect_ratio_id", "intermediate_layers",
@@ -85,6 +101,9 @@ def validate_vision(c, p: str) -> None:
     positive(f"{q}.patch_size", v.patch_size)
     positive(f"{q}.channels", v.channels)
     one_of(f"{q}.pooling", v.pooling, POOLINGS)
+    one_of(f"{q}.projector", v.projector, PROJECTORS)
+    one_of(f"{q}.image_attention", v.image_attention, IMAGE_ATTENTION)
+    non_negative(f"{q}.tokens_per_image", v.tokens_per_image)
     if arch == "vision" and not v.image_size:
         fail(f"{q}.image_size", "arch='vision' needs the image's size in pixels, e.g. 224")
     if arch == "vision" and position != "learned":
@@ -108,6 +127,13 @@ def validate_vision(c, p: str) -> None:
         if size % v.patch_size:
             fail(f"{q}.{name}", f"{size} pixels is not a whole number of patches of "
                  f"patch_size={v.patch_size}; use a multiple of it")
+    if v.projector == "pooled":
+        side, (rows, cols) = round(v.tokens_per_image ** 0.5), v.grid
+        if not v.tokens_per_image or side * side != v.tokens_per_image or rows != cols \
+                or rows % side:
+            fail(f"{q}.tokens_per_image", f"the pooled projector averages the {rows} x {cols} "
+                 f"patch grid in square windows: set a square number whose side divides "
+                 f"{rows} (square images), got {v.tokens_per_image}")
     if arch == "vision" and any((v.d_model, v.num_layers, v.num_heads, v.d_ff)):
         fail(f"{q}.d_model", "arch='vision' is the tower itself: set model.d_model, "
              "num_layers, num_heads, d_ff and leave vision.d_model / num_layers / num_heads / "
@@ -126,6 +152,11 @@ def _validate_tiled(c, p: str) -> None:
     if v.pooling != "none":
         fail(f"{q}.pooling", f"the cross layers read every patch feature: set 'none', got "
              f"{v.pooling!r}")
+    for name, default in (("projector", "linear"), ("image_attention", "prefix"),
+                          ("tokens_per_image", 0)):
+        if getattr(v, name) != default:
+            fail(f"{q}.{name}", f"is for image-prefix decoders; Llama-3.2-Vision's images "
+                 f"enter through the 'cross' layers: leave it at {default!r}")
     if c.prefix_lm:
         fail(f"{p}.prefix_lm", "the images enter through the 'cross' layers, not as a "
              "prefix: set False (or drop the cross layers for an image-prefix decoder)")

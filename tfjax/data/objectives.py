@@ -15,6 +15,7 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
+from etils import epath
 
 from tfjax.config import DataConfig
 from tfjax.data.pipeline import RowStreams
@@ -277,21 +278,35 @@ def _check_field(where: str, rec: dict, name: str, kind: str, num_classes: int) 
     v = rec.get(name)
     if kind == "text" and not (isinstance(v, str) and v.strip()):
         raise ValueError(f"{where}: field {name!r} must be a non-empty string, got {v!r}")
+    if kind == "file" and not (isinstance(v, bytes) and v or isinstance(v, str) and v.strip()):
+        raise ValueError(f"{where}: field {name!r} must be a path (relative to this file) or "
+                         f"the file's bytes (a parquet binary column), got {type(v).__name__}")
     if kind == "label" and (isinstance(v, bool) or not isinstance(v, int)
                             or not 0 <= v < num_classes):
         raise ValueError(f"{where}: field {name!r} must be an integer class in [0, "
                          f"{num_classes}) (model.num_classes={num_classes}), got {v!r}")
 
 
+def _beside(inp, value):
+    """A relative path in input `inp` -> the path beside its file (inside a `datasets`
+    directory); bytes and absolute paths as given."""
+    if isinstance(value, bytes) or "://" in value or epath.Path(value).is_absolute():
+        return value
+    base = epath.Path(inp.path)
+    return str((base if inp.kind == "dataset" else base.parent) / value)
+
+
 def read_examples(cfg: DataConfig, split: str, fields: dict[str, str],
                   num_classes: int = 0, where: bool = False) -> list[dict]:
     """The examples of `split` from `data.paths` / `data.val_paths` (files, globs,
     directories, local or on a bucket; the split rule of `tfjax.data.sources`): one dict
-    with `fields` (name -> "text" or "label") per record, each input read by its kind
+    with `fields` (name -> "text", "label" or "file") per record, each input read by its kind
     as `tfjax.data.prepare` reads it (`read_records`): JSON lines (.jsonl, any other
     file), a .json list, the columns of a .parquet file or of a Hugging Face `datasets`
     directory. Every record is checked: an object whose text fields are non-empty
-    strings and whose label is an integer in [0, num_classes), or a one-line ValueError
+    strings, whose label is an integer in [0, num_classes) and whose file is a path
+    (relative to the input's directory, or a `datasets` directory itself; returned
+    resolved) or bytes, or a one-line ValueError
     naming the file, the line (1-based) or row (0-based) and the field; a parquet file
     or dataset without a field's column names the file and the column. `where`: each
     example also holds "where", its "file:line" / "file: row r" (for later errors)."""
@@ -314,7 +329,8 @@ def read_examples(cfg: DataConfig, split: str, fields: dict[str, str],
             for name, kind in fields.items():
                 _check_field(at, rec, name, kind, num_classes)
             if rule is None or is_validation(key) == (rule == "validation"):
-                out.append({name: rec[name] for name in fields})
+                out.append({name: _beside(inp, rec[name]) if kind == "file" else rec[name]
+                            for name, kind in fields.items()})
                 if where:
                     out[-1]["where"] = at
     if not out:

@@ -28,8 +28,8 @@ from flax import nnx
 from tfjax.config import DEFAULT_RULES, DTYPES, ModelConfig, model_config
 from tfjax.interop.computation import config_diff
 from tfjax.interop.config_mapping import check_types
-from tfjax.interop.families import (Family, bert, bloom, deepseek_v3, gemma2, gemma3_text, gpt2,
-                                    gpt_neox, gpt_oss, jamba, llama, llama4, mamba, mamba2,
+from tfjax.interop.families import (Family, bert, bloom, deepseek_v3, gemma2, gemma3, gemma3_text,
+                                    gpt2, gpt_neox, gpt_oss, jamba, llama, llama4, mamba, mamba2,
                                     mixtral, mllama, modernbert, olmo2, paligemma, phi3, qwen2,
                                     qwen3, qwen3_moe, qwen3_next, siglip, smollm3, t5,
                                     whisper, zamba2)
@@ -57,7 +57,7 @@ FAMILIES: Registry[Family] = Registry("Hugging Face model_type", {
         whisper,  # speech encoder-decoder (log-mel features in)
         mllama,  # vision-language: cross-attention layers to image features
         mamba, mamba2, qwen3_next, jamba, zamba2,  # recurrent and hybrid
-        siglip, paligemma,  # vision, vision-language
+        siglip, paligemma, gemma3,  # vision, vision-language
     ) for model_type in module.FAMILY.model_types})
 
 

@@ -138,7 +138,7 @@ def _attention_kind(doc: str, window_of: Callable[[ModelConfig], int], *,
         w = window_of(cfg)
         if not w:
             return base
-        return masks_lib.combine(base, masks_lib.sliding_window(w, w if bidirectional else 0))
+        return masks_lib.windowed(base, w, w if bidirectional else 0)
 
     def slots(cfg, max_len):  # a rolling buffer of W + 1 slots: the query and W keys
         w = window_of(cfg)

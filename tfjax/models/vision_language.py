@@ -1,13 +1,14 @@
-"""A decoder with images as its prefix (PaliGemma; Beyer et al. 2024).
+"""A decoder with images in its prompt: PaliGemma's prefix (Beyer et al. 2024) or
+Gemma 3's image blocks (`model.vision.image_attention`).
 
     logits = model(input_ids, pixel_values=..., token_type_ids=...)   # [B, T, V]
 
-The vision tower (`tfjax.models.vision.VisionEncoder` of `model.vision`) and a linear
-projector make P features per image; they replace the embeddings of the P image
-tokens (`model.vision.image_token_id`) of each row, in order. Tokens whose
-`token_type_ids` are 0 (the image and the prompt) form the bidirectional prefix
-(`model.prefix_lm`), the rest is causal; without token types the whole row is causal.
-Inputs are checked before tracing. See docs/multimodal.md.
+The tower (`VisionEncoder` of `model.vision`) and a projector (linear per patch, or
+Gemma 3's pooled grid) make P features per image; they replace the embeddings of the
+P image tokens of each row, in order. "prefix": the type-0 tokens (image and prompt)
+are one bidirectional prefix (`model.prefix_lm`); "blocks": each run of type-1 tokens
+(by default the image tokens) sees itself both ways. The rest is causal. Inputs are
+checked before tracing. See docs/multimodal.md.
 """
 
 from __future__ import annotations
@@ -25,9 +26,12 @@ from tfjax.models.decoder import DecoderLM
 from tfjax.models.stack import default_positions, dtype_of
 from tfjax.models.vision import VisionEncoder, check_images, tower_config
 from tfjax.nn import hooks
+from tfjax.nn.norms import RMSNormPlusOne
+from tfjax.ops import masks as masks_lib
 from tfjax.parallel.sharding import with_logical_axes
 
-__all__ = ["ImagePrefixLM", "check_image_tokens", "prefix_lengths"]
+__all__ = ["ImagePrefixLM", "PooledProjector", "check_image_tokens", "image_blocks",
+           "prefix_lengths"]
 
 
 def check_image_tokens(input_ids, pixel_values, cfg: ModelConfig) -> None:
@@ -45,10 +49,11 @@ def check_image_tokens(input_ids, pixel_values, cfg: ModelConfig) -> None:
             raise ValueError(f"input_ids: holds image tokens (id {v.image_token_id}) but no "
                              f"pixel_values were given; pass the images or drop the tokens")
         return
-    bad = np.flatnonzero(counts != v.num_patches)
+    bad = np.flatnonzero(counts != v.image_tokens)
     if bad.size:
+        per = "one per patch" if v.projector == "linear" else "model.vision.tokens_per_image"
         raise ValueError(f"input_ids: row {bad[0]} has {counts[bad[0]]} image tokens (id "
-                         f"{v.image_token_id}), expected {v.num_patches} (one per patch) in "
+                         f"{v.image_token_id}), expected {v.image_tokens} ({per}) in "
                          f"every row with pixel_values; put the image tokens in the prompt")
 
 
@@ -59,19 +64,74 @@ def prefix_lengths(token_type_ids, tokens):
     return jnp.sum(jnp.asarray(token_type_ids) == 0, axis=-1).astype(jnp.int32)
 
 
+def image_blocks(token_type_ids) -> jax.Array:
+    """`[B, T]` ids for `masks.blocks`: each run of type-1 tokens (an image) its own id
+    0, 1, ..., the other tokens -1 (transformers' `get_block_sequence_ids_for_mask`)."""
+    image = jnp.asarray(token_type_ids) == 1
+    start = image & ~jnp.pad(image, ((0, 0), (1, 0)))[:, :-1]
+    return jnp.where(image, jnp.cumsum(start, axis=1) - 1, -1).astype(jnp.int32)
+
+
+class PooledProjector(nnx.Module):
+    """Gemma 3's projector: the tower's `[B, P, Dv]` patch grid (square, row-major)
+    average-pooled in k x k windows to `tokens_per_image` tokens, an RMSNorm (1 + w) and
+    a linear map to the decoder's width without a bias."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        t, v = tower_config(cfg), cfg.vision
+        self.side = round(v.tokens_per_image ** 0.5)
+        self.window = v.grid[0] // self.side
+        self.norm = RMSNormPlusOne(t.d_model, eps=t.norm_eps, dtype=dtype_of(cfg.dtype),
+                                   param_dtype=dtype_of(cfg.param_dtype), rngs=rngs)
+        self.linear = nnx.Linear(
+            t.d_model, cfg.d_model, use_bias=False, dtype=dtype_of(cfg.dtype),
+            param_dtype=dtype_of(cfg.param_dtype),
+            kernel_init=with_logical_axes(nnx.initializers.normal(cfg.init_std),
+                                          ("mlp", "embed")), rngs=rngs)
+
+    def __call__(self, x):
+        B, _, D = x.shape
+        s, k = self.side, self.window
+        pooled = x.reshape(B, s, k, s, k, D).mean(axis=(2, 4)).reshape(B, s * s, D)
+        return self.linear(self.norm(pooled))
+
+
 class ImagePrefixLM(DecoderLM):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        if not cfg.prefix_lm:
-            raise ValueError("model.prefix_lm: a decoder with images (model.vision.image_size "
-                             "> 0) attends over its image and prompt as a prefix: set True")
+        prefix = cfg.vision.image_attention == "prefix"
+        if cfg.prefix_lm != prefix:
+            raise ValueError(
+                "model.prefix_lm: a decoder whose image and prompt are one bidirectional "
+                "prefix (model.vision.image_attention='prefix') needs True" if prefix else
+                "model.prefix_lm: image blocks (model.vision.image_attention='blocks') are "
+                "bidirectional within each image and causal elsewhere: set False")
         super().__init__(cfg, rngs=rngs)
         self.vision = VisionEncoder(cfg, rngs=rngs)
         D = tower_config(cfg).d_model
-        self.projector = nnx.Linear(
-            D, cfg.d_model, dtype=dtype_of(cfg.dtype), param_dtype=dtype_of(cfg.param_dtype),
-            kernel_init=with_logical_axes(nnx.initializers.normal(cfg.init_std),
-                                          ("mlp", "embed")),
-            bias_init=with_logical_axes(nnx.initializers.zeros_init(), ("embed",)), rngs=rngs)
+        if cfg.vision.projector == "pooled":
+            self.projector = PooledProjector(cfg, rngs=rngs)
+        else:
+            self.projector = nnx.Linear(
+                D, cfg.d_model, dtype=dtype_of(cfg.dtype),
+                param_dtype=dtype_of(cfg.param_dtype),
+                kernel_init=with_logical_axes(nnx.initializers.normal(cfg.init_std),
+                                              ("mlp", "embed")),
+                bias_init=with_logical_axes(nnx.initializers.zeros_init(), ("embed",)),
+                rngs=rngs)
+
+    def image_mask(self, tokens, token_type_ids=None, segment_ids=None, *, prefill=False):
+        """The base mask of a whole row (or a prefill): "prefix": the type-0 tokens are
+        the prefix (none without types; a prefill's default: the whole prompt);
+        "blocks": causal, and each image's tokens see each other (types default to the
+        image tokens)."""
+        if self.config.vision.image_attention == "blocks":
+            if token_type_ids is None:
+                token_type_ids = tokens == self.config.vision.image_token_id
+            ids = image_blocks(token_type_ids)
+            return self.mask(tokens, segment_ids) | masks_lib.blocks(ids)
+        if token_type_ids is None and prefill:
+            return self.mask(tokens, segment_ids, jnp.full(tokens.shape[:1], tokens.shape[1]))
+        return self.mask(tokens, segment_ids, prefix_lengths(token_type_ids, tokens))
 
     def check_inputs(self, input_ids, pixel_values=None) -> None:
         """The one-line checks of `check_image_tokens` (what `generate` runs first)."""
@@ -99,8 +159,7 @@ class ImagePrefixLM(DecoderLM):
         check_image_tokens(input_ids, pixel_values, self.config)
         tokens = jnp.asarray(input_ids)
         positions = default_positions(tokens) if positions is None else positions
-        prefix = prefix_lengths(token_type_ids, tokens)
-        masks = layer_masks(self.config, self.mask(tokens, segment_ids, prefix))
+        masks = layer_masks(self.config, self.image_mask(tokens, token_type_ids, segment_ids))
         biases = layer_biases(self.config, self.rel_bias, positions, positions)
         x = self.embed_inputs(tokens, positions, pixel_values)
         hidden = self.layers(x, masks=masks, biases=biases, positions=positions)
@@ -113,16 +172,16 @@ class ImagePrefixLM(DecoderLM):
         prompt, as `generate` gives it); decode steps (T == 1) take neither."""
         if tokens.shape[1] > 1:
             check_image_tokens(tokens, pixel_values, self.config)
-            prefix = (lengths if lengths is not None else jnp.full(tokens.shape[:1],
-                                                                   tokens.shape[1]))
-            if token_type_ids is not None:
-                prefix = prefix_lengths(token_type_ids, tokens)
-            base = self.mask(tokens, prefix_lengths=prefix)
+            if (lengths is not None and token_type_ids is None
+                    and self.config.vision.image_attention == "prefix"):
+                base = self.mask(tokens, prefix_lengths=lengths)
+            else:
+                base = self.image_mask(tokens, token_type_ids, prefill=True)
         elif pixel_values is not None:
             raise ValueError("pixel_values: a decode step (one token) takes no images; pass "
                              "them with the prompt's prefill")
         else:
-            base = self.mask(tokens, prefix_lengths=jnp.zeros(tokens.shape[:1], jnp.int32))
+            base = self.image_mask(tokens)
         s = caching.begin_step(self.config, cache, tokens, lengths, rel_bias=self.rel_bias,
                                base_mask=base)
         x = self.embed_inputs(tokens, s.positions, pixel_values)

@@ -5,8 +5,9 @@ A `Mask` gives a dense view (`mask.dense(T, S)`: bool `[B|1, T, S]`) and a block
 FULL) without building the `T x S` array, and evaluates itself on a tile's indices
 (`mask.evaluate`). Every view takes global offsets (`q_offset`, `kv_offset`); masks
 combine with `&` and `|` and are pytrees. Constructors: `causal`, `sliding_window`,
-`chunked_causal`, `padding`, `segments`, `prefix_lm`, `positions`, `longformer`,
-`bigbird`; `combine`. Fully masked rows give zeros everywhere. See docs/attention.md.
+`chunked_causal`, `padding`, `segments`, `blocks`, `prefix_lm`, `positions`; `combine`,
+`windowed`; sparse patterns in `tfjax.ops.sparse_masks`. Fully masked rows give zeros
+everywhere. See docs/attention.md.
 """
 
 from __future__ import annotations
@@ -16,16 +17,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 __all__ = [
     "EMPTY", "PARTIAL", "FULL",
     "Mask", "Causal", "SlidingWindow", "ChunkedCausal", "Padding", "Segments", "PrefixLM",
-    "Positions", "And", "Or",
-    "causal", "sliding_window", "chunked_causal", "padding", "segments", "prefix_lm",
+    "PrefixBlock", "Blocks", "Positions", "UNBOUNDED", "And", "Or",
+    "causal", "sliding_window", "chunked_causal", "padding", "segments", "blocks", "prefix_lm",
     "positions",
-    "check_lengths", "dense", "combine",
-    "Longformer", "RandomBlocks", "longformer", "bigbird",
+    "check_lengths", "dense", "combine", "windowed",
 ]
 
 EMPTY, PARTIAL, FULL = 0, 1, 2  # block view codes
@@ -242,6 +241,28 @@ class PrefixLM(Mask):
 
 
 @_pytree
+class PrefixBlock(Mask):
+    """Queries and keys both in the first prefix_lengths[b] positions see each other
+    (the prefix of a prefix-LM as one bidirectional block; nothing outside it)."""
+
+    prefix_lengths: jax.Array  # [B] int
+
+    def _allowed(self, q, k, qo, ko):
+        p = self.prefix_lengths.astype(jnp.int32)[:, None, None]
+        return ((q + qo)[None] < p) & ((k + ko)[None] < p)
+
+    def _tiles(self, qs, qe, ks, ke, **_):
+        p = self.prefix_lengths.astype(jnp.int32)[:, None, None]
+        full = (qe[None] < p) & (ke[None] < p)
+        empty = (qs[None] >= p) | (ks[None] >= p)
+        return full, empty
+
+    @property
+    def batch_size(self):
+        return self.prefix_lengths.shape[0]
+
+
+@_pytree
 class Segments(Mask):
     """Packed sequences: query i sees key j iff their segment ids are equal."""
 
@@ -265,6 +286,34 @@ class Segments(Mask):
     @property
     def batch_size(self):
         return self.q_segment_ids.shape[0]
+
+
+@_pytree
+class Blocks(Mask):
+    """Bidirectional blocks: query i sees key j iff both are in the same block (an id
+    >= 0; -1: in none). An image's tokens in a causal text (Gemma 3), or-ed with the
+    causal mask; transformers' `blockwise_overlay`. Indexed by local position."""
+
+    q_block_ids: jax.Array  # [B, T] int
+    kv_block_ids: jax.Array  # [B, S] int
+
+    def _allowed(self, q, k, qo, ko):
+        qb = jnp.take(self.q_block_ids, q[:, 0], axis=1)  # [B, T]
+        kb = jnp.take(self.kv_block_ids, k[0, :], axis=1)  # [B, S]
+        return (qb[:, :, None] == kb[:, None, :]) & (qb[:, :, None] >= 0)
+
+    def _tiles(self, qs, qe, ks, ke, *, q_len, kv_len, block_q, block_kv):
+        qmin, qmax = _tile_min_max(self.q_block_ids, q_len, block_q)  # [B, nq]
+        kmin, kmax = _tile_min_max(self.kv_block_ids, kv_len, block_kv)  # [B, nk]
+        qmin, qmax = qmin[:, :, None], qmax[:, :, None]
+        kmin, kmax = kmin[:, None, :], kmax[:, None, :]
+        full = (qmin == qmax) & (kmin == kmax) & (qmin == kmin) & (qmin >= 0)
+        empty = (qmax < kmin) | (qmin > kmax) | (qmax < 0) | (kmax < 0)
+        return full, empty
+
+    @property
+    def batch_size(self):
+        return self.q_block_ids.shape[0]
 
 
 @_pytree
@@ -391,6 +440,17 @@ def padding(kv_lengths) -> Mask:
     return Padding(kv_lengths)
 
 
+def blocks(q_block_ids, kv_block_ids=None) -> Mask:
+    """Bidirectional blocks (`[B, T]`, `[B, S]` ids; -1: no block): `causal() | blocks(ids)`
+    is Gemma 3's mask of images in a text."""
+    q_block_ids = jnp.asarray(q_block_ids, jnp.int32)
+    kv_block_ids = q_block_ids if kv_block_ids is None else jnp.asarray(kv_block_ids, jnp.int32)
+    if q_block_ids.ndim != 2 or kv_block_ids.ndim != 2:
+        raise ValueError(f"blocks: block ids must be [B, T] and [B, S], got shapes "
+                         f"{q_block_ids.shape} and {kv_block_ids.shape}")
+    return Blocks(q_block_ids, kv_block_ids)
+
+
 def segments(q_segment_ids, kv_segment_ids=None) -> Mask:
     """Same-segment attention; kv ids default to the query ids (self-attention)."""
     q = jnp.asarray(q_segment_ids, jnp.int32)
@@ -425,6 +485,32 @@ def prefix_lm(prefix_lengths) -> Mask:
     return PrefixLM(prefix_lengths)
 
 
+def windowed(base: Mask | None, left: int, right: int = 0) -> Mask:
+    """A sliding layer's mask: `base & sliding_window(left, right)`, as transformers'
+    Gemma-family vision-language models mask theirs where `base` lets a query see
+    keys after it: a prefix-LM's prefix stays whole whatever the window (PaliGemma 2:
+    `base & (window | the prefix block)`); an image's `Blocks` keep the keys after the
+    query (Gemma 3: the window bounds only how far back a query looks)."""
+    prefix = _find(base, PrefixLM)
+    if prefix is not None:
+        return combine(base, sliding_window(left, right) | PrefixBlock(prefix.prefix_lengths))
+    if _find(base, Blocks) is not None:
+        right = UNBOUNDED
+    return combine(base, sliding_window(left, right))
+
+
+UNBOUNDED = 2 ** 30  # a window side that bounds nothing (positions stay far below it)
+
+
+def _find(mask: Mask | None, cls: type) -> Mask | None:
+    """The first `cls` mask among `mask` and the masks it combines (`&`, `|`)."""
+    if isinstance(mask, cls):
+        return mask
+    if isinstance(mask, (And, Or)):
+        return _find(mask.a, cls) or _find(mask.b, cls)
+    return None
+
+
 def combine(*masks: Mask | None) -> Mask | None:
     """`&` of the masks that are not None (None when all are)."""
     out = None
@@ -448,145 +534,3 @@ def dense(mask: Mask | None, q_len: int, kv_len: int, *, q_offset=0, kv_offset=0
     if mask is None:
         return jnp.ones((1, q_len, kv_len), bool)
     return mask.dense(q_len, kv_len, q_offset=q_offset, kv_offset=kv_offset)
-
-
-# --------------------------------------------------------------------------- #
-# Sparse attention patterns: Longformer and BigBird.
-# --------------------------------------------------------------------------- #
-
-
-def _count_in(sorted_positions: np.ndarray, lo, hi) -> jax.Array:
-    """How many of the static sorted positions lie in [lo, hi] (elementwise)."""
-    if not sorted_positions.size:
-        return jnp.zeros(jnp.broadcast_shapes(jnp.shape(lo), jnp.shape(hi)), jnp.int32)
-    g = jnp.asarray(sorted_positions, jnp.int32)
-    return (jnp.searchsorted(g, hi, side="right") - jnp.searchsorted(g, lo, side="left")).astype(jnp.int32)
-
-
-@_pytree
-class Longformer(Mask):
-    """Longformer (Beltagy et al. 2020): a symmetric local window of `window` keys on
-    each side (|i - j| <= window), plus global positions that attend to every key and
-    are attended by every query. Combine with `causal()` for a decoder.
-
-    Block view: a tile is FULL when the window covers it or all its queries (or all its
-    keys) are global; EMPTY when the window misses it and it holds no global position.
-    """
-
-    window: int = _static()
-    global_positions: tuple[int, ...] = _static(default=())
-
-    def __post_init__(self):
-        if self.window < 0:
-            raise ValueError(f"longformer: window must be >= 0, got {self.window}")
-        g = self.global_positions
-        if any(p < 0 for p in g) or list(g) != sorted(set(g)):
-            raise ValueError(f"longformer: global_positions must be distinct, sorted and >= 0, "
-                             f"got {g}")
-
-    def _globals(self) -> np.ndarray:
-        return np.asarray(self.global_positions, np.int32)
-
-    def _allowed(self, q, k, qo, ko):
-        qp, kp = q + qo, k + ko
-        g = self._globals()
-        return (jnp.abs(qp - kp) <= self.window) | (_count_in(g, qp, qp) > 0) | \
-            (_count_in(g, kp, kp) > 0)
-
-    def _tiles(self, qs, qe, ks, ke, **_):
-        w, g = self.window, self._globals()
-        n_q, n_k = _count_in(g, qs, qe), _count_in(g, ks, ke)  # [nq,1], [1,nk]
-        full = ((ks >= qe - w) & (ke <= qs + w)) | (n_q == qe - qs + 1) | (n_k == ke - ks + 1)
-        empty = ((ke < qs - w) | (ks > qe + w)) & (n_q == 0) & (n_k == 0)
-        return full, empty
-
-
-def _hash32(seed: int, a: jax.Array, b: jax.Array) -> jax.Array:
-    """A 32-bit integer hash of (seed, a, b) (murmur3's finaliser), as uint32."""
-    u = jnp.uint32
-    x = (u(seed & 0xFFFFFFFF) * u(0x9E3779B1)) ^ (a.astype(u) * u(0x85EBCA77)) ^ \
-        (b.astype(u) * u(0xC2B2AE3D))
-    x = (x ^ (x >> 16)) * u(0x7FEB352D)
-    x = (x ^ (x >> 15)) * u(0x846CA68B)
-    return x ^ (x >> 16)
-
-
-@_pytree
-class RandomBlocks(Mask):
-    """BigBird's random attention (Zaheer et al. 2020): positions are grouped into
-    blocks of `block_size`; the queries of block qb see the keys of
-    `num_random_blocks` key blocks drawn by a seeded hash of (seed, qb, r) from the
-    `num_blocks` blocks of the sequence (draws may repeat, so a query block sees
-    between 1 and num_random_blocks distinct blocks). Lazily evaluated: no table.
-
-    Block view: exact EMPTY by enumerating the (static number of) query blocks a tile
-    spans; FULL when the tile lies in one query block and one drawn key block.
-    """
-
-    num_random_blocks: int = _static()
-    block_size: int = _static()
-    num_blocks: int = _static()
-    seed: int = _static(default=0)
-
-    def __post_init__(self):
-        for name in ("num_random_blocks", "block_size", "num_blocks"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"bigbird: {name} must be >= 1, got {getattr(self, name)}")
-
-    def _draw(self, qb, r):
-        return (_hash32(self.seed, qb, jnp.asarray(r, jnp.int32)) %
-                jnp.uint32(self.num_blocks)).astype(jnp.int32)
-
-    def _hit(self, qb, kb_lo, kb_hi):
-        hit = jnp.zeros(jnp.broadcast_shapes(qb.shape, kb_lo.shape, kb_hi.shape), bool)
-        for r in range(self.num_random_blocks):
-            kb = self._draw(qb, r)
-            hit = hit | ((kb >= kb_lo) & (kb <= kb_hi))
-        return hit
-
-    def _allowed(self, q, k, qo, ko):
-        bs = self.block_size
-        kb = (k + ko) // bs
-        return self._hit((q + qo) // bs, kb, kb)
-
-    def _tiles(self, qs, qe, ks, ke, *, block_q, **_):
-        bs = self.block_size
-        qb0, qb1, kb0, kb1 = qs // bs, qe // bs, ks // bs, ke // bs
-        any_hit = jnp.zeros(jnp.broadcast_shapes(qs.shape, ks.shape), bool)
-        for j in range(-(-block_q // bs) + 1):  # every query block the tile can span
-            qb = qb0 + j
-            any_hit = any_hit | ((qb <= qb1) & self._hit(qb, kb0, kb1))
-        full = (qb0 == qb1) & (kb0 == kb1) & self._hit(qb0, kb0, kb0)
-        return full, ~any_hit
-
-
-def longformer(window: int, global_positions=()) -> Mask:
-    """Local window of `window` keys on each side plus global positions (a sequence of
-    ints) that see and are seen by everything. Tiled kernels touch O(T*window + T*G)."""
-    g = tuple(sorted({int(p) for p in np.asarray(global_positions, np.int64).ravel()}))
-    return Longformer(int(window), g)
-
-
-def bigbird(window: int, num_global: int, num_random_blocks: int, block_size: int,
-            seed: int = 0, *, seq_len: int | None = None) -> Mask:
-    """BigBird (Zaheer et al. 2020): `longformer(window, range(num_global))` (a local
-    window of `window` keys on each side, the first `num_global` positions global) or
-    `num_random_blocks` seeded random key blocks of `block_size` per query block.
-
-    `seq_len` (the global sequence length; needed when num_random_blocks > 0) fixes the
-    range the random blocks are drawn from, so every device of a ring sees the same
-    pattern. Use tiles of `block_size` (or multiples) in kernels for exact FULL tiles.
-    """
-    for name, v, least in (("window", window, 0), ("num_global", num_global, 0),
-                           ("num_random_blocks", num_random_blocks, 0),
-                           ("block_size", block_size, 1)):
-        if v < least:
-            raise ValueError(f"bigbird: {name} must be >= {least}, got {v}")
-    mask: Mask = Longformer(int(window), tuple(range(int(num_global))))
-    if num_random_blocks:
-        if not seq_len or seq_len < 1:
-            raise ValueError("bigbird: pass seq_len (the global sequence length) to draw "
-                             "random blocks from")
-        mask = mask | RandomBlocks(int(num_random_blocks), int(block_size),
-                                   -(-int(seq_len) // int(block_size)), int(seed))
-    return mask

@@ -1,6 +1,6 @@
 """Training objectives: one record (`Objective`) per `train.objective`, registered once in
-`OBJECTIVES` (causal_lm, prefix_lm, mlm, classification, span_corruption, seq2seq, the
-preference objectives, distill, grpo) and read by the trainer (the data source, the batches and their shapes, the checks, what
+`OBJECTIVES` (causal_lm, prefix_lm, mlm, classification, span_corruption, seq2seq,
+speech_to_text, the preference objectives, distill, grpo) and read by the trainer (the data source, the batches and their shapes, the checks, what
 evaluation reports) and by the step (how to call the model, the loss sums).
 `check_objective` checks the objective against the model, the tokenizer and the sequence
 shards; `eval_metrics` turns evaluation sums into val_loss, val_bpb, val_accuracy.
@@ -24,6 +24,7 @@ from tfjax.data.mixture import MixtureBatches, open_caches
 from tfjax.data.pipeline import BATCH_KEYS, PackedBatches
 from tfjax.data.pairs import PAIR_KEYS, encode_pairs, pair_batches, pair_examples
 from tfjax.data.sources import documents
+from tfjax.data.speech import SPEECH_KEYS, speech_batches, speech_examples
 from tfjax.models.mtp import mtp_predictions
 from tfjax.registry import Registry
 from tfjax.train.distill import distill_sums
@@ -69,6 +70,7 @@ class Objective:
     report: Callable[[dict], dict] | None = None
     # bind(train config) -> forward, for an objective whose forward reads its config
     bind: Callable | None = None
+    synthetic: bool = False  # reads its shipped examples with data.source="synthetic"
 
 
 OBJECTIVES: Registry[Objective] = Registry("objective")
@@ -330,6 +332,45 @@ OBJECTIVES.register("seq2seq", Objective(
     bits_per_byte=True))
 
 
+# ----------------------------------------------------------- speech_to_text
+def _speech_source(cfg, split):
+    return speech_examples(cfg.data, split, cfg.model.audio, seed=cfg.seed)
+
+
+def _speech_batches(cfg, tokenizer, source, local_rows, train):
+    return speech_batches(source, tokenizer, cfg.model.audio, target_len=encdec_lengths(cfg)[1],
+                          global_batch=cfg.train.batch_size, local_rows=local_rows, seed=cfg.seed,
+                          shuffle=train and cfg.data.shuffle, repeat=train)
+
+
+def _speech_shapes(cfg):
+    B, a, Td = cfg.train.batch_size, cfg.model.audio, encdec_lengths(cfg)[1]
+    return {k: (B, a.n_mels, a.max_frames) if k == "input_features" else (B, Td)
+            for k in SPEECH_KEYS}
+
+
+def _speech_forward(model, b, loss_chunk=0):
+    logits = model(b["decoder_inputs"], input_features=b["input_features"].astype(jnp.float32),
+                   decoder_segment_ids=b["decoder_segment_ids"],
+                   decoder_positions=b["decoder_positions"])
+    sums = cross_entropy_sums(logits, b["targets"], b["mask"], b["target_bytes"])
+    sums["correct"] = _correct(logits, b["targets"], b["mask"])
+    return sums
+
+
+def _speech_check(cfg, tokenizer, n_seq):
+    if not cfg.model.audio.n_mels:
+        raise ValueError("train.objective: 'speech_to_text' needs the audio front end: set "
+                         "--config.model.audio.n_mels (80 for Whisper's features)")
+    _encdec_check(cfg, tokenizer, n_seq)
+
+
+OBJECTIVES.register("speech_to_text", Objective(
+    arch="encoder_decoder", source=_speech_source, batches=_speech_batches,
+    shapes=_speech_shapes, forward=_speech_forward, check=_speech_check, extra=("correct",),
+    synthetic=True))
+
+
 # --------------------------------------------------------------- preference
 def _pair_batches(cfg, tokenizer, source, local_rows, train):
     t = cfg.train
@@ -437,6 +478,11 @@ def check_objective(cfg: RunConfig, tokenizer, n_seq: int = 1) -> Objective:
                          f"({', '.join(map(repr, packing))}), not train.objective="
                          f"{t.objective!r}, which reads examples (jsonl, parquet, datasets); set "
                          f"--config.data.source=jsonl")
+    if cfg.data.source == "synthetic" and not obj.synthetic:
+        have = [n for n in OBJECTIVES if OBJECTIVES.get(n).synthetic]
+        raise ValueError(f"data.source: 'synthetic' (shipped examples) feeds "
+                         f"{', '.join(map(repr, have))}, not train.objective={t.objective!r}; "
+                         f"use data.source='stdlib', 'text', 'jsonl' or 'cache'")
     if obj.arch != m.arch:
         mine = [n for n in OBJECTIVES if OBJECTIVES.get(n).arch == m.arch]
         raise ValueError(f"train.objective: {t.objective!r} trains arch={obj.arch!r} models, "

@@ -55,7 +55,10 @@ def forward_sums(graphdef, params, rest, batch, objective: Objective | None = No
 
 
 def _constrain(batch):
-    return {k: shard(v, ("batch", "length")[:v.ndim]) for k, v in batch.items()}
+    """Token rows on ("batch", "length"); media (audio features `[B, n_mels, frames]`)
+    on the batch axes only."""
+    return {k: shard(v, ("batch", "length")[:v.ndim] if v.ndim <= 2
+                     else ("batch",) + (None,) * (v.ndim - 1)) for k, v in batch.items()}
 
 
 def local_gradient_axes(mesh, rules, state_shardings) -> tuple[str, ...]:

@@ -10,17 +10,18 @@ from __future__ import annotations
 
 from tfjax.config import ModelConfig
 from tfjax.interop.config_mapping import unsupported
-from tfjax.interop.families import Family, gemma2, llama, siglip
+from tfjax.interop.families import Family, gemma2, siglip
 from tfjax.interop.tensor_mapping import Weights, linear_weights
 from tfjax.models.vision import tower_config
 
-__all__ = ["FAMILY", "config", "to_hf", "weights"]
+__all__ = ["FAMILY", "Text", "config", "to_hf", "weights"]
 
 _TEXT = "language_model."  # where PaliGemma saves the Gemma decoder's own tensor names
 
 
-class _Text:
-    """The checkpoint as the Gemma 2 mapping reads it: its names under `_TEXT`."""
+class Text:
+    """The checkpoint as a text family's mapping reads it: its names under `_TEXT`
+    (PaliGemma's and Gemma 3's decoder)."""
 
     def __init__(self, w: Weights):
         self.w = w
@@ -56,7 +57,7 @@ def config(hf: dict) -> dict:
 
 
 def weights(w: Weights, cfg: ModelConfig, hf: dict) -> dict:
-    out = gemma2.FAMILY.weights(_Text(w), cfg, hf["text_config"])
+    out = gemma2.FAMILY.weights(Text(w), cfg, hf["text_config"])
     out.update(siglip.tower_weights(w, tower_config(cfg), p="vision_tower.", at=("vision",)))
     out.update(linear_weights(w, "multi_modal_projector.linear", ("projector",), True))
     return out
@@ -66,6 +67,9 @@ def to_hf(cfg: ModelConfig) -> dict:
     if not cfg.vision.image_size or cfg.arch != "decoder":
         unsupported("model.vision.image_size", cfg.vision.image_size,
                     "PaliGemma is a decoder with images")
+    if cfg.vision.projector != "linear" or cfg.vision.image_attention != "prefix":
+        unsupported("model.vision", (cfg.vision.projector, cfg.vision.image_attention),
+                    "PaliGemma's projector is 'linear' and its image_attention 'prefix'")
     text = gemma2.to_hf(cfg)
     text.pop("architectures", None)
     vision = dict(model_type="siglip_vision_model", **siglip.to_hf_vision(tower_config(cfg)))

@@ -18,6 +18,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from tfjax.ops import masks as M
+from tfjax.ops import sparse_masks as SM
 from tfjax.ops.target import sharded_outside_a_mesh, traced_platform
 from tfjax.ops.tiles import TileTables, pad_axis, tile_tables
 
@@ -205,8 +206,8 @@ def tpu_pallas_call(interpret, kernel, **kw):
 _POSITIONAL = (M.Causal, M.SlidingWindow, M.ChunkedCausal)
 
 
-_KNOWN = _POSITIONAL + (M.Padding, M.PrefixLM, M.Segments, M.Positions, M.Longformer,
-                        M.RandomBlocks)
+_KNOWN = _POSITIONAL + (M.Padding, M.PrefixLM, M.PrefixBlock, M.Segments, M.Blocks, M.Positions,
+                        SM.Longformer, SM.RandomBlocks)
 
 
 def unsupported_mask(mask, kinds) -> type | None:
@@ -254,12 +255,12 @@ class MaskOperands:
         return len(self.q_segments) - 1
 
     def _collect(self, m, B, Tp, Sp):
-        if m is None or isinstance(m, _POSITIONAL + (M.RandomBlocks,)):
+        if m is None or isinstance(m, _POSITIONAL + (SM.RandomBlocks,)):
             return
         if isinstance(m, (M.And, M.Or)):
             self._collect(m.a, B, Tp, Sp)
             self._collect(m.b, B, Tp, Sp)
-        elif isinstance(m, M.Longformer):
+        elif isinstance(m, SM.Longformer):
             # Global flags of the padded positions (offsets may be traced), laid out
             # like segment ids: a [B, Tp] / [B, Sp] operand each, 1 = global.
             self._slot[id(m)] = len(self.q_segments)
@@ -267,9 +268,9 @@ class MaskOperands:
             for n, off, out in ((Tp, self._offsets[0], self.q_segments),
                                 (Sp, self._offsets[1], self.kv_segments)):
                 pos = jnp.arange(n, dtype=jnp.int32) + jnp.asarray(off, jnp.int32)
-                flag = (M._count_in(g, pos, pos) > 0).astype(jnp.int32)
+                flag = (SM.count_in(g, pos, pos) > 0).astype(jnp.int32)
                 out.append(jnp.broadcast_to(flag, (B, n)))
-        elif isinstance(m, (M.Padding, M.PrefixLM)):
+        elif isinstance(m, (M.Padding, M.PrefixLM, M.PrefixBlock)):
             x = m.kv_lengths if isinstance(m, M.Padding) else m.prefix_lengths
             self._slot[id(m)] = len(self.scalars)
             self.scalars.append(jnp.broadcast_to(jnp.asarray(x, jnp.int32), (B,)))
@@ -277,10 +278,11 @@ class MaskOperands:
             self._slot[id(m)] = len(self.q_segments)
             self.q_segments.append(pad_axis(jnp.asarray(m.q_positions, jnp.int32), 1, Tp, -1))
             self.kv_segments.append(pad_axis(jnp.asarray(m.kv_positions, jnp.int32), 1, Sp, -1))
-        elif isinstance(m, M.Segments):
+        elif isinstance(m, (M.Segments, M.Blocks)):
             self._slot[id(m)] = len(self.q_segments)
-            qs = jnp.asarray(m.q_segment_ids, jnp.int32)
-            ks = jnp.asarray(m.kv_segment_ids, jnp.int32)
+            seg = isinstance(m, M.Segments)
+            qs = jnp.asarray(m.q_segment_ids if seg else m.q_block_ids, jnp.int32)
+            ks = jnp.asarray(m.kv_segment_ids if seg else m.kv_block_ids, jnp.int32)
             qs = jnp.pad(qs, ((0, 0), (0, Tp - qs.shape[1])), constant_values=-1)
             ks = jnp.pad(ks, ((0, 0), (0, Sp - ks.shape[1])), constant_values=-2)
             self.q_segments.append(qs)
@@ -311,17 +313,23 @@ class MaskOperands:
             return kp < sref[self._slot[id(m)]][b]
         if isinstance(m, M.PrefixLM):
             return (kp <= qp) | (kp < sref[self._slot[id(m)]][b])
+        if isinstance(m, M.PrefixBlock):
+            p = sref[self._slot[id(m)]][b]
+            return (qp < p) & (kp < p)
         if isinstance(m, M.Segments):
             s = self._slot[id(m)]
             return qseg[s] == kseg[s]
+        if isinstance(m, M.Blocks):  # padded queries -1, keys -2: never the same block
+            s = self._slot[id(m)]
+            return (qseg[s] == kseg[s]) & (qseg[s] >= 0)
         if isinstance(m, M.Positions):
             s = self._slot[id(m)]
             ok = (kseg[s] >= 0) & (kseg[s] <= qseg[s])
             return ok & (qseg[s] - kseg[s] <= m.window) if m.window else ok
-        if isinstance(m, M.Longformer):
+        if isinstance(m, SM.Longformer):
             s = self._slot[id(m)]
             return (jnp.abs(qp - kp) <= m.window) | (qseg[s] > 0) | (kseg[s] > 0)
-        if isinstance(m, M.RandomBlocks):
+        if isinstance(m, SM.RandomBlocks):
             qb, kb = lax.div(qp, m.block_size), lax.div(kp, m.block_size)
             hit = None
             for r in range(m.num_random_blocks):
@@ -343,9 +351,9 @@ def _i32(c: int) -> np.int32:
 
 
 def _draw_random_block(seed: int, qb, r: int, num_blocks: int):
-    """`masks.RandomBlocks._draw` in int32 arithmetic only (wrapping multiplies,
+    """`sparse_masks.RandomBlocks._draw` in int32 arithmetic only (wrapping multiplies,
     logical shifts, an unsigned remainder from non-negative pieces), which Mosaic
-    and Triton lower; bit-identical to the uint32 hash of `masks._hash32`."""
+    and Triton lower; bit-identical to the uint32 hash of `sparse_masks._hash32`."""
     srl = lax.shift_right_logical
     x = (jnp.int32(_i32((seed & 0xFFFFFFFF) * 0x9E3779B1)) ^ (qb * _i32(0x85EBCA77))
          ^ jnp.int32(_i32(r * 0xC2B2AE3D)))

@@ -46,8 +46,8 @@ def pipeline_smem(C: int, stages: int, fixed, ring, extra=(), barriers: int = 0)
         + _MBARRIER_BYTES * n_barriers
 
 
-_ALLOWED_MASKS = (M.Causal, M.SlidingWindow, M.ChunkedCausal, M.Padding, M.PrefixLM, M.Segments,
-                  M.Positions)
+_ALLOWED_MASKS = (M.Causal, M.SlidingWindow, M.ChunkedCausal, M.Padding, M.PrefixLM,
+                  M.PrefixBlock, M.Segments, M.Blocks, M.Positions)
 
 
 def _mask_reason(mask) -> str | None:
