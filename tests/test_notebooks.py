@@ -26,7 +26,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 COLAB = ROOT / "colab"
 NAMES = sorted(p.stem for p in COLAB.glob("[0-9][0-9]_*.py"))
 EXPECTED = ["01_tour", "02_attention_patterns", "03_train_tiny_lm", "04_ring_attention",
-            "05_kv_cache_generation", "06_finetune_lora", "07_induction_heads"]
+            "05_kv_cache_generation", "06_finetune_lora", "07_induction_heads",
+            "08_vision_language"]
 PROBE = "import sys, json; print('KERNEL' + json.dumps([sys.executable, sys.prefix]))"
 
 

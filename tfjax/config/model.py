@@ -391,7 +391,7 @@ def validate_model(c: ModelConfig, p: str) -> None:
     validate_attention(c, p)
     _validate_sections(c, p)
     validate_shared(c, p)
-    validate_vision(c.arch, c.position, c.vision, p)
+    validate_vision(c, p)
 
     if c.position == "rope":
         r, rp = c.rope, f"{p}.rope"

@@ -36,7 +36,8 @@ from tfjax.interop.families import (Family, bert, bloom, deepseek_v3, gemma2, ge
 from tfjax.interop.hf_invert import Inverse, Symbolic, hf_shapes, stack, symbolic_checkpoint
 from tfjax.interop.safetensors_io import SafetensorsCheckpoint, write_file
 from tfjax.interop.tensor_mapping import Weights
-from tfjax.models import EncoderModel, StackLayout, build, check_names
+from tfjax.models import (EncoderModel, ImagePrefixLM, StackLayout, build, check_names,
+                          model_class)
 from tfjax.models.vision import tower_config
 from tfjax.parallel.rules import logical_rules, spec_for, variable_axes
 from tfjax.registry import Registry
@@ -71,7 +72,7 @@ def _layouts(cfg: ModelConfig) -> dict[tuple, StackLayout]:
         return {("encoder",): StackLayout.of(cfg, cfg.encoder_layers),
                 ("decoder",): StackLayout.of(cfg, cfg.num_layers)}
     out = {("layers",): StackLayout.of(cfg)}
-    if cfg.arch == "decoder" and cfg.vision.image_size:  # its image tower (PaliGemma)
+    if model_class(cfg) is ImagePrefixLM:  # its image tower (PaliGemma)
         out[("vision", "layers")] = StackLayout.of(tower_config(cfg))
     return out
 

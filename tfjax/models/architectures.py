@@ -26,6 +26,7 @@ from tfjax.models.encoder import EncoderModel
 from tfjax.models.encoder_decoder import EncoderDecoderModel
 from tfjax.models.vision import VisionEncoder
 from tfjax.models.vision_language import ImagePrefixLM
+from tfjax.models.mllama import MllamaModel
 from tfjax.models.speech import SpeechEncoderDecoderModel
 from tfjax.models import caching, mup
 from tfjax.models.layer_kinds import FFN_KINDS, LAYER_KINDS
@@ -117,10 +118,13 @@ def _check_shared(c: ModelConfig, p: str) -> None:
 
 def model_class(cfg: ModelConfig) -> type:
     """The class `build` makes for `cfg`: its architecture's, or for a decoder with
-    images (model.vision.image_size > 0) the image-prefix decoder, for an
+    images (model.vision.image_size > 0) Llama-3.2-Vision where its layer_pattern has
+    layers that attend to a context ("cross"), else the image-prefix decoder; for an
     encoder-decoder over log-mel features (model.audio.n_mels > 0) the speech model."""
     cls = ARCHITECTURES.get(cfg.arch, field="model.arch")
     if cls is DecoderLM and cfg.vision.image_size:
+        if any(LAYER_KINDS.get(k).context for k in cfg.layer_pattern):
+            return MllamaModel
         return ImagePrefixLM
     if cls is EncoderDecoderModel and cfg.audio.n_mels:
         return SpeechEncoderDecoderModel

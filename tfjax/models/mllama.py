@@ -42,17 +42,20 @@ def _step(text: DecoderLM, tokens, cache, context: dict):
 
 
 class MllamaModel(nnx.Module):
-    def __init__(self, cfg: ModelConfig, vision: MllamaVisionConfig, *,
-                 text_vocab: int | None = None, rngs: nnx.Rngs):
+    """`tfjax.models.build` makes it for a decoder with images (`model.vision.image_size`)
+    and "cross" layers; its vision tower is `MllamaVisionConfig.of(cfg)`."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         if not any(LAYER_KINDS.get(k, field="model.layer_pattern").context
                    for k in cfg.layer_pattern):
-            raise ValueError("MllamaModel: model.layer_pattern has no 'cross' layer to attend "
-                             "to the images")
-        if vision.text_dim != cfg.d_model:
-            raise ValueError(f"vision.text_dim={vision.text_dim} must be the text model's "
-                             f"d_model={cfg.d_model}")
+            raise ValueError("model.layer_pattern: MllamaModel has no 'cross' layer to attend "
+                             "to the images; add one")
+        if not cfg.vision.image_size:
+            raise ValueError("model.vision.image_size: MllamaModel needs its tiles' size in "
+                             "pixels (and the tower in model.vision)")
+        vision = MllamaVisionConfig.of(cfg)
         self.config, self.vision_config = cfg, vision
-        self.text_vocab = text_vocab or cfg.vocab_size
+        self.text_vocab = cfg.vocab_size - cfg.vision.image_token_rows
         self.vision = MllamaVisionModel(vision, rngs=rngs)
         self.projector = nnx.Linear(vision.output_dim, cfg.d_model, use_bias=True, rngs=rngs)
         self.text = DecoderLM(cfg, rngs=rngs)

@@ -18,6 +18,7 @@ from flax import nnx
 
 from tfjax.config import AttentionConfig
 from tfjax.config.mllama import MllamaVisionConfig
+from tfjax.nn import hooks
 from tfjax.nn.attention import MultiHeadAttention
 from tfjax.nn.blocks import TransformerBlock
 from tfjax.nn.ffn import FeedForward
@@ -105,7 +106,7 @@ class MllamaVisionModel(nnx.Module):
     """Images -> their features `[B, M, tiles, P, output_dim]` (module docstring)."""
 
     def __init__(self, vcfg: MllamaVisionConfig, *, rngs: nnx.Rngs):
-        self.config = vcfg = vcfg.validate()
+        self.config = vcfg
         D, p, C = vcfg.d_model, vcfg.patch_size, vcfg.num_channels
         self.patch_embedding = _param(rngs, (C * p * p, D), (C * p * p) ** -0.5)  # [C p p, D]
         self.class_embedding = _param(rngs, (D,), D ** -0.5)
@@ -145,16 +146,19 @@ class MllamaVisionModel(nnx.Module):
         x = x.reshape(B * M, tiles * (P + pad), D)
         kept = {}
         for i, block in enumerate(self.transformer):
-            x = block(x, bias=bias)
+            with hooks.layer_scope("blocks", (i,)):  # hook names blocks.{i}.*
+                x = block(x, bias=bias)
             if i in vcfg.intermediate_layers:
                 kept[i] = x
         x = self.layernorm_post(x).reshape(B * M, tiles, P + pad, D)
         x = self.post_tile_positional_embedding(x, ids).reshape(B * M, tiles * (P + pad), D)
-        for block in self.global_transformer:
-            x = block(x, bias=bias)
-        # [BM, L, D, n] flattened D-major: HF's torch.stack(dim=-1).reshape
-        kept = jnp.stack([kept[i] for i in vcfg.intermediate_layers], axis=-1)
-        out = jnp.concatenate([x, kept.reshape(*x.shape[:2], -1)], axis=-1)
+        for i, block in enumerate(self.global_transformer):
+            with hooks.layer_scope("global_blocks", (i,)):
+                x = block(x, bias=bias)
+        out = x
+        if vcfg.intermediate_layers:  # [BM, L, D, n] flattened D-major: HF's stack(dim=-1)
+            kept = jnp.stack([kept[i] for i in vcfg.intermediate_layers], axis=-1)
+            out = jnp.concatenate([x, kept.reshape(*x.shape[:2], -1)], axis=-1)
         out = out.reshape(B, M, tiles, P + pad, -1)[:, :, :, :P]
         return out
 

@@ -6,9 +6,9 @@ model whose `cross_attention_layers` are tfjax's "cross" layers, the tiled visio
     model, cfg = tfjax.interop.hf.load(path)   # the same, from a checkpoint directory
     export(model, path)                        # what transformers' from_pretrained reads
 
-The text model's embedding has HF's 8 extra rows (`vocab_size + 8`); the head, of
-`vocab_size` rows, is padded with zero rows to the same width and the model's logits
-are cut back to `vocab_size`. See docs/multimodal.md ("Llama-3.2-Vision").
+One `ModelConfig` (the tower in `model.vision`) built by `tfjax.models.build`. HF's
+embedding has 8 extra rows (`model.vision.image_token_rows`); the head is padded with zero
+rows to its width and the logits cut back to `vocab_size`. See docs/multimodal.md.
 """
 
 from __future__ import annotations
@@ -22,12 +22,13 @@ import numpy as np
 from flax import nnx
 
 from tfjax.config import ModelConfig, model_config
-from tfjax.config.mllama import MllamaVisionConfig
+from tfjax.config.mllama import MllamaVisionConfig, aspect_ratios
 from tfjax.interop.families import Family, llama
 from tfjax.interop.hf_invert import hf_shapes
 from tfjax.interop.safetensors_io import write_file
 from tfjax.interop.tensor_mapping import (Weights, attention_weights, heads_in, heads_out,
                                           norm_weights, qk_norm_weights, swiglu_weights)
+from tfjax.models.architectures import build
 from tfjax.models.layout import StackLayout
 from tfjax.models.mllama import MllamaModel
 
@@ -53,7 +54,7 @@ def layer_pattern(n: int, cross: list[int]) -> tuple[str, ...]:
 
 
 def config(hf: dict) -> dict:
-    """The text model's `ModelConfig` fields."""
+    """The `ModelConfig` fields: the text model's, and its vision tower in `vision`."""
     t = dict(hf["text_config"])
     if t.get("dropout", 0.0):
         raise NotImplementedError("text_config.dropout > 0 is not mapped (mllama)")
@@ -62,26 +63,28 @@ def config(hf: dict) -> dict:
     c["tie_embeddings"] = bool(t.get("tie_word_embeddings", False))
     c["layer_pattern"] = layer_pattern(t["num_hidden_layers"], list(t["cross_attention_layers"]))
     c["attention"].pop("sliding_window", None)
+    c["vision"] = vision_config(hf)
     return c
 
 
-def vision_config(hf: dict) -> MllamaVisionConfig:
+def vision_config(hf: dict) -> dict:
+    """The `model.vision` fields of HF's vision_config (the tiled tower)."""
     v = hf["vision_config"]
-    out = MllamaVisionConfig(
-        d_model=v["hidden_size"], num_layers=v["num_hidden_layers"],
-        num_global_layers=v["num_global_layers"], num_heads=v["attention_heads"],
-        d_ff=v["intermediate_size"], image_size=v["image_size"], patch_size=v["patch_size"],
-        num_channels=v["num_channels"], max_num_tiles=v["max_num_tiles"],
-        max_aspect_ratio_id=len(v["supported_aspect_ratios"]),
-        intermediate_layers=tuple(v["intermediate_layers_indices"]), norm_eps=v["norm_eps"],
-        activation=v.get("hidden_act", "gelu"), text_dim=hf["text_config"]["hidden_size"])
-    if v.get("vision_output_dim", out.output_dim) != out.output_dim:
-        raise ValueError(f"vision_config.vision_output_dim={v['vision_output_dim']} is not "
-                         f"hidden_size * (len(intermediate_layers_indices) + 1) = "
-                         f"{out.output_dim}")
     if v.get("hidden_act", "gelu") != "gelu":
         raise NotImplementedError(f"vision_config.hidden_act={v['hidden_act']!r} (mllama: gelu)")
-    return out.validate()
+    out = dict(d_model=v["hidden_size"], num_layers=v["num_hidden_layers"],
+               num_global_layers=v["num_global_layers"], num_heads=v["attention_heads"],
+               d_ff=v["intermediate_size"], image_size=v["image_size"],
+               patch_size=v["patch_size"], channels=v["num_channels"],
+               max_num_tiles=v["max_num_tiles"],
+               max_aspect_ratio_id=len(v["supported_aspect_ratios"]),
+               intermediate_layers=tuple(v["intermediate_layers_indices"]),
+               norm_eps=v["norm_eps"], activation="gelu", image_token_rows=EXTRA_ROWS)
+    want = v["hidden_size"] * (len(v["intermediate_layers_indices"]) + 1)
+    if v.get("vision_output_dim", want) != want:
+        raise ValueError(f"vision_config.vision_output_dim={v['vision_output_dim']} is not "
+                         f"hidden_size * (len(intermediate_layers_indices) + 1) = {want}")
+    return out
 
 
 def _text_weights(w: Weights, cfg: ModelConfig) -> dict:
@@ -154,7 +157,7 @@ def _vision_weights(w: Weights, v: MllamaVisionConfig) -> dict:
 def weights(w: Weights, cfg: ModelConfig, hf: dict) -> dict:
     """`{our path: array}` of a whole MllamaForConditionalGeneration: the text model's
     per-layer paths `("layers", i, ...)`, the rest as `MllamaModel` holds them."""
-    return {**_text_weights(w, cfg), **_vision_weights(w, vision_config(hf))}
+    return {**_text_weights(w, cfg), **_vision_weights(w, MllamaVisionConfig.of(cfg))}
 
 
 # the names save_pretrained writes (and the Hub's checkpoints hold) -> the module's
@@ -203,15 +206,12 @@ def from_hf(hf: dict, tensors, *, scan_layers: bool = True, dtype: str = "float3
         raise ValueError(f"config.json model_type: expected 'mllama', got {hf.get('model_type')!r}")
     dtype = str(jnp.dtype(dtype))
     cfg = model_config(dict(config(hf), scan_layers=scan_layers, dtype=dtype, param_dtype=dtype))
-    vcfg = vision_config(hf)
     w = Weights(_Renamed(tensors))
     arrays = weights(w, cfg, hf)
     left = w.leftovers()
     if left:
         raise NotImplementedError(f"mllama: checkpoint tensors not mapped: {', '.join(left[:8])}")
-    text_vocab = hf["text_config"]["vocab_size"]
-    abstract = nnx.eval_shape(lambda: MllamaModel(cfg, vcfg, text_vocab=text_vocab,
-                                                  rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: build(cfg, rngs=nnx.Rngs(0)))  # an MllamaModel
     graphdef, state = nnx.split(abstract)
     flat = dict(nnx.to_flat_state(state))
     values: dict = {}
@@ -257,9 +257,10 @@ def to_hf(model: MllamaModel) -> dict:
     if cfg.head_size * cfg.num_heads != cfg.d_model:
         raise ValueError(f"export: mllama's head dim is d_model / num_heads; got "
                          f"model.head_dim={cfg.head_size}")
-    if cfg.vocab_size != model.text_vocab + EXTRA_ROWS:
-        raise ValueError(f"export: mllama's embedding has vocab_size + {EXTRA_ROWS} rows; got "
-                         f"model.vocab_size={cfg.vocab_size} for {model.text_vocab} logits")
+    if cfg.vision.image_token_rows != EXTRA_ROWS:
+        raise ValueError(f"export: mllama's embedding has vocab_size + {EXTRA_ROWS} rows; set "
+                         f"model.vision.image_token_rows={EXTRA_ROWS}, got "
+                         f"{cfg.vision.image_token_rows}")
     for k in ("architectures", "head_dim", "attention_dropout", "dtype"):
         text.pop(k)
     # token ids are the tokenizer's; MllamaTextConfig needs an int bos (Llama 3's, in range)
@@ -278,10 +279,8 @@ def to_hf(model: MllamaModel) -> dict:
 
 
 def _aspect_ratios(v: MllamaVisionConfig) -> list[list[int]]:
-    """HF's supported_aspect_ratios for max_num_tiles (its processor's order: every
-    (w, h) with w h <= tiles), which must count max_aspect_ratio_id."""
-    ratios = [[w, h] for w in range(1, v.max_num_tiles + 1)
-              for h in range(1, v.max_num_tiles + 1) if w * h <= v.max_num_tiles]
+    """HF's supported_aspect_ratios for max_num_tiles, which must count max_aspect_ratio_id."""
+    ratios = aspect_ratios(v.max_num_tiles)
     if len(ratios) != v.max_aspect_ratio_id:
         raise ValueError(f"export: vision.max_aspect_ratio_id={v.max_aspect_ratio_id} is not "
                          f"the {len(ratios)} aspect ratios of max_num_tiles={v.max_num_tiles}")
