@@ -4,6 +4,7 @@ from `model.vision` (0 / "": the model's field); inconsistent settings are one l
 naming the field. (Parity with transformers: tests/interop/test_hf_mllama.py, whose
 family builds through the same `build`.)"""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -86,3 +87,18 @@ def test_inconsistent_settings_raise_one_line(change, match):
     with pytest.raises(ValueError, match=match) as e:
         models.build(change)
     assert "\n" not in str(e.value)
+
+
+def test_cache_bytes_counts_the_text_cache_and_the_images_kv():
+    """`cache_bytes` of a model built from the config equals the float bytes of its
+    decoder's real cache (self-attention K/V of the tokens, cross K/V of the images)."""
+    cfg = model_config(CFG)
+    model = nnx.eval_shape(lambda: models.build(cfg, rngs=nnx.Rngs(0)))
+    tiles = MllamaVisionConfig.of(cfg)
+    S = tiles.max_num_tiles * tiles.patches
+    cache = jax.eval_shape(lambda: model.text.init_cache(2, 16, context_len=S))
+    real = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(cache)
+               if jnp.issubdtype(x.dtype, jnp.floating))
+    assert models.cache_bytes(cfg, 2, 16, encoder_len=S) == real
+    image_kv = 2 * S * cfg.kv_heads * (cfg.head_size + cfg.value_head_size) * 4  # 1 cross layer
+    assert models.cache_bytes(cfg, 2, 16) == real - image_kv  # no images: the text only

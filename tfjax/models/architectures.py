@@ -24,6 +24,7 @@ from tfjax.config import ModelConfig, model_config
 from tfjax.models.decoder import DecoderLM
 from tfjax.models.encoder import EncoderModel
 from tfjax.models.encoder_decoder import EncoderDecoderModel
+from tfjax.models.layer_kinds import LAYER_KINDS
 from tfjax.models.vision import VisionEncoder
 from tfjax.models.vision_language import ImagePrefixLM
 from tfjax.models.mllama import MllamaModel
@@ -201,15 +202,16 @@ def cache_bytes(cfg: ModelConfig, batch: int, length: int, *, dtype=None,
     """Bytes of the K/V (and other float state) of a cache of `batch` rows of `length`
     tokens for the model of `cfg`: its layers' `init_state`s, abstract (nothing is
     allocated; counters excluded). Local layers count their W+1 slots, cross-attention
-    (encoder_len > 0) its encoder K/V. An 8-bit cache (`model.kv_quant`) counts its
+    (encoder_len > 0) its encoder's (or the images') K/V. An 8-bit cache (`model.kv_quant`) counts its
     8-bit K/V and their per token and kv head scales (in `dtype`)."""
     dtype = jnp.dtype(dtype or cfg.dtype)
     cross = cfg.arch == "encoder_decoder"
     with nnx.use_eager_sharding(False):
         model = nnx.eval_shape(lambda: build(cfg, rngs=nnx.Rngs(0)))
-    stack = model.decoder if cross else model.layers
+    stack = model.decoder if cross else getattr(model, "text", model).layers  # MllamaModel
+    context = any(LAYER_KINDS.get(k).context for k in cfg.layer_pattern)
     tree = jax.eval_shape(lambda: caching.layer_states(
-        cfg, stack, batch, length, dtype, max(encoder_len, 1) if cross else None))
+        cfg, stack, batch, length, dtype, max(encoder_len, 1) if cross or context else None))
     total = 0
     for leaf in jax.tree.leaves(tree):
         if jnp.issubdtype(leaf.dtype, jnp.floating) or leaf.dtype == jnp.int8:  # kv_quant
@@ -217,6 +219,9 @@ def cache_bytes(cfg: ModelConfig, batch: int, length: int, *, dtype=None,
     if cross and not encoder_len:  # counted with S=1 above; take it out
         total -= (cfg.num_layers * batch * cfg.kv_heads * (cfg.head_size + cfg.value_head_size)
                   * dtype.itemsize)
+    elif context and not encoder_len:  # the "cross" layers' image K/V, counted with S=1
+        n = sum(LAYER_KINDS.get(cfg.layer_kind(i)).context for i in range(cfg.num_layers))
+        total -= n * batch * cfg.kv_heads * (cfg.head_size + cfg.value_head_size) * dtype.itemsize
     return total
 
 
