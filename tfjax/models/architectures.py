@@ -24,7 +24,6 @@ from tfjax.config import ModelConfig, model_config
 from tfjax.models.decoder import DecoderLM
 from tfjax.models.encoder import EncoderModel
 from tfjax.models.encoder_decoder import EncoderDecoderModel
-from tfjax.models.layer_kinds import LAYER_KINDS
 from tfjax.models.vision import VisionEncoder
 from tfjax.models.vision_language import ImagePrefixLM
 from tfjax.models.mllama import MllamaModel
