@@ -6,7 +6,8 @@
     while engine.has_work(): outputs = engine.step()     # [Output]: a token of a sample
 
 A step runs a few prefilling rows a `chunk` further and every decoding row one token,
-each in one call over just those rows (1, 2, 4 .. of them): few shapes (`warm_up`).
+each in one call over just those rows (1, 2, 4 .. of them): few shapes (`warm_up`); both
+calls are dispatched before the host waits on either.
 Admission reserves pages for the longest answer (no preemption); a stopped sample frees
 its pages at once. Serve unrolled layers (`tfjax.models.unrolled`). See
 docs/inference.md ("The engine")."""
@@ -47,7 +48,11 @@ class EngineConfig:
     decoding rows run apart, one token each, so a prompt costs its own chunk, not every
     row's. table_widths: the page-table widths of the global K/V each step shape is
     compiled for (the whole table and its halvings, this many at most): a call's rows
-    attend over the narrowest that holds their pages (1: always the whole table)."""
+    attend over the narrowest that holds their pages (1: always the whole table).
+    chunk_sizes: the token widths the prefill call is compiled for (`chunk` and its
+    halvings, this many at most): a call runs the narrowest that holds each of its rows'
+    next tokens, so a prompt's last, shorter piece does not compute a whole chunk of
+    padding (1: always `chunk`). The chunks a prompt is cut into are the same either way."""
 
     max_seqs: int = 8
     max_len: int = 0
@@ -60,9 +65,11 @@ class EngineConfig:
     max_logprobs: int = 20
     prefill_rows: int = 4
     table_widths: int = 3
+    chunk_sizes: int = 1
 
     def check(self):
-        for name in ("max_seqs", "page_size", "chunk", "prefill_rows", "table_widths"):
+        for name in ("max_seqs", "page_size", "chunk", "prefill_rows", "table_widths",
+                     "chunk_sizes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name}: must be >= 1, got {getattr(self, name)}")
 
@@ -140,9 +147,10 @@ class Engine:
             self.cache, self.seen, self.counts = jax.device_put(
                 (self.cache, self.seen, self.counts),
                 state_shardings(self.cache, mesh, dict(rules or ())))
+        self._chunks = sorted({-(-C // 2 ** i) for i in range(config.chunk_sizes)})
         self._row_counts = {  # the rows of each call of T tokens: 1, 2, 4 .. up to a limit
             T: sorted({1 << i for i in range(most.bit_length()) if 1 << i < most} | {most})
-            for T, most in ((C, min(config.prefill_rows, B)), (1, B))}
+            for T, most in [(t, min(config.prefill_rows, B)) for t in self._chunks] + [(1, B)]}
         self._widths = sorted({-(-geometries.get(self.global_size, 0) // 2 ** i)  # pages read
                                for i in range(config.table_widths)})
         self._last_sampling = (None, None, None)
@@ -286,8 +294,8 @@ class Engine:
     def step(self) -> list[Output]:
         """One engine step: take new requests and cancellations, admit, then run up to
         `prefill_rows` prefilling rows a chunk further and every decoding row one token
-        (a jitted call each, over those rows); return each sample's new token (or its
-        end)."""
+        (a jitted call each, over those rows, both dispatched before the host waits on
+        the first's results); return each sample's new token (or its end)."""
         out = self._drain()
         self._admit()
         self._fork_ready()
@@ -298,18 +306,23 @@ class Engine:
             self._reset(rows)
         prefilling = [s for s in rows if s.computed < s.target]
         decoding = [s for s in rows if s.computed >= s.target]
+        calls = []
         if prefilling:
-            out += self._run(prefilling[:self._row_counts[self.config.chunk][-1]],
-                             self.config.chunk)
+            group = prefilling[:self._row_counts[self.config.chunk][-1]]
+            longest = max(min(self.config.chunk, s.target - s.computed) for s in group)
+            calls.append(self._launch(group, next(t for t in self._chunks if t >= longest)))
         if decoding:
-            out += self._run(decoding, 1)
+            calls.append(self._launch(decoding, 1))
+        for call in calls:
+            out += self._finish(*call)
         return out
 
-    def _run(self, group: list[_Sequence], T: int) -> list[Output]:
-        """One jitted call: each sequence of `group` takes its next tokens (up to T: the
-        prompt's next chunk, else its last token), over the fewest rows of
+    def _launch(self, group: list[_Sequence], T: int) -> tuple:
+        """Dispatch one jitted call: each sequence of `group` takes its next tokens (up to
+        T: the prompt's next chunk, else its last token), over the fewest rows of
         `_row_counts[T]` that hold `group`, padded with other rows that idle (all
-        `max_seqs` rows: the cache as it is, no rows gathered)."""
+        `max_seqs` rows: the cache as it is, no rows gathered). The sequences count
+        the tokens as cached at once; what the call samples is read by `_finish`."""
         B = self.config.max_seqs
         R = next(r for r in self._row_counts[T] if r >= len(group))
         if R == B:
@@ -351,15 +364,21 @@ class Engine:
                 T, R if R < B else 0, num_logprobs, score, self._narrow(held))(
                 self.params, self.cache, self.seen, self.counts, rows, tokens, n_new, length,
                 self._device_tables(), self._sampling(slots), length + n_new, samples, targets)
+        for s in group:
+            s.computed += feed[s.slot]
+            self._register(s)
+        return group, where, samples, targets if score else None, sampled, scored
+
+    def _finish(self, group, where, samples, targets, sampled, scored) -> list[Output]:
+        """Wait for a `_launch`ed call and take its results: the tokens sampled, the
+        prompt's scores (`targets` given), the samples that end."""
         sampled, scored = jax.device_get((sampled, scored))
         out = []
         for s in group:
             i = where[s.slot]
-            if score:
+            if targets is not None:
                 s.scores += [(float(scored[0][i, t]), bool(scored[1][i, t]))
-                             for t in range(T) if targets[i, t] >= 0]
-            s.computed += feed[s.slot]
-            self._register(s)
+                             for t in range(targets.shape[1]) if targets[i, t] >= 0]
             if samples[i]:
                 out.extend(self._emit(s, sampled, i))
             elif s.request.max_tokens == 0 and s.computed >= s.target:  # scored only
@@ -532,11 +551,11 @@ class Engine:
     # ------------------------------------------------------------ convenience
     def warm_up(self, logprobs: bool = False, scoring: bool = False) -> None:
         """Compile every step shape now (a server's start-up), not at the first request
-        that needs it: the decode step and the chunk step of each row count and table
-        width, with top log-probabilities and prompt scoring if asked. Runs them with
-        no tokens: the caches are left as they were; so are the reset of admitted rows
-        and the fork of n samples (no row, page 0 onto itself)."""
-        B, C = self.config.max_seqs, self.config.chunk
+        that needs it: the decode step and the chunk step of each chunk size, row count
+        and table width, with top log-probabilities and prompt scoring if asked. Runs
+        them with no tokens: the caches are left as they were; so are the reset of
+        admitted rows and the fork of n samples (no row, page 0 onto itself)."""
+        B = self.config.max_seqs
         with self._traced():
             self.cache, self.seen, self.counts = self._programs.reset(
                 self.cache, self.seen, self.counts, np.zeros(B, bool),
@@ -545,8 +564,8 @@ class Engine:
                 self.cache, self.seen, self.counts, self._page_pairs({s: [] for s in
                                                                       self.num_pages}),
                 _padded([], B))
-        shapes = [(T, r if r < B else 0, w) for T in {1, C} for r in self._row_counts[T]
-                  for w in self._widths]
+        shapes = [(T, r if r < B else 0, w) for T in self._row_counts
+                  for r in self._row_counts[T] for w in self._widths]
         for T, R, width in shapes:
             for num_logprobs in {0, self.config.max_logprobs if logprobs else 0}:
                 for score in {False, scoring and T > 1}:
