@@ -34,10 +34,11 @@ the compiled program (time per step, shape, op), then the time summed per kind o
 dispatched before the host waits; `sync`: it waits on each call before dispatching the
 next, as before; `EngineConfig.chunk_sizes`), `--repeats` runs of each in turn after one
 to warm up. Printed per variant (medians over the runs): output tokens/s, time to first
-token p50 / p99, inter-token p50, and where a run's wall time goes: the prefill (chunk)
-calls and the decode calls, each from its dispatch to its results on the host (with
-`async` a decode call's time overlaps the prefill's wait), and the rest of the host's
-step (admission, bookkeeping); then the ratios to the first variant.
+token p50 / p99, inter-token p50, and where a run's wall time goes on the host: in the
+prefill (chunk) calls and in the decode calls (preparing and dispatching each, waiting
+for its results and taking them; with `async` the wait on the prefill's results is
+spent while the decode call is queued), and the rest of the step (admission,
+bookkeeping); the ratios are to the first variant.
 """
 
 from __future__ import annotations
@@ -214,9 +215,13 @@ def serve_engines(args) -> None:
         launch, finish = engine._launch, engine._finish
 
         def timed_launch(group, T):
-            return time.perf_counter(), T, launch(group, T)
+            start = time.perf_counter()
+            call = launch(group, T)
+            calls["prefill" if T > 1 else "decode"] += time.perf_counter() - start
+            return T, call
 
-        def timed_finish(start, T, call):
+        def timed_finish(T, call):
+            start = time.perf_counter()
             out = finish(*call)
             calls["prefill" if T > 1 else "decode"] += time.perf_counter() - start
             return out
