@@ -6,7 +6,7 @@ serve`) whole engines on bench_serve.py's workload, A/B in one process.
     .venv/bin/python experiments/engine_step.py --widths 288 --ops 30 --hlo /tmp/step.hlo
     .venv/bin/python experiments/engine_step.py --variants auto:1,blockwise:1   # A/B
     .venv/bin/python experiments/engine_step.py --fill 0.5 --variants auto:1,auto:3
-    .venv/bin/python experiments/engine_step.py --part serve --serve_variants sync:1,async:1,async:3
+    .venv/bin/python experiments/engine_step.py --part serve --serve_variants sync:1,async:3
 
 For each `max_len` of `--widths` (a page table of max_len / 16 pages a row) an engine is
 built, every row holding `--fill` of its pages, and these are timed, interleaved

@@ -6,11 +6,10 @@
     while engine.has_work(): outputs = engine.step()     # [Output]: a token of a sample
 
 A step runs a few prefilling rows a `chunk` further and every decoding row one token,
-each in one call over just those rows (1, 2, 4 .. of them): few shapes (`warm_up`); both
-calls are dispatched before the host waits on either.
-Admission reserves pages for the longest answer (no preemption); a stopped sample frees
-its pages at once. Serve unrolled layers (`tfjax.models.unrolled`). See
-docs/inference.md ("The engine")."""
+each in one call over just those rows (1, 2, 4 .. of them; both dispatched before the
+host waits): few shapes (`warm_up`). Admission reserves pages for the longest answer (no
+preemption); a stopped sample frees its pages at once. Serve unrolled layers
+(`tfjax.models.unrolled`). See docs/inference.md ("The engine")."""
 
 from __future__ import annotations
 
@@ -26,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from tfjax.inference.engine.pages import PagePool, chain_hashes
-from tfjax.inference.engine.programs import programs, state_shardings
+from tfjax.inference.engine.programs import padded_pairs, programs, state_shardings
 from tfjax.inference.engine.requests import Output, Request
 from tfjax.inference.sampling import SamplingParams
 from tfjax.nn.state import DecodeState
@@ -49,10 +48,9 @@ class EngineConfig:
     row's. table_widths: the page-table widths of the global K/V each step shape is
     compiled for (the whole table and its halvings, this many at most): a call's rows
     attend over the narrowest that holds their pages (1: always the whole table).
-    chunk_sizes: the token widths the prefill call is compiled for (`chunk` and its
-    halvings, this many at most): a call runs the narrowest that holds each of its rows'
-    next tokens, so a prompt's last, shorter piece does not compute a whole chunk of
-    padding (1: always `chunk`). The chunks a prompt is cut into are the same either way."""
+    chunk_sizes: the chunk call's token widths (`chunk` and its halvings, this many at
+    most): a call runs the narrowest that holds its rows' next tokens, so a prompt's last
+    piece computes less padding (1: always `chunk`; the pieces are the same either way)."""
 
     max_seqs: int = 8
     max_len: int = 0
@@ -293,9 +291,8 @@ class Engine:
     # -------------------------------------------------------------------- step
     def step(self) -> list[Output]:
         """One engine step: take new requests and cancellations, admit, then run up to
-        `prefill_rows` prefilling rows a chunk further and every decoding row one token
-        (a jitted call each, over those rows, both dispatched before the host waits on
-        the first's results); return each sample's new token (or its end)."""
+        `prefill_rows` prefilling rows a chunk further and every decoding row one token (a
+        call each, both dispatched before either is waited on); return the new tokens."""
         out = self._drain()
         self._admit()
         self._fork_ready()
@@ -313,16 +310,14 @@ class Engine:
             calls.append(self._launch(group, next(t for t in self._chunks if t >= longest)))
         if decoding:
             calls.append(self._launch(decoding, 1))
-        for call in calls:
-            out += self._finish(*call)
-        return out
+        return out + [o for call in calls for o in self._finish(*call)]
 
     def _launch(self, group: list[_Sequence], T: int) -> tuple:
         """Dispatch one jitted call: each sequence of `group` takes its next tokens (up to
         T: the prompt's next chunk, else its last token), over the fewest rows of
         `_row_counts[T]` that hold `group`, padded with other rows that idle (all
-        `max_seqs` rows: the cache as it is, no rows gathered). The sequences count
-        the tokens as cached at once; what the call samples is read by `_finish`."""
+        `max_seqs` rows: the cache as it is, no rows gathered). The tokens count as
+        cached at once; `_finish` reads what the call samples."""
         B = self.config.max_seqs
         R = next(r for r in self._row_counts[T] if r >= len(group))
         if R == B:
@@ -370,8 +365,7 @@ class Engine:
         return group, where, samples, targets if score else None, sampled, scored
 
     def _finish(self, group, where, samples, targets, sampled, scored) -> list[Output]:
-        """Wait for a `_launch`ed call and take its results: the tokens sampled, the
-        prompt's scores (`targets` given), the samples that end."""
+        """Wait for a `_launch`ed call; take its samples and scores (`targets` given)."""
         sampled, scored = jax.device_get((sampled, scored))
         out = []
         for s in group:
@@ -496,13 +490,13 @@ class Engine:
             with self._traced():
                 self.cache, self.seen, self.counts = self._programs.fork(
                     self.cache, self.seen, self.counts, self._page_pairs(pairs),
-                    _padded(row_pairs, self.config.max_seqs))
+                    padded_pairs(row_pairs, self.config.max_seqs))
 
     def _page_pairs(self, pairs: dict) -> dict:
         """{pool page count: (src, dst) pairs padded to a fixed count}: a ring's every
         page of every row, the global pool's one partial page a row."""
         B = self.config.max_seqs
-        return {self.num_pages[s]: _padded(p, B * len(self.tables[s][0]) if s in self.rings
+        return {self.num_pages[s]: padded_pairs(p, B * len(self.tables[s][0]) if s in self.rings
                                            else B)
                 for s, p in pairs.items()}
 
@@ -560,10 +554,9 @@ class Engine:
             self.cache, self.seen, self.counts = self._programs.reset(
                 self.cache, self.seen, self.counts, np.zeros(B, bool),
                 np.full((B, self.max_len), -1, np.int32))
+            pairs = self._page_pairs({s: [] for s in self.num_pages})
             self.cache, self.seen, self.counts = self._programs.fork(
-                self.cache, self.seen, self.counts, self._page_pairs({s: [] for s in
-                                                                      self.num_pages}),
-                _padded([], B))
+                self.cache, self.seen, self.counts, pairs, padded_pairs([], B))
         shapes = [(T, r if r < B else 0, w) for T in self._row_counts
                   for r in self._row_counts[T] for w in self._widths]
         for T, R, width in shapes:
@@ -605,11 +598,3 @@ class _Placeholder:
     def __init__(self, leader: _Sequence, worst: int):
         self.leader, self.request, self.worst, self.pages = leader, leader.request, worst, []
 
-
-def _padded(pairs, n: int) -> np.ndarray:
-    """`[n, 2]` int32 (src, dst) pairs, padded with (0, 0) (a copy of page or row 0 onto
-    itself)."""
-    a = np.zeros((max(n, len(pairs)), 2), np.int32)
-    if pairs:
-        a[:len(pairs)] = pairs
-    return a
