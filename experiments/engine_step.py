@@ -38,7 +38,8 @@ token p50 / p99, inter-token p50, and where a run's wall time goes on the host: 
 prefill (chunk) calls and in the decode calls (preparing and dispatching each, waiting
 for its results and taking them; with `async` the wait on the prefill's results is
 spent while the decode call is queued), and the rest of the step (admission,
-bookkeeping); the ratios are to the first variant.
+bookkeeping); the process's CPU time of a run (every thread: the work done, which other
+jobs on a shared machine inflate less than the wall time); ratios to the first variant.
 """
 
 from __future__ import annotations
@@ -238,7 +239,7 @@ def serve_engines(args) -> None:
         reqs = [Request(p, max_tokens=n, ignore_eos=True, sampling=dict(temperature=0))
                 for p, n in zip(prompts, new)]
         first, last, gaps, tokens = {}, {}, [], {r.request_id: [] for r in reqs}
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for r in reqs:
             engine.submit(r)
         while engine.has_work():
@@ -253,11 +254,11 @@ def serve_engines(args) -> None:
                 else:
                     first[o.request_id] = now - t0
                 last[o.request_id] = now
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         ttft = np.asarray(list(first.values()))
         return (dict(tps=sum(new) / wall, ttft50=np.percentile(ttft, 50) * 1e3,
                      ttft99=np.percentile(ttft, 99) * 1e3, itl50=np.percentile(gaps, 50) * 1e3,
-                     wall=wall, prefill=calls["prefill"], decode=calls["decode"],
+                     wall=wall, cpu=cpu, prefill=calls["prefill"], decode=calls["decode"],
                      host=wall - calls["prefill"] - calls["decode"]),
                 [tokens[r.request_id] for r in reqs])
 
@@ -268,16 +269,16 @@ def serve_engines(args) -> None:
     for _ in range(args.repeats):
         for v, e in engines.items():
             results[v].append(run(e)[0])
-    keys = ["tps", "ttft50", "ttft99", "itl50", "wall", "prefill", "decode", "host"]
+    keys = ["tps", "ttft50", "ttft99", "itl50", "wall", "cpu", "prefill", "decode", "host"]
     med = {v: {k: float(np.median([r[k] for r in rs])) for k in keys} for v, rs in results.items()}
     ref = med[variants[0]]
     rows = [[v, f"{m['tps']:.0f}", f"{m['tps'] / ref['tps']:.2f}", f"{m['ttft50']:.0f}",
              f"{m['ttft50'] / ref['ttft50']:.2f}", f"{m['ttft99']:.0f}", f"{m['itl50']:.1f}",
-             f"{m['wall']:.2f}", f"{m['prefill']:.2f}", f"{m['decode']:.2f}", f"{m['host']:.2f}"]
+             f"{m['wall']:.2f}", f"{m['cpu']:.2f}", f"{m['prefill']:.2f}", f"{m['decode']:.2f}", f"{m['host']:.2f}"]
             for v, m in med.items()]
     print(markdown_table(["variant (dispatch:chunk_sizes)", "output tok/s", "x first",
                           "TTFT p50 ms", "x first", "TTFT p99 ms", "ITL p50 ms", "wall s",
-                          "prefill calls s", "decode calls s", "other host s"], rows))
+                          "CPU s", "prefill calls s", "decode calls s", "other host s"], rows))
     print(f"greedy tokens of every variant equal: {same}")
 
 
