@@ -3,6 +3,7 @@ against transformers' own continuous batching, on the same model and machine.
 
     .venv/bin/python experiments/bench_serve.py            # ~10 min on 2 CPU cores
     .venv/bin/python experiments/bench_serve.py --requests 96 --max_seqs 32 --d_model 512
+    .venv/bin/python experiments/bench_serve.py --out experiments/results/bench_serve.md
 
 One random Llama-shaped model (layers unrolled, as decoding wants them), exported to a Hugging Face directory and loaded by
 transformers (the same weights; float32). The workload: --requests prompts of random
@@ -11,8 +12,9 @@ lengths (8 .. --max_prompt tokens) asking for random numbers of tokens (4 ..
 once to compile / warm up, then once timed:
 
 - tfjax engine: `tfjax.inference.engine.Engine` (`--max_seqs` rows, pages of
-  `--page_size`, chunks of `--chunk` for up to `--prefill_rows` rows a step; every step
-  shape compiled first by `warm_up`), every output timed as `step()` returns it;
+  `--page_size`, chunks of `--chunk` for up to `--prefill_rows` rows a step, prefill
+  calls of `--chunk_sizes` widths; every step shape compiled first by `warm_up`), every
+  output timed as `step()` returns it;
 - tfjax static batches: `tfjax.inference.stream` over batches of `--max_seqs` requests
   in order, prompts right-padded to the batch's longest, each batch generating its
   longest answer (the tokens past a request's own count are wasted), timed per step;
@@ -26,12 +28,16 @@ includes waiting for a slot), inter-token latency (p50, p99 over every gap betwe
 request's consecutive tokens), and ratios to the engine; then the KV memory the engine's
 pages held at most against the static cache of `--max_seqs` rows of the longest
 sequence. Greedy tokens of the three are checked equal on the first requests.
+`--out F` also appends the table to F (markdown) under a dated heading with the command
+and the load average at the start and the end.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
+import shlex
 import sys
 import tempfile
 import time
@@ -81,7 +87,8 @@ def latencies(first, gaps, t0):
 def run_engine(model, prompts, new, args):
     engine = Engine(model, EngineConfig(max_seqs=args.max_seqs, max_len=args.max_len,
                                         page_size=args.page_size, chunk=args.chunk,
-                                        prefill_rows=args.prefill_rows, prefix_caching=False))
+                                        prefill_rows=args.prefill_rows, prefix_caching=False,
+                                        chunk_sizes=args.chunk_sizes))
     engine.warm_up()
     reqs = [Request(p, max_tokens=n, ignore_eos=True, sampling=dict(temperature=0))
             for p, n in zip(prompts, new)]
@@ -184,21 +191,26 @@ def main():
     ap.add_argument("--page_size", type=int, default=16)
     ap.add_argument("--chunk", type=int, default=64)
     ap.add_argument("--prefill_rows", type=int, default=4)
+    ap.add_argument("--chunk_sizes", type=int, default=EngineConfig.chunk_sizes,
+                    help="EngineConfig.chunk_sizes: --chunk and its halvings")
     ap.add_argument("--d_model", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip", default="", help="comma list of: static, transformers")
+    ap.add_argument("--out", default="", help="append the results to this markdown file")
     args = ap.parse_args()
+    started, load = datetime.datetime.now(datetime.timezone.utc), os.getloadavg()[0]
     args.max_len = args.max_prompt + args.max_new
     model = bench_model(args.d_model, args.layers, args.vocab, args.max_len)
     prompts, new = workload(args)
     warm_p, warm_n = prompts[:args.max_seqs], new[:args.max_seqs]
     skip = set(filter(None, args.skip.split(",")))
     results = {}
-    print(f"{jax.devices()[0].platform}, {os.cpu_count()} cores; {args.requests} requests, "
-          f"prompts 8..{args.max_prompt}, answers 4..{args.max_new} tokens, "
-          f"{args.max_seqs} at once", flush=True)
+    setting = (f"{jax.devices()[0].platform}, {os.cpu_count()} cores; {args.requests} requests, "
+               f"prompts 8..{args.max_prompt}, answers 4..{args.max_new} tokens, "
+               f"{args.max_seqs} at once")
+    print(setting, flush=True)
     run_engine(model, warm_p, warm_n, args)
     results["tfjax engine"] = run_engine(model, prompts, new, args)
     if "static" not in skip:
@@ -220,13 +232,29 @@ def main():
                      f"{i99 * 1e3:.1f}"])
         agree = np.mean([a[:5] == b[:5] for a, b in zip(ref["tokens"][:8], r["tokens"][:8])])
         rows[-1].append(f"{agree:.2f}")
-    print(markdown_table(["system", "output tok/s", "x engine", "TTFT p50 ms", "TTFT p99 ms",
-                          "ITL p50 ms", "ITL p99 ms", "greedy agree (8 req x 5 tok)"], rows))
+    table = markdown_table(["system", "output tok/s", "x engine", "TTFT p50 ms", "TTFT p99 ms",
+                            "ITL p50 ms", "ITL p99 ms", "greedy agree (8 req x 5 tok)"], rows)
     static_bytes = jax.eval_shape(lambda: model.init_cache(args.max_seqs, args.max_len))
     static_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(static_bytes.layers))
-    print(f"\nKV memory: engine pages held at most {ref['kv_bytes'] / 2**20:.2f} MiB; static "
-          f"cache of {args.max_seqs} rows x {args.max_len} tokens {static_bytes / 2**20:.2f} MiB "
-          f"({ref['kv_bytes'] / static_bytes:.2f}x)")
+    memory = (f"KV memory: engine pages held at most {ref['kv_bytes'] / 2**20:.2f} MiB; static "
+              f"cache of {args.max_seqs} rows x {args.max_len} tokens "
+              f"{static_bytes / 2**20:.2f} MiB ({ref['kv_bytes'] / static_bytes:.2f}x)")
+    print(table)
+    print(f"\n{memory}")
+    if args.out:
+        write_results(args.out, started, load, setting, table, memory)
+
+
+def write_results(path: str, started, load: float, setting: str, table: str, memory: str):
+    """Append a run's table to the markdown file `path`: a heading with the date, the
+    exact command, the load average at the start and the end (a shared machine's
+    figures are read against it), the table and the KV memory."""
+    command = ".venv/bin/python " + " ".join(map(shlex.quote, sys.argv))
+    with open(path, "a") as f:
+        f.write(f"\n## bench_serve.py, {started:%Y-%m-%d %H:%M} UTC\n\n`{command}`\n\n"
+                f"{setting}; load average {load:.1f} at the start, "
+                f"{os.getloadavg()[0]:.1f} at the end.\n\n{table}\n\n{memory}\n")
+    print(f"appended to {path}")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
 """The inference engine's decode step alone, its pieces, and its costliest ops, on
-experiments/bench_serve.py's model and engine (16 rows, pages of 16).
+experiments/bench_serve.py's model and engine (16 rows, pages of 16); or (`--part
+serve`) whole engines on bench_serve.py's workload, A/B in one process.
 
     .venv/bin/python experiments/engine_step.py                      # widths 96, 288, 1024
     .venv/bin/python experiments/engine_step.py --widths 288 --ops 30 --hlo /tmp/step.hlo
     .venv/bin/python experiments/engine_step.py --variants auto:1,blockwise:1   # A/B
     .venv/bin/python experiments/engine_step.py --fill 0.5 --variants auto:1,auto:3
+    .venv/bin/python experiments/engine_step.py --part serve --serve_variants sync:1,async:3
 
 For each `max_len` of `--widths` (a page table of max_len / 16 pages a row) an engine is
 built, every row holding `--fill` of its pages, and these are timed, interleaved
@@ -25,6 +27,19 @@ process's CPU time), so that load from other jobs on a shared machine hits them 
 `--ops N` profiles the step (`jax.profiler`) and prints the N costliest XLA ops of
 the compiled program (time per step, shape, op), then the time summed per kind of op;
 `--hlo F` writes the optimized HLO of the first width's step to F.
+
+`--part serve`: bench_serve.py's engine run (its defaults: 48 requests, prompts
+8..192, answers 4..96, 16 rows, chunks of 64 for up to 4 rows) by one engine per
+`--serve_variants` item `dispatch:chunk_sizes` (`async`: the engine's step, both calls
+dispatched before the host waits; `sync`: it waits on each call before dispatching the
+next, as before; `EngineConfig.chunk_sizes`), `--repeats` runs of each in turn after one
+to warm up. Printed per variant (medians over the runs): output tokens/s, time to first
+token p50 / p99, inter-token p50, and where a run's wall time goes on the host: in the
+prefill (chunk) calls and in the decode calls (preparing and dispatching each, waiting
+for its results and taking them; with `async` the wait on the prefill's results is
+spent while the decode call is queued), and the rest of the step (admission,
+bookkeeping); the process's CPU time of a run (every thread: the work done, which other
+jobs on a shared machine inflate less than the wall time); ratios to the first variant.
 """
 
 from __future__ import annotations
@@ -168,6 +183,105 @@ def op_profile(step, repeats: int, top: int) -> None:
                          [[k, f"{us:.0f}", f"{us / total:.2f}"] for k, us in kinds.most_common()]))
 
 
+class _SyncEngine(Engine):
+    """The engine as it was before its step dispatched both calls first: each call's
+    results are waited for before the next is dispatched (the `sync` variant)."""
+
+    def _launch(self, group, T):
+        return ("done", Engine._finish(self, *Engine._launch(self, group, T)))
+
+    def _finish(self, *call):
+        return call[1] if call[0] == "done" else Engine._finish(self, *call)
+
+
+def serve_engines(args) -> None:
+    """`--part serve` (see the module docstring)."""
+    from experiments.bench_serve import workload
+
+    bench = argparse.Namespace(requests=48, max_prompt=192, max_new=96, max_seqs=16,
+                               page_size=PAGE, chunk=64, prefill_rows=4, seed=0)
+    max_len = bench.max_prompt + bench.max_new
+    model = bench_model(args.d_model, args.layers, args.vocab, max_len)
+    prompts, new = workload(argparse.Namespace(**vars(bench), vocab=args.vocab))
+    variants = args.serve_variants.split(",")
+    calls = collections.defaultdict(float)
+
+    def engine_of(variant):
+        dispatch, sizes = variant.split(":")
+        kind = {"sync": _SyncEngine, "async": Engine}[dispatch]
+        engine = kind(model, EngineConfig(max_seqs=bench.max_seqs, max_len=max_len,
+                                          page_size=PAGE, chunk=bench.chunk,
+                                          prefill_rows=bench.prefill_rows,
+                                          prefix_caching=False, chunk_sizes=int(sizes)))
+        launch, finish = engine._launch, engine._finish
+
+        def timed_launch(group, T):
+            start = time.perf_counter()
+            call = launch(group, T)
+            calls["prefill" if T > 1 else "decode"] += time.perf_counter() - start
+            return T, call
+
+        def timed_finish(T, call):
+            start = time.perf_counter()
+            out = finish(*call)
+            calls["prefill" if T > 1 else "decode"] += time.perf_counter() - start
+            return out
+
+        engine._launch = timed_launch
+        engine._finish = lambda *c: timed_finish(*c)
+        engine.warm_up()
+        return engine
+
+    def run(engine):
+        from tfjax.inference.engine import Request
+
+        calls.clear()
+        reqs = [Request(p, max_tokens=n, ignore_eos=True, sampling=dict(temperature=0))
+                for p, n in zip(prompts, new)]
+        first, last, gaps, tokens = {}, {}, [], {r.request_id: [] for r in reqs}
+        t0, c0 = time.perf_counter(), time.process_time()
+        for r in reqs:
+            engine.submit(r)
+        while engine.has_work():
+            outs = engine.step()
+            now = time.perf_counter()
+            for o in outs:
+                if o.token is None:
+                    continue
+                tokens[o.request_id].append(o.token)
+                if o.request_id in last:
+                    gaps.append(now - last[o.request_id])
+                else:
+                    first[o.request_id] = now - t0
+                last[o.request_id] = now
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        ttft = np.asarray(list(first.values()))
+        return (dict(tps=sum(new) / wall, ttft50=np.percentile(ttft, 50) * 1e3,
+                     ttft99=np.percentile(ttft, 99) * 1e3, itl50=np.percentile(gaps, 50) * 1e3,
+                     wall=wall, cpu=cpu, prefill=calls["prefill"], decode=calls["decode"],
+                     host=wall - calls["prefill"] - calls["decode"]),
+                [tokens[r.request_id] for r in reqs])
+
+    engines = {v: engine_of(v) for v in variants}
+    outputs = {v: run(e)[1] for v, e in engines.items()}  # a run to warm up each
+    same = all(o == outputs[variants[0]] for o in outputs.values())
+    results = {v: [] for v in variants}
+    for _ in range(args.repeats):
+        for v, e in engines.items():
+            results[v].append(run(e)[0])
+    keys = ["tps", "ttft50", "ttft99", "itl50", "wall", "cpu", "prefill", "decode", "host"]
+    med = {v: {k: float(np.median([r[k] for r in rs])) for k in keys} for v, rs in results.items()}
+    ref = med[variants[0]]
+    rows = [[v, f"{m['tps']:.0f}", f"{m['tps'] / ref['tps']:.2f}", f"{m['ttft50']:.0f}",
+             f"{m['ttft50'] / ref['ttft50']:.2f}", f"{m['ttft99']:.0f}", f"{m['itl50']:.1f}",
+             f"{m['wall']:.2f}", f"{m['cpu']:.2f}", f"{m['prefill']:.2f}", f"{m['decode']:.2f}", f"{m['host']:.2f}"]
+            for v, m in med.items()]
+    print(markdown_table(["variant (dispatch:chunk_sizes)", "output tok/s", "x first",
+                          "TTFT p50 ms", "x first", "TTFT p99 ms", "ITL p50 ms", "wall s",
+                          "CPU s", "prefill calls s", "decode calls s", "other host s"], rows))
+    print(f"greedy tokens of every variant equal: {same}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--widths", default="96,288,1024", help="max_len of each engine")
@@ -180,8 +294,17 @@ def main():
     ap.add_argument("--d_model", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=2048)
+    ap.add_argument("--part", choices=("decode", "serve"), default="decode")
+    ap.add_argument("--serve_variants", default="sync:1,async:1,async:3",
+                    help="--part serve: engines to compare, dispatch (sync|async):chunk_sizes")
     args = ap.parse_args()
     load = os.getloadavg()[0]
+    if args.part == "serve":
+        print(f"{jax.devices()[0].platform}, {os.cpu_count()} cores, load average {load:.1f}; "
+              f"bench_serve.py's workload, medians of {args.repeats} runs of each variant")
+        serve_engines(args)
+        print(f"load average {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
+        return
     print(f"{jax.devices()[0].platform}, {os.cpu_count()} cores, load average {load:.1f}; "
           f"{ROWS} rows, pages of {PAGE}, {args.fill:.0%} of each row's pages held")
     rows = []

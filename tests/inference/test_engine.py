@@ -3,7 +3,7 @@ batches, n samples forking a prompt's pages, prefix sharing, reproducible seeds,
 accounting, cancellation and refusals.
 
 Tiny random models; every engine of one model structure shares its compiled programs
-(two step shapes, the reset and the fork), so each model compiles them once.
+(the step shapes, the reset and the fork), so each model compiles them once.
 """
 
 import jax
@@ -67,16 +67,17 @@ def test_greedy_tokens_equal_generate_in_ragged_continuous_batches(model):
 
 def test_chunks_run_over_the_prefilling_rows_only_in_shapes_warm_up_compiled(model):
     # prefill_rows=2: chunk calls over 1 or 2 rows (per-row states gathered and put
-    # back), decode calls over 1, 2 or all 4; after warm_up a ragged mix compiles nothing
+    # back), of 5 tokens or 3 (chunk_sizes=2: a prompt's last piece of 1 .. 3), decode
+    # calls over 1, 2 or all 4; after warm_up a ragged mix compiles nothing
     engine = Engine(model, EngineConfig(max_seqs=4, page_size=4, chunk=5, max_len=40,
-                                        prefill_rows=2))
-    assert engine._row_counts == {5: [1, 2], 1: [1, 2, 4]}
+                                        prefill_rows=2, chunk_sizes=2))
+    assert engine._row_counts == {3: [1, 2], 5: [1, 2], 1: [1, 2, 4]}
     # and over the first 3, 5 or all 10 pages of the global tables, as the rows fill them
     assert engine._widths == [3, 5, 10]
     engine.warm_up()
     calls, compiles, widths = [], [], set()
-    run, narrow = engine._run, engine._narrow
-    engine._run = lambda group, T: calls.append((len(group), T)) or run(group, T)
+    launch, narrow = engine._launch, engine._narrow
+    engine._launch = lambda group, T: calls.append((len(group), T)) or launch(group, T)
     engine._narrow = lambda held: widths.add(held) or narrow(held)
     listener = lambda event, secs, **kw: compiles.append(event)  # noqa: E731
     jax.monitoring.register_event_duration_secs_listener(listener)
@@ -90,6 +91,7 @@ def test_chunks_run_over_the_prefilling_rows_only_in_shapes_warm_up_compiled(mod
     for r, ref in zip(reqs, references(model, ps)):
         assert got[r.request_id] == [ref[:r.max_tokens]]
     assert max(n for n, T in calls if T > 1) == 2 and (3, 1) in calls and (1, 1) in calls
+    assert {T for n, T in calls} == {1, 3, 5}
     assert {narrow(h) for h in widths} == {((40, 3),), ((40, 5),), ()}
     assert "/jax/core/compile/backend_compile_duration" not in compiles
 

@@ -6,10 +6,10 @@
     while engine.has_work(): outputs = engine.step()     # [Output]: a token of a sample
 
 A step runs a few prefilling rows a `chunk` further and every decoding row one token,
-each in one call over just those rows (1, 2, 4 .. of them): few shapes (`warm_up`).
-Admission reserves pages for the longest answer (no preemption); a stopped sample frees
-its pages at once. Serve unrolled layers (`tfjax.models.unrolled`). See
-docs/inference.md ("The engine")."""
+each in one call over just those rows (1, 2, 4 .. of them; both dispatched before the
+host waits): few shapes (`warm_up`). Admission reserves pages for the longest answer (no
+preemption); a stopped sample frees its pages at once. Serve unrolled layers
+(`tfjax.models.unrolled`). See docs/inference.md ("The engine")."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from tfjax.inference.engine.pages import PagePool, chain_hashes
-from tfjax.inference.engine.programs import programs, state_shardings
+from tfjax.inference.engine.programs import padded_pairs, programs, state_shardings
 from tfjax.inference.engine.requests import Output, Request
 from tfjax.inference.sampling import SamplingParams
 from tfjax.nn.state import DecodeState
@@ -47,7 +47,10 @@ class EngineConfig:
     decoding rows run apart, one token each, so a prompt costs its own chunk, not every
     row's. table_widths: the page-table widths of the global K/V each step shape is
     compiled for (the whole table and its halvings, this many at most): a call's rows
-    attend over the narrowest that holds their pages (1: always the whole table)."""
+    attend over the narrowest that holds their pages (1: always the whole table).
+    chunk_sizes: the chunk call's token widths (`chunk` and its halvings, this many at
+    most): a call runs the narrowest that holds its rows' next tokens, so a prompt's last
+    piece computes less padding (1: always `chunk`; the pieces are the same either way)."""
 
     max_seqs: int = 8
     max_len: int = 0
@@ -60,9 +63,11 @@ class EngineConfig:
     max_logprobs: int = 20
     prefill_rows: int = 4
     table_widths: int = 3
+    chunk_sizes: int = 1
 
     def check(self):
-        for name in ("max_seqs", "page_size", "chunk", "prefill_rows", "table_widths"):
+        for name in ("max_seqs", "page_size", "chunk", "prefill_rows", "table_widths",
+                     "chunk_sizes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name}: must be >= 1, got {getattr(self, name)}")
 
@@ -140,9 +145,10 @@ class Engine:
             self.cache, self.seen, self.counts = jax.device_put(
                 (self.cache, self.seen, self.counts),
                 state_shardings(self.cache, mesh, dict(rules or ())))
+        self._chunks = sorted({-(-C // 2 ** i) for i in range(config.chunk_sizes)})
         self._row_counts = {  # the rows of each call of T tokens: 1, 2, 4 .. up to a limit
             T: sorted({1 << i for i in range(most.bit_length()) if 1 << i < most} | {most})
-            for T, most in ((C, min(config.prefill_rows, B)), (1, B))}
+            for T, most in [(t, min(config.prefill_rows, B)) for t in self._chunks] + [(1, B)]}
         self._widths = sorted({-(-geometries.get(self.global_size, 0) // 2 ** i)  # pages read
                                for i in range(config.table_widths)})
         self._last_sampling = (None, None, None)
@@ -285,9 +291,8 @@ class Engine:
     # -------------------------------------------------------------------- step
     def step(self) -> list[Output]:
         """One engine step: take new requests and cancellations, admit, then run up to
-        `prefill_rows` prefilling rows a chunk further and every decoding row one token
-        (a jitted call each, over those rows); return each sample's new token (or its
-        end)."""
+        `prefill_rows` prefilling rows a chunk further and every decoding row one token (a
+        call each, both dispatched before either is waited on); return the new tokens."""
         out = self._drain()
         self._admit()
         self._fork_ready()
@@ -298,18 +303,21 @@ class Engine:
             self._reset(rows)
         prefilling = [s for s in rows if s.computed < s.target]
         decoding = [s for s in rows if s.computed >= s.target]
+        calls = []
         if prefilling:
-            out += self._run(prefilling[:self._row_counts[self.config.chunk][-1]],
-                             self.config.chunk)
+            group = prefilling[:self._row_counts[self.config.chunk][-1]]
+            longest = max(min(self.config.chunk, s.target - s.computed) for s in group)
+            calls.append(self._launch(group, next(t for t in self._chunks if t >= longest)))
         if decoding:
-            out += self._run(decoding, 1)
-        return out
+            calls.append(self._launch(decoding, 1))
+        return out + [o for call in calls for o in self._finish(*call)]
 
-    def _run(self, group: list[_Sequence], T: int) -> list[Output]:
-        """One jitted call: each sequence of `group` takes its next tokens (up to T: the
-        prompt's next chunk, else its last token), over the fewest rows of
+    def _launch(self, group: list[_Sequence], T: int) -> tuple:
+        """Dispatch one jitted call: each sequence of `group` takes its next tokens (up to
+        T: the prompt's next chunk, else its last token), over the fewest rows of
         `_row_counts[T]` that hold `group`, padded with other rows that idle (all
-        `max_seqs` rows: the cache as it is, no rows gathered)."""
+        `max_seqs` rows: the cache as it is, no rows gathered). The tokens count as
+        cached at once; `_finish` reads what the call samples."""
         B = self.config.max_seqs
         R = next(r for r in self._row_counts[T] if r >= len(group))
         if R == B:
@@ -351,15 +359,20 @@ class Engine:
                 T, R if R < B else 0, num_logprobs, score, self._narrow(held))(
                 self.params, self.cache, self.seen, self.counts, rows, tokens, n_new, length,
                 self._device_tables(), self._sampling(slots), length + n_new, samples, targets)
+        for s in group:
+            s.computed += feed[s.slot]
+            self._register(s)
+        return group, where, samples, targets if score else None, sampled, scored
+
+    def _finish(self, group, where, samples, targets, sampled, scored) -> list[Output]:
+        """Wait for a `_launch`ed call; take its samples and scores (`targets` given)."""
         sampled, scored = jax.device_get((sampled, scored))
         out = []
         for s in group:
             i = where[s.slot]
-            if score:
+            if targets is not None:
                 s.scores += [(float(scored[0][i, t]), bool(scored[1][i, t]))
-                             for t in range(T) if targets[i, t] >= 0]
-            s.computed += feed[s.slot]
-            self._register(s)
+                             for t in range(targets.shape[1]) if targets[i, t] >= 0]
             if samples[i]:
                 out.extend(self._emit(s, sampled, i))
             elif s.request.max_tokens == 0 and s.computed >= s.target:  # scored only
@@ -477,13 +490,13 @@ class Engine:
             with self._traced():
                 self.cache, self.seen, self.counts = self._programs.fork(
                     self.cache, self.seen, self.counts, self._page_pairs(pairs),
-                    _padded(row_pairs, self.config.max_seqs))
+                    padded_pairs(row_pairs, self.config.max_seqs))
 
     def _page_pairs(self, pairs: dict) -> dict:
         """{pool page count: (src, dst) pairs padded to a fixed count}: a ring's every
         page of every row, the global pool's one partial page a row."""
         B = self.config.max_seqs
-        return {self.num_pages[s]: _padded(p, B * len(self.tables[s][0]) if s in self.rings
+        return {self.num_pages[s]: padded_pairs(p, B * len(self.tables[s][0]) if s in self.rings
                                            else B)
                 for s, p in pairs.items()}
 
@@ -532,21 +545,20 @@ class Engine:
     # ------------------------------------------------------------ convenience
     def warm_up(self, logprobs: bool = False, scoring: bool = False) -> None:
         """Compile every step shape now (a server's start-up), not at the first request
-        that needs it: the decode step and the chunk step of each row count and table
-        width, with top log-probabilities and prompt scoring if asked. Runs them with
-        no tokens: the caches are left as they were; so are the reset of admitted rows
-        and the fork of n samples (no row, page 0 onto itself)."""
-        B, C = self.config.max_seqs, self.config.chunk
+        that needs it: the decode step and the chunk step of each chunk size, row count
+        and table width, with top log-probabilities and prompt scoring if asked. Runs
+        them with no tokens: the caches are left as they were; so are the reset of
+        admitted rows and the fork of n samples (no row, page 0 onto itself)."""
+        B = self.config.max_seqs
         with self._traced():
             self.cache, self.seen, self.counts = self._programs.reset(
                 self.cache, self.seen, self.counts, np.zeros(B, bool),
                 np.full((B, self.max_len), -1, np.int32))
+            pairs = self._page_pairs({s: [] for s in self.num_pages})
             self.cache, self.seen, self.counts = self._programs.fork(
-                self.cache, self.seen, self.counts, self._page_pairs({s: [] for s in
-                                                                      self.num_pages}),
-                _padded([], B))
-        shapes = [(T, r if r < B else 0, w) for T in {1, C} for r in self._row_counts[T]
-                  for w in self._widths]
+                self.cache, self.seen, self.counts, pairs, padded_pairs([], B))
+        shapes = [(T, r if r < B else 0, w) for T in self._row_counts
+                  for r in self._row_counts[T] for w in self._widths]
         for T, R, width in shapes:
             for num_logprobs in {0, self.config.max_logprobs if logprobs else 0}:
                 for score in {False, scoring and T > 1}:
@@ -586,11 +598,3 @@ class _Placeholder:
     def __init__(self, leader: _Sequence, worst: int):
         self.leader, self.request, self.worst, self.pages = leader, leader.request, worst, []
 
-
-def _padded(pairs, n: int) -> np.ndarray:
-    """`[n, 2]` int32 (src, dst) pairs, padded with (0, 0) (a copy of page or row 0 onto
-    itself)."""
-    a = np.zeros((max(n, len(pairs)), 2), np.int32)
-    if pairs:
-        a[:len(pairs)] = pairs
-    return a

@@ -9,6 +9,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
@@ -16,7 +17,7 @@ from tfjax.inference.cache import logical_axes
 from tfjax.inference.sampling import sample_rows
 from tfjax.parallel.sharding import logical_to_spec, shard
 
-__all__ = ["programs"]
+__all__ = ["padded_pairs", "programs"]
 
 
 @functools.lru_cache(maxsize=8)
@@ -168,3 +169,12 @@ def _fork(cache, seen, counts, page_pairs: dict, row_pairs):
 def _copy_along(x, axis: int, src, dst):
     moved = jnp.moveaxis(x, axis, 0)
     return jnp.moveaxis(moved.at[dst].set(moved[src]), 0, axis)
+
+
+def padded_pairs(pairs, n: int) -> np.ndarray:
+    """The fork's `[n, 2]` int32 (src, dst) pairs, padded with (0, 0) (a copy of page or
+    row 0 onto itself), so that one shape serves any number of pairs up to `n`."""
+    a = np.zeros((max(n, len(pairs)), 2), np.int32)
+    if pairs:
+        a[:len(pairs)] = pairs
+    return a
