@@ -86,6 +86,7 @@ def row(variant: str, topology: str, quant: str, batch: int, seq: int) -> dict:
 # decode variants: (label, --quantize, --quantize_group, --kv_quant)
 DECODE = (("bf16", "none", None, "none"), ("int8 weights", "int8", None, "none"),
           ("int8 KV", "none", None, "int8"), ("int8 weights + int8 KV", "int8", None, "int8"),
+          ("int4 weights", "int4", None, "none"), ("int4 (g128) weights", "int4", 128, "none"),
           ("int4 (g128) weights + int8 KV", "int4", 128, "int8"))
 
 
