@@ -3,13 +3,11 @@
 
 `quantize(model, fmt, paths=, exclude=)` gives every `nnx.Linear`, `nnx.Einsum` and MoE
 expert matmul whose path (`layers/cycles/layers/0/ffn/wi`) fully matches `paths` and not
-`exclude` qwix's `dot_general_qt` (`ragged_dot_qt` for dropless experts), a static
-attribute: both operands quantized with dynamic absmax scales per channel, gradients too;
-parameters stay float. `quantize_weights(model, "int8" | "int4", group=)` stores the same
-layers' weights as qwix `QArray`s that Linear / Einsum matmuls take as operands
-(`weight_only_dot_general`: s8 / s4 into the dot, scales on the product; MoE experts
-dequantize where they read them);
-`quantize_for_serving` adds the 8-bit K/V cache (`model.kv_quant`). `check_backend`
+`exclude` qwix's `dot_general_qt` (`ragged_dot_qt` for dropless experts): both operands
+quantized with dynamic absmax scales per channel, gradients too; parameters stay float.
+`quantize_weights(model, "int8" | "int4", group=)` stores those layers' weights as qwix
+`QArray`s that their matmuls take (`weight_only_dot_general`: s8 / s4 into the dot,
+scales on the product); `quantize_for_serving` adds the 8-bit K/V cache. `check_backend`
 refuses a format a device lacks. See docs/quantization.md.
 """
 
