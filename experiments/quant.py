@@ -305,13 +305,13 @@ def quality_table(exp, workdir: str, prompts: int, new_tokens: int, variant: str
     model, cfg, tok, at = load_run(runs["none"], step)
     base, base_bpb = val_sums(model, cfg, tok)
     x = jnp.asarray(held_out_prompts(cfg, tok, prompts, 64))
-    ref = np.asarray(generate(model, x, max_new_tokens=new_tokens))[:, x.shape[1]:]
+    ref = np.asarray(generate(model, x, max_new_tokens=new_tokens))  # the new tokens
     rows = [["float32", weight_bytes(model), base, base_bpb, 1.0, 1.0]]
     for label, weights, group in WEIGHTS:
         model = quantize_for_serving(load_run(runs["none"], at)[0], weights=weights,
                                      group=group, device=jax.devices("cpu")[0])
         loss, bpb = val_sums(model, cfg, tok)
-        got = np.asarray(generate(model, x, max_new_tokens=new_tokens))[:, x.shape[1]:]
+        got = np.asarray(generate(model, x, max_new_tokens=new_tokens))
         rows.append([label, weight_bytes(model), loss, bpb, loss / base,
                      float(np.mean(got == ref))])
         print(rows[-1], flush=True)

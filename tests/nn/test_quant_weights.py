@@ -86,13 +86,16 @@ def test_a_scanned_einsum_stack_groups_across_heads():
     np.testing.assert_allclose(np.asarray(stored.scale)[:, :, 0], scale, rtol=1e-6)
 
 
-@pytest.mark.parametrize("fmt,group", [("int8", None), ("int4", 32)])
-def test_the_quantized_matmuls_equal_float_matmuls_on_the_dequantized_weights(fmt, group):
+@pytest.mark.parametrize("fmt,group,head_dim", [("int8", None, 16), ("int4", 32, 16),
+                                                ("int4", 32, 32)])
+def test_the_quantized_matmuls_equal_float_matmuls_on_the_dequantized_weights(fmt, group,
+                                                                              head_dim):
     # the scanned model's matmuls take the QArrays (scales applied to the products, per
-    # group summed after): the same logits as the model holding the dequantized weights
-    model = models.build(model_config({**TINY, "head_dim": 16}), rngs=nnx.Rngs(0))
-    quantize_weights(model, fmt, group=group)
-    reference = models.build(model_config({**TINY, "head_dim": 16}), rngs=nnx.Rngs(0))
+    # group summed after; a group of 32 over H = 32 gives the output projection a scale
+    # per head, dequantized first): the logits of the model holding the dequantized weights
+    cfg = model_config({**TINY, "head_dim": head_dim})
+    model = quantize_weights(models.build(cfg, rngs=nnx.Rngs(0)), fmt, group=group)
+    reference = models.build(cfg, rngs=nnx.Rngs(0))
     quantized = dict(nnx.iter_modules(model))
     for path, module in nnx.iter_modules(reference):
         for name in ("kernel", "wi_gate", "wi_up", "wo"):

@@ -230,6 +230,15 @@ def weight_only_dot_general(lhs, rhs, dimension_numbers, precision=None,
     dtype = next((a.dtype for a in ops if not isinstance(a, qarray.QArray)), None)
     if dtype is None:
         raise ValueError("weight_only_dot_general: one operand must be a float array")
+    for a, contracted in zip(ops, dimension_numbers[0]):
+        if isinstance(a, qarray.QArray) and any(
+                a.scale.shape[i] == a.shape[i] > 1 for i in contracted):
+            # a scale per index of a contracted axis (a group of 32 over an output
+            # projection's H = 32 gives each head its own): dequantize first, as qwix does
+            lhs, rhs = (qarray.dequantize(x).astype(dtype) if isinstance(x, qarray.QArray)
+                        else x for x in ops)
+            return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                                       preferred_element_type=preferred_element_type)
     lhs, rhs = (a.replace(qvalue=a.qvalue.astype(dtype)) if isinstance(a, qarray.QArray)
                 else a for a in ops)
     out = qwix_dot_general._fast_dot_general(  # noqa: SLF001 (qwix's own fast path)
