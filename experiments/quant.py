@@ -7,6 +7,7 @@ tiny model trained here, float against int8 / int4 weights and an int8 K/V cache
     .venv/bin/python experiments/quant.py                    # all parts, 1B on v5e and v6e
     .venv/bin/python experiments/quant.py --parts decode --topologies v5e:2x2
     JAX_PLATFORMS=cpu .venv/bin/python experiments/quant.py --parts ppl
+    JAX_PLATFORMS=cpu .venv/bin/python experiments/quant.py --parts quality --workdir W
     .venv/bin/python experiments/quant.py --quick            # Llama tiny on v5e:2x2
 
 Point: configs/llama.py "1b" (bf16 compute, float32 parameters and AdamW, full remat,
@@ -22,7 +23,10 @@ import re
 import time
 
 import glob
+import json
 import os
+import subprocess
+import sys
 import tempfile
 
 import jax
@@ -39,6 +43,7 @@ from tfjax.inference import generate
 from tfjax.nn.quant import quantize_for_serving, weight_bytes
 from tfjax.train.aot import compile_step, step_figures, tpu_devices
 from tfjax.train.checkpoint import load_run
+from tfjax.train.objectives import OBJECTIVES, eval_metrics
 from tfjax.train.trainer import Trainer
 
 GiB = 1024 ** 3
@@ -81,6 +86,7 @@ def row(variant: str, topology: str, quant: str, batch: int, seq: int) -> dict:
 # decode variants: (label, --quantize, --quantize_group, --kv_quant)
 DECODE = (("bf16", "none", None, "none"), ("int8 weights", "int8", None, "none"),
           ("int8 KV", "none", None, "int8"), ("int8 weights + int8 KV", "int8", None, "int8"),
+          ("int4 weights", "int4", None, "none"), ("int4 (g128) weights", "int4", 128, "none"),
           ("int4 (g128) weights + int8 KV", "int4", 128, "int8"))
 
 
@@ -206,6 +212,115 @@ def ppl_table(exp, steps: int, max_rows: int):
                     f"(validation: the last 4 files, {rows.shape[0]} x {T} tokens), this CPU")
 
 
+DEFAULT_PRESET = os.path.join(HERE, "..", "configs", "default.py")
+# serving variants of the quality part: (label, --quantize, --quantize_group)
+WEIGHTS = (("int8 per channel", "int8", None), ("int8 g32", "int8", 32),
+           ("int8 g128", "int8", 128), ("int4 per channel", "int4", None),
+           ("int4 g32", "int4", 32), ("int4 g64", "int4", 64), ("int4 g128", "int4", 128))
+
+
+def train_default(workdir: str, quant: str, variant: str = "") -> dict:
+    """`python -m tfjax.train --config configs/default.py[:variant] --workdir
+    <workdir>/<quant> --config.model.quant=<quant>` unless that run has finished; the
+    final eval's metrics."""
+    run = os.path.join(workdir, quant)
+    metrics = os.path.join(run, "metrics.jsonl")
+    final = _final_eval(metrics)
+    if final is None:
+        preset = DEFAULT_PRESET + (f":{variant}" if variant else "")
+        cmd = [sys.executable, "-m", "tfjax.train", "--config", preset, "--workdir", run,
+               f"--config.model.quant={quant}"]
+        print(" ".join(cmd), flush=True)
+        subprocess.run(cmd, check=True)
+        final = _final_eval(metrics)
+    return final
+
+
+def _final_eval(metrics: str) -> dict | None:
+    """The last record of a run's metrics.jsonl that holds val_loss (the end's eval)."""
+    if not os.path.exists(metrics):
+        return None
+    rows = [json.loads(line) for line in open(metrics) if line.strip()]
+    rows = [r for r in rows if "val_loss" in r]
+    return rows[-1] if rows else None
+
+
+def val_sums(model, cfg, tok) -> tuple[float, float]:
+    """(val loss in nats per token, bits per byte) of `model` over the run's whole
+    validation split, batched as the trainer's end-of-run eval batches it."""
+    obj = OBJECTIVES.get(cfg.train.objective)
+    graphdef, state = nnx.split(model)
+    step = jax.jit(lambda s, b: obj.forward(nnx.merge(graphdef, s), b, 0))
+    sums = dict(nll=0.0, tokens=0.0, bytes=0.0)
+    for batch in obj.batches(cfg, tok, obj.source(cfg, "validation"), None, False):
+        out = step(state, {k: jnp.asarray(v) for k, v in batch.items()})
+        for k in sums:
+            sums[k] += float(out[k])
+    m = eval_metrics(obj, sums)
+    return m["val_loss"], m["val_bpb"]
+
+
+def held_out_prompts(cfg, tok, n: int, length: int) -> np.ndarray:
+    """`n` prompts of `length` tokens: the first rows of the validation split."""
+    obj = OBJECTIVES.get(cfg.train.objective)
+    batch = next(iter(obj.batches(cfg, tok, obj.source(cfg, "validation"), None, False)))
+    return np.asarray(batch["inputs"][:n, :length])
+
+
+def train_losses(workdir: str, every: int) -> dict[int, float]:
+    """{step: training loss} of a run's metrics.jsonl, every `every` steps."""
+    rows = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))
+            if line.strip()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r and r["step"] % every == 0}
+
+
+def quality_table(exp, workdir: str, prompts: int, new_tokens: int, variant: str = "",
+                  step: int | None = None):
+    """Item 1 of issue 50's leftovers: the default preset trained in float and with
+    model.quant=int8 (same seed, same data): the final eval's val loss, or with `step`
+    both runs' checkpoint `step` scored here on the whole validation split (runs
+    trained, or still training, elsewhere); then the float run's checkpoint served with
+    int8 / int4 weights (per channel, per group)."""
+    runs = {q: os.path.join(workdir, q) for q in ("none", "int8")}
+    if step is None:
+        ends = {q: train_default(workdir, q, variant) for q in runs}
+        table = [[f"model.quant={q}", r["step"], r["val_loss"], r["val_bpb"],
+                  r["val_loss"] / ends["none"]["val_loss"]] for q, r in ends.items()]
+    else:
+        scored = {}
+        for q, run in runs.items():
+            model, cfg, tok, _ = load_run(run, step)
+            scored[q] = val_sums(model, cfg, tok)
+        table = [[f"model.quant={q}", step, loss, bpb, loss / scored["none"][0]]
+                 for q, (loss, bpb) in scored.items()]
+    exp.table(["run", "step", "val loss (nats/byte)", "val bits/byte", "/ float"], table,
+              title=f"configs/default.py{':' + variant if variant else ''} trained twice "
+                    f"(seed 0, the same batches): validation loss, the whole split")
+    curves = {q: train_losses(run, 100) for q, run in runs.items()}
+    steps = sorted(set(curves["none"]) & set(curves["int8"]))
+    exp.table(["step", "train loss float", "train loss int8", "int8 / float"],
+              [[s, curves["none"][s], curves["int8"][s], curves["int8"][s] / curves["none"][s]]
+               for s in steps],
+              title="the two runs' training loss (one batch, as logged) at the same steps")
+    model, cfg, tok, at = load_run(runs["none"], step)
+    base, base_bpb = val_sums(model, cfg, tok)
+    x = jnp.asarray(held_out_prompts(cfg, tok, prompts, 64))
+    ref = np.asarray(generate(model, x, max_new_tokens=new_tokens))  # the new tokens
+    rows = [["float32", weight_bytes(model), base, base_bpb, 1.0, 1.0]]
+    for label, weights, group in WEIGHTS:
+        model = quantize_for_serving(load_run(runs["none"], at)[0], weights=weights,
+                                     group=group, device=jax.devices("cpu")[0])
+        loss, bpb = val_sums(model, cfg, tok)
+        got = np.asarray(generate(model, x, max_new_tokens=new_tokens))
+        rows.append([label, weight_bytes(model), loss, bpb, loss / base,
+                     float(np.mean(got == ref))])
+        print(rows[-1], flush=True)
+    exp.table(["weights", "parameter bytes", "val loss (nats/byte)", "val bits/byte",
+               "loss / float", f"greedy agreement ({prompts} x {new_tokens} tokens)"], rows,
+              title=f"the float run's checkpoint (step {at}) served with quantized weights "
+                    f"(`quantize_weights`, every layer of the stack), this CPU")
+
+
 def train_table(exp, variant, topologies, batch, seq):
     table = []
     for topology in topologies:
@@ -230,7 +345,14 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     parser.add_argument("--topologies", default="v5e:2x2,v6e:2x2")
     parser.add_argument("--parts", default="train,decode,ppl",
-                        help="train (the train step), decode (the decode step), ppl (CPU)")
+                        help="train (the train step), decode (the decode step), ppl (CPU), "
+                             "quality (CPU: trains configs/default.py twice, ~4 min each idle)")
+    parser.add_argument("--workdir", default=os.path.join(HERE, "..", "workdirs", "quant_quality"),
+                        help="quality: the two runs go to <workdir>/none and <workdir>/int8 "
+                             "(reused when they have finished)")
+    parser.add_argument("--quality_step", type=int, default=None,
+                        help="quality: score both runs' checkpoint of this step instead of "
+                             "training them to the end")
     exp = Experiment("quant", __doc__, parser=parser, argv=argv)
     a = exp.args
     parts = a.parts.split(",")
@@ -242,6 +364,9 @@ def main(argv=None):
         decode_table(exp, variant, topologies, *((4, 256) if exp.quick else (8, 4096)))
     if "ppl" in parts:
         ppl_table(exp, *((20, 8) if exp.quick else (600, 64)))
+    if "quality" in parts:
+        quality_table(exp, a.workdir, *((4, 8, "quick") if exp.quick else (32, 64, "")),
+                      step=a.quality_step)
     exp.finish()
 
 

@@ -13,6 +13,8 @@ from flax import nnx
 
 from tfjax import models
 from tfjax.config import model_config
+from qwix._src.core import qarray
+
 from tfjax.nn.quant import (QuantizedParam, quantize_for_serving, quantize_weights,
                             weight_bytes)
 from tfjax.ops import kv_quant
@@ -62,7 +64,8 @@ def test_weights_match_a_numpy_reference(fmt, group):
     np.testing.assert_array_equal(got[~tie], q[~tie])
     assert np.all(np.abs(got[tie] - q[tie]) <= 1)
     q = np.where(tie, got, q)
-    deq = np.asarray(layer.kernel[...])  # what the matmul reads: dequantized
+    assert isinstance(layer.kernel[...], qarray.QArray)  # the matmul takes the QArray
+    deq = np.asarray(layer.kernel.dequantized())
     assert np.all(np.abs(deq - w) <= 0.5 * scale * (1 + 1e-5) + 1e-7)
     x = np.asarray(jax.random.normal(jax.random.key(1), (3, 128)))
     np.testing.assert_allclose(np.asarray(layer(jnp.asarray(x))), x @ (q * scale),
@@ -83,6 +86,28 @@ def test_a_scanned_einsum_stack_groups_across_heads():
     np.testing.assert_allclose(np.asarray(stored.scale)[:, :, 0], scale, rtol=1e-6)
 
 
+@pytest.mark.parametrize("fmt,group,head_dim", [("int8", None, 16), ("int4", 32, 16),
+                                                ("int4", 32, 32)])
+def test_the_quantized_matmuls_equal_float_matmuls_on_the_dequantized_weights(fmt, group,
+                                                                              head_dim):
+    # the scanned model's matmuls take the QArrays (scales applied to the products, per
+    # group summed after; a group of 32 over H = 32 gives the output projection a scale
+    # per head, dequantized first): the logits of the model holding the dequantized weights
+    cfg = model_config({**TINY, "head_dim": head_dim})
+    model = quantize_weights(models.build(cfg, rngs=nnx.Rngs(0)), fmt, group=group)
+    reference = models.build(cfg, rngs=nnx.Rngs(0))
+    quantized = dict(nnx.iter_modules(model))
+    for path, module in nnx.iter_modules(reference):
+        for name in ("kernel", "wi_gate", "wi_up", "wo"):
+            param = getattr(quantized[path], name, None)
+            if isinstance(param, QuantizedParam):
+                getattr(module, name).set_value(param.dequantized())
+    x = jax.random.randint(jax.random.key(2), (2, 11), 0, 61)
+    want = np.asarray(reference(x))
+    np.testing.assert_allclose(np.asarray(model(x)), want, rtol=1e-5,
+                               atol=1e-5 * np.abs(want).max())
+
+
 def test_the_rule_keeps_head_embeddings_and_router_float_and_the_bytes_shrink():
     cfg = model_config({**TINY, "ffn_pattern": ("moe",),
                         "moe": dict(num_experts=4, experts_per_token=2)})
@@ -95,11 +120,11 @@ def test_the_rule_keeps_head_embeddings_and_router_float_and_the_bytes_shrink():
     assert "embed/tokens/embedding" in kinds and "embed/head/kernel" in kinds
     router = [p for p in kinds if p.endswith("router")]
     assert router and all(kinds[p] == "Param" for p in router)
-    quantized = [p for p, k in kinds.items() if k == "QuantizedParam"]
+    quantized = [p for p, k in kinds.items() if k in ("QuantizedParam", "QuantizedKernel")]
     assert any(p.endswith("attn/q/kernel") for p in quantized)
     assert any(p.endswith("ffn/wo") for p in quantized)  # the MoE experts
-    float_bytes = sum(x.nbytes for p, v in params if type(v).__name__ == "QuantizedParam"
-                      for x in [v.get_value().qvalue]) * 4
+    float_bytes = sum(v.get_value().qvalue.nbytes for p, v in params
+                      if isinstance(v, QuantizedParam)) * 4
     after = weight_bytes(model)
     # int8 values (a quarter of float32) plus per-channel scales; float rest unchanged
     assert before - after > 0.7 * float_bytes, (before, after, float_bytes)

@@ -173,7 +173,9 @@ class MultiHeadLatentAttention(nnx.Module):
         """The absorbed form (decode): MQA over the latents, `W_uk` folded into the
         queries and `W_uv` applied to the attended latent."""
         r, dn = self.kv_lora_rank, self.qk_nope_head_dim
-        w = self.kv_b.kernel[...].astype(q_nope.dtype)  # [r, N, dn + dv]
+        kernel = self.kv_b.kernel  # weight-only quantized: tfjax.nn.quant.QuantizedKernel
+        w = (kernel.dequantized() if hasattr(kernel, "dequantized") else kernel[...])
+        w = w.astype(q_nope.dtype)  # [r, N, dn + dv]
         q_lat = jnp.einsum("BTNH,RNH->BTNR", q_nope, w[..., :dn])
         q = jnp.concatenate([q_lat, q_pe.astype(q_lat.dtype)], axis=-1)  # [B, T, N, r + dr]
         kv = latent[:, :, None, :].astype(q.dtype)  # [B, S, 1, r + dr]

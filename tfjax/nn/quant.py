@@ -3,11 +3,11 @@
 
 `quantize(model, fmt, paths=, exclude=)` gives every `nnx.Linear`, `nnx.Einsum` and MoE
 expert matmul whose path (`layers/cycles/layers/0/ffn/wi`) fully matches `paths` and not
-`exclude` qwix's `dot_general_qt` (`ragged_dot_qt` for dropless experts), a static
-attribute: both operands quantized with dynamic absmax scales per channel, gradients too;
-parameters stay float. `quantize_weights(model, "int8" | "int4", group=)` stores the same
-layers' weights as qwix `QArray`s, dequantized where the layer reads them;
-`quantize_for_serving` adds the 8-bit K/V cache (`model.kv_quant`). `check_backend`
+`exclude` qwix's `dot_general_qt` (`ragged_dot_qt` for dropless experts): both operands
+quantized with dynamic absmax scales per channel, gradients too; parameters stay float.
+`quantize_weights(model, "int8" | "int4", group=)` stores those layers' weights as qwix
+`QArray`s that their matmuls take (`weight_only_dot_general`: s8 / s4 into the dot,
+scales on the product); `quantize_for_serving` adds the 8-bit K/V cache. `check_backend`
 refuses a format a device lacks. See docs/quantization.md.
 """
 
@@ -20,15 +20,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from qwix._src.core import dot_general as qwix_dot_general
 from qwix._src.core import dot_general_qt, qarray, ragged_dot_qt
+from qwix._src.core import einsum as qwix_einsum
 
 from tfjax.nn.moe import MoE
 from tfjax.ops import kv_quant
 from tfjax.nn.state import RecurrentMixer
 
-__all__ = ["FORMATS", "GROUPS", "QUANT_PATHS", "QuantizedOp", "QuantizedOps", "QuantizedParam",
-           "WEIGHT_FORMATS", "check_backend", "quantize", "quantize_for_serving",
-           "quantize_weights", "quantized_paths", "weight_bytes"]
+__all__ = ["FORMATS", "GROUPS", "QUANT_PATHS", "QuantizedKernel", "QuantizedOp", "QuantizedOps",
+           "QuantizedParam", "WEIGHT_FORMATS", "check_backend", "quantize", "quantize_for_serving",
+           "quantize_weights", "quantized_paths", "weight_bytes", "weight_only_dot_general",
+           "weight_only_einsum"]
 
 # format -> (forward operands' type, incoming gradients' type); fp8 as MaxText's
 # "fp8_full": e4m3 forward (precision), e5m2 gradients (range)
@@ -183,12 +186,76 @@ _EXPERT_WEIGHTS = ("wi", "wi_gate", "wi_up", "wo")  # a MoE's expert matmuls (no
 
 class QuantizedParam(nnx.Param):
     """A weight stored quantized: its value a qwix `QArray` (int8 / int4 values and
-    float scales); reading it (`param[...]`, as Linear, Einsum and MoE do before their
-    matmul) gives the dequantized array, so the matmul runs in the compute dtype on
-    weights that are held in 8 / 4 bits."""
+    float scales); reading it (`param[...]`, as MoE reads its experts) gives the
+    dequantized array."""
 
     def __getitem__(self, key):
-        return qarray.dequantize(self.get_value())[key]
+        return self.dequantized()[key]
+
+    def dequantized(self) -> jax.Array:
+        return qarray.dequantize(self.get_value())
+
+
+class QuantizedKernel(QuantizedParam):
+    """The kernel of a Linear / Einsum whose matmul takes the `QArray` itself
+    (`weight_only_dot_general`): reading it gives the `QArray`; `dequantized()` the
+    float array (MLA's absorbed decode reads its `kv_b` so)."""
+
+    def __getitem__(self, key):
+        if key is not Ellipsis:
+            raise IndexError(f"QuantizedKernel: read it whole ([...]), not [{key!r}]")
+        return self.get_value()
+
+
+def _promote(arrays, /, *, dtype=None, inexact=True):
+    """flax's `promote_dtype` for a layer whose kernel is a `QArray`: the float arrays
+    go to `dtype` (default: their result type with the scales'); the QArray stays."""
+    del inexact
+    floats = [a for a in arrays if a is not None and not isinstance(a, qarray.QArray)]
+    scales = [a.scale.dtype for a in arrays if isinstance(a, qarray.QArray)]
+    dtype = dtype or jnp.result_type(*floats, *scales)
+    return tuple(a if a is None or isinstance(a, qarray.QArray) else jnp.asarray(a, dtype)
+                 for a in arrays)
+
+
+def weight_only_dot_general(lhs, rhs, dimension_numbers, precision=None,
+                            preferred_element_type=None, out_sharding=None):
+    """`lax.dot_general` where one operand is a `QArray` of weights: the dot takes its
+    int8 / int4 values (converted to the other operand's dtype, a convert XLA:TPU fuses
+    into the dot, whose operand stays s8 / s4) and the scales multiply the product:
+    per channel once, per group each group's partial product before the groups are
+    summed (qwix's dequantize-on-output). No dequantized copy of the weight exists."""
+    del out_sharding
+    ops = (lhs, rhs)
+    dtype = next((a.dtype for a in ops if not isinstance(a, qarray.QArray)), None)
+    if dtype is None:
+        raise ValueError("weight_only_dot_general: one operand must be a float array")
+    for a, contracted in zip(ops, dimension_numbers[0]):
+        if isinstance(a, qarray.QArray) and any(
+                a.scale.shape[i] == a.shape[i] > 1 for i in contracted):
+            # a scale per index of a contracted axis (a group of 32 over an output
+            # projection's H = 32 gives each head its own): dequantize first, as qwix does
+            lhs, rhs = (qarray.dequantize(x).astype(dtype) if isinstance(x, qarray.QArray)
+                        else x for x in ops)
+            return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                                       preferred_element_type=preferred_element_type)
+    lhs, rhs = (a.replace(qvalue=a.qvalue.astype(dtype)) if isinstance(a, qarray.QArray)
+                else a for a in ops)
+    out = qwix_dot_general._fast_dot_general(  # noqa: SLF001 (qwix's own fast path)
+        lhs, rhs, dimension_numbers, precision=precision,
+        preferred_element_type=jnp.float32)
+    return out.astype(preferred_element_type or dtype)
+
+
+def weight_only_einsum(spec, *operands, precision=None, preferred_element_type=None,
+                       out_sharding=None, **kwargs):
+    """`jnp.einsum`'s signature over a `QArray` kernel (`nnx.Einsum(einsum_op=)`),
+    contracted by `weight_only_dot_general`."""
+    del out_sharding, kwargs
+    dtype = next(a.dtype for a in operands if not isinstance(a, qarray.QArray))
+    out = qwix_einsum.einsum(spec, *operands, precision=precision,
+                             _qwix_dot_general=weight_only_dot_general)
+    return out.astype(preferred_element_type or dtype)
 
 
 def _contracted_axes(module, name: str, ndim: int) -> tuple[int, ...]:
@@ -273,8 +340,13 @@ def quantize_weights(model: nnx.Module, fmt: str, *, group: int | None = None,
             value = param.get_value()
             how = _how(fmt, value.shape, _contracted_axes(module, weight, value.ndim), group,
                        f"{name}/{weight} {tuple(value.shape)}")
-            setattr(module, weight, QuantizedParam(qarray.quantize(value, how),
-                                                   **param.get_metadata()))
+            direct = isinstance(module, (nnx.Linear, nnx.Einsum))
+            setattr(module, weight, (QuantizedKernel if direct else QuantizedParam)(
+                qarray.quantize(value, how), **param.get_metadata()))
+        if isinstance(module, nnx.Linear):
+            module.dot_general, module.promote_dtype = weight_only_dot_general, _promote
+        elif isinstance(module, nnx.Einsum):
+            module.einsum_op, module.promote_dtype = weight_only_einsum, _promote
     return model
 
 
