@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3 (ipykernel)
 #     language: python
@@ -155,6 +155,9 @@ B, T = 2, 16
 
 
 def forward(model, cfg, tokens):
+    if cfg.audio.n_mels:  # a speech encoder-decoder: log-mel features in, text out
+        features = jnp.zeros((tokens.shape[0], cfg.audio.n_mels, cfg.audio.max_frames))
+        return model(tokens[:, :7], input_features=features)
     if cfg.arch == "encoder_decoder":
         return model(tokens, tokens[:, :7])  # encoder tokens, decoder tokens
     if cfg.arch == "encoder":

@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3 (ipykernel)
 #     language: python
@@ -57,7 +57,7 @@ from flax import nnx
 from matplotlib.colors import ListedColormap
 
 import tfjax
-from tfjax.ops import masks
+from tfjax.ops import masks, sparse_masks
 
 T = 64  # sequence length of the drawings
 BLOCK = 8  # tile size of the block views
@@ -79,19 +79,19 @@ MASKS = {
     "padding([40])": masks.padding([40]),
     "segments(ids)": masks.segments(segment_ids),
     "prefix_lm([24])": masks.prefix_lm([24]),
-    "longformer(4, global=[0, 32])": masks.longformer(window=4, global_positions=[0, 32]),
-    "bigbird(3, 2 global, 2 random x 8)": masks.bigbird(window=3, num_global=2,
+    "longformer(4, global=[0, 32])": sparse_masks.longformer(window=4, global_positions=[0, 32]),
+    "bigbird(3, 2 global, 2 random x 8)": sparse_masks.bigbird(window=3, num_global=2,
                                                          num_random_blocks=2, block_size=8,
                                                          seed=0, seq_len=T),
     # Combinations.
     "causal() & segments(ids)": masks.causal() & masks.segments(segment_ids),
     "causal() & sliding_window(8)\n& segments(ids)":
         masks.causal() & masks.sliding_window(8) & masks.segments(segment_ids),
-    "causal() & longformer(4, [0])": masks.causal() & masks.longformer(4, [0]),
+    "causal() & longformer(4, [0])": masks.causal() & sparse_masks.longformer(4, [0]),
     "chunked_causal(16)\n| sliding_window(4)": masks.chunked_causal(16) | masks.sliding_window(4),
     "prefix_lm([24]) & padding([56])": masks.prefix_lm([24]) & masks.padding([56]),
     "causal() & (bigbird | segments)": masks.causal() & (
-        masks.bigbird(3, 2, 2, 8, seed=1, seq_len=T) | masks.segments(segment_ids)),
+        sparse_masks.bigbird(3, 2, 2, 8, seed=1, seq_len=T) | masks.segments(segment_ids)),
 }
 
 dense = {name: np.asarray(m.dense(T, T))[0] for name, m in MASKS.items()}

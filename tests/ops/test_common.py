@@ -11,7 +11,7 @@ from tfjax.ops.pallas.common import _draw_random_block, mask_support, unsupporte
 
 def test_in_kernel_random_block_hash_is_bit_identical_to_the_mask():
     """BigBird's random blocks are drawn in the kernels with int32-only arithmetic;
-    it must give the draws of masks.RandomBlocks (uint32 hash) exactly."""
+    it must give the draws of sparse_masks.RandomBlocks (uint32 hash) exactly."""
     qb = jnp.arange(0, 5000, 7, dtype=jnp.int32)
     for seed, num_blocks in ((0, 1), (7, 13), (2**31 + 5, 1000), (2**32 - 1, 2**20 + 7)):
         m = SM.RandomBlocks(3, 16, num_blocks, seed)

@@ -252,7 +252,9 @@ def test_two_processes_read_their_own_rows_of_a_cache_mixture_like_one(tmp_path)
 def test_two_processes_as_two_slices_train_like_one(tmp_path):
     """`mesh.dcn_data=2` over two processes (on CPU each process stands for a slice),
     `mesh.data=2` within each: the hybrid mesh gives the losses of one process with
-    data=4, bit for bit (the same four shards of the batch, reduced in the same order)."""
+    data=4 (the same four shards of the batch) to float32's last bit or so: the shards'
+    sums meet in another order across the processes (2026-12-06, a 2-core machine, at
+    commits before and after that session's: 5.5306478 against 5.5306482, one ulp)."""
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
@@ -268,7 +270,7 @@ def test_two_processes_as_two_slices_train_like_one(tmp_path):
     assert "'data': 4" in outs[1], outs[1]  # the mesh: dcn_data x data
     a, b = losses(str(tmp_path / "one")), losses(str(tmp_path / "two"))
     assert sorted(a) == sorted(b) == [1, 2, 3]
-    assert [b[k] for k in a] == [a[k] for k in a]
+    np.testing.assert_allclose([b[k] for k in a], [a[k] for k in a], rtol=3e-7, atol=0)
 
 
 @pytest.mark.slow
