@@ -4,7 +4,7 @@ losses, and the config errors come before anything compiles."""
 
 import numpy as np
 import pytest
-from tiny_setup import devices, preempt_after, tiny_config
+from tiny_setup import devices, losses, preempt_after, run, tiny_config
 
 from tfjax.train import Trainer
 
@@ -18,16 +18,6 @@ def config(model=None, train=None, data=None, **sections):
         train={**dict(objective="image_lm", batch_size=8, steps=6, seq_len=64, lr=1e-2),
                **(train or {})},
         data={**dict(source="synthetic"), **(data or {})}, **sections)
-
-
-def run(tmp_path, cfg, n_devices=1, name="w"):
-    tr = Trainer(cfg, str(tmp_path / name), devices=devices(n_devices), log=lambda s: None)
-    return tr, tr.train()
-
-
-def losses(summary):
-    h = summary["history"]
-    return [h[k] for k in sorted(h)]
 
 
 @pytest.fixture(scope="module")

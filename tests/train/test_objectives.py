@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from tiny_setup import devices, preempt_after, tiny_config
+from tiny_setup import devices, losses, preempt_after, run, tiny_config
 
 from tfjax.data import objectives as D
 from tfjax.data.tokenizer import ByteTokenizer
@@ -36,16 +36,6 @@ def config(objective, model=None, train=None, **sections):
     return tiny_config(model={**MODEL[objective], **(model or {})},
                        train={**dict(objective=objective, batch_size=4, steps=6), **(train or {})},
                        **sections)
-
-
-def run(tmp_path, cfg, n_devices=1, name="w"):
-    tr = Trainer(cfg, str(tmp_path / name), devices=devices(n_devices), log=lambda s: None)
-    return tr, tr.train()
-
-
-def losses(summary):
-    h = summary["history"]
-    return [h[k] for k in sorted(h)]
 
 
 def text_rows(n, T, seed=0):

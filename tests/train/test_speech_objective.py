@@ -9,7 +9,7 @@ import re
 import jax
 import numpy as np
 import pytest
-from tiny_setup import devices, preempt_after, tiny_config
+from tiny_setup import devices, preempt_after, run, tiny_config
 
 from tfjax.data.speech import SYNTHETIC_UTTERANCES, write_spoken_digits
 from tfjax.data.tokenizer import ByteTokenizer
@@ -27,11 +27,6 @@ def config(train=None, data=None, model=None, **sections):
                        train={**dict(objective="speech_to_text", batch_size=4, seq_len=32,
                                      steps=6, lr=3e-3), **(train or {})},
                        data={**dict(source="synthetic"), **(data or {})}, **sections)
-
-
-def run(tmp_path, cfg, n_devices=1, name="w"):
-    tr = Trainer(cfg, str(tmp_path / name), devices=devices(n_devices), log=lambda s: None)
-    return tr, tr.train()
 
 
 def batches(cfg, split="train", n=2):

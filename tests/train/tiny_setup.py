@@ -3,6 +3,7 @@
 import jax
 
 from tfjax import config as C
+from tfjax.train import Trainer
 
 
 def tiny_config(**sections):
@@ -22,6 +23,18 @@ def tiny_config(**sections):
 
 def devices(n):
     return jax.devices()[:n]
+
+
+def run(tmp_path, cfg, n_devices=1, name="w"):
+    """(the Trainer of `cfg` in workdir `tmp_path / name` on `n_devices`, its summary)."""
+    tr = Trainer(cfg, str(tmp_path / name), devices=devices(n_devices), log=lambda s: None)
+    return tr, tr.train()
+
+
+def losses(summary):
+    """A run summary's logged losses in step order."""
+    h = summary["history"]
+    return [h[k] for k in sorted(h)]
 
 
 def preempt_after(trainer, n):
