@@ -90,6 +90,16 @@ def run_engine(model, prompts, new, args):
                                         prefill_rows=args.prefill_rows, prefix_caching=False,
                                         chunk_sizes=args.chunk_sizes))
     engine.warm_up()
+    run = drive(engine, prompts, new)
+    return dict(wall=run["wall"], lat=latencies(run["first"], run["gaps"], run["t0"]),
+                tokens=run["tokens"], kv_bytes=run["peak_pages"] * engine._page_bytes(model))
+
+
+def drive(engine, prompts, new) -> dict:
+    """Submit greedy requests (prompt i, `new[i]` tokens, no EOS stop) and step `engine`
+    until it is done: `t0`, `wall`, each request's first-token time (`first`,
+    perf_counter), the inter-token gaps, the tokens in request order, the most pages
+    held at once."""
     reqs = [Request(p, max_tokens=n, ignore_eos=True, sampling=dict(temperature=0))
             for p, n in zip(prompts, new)]
     last, first, gaps, tokens, peak = {}, {}, [], {r.request_id: [] for r in reqs}, 0
@@ -109,10 +119,8 @@ def run_engine(model, prompts, new, args):
             else:
                 first[o.request_id] = now
             last[o.request_id] = now
-    wall = time.perf_counter() - t0
-    page_bytes = engine._page_bytes(model)
-    return dict(wall=wall, lat=latencies(first.values(), gaps, t0),
-                tokens=[tokens[r.request_id] for r in reqs], kv_bytes=peak * page_bytes)
+    return dict(t0=t0, wall=time.perf_counter() - t0, first=list(first.values()), gaps=gaps,
+                tokens=[tokens[r.request_id] for r in reqs], peak_pages=peak)
 
 
 def run_static(model, prompts, new, args):

@@ -61,7 +61,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from experiments.bench_serve import bench_model  # noqa: E402
+from experiments.bench_serve import bench_model, drive  # noqa: E402
 from experiments.common import markdown_table  # noqa: E402
 from tfjax.inference.engine import Engine, EngineConfig  # noqa: E402
 from tfjax.inference.sampling import SamplingParams, sample_rows  # noqa: E402
@@ -233,34 +233,16 @@ def serve_engines(args) -> None:
         return engine
 
     def run(engine):
-        from tfjax.inference.engine import Request
-
         calls.clear()
-        reqs = [Request(p, max_tokens=n, ignore_eos=True, sampling=dict(temperature=0))
-                for p, n in zip(prompts, new)]
-        first, last, gaps, tokens = {}, {}, [], {r.request_id: [] for r in reqs}
-        t0, c0 = time.perf_counter(), time.process_time()
-        for r in reqs:
-            engine.submit(r)
-        while engine.has_work():
-            outs = engine.step()
-            now = time.perf_counter()
-            for o in outs:
-                if o.token is None:
-                    continue
-                tokens[o.request_id].append(o.token)
-                if o.request_id in last:
-                    gaps.append(now - last[o.request_id])
-                else:
-                    first[o.request_id] = now - t0
-                last[o.request_id] = now
-        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-        ttft = np.asarray(list(first.values()))
+        c0 = time.process_time()
+        r = drive(engine, prompts, new)
+        wall, cpu, gaps = r["wall"], time.process_time() - c0, r["gaps"]
+        ttft = np.asarray(r["first"]) - r["t0"]
         return (dict(tps=sum(new) / wall, ttft50=np.percentile(ttft, 50) * 1e3,
                      ttft99=np.percentile(ttft, 99) * 1e3, itl50=np.percentile(gaps, 50) * 1e3,
                      wall=wall, cpu=cpu, prefill=calls["prefill"], decode=calls["decode"],
                      host=wall - calls["prefill"] - calls["decode"]),
-                [tokens[r.request_id] for r in reqs])
+                r["tokens"])
 
     engines = {v: engine_of(v) for v in variants}
     outputs = {v: run(e)[1] for v, e in engines.items()}  # a run to warm up each
