@@ -6,6 +6,7 @@ tiny model trained here, float against int8 / int4 weights and an int8 K/V cache
 
     .venv/bin/python experiments/quant.py                    # all parts, 1B on v5e and v6e
     .venv/bin/python experiments/quant.py --parts decode --topologies v5e:2x2
+    .venv/bin/python experiments/quant.py --parts estimate,dots  # train step time, priced
     JAX_PLATFORMS=cpu .venv/bin/python experiments/quant.py --parts ppl
     JAX_PLATFORMS=cpu .venv/bin/python experiments/quant.py --parts quality --workdir W
     .venv/bin/python experiments/quant.py --quick            # Llama tiny on v5e:2x2
@@ -41,7 +42,7 @@ from tfjax import models
 from tfjax.config import run_config
 from tfjax.inference import generate
 from tfjax.nn.quant import quantize_for_serving, weight_bytes
-from tfjax.train.aot import compile_step, step_figures, tpu_devices
+from tfjax.train.aot import compile_step, estimated_seconds, step_figures, tpu_devices
 from tfjax.train.checkpoint import load_run
 from tfjax.train.objectives import OBJECTIVES, eval_metrics
 from tfjax.train.trainer import Trainer
@@ -81,6 +82,91 @@ def row(variant: str, topology: str, quant: str, batch: int, seq: int) -> dict:
                 tflops=float(cost.get("flops", 0.0) or 0.0) / 1e12,
                 total=f["arguments"] + f["temp"] + f["code"], dots=sum(ops.values()),
                 eight_bit=eight, compile_s=time.time() - start)
+
+
+def layer_row(variant: str, topology: str, quant: str, layers: int, batch: int,
+              seq: int) -> dict:
+    """XLA's estimate of the train step of `variant` cut to `layers` layers, every op
+    priced: the stack unrolled (a scanned body counts once), the loss in one piece
+    (`loss_chunk=0`: its loop too), attention in XLA (a Mosaic kernel counts ~0)."""
+    cfg = preset_config("llama", variant)
+    cfg.model.update(dict(dtype="bfloat16", remat="full", quant=quant, num_layers=layers,
+                          scan_layers=False))
+    cfg.model.attention.update(dict(impl="xla"))
+    cfg.train.update(dict(batch_size=batch, seq_len=seq, loss_chunk=0, microbatches=1))
+    cfg.mesh.update(dict(data=1, fsdp=4))
+    start = time.time()
+    compiled, _, _, _ = compile_step(run_config(cfg), topology)
+    cost = compiled.cost_analysis()
+    cost = (cost[0] if isinstance(cost, (list, tuple)) and cost else cost) or {}
+    ops = dot_operand_types(compiled.as_text())
+    out = dict(seconds=estimated_seconds(compiled), tflops=float(cost.get("flops", 0)) / 1e12,
+               unpriced=compiled.as_text().count('custom_call_target="ConcatBitcast"'),
+               eight_bit=sum(n for k, n in ops.items()
+                             if any(t.startswith(("s8", "f8")) for t in k)),
+               dots=sum(ops.values()), compile_s=time.time() - start)
+    print(topology, quant, layers, out, flush=True)
+    return out
+
+
+def estimate_table(exp, variant, topologies, batch, seq):
+    """The whole step's estimate from two unrolled depths: the step of L layers is
+    priced at a + b L (the layers are alike), so the full depth's is read off the line
+    through 1 and 2 layers."""
+    depth = preset_config("llama", variant).model.num_layers
+    table = []
+    for topology in topologies:
+        base = None
+        for quant in FORMATS:
+            one, two = (layer_row(variant, topology, quant, n, batch, seq) for n in (1, 2))
+            per_layer = two["seconds"] - one["seconds"]
+            whole = one["seconds"] + (depth - 1) * per_layer
+            flops = one["tflops"] + (depth - 1) * (two["tflops"] - one["tflops"])
+            base = base or dict(whole=whole, per_layer=per_layer)
+            table.append([topology, quant, one["seconds"] * 1e3, two["seconds"] * 1e3,
+                          per_layer * 1e3, per_layer / base["per_layer"], whole * 1e3,
+                          whole / base["whole"], flops, f"{two['eight_bit']} / {two['dots']}",
+                          two["unpriced"], one["compile_s"] + two["compile_s"]])
+            print(table[-1], flush=True)
+    exp.table(["topology", "model.quant", "1 layer ms", "2 layers ms", "a layer ms",
+               "a layer / bf16", f"{depth} layers ms", f"{depth} layers / bf16",
+               f"XLA TFLOP ({depth} layers)", "8-bit dots / dots (2 layers)",
+               "ConcatBitcast (-1 s each, added back)", "compile s"], table,
+              title=f"Llama-3.2-1B ({variant}) train step, batch {batch} x {seq}, fsdp 4, "
+                    f"per chip: XLA:TPU's estimate with every op priced (stack unrolled, "
+                    f"loss in one piece, attention in XLA), {depth} layers read off 1 and 2")
+
+
+def dots_table(exp, topologies, m=8192, k=2048, n=8192):
+    """What XLA's cost model charges for one `[m, k] x [k, n]` matmul in bf16, in s8 and
+    with both operands quantized first (int8 training's forward dot), one chip."""
+
+    def quantized(x):  # per row, symmetric
+        scale = jnp.max(jnp.abs(x), axis=-1, keepdims=True) / 127
+        return jnp.round(x / scale).astype(jnp.int8), scale
+
+    def int8_training_dot(a, b):
+        (qa, sa), (qb, sb) = quantized(a), quantized(b.T)
+        out = jnp.dot(qa, qb.T, preferred_element_type=jnp.int32)
+        return (out * sa * sb.T).astype(jnp.bfloat16)
+
+    kinds = (("bf16 x bf16", jnp.bfloat16,
+              lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32)),
+             ("s8 x s8", jnp.int8, lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.int32)),
+             ("bf16 quantized to s8, then s8 x s8", jnp.bfloat16, int8_training_dot))
+    table = []
+    for topology in topologies:
+        rep = NamedSharding(Mesh(np.asarray(tpu_devices(topology)[0][:1]), ("data",)), P())
+        base = None
+        for label, dtype, f in kinds:
+            args = [jax.ShapeDtypeStruct(shape, dtype, sharding=rep) for shape in ((m, k), (k, n))]
+            compiled = jax.jit(f).lower(*args).compile()
+            seconds = estimated_seconds(compiled)
+            base = base or seconds
+            table.append([topology, label, seconds * 1e6, seconds / base,
+                          2 * m * k * n / seconds / 1e12])
+    exp.table(["topology", "matmul", "XLA estimate us", "/ bf16", "TFLOP/s (TOPS) it implies"],
+              table, title=f"one [{m}, {k}] x [{k}, {n}] matmul, one chip, XLA:TPU's estimate")
 
 
 # decode variants: (label, --quantize, --quantize_group, --kv_quant)
@@ -125,7 +211,7 @@ def decode_row(variant: str, topology: str, weights: str, group, kv: str, batch:
     return dict(params=weight_bytes(model),  # int4 values at half a byte, as XLA packs them
                 cache=models.cache_bytes(model.config, batch, max_len),
                 arguments=mem.argument_size_in_bytes, temp=mem.temp_size_in_bytes,
-                optimal=float(cost.get("optimal_seconds", 0.0) or 0.0),
+                optimal=estimated_seconds(compiled),
                 bytes_accessed=float(cost.get("bytes accessed", 0.0) or 0.0),
                 compile_s=time.time() - start)
 
@@ -345,7 +431,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     parser.add_argument("--topologies", default="v5e:2x2,v6e:2x2")
     parser.add_argument("--parts", default="train,decode,ppl",
-                        help="train (the train step), decode (the decode step), ppl (CPU), "
+                        help="train (the train step), estimate (its time, every op priced), "
+                             "dots (what the cost model charges an s8 matmul), "
+                             "decode (the decode step), ppl (CPU), "
                              "quality (CPU: trains configs/default.py twice, ~4 min each idle)")
     parser.add_argument("--workdir", default=os.path.join(HERE, "..", "workdirs", "quant_quality"),
                         help="quality: the two runs go to <workdir>/none and <workdir>/int8 "
@@ -360,6 +448,10 @@ def main(argv=None):
     topologies = ["v5e:2x2"] if exp.quick else a.topologies.split(",")
     if "train" in parts:
         train_table(exp, variant, topologies, *((8, 256) if exp.quick else (8, 2048)))
+    if "dots" in parts:
+        dots_table(exp, topologies)
+    if "estimate" in parts:
+        estimate_table(exp, variant, topologies, *((8, 256) if exp.quick else (8, 2048)))
     if "decode" in parts:
         decode_table(exp, variant, topologies, *((4, 256) if exp.quick else (8, 4096)))
     if "ppl" in parts:
