@@ -42,7 +42,8 @@ from tfjax import models
 from tfjax.config import run_config
 from tfjax.inference import generate
 from tfjax.nn.quant import quantize_for_serving, weight_bytes
-from tfjax.train.aot import compile_step, estimated_seconds, step_figures, tpu_devices
+from tfjax.train.aot import (compile_step, estimated_seconds, step_figures, tpu_devices,
+                             xla_cost)
 from tfjax.train.checkpoint import load_run
 from tfjax.train.objectives import OBJECTIVES, eval_metrics
 from tfjax.train.trainer import Trainer
@@ -70,8 +71,7 @@ def row(variant: str, topology: str, quant: str, batch: int, seq: int) -> dict:
     start = time.time()
     compiled, p, _, _ = compile_step(run_config(cfg), topology)
     f = step_figures(compiled, p)
-    cost = compiled.cost_analysis()
-    cost = (cost[0] if isinstance(cost, (list, tuple)) and cost else cost) or {}
+    cost = xla_cost(compiled)
     print(topology, quant, {k: cost.get(k) for k in ("optimal_seconds", "flops",
                                                      "bytes accessed", "utilization")},
           flush=True)
@@ -97,11 +97,11 @@ def layer_row(variant: str, topology: str, quant: str, layers: int, batch: int,
     cfg.mesh.update(dict(data=1, fsdp=4))
     start = time.time()
     compiled, _, _, _ = compile_step(run_config(cfg), topology)
-    cost = compiled.cost_analysis()
-    cost = (cost[0] if isinstance(cost, (list, tuple)) and cost else cost) or {}
+    cost = xla_cost(compiled)
     ops = dot_operand_types(compiled.as_text())
-    out = dict(seconds=estimated_seconds(compiled), tflops=float(cost.get("flops", 0)) / 1e12,
-               unpriced=compiled.as_text().count('custom_call_target="ConcatBitcast"'),
+    seconds = estimated_seconds(compiled)
+    out = dict(seconds=seconds, tflops=float(cost.get("flops", 0)) / 1e12,
+               unpriced=round(seconds - float(cost.get("optimal_seconds", 0.0) or 0.0)),
                eight_bit=sum(n for k, n in ops.items()
                              if any(t.startswith(("s8", "f8")) for t in k)),
                dots=sum(ops.values()), compile_s=time.time() - start)
@@ -206,8 +206,7 @@ def decode_row(variant: str, topology: str, weights: str, group, kv: str, batch:
         abstract(state), abstract(cache), jax.ShapeDtypeStruct((batch, 1), jnp.int32,
                                                                sharding=rep)).compile()
     mem = compiled.memory_analysis()
-    cost = compiled.cost_analysis()
-    cost = (cost[0] if isinstance(cost, (list, tuple)) and cost else cost) or {}
+    cost = xla_cost(compiled)
     return dict(params=weight_bytes(model),  # int4 values at half a byte, as XLA packs them
                 cache=models.cache_bytes(model.config, batch, max_len),
                 arguments=mem.argument_size_in_bytes, temp=mem.temp_size_in_bytes,

@@ -31,7 +31,7 @@ from tfjax.train.objectives import batch_dtype
 from tfjax.train.trainer import build_program, check_run
 
 __all__ = ["GPU_TARGET_CONFIGS", "HBM_BYTES", "compile_only", "compile_step", "dcn_collectives",
-           "estimated_seconds", "gpu_devices", "step_figures", "tpu_devices"]
+           "estimated_seconds", "gpu_devices", "step_figures", "tpu_devices", "xla_cost"]
 
 GiB = 1024 ** 3
 # HBM per chip.
@@ -161,7 +161,7 @@ def step_figures(compiled, p) -> dict[str, float]:
     """Per-device bytes of a compiled step of `Program` p: params (with LoRA's frozen
     base), opt, temp (XLA's temporaries), code, total, and arguments (XLA's count of
     the step's inputs: the state and the batch); and XLA's own step-time estimate,
-    `optimal_seconds` (`cost_analysis()`; 0 where the backend has none)."""
+    `optimal_seconds` (`estimated_seconds`)."""
     mem = compiled.memory_analysis()
     params = sum(_per_device_bytes(p.abstract_state[k], p.state_shardings[k])
                  for k in ("params", "frozen") if k in p.abstract_state)
@@ -181,10 +181,15 @@ def estimated_seconds(compiled) -> float:
     exactly: a program of several slices keeps a negative estimate (none). Like every
     figure of the cost analysis it counts a `while` body once (a scanned stack's
     layers, the chunked loss's chunks), and a Mosaic kernel at about nothing."""
-    cost = compiled.cost_analysis()
-    cost = (cost[0] if isinstance(cost, (list, tuple)) and cost else cost) or {}
-    seconds = float(cost.get("optimal_seconds", 0.0) or 0.0)
+    seconds = float(xla_cost(compiled).get("optimal_seconds", 0.0) or 0.0)
     return seconds + compiled.as_text().count('custom_call_target="ConcatBitcast"')
+
+
+def xla_cost(compiled) -> dict:
+    """A compiled program's `cost_analysis()` as one dict (flops, bytes accessed,
+    optimal_seconds, ...; empty where the backend has none)."""
+    cost = compiled.cost_analysis()
+    return (cost[0] if isinstance(cost, (list, tuple)) and cost else cost) or {}
 
 
 def dcn_collectives(compiled, mesh, cfg: RunConfig) -> dict[str, tuple[int, int]]:
