@@ -63,6 +63,16 @@ def dot_operand_types(hlo: str) -> collections.Counter:
     return out
 
 
+def eight_bit(ops: collections.Counter) -> int:
+    """How many of `dot_operand_types`' dots take an 8-bit (s8 / f8) operand."""
+    return sum(n for k, n in ops.items() if any(t.startswith(("s8", "f8")) for t in k))
+
+
+def one_chip(device) -> NamedSharding:
+    """Arrays whole on `device` (one chip of a compile-only topology)."""
+    return NamedSharding(Mesh(np.asarray([device]), ("data",)), P())
+
+
 def row(variant: str, topology: str, quant: str, batch: int, seq: int) -> dict:
     cfg = preset_config("llama", variant)
     cfg.model.update(dict(dtype="bfloat16", remat="full", quant=quant))
@@ -76,7 +86,7 @@ def row(variant: str, topology: str, quant: str, batch: int, seq: int) -> dict:
                                                      "bytes accessed", "utilization")},
           flush=True)
     ops = dot_operand_types(compiled.as_text())
-    eight = sum(n for k, n in ops.items() if any(t.startswith(("s8", "f8")) for t in k))
+    eight = eight_bit(ops)
     return dict(optimal_seconds=f["optimal_seconds"], temp=f["temp"],
                 raw_seconds=float(cost.get("optimal_seconds", 0.0) or 0.0),
                 tflops=float(cost.get("flops", 0.0) or 0.0) / 1e12,
@@ -102,8 +112,7 @@ def layer_row(variant: str, topology: str, quant: str, layers: int, batch: int,
     seconds = estimated_seconds(compiled)
     out = dict(seconds=seconds, tflops=float(cost.get("flops", 0)) / 1e12,
                unpriced=round(seconds - float(cost.get("optimal_seconds", 0.0) or 0.0)),
-               eight_bit=sum(n for k, n in ops.items()
-                             if any(t.startswith(("s8", "f8")) for t in k)),
+               eight_bit=eight_bit(ops),
                dots=sum(ops.values()), compile_s=time.time() - start)
     print(topology, quant, layers, out, flush=True)
     return out
@@ -156,7 +165,7 @@ def dots_table(exp, topologies, m=8192, k=2048, n=8192):
              ("bf16 quantized to s8, then s8 x s8", jnp.bfloat16, int8_training_dot))
     table = []
     for topology in topologies:
-        rep = NamedSharding(Mesh(np.asarray(tpu_devices(topology)[0][:1]), ("data",)), P())
+        rep = one_chip(tpu_devices(topology)[0][0])
         base = None
         for label, dtype, f in kinds:
             args = [jax.ShapeDtypeStruct(shape, dtype, sharding=rep) for shape in ((m, k), (k, n))]
@@ -183,13 +192,13 @@ def decode_row(variant: str, topology: str, weights: str, group, kv: str, batch:
     cfg = preset_config("llama", variant)
     cfg.model.update(dict(dtype="bfloat16", param_dtype="bfloat16"))
     mcfg = run_config(cfg).model
-    devices, _ = tpu_devices(topology)
-    rep = NamedSharding(Mesh(np.asarray(devices[:1]), ("data",)), P())
+    device = tpu_devices(topology)[0][0]
+    rep = one_chip(device)
 
     def make():
         model = models.build(mcfg, rngs=nnx.Rngs(0))
         return quantize_for_serving(model, weights=weights, group=group, kv=kv,
-                                    device=devices[0])
+                                    device=device)
 
     with nnx.use_eager_sharding(False):
         model = nnx.eval_shape(make)

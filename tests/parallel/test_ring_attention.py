@@ -20,6 +20,7 @@ from tfjax.ops.pallas import BlockSizes
 from tfjax.parallel import mask_leaves
 from tfjax.parallel.ring_attention import all_gather_attention, ring_attention
 from tfjax.parallel.zigzag import unzigzag, zigzag
+from tfjax.train.aot import xla_cost
 
 B, T, N, K, H = 2, 64, 8, 2, 16  # GQA 8/2
 
@@ -399,8 +400,7 @@ def test_batch_axes_are_inferred_not_gathered(mesh2x4):
     def flops(**kw):
         fn = jax.jit(lambda q, k, v: ring_attention(q, k, v, masks.causal(), mesh=mesh2x4,
                                                     block_q=8, block_kv=8, **kw))
-        cost = fn.lower(q, k, v).compile().cost_analysis()
-        return (cost[0] if isinstance(cost, list) else cost)["flops"]
+        return xla_cost(fn.lower(q, k, v).compile())["flops"]
 
     inferred, named, replicated = flops(), flops(batch_axes="data"), flops(batch_axes=())
     assert inferred == named
