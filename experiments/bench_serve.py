@@ -1,7 +1,7 @@
 """The inference engine on a mixed-length workload, against static-batch `generate` and
 against transformers' own continuous batching, on the same model and machine.
 
-    .venv/bin/python experiments/bench_serve.py            # ~10 min on 2 CPU cores
+    .venv/bin/python experiments/bench_serve.py            # ~3 min on 2 CPU cores
     .venv/bin/python experiments/bench_serve.py --requests 96 --max_seqs 32 --d_model 512
     .venv/bin/python experiments/bench_serve.py --out experiments/results/bench_serve.md
 
@@ -9,7 +9,8 @@ One random Llama-shaped model (layers unrolled, as decoding wants them), exporte
 transformers (the same weights; float32). The workload: --requests prompts of random
 lengths (8 .. --max_prompt tokens) asking for random numbers of tokens (4 ..
 --max_new), EOS ignored, all submitted at once (an offline batch). Each system runs it
-once to compile / warm up, then once timed:
+once to compile / warm up, then `--repeats` times timed (its median run reported; one
+run's figures vary by up to ~1.5x on a shared 2-core machine):
 
 - tfjax engine: `tfjax.inference.engine.Engine` (`--max_seqs` rows, pages of
   `--page_size`, chunks of `--chunk` for up to `--prefill_rows` rows a step, prefill
@@ -22,8 +23,9 @@ once to compile / warm up, then once timed:
   `max_requests_per_batch=--max_seqs`, per-request `max_new_tokens`, the tokens'
   own timestamps.
 
-Printed: output tokens/s (the tokens the requests asked for, over the wall time from
-submission to the last token), time to first token (p50, p99; from submission, so it
+Printed (each system's run of median wall time): output tokens/s (the tokens the
+requests asked for, over the wall time from submission to the last token; and every
+run's), time to first token (p50, p99; from submission, so it
 includes waiting for a slot), inter-token latency (p50, p99 over every gap between a
 request's consecutive tokens), and ratios to the engine; then the KV memory the engine's
 pages held at most against the static cache of `--max_seqs` rows of the longest
@@ -92,7 +94,7 @@ def run_engine(model, prompts, new, args):
     engine.warm_up()
     run = drive(engine, prompts, new)
     return dict(wall=run["wall"], lat=latencies(run["first"], run["gaps"], run["t0"]),
-                tokens=run["tokens"], kv_bytes=run["peak_pages"] * engine._page_bytes(model))
+                tokens=run["tokens"], kv_bytes=run["peak_pages"] * engine.page_bytes(model))
 
 
 def drive(engine, prompts, new) -> dict:
@@ -167,6 +169,7 @@ def run_transformers(path, rounds, args):
     manager = model.init_continuous_batching(generation_config=gen,
                                              continuous_batching_config=cb)
     manager.start()
+    runs = []
     try:
         for prompts, new in rounds:
             t0 = time.perf_counter()
@@ -178,16 +181,23 @@ def run_transformers(path, rounds, args):
                 if r is not None and r.is_finished():
                     results[r.request_id] = r
             wall = max(r.lifespan[1] for r in results.values()) - t0
+            first, gaps = [], []
+            for r in results.values():
+                ts = r.timestamps or []
+                if ts:
+                    first.append(ts[0])
+                    gaps.extend(np.diff(ts).tolist())
+            runs.append(dict(wall=wall, lat=latencies(first, gaps, t0),
+                             tokens=[results[i].generated_tokens for i in ids]))
     finally:
         manager.stop(block=True)
-    first, gaps = [], []
-    for r in results.values():
-        ts = r.timestamps or []
-        if ts:
-            first.append(ts[0])
-            gaps.extend(np.diff(ts).tolist())
-    return dict(wall=wall, lat=latencies(first, gaps, t0),
-                tokens=[results[i].generated_tokens for i in ids])
+    return runs[1:]  # the first round warms up
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run of median wall time (its latencies with it), and every run's wall."""
+    ordered = sorted(runs, key=lambda r: r["wall"])
+    return dict(ordered[(len(ordered) - 1) // 2], walls=[r["wall"] for r in runs])
 
 
 def main():
@@ -205,6 +215,8 @@ def main():
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="timed runs of each system (the median's row is printed)")
     ap.add_argument("--skip", default="", help="comma list of: static, transformers")
     ap.add_argument("--out", default="", help="append the results to this markdown file")
     args = ap.parse_args()
@@ -217,31 +229,34 @@ def main():
     results = {}
     setting = (f"{jax.devices()[0].platform}, {os.cpu_count()} cores; {args.requests} requests, "
                f"prompts 8..{args.max_prompt}, answers 4..{args.max_new} tokens, "
-               f"{args.max_seqs} at once")
+               f"{args.max_seqs} at once; each system's median of {args.repeats} timed runs")
     print(setting, flush=True)
     run_engine(model, warm_p, warm_n, args)
-    results["tfjax engine"] = run_engine(model, prompts, new, args)
+    results["tfjax engine"] = median_run([run_engine(model, prompts, new, args)
+                                          for _ in range(args.repeats)])
     if "static" not in skip:
         run_static(model, warm_p, warm_n, args)
-        results["tfjax static generate"] = run_static(model, prompts, new, args)
+        results["tfjax static generate"] = median_run([run_static(model, prompts, new, args)
+                                                       for _ in range(args.repeats)])
     if "transformers" not in skip:
         with tempfile.TemporaryDirectory() as d:
             hf.export(model, d)
-            results["transformers continuous batching"] = run_transformers(
-                d, [(warm_p, warm_n), (prompts, new)], args)
+            results["transformers continuous batching"] = median_run(run_transformers(
+                d, [(warm_p, warm_n)] + [(prompts, new)] * args.repeats, args))
     total = sum(new)
     ref = results["tfjax engine"]
     rows = []
     for name, r in results.items():
         tps = total / r["wall"]
         t50, t99, i50, i99 = r["lat"]
-        rows.append([name, f"{tps:.1f}", f"{tps / (total / ref['wall']):.2f}",
-                     f"{t50 * 1e3:.0f}", f"{t99 * 1e3:.0f}", f"{i50 * 1e3:.1f}",
-                     f"{i99 * 1e3:.1f}"])
+        rows.append([name, f"{tps:.1f}", " / ".join(f"{total / w:.0f}" for w in r["walls"]),
+                     f"{tps / (total / ref['wall']):.2f}", f"{t50 * 1e3:.0f}",
+                     f"{t99 * 1e3:.0f}", f"{i50 * 1e3:.1f}", f"{i99 * 1e3:.1f}"])
         agree = np.mean([a[:5] == b[:5] for a, b in zip(ref["tokens"][:8], r["tokens"][:8])])
         rows[-1].append(f"{agree:.2f}")
-    table = markdown_table(["system", "output tok/s", "x engine", "TTFT p50 ms", "TTFT p99 ms",
-                            "ITL p50 ms", "ITL p99 ms", "greedy agree (8 req x 5 tok)"], rows)
+    table = markdown_table(["system", "output tok/s", "each run", "x engine", "TTFT p50 ms",
+                            "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
+                            "greedy agree (8 req x 5 tok)"], rows)
     static_bytes = jax.eval_shape(lambda: model.init_cache(args.max_seqs, args.max_len))
     static_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(static_bytes.layers))
     memory = (f"KV memory: engine pages held at most {ref['kv_bytes'] / 2**20:.2f} MiB; static "

@@ -6,7 +6,7 @@ serve`) whole engines on bench_serve.py's workload, A/B in one process.
     .venv/bin/python experiments/engine_step.py --widths 288 --ops 30 --hlo /tmp/step.hlo
     .venv/bin/python experiments/engine_step.py --variants auto:1,blockwise:1   # A/B
     .venv/bin/python experiments/engine_step.py --fill 0.5 --variants auto:1,auto:3
-    .venv/bin/python experiments/engine_step.py --part serve --serve_variants sync:1,async:3
+    .venv/bin/python experiments/engine_step.py --part serve --serve_variants async:1,ragged:1
 
 For each `max_len` of `--widths` (a page table of max_len / 16 pages a row) an engine is
 built, every row holding `--fill` of its pages, and these are timed, interleaved
@@ -30,12 +30,13 @@ the compiled program (time per step, shape, op), then the time summed per kind o
 
 `--part serve`: bench_serve.py's engine run (its defaults: 48 requests, prompts
 8..192, answers 4..96, 16 rows, chunks of 64 for up to 4 rows) by one engine per
-`--serve_variants` item `dispatch:chunk_sizes` (`async`: the engine's step, both calls
-dispatched before the host waits; `sync`: it waits on each call before dispatching the
-next, as before; `EngineConfig.chunk_sizes`), `--repeats` runs of each in turn after one
-to warm up. Printed per variant (medians over the runs): output tokens/s, time to first
-token p50 / p99, inter-token p50, and where a run's wall time goes on the host: in the
-prefill (chunk) calls and in the decode calls (preparing and dispatching each, waiting
+`--serve_variants` item `dispatch:chunk_sizes` (`ragged`: the engine's step, a step with
+prompt chunks and decode tokens one call; `async`: a call for each kind, both dispatched
+before the host waits; `sync`: it waits on each call before dispatching the next;
+`EngineConfig.chunk_sizes`), `--repeats` runs of each in turn after one to warm up.
+Printed per variant (medians over the runs): output tokens/s, time to first token p50 /
+p99, inter-token p50, and where a run's wall time goes on the host: in the prefill
+(chunk; ragged: the steps' one) calls and in the decode calls (preparing and dispatching each, waiting
 for its results and taking them; with `async` the wait on the prefill's results is
 spent while the decode call is queued), and the rest of the step (admission,
 bookkeeping); the process's CPU time of a run (every thread: the work done, which other
@@ -208,12 +209,19 @@ def serve_engines(args) -> None:
 
     def engine_of(variant):
         dispatch, sizes = variant.split(":")
-        kind = {"sync": _SyncEngine, "async": Engine}[dispatch]
+        kind = {"sync": _SyncEngine, "async": Engine, "ragged": Engine}[dispatch]
         engine = kind(model, EngineConfig(max_seqs=bench.max_seqs, max_len=max_len,
                                           page_size=PAGE, chunk=bench.chunk,
                                           prefill_rows=bench.prefill_rows,
-                                          prefix_caching=False, chunk_sizes=int(sizes)))
-        launch, finish = engine._launch, engine._finish
+                                          prefix_caching=False, chunk_sizes=int(sizes),
+                                          ragged=dispatch == "ragged"))
+        launch, ragged, finish = engine._launch, engine._launch_ragged, engine._finish
+
+        def timed_ragged(group, T, decoding):  # a step's one call, counted as prefill
+            start = time.perf_counter()
+            call = ragged(group, T, decoding)
+            calls["prefill"] += time.perf_counter() - start
+            return T, call
 
         def timed_launch(group, T):
             start = time.perf_counter()
@@ -227,7 +235,7 @@ def serve_engines(args) -> None:
             calls["prefill" if T > 1 else "decode"] += time.perf_counter() - start
             return out
 
-        engine._launch = timed_launch
+        engine._launch, engine._launch_ragged = timed_launch, timed_ragged
         engine._finish = lambda *c: timed_finish(*c)
         engine.warm_up()
         return engine
@@ -277,8 +285,8 @@ def main():
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--part", choices=("decode", "serve"), default="decode")
-    ap.add_argument("--serve_variants", default="sync:1,async:1,async:3",
-                    help="--part serve: engines to compare, dispatch (sync|async):chunk_sizes")
+    ap.add_argument("--serve_variants", default="async:1,ragged:1",
+                    help="--part serve: engines to compare, dispatch (sync|async|ragged):chunk_sizes")
     args = ap.parse_args()
     load = os.getloadavg()[0]
     if args.part == "serve":

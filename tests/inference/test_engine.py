@@ -66,9 +66,10 @@ def test_greedy_tokens_equal_generate_in_ragged_continuous_batches(model):
 
 
 def test_chunks_run_over_the_prefilling_rows_only_in_shapes_warm_up_compiled(model):
-    # prefill_rows=2: chunk calls over 1 or 2 rows (per-row states gathered and put
-    # back), of 5 tokens or 3 (chunk_sizes=2: a prompt's last piece of 1 .. 3), decode
-    # calls over 1, 2 or all 4; after warm_up a ragged mix compiles nothing
+    # prefill_rows=2: chunks of 1 or 2 rows (the ragged call's runs beside every row's
+    # decode token; Mamba-2: chunk calls, per-row states gathered and put back), of 5
+    # tokens or 3 (chunk_sizes=2: a prompt's last piece of 1 .. 3), decode-only calls
+    # over 1, 2 or all 4; after warm_up a ragged mix compiles nothing
     engine = Engine(model, EngineConfig(max_seqs=4, page_size=4, chunk=5, max_len=40,
                                         prefill_rows=2, chunk_sizes=2))
     assert engine._row_counts == {3: [1, 2], 5: [1, 2], 1: [1, 2, 4]}
@@ -76,8 +77,10 @@ def test_chunks_run_over_the_prefilling_rows_only_in_shapes_warm_up_compiled(mod
     assert engine._widths == [3, 5, 10]
     engine.warm_up()
     calls, compiles, widths = [], [], set()
-    launch, narrow = engine._launch, engine._narrow
+    launch, ragged, narrow = engine._launch, engine._launch_ragged, engine._narrow
     engine._launch = lambda group, T: calls.append((len(group), T)) or launch(group, T)
+    engine._launch_ragged = lambda group, T, decoding: (
+        calls.append((len(group), T, "ragged")) or ragged(group, T, decoding))
     engine._narrow = lambda held: widths.add(held) or narrow(held)
     listener = lambda event, secs, **kw: compiles.append(event)  # noqa: E731
     jax.monitoring.register_event_duration_secs_listener(listener)
@@ -90,8 +93,10 @@ def test_chunks_run_over_the_prefilling_rows_only_in_shapes_warm_up_compiled(mod
         jax.monitoring.unregister_event_duration_listener(listener)
     for r, ref in zip(reqs, references(model, ps)):
         assert got[r.request_id] == [ref[:r.max_tokens]]
-    assert max(n for n, T in calls if T > 1) == 2 and (3, 1) in calls and (1, 1) in calls
-    assert {T for n, T in calls} == {1, 3, 5}
+    assert max(c[0] for c in calls if c[1] > 1) == 2 and (3, 1) in calls and (1, 1) in calls
+    assert {c[1] for c in calls} == {1, 3, 5}
+    assert {len(c) == 3 for c in calls if c[1] > 1} == {engine._ragged}
+    assert engine._ragged == ("mamba2" not in model.config.layer_pattern)
     assert {narrow(h) for h in widths} == {((40, 3),), ((40, 5),), ()}
     assert "/jax/core/compile/backend_compile_duration" not in compiles
 

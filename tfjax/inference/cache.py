@@ -18,8 +18,8 @@ import jax
 
 from tfjax.nn.state import DecodeState, decode_state, static_field
 
-__all__ = ["ModelCache", "PageTables", "check_rewindable", "logical_axes", "paged_size",
-           "rewind"]
+__all__ = ["ModelCache", "PageTables", "check_rewindable", "has_row_states", "logical_axes",
+           "paged_size", "reads_runs", "rewind"]
 
 
 def paged_size(size: int, *, max_len: int, page_size: int, chunk: int) -> int:
@@ -35,11 +35,14 @@ def paged_size(size: int, *, max_len: int, page_size: int, chunk: int) -> int:
 class PageTables:
     """The page tables of a paged `ModelCache` (the engine's): `tables` maps each cache
     geometry's `paged_size` to `[B, n]` page ids (row b's logical slot s in page
-    `tables[size][b, s // page_size]`); a step gives each row at most `chunk` new tokens."""
+    `tables[size][b, s // page_size]`); a step gives each row at most `chunk` new tokens.
+    `runs` (R, C): a ragged step's, one token a row, rows [0, R*C) R runs of C tokens of
+    one sequence each (`tfjax.ops.paged.Paged`)."""
 
     tables: dict
     page_size: int = static_field(default=16)
     chunk: int = static_field(default=1)
+    runs: tuple = static_field(default=())
 
     def replace(self, **kw):
         return dataclasses.replace(self, **kw)
@@ -73,6 +76,17 @@ class ModelCache:
 
 def _states(layers) -> list:
     return jax.tree.leaves(layers, is_leaf=lambda c: isinstance(c, DecodeState))
+
+
+def has_row_states(cache: ModelCache) -> bool:
+    """Whether some layer keeps a state per row (a recurrent mixer's), not in pages."""
+    return any(not c.pageable for c in _states(cache.layers))
+
+
+def reads_runs(cache: ModelCache) -> bool:
+    """Whether every layer keeps pages its attention reads once per run of a ragged
+    step (`DecodeState.reads_runs`; MLA's latents do not: each token gathers them)."""
+    return all(c.reads_runs for c in _states(cache.layers))
 
 
 def logical_axes(cache: ModelCache):

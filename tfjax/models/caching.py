@@ -247,7 +247,8 @@ def _paged_step(cfg: ModelConfig, cache: ModelCache, tokens, lengths, rel_bias) 
             if size is not None:
                 table = pages.tables[size]
                 index = paged_lib.flat_index(table, positions % size, pages.page_size, valid)
-            by_size[size] = Slots(lengths, index=index, table=table, mode="paged")
+            by_size[size] = Slots(lengths, index=index, table=table, mode="paged",
+                                  runs=pages.runs)
         slots[kind] = by_size[size]
     return StepInputs(positions, masks, biases, slots, length, jnp.maximum(lengths - 1, 0),
                       cache)

@@ -148,7 +148,7 @@ class DecoderLM(nnx.Module):
 
     def step(self, tokens: jax.Array, cache: ModelCache, lengths: jax.Array | None = None, *,
              all_logits: bool = False, extend: bool = False, return_hidden: bool = False,
-             **context):
+             logits_at=None, **context):
         """Inference: append `tokens` `[B,T]` to `cache` (`init_cache`).
 
         T > 1 is a prefill into an empty cache (row b: `lengths[b]` real tokens,
@@ -158,7 +158,8 @@ class DecoderLM(nnx.Module):
         Returns (logits `[B,1,V]` at each row's last real token, or `[B,T,V]` with
         `all_logits`, the new cache), and with `return_hidden` also the last layer's
         output `[B,T,D]` for every new token (before the final norm; speculative
-        decoding's MTP draft reads it). `context`: the "cross" layers' inputs
+        decoding's MTP draft reads it). `logits_at` `[R]`: the logits of these rows
+        only (`[R, ., V]`; the engine's ragged step). `context`: the "cross" layers' inputs
         (`context` at the step that writes its K/V into the cache, then only
         `context_bias` and `context_rows` of the new tokens).
         """
@@ -176,5 +177,7 @@ class DecoderLM(nnx.Module):
         hidden, layers = self.layers(x, masks=s.masks, biases=s.biases, positions=s.positions,
                                      state=s.cache.layers, slots=s.slots, **context)
         x = hidden if all_logits else caching.last_token(hidden, s.last)
+        if logits_at is not None:
+            x = x[logits_at]
         out = self.head(self.head_input(x)), s.finish(layers)
         return out + (hidden,) if return_hidden else out

@@ -12,6 +12,8 @@ temperature, sinks, output gate, differential attention, value residuals. Decodi
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -61,6 +63,7 @@ class KVCache(DecodeState):
     AXES = {"k": STORED_KV_AXES, "v": STORED_KV_AXES, "k_scale": STORED_SCALE_AXES,
             "v_scale": STORED_SCALE_AXES}
     pageable = True
+    reads_runs = True
 
     @property
     def quant(self) -> str:
@@ -367,7 +370,7 @@ class MultiHeadAttention(nnx.Module):
         def attend(arrays, cached):
             k, v, ks, vs = arrays
             if isinstance(k, Paged):
-                k, v = Paged(k.pool, k.table, ks.pool), Paged(v.pool, v.table, vs.pool)
+                k, v = dataclasses.replace(k, scale=ks.pool), dataclasses.replace(v, scale=vs.pool)
             else:
                 k, v = kv_quant.dequantize(k, ks, q.dtype), kv_quant.dequantize(v, vs, q.dtype)
             return self.attend(q, k, v, mask, bias, x=x, **extra)

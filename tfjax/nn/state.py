@@ -49,6 +49,9 @@ class DecodeState:
     # slot arrays `[B, S, ...]` (keys, values, latents) that the engine keeps in pages:
     # `init_state(num_pages, page_size)` makes a layer's pool (`tfjax.ops.paged`)
     pageable: ClassVar[bool] = False
+    # a pageable state whose attention reads a ragged step's runs of one sequence once
+    # (`tfjax.ops.paged.Paged.runs`); else each of a run's tokens gathers its pages
+    reads_runs: ClassVar[bool] = False
 
     def replace(self, **kw):
         return dataclasses.replace(self, **kw)
@@ -61,8 +64,9 @@ class Slots:
     chunk's `src` `[B, S]` (the index among the fresh tokens each of the S slots takes)
     and `take` `[B, S]` (whether it takes one, else it keeps what it holds). A paged
     step's (`tfjax.ops.paged`) `index` `[B, T]` (the flat pool index each new token
-    goes to, `DROPPED` for padding) and `table` `[B, n]` (each row's pages). Recurrent
-    states read `new_tokens` and `mode` alone."""
+    goes to, `DROPPED` for padding) and `table` `[B, n]` (each row's pages), `runs`
+    its rows' runs of one sequence (`tfjax.ops.paged.Paged`). Recurrent states read
+    `new_tokens` and `mode` alone."""
 
     new_tokens: jax.Array
     slot: jax.Array | None = None
@@ -71,6 +75,7 @@ class Slots:
     index: jax.Array | None = None
     table: jax.Array | None = None
     mode: str = static_field(default="prefill")  # one of MODES
+    runs: tuple = static_field(default=())
 
 
 def slots_major(x: jax.Array) -> jax.Array:
@@ -117,7 +122,8 @@ def cached_attention(olds, fresh, slots: Slots, axes, attend: Callable):
     if slots.mode == "paged":  # pages belong to no row
         news = tuple(shard(paged_lib.write(o, slots.index, f), (None,) + tuple(a[1:]))
                      for o, f, a in zip(olds, fresh, _per_array(axes, len(olds))))
-        return attend(tuple(paged_lib.Paged(n, slots.table) for n in news), True), news
+        return attend(tuple(paged_lib.Paged(n, slots.table, runs=slots.runs) for n in news),
+                      True), news
     if slots.mode == "chunk":
         out = attend(tuple(jnp.concatenate([o, f.astype(o.dtype)], axis=1)
                            for o, f in zip(olds, fresh)), True)

@@ -2,13 +2,13 @@
 
 `Paged(pool, table)`: `pool` `[P, page, ...]` (one layer's pages; `[P, page, K, H]` for
 K or V), `table` `[B, n]` the page ids of each row's logical slots, row b's slot s held
-at `pool[table[b, s // page], s % page]`. It stands for the `[B, n * page, ...]` array
-it describes (`shape`, `dtype`), and `dot_product_attention` takes one as k and v: an
-implementation that reads pages itself gets it as is, any other the gathered array
-(`dense`). `write` puts a step's new entries into a pool by flat slot index
-(`flat_index`). `paged_attention` (the "paged" implementation, CPU's first for paged
-calls) reads the pages in plain JAX. An 8-bit cache's `Paged` (`tfjax.ops.kv_quant`)
-has `scale` `[P, page, K]` and stands for the dequantized array. See docs/inference.md.
+at `pool[table[b, s // page], s % page]`. It stands for the `[B, n * page, ...]` array it
+describes, and `dot_product_attention` takes one as k and v: an implementation that
+reads pages gets it as is, any other the gathered array (`dense`). `write` puts a step's
+new entries into a pool by flat slot index (`flat_index`). `paged_attention` (the
+"paged" implementation, CPU's first for paged calls) reads the pages in plain JAX, runs
+of one sequence (`runs`, the engine's ragged step) together. An 8-bit cache's `Paged`
+(`tfjax.ops.kv_quant`) has `scale` `[P, page, K]`. See docs/inference.md.
 """
 
 from __future__ import annotations
@@ -38,6 +38,9 @@ class Paged:
     pool: jax.Array
     table: jax.Array
     scale: jax.Array | None = None
+    # (R, C): rows [0, R*C) are R runs of C rows of one sequence (equal table rows, one
+    # query each); `paged_attention` reads each run's pages once, its C queries together
+    runs: tuple = dataclasses.field(default=(), metadata=dict(static=True))
 
     @property
     def page_size(self) -> int:
@@ -107,6 +110,8 @@ def paged_attention(q, k: Paged, v: Paged, mask: masks_lib.Mask | None = None, *
     """q `[B,T,N,H]` over `Paged` k and v (pools `[P, page, K, H]`, `[P, page, K, Hv]`,
     one table `[B, n]`) under `mask` -> out `[B,T,N,Hv]` (and lse `[B,N,T]` fp32): the
     reference's attention on the arrays the pages stand for, fully masked rows zero.
+    With `runs` (R, C) (T is 1), the first R * C rows are attended as R rows of C
+    queries over their run's pages (gathered once), the rest as rows of one query.
 
     For XLA on CPU, the pages are gathered in the layout both dots take as they are:
     `[B, K, n, page, H]`, one `[page, H]` block per (row, kv head, page) from the
@@ -118,43 +123,69 @@ def paged_attention(q, k: Paged, v: Paged, mask: masks_lib.Mask | None = None, *
     wants them); the query heads of a kv head and the T queries are one dimension,
     and T is not padded to a tile (blockwise pads a decode step's one query to 8)."""
     B, T, N, H = q.shape
-    _, page, K, _ = k.pool.shape
-    n = k.table.shape[1]
-    G, Hv = N // K, v.pool.shape[-1]
+    S = k.table.shape[1] * k.pool.shape[1]
+    allowed = masks_lib.dense(mask, T, S, q_offset=q_offset, kv_offset=kv_offset)  # [B|1,T,S]
+    kw = dict(scale=scale, softcap=softcap)
+    if not k.runs:
+        out, lse = _attend(q, k.pool, v.pool, k.scale, v.scale, k.table, allowed, **kw)
+        return (out, lse) if return_lse else out
+    R, C = k.runs
+    if T != 1 or R * C > B:
+        raise ValueError(f"paged_attention: runs {k.runs} need one query a row and at least "
+                         f"{R * C} rows, got q of shape {q.shape}")
+    allowed = jnp.broadcast_to(allowed, (B, 1, S))
+    first, rest = slice(0, R * C), slice(R * C, B)
+    out1, lse1 = _attend(q[first].reshape(R, C, N, H), k.pool, v.pool, k.scale, v.scale,
+                         k.table[:R * C:C], allowed[first].reshape(R, C, S), **kw)
+    out2, lse2 = _attend(q[rest], k.pool, v.pool, k.scale, v.scale, k.table[rest],
+                         allowed[rest], **kw)
+    out = jnp.concatenate([out1.reshape(R * C, 1, N, -1), out2])
+    if not return_lse:
+        return out
+    lse1 = jnp.swapaxes(lse1, 1, 2).reshape(R * C, N, 1)  # [R, N, C] -> a row per query
+    return out, jnp.concatenate([lse1, lse2])
+
+
+def _attend(q, k_pool, v_pool, k_scale, v_scale, table, allowed, *, scale, softcap):
+    """`paged_attention` of q `[B,T,N,H]` over the pages of `table` `[B, n]` under the
+    dense mask `allowed` `[B|1, T, S]` -> (out `[B,T,N,Hv]`, lse `[B,N,T]`)."""
+    B, T, N, H = q.shape
+    _, page, K, _ = k_pool.shape
+    n = table.shape[1]
+    G, Hv = N // K, v_pool.shape[-1]
     S = n * page
     scale, softcap = logit_scaling(H, scale, softcap)
-    blocks = (k.table[:, None, :] * K + jnp.arange(K, dtype=k.table.dtype)[None, :, None])
+    blocks = (table[:, None, :] * K + jnp.arange(K, dtype=table.dtype)[None, :, None])
 
-    def pages(x, dtype):  # [B, K, S, H]: ids are valid pages
-        flat = jnp.swapaxes(x.pool, 1, 2).reshape(-1, page, x.pool.shape[-1])
+    def pages(pool, pool_scale, dtype):  # [B, K, S, H]: ids are valid pages
+        flat = jnp.swapaxes(pool, 1, 2).reshape(-1, page, pool.shape[-1])
         rows = jnp.take(flat, blocks, axis=0, mode="clip").reshape(B, K, S, -1)
-        if x.scale is None:
+        if pool_scale is None:
             return rows.astype(dtype)
-        scales = jnp.swapaxes(x.scale, 1, 2).reshape(-1, page)  # an 8-bit pool, read
+        scales = jnp.swapaxes(pool_scale, 1, 2).reshape(-1, page)  # an 8-bit pool, read
         scales = jnp.take(scales, blocks, axis=0, mode="clip").reshape(B, K, S)
         return kv_quant.dequantize(rows, scales, dtype)
 
-    dtype = jnp.promote_types(q.dtype, k.dtype)  # as an einsum of the two would compute
+    k_dtype = k_pool.dtype if k_scale is None else k_scale.dtype
+    dtype = jnp.promote_types(q.dtype, k_dtype)  # as an einsum of the two would compute
     queries = jnp.moveaxis(q.reshape(B, T, K, G, H), 1, 3).reshape(B, K, G * T, H)
-    s = jax.lax.dot_general(pages(k, dtype), queries.astype(dtype),
+    s = jax.lax.dot_general(pages(k_pool, k_scale, dtype), queries.astype(dtype),
                             (((3,), (3,)), ((0, 1), (0, 1))),
                             preferred_element_type=jnp.float32)  # [B, K, S, G*T]
     s = s.reshape(B, K, S, G, T)
     s, _ = logits(s, scale, softcap)
-    allowed = masks_lib.dense(mask, T, S, q_offset=q_offset, kv_offset=kv_offset)  # [B|1,T,S]
     s = jnp.where(jnp.swapaxes(allowed, 1, 2)[:, None, :, None, :], s, -jnp.inf)
     row_max = jnp.max(s, axis=2, keepdims=True)  # [B, K, 1, G, T]
     row_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
     p = jnp.exp(s - row_max)
     denom = jnp.sum(p, axis=2)  # [B, K, G, T]
     p = jnp.moveaxis(p, 2, -1).reshape(B, K, G * T, S)  # the weights the left operand
-    out = jax.lax.dot_general(p, pages(v, p.dtype), (((3,), (2,)), ((0, 1), (0, 1))),
+    out = jax.lax.dot_general(p, pages(v_pool, v_scale, p.dtype),
+                              (((3,), (2,)), ((0, 1), (0, 1))),
                               preferred_element_type=jnp.float32)  # [B, K, G*T, Hv]
     out = jnp.moveaxis(out.reshape(B, K, G, T, Hv), 3, 1)  # [B, T, K, G, Hv]
     scale_out = jnp.moveaxis(jnp.where(denom > 0, denom, 1.0), 3, 1)[..., None]  # [B,T,K,G,1]
     out = (out / scale_out).reshape(B, T, N, Hv).astype(q.dtype)
-    if not return_lse:
-        return out
     safe = jnp.where(denom > 0, denom, 1.0)
     lse = jnp.where(denom > 0, jnp.log(safe) + row_max[:, :, 0], -jnp.inf)
     return out, lse.reshape(B, N, T)

@@ -5,18 +5,17 @@
     engine.submit(Request(prompt, max_tokens=64, n=4, sampling=dict(temperature=0.8)))
     while engine.has_work(): outputs = engine.step()     # [Output]: a token of a sample
 
-A step runs a few prefilling rows a `chunk` further and every decoding row one token,
-each in one call over just those rows (1, 2, 4 .. of them; both dispatched before the
-host waits): few shapes (`warm_up`). Admission reserves pages for the longest answer (no
-preemption); a stopped sample frees its pages at once. Serve unrolled layers
-(`tfjax.models.unrolled`). See docs/inference.md ("The engine")."""
+A step is one ragged call: a few prefilling rows' next prompt chunks and every decoding
+row's token as one token list (weights read once); models with a state per row make a
+call of each kind, over just those rows (1, 2, 4 ..). Few shapes (`warm_up`). Admission
+reserves pages for the longest answer (no preemption); a stopped sample frees its pages
+at once. Serve unrolled layers (`tfjax.models.unrolled`). See docs/inference.md."""
 
 from __future__ import annotations
 
 import collections
 import contextlib
 import dataclasses
-import functools
 import threading
 
 import jax
@@ -24,11 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tfjax.inference.engine.pages import PagePool, chain_hashes
+from tfjax.inference.cache import has_row_states, reads_runs
+from tfjax.inference.engine.pages import PagePool, chain_hashes, page_bytes
 from tfjax.inference.engine.programs import padded_pairs, programs, state_shardings
-from tfjax.inference.engine.requests import Output, Request
+from tfjax.inference.engine.requests import Output, Placeholder, Request, SequenceState
 from tfjax.inference.sampling import SamplingParams
-from tfjax.nn.state import DecodeState
 from tfjax.parallel.sharding import use_rules
 
 __all__ = ["Engine", "EngineConfig"]
@@ -50,7 +49,10 @@ class EngineConfig:
     attend over the narrowest that holds their pages (1: always the whole table).
     chunk_sizes: the chunk call's token widths (`chunk` and its halvings, this many at
     most): a call runs the narrowest that holds its rows' next tokens, so a prompt's last
-    piece computes less padding (1: always `chunk`; the pieces are the same either way)."""
+    piece computes less padding (1: always `chunk`; the pieces are the same either way).
+    ragged: a step with both kinds of rows is one call (`programs.ragged`), where every
+    layer keeps K/V pages (`cache.reads_runs`) and no prompt is scored; else a call for
+    each kind."""
 
     max_seqs: int = 8
     max_len: int = 0
@@ -64,37 +66,13 @@ class EngineConfig:
     prefill_rows: int = 4
     table_widths: int = 3
     chunk_sizes: int = 1
+    ragged: bool = True
 
     def check(self):
         for name in ("max_seqs", "page_size", "chunk", "prefill_rows", "table_widths",
                      "chunk_sizes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name}: must be >= 1, got {getattr(self, name)}")
-
-
-@dataclasses.dataclass
-class _Sequence:
-    """One sample of a request, in a slot."""
-
-    request: Request
-    index: int
-    slot: int
-    settings: dict
-    tokens: list  # prompt, then the generated tokens
-    prompt_len: int
-    target: int  # the tokens to put in the cache before the first sample (prompt or n-1)
-    computed: int = 0  # tokens in the cache
-    pages: list = dataclasses.field(default_factory=list)  # global page ids, logical order
-    worst: int = 0  # the most global pages it can come to hold
-    registered: int = 0  # its full prompt pages already in the prefix cache
-    hashes: list = dataclasses.field(default_factory=list)
-    followers: list = dataclasses.field(default_factory=list)  # slots waiting for a fork
-    fresh: bool = True  # its slot's rows still hold the previous sequence's state
-    scores: list = dataclasses.field(default_factory=list)  # (logprob, greedy) per position
-
-    @property
-    def generated(self) -> int:
-        return len(self.tokens) - self.prompt_len
 
 
 class Engine:
@@ -133,10 +111,11 @@ class Engine:
                                        num_pages=num_pages, dtype=config.dtype)
         self.cache = cache
         self.shareable = (config.prefix_caching and not self.rings
-                          and not self._has_rows(cache))
+                          and not has_row_states(cache))
+        self._ragged = config.ragged and reads_runs(cache)
         self.seen = jnp.zeros((B, self.vocab_size), bool)
         self.counts = jnp.zeros((B, self.vocab_size), jnp.int32)
-        self.slots: list[_Sequence | None] = [None] * B
+        self.slots: list[SequenceState | None] = [None] * B
         self.waiting: collections.deque[tuple[Request, dict]] = collections.deque()
         self._inbox: collections.deque = collections.deque()
         self._lock = threading.Lock()
@@ -162,7 +141,7 @@ class Engine:
         if c.num_pages:
             n = c.num_pages
         elif c.kv_memory:
-            n = int(c.kv_memory // self._page_bytes(model))
+            n = int(c.kv_memory // self.page_bytes(model))
         else:
             n = 1 + c.max_seqs * per_row
         if n < 1 + per_row:
@@ -173,23 +152,10 @@ class Engine:
             n += 1
         return n
 
-    def _page_bytes(self, model) -> int:
-        """Bytes of one global page summed over the layers (from the cache's shapes)."""
-        ps, C = self.config.page_size, self.config.chunk
-        geometries = model.page_geometries(self.max_len, page_size=ps, chunk=C)
-        probe = {s: 1 + (s == self.global_size) + n for s, n in geometries.items()}
-        one, two = (jax.eval_shape(functools.partial(
-            model.init_paged_cache, 1, self.max_len, page_size=ps, chunk=C,
-            num_pages={**probe, self.global_size: probe[self.global_size] + k},
-            dtype=self.config.dtype)) for k in (0, 1))
-        size = lambda c: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(c.layers))  # noqa
-        return max(1, size(two) - size(one))
-
-    @staticmethod
-    def _has_rows(cache) -> bool:
-        """Whether some layer keeps a state per row (a recurrent mixer), not in pages."""
-        states = jax.tree.leaves(cache.layers, is_leaf=lambda c: isinstance(c, DecodeState))
-        return any(not c.pageable for c in states)
+    def page_bytes(self, model) -> int:
+        """Bytes of one global page summed over the layers (`pages.page_bytes`)."""
+        c = self.config
+        return page_bytes(model, self.max_len, c.page_size, c.chunk, c.dtype)
 
     # --------------------------------------------------------------- requests
     def submit(self, request: Request) -> str:
@@ -238,7 +204,7 @@ class Engine:
                 if len(self.waiting) < before:
                     continue
                 for seq in [s for s in self.slots  # a leader frees its unforked followers
-                            if isinstance(s, _Sequence) and s.request.request_id == what]:
+                            if isinstance(s, SequenceState) and s.request.request_id == what]:
                     out.append(Output(what, seq.index, None, finish_reason="abort"))
                     self._free(seq)
         return out
@@ -280,13 +246,13 @@ class Engine:
                                        f"pool has {pool.num_pages - 1}")
                 return
             self.waiting.popleft()
-            leader = _Sequence(request, 0, free[0], settings, list(request.prompt), L, target,
+            leader = SequenceState(request, 0, free[0], settings, list(request.prompt), L, target,
                                computed=len(cached) * ps, pages=list(cached),
                                worst=per_seq, registered=len(cached), hashes=hashes)
             leader.followers = free[1:request.n]
             for b in free[:request.n]:
                 self.slots[b] = (leader if b == leader.slot
-                                 else _Placeholder(leader, per_seq - shared))
+                                 else Placeholder(leader, per_seq - shared))
 
     # -------------------------------------------------------------------- step
     def step(self) -> list[Output]:
@@ -296,7 +262,7 @@ class Engine:
         out = self._drain()
         self._admit()
         self._fork_ready()
-        rows = [s for s in self.slots if isinstance(s, _Sequence)]
+        rows = [s for s in self.slots if isinstance(s, SequenceState)]
         if not rows:
             return out
         if any(s.fresh for s in rows):
@@ -307,12 +273,64 @@ class Engine:
         if prefilling:
             group = prefilling[:self._row_counts[self.config.chunk][-1]]
             longest = max(min(self.config.chunk, s.target - s.computed) for s in group)
-            calls.append(self._launch(group, next(t for t in self._chunks if t >= longest)))
+            T = next(t for t in self._chunks if t >= longest)
+            if self._ragged and not any(s.request.score_from for s in group):
+                return out + self._finish(*self._launch_ragged(group, T, decoding))
+            calls.append(self._launch(group, T))
         if decoding:
             calls.append(self._launch(decoding, 1))
         return out + [o for call in calls for o in self._finish(*call)]
 
-    def _launch(self, group: list[_Sequence], T: int) -> tuple:
+    def _take(self, s: SequenceState, T: int) -> tuple[int, bool]:
+        """The tokens `s` takes in a call of T (its prompt's next piece, else its last
+        token; its pages grown to hold them) and whether the call samples after them."""
+        n = min(T, s.target - s.computed) if s.computed < s.target else 1
+        self._grow(s, s.computed + n)
+        return n, (s.computed + n >= s.target and not s.followers
+                   and s.request.max_tokens > 0)
+
+    def _launch_ragged(self, group: list[SequenceState], C: int, decoding: list[SequenceState]):
+        """Dispatch the ragged call (`programs.ragged`): `group`'s next prompt tokens as
+        runs of C (padded to the fewest runs of `_row_counts[C]`, spare runs on rows
+        not in `group`), then one token for each row (`decoding`'s last; padding for
+        the others); sampled: the runs, then the rows. As `_launch` returns."""
+        B = self.config.max_seqs
+        R = next(r for r in self._row_counts[C] if r >= len(group))
+        N = R * C + B
+        tokens, valid = np.zeros(N, np.int32), np.zeros(N, bool)
+        position = np.asarray([0] * (R * C) + [getattr(held, "computed", 0)  # idle: at their
+                                               for held in self.slots], np.int32)  # length
+        runs = [s.slot for s in group] + [b for b in range(B) if all(s.slot != b for s in group)]
+        pick_slots = np.concatenate([runs[:R], np.arange(B)]).astype(np.int32)
+        slot_of = np.concatenate([np.repeat(pick_slots[:R], C), np.arange(B)]).astype(np.int32)
+        picks = np.concatenate([np.arange(R) * C, R * C + np.arange(B)]).astype(np.int32)
+        after, samples = np.zeros(R + B, np.int32), np.zeros(R + B, bool)
+        where, feed = {}, {}
+        for i, s in enumerate(group):
+            n, samples[i] = self._take(s, C)
+            start, where[s.slot], feed[s.slot] = i * C, i, n
+            tokens[start:start + n] = s.tokens[s.computed:s.computed + n]
+            position[start:start + C] = s.computed + np.arange(C)
+            valid[start:start + n], picks[i], after[i] = True, start + n - 1, s.computed + n
+        for s in decoding:
+            j, (n, samples[R + s.slot]) = R * C + s.slot, self._take(s, 1)
+            where[s.slot], feed[s.slot] = R + s.slot, n
+            tokens[j], valid[j], after[R + s.slot] = s.tokens[s.computed], True, s.computed + 1
+        group = group + decoding
+        num_logprobs = self.config.max_logprobs if any(s.request.logprobs for s in group) else 0
+        held = -(-max(s.computed + feed[s.slot] for s in group) // self.config.page_size)
+        with self._traced():
+            sampled, self.cache, self.counts = self._programs.ragged(
+                R, C, num_logprobs, self._narrow(held))(
+                self.params, self.cache, self.seen, self.counts, tokens, slot_of, position,
+                valid, self._device_tables(), self._sampling(pick_slots.tolist()), picks,
+                pick_slots, after, samples)
+        for s in group:
+            s.computed += feed[s.slot]
+            self._register(s)
+        return group, where, samples, None, sampled, None
+
+    def _launch(self, group: list[SequenceState], T: int) -> tuple:
         """Dispatch one jitted call: each sequence of `group` takes its next tokens (up to
         T: the prompt's next chunk, else its last token), over the fewest rows of
         `_row_counts[T]` that hold `group`, padded with other rows that idle (all
@@ -336,19 +354,17 @@ class Engine:
         feed = {}
         for s in group:
             i = where[s.slot]
-            n = feed[s.slot] = min(T, s.target - s.computed) if s.computed < s.target else 1
+            n, samples[i] = self._take(s, T)
+            feed[s.slot] = n
             tokens[i, :n] = s.tokens[s.computed:s.computed + n]
             n_new[i], length[i] = n, s.computed
-            samples[i] = (s.computed + n >= s.target and not s.followers
-                          and s.request.max_tokens > 0)
-            self._grow(s, s.computed + n)
             if s.request.score_from and s.computed < s.prompt_len:
                 for t in range(n):
                     p = s.computed + t + 1
                     if s.request.score_from <= p < s.prompt_len:
                         targets[i, t] = s.tokens[p]
         for i, b in enumerate(slots):  # idle rows keep their length (nothing is written)
-            if b not in where and isinstance(self.slots[b], _Sequence):
+            if b not in where and isinstance(self.slots[b], SequenceState):
                 length[i] = self.slots[b].computed
         num_logprobs = self.config.max_logprobs if any(s.request.logprobs for s in group) else 0
         score = bool((targets >= 0).any())
@@ -376,18 +392,10 @@ class Engine:
             if samples[i]:
                 out.extend(self._emit(s, sampled, i))
             elif s.request.max_tokens == 0 and s.computed >= s.target:  # scored only
-                out.append(self._scored(Output(s.request.request_id, 0, None,
-                                               finish_reason="length"), s))
+                out.append(s.scored(Output(s.request.request_id, 0, None,
+                                           finish_reason="length")))
                 self._free(s)
         return out
-
-    @staticmethod
-    def _scored(output: Output, s: _Sequence) -> Output:
-        """`output` with the prompt's scores of a request with `score_from`."""
-        if s.request.score_from and output.prompt_logprobs is None:
-            output.prompt_logprobs = [lp for lp, _ in s.scores]
-            output.prompt_greedy = [g for _, g in s.scores]
-        return output
 
     def _narrow(self, held: int) -> tuple:
         """The `narrow` of a call whose rows hold up to `held` global pages: the
@@ -416,7 +424,7 @@ class Engine:
             self._tables_on_device = jax.device_put(self.tables)
         return self._tables_on_device
 
-    def _grow(self, s: _Sequence, end: int) -> None:
+    def _grow(self, s: SequenceState, end: int) -> None:
         """Give `s` the global pages that tokens up to `end` need."""
         pool = self.pools.get(self.global_size)
         if pool is None:
@@ -430,7 +438,7 @@ class Engine:
             row[:len(s.pages)] = s.pages
             self._tables_on_device = None
 
-    def _register(self, s: _Sequence) -> None:
+    def _register(self, s: SequenceState) -> None:
         """Put the full prompt pages `s` has computed into the prefix cache."""
         if not self.shareable:
             return
@@ -459,7 +467,7 @@ class Engine:
         ps = self.config.page_size
         pairs = {s: [] for s in self.num_pages}
         row_pairs = []
-        for leader in [s for s in self.slots if isinstance(s, _Sequence)]:
+        for leader in [s for s in self.slots if isinstance(s, SequenceState)]:
             if not leader.followers or leader.computed < leader.target:
                 continue
             pool = self.pools.get(self.global_size)
@@ -501,7 +509,7 @@ class Engine:
                 for s, p in pairs.items()}
 
     # ----------------------------------------------------------------- outputs
-    def _emit(self, s: _Sequence, sampled, i: int) -> list[Output]:
+    def _emit(self, s: SequenceState, sampled, i: int) -> list[Output]:
         """The token `s` drew (row i of `sampled`), and whether it ends `s`."""
         token = int(sampled.tokens[i])
         top = None
@@ -509,27 +517,16 @@ class Engine:
             k = s.request.logprobs
             top = {int(t): float(p) for t, p in zip(sampled.top_ids[i][:k],
                                                      sampled.top_logprobs[i][:k])}
-        s.tokens.append(token)
-        reason = stop_string = None
-        if token in s.request.stop_token_ids or (token in self.eos_ids
-                                                 and not s.request.ignore_eos):
-            reason = "stop"
-        elif s.request.stop and self.decode is not None:
-            text = self.decode(s.tokens[s.prompt_len:])
-            stop_string = next((x for x in s.request.stop if x in text), None)
-            reason = "stop" if stop_string is not None else None
-        if reason is None and (s.generated >= s.request.max_tokens
-                               or len(s.tokens) >= self.max_len):
-            reason = "length"
+        reason, stop_string = s.append(token, self.eos_ids, self.decode, self.max_len)
         out = Output(s.request.request_id, s.index, token, float(sampled.logprobs[i]),
                      top, reason, stop_string)
         if s.generated == 1:
-            out = self._scored(out, s)
+            out = s.scored(out)
         if reason is not None:
             self._free(s)
         return [out]
 
-    def _free(self, s: _Sequence) -> None:
+    def _free(self, s: SequenceState) -> None:
         """Release `s`'s pages and slot (and its followers' slots, if not forked yet)."""
         pool = self.pools.get(self.global_size)
         if pool is not None:
@@ -545,10 +542,11 @@ class Engine:
     # ------------------------------------------------------------ convenience
     def warm_up(self, logprobs: bool = False, scoring: bool = False) -> None:
         """Compile every step shape now (a server's start-up), not at the first request
-        that needs it: the decode step and the chunk step of each chunk size, row count
-        and table width, with top log-probabilities and prompt scoring if asked. Runs
-        them with no tokens: the caches are left as they were; so are the reset of
-        admitted rows and the fork of n samples (no row, page 0 onto itself)."""
+        that needs it: the decode step and the ragged step (else the chunk step) of each
+        chunk size, row count and table width, with top log-probabilities and prompt
+        scoring (the chunk step) if asked. Runs them with no tokens: the caches are left
+        as they were; so are the reset of admitted rows and the fork of n samples (no
+        row, page 0 onto itself)."""
         B = self.config.max_seqs
         with self._traced():
             self.cache, self.seen, self.counts = self._programs.reset(
@@ -557,23 +555,32 @@ class Engine:
             pairs = self._page_pairs({s: [] for s in self.num_pages})
             self.cache, self.seen, self.counts = self._programs.fork(
                 self.cache, self.seen, self.counts, pairs, padded_pairs([], B))
-        shapes = [(T, r if r < B else 0, w) for T in self._row_counts
-                  for r in self._row_counts[T] for w in self._widths]
-        for T, R, width in shapes:
-            for num_logprobs in {0, self.config.max_logprobs if logprobs else 0}:
-                for score in {False, scoring and T > 1}:
-                    n = R or B
-                    zeros = np.zeros((n, T), np.int32)
-                    rows = np.arange(n, dtype=np.int32) if R else None
-                    lengths = np.asarray([getattr(self.slots[b], "computed", 0)
-                                          for b in range(n)], np.int32)
-                    with self._traced():
-                        _, _, self.cache, self.counts = self._programs.step(
-                            T, R, num_logprobs, score, self._narrow(width))(
-                            self.params, self.cache, self.seen, self.counts, rows, zeros,
-                            np.zeros(n, np.int32), lengths, self._device_tables(),
-                            self._sampling(list(range(n))), lengths, np.zeros(n, bool),
-                            zeros - 1)
+        lengths = np.asarray([getattr(s, "computed", 0) for s in self.slots], np.int32)
+        kinds = {T: ["step"] if T == 1 else ["ragged" if self._ragged else "step"]
+                 + ["score"] * scoring for T in self._row_counts}
+        shapes = [(T, r, w, k, kind) for T in self._row_counts for r in self._row_counts[T]
+                  for w in self._widths for k in {0, self.config.max_logprobs * logprobs}
+                  for kind in kinds[T]]
+        for T, R, width, num_logprobs, kind in shapes:
+            with self._traced():
+                if kind == "ragged":
+                    N, slots = R * T + B, np.arange(R + B, dtype=np.int32) % B
+                    _, self.cache, self.counts = self._programs.ragged(
+                        R, T, num_logprobs, self._narrow(width))(
+                        self.params, self.cache, self.seen, self.counts, np.zeros(N, np.int32),
+                        np.zeros(N, np.int32), np.zeros(N, np.int32), np.zeros(N, bool),
+                        self._device_tables(), self._sampling(slots.tolist()),
+                        np.zeros(R + B, np.int32), slots, np.zeros(R + B, np.int32),
+                        np.zeros(R + B, bool))
+                    continue
+                n, R = R, (R if R < B else 0)
+                zeros = np.zeros((n, T), np.int32)
+                _, _, self.cache, self.counts = self._programs.step(
+                    T, R, num_logprobs, kind == "score", self._narrow(width))(
+                    self.params, self.cache, self.seen, self.counts,
+                    np.arange(n, dtype=np.int32) if R else None, zeros, np.zeros(n, np.int32),
+                    lengths[:n], self._device_tables(), self._sampling(list(range(n))),
+                    lengths[:n], np.zeros(n, bool), zeros - 1)
 
     def generate(self, requests: list[Request]) -> dict:
         """Run `requests` to the end: {request_id: [tokens of sample 0, 1, ...]}."""
@@ -590,11 +597,3 @@ class Engine:
         """Global pages some sequence holds (0 when the engine is idle)."""
         pool = self.pools.get(self.global_size)
         return 0 if pool is None else pool.held
-
-
-class _Placeholder:
-    """A slot reserved for a follower of `leader` (a sample not forked yet)."""
-
-    def __init__(self, leader: _Sequence, worst: int):
-        self.leader, self.request, self.worst, self.pages = leader, leader.request, worst, []
-

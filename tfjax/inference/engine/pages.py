@@ -14,11 +14,13 @@ is needed (least recently used first). See docs/inference.md ("The engine").
 from __future__ import annotations
 
 import collections
+import functools
 import hashlib
 
+import jax
 import numpy as np
 
-__all__ = ["PagePool", "chain_hashes"]
+__all__ = ["PagePool", "chain_hashes", "page_bytes"]
 
 
 def chain_hashes(tokens, page_size: int, parent: bytes = b"") -> list[bytes]:
@@ -106,3 +108,16 @@ class PagePool:
             if self.refs[page] == 0:
                 self._free.append(page)
         self._cached.clear()
+
+
+def page_bytes(model, max_len: int, page_size: int, chunk: int, dtype=None) -> int:
+    """Bytes of one global page of `model`'s paged cache summed over the layers (from
+    the cache's shapes, none made)."""
+    geometries = model.page_geometries(max_len, page_size=page_size, chunk=chunk)
+    size = -(-max_len // page_size) * page_size  # the global geometry's
+    probe = {s: 1 + (s == size) + n for s, n in geometries.items()}
+    one, two = (jax.eval_shape(functools.partial(
+        model.init_paged_cache, 1, max_len, page_size=page_size, chunk=chunk,
+        num_pages={**probe, size: probe[size] + k}, dtype=dtype)) for k in (0, 1))
+    total = lambda c: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(c.layers))  # noqa
+    return max(1, total(two) - total(one))

@@ -1,6 +1,7 @@
 """The inference engine's jitted programs, one set per model structure (and mesh): the
 step of T tokens over all rows or a few (per-row states gathered and put back), the
-reset of admitted rows and the fork of n samples. Called by `engine.Engine`; see
+ragged step (prompt chunks and decode tokens in one list), the reset of admitted rows
+and the fork of n samples. Called by `engine.Engine`; see
 docs/inference.md ("The engine")."""
 
 from __future__ import annotations
@@ -79,6 +80,36 @@ class _Programs:
             cache = cache.replace(pages=whole.pages)  # its shapes as they came, whatever width
             cache, _, counts = placed(cache, None, counts)
             return sampled, scored, cache, counts
+
+        return jax.jit(run, donate_argnums=(1, 3))
+
+
+    @functools.lru_cache(maxsize=64)
+    def ragged(self, R: int, C: int, num_logprobs: int, narrow: tuple = ()):
+        """The ragged step: R * C + B tokens, one a row of the model's step (`tokens`,
+        their cache rows `slot_of`, `position`s and whether each is `valid`): R runs of
+        C prompt tokens of one sequence each (`Paged.runs`: their pages read once), then
+        one token for each of the cache's B rows (a decoding row's last; padding for
+        the others). The dense layers take them all at once (their weights read once a
+        step), the head only rows `picks` `[R + B]` (each run's last real token, then
+        each row's), sampled as rows `pick_slots` of the cache. Pools only: no per-row
+        state. `narrow` as `step`'s."""
+        graphdef = self.graphdef
+        widths = dict(narrow)
+
+        def run(params, cache, seen, counts, tokens, slot_of, position, valid, tables,
+                sampling, picks, pick_slots, after, samples):
+            model = nnx.merge(graphdef, params)
+            tables = {s: t[slot_of, :widths.get(s, t.shape[1])] for s, t in tables.items()}
+            ragged = cache.replace(length=position,
+                                   pages=cache.pages.replace(tables=tables, runs=(R, C)))
+            logits, new = model.step(tokens[:, None], ragged, valid.astype(jnp.int32),
+                                     logits_at=picks)
+            sampled = sample_rows(logits[:, 0], sampling, after, seen[pick_slots],
+                                  counts[pick_slots], num_logprobs=num_logprobs)
+            counts = counts.at[pick_slots, sampled.tokens].add(samples.astype(jnp.int32))
+            cache, _, counts = placed(cache.replace(layers=new.layers), None, counts)
+            return sampled, cache, counts
 
         return jax.jit(run, donate_argnums=(1, 3))
 

@@ -1,6 +1,7 @@
 """What the engine is asked and what it answers: `Request` (a prompt, its sampling
 settings and stop conditions, `n` samples) and `Output` (one generated token of one
-sample, or its end). See docs/inference.md ("The engine").
+sample, or its end); the engine's record of a sample in a slot, `SequenceState` (and a
+`Placeholder` for a sample not forked yet). See docs/inference.md ("The engine").
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from collections.abc import Mapping, Sequence
 
 from tfjax.inference.sampling import check_settings
 
-__all__ = ["FINISH_REASONS", "Output", "Request"]
+__all__ = ["FINISH_REASONS", "Output", "Placeholder", "Request", "SequenceState"]
 
 FINISH_REASONS = ("stop", "length", "abort")
 _ids = itertools.count()
@@ -102,3 +103,58 @@ class Output:
     stop_string: str | None = None
     prompt_logprobs: list | None = None
     prompt_greedy: list | None = None
+
+
+@dataclasses.dataclass
+class SequenceState:
+    """One sample of a request, in the engine's slot `slot` (the engine's own record)."""
+
+    request: Request
+    index: int
+    slot: int
+    settings: dict
+    tokens: list  # prompt, then the generated tokens
+    prompt_len: int
+    target: int  # the tokens to put in the cache before the first sample (prompt or n-1)
+    computed: int = 0  # tokens in the cache
+    pages: list = dataclasses.field(default_factory=list)  # global page ids, logical order
+    worst: int = 0  # the most global pages it can come to hold
+    registered: int = 0  # its full prompt pages already in the prefix cache
+    hashes: list = dataclasses.field(default_factory=list)
+    followers: list = dataclasses.field(default_factory=list)  # slots waiting for a fork
+    fresh: bool = True  # its slot's rows still hold the previous sequence's state
+    scores: list = dataclasses.field(default_factory=list)  # (logprob, greedy) per position
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    def append(self, token: int, eos_ids, decode, max_len: int) -> tuple:
+        """Append a drawn `token`: (None, None) if the sample goes on, else its finish
+        reason ("stop" at a stop token, an EOS unless ignored, or a stop string in the
+        text `decode` gives; "length" at `max_tokens` or `max_len`) and stop string."""
+        self.tokens.append(token)
+        r, reason, stop_string = self.request, None, None
+        if token in r.stop_token_ids or (token in eos_ids and not r.ignore_eos):
+            reason = "stop"
+        elif r.stop and decode is not None:
+            text = decode(self.tokens[self.prompt_len:])
+            stop_string = next((x for x in r.stop if x in text), None)
+            reason = "stop" if stop_string is not None else None
+        if reason is None and (self.generated >= r.max_tokens or len(self.tokens) >= max_len):
+            reason = "length"
+        return reason, stop_string
+
+    def scored(self, output: Output) -> Output:
+        """`output` with the prompt's scores of a request with `score_from`."""
+        if self.request.score_from and output.prompt_logprobs is None:
+            output.prompt_logprobs = [lp for lp, _ in self.scores]
+            output.prompt_greedy = [g for _, g in self.scores]
+        return output
+
+
+class Placeholder:
+    """A slot reserved for a follower of `leader` (a sample not forked yet)."""
+
+    def __init__(self, leader: SequenceState, worst: int):
+        self.leader, self.request, self.worst, self.pages = leader, leader.request, worst, []
