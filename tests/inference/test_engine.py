@@ -6,6 +6,8 @@ Tiny random models; every engine of one model structure shares its compiled prog
 (the step shapes, the reset and the fork), so each model compiles them once.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -101,11 +103,26 @@ def test_chunks_run_over_the_prefilling_rows_only_in_shapes_warm_up_compiled(mod
     assert "/jax/core/compile/backend_compile_duration" not in compiles
 
 
-@pytest.mark.slow  # ~45 s: every program compiled for an 8-device mesh
-def test_under_a_mesh_nothing_compiles_after_warm_up_and_tokens_stay():
+def test_the_ragged_step_serves_k_v_pages_only():
+    # MLA's latents are gathered by each token of a run (no `Paged.runs` reading), a
+    # recurrent state is per row: both keep the two calls; `ragged=False` forces them
+    mla = dict(layer_pattern=("mla",), mla=dict(kv_lora_rank=16, q_lora_rank=0,
+                                                qk_rope_head_dim=8, qk_nope_head_dim=8,
+                                                v_head_dim=8))
+    for extra, ragged in [({}, True), (mla, False), (MODELS["mamba2_global"], False),
+                          (MODELS["local_global"], True)]:
+        model = models.build(model_config({**TINY, **extra}), rngs=nnx.Rngs(3))
+        assert Engine(model, CONFIG)._ragged is ragged
+    assert Engine(model, dataclasses.replace(CONFIG, ragged=False))._ragged is False
+
+
+@pytest.mark.slow  # ~45 s each: every program compiled for an 8-device mesh
+@pytest.mark.parametrize("kind", ["mamba2_global", "global"])
+def test_under_a_mesh_nothing_compiles_after_warm_up_and_tokens_stay(kind):
     # the state is placed as every program returns it: a new input sharding would
-    # compile the reset, step and fork again on their second and third use
-    model = models.build(model_config({**TINY, **MODELS["mamba2_global"]}), rngs=nnx.Rngs(3))
+    # compile the reset, step and fork again on their second and third use (Mamba-2:
+    # the chunk and decode calls; global: the ragged step, its token rows sharded)
+    model = models.build(model_config({**TINY, **MODELS[kind]}), rngs=nnx.Rngs(3))
     mesh = make_mesh(MeshConfig(data=2, tensor=2, fsdp=2))
     engine = Engine(model, CONFIG, mesh=mesh, rules=logical_rules(DEFAULT_RULES))
     engine.warm_up()

@@ -1,7 +1,7 @@
 """A paged cache (the engine's) gives the logits of the whole-sequence forward: ragged
 rows taking 0..chunk tokens per step through randomly placed pages, for every kind of
 cached layer (global and sliding-window K/V, chunked attention, MLA latents, a Mamba-2
-state per row)."""
+state per row), and the engine's ragged step (one token a row, runs of one sequence)."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -52,6 +52,48 @@ def test_ragged_paged_steps_equal_the_full_forward(case):
         logits, cache = step(model, jnp.asarray(chunk), cache, jnp.asarray(n, jnp.int32))
         for b in range(B):
             got[b, done[b]:done[b] + n[b]] = np.asarray(logits)[b, :n[b]]
+        done, i = done + n, i + 1
+    np.testing.assert_allclose(got, full, rtol=1e-4, atol=1e-4 * np.abs(full).max())
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if "mamba" not in c])
+def test_ragged_steps_of_one_token_a_row_equal_the_full_forward(case):
+    """The engine's ragged step (`PageTables.runs`): each step one token a row, two rows'
+    next 0..chunk tokens as runs of one sequence, then one token (or padding) for every
+    row; its logits are the full forward's (chunked attention's masks and MLA's latents,
+    which each token gathers, included)."""
+    model = models.build(model_config({**TINY, **CASES[case]}), rngs=nnx.Rngs(3))
+    geometries = model.page_geometries(MAX_LEN, page_size=PAGE, chunk=CHUNK)
+    rng = np.random.default_rng(2)
+    num_pages = {s: B * n + 3 for s, n in geometries.items()}
+    cache = model.init_paged_cache(B, MAX_LEN, page_size=PAGE, chunk=CHUNK, num_pages=num_pages)
+    tables = {s: rng.permutation(num_pages[s])[:B * n].reshape(B, n).astype(np.int32)
+              for s, n in geometries.items()}
+    tokens = rng.integers(0, 61, (B, L)).astype(np.int32)
+    full = np.asarray(nnx.jit(lambda m, t: m(t))(model, jnp.asarray(tokens)))
+
+    @nnx.jit
+    def step(m, t, c, valid):
+        return m.step(t[:, None], c, valid, all_logits=True)
+
+    done, got, i = np.zeros(B, int), np.zeros_like(full), 0
+    while (done < L).any():
+        runs, single = [i % B, (i + 1) % B], (i + 2) % B
+        n = np.minimum(L - done, [(CHUNK, 3, 0, 1)[(i + b) % 4] for b in range(B)])
+        n[single] = min(n[single], 1)
+        slot_of = np.repeat(runs, CHUNK).tolist() + list(range(B))
+        position = np.concatenate([done[b] + np.arange(CHUNK) for b in runs] + [done])
+        valid = np.concatenate([np.arange(CHUNK) < n[b] for b in runs]
+                               + [(np.arange(B) == single) & (n > 0)])
+        position = np.minimum(position, L - 1)  # (padding)
+        ids = tokens[slot_of, position] * valid
+        ragged = cache.replace(length=jnp.asarray(position, jnp.int32), pages=cache.pages.replace(
+            tables={s: jnp.asarray(t[slot_of]) for s, t in tables.items()}, runs=(2, CHUNK)))
+        logits, new = step(model, jnp.asarray(ids, jnp.int32), ragged,
+                           jnp.asarray(valid, jnp.int32))
+        cache = cache.replace(layers=new.layers)
+        for j in np.flatnonzero(valid):
+            got[slot_of[j], position[j]] = np.asarray(logits)[j, 0]
         done, i = done + n, i + 1
     np.testing.assert_allclose(got, full, rtol=1e-4, atol=1e-4 * np.abs(full).max())
 
