@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from paged_cases import PagedCase, build, paged_request
+from paged_cases import PagedCase, build, paged_request, slot_positions
 
 from tfjax.ops import IMPLEMENTATIONS, attention_reference, dot_product_attention
 from tfjax.ops import masks as M
@@ -153,31 +153,38 @@ def test_paged_and_array_k_v_do_not_mix():
         dot_product_attention(q, k, k_dense[..., :16], mask)
 
 
+@pytest.mark.parametrize("name", ["paged", "paged_tpu"])
 @pytest.mark.parametrize("c", [CASES[1], CASES[4]], ids=[CASES[1].name, CASES[4].name])
-def test_runs_of_one_sequence_equal_the_rows_they_come_from(c):
-    """The engine's ragged step: every query its own row (a table row and mask row
-    each), rows 0 and 1's queries as two runs of T (`Paged.runs`: their pages read
-    once), the other rows' queries single; the outputs and lse equal the reference's
-    on the rows they come from (GQA, a ring under a window, soft-cap, sinks)."""
+def test_runs_of_one_sequence_equal_the_rows_they_come_from(c, name):
+    """The engine's ragged step: every query its own row (a table row and, as the
+    engine labels them, the slot positions after its own token), rows 0 and 1's
+    queries as two runs of T (`Paged.runs`: their pages read once), the other rows'
+    queries single; the real queries' outputs and lse equal the reference's on the rows
+    they come from (GQA, a ring under a window, soft-cap, sinks; "paged" on the dense
+    mask, "paged_tpu" through `paged.by_runs`)."""
     q, k, v, mask, k_dense, v_dense, sinks = build(c)[:7]
     B, T = c.B, c.T
     flat = lambda x: x.reshape(B * T, 1, *x.shape[2:])  # noqa: E731
     table = jnp.repeat(k.table, T, axis=0)
-    ragged = M.positions(flat(mask.q_positions), jnp.repeat(mask.kv_positions, T, axis=0),
-                         window=mask.window)
+    old, new = np.asarray(c.old), np.asarray(c.new)
+    own = (old[:, None] + np.arange(T) + (np.arange(T) < new[:, None])).reshape(-1)
+    ragged = M.positions(flat(mask.q_positions), slot_positions(own, c.S), window=mask.window)
 
     @jax.jit
     def attend(q, k_pool, v_pool, mask, sinks):
         return dot_product_attention(
             q, Paged(k_pool, table, runs=(2, T)), Paged(v_pool, table, runs=(2, T)), mask,
-            softcap=c.softcap, sinks=sinks, implementation="paged", return_lse=True)
+            softcap=c.softcap, sinks=sinks, implementation=name, return_lse=True)
 
     out, lse = attend(flat(q), k.pool, v.pool, ragged, sinks)
     want, want_lse = attention_reference(q, k_dense, v_dense, mask, softcap=c.softcap,
                                          sinks=sinks, return_lse=True)
-    np.testing.assert_allclose(out.reshape(want.shape), want, atol=TOL, rtol=TOL)
-    np.testing.assert_allclose(jnp.swapaxes(lse[..., 0].reshape(B, T, -1), 1, 2), want_lse,
+    real = np.arange(T)[None, :] < new[:, None]  # [B, T]
+    np.testing.assert_allclose(np.asarray(out).reshape(want.shape)[real], np.asarray(want)[real],
                                atol=TOL, rtol=TOL)
+    lse = np.swapaxes(np.asarray(lse)[..., 0].reshape(B, T, -1), 1, 2)  # [B, N, T]
+    np.testing.assert_allclose(np.moveaxis(lse, 2, 1)[real],
+                               np.moveaxis(np.asarray(want_lse), 2, 1)[real], atol=TOL, rtol=TOL)
     with pytest.raises(ValueError, match=r"runs \(2, 3\) need one query a row"):
         dot_product_attention(q, Paged(k.pool, k.table, runs=(2, 3)), v, mask,
                               implementation="paged")

@@ -77,6 +77,29 @@ def test_auto_runs_the_paged_kernel_for_paged_calls_on_tpu(name):
     assert "tpu_custom_call" in hlo and KERNEL in hlo
 
 
+def test_the_engine_ragged_call_runs_the_kernel_once_per_run():
+    """The engine's ragged step (`Paged.runs`: 2 runs of 16 queries, then 8 single
+    rows, one query a row) compiles to two kernel calls, the runs' as rows of 16
+    queries (`paged.by_runs`), not one per query."""
+    mesh = _mesh(1)
+    R, C, singles, N, K, H, page, n, pool = 2, 16, 8, 8, 2, 128, 16, 32, 80
+    B = R * C + singles
+
+    def ragged(q, k_pool, v_pool, table, q_pos, kv_pos):
+        k, v = (Paged(x, table, runs=(R, C)) for x in (k_pool, v_pool))
+        return dot_product_attention(q, k, v, M.positions(q_pos, kv_pos), return_lse=True)
+
+    fn = jax.jit(jax.shard_map(ragged, mesh=mesh, in_specs=P(), out_specs=P(),
+                               check_vma=False))
+    sds = lambda shape, dt=jnp.bfloat16: _sds(mesh, shape, dt)  # noqa: E731
+    lowered = fn.lower(sds((B, 1, N, H)), sds((pool, page, K, H)), sds((pool, page, K, H)),
+                       sds((B, n), jnp.int32), sds((B, 1), jnp.int32),
+                       sds((B, n * page), jnp.int32))
+    hlo = lowered.compile().as_text()
+    calls = re.findall(r'custom_call_target="tpu_custom_call"', hlo)
+    assert KERNEL in hlo and len(calls) == 2, len(calls)
+
+
 def test_a_cache_step_writes_and_attends_the_stored_pools_in_place():
     """The KV cache's paged step (`cached_attention`: write the step's keys, then attend
     with `Paged` views of the heads-major pools `[P, K, page, H]`) with the pools

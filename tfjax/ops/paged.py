@@ -23,8 +23,8 @@ from tfjax.ops import masks as masks_lib
 from tfjax.ops.implementation import AttentionRequest, Implementation
 from tfjax.ops.tiles import logit_scaling, logits
 
-__all__ = ["DROPPED", "IMPLEMENTATION", "Paged", "dense", "flat_index", "paged_attention",
-           "supports", "write"]
+__all__ = ["DROPPED", "IMPLEMENTATION", "Paged", "by_runs", "dense", "flat_index",
+           "paged_attention", "supports", "write"]
 
 DROPPED = jnp.iinfo(jnp.int32).max  # a flat index past every pool: the write is dropped
 
@@ -133,17 +133,13 @@ def paged_attention(q, k: Paged, v: Paged, mask: masks_lib.Mask | None = None, *
     if T != 1 or R * C > B:
         raise ValueError(f"paged_attention: runs {k.runs} need one query a row and at least "
                          f"{R * C} rows, got q of shape {q.shape}")
-    allowed = jnp.broadcast_to(allowed, (B, 1, S))
+    allowed = jnp.broadcast_to(allowed, (B, 1, S))  # per query: any mask
     first, rest = slice(0, R * C), slice(R * C, B)
-    out1, lse1 = _attend(q[first].reshape(R, C, N, H), k.pool, v.pool, k.scale, v.scale,
-                         k.table[:R * C:C], allowed[first].reshape(R, C, S), **kw)
-    out2, lse2 = _attend(q[rest], k.pool, v.pool, k.scale, v.scale, k.table[rest],
-                         allowed[rest], **kw)
-    out = jnp.concatenate([out1.reshape(R * C, 1, N, -1), out2])
-    if not return_lse:
-        return out
-    lse1 = jnp.swapaxes(lse1, 1, 2).reshape(R * C, N, 1)  # [R, N, C] -> a row per query
-    return out, jnp.concatenate([lse1, lse2])
+    out, lse = _joined(
+        _attend(q[first].reshape(R, C, N, H), k.pool, v.pool, k.scale, v.scale,
+                k.table[:R * C:C], allowed[first].reshape(R, C, S), **kw),
+        _attend(q[rest], k.pool, v.pool, k.scale, v.scale, k.table[rest], allowed[rest], **kw))
+    return (out, lse) if return_lse else out
 
 
 def _attend(q, k_pool, v_pool, k_scale, v_scale, table, allowed, *, scale, softcap):
@@ -189,6 +185,36 @@ def _attend(q, k_pool, v_pool, k_scale, v_scale, table, allowed, *, scale, softc
     safe = jnp.where(denom > 0, denom, 1.0)
     lse = jnp.where(denom > 0, jnp.log(safe) + row_max[:, :, 0], -jnp.inf)
     return out, lse.reshape(B, N, T)
+
+
+def by_runs(attend, q, k: Paged, v: Paged, mask: masks_lib.Positions, **kw):
+    """A ragged call (`k.runs` (R, C), one query a row) as two calls of `attend(q, k, v,
+    mask, return_lse=True, **kw)` -> (out, lse) on plain `Paged`: the runs as R rows of C
+    queries over their run's table row and the slot positions of its last row (the
+    longest: slots past a query's position are masked by it), then the single rows."""
+    R, C = k.runs
+    first, rest = slice(0, R * C), slice(R * C, q.shape[0])
+
+    def part(rows):  # k and v of these rows' tables
+        return tuple(dataclasses.replace(x, table=x.table[rows], runs=()) for x in (k, v))
+
+    q_pos, kv_pos, window = mask.q_positions, mask.kv_positions, mask.window
+    runs = attend(q[first].reshape(R, C, *q.shape[2:]), *part(slice(0, R * C, C)),
+                  masks_lib.positions(q_pos[first].reshape(R, C), kv_pos[C - 1:R * C:C],
+                                      window=window), return_lse=True, **kw)
+    single = attend(q[rest], *part(rest), masks_lib.positions(q_pos[rest], kv_pos[rest],
+                                                              window=window),
+                    return_lse=True, **kw)
+    return _joined(runs, single)
+
+
+def _joined(runs, single):
+    """(out, lse) of a ragged call from its runs' `[R, C, ...]` and single rows'."""
+    (out1, lse1), (out2, lse2) = runs, single
+    R, C = out1.shape[:2]
+    out = jnp.concatenate([out1.reshape(R * C, 1, *out1.shape[2:]), out2])
+    lse1 = jnp.swapaxes(lse1, 1, 2).reshape(R * C, -1, 1)  # [R, N, C] -> a row per query
+    return out, jnp.concatenate([lse1, lse2])
 
 
 def supports(r: AttentionRequest) -> str | None:

@@ -23,7 +23,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from tfjax.ops import masks as M
 from tfjax.ops.implementation import AttentionRequest, Implementation
-from tfjax.ops.paged import Paged
+from tfjax.ops.paged import Paged, by_runs
 from tfjax.ops.pallas.common import dot, dot_nt, tpu_interpret, tpu_pallas_call
 from tfjax.ops.reference import attention_reference
 from tfjax.ops.tiles import cdiv, logit_scaling, logits, pad_axis, round_up
@@ -310,6 +310,9 @@ def _impl(q, k, v, mask, *, bias, alibi, scale, softcap, q_offset, kv_offset, re
     # bias and ALiBi are refused (`supports`); a Positions mask holds its own positions,
     # which offsets do not move
     del bias, alibi, q_offset, kv_offset
+    if k.runs:  # the engine's ragged step: each run's pages walked once for its queries
+        out, lse = by_runs(paged_attention_tpu, q, k, v, mask, scale=scale, softcap=softcap)
+        return (out, lse) if return_lse else out
     return paged_attention_tpu(q, k, v, mask, scale=scale, softcap=softcap,
                                return_lse=return_lse)
 
