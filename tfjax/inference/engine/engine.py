@@ -246,9 +246,9 @@ class Engine:
                                        f"pool has {pool.num_pages - 1}")
                 return
             self.waiting.popleft()
-            leader = SequenceState(request, 0, free[0], settings, list(request.prompt), L, target,
-                               computed=len(cached) * ps, pages=list(cached),
-                               worst=per_seq, registered=len(cached), hashes=hashes)
+            leader = SequenceState(request, 0, free[0], settings, list(request.prompt), L,
+                                   target, computed=len(cached) * ps, pages=list(cached),
+                                   worst=per_seq, registered=len(cached), hashes=hashes)
             leader.followers = free[1:request.n]
             for b in free[:request.n]:
                 self.slots[b] = (leader if b == leader.slot
@@ -298,8 +298,8 @@ class Engine:
         R = next(r for r in self._row_counts[C] if r >= len(group))
         N = R * C + B
         tokens, valid = np.zeros(N, np.int32), np.zeros(N, bool)
-        position = np.asarray([0] * (R * C) + [getattr(held, "computed", 0)  # idle: at their
-                                               for held in self.slots], np.int32)  # length
+        idle = [getattr(held, "computed", 0) for held in self.slots]  # a row's padding token
+        position = np.asarray([0] * (R * C) + idle, np.int32)  # sits at its row's length
         runs = [s.slot for s in group] + [b for b in range(B) if all(s.slot != b for s in group)]
         pick_slots = np.concatenate([runs[:R], np.arange(B)]).astype(np.int32)
         slot_of = np.concatenate([np.repeat(pick_slots[:R], C), np.arange(B)]).astype(np.int32)
