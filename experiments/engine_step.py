@@ -215,19 +215,15 @@ def serve_engines(args) -> None:
                                           prefill_rows=bench.prefill_rows,
                                           prefix_caching=False, chunk_sizes=int(sizes),
                                           ragged=dispatch == "ragged"))
-        launch, ragged, finish = engine._launch, engine._launch_ragged, engine._finish
+        finish = engine._finish
 
-        def timed_ragged(group, T, decoding):  # a step's one call, counted as prefill
-            start = time.perf_counter()
-            call = ragged(group, T, decoding)
-            calls["prefill"] += time.perf_counter() - start
-            return T, call
-
-        def timed_launch(group, T):
-            start = time.perf_counter()
-            call = launch(group, T)
-            calls["prefill" if T > 1 else "decode"] += time.perf_counter() - start
-            return T, call
+        def timed(launch):  # a chunk or ragged call (T > 1) counts as prefill
+            def timed_launch(group, T, *decoding):
+                start = time.perf_counter()
+                call = launch(group, T, *decoding)
+                calls["prefill" if T > 1 else "decode"] += time.perf_counter() - start
+                return T, call
+            return timed_launch
 
         def timed_finish(T, call):
             start = time.perf_counter()
@@ -235,7 +231,7 @@ def serve_engines(args) -> None:
             calls["prefill" if T > 1 else "decode"] += time.perf_counter() - start
             return out
 
-        engine._launch, engine._launch_ragged = timed_launch, timed_ragged
+        engine._launch, engine._launch_ragged = timed(engine._launch), timed(engine._launch_ragged)
         engine._finish = lambda *c: timed_finish(*c)
         engine.warm_up()
         return engine
