@@ -13,8 +13,10 @@ once to compile / warm up, then `--repeats` times timed (its median run reported
 run's figures vary by up to ~1.5x on a shared 2-core machine):
 
 - tfjax engine: `tfjax.inference.engine.Engine` (`--max_seqs` rows, pages of
-  `--page_size`, chunks of `--chunk` for up to `--prefill_rows` rows a step, prefill
-  calls of `--chunk_sizes` widths; every step shape compiled first by `warm_up`), every
+  `--page_size`, up to `--prefill_rows` runs of `--chunk` prompt tokens a step (16 x
+  16: a prompt's last run pads less than with runs of 64, 1.01-1.09x tokens/s in
+  `engine_step.py --part serve` A/Bs), prefill calls of `--chunk_sizes` widths; every
+  step shape compiled first by `warm_up`), every
   output timed as `step()` returns it;
 - tfjax static batches: `tfjax.inference.stream` over batches of `--max_seqs` requests
   in order, prompts right-padded to the batch's longest, each batch generating its
@@ -207,8 +209,8 @@ def main():
     ap.add_argument("--max_new", type=int, default=96)
     ap.add_argument("--max_seqs", type=int, default=16)
     ap.add_argument("--page_size", type=int, default=16)
-    ap.add_argument("--chunk", type=int, default=64)
-    ap.add_argument("--prefill_rows", type=int, default=4)
+    ap.add_argument("--chunk", type=int, default=16)
+    ap.add_argument("--prefill_rows", type=int, default=16)
     ap.add_argument("--chunk_sizes", type=int, default=EngineConfig.chunk_sizes,
                     help="EngineConfig.chunk_sizes: --chunk and its halvings")
     ap.add_argument("--d_model", type=int, default=256)

@@ -6,7 +6,7 @@ serve`) whole engines on bench_serve.py's workload, A/B in one process.
     .venv/bin/python experiments/engine_step.py --widths 288 --ops 30 --hlo /tmp/step.hlo
     .venv/bin/python experiments/engine_step.py --variants auto:1,blockwise:1   # A/B
     .venv/bin/python experiments/engine_step.py --fill 0.5 --variants auto:1,auto:3
-    .venv/bin/python experiments/engine_step.py --part serve --serve_variants async:1,ragged:1
+    .venv/bin/python experiments/engine_step.py --part serve --serve_variants sync:1,ragged:1
 
 For each `max_len` of `--widths` (a page table of max_len / 16 pages a row) an engine is
 built, every row holding `--fill` of its pages, and these are timed, interleaved
@@ -29,17 +29,17 @@ the compiled program (time per step, shape, op), then the time summed per kind o
 `--hlo F` writes the optimized HLO of the first width's step to F.
 
 `--part serve`: bench_serve.py's engine run (its defaults: 48 requests, prompts
-8..192, answers 4..96, 16 rows, chunks of 64 for up to 4 rows) by one engine per
-`--serve_variants` item `dispatch:chunk_sizes` (`ragged`: the engine's step, a step with
-prompt chunks and decode tokens one call; `async`: a call for each kind, both dispatched
-before the host waits; `sync`: it waits on each call before dispatching the next;
-`EngineConfig.chunk_sizes`), `--repeats` runs of each in turn after one to warm up.
+8..192, answers 4..96, 16 rows, runs of 64, 4 a step) by one engine per
+`--serve_variants` item `dispatch:chunk_sizes[:chunk:prefill_rows]` (`ragged`: the
+engine's step, prompt runs and decode tokens one call, read after the next step's call
+is dispatched; `sync`: the same, each step's call read before the next is dispatched;
+`async`: a call for each kind (`ragged=False`); `EngineConfig.chunk_sizes`, `chunk`,
+`prefill_rows`), `--repeats` runs of each in turn after one to warm up.
 Printed per variant (medians over the runs): output tokens/s, time to first token p50 /
 p99, inter-token p50, and where a run's wall time goes on the host: in the prefill
-(chunk; ragged: the steps' one) calls and in the decode calls (preparing and dispatching each, waiting
-for its results and taking them; with `async` the wait on the prefill's results is
-spent while the decode call is queued), and the rest of the step (admission,
-bookkeeping); the process's CPU time of a run (every thread: the work done, which other
+(chunk; ragged: the steps' one) calls and in the decode calls (preparing and
+dispatching each, waiting for its results and taking them), and the rest of the step
+(admission, bookkeeping); the process's CPU time of a run (every thread: the work done, which other
 jobs on a shared machine inflate less than the wall time); ratios to the first variant.
 """
 
@@ -91,12 +91,13 @@ def decode_engine(width: int, fill: float, impl: str, widths: int, args
     ones = np.ones(ROWS, np.int32)
     sampling = jax.device_put(SamplingParams.padding(ROWS))
     program = engine._programs.step(1, 0, 0, False, engine._narrow(held))
-    call = lambda: (engine.params, engine.cache, engine.seen, engine.counts, None,  # noqa
+    call = lambda: (engine.params, engine.cache, engine.seen, engine.counts, engine.last,  # noqa
+                    None,
                     tokens, ones, length, engine._device_tables(), sampling, length + 1,
                     ones.astype(bool), np.full((ROWS, 1), -1, np.int32))
 
     def step():
-        out, _, engine.cache, engine.counts = program(*call())
+        out, _, engine.cache, engine.counts, engine.last = program(*call())
         return out.tokens
 
     step.program, step.arguments = program, call
@@ -107,7 +108,7 @@ def pieces(engine: Engine, step, args) -> dict:
     """The timed functions of one engine (see the module docstring)."""
     graphdef, params = engine.graphdef, engine.params
     tables = engine._device_tables()
-    length = jnp.asarray(step.arguments()[7])
+    length = jnp.asarray(step.arguments()[8])
 
     @jax.jit
     def model_step(params, cache, tokens):
@@ -185,14 +186,13 @@ def op_profile(step, repeats: int, top: int) -> None:
 
 
 class _SyncEngine(Engine):
-    """The engine as it was before its step dispatched both calls first: each call's
-    results are waited for before the next is dispatched (the `sync` variant)."""
+    """The engine as it was before a step read the calls of the step before it: a
+    step's calls are read before it returns (the `sync` variant)."""
 
-    def _launch(self, group, T):
-        return ("done", Engine._finish(self, *Engine._launch(self, group, T)))
-
-    def _finish(self, *call):
-        return call[1] if call[0] == "done" else Engine._finish(self, *call)
+    def step(self):
+        out = Engine.step(self)
+        done, self._in_flight = self._in_flight, []
+        return out + [o for call in done for o in self._finish(*call)]
 
 
 def serve_engines(args) -> None:
@@ -208,13 +208,13 @@ def serve_engines(args) -> None:
     calls = collections.defaultdict(float)
 
     def engine_of(variant):
-        dispatch, sizes = variant.split(":")
-        kind = {"sync": _SyncEngine, "async": Engine, "ragged": Engine}[dispatch]
+        dispatch, sizes, *shape = variant.split(":")
+        chunk, rows = map(int, shape) if shape else (bench.chunk, bench.prefill_rows)
+        kind = _SyncEngine if dispatch == "sync" else Engine
         engine = kind(model, EngineConfig(max_seqs=bench.max_seqs, max_len=max_len,
-                                          page_size=PAGE, chunk=bench.chunk,
-                                          prefill_rows=bench.prefill_rows,
+                                          page_size=PAGE, chunk=chunk, prefill_rows=rows,
                                           prefix_caching=False, chunk_sizes=int(sizes),
-                                          ragged=dispatch == "ragged"))
+                                          ragged=dispatch != "async"))
         finish = engine._finish
 
         def timed(launch):  # a chunk or ragged call (T > 1) counts as prefill
@@ -281,7 +281,7 @@ def main():
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--part", choices=("decode", "serve"), default="decode")
-    ap.add_argument("--serve_variants", default="async:1,ragged:1",
+    ap.add_argument("--serve_variants", default="sync:1,ragged:1",
                     help="--part serve: engines to compare, dispatch (sync|async|ragged):chunk_sizes")
     args = ap.parse_args()
     load = os.getloadavg()[0]

@@ -5,11 +5,11 @@
     engine.submit(Request(prompt, max_tokens=64, n=4, sampling=dict(temperature=0.8)))
     while engine.has_work(): outputs = engine.step()     # [Output]: a token of a sample
 
-A step is one ragged call: a few prefilling rows' next prompt chunks and every decoding
-row's token as one token list (weights read once); models with a state per row make a
-call of each kind, over just those rows (1, 2, 4 ..). Few shapes (`warm_up`). Admission
-reserves pages for the longest answer (no preemption); a stopped sample frees its pages
-at once. Serve unrolled layers (`tfjax.models.unrolled`). See docs/inference.md."""
+A step is one ragged call: prompt runs and every decoding row's token as one token list
+(weights read once), read once the next step's call is dispatched (a row's next input
+stays on the device); a state per row makes a call of each kind. Few shapes (`warm_up`).
+Admission reserves pages for the longest answer (no preemption); a stopped sample frees
+its pages at once. Serve unrolled layers (`tfjax.models.unrolled`). See docs/inference.md."""
 
 from __future__ import annotations
 
@@ -115,14 +115,16 @@ class Engine:
         self._ragged = config.ragged and reads_runs(cache)
         self.seen = jnp.zeros((B, self.vocab_size), bool)
         self.counts = jnp.zeros((B, self.vocab_size), jnp.int32)
+        self.last = jnp.zeros(B, jnp.int32)  # each row's last drawn token (programs.drawn)
+        self._in_flight = []  # the calls dispatched by the last step, read by the next
         self.slots: list[SequenceState | None] = [None] * B
         self.waiting: collections.deque[tuple[Request, dict]] = collections.deque()
         self._inbox: collections.deque = collections.deque()
         self._lock = threading.Lock()
         self._programs = programs(self.graphdef, mesh)
         if mesh is not None:  # placed as every program returns them (`programs.placed`)
-            self.cache, self.seen, self.counts = jax.device_put(
-                (self.cache, self.seen, self.counts),
+            self.cache, self.seen, self.counts, self.last = jax.device_put(
+                (self.cache, self.seen, self.counts, self.last),
                 state_shardings(self.cache, mesh, dict(rules or ())))
         self._chunks = sorted({-(-C // 2 ** i) for i in range(config.chunk_sizes)})
         self._row_counts = {  # the rows of each call of T tokens: 1, 2, 4 .. up to a limit
@@ -166,7 +168,7 @@ class Engine:
             raise ValueError(f"n: {request.n} samples exceed the engine's max_seqs="
                              f"{self.config.max_seqs} (request {request.request_id})")
         pool = self.pools.get(self.global_size)
-        worst = self._pages_needed(request)[-1]
+        worst = request.pages_needed(self.config.page_size, self.max_len)[-1]
         if pool is not None and worst > pool.num_pages - 1:
             raise ValueError(f"max_tokens: {request.n} sample(s) of up to "
                              f"{min(len(request.prompt) + request.max_tokens, self.max_len)} "
@@ -182,7 +184,7 @@ class Engine:
             self._inbox.append(("cancel", request_id, None))
 
     def has_work(self) -> bool:
-        return bool(self._inbox or self.waiting or any(self.slots))
+        return bool(self._inbox or self.waiting or any(self.slots) or self._in_flight)
 
     def queued(self) -> int:
         """Requests submitted and not admitted yet (thread-safe): what a server bounds."""
@@ -210,17 +212,6 @@ class Engine:
         return out
 
     # --------------------------------------------------------------- admission
-    def _pages_needed(self, request: Request) -> tuple[int, int, int, int]:
-        """(tokens to cache before the first sample, global pages of one sample, full
-        prompt pages its n samples share, pages of all n at their longest)."""
-        ps, L = self.config.page_size, len(request.prompt)
-        # n > 1: the last prompt token is each sample's own first step; scoring
-        # only (max_tokens 0): its logits are not needed
-        target = L - 1 if request.n > 1 or not request.max_tokens else L
-        per_seq = -(-min(L + request.max_tokens, self.max_len) // ps)
-        shared = target // ps if request.n > 1 else 0  # the leader's full pages
-        return target, per_seq, shared, per_seq + (request.n - 1) * (per_seq - shared)
-
     def _committed(self) -> int:
         return sum(s.worst - len(s.pages) for s in self.slots if s is not None)
 
@@ -232,7 +223,7 @@ class Engine:
             if len(free) < request.n:
                 return
             ps, L = self.config.page_size, len(request.prompt)
-            target, per_seq, shared, worst = self._pages_needed(request)
+            target, per_seq, shared, worst = request.pages_needed(ps, self.max_len)
             pool = self.pools.get(self.global_size)
             hashes, cached = [], []
             if self.shareable and pool is not None:  # (scored positions are computed)
@@ -256,73 +247,85 @@ class Engine:
 
     # -------------------------------------------------------------------- step
     def step(self) -> list[Output]:
-        """One engine step: take new requests and cancellations, admit, then run up to
-        `prefill_rows` prefilling rows a chunk further and every decoding row one token (a
-        call each, both dispatched before either is waited on); return the new tokens."""
+        """One engine step: take new requests and cancellations, admit, dispatch a call
+        running up to `prefill_rows` prefilling rows a chunk further and every decoding
+        row one token (or a call of each kind), then read the calls the step before
+        dispatched (their tokens: a decoding row's next input stays on the device, so
+        the host's work overlaps the device's) and return them."""
         out = self._drain()
         self._admit()
         self._fork_ready()
         rows = [s for s in self.slots if isinstance(s, SequenceState)]
-        if not rows:
-            return out
         if any(s.fresh for s in rows):
             self._reset(rows)
         prefilling = [s for s in rows if s.computed < s.target]
-        decoding = [s for s in rows if s.computed >= s.target]
+        decoding = [s for s in rows if s.computed >= s.target and not s.spent(self.max_len)]
         calls = []
         if prefilling:
             group = prefilling[:self._row_counts[self.config.chunk][-1]]
             longest = max(min(self.config.chunk, s.target - s.computed) for s in group)
             T = next(t for t in self._chunks if t >= longest)
-            if self._ragged and not any(s.request.score_from for s in group):
-                return out + self._finish(*self._launch_ragged(group, T, decoding))
-            calls.append(self._launch(group, T))
+            if self._ragged and not any(s.request.score_from for s in prefilling):
+                calls.append(self._launch_ragged(prefilling, T, decoding))
+                decoding = []
+            else:
+                calls.append(self._launch(group, T))
         if decoding:
             calls.append(self._launch(decoding, 1))
-        return out + [o for call in calls for o in self._finish(*call)]
+        done, self._in_flight = self._in_flight, calls
+        return out + [o for call in done for o in self._finish(*call)]
 
     def _take(self, s: SequenceState, T: int) -> tuple[int, bool]:
         """The tokens `s` takes in a call of T (its prompt's next piece, else its last
         token; its pages grown to hold them) and whether the call samples after them."""
         n = min(T, s.target - s.computed) if s.computed < s.target else 1
         self._grow(s, s.computed + n)
-        return n, (s.computed + n >= s.target and not s.followers
-                   and s.request.max_tokens > 0)
+        sample = s.computed + n >= s.target and not s.followers and s.request.max_tokens > 0
+        s.drawn += sample
+        return n, sample
 
-    def _launch_ragged(self, group: list[SequenceState], C: int, decoding: list[SequenceState]):
-        """Dispatch the ragged call (`programs.ragged`): `group`'s next prompt tokens as
-        runs of C (padded to the fewest runs of `_row_counts[C]`, spare runs on rows
-        not in `group`), then one token for each row (`decoding`'s last; padding for
-        the others); sampled: the runs, then the rows. As `_launch` returns."""
-        B = self.config.max_seqs
-        R = next(r for r in self._row_counts[C] if r >= len(group))
-        N = R * C + B
-        tokens, valid = np.zeros(N, np.int32), np.zeros(N, bool)
+    def _launch_ragged(self, prefilling: list[SequenceState], C: int,
+                       decoding: list[SequenceState]):
+        """Dispatch the ragged call (`programs.ragged`): prompt tokens as runs of C, up to
+        `_row_counts[C]`'s most runs, the first prefilling rows taking as many as their
+        prompts fill (spare runs padding), then one token for each row (`decoding`'s
+        last; padding for the others); sampled: each row's last run, then the rows. As
+        `_launch` returns."""
+        B, left, taken = self.config.max_seqs, self._row_counts[C][-1], []
+        for s in prefilling[:left]:  # (row, runs it takes) while runs are left; one with
+            k = -(-(s.target - s.computed) // C)  # rings (they hold one chunk past windows)
+            taken.append((s, min(1 if self.rings else k, left)))
+            left -= taken[-1][1]
+        group = [s for s, k in taken if k]
+        runs = [s.slot for s, k in taken for _ in range(k)]
+        R = next(r for r in self._row_counts[C] if r >= len(runs))
+        spare = [b for b in range(B) if b not in runs] or runs  # (spare runs: other rows)
+        pick_slots = np.asarray(runs + (spare * R)[:R - len(runs)] + list(range(B)), np.int32)
+        tokens, valid = np.zeros(R * C + B, np.int32), np.zeros(R * C + B, bool)
         idle = [getattr(held, "computed", 0) for held in self.slots]  # a row's padding token
         position = np.asarray([0] * (R * C) + idle, np.int32)  # sits at its row's length
-        runs = [s.slot for s in group] + [b for b in range(B) if all(s.slot != b for s in group)]
-        pick_slots = np.concatenate([runs[:R], np.arange(B)]).astype(np.int32)
         slot_of = np.concatenate([np.repeat(pick_slots[:R], C), np.arange(B)]).astype(np.int32)
         picks = np.concatenate([np.arange(R) * C, R * C + np.arange(B)]).astype(np.int32)
         after, samples = np.zeros(R + B, np.int32), np.zeros(R + B, bool)
-        where, feed = {}, {}
-        for i, s in enumerate(group):
-            n, samples[i] = self._take(s, C)
-            start, where[s.slot], feed[s.slot] = i * C, i, n
-            tokens[start:start + n] = s.tokens[s.computed:s.computed + n]
-            position[start:start + C] = s.computed + np.arange(C)
-            valid[start:start + n], picks[i], after[i] = True, start + n - 1, s.computed + n
+        where, feed, start = {}, {}, 0
+        for s, k in taken[:len(group)]:
+            n, sample = self._take(s, k * C)
+            i = where[s.slot] = (start + k * C) // C - 1  # its last run
+            tokens[start:start + n], valid[start:start + n] = s.tokens[s.computed:][:n], True
+            position[start:start + k * C] = s.computed + np.arange(k * C)
+            picks[i], after[i], samples[i], feed[s.slot] = start + n - 1, s.computed + n, sample, n
+            start += k * C
         for s in decoding:
             j, (n, samples[R + s.slot]) = R * C + s.slot, self._take(s, 1)
             where[s.slot], feed[s.slot] = R + s.slot, n
-            tokens[j], valid[j], after[R + s.slot] = s.tokens[s.computed], True, s.computed + 1
+            tokens[j], valid[j], after[R + s.slot] = s.next_token(), True, s.computed + 1
         group = group + decoding
         num_logprobs = self.config.max_logprobs if any(s.request.logprobs for s in group) else 0
         held = -(-max(s.computed + feed[s.slot] for s in group) // self.config.page_size)
         with self._traced():
-            sampled, self.cache, self.counts = self._programs.ragged(
+            sampled, self.cache, self.counts, self.last = self._programs.ragged(
                 R, C, num_logprobs, self._narrow(held))(
-                self.params, self.cache, self.seen, self.counts, tokens, slot_of, position,
+                self.params, self.cache, self.seen, self.counts, self.last, tokens, slot_of, position,
                 valid, self._device_tables(), self._sampling(pick_slots.tolist()), picks,
                 pick_slots, after, samples)
         for s in group:
@@ -356,7 +359,7 @@ class Engine:
             i = where[s.slot]
             n, samples[i] = self._take(s, T)
             feed[s.slot] = n
-            tokens[i, :n] = s.tokens[s.computed:s.computed + n]
+            tokens[i, :n] = s.tokens[s.computed:s.computed + n] if n > 1 else s.next_token()
             n_new[i], length[i] = n, s.computed
             if s.request.score_from and s.computed < s.prompt_len:
                 for t in range(n):
@@ -371,9 +374,10 @@ class Engine:
         rows = None if R == B else np.asarray(slots, np.int32)
         held = -(-max(s.computed + feed[s.slot] for s in group) // self.config.page_size)
         with self._traced():
-            sampled, scored, self.cache, self.counts = self._programs.step(
+            sampled, scored, self.cache, self.counts, self.last = self._programs.step(
                 T, R if R < B else 0, num_logprobs, score, self._narrow(held))(
-                self.params, self.cache, self.seen, self.counts, rows, tokens, n_new, length,
+                self.params, self.cache, self.seen, self.counts, self.last, rows, tokens, n_new,
+                length,
                 self._device_tables(), self._sampling(slots), length + n_new, samples, targets)
         for s in group:
             s.computed += feed[s.slot]
@@ -384,13 +388,15 @@ class Engine:
         """Wait for a `_launch`ed call; take its samples and scores (`targets` given)."""
         sampled, scored = jax.device_get((sampled, scored))
         out = []
-        for s in group:
+        for s in [s for s in group if self.slots[s.slot] is s]:  # (not stopped since)
             i = where[s.slot]
             if targets is not None:
                 s.scores += [(float(scored[0][i, t]), bool(scored[1][i, t]))
                              for t in range(targets.shape[1]) if targets[i, t] >= 0]
             if samples[i]:
-                out.extend(self._emit(s, sampled, i))
+                out.append(s.output(sampled, i, self.eos_ids, self.decode, self.max_len))
+                if out[-1].finish_reason is not None:
+                    self._free(s)
             elif s.request.max_tokens == 0 and s.computed >= s.target:  # scored only
                 out.append(s.scored(Output(s.request.request_id, 0, None,
                                            finish_reason="length")))
@@ -419,9 +425,10 @@ class Engine:
         return self._last_sampling[2]
 
     def _device_tables(self) -> dict:
-        """The page tables on the device, sent again only after they changed."""
+        """The page tables on the device, sent again only after they changed: copies (a
+        CPU array may share the numpy buffer, which changes while calls are in flight)."""
         if self._tables_on_device is None:
-            self._tables_on_device = jax.device_put(self.tables)
+            self._tables_on_device = jax.device_put({s: t.copy() for s, t in self.tables.items()})
         return self._tables_on_device
 
     def _grow(self, s: SequenceState, end: int) -> None:
@@ -509,23 +516,6 @@ class Engine:
                 for s, p in pairs.items()}
 
     # ----------------------------------------------------------------- outputs
-    def _emit(self, s: SequenceState, sampled, i: int) -> list[Output]:
-        """The token `s` drew (row i of `sampled`), and whether it ends `s`."""
-        token = int(sampled.tokens[i])
-        top = None
-        if s.request.logprobs:
-            k = s.request.logprobs
-            top = {int(t): float(p) for t, p in zip(sampled.top_ids[i][:k],
-                                                     sampled.top_logprobs[i][:k])}
-        reason, stop_string = s.append(token, self.eos_ids, self.decode, self.max_len)
-        out = Output(s.request.request_id, s.index, token, float(sampled.logprobs[i]),
-                     top, reason, stop_string)
-        if s.generated == 1:
-            out = s.scored(out)
-        if reason is not None:
-            self._free(s)
-        return [out]
-
     def _free(self, s: SequenceState) -> None:
         """Release `s`'s pages and slot (and its followers' slots, if not forked yet)."""
         pool = self.pools.get(self.global_size)
@@ -565,9 +555,10 @@ class Engine:
             with self._traced():
                 if kind == "ragged":
                     N, slots = R * T + B, np.arange(R + B, dtype=np.int32) % B
-                    _, self.cache, self.counts = self._programs.ragged(
+                    _, self.cache, self.counts, self.last = self._programs.ragged(
                         R, T, num_logprobs, self._narrow(width))(
-                        self.params, self.cache, self.seen, self.counts, np.zeros(N, np.int32),
+                        self.params, self.cache, self.seen, self.counts, self.last,
+                        np.zeros(N, np.int32),
                         np.zeros(N, np.int32), np.zeros(N, np.int32), np.zeros(N, bool),
                         self._device_tables(), self._sampling(slots.tolist()),
                         np.zeros(R + B, np.int32), slots, np.zeros(R + B, np.int32),
@@ -575,9 +566,9 @@ class Engine:
                     continue
                 n, R = R, (R if R < B else 0)
                 zeros = np.zeros((n, T), np.int32)
-                _, _, self.cache, self.counts = self._programs.step(
+                _, _, self.cache, self.counts, self.last = self._programs.step(
                     T, R, num_logprobs, kind == "score", self._narrow(width))(
-                    self.params, self.cache, self.seen, self.counts,
+                    self.params, self.cache, self.seen, self.counts, self.last,
                     np.arange(n, dtype=np.int32) if R else None, zeros, np.zeros(n, np.int32),
                     lengths[:n], self._device_tables(), self._sampling(list(range(n))),
                     lengths[:n], np.zeros(n, bool), zeros - 1)

@@ -43,14 +43,17 @@ class _Programs:
         `[R, T]` (the next prompt token after each position, -1: none) and whether each
         is the greedy choice. `narrow`: ((paged size, pages), ...): those page tables
         cut to their first `pages` columns (a global cache's rows that hold no more:
-        the attention gathers and reads only those)."""
+        the attention gathers and reads only those). A token -1 is the row's last drawn
+        (`last` `[B]`, kept on the device, so a step can be dispatched before the one
+        before it is read)."""
         graphdef = self.graphdef
         widths = dict(narrow)
 
-        def run(params, cache, seen, counts, rows, tokens, n_new, length, tables, sampling,
-                positions, samples, targets):
+        def run(params, cache, seen, counts, last, rows, tokens, n_new, length, tables,
+                sampling, positions, samples, targets):
             model = nnx.merge(graphdef, params)
-            whole = cache
+            whole, slots = cache, jnp.arange(tokens.shape[0]) if rows is None else rows
+            tokens = jnp.where(tokens < 0, last[slots][:, None], tokens)
             if R:  # the rows' own states, tables, seen and counts
                 axes = logical_axes(cache)
                 cache = cache.replace(layers=jax.tree.map(
@@ -66,12 +69,13 @@ class _Programs:
                 at = jnp.maximum(targets, 0)[..., None]
                 scored = (jnp.take_along_axis(logp, at, axis=-1)[..., 0],
                           jnp.argmax(logits, axis=-1) == targets)
-                last = jnp.maximum(n_new - 1, 0)[:, None, None]
-                logits = jnp.take_along_axis(logits, last, axis=1)
+                at_last = jnp.maximum(n_new - 1, 0)[:, None, None]
+                logits = jnp.take_along_axis(logits, at_last, axis=1)
             sampled = sample_rows(logits[:, 0], sampling, positions, seen, counts,
                                   num_logprobs=num_logprobs)
             counts = counts.at[jnp.arange(tokens.shape[0]), sampled.tokens].add(
                 samples.astype(jnp.int32))
+            last = drawn(last, slots, samples, sampled.tokens)
             if R:  # back into the whole cache: per-row states by row, pools as they are
                 cache = whole.replace(layers=jax.tree.map(
                     lambda x, new, names: _set_rows(x, new, names, rows),
@@ -79,9 +83,9 @@ class _Programs:
                 counts = all_counts.at[rows].set(counts)
             cache = cache.replace(pages=whole.pages)  # its shapes as they came, whatever width
             cache, _, counts = placed(cache, None, counts)
-            return sampled, scored, cache, counts
+            return sampled, scored, cache, counts, shard(last, ("batch",))
 
-        return jax.jit(run, donate_argnums=(1, 3))
+        return jax.jit(run, donate_argnums=(1, 3, 4))
 
 
     @functools.lru_cache(maxsize=64)
@@ -93,13 +97,14 @@ class _Programs:
         the others). The dense layers take them all at once (their weights read once a
         step), the head only rows `picks` `[R + B]` (each run's last real token, then
         each row's), sampled as rows `pick_slots` of the cache. Pools only: no per-row
-        state. `narrow` as `step`'s."""
+        state. `narrow` and `last` as `step`'s."""
         graphdef = self.graphdef
         widths = dict(narrow)
 
-        def run(params, cache, seen, counts, tokens, slot_of, position, valid, tables,
+        def run(params, cache, seen, counts, last, tokens, slot_of, position, valid, tables,
                 sampling, picks, pick_slots, after, samples):
             model = nnx.merge(graphdef, params)
+            tokens = jnp.where(tokens < 0, last[slot_of], tokens)
             tables = {s: t[slot_of, :widths.get(s, t.shape[1])] for s, t in tables.items()}
             ragged = cache.replace(length=position,
                                    pages=cache.pages.replace(tables=tables, runs=(R, C)))
@@ -109,9 +114,16 @@ class _Programs:
                                   counts[pick_slots], num_logprobs=num_logprobs)
             counts = counts.at[pick_slots, sampled.tokens].add(samples.astype(jnp.int32))
             cache, _, counts = placed(cache.replace(layers=new.layers), None, counts)
-            return sampled, cache, counts
+            return sampled, cache, counts, shard(drawn(last, pick_slots, samples, sampled.tokens),
+                                                 ("batch",))
 
-        return jax.jit(run, donate_argnums=(1, 3))
+        return jax.jit(run, donate_argnums=(1, 3, 4))
+
+
+def drawn(last, slots, samples, tokens):
+    """`last` `[B]` (each row's last drawn token, what a step takes for a token given as
+    -1) with `tokens` put at rows `slots` where `samples` (a row's other picks are not)."""
+    return last.at[jnp.where(samples, slots, last.shape[0])].set(tokens, mode="drop")
 
 
 def _rows_of(x, names, rows):
@@ -145,13 +157,13 @@ def placed(cache, seen, counts):
 
 
 def state_shardings(cache, mesh, rules) -> tuple:
-    """The shardings `placed` gives the engine's state (cache, seen, counts) on `mesh`
-    under `rules`: where the engine puts it at the start, whatever devices it was
-    made on."""
+    """The shardings `placed` gives the engine's state (cache, seen, counts; and the
+    steps give `last`) on `mesh` under `rules`: where the engine puts it at the start,
+    whatever devices it was made on."""
     on = lambda names: NamedSharding(mesh, logical_to_spec(names, rules))  # noqa: E731
     cache_shardings = jax.tree.map(lambda x, names: None if x is None else on(names), cache,
                                    logical_axes(cache), is_leaf=lambda x: x is None)
-    return cache_shardings, on(("batch", None)), on(("batch", None))
+    return cache_shardings, on(("batch", None)), on(("batch", None)), on(("batch",))
 
 
 def _reset_rows(cache, seen, counts, fresh, prompts):

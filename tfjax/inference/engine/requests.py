@@ -54,6 +54,17 @@ class Request:
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop)
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
 
+    def pages_needed(self, page_size: int, max_len: int) -> tuple[int, int, int, int]:
+        """(tokens to cache before the first sample, pages of one sample, full prompt
+        pages its n samples share, pages of all n at their longest)."""
+        L = len(self.prompt)
+        # n > 1: the last prompt token is each sample's own first step; scoring
+        # only (max_tokens 0): its logits are not needed
+        target = L - 1 if self.n > 1 or not self.max_tokens else L
+        per_seq = -(-min(L + self.max_tokens, max_len) // page_size)
+        shared = target // page_size if self.n > 1 else 0  # the leader's full pages
+        return target, per_seq, shared, per_seq + (self.n - 1) * (per_seq - shared)
+
     def check(self, *, max_len: int, vocab_size: int, max_logprobs: int) -> dict:
         """Raise a one-line ValueError naming the field when the request cannot be served
         (a server's HTTP 400); else its checked sampling settings."""
@@ -116,7 +127,8 @@ class SequenceState:
     tokens: list  # prompt, then the generated tokens
     prompt_len: int
     target: int  # the tokens to put in the cache before the first sample (prompt or n-1)
-    computed: int = 0  # tokens in the cache
+    computed: int = 0  # tokens in the cache (or on their way: dispatched)
+    drawn: int = 0  # samples dispatched (read or not)
     pages: list = dataclasses.field(default_factory=list)  # global page ids, logical order
     worst: int = 0  # the most global pages it can come to hold
     registered: int = 0  # its full prompt pages already in the prefix cache
@@ -128,6 +140,15 @@ class SequenceState:
     @property
     def generated(self) -> int:
         return len(self.tokens) - self.prompt_len
+
+    def next_token(self) -> int:
+        """The next input token, or -1 for a sample not read yet (a step takes it from
+        the device: `programs.drawn`)."""
+        return self.tokens[self.computed] if self.computed < len(self.tokens) else -1
+
+    def spent(self, max_len: int) -> bool:
+        """Whether its dispatched samples reach `max_tokens` or `max_len` (no more)."""
+        return self.drawn >= self.request.max_tokens or self.prompt_len + self.drawn >= max_len
 
     def append(self, token: int, eos_ids, decode, max_len: int) -> tuple:
         """Append a drawn `token`: (None, None) if the sample goes on, else its finish
@@ -144,6 +165,18 @@ class SequenceState:
         if reason is None and (self.generated >= r.max_tokens or len(self.tokens) >= max_len):
             reason = "length"
         return reason, stop_string
+
+    def output(self, sampled, i: int, eos_ids, decode, max_len: int) -> Output:
+        """The `Output` of the token it drew (row i of `sampled`, appended; a finish
+        reason if it ends the sample)."""
+        token, top, k = int(sampled.tokens[i]), None, self.request.logprobs
+        if k:
+            top = {int(t): float(p) for t, p in zip(sampled.top_ids[i][:k],
+                                                     sampled.top_logprobs[i][:k])}
+        reason, stop_string = self.append(token, eos_ids, decode, max_len)
+        out = Output(self.request.request_id, self.index, token, float(sampled.logprobs[i]),
+                     top, reason, stop_string)
+        return self.scored(out) if self.generated == 1 else out
 
     def scored(self, output: Output) -> Output:
         """`output` with the prompt's scores of a request with `score_from`."""
