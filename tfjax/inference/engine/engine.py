@@ -281,7 +281,7 @@ class Engine:
         n = min(T, s.target - s.computed) if s.computed < s.target else 1
         self._grow(s, s.computed + n)
         sample = s.computed + n >= s.target and not s.followers and s.request.max_tokens > 0
-        s.drawn += sample
+        s.drawn, s.unread = s.drawn + sample, s.unread + 1
         return n, sample
 
     def _launch_ragged(self, prefilling: list[SequenceState], C: int,
@@ -388,6 +388,8 @@ class Engine:
         """Wait for a `_launch`ed call; take its samples and scores (`targets` given)."""
         sampled, scored = jax.device_get((sampled, scored))
         out = []
+        for s in group:
+            s.unread -= 1
         for s in [s for s in group if self.slots[s.slot] is s]:  # (not stopped since)
             i = where[s.slot]
             if targets is not None:
@@ -397,7 +399,7 @@ class Engine:
                 out.append(s.output(sampled, i, self.eos_ids, self.decode, self.max_len))
                 if out[-1].finish_reason is not None:
                     self._free(s)
-            elif s.request.max_tokens == 0 and s.computed >= s.target:  # scored only
+            elif s.request.max_tokens == 0 and s.computed >= s.target and not s.unread:
                 out.append(s.scored(Output(s.request.request_id, 0, None,
                                            finish_reason="length")))
                 self._free(s)
@@ -484,7 +486,7 @@ class Engine:
                 seq = dataclasses.replace(leader, index=i, slot=slot, tokens=list(leader.tokens),
                                           settings=dict(leader.settings, seed=seed), pages=[],
                                           worst=self.slots[slot].worst, followers=[],
-                                          hashes=[], registered=0)
+                                          hashes=[], registered=0, unread=0)
                 if pool is not None:
                     seq.pages = [pool.retain(p) for p in leader.pages[:full]]
                     if len(leader.pages) > full:  # the partial page: a copy of its own

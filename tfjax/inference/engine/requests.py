@@ -129,6 +129,7 @@ class SequenceState:
     target: int  # the tokens to put in the cache before the first sample (prompt or n-1)
     computed: int = 0  # tokens in the cache (or on their way: dispatched)
     drawn: int = 0  # samples dispatched (read or not)
+    unread: int = 0  # calls dispatched with it and not read yet
     pages: list = dataclasses.field(default_factory=list)  # global page ids, logical order
     worst: int = 0  # the most global pages it can come to hold
     registered: int = 0  # its full prompt pages already in the prefix cache
