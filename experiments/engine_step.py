@@ -282,7 +282,8 @@ def main():
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--part", choices=("decode", "serve"), default="decode")
     ap.add_argument("--serve_variants", default="sync:1,ragged:1",
-                    help="--part serve: engines to compare, dispatch (sync|async|ragged):chunk_sizes")
+                    help="--part serve: engines to compare, "
+                         "(sync|async|ragged):chunk_sizes[:chunk:prefill_rows]")
     args = ap.parse_args()
     load = os.getloadavg()[0]
     if args.part == "serve":

@@ -310,8 +310,9 @@ class Engine:
         where, feed, start = {}, {}, 0
         for s, k in taken[:len(group)]:
             n, sample = self._take(s, k * C)
-            i = where[s.slot] = (start + k * C) // C - 1  # its last run
-            tokens[start:start + n], valid[start:start + n] = s.tokens[s.computed:][:n], True
+            i = where[s.slot] = start // C + k - 1  # its last run
+            tokens[start:start + n] = s.tokens[s.computed:s.computed + n]
+            valid[start:start + n] = True
             position[start:start + k * C] = s.computed + np.arange(k * C)
             picks[i], after[i], samples[i], feed[s.slot] = start + n - 1, s.computed + n, sample, n
             start += k * C
@@ -325,9 +326,9 @@ class Engine:
         with self._traced():
             sampled, self.cache, self.counts, self.last = self._programs.ragged(
                 R, C, num_logprobs, self._narrow(held))(
-                self.params, self.cache, self.seen, self.counts, self.last, tokens, slot_of, position,
-                valid, self._device_tables(), self._sampling(pick_slots.tolist()), picks,
-                pick_slots, after, samples)
+                self.params, self.cache, self.seen, self.counts, self.last, tokens, slot_of,
+                position, valid, self._device_tables(), self._sampling(pick_slots.tolist()),
+                picks, pick_slots, after, samples)
         for s in group:
             s.computed += feed[s.slot]
             self._register(s)
@@ -377,8 +378,8 @@ class Engine:
             sampled, scored, self.cache, self.counts, self.last = self._programs.step(
                 T, R if R < B else 0, num_logprobs, score, self._narrow(held))(
                 self.params, self.cache, self.seen, self.counts, self.last, rows, tokens, n_new,
-                length,
-                self._device_tables(), self._sampling(slots), length + n_new, samples, targets)
+                length, self._device_tables(), self._sampling(slots), length + n_new, samples,
+                targets)
         for s in group:
             s.computed += feed[s.slot]
             self._register(s)
@@ -560,8 +561,8 @@ class Engine:
                     _, self.cache, self.counts, self.last = self._programs.ragged(
                         R, T, num_logprobs, self._narrow(width))(
                         self.params, self.cache, self.seen, self.counts, self.last,
-                        np.zeros(N, np.int32),
-                        np.zeros(N, np.int32), np.zeros(N, np.int32), np.zeros(N, bool),
+                        np.zeros(N, np.int32), np.zeros(N, np.int32), np.zeros(N, np.int32),
+                        np.zeros(N, bool),
                         self._device_tables(), self._sampling(slots.tolist()),
                         np.zeros(R + B, np.int32), slots, np.zeros(R + B, np.int32),
                         np.zeros(R + B, bool))
