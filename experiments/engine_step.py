@@ -92,8 +92,7 @@ def decode_engine(width: int, fill: float, impl: str, widths: int, args
     sampling = jax.device_put(SamplingParams.padding(ROWS))
     program = engine._programs.step(1, 0, 0, False, engine._narrow(held))
     call = lambda: (engine.params, engine.cache, engine.seen, engine.counts, engine.last,  # noqa
-                    None,
-                    tokens, ones, length, engine._device_tables(), sampling, length + 1,
+                    None, tokens, ones, length, engine._device_tables(), sampling, length + 1,
                     ones.astype(bool), np.full((ROWS, 1), -1, np.int32))
 
     def step():

@@ -281,7 +281,7 @@ class Engine:
         n = min(T, s.target - s.computed) if s.computed < s.target else 1
         self._grow(s, s.computed + n)
         sample = s.computed + n >= s.target and not s.followers and s.request.max_tokens > 0
-        s.drawn, s.unread = s.drawn + sample, s.unread + 1
+        s.dispatched, s.unread = s.dispatched + sample, s.unread + 1
         return n, sample
 
     def _launch_ragged(self, prefilling: list[SequenceState], C: int,

@@ -128,7 +128,7 @@ class SequenceState:
     prompt_len: int
     target: int  # the tokens to put in the cache before the first sample (prompt or n-1)
     computed: int = 0  # tokens in the cache (or on their way: dispatched)
-    drawn: int = 0  # samples dispatched (read or not)
+    dispatched: int = 0  # samples dispatched (read or not)
     unread: int = 0  # calls dispatched with it and not read yet
     pages: list = dataclasses.field(default_factory=list)  # global page ids, logical order
     worst: int = 0  # the most global pages it can come to hold
@@ -149,7 +149,8 @@ class SequenceState:
 
     def spent(self, max_len: int) -> bool:
         """Whether its dispatched samples reach `max_tokens` or `max_len` (no more)."""
-        return self.drawn >= self.request.max_tokens or self.prompt_len + self.drawn >= max_len
+        return (self.dispatched >= self.request.max_tokens
+                or self.prompt_len + self.dispatched >= max_len)
 
     def append(self, token: int, eos_ids, decode, max_len: int) -> tuple:
         """Append a drawn `token`: (None, None) if the sample goes on, else its finish
