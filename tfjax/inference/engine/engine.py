@@ -296,7 +296,9 @@ class Engine:
             k = -(-(s.target - s.computed) // C)  # rings (they hold one chunk past windows)
             taken.append((s, min(1 if self.rings else k, left)))
             left -= taken[-1][1]
-        group = [s for s, k in taken if k]
+            if not left:
+                break
+        group = [s for s, _ in taken]
         runs = [s.slot for s, k in taken for _ in range(k)]
         R = next(r for r in self._row_counts[C] if r >= len(runs))
         spare = [b for b in range(B) if b not in runs] or runs  # (spare runs: other rows)
@@ -308,7 +310,7 @@ class Engine:
         picks = np.concatenate([np.arange(R) * C, R * C + np.arange(B)]).astype(np.int32)
         after, samples = np.zeros(R + B, np.int32), np.zeros(R + B, bool)
         where, feed, start = {}, {}, 0
-        for s, k in taken[:len(group)]:
+        for s, k in taken:
             n, sample = self._take(s, k * C)
             i = where[s.slot] = start // C + k - 1  # its last run
             tokens[start:start + n] = s.tokens[s.computed:s.computed + n]
