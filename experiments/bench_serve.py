@@ -5,40 +5,48 @@ against transformers' own continuous batching, on the same model and machine.
     .venv/bin/python experiments/bench_serve.py --requests 96 --max_seqs 32 --d_model 512
     .venv/bin/python experiments/bench_serve.py --out experiments/results/bench_serve.md
 
-One random Llama-shaped model (layers unrolled, as decoding wants them), exported to a Hugging Face directory and loaded by
-transformers (the same weights; float32). The workload: --requests prompts of random
-lengths (8 .. --max_prompt tokens) asking for random numbers of tokens (4 ..
---max_new), EOS ignored, all submitted at once (an offline batch). Each system runs it
-once to compile / warm up, then `--repeats` times timed (its median run reported; one
-run's figures vary by up to ~1.5x on a shared 2-core machine):
+One random Llama-shaped model (layers unrolled, as decoding wants them), exported to a
+Hugging Face directory and loaded by transformers (the same weights; float32). The
+workload: --requests prompts of random lengths (8 .. --max_prompt tokens) asking for
+random numbers of tokens (4 .. --max_new), EOS ignored, all submitted at once (an offline
+batch). Each system runs it once to compile / warm up; then `--repeats` rounds each run
+every system once, in an order rotated each round, so that the ratios compare runs made
+within seconds of each other (a shared 2-core machine's speed drifts by up to ~1.3x over
+minutes, all systems alike: CPU time per run follows wall time, steal stays ~0):
 
 - tfjax engine: `tfjax.inference.engine.Engine` (`--max_seqs` rows, pages of
   `--page_size`, up to `--prefill_rows` runs of `--chunk` prompt tokens a step (16 x
   16: a prompt's last run pads less than with runs of 64, 1.01-1.09x tokens/s in
   `engine_step.py --part serve` A/Bs), prefill calls of `--chunk_sizes` widths; every
-  step shape compiled first by `warm_up`), every
-  output timed as `step()` returns it;
+  step shape compiled first by `warm_up`), every output timed as `step()` returns it;
 - tfjax static batches: `tfjax.inference.stream` over batches of `--max_seqs` requests
-  in order, prompts right-padded to the batch's longest, each batch generating its
-  longest answer (the tokens past a request's own count are wasted), timed per step;
+  in order, in one compiled shape (as a static server has): prompts right-padded to
+  --max_prompt, every batch generating --max_new tokens (a batch of 16 random lengths
+  has its longest near both; the tokens past a request's own count are wasted);
 - transformers continuous batching: `model.init_continuous_batching` with
   `max_requests_per_batch=--max_seqs`, per-request `max_new_tokens`, the tokens'
-  own timestamps.
+  own timestamps; torch on every core (faster than one thread here).
+
+`--xla_flags` (appended to XLA_FLAGS) defaults to XLA:CPU's dots on the thread running
+the program, not on Eigen's pool as well: on 2 cores the host's Python thread, which
+steps the engine while a call runs, then keeps a core (see
+experiments/results/bench_serve.md for the A/B); both tfjax systems run with it.
 
 Printed (each system's run of median wall time): output tokens/s (the tokens the
 requests asked for, over the wall time from submission to the last token; and every
-run's), time to first token (p50, p99; from submission, so it
-includes waiting for a slot), inter-token latency (p50, p99 over every gap between a
-request's consecutive tokens), and ratios to the engine; then the KV memory the engine's
-pages held at most against the static cache of `--max_seqs` rows of the longest
-sequence. Greedy tokens of the three are checked equal on the first requests.
-`--out F` also appends the table to F (markdown) under a dated heading with the command
-and the load average at the start and the end.
+run's), its ratio to the engine's (the median of the rounds' ratios; and every
+round's), time to first token (p50, p99; from submission, so it includes waiting for a
+slot), inter-token latency (p50, p99 over every gap between a request's consecutive
+tokens); then the KV memory the engine's pages held at most against the static cache of
+`--max_seqs` rows of the longest sequence. Greedy tokens of the three are checked equal
+on the first requests. `--out F` also appends the table to F (markdown) under a dated
+heading with the command and the load average at the start and the end.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import shlex
@@ -155,51 +163,73 @@ def run_static(model, prompts, new, args):
     return dict(wall=time.perf_counter() - t0, lat=latencies(first, gaps, t0), tokens=out)
 
 
-def run_transformers(path, rounds, args):
-    """`rounds` [(prompts, new)] on one manager (its set-up and first steps warm it)."""
-    import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+class TransformersCB:
+    """transformers' continuous batching on the model exported to `path`: one manager,
+    started on entering and stopped on leaving; `run(prompts, new)` times one round."""
 
-    torch.set_num_threads(os.cpu_count() or 1)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                 attn_implementation="sdpa")
-    gen = GenerationConfig(do_sample=False, max_new_tokens=args.max_new, eos_token_id=None,
-                           pad_token_id=0)
-    cb = ContinuousBatchingConfig(max_requests_per_batch=args.max_seqs,
-                                  page_size=args.page_size)
-    manager = model.init_continuous_batching(generation_config=gen,
-                                             continuous_batching_config=cb)
-    manager.start()
-    runs = []
-    try:
-        for prompts, new in rounds:
-            t0 = time.perf_counter()
-            ids = [manager.add_request(p, max_new_tokens=n, record_timestamps=True)
-                   for p, n in zip(prompts, new)]
-            results = {}
-            while len(results) < len(ids):
-                r = manager.get_result(timeout=60)
-                if r is not None and r.is_finished():
-                    results[r.request_id] = r
-            wall = max(r.lifespan[1] for r in results.values()) - t0
-            first, gaps = [], []
-            for r in results.values():
-                ts = r.timestamps or []
-                if ts:
-                    first.append(ts[0])
-                    gaps.extend(np.diff(ts).tolist())
-            runs.append(dict(wall=wall, lat=latencies(first, gaps, t0),
-                             tokens=[results[i].generated_tokens for i in ids]))
-    finally:
-        manager.stop(block=True)
-    return runs[1:]  # the first round warms up
+    def __init__(self, path: str, args):
+        import torch
+        from transformers import AutoModelForCausalLM, GenerationConfig
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        torch.set_num_threads(os.cpu_count() or 1)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                     attn_implementation="sdpa")
+        gen = GenerationConfig(do_sample=False, max_new_tokens=args.max_new, eos_token_id=None,
+                               pad_token_id=0)
+        cb = ContinuousBatchingConfig(max_requests_per_batch=args.max_seqs,
+                                      page_size=args.page_size)
+        self.manager = model.init_continuous_batching(generation_config=gen,
+                                                      continuous_batching_config=cb)
+
+    def __enter__(self):
+        self.manager.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.manager.stop(block=True)
+
+    def run(self, prompts, new) -> dict:
+        t0 = time.perf_counter()
+        ids = [self.manager.add_request(p, max_new_tokens=n, record_timestamps=True)
+               for p, n in zip(prompts, new)]
+        results = {}
+        while len(results) < len(ids):
+            r = self.manager.get_result(timeout=60)
+            if r is not None and r.is_finished():
+                results[r.request_id] = r
+        wall = max(r.lifespan[1] for r in results.values()) - t0
+        first, gaps = [], []
+        for r in results.values():
+            ts = r.timestamps or []
+            if ts:
+                first.append(ts[0])
+                gaps.extend(np.diff(ts).tolist())
+        return dict(wall=wall, lat=latencies(first, gaps, t0),
+                    tokens=[results[i].generated_tokens for i in ids])
 
 
-def median_run(runs: list[dict]) -> dict:
-    """The run of median wall time (its latencies with it), and every run's wall."""
+def rounds(runners: dict, prompts, new, repeats: int) -> dict:
+    """Warm each of `runners` ({name: run(prompts, new) -> dict}) up on the workload,
+    then `repeats` rounds running each once, the order rotated a place each round:
+    {name: [its runs, round by round]}."""
+    names, runs = list(runners), {name: [] for name in runners}
+    for name in names:
+        runners[name](prompts, new)
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            runs[name].append(runners[name](prompts, new))
+            print(f"round {r + 1}: {name} {sum(new) / runs[name][-1]['wall']:.0f} tok/s",
+                  flush=True)
+    return runs
+
+
+def median_run(runs: list[dict], engine_runs: list[dict]) -> dict:
+    """The run of median wall time (its latencies with it), every run's wall, and the
+    ratios of the engine's wall to this system's, round by round."""
     ordered = sorted(runs, key=lambda r: r["wall"])
-    return dict(ordered[(len(ordered) - 1) // 2], walls=[r["wall"] for r in runs])
+    return dict(ordered[(len(ordered) - 1) // 2], walls=[r["wall"] for r in runs],
+                ratios=[e["wall"] / r["wall"] for e, r in zip(engine_runs, runs)])
 
 
 def main():
@@ -217,34 +247,35 @@ def main():
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--repeats", type=int, default=3,
-                    help="timed runs of each system (the median's row is printed)")
+    ap.add_argument("--repeats", type=int, default=5,
+                    help="rounds, each timing every system once (the median's row is printed)")
     ap.add_argument("--skip", default="", help="comma list of: static, transformers")
+    ap.add_argument("--xla_flags", default="--xla_cpu_multi_thread_eigen=false",
+                    help="appended to XLA_FLAGS (both tfjax systems); '' for XLA's defaults")
     ap.add_argument("--out", default="", help="append the results to this markdown file")
     args = ap.parse_args()
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {args.xla_flags}".strip()
     started, load = datetime.datetime.now(datetime.timezone.utc), os.getloadavg()[0]
     args.max_len = args.max_prompt + args.max_new
     model = bench_model(args.d_model, args.layers, args.vocab, args.max_len)
     prompts, new = workload(args)
-    warm_p, warm_n = prompts[:args.max_seqs], new[:args.max_seqs]
     skip = set(filter(None, args.skip.split(",")))
-    results = {}
     setting = (f"{jax.devices()[0].platform}, {os.cpu_count()} cores; {args.requests} requests, "
                f"prompts 8..{args.max_prompt}, answers 4..{args.max_new} tokens, "
-               f"{args.max_seqs} at once; each system's median of {args.repeats} timed runs")
+               f"{args.max_seqs} at once; {args.repeats} rounds (each system's median run); "
+               f"XLA_FLAGS={os.environ['XLA_FLAGS'] or '(none)'}")
     print(setting, flush=True)
-    run_engine(model, warm_p, warm_n, args)
-    results["tfjax engine"] = median_run([run_engine(model, prompts, new, args)
-                                          for _ in range(args.repeats)])
+    runners = {"tfjax engine": lambda p, n: run_engine(model, p, n, args)}
     if "static" not in skip:
-        run_static(model, warm_p, warm_n, args)
-        results["tfjax static generate"] = median_run([run_static(model, prompts, new, args)
-                                                       for _ in range(args.repeats)])
-    if "transformers" not in skip:
-        with tempfile.TemporaryDirectory() as d:
-            hf.export(model, d)
-            results["transformers continuous batching"] = median_run(run_transformers(
-                d, [(warm_p, warm_n)] + [(prompts, new)] * args.repeats, args))
+        runners["tfjax static generate"] = lambda p, n: run_static(model, p, n, args)
+    with contextlib.ExitStack() as stack:
+        if "transformers" not in skip:
+            path = stack.enter_context(tempfile.TemporaryDirectory())
+            hf.export(model, path)
+            runners["transformers continuous batching"] = stack.enter_context(
+                TransformersCB(path, args)).run
+        runs = rounds(runners, prompts, new, args.repeats)
+    results = {name: median_run(r, runs["tfjax engine"]) for name, r in runs.items()}
     total = sum(new)
     ref = results["tfjax engine"]
     rows = []
@@ -252,11 +283,13 @@ def main():
         tps = total / r["wall"]
         t50, t99, i50, i99 = r["lat"]
         rows.append([name, f"{tps:.1f}", " / ".join(f"{total / w:.0f}" for w in r["walls"]),
-                     f"{tps / (total / ref['wall']):.2f}", f"{t50 * 1e3:.0f}",
+                     f"{np.median(r['ratios']):.2f}",
+                     " / ".join(f"{x:.2f}" for x in r["ratios"]), f"{t50 * 1e3:.0f}",
                      f"{t99 * 1e3:.0f}", f"{i50 * 1e3:.1f}", f"{i99 * 1e3:.1f}"])
         agree = np.mean([a[:5] == b[:5] for a, b in zip(ref["tokens"][:8], r["tokens"][:8])])
         rows[-1].append(f"{agree:.2f}")
-    table = markdown_table(["system", "output tok/s", "each run", "x engine", "TTFT p50 ms",
+    table = markdown_table(["system", "output tok/s", "each run", "x engine",
+                            "x engine each round", "TTFT p50 ms",
                             "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
                             "greedy agree (8 req x 5 tok)"], rows)
     static_bytes = jax.eval_shape(lambda: model.init_cache(args.max_seqs, args.max_len))

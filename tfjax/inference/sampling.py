@@ -67,13 +67,25 @@ def filter_logits(logits: jax.Array, top_k=None, top_p=None, *,
 
 def sample(key: jax.Array, logits: jax.Array, temperature=0.0, top_k=None,
            top_p=None) -> jax.Array:
-    """Next tokens `[B]` int32 from logits `[B, V]` (temperature 0: greedy)."""
+    """Next tokens `[B]` int32 from logits `[B, V]` (temperature 0: greedy). A step where
+    no row samples draws nothing, and the logits are ranked (a sort of `[B, V]`) only
+    where some row samples with top-k or top-p on (traced 0 / 1: off)."""
     logits = logits.astype(jnp.float32)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     t = jnp.asarray(temperature, jnp.float32)
-    scaled = logits / jnp.where(t > 0, t, 1.0)
-    drawn = jax.random.categorical(key, filter_logits(scaled, top_k, top_p), axis=-1)
-    return jnp.where(t > 0, drawn.astype(jnp.int32), greedy)
+    on = jnp.zeros((), bool)
+    if top_k is not None:
+        on |= jnp.any(jnp.asarray(top_k) > 0)
+    if top_p is not None:
+        on |= jnp.any(jnp.asarray(top_p) < 1)
+
+    def draw(logits):
+        scaled = logits / jnp.where(t > 0, t, 1.0)
+        scaled = jax.lax.cond(on, lambda x: filter_logits(x, top_k, top_p), lambda x: x, scaled)
+        return jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
+
+    drawn = jax.lax.cond(jnp.any(t > 0), draw, lambda _: greedy, logits)
+    return jnp.where(t > 0, drawn, greedy)
 
 
 def sampling_probs(logits: jax.Array, temperature, top_k=None, top_p=None) -> jax.Array:
