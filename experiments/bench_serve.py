@@ -27,10 +27,8 @@ minutes, all systems alike: CPU time per run follows wall time, steal stays ~0):
   `max_requests_per_batch=--max_seqs`, per-request `max_new_tokens`, the tokens'
   own timestamps; torch on every core (faster than one thread here).
 
-`--xla_flags` (appended to XLA_FLAGS) defaults to XLA:CPU's dots on the thread running
-the program, not on Eigen's pool as well: on 2 cores the host's Python thread, which
-steps the engine while a call runs, then keeps a core (see
-experiments/results/bench_serve.md for the A/B); both tfjax systems run with it.
+`--xla_flags` is appended to XLA_FLAGS for both tfjax systems (e.g.
+`--xla_cpu_multi_thread_eigen=false`; experiments/results/bench_serve.md has its A/B).
 
 Printed (each system's run of median wall time): output tokens/s (the tokens the
 requests asked for, over the wall time from submission to the last token; and every
@@ -250,8 +248,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=5,
                     help="rounds, each timing every system once (the median's row is printed)")
     ap.add_argument("--skip", default="", help="comma list of: static, transformers")
-    ap.add_argument("--xla_flags", default="--xla_cpu_multi_thread_eigen=false",
-                    help="appended to XLA_FLAGS (both tfjax systems); '' for XLA's defaults")
+    ap.add_argument("--xla_flags", default="",
+                    help="appended to XLA_FLAGS (both tfjax systems), e.g. --xla_cpu_multi_thread_eigen=false")
     ap.add_argument("--out", default="", help="append the results to this markdown file")
     args = ap.parse_args()
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {args.xla_flags}".strip()
