@@ -8,11 +8,12 @@ against transformers' own continuous batching, on the same model and machine.
 One random Llama-shaped model (layers unrolled, as decoding wants them), exported to a
 Hugging Face directory and loaded by transformers (the same weights; float32). The
 workload: --requests prompts of random lengths (8 .. --max_prompt tokens) asking for
-random numbers of tokens (4 .. --max_new), EOS ignored, all submitted at once (an offline
-batch). Each system runs it once to compile / warm up; then `--repeats` rounds each run
-every system once, in an order rotated each round, so that the ratios compare runs made
-within seconds of each other (a shared 2-core machine's speed drifts by up to ~1.3x over
-minutes, all systems alike: CPU time per run follows wall time, steal stays ~0):
+random numbers of tokens (4 .. --max_new; `--answers` uniform, or exponential: a long
+tail), EOS ignored, all submitted at once (an offline batch). Each system runs it once
+to compile / warm up; then `--repeats` rounds each run every system once, in an order
+rotated each round, so that the ratios compare runs made within seconds of each other
+(a shared 2-core machine's speed drifts by up to ~1.3x over minutes, all systems alike:
+CPU time per run follows wall time, steal stays ~0):
 
 - tfjax engine: `tfjax.inference.engine.Engine` (`--max_seqs` rows, pages of
   `--page_size`, up to `--prefill_rows` runs of `--chunk` prompt tokens a step (16 x
@@ -21,8 +22,8 @@ minutes, all systems alike: CPU time per run follows wall time, steal stays ~0):
   step shape compiled first by `warm_up`), every output timed as `step()` returns it;
 - tfjax static batches: `tfjax.inference.stream` over batches of `--max_seqs` requests
   in order, in one compiled shape (as a static server has): prompts right-padded to
-  --max_prompt, every batch generating --max_new tokens (a batch of 16 random lengths
-  has its longest near both; the tokens past a request's own count are wasted);
+  --max_prompt, a batch generating until its longest answer is done (the tokens past
+  a request's own count are wasted), timed per step;
 - transformers continuous batching: `model.init_continuous_batching` with
   `max_requests_per_batch=--max_seqs`, per-request `max_new_tokens`, the tokens'
   own timestamps; torch on every core (faster than one thread here).
@@ -83,8 +84,12 @@ def workload(args):
     rng = np.random.default_rng(args.seed)
     prompts = [rng.integers(3, args.vocab, rng.integers(8, args.max_prompt + 1)).tolist()
                for _ in range(args.requests)]
-    new = rng.integers(4, args.max_new + 1, args.requests).tolist()
-    return prompts, new
+    if args.answers == "uniform":
+        new = rng.integers(4, args.max_new + 1, args.requests)
+    else:  # most answers short, a few long (as served chat answers are)
+        new = np.round(rng.exponential(args.max_new / 4, args.requests))
+        new = np.clip(new, 4, args.max_new)
+    return prompts, new.astype(int).tolist()
 
 
 def latencies(first, gaps, t0):
@@ -135,7 +140,8 @@ def drive(engine, prompts, new) -> dict:
 
 def run_static(model, prompts, new, args):
     """Fixed shapes (one compilation, as a static server has): every batch --max_seqs
-    rows of --max_prompt tokens generating --max_new tokens."""
+    rows of --max_prompt tokens with room for --max_new, generating until its longest
+    answer is done."""
     first, gaps, out = [], [], []
     t0 = time.perf_counter()
     for b in range(0, len(prompts), args.max_seqs):
@@ -157,6 +163,8 @@ def run_static(model, prompts, new, args):
                     else:
                         gaps.append(now - last)
             last = now
+            if all(len(r) == n for r, n in zip(rows, ns)):
+                break  # the batch's longest answer is done
         out.extend(rows)
     return dict(wall=time.perf_counter() - t0, lat=latencies(first, gaps, t0), tokens=out)
 
@@ -241,6 +249,9 @@ def main():
     ap.add_argument("--prefill_rows", type=int, default=16)
     ap.add_argument("--chunk_sizes", type=int, default=EngineConfig.chunk_sizes,
                     help="EngineConfig.chunk_sizes: --chunk and its halvings")
+    ap.add_argument("--answers", choices=("uniform", "exponential"), default="uniform",
+                    help="answer lengths: uniform in 4..--max_new, or exponential with mean "
+                         "--max_new / 4 clipped to 4..--max_new (a long tail)")
     ap.add_argument("--d_model", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=2048)
@@ -249,7 +260,8 @@ def main():
                     help="rounds, each timing every system once (the median's row is printed)")
     ap.add_argument("--skip", default="", help="comma list of: static, transformers")
     ap.add_argument("--xla_flags", default="",
-                    help="appended to XLA_FLAGS (both tfjax systems), e.g. --xla_cpu_multi_thread_eigen=false")
+                    help="appended to XLA_FLAGS (both tfjax systems), e.g. "
+                         "--xla_cpu_multi_thread_eigen=false")
     ap.add_argument("--out", default="", help="append the results to this markdown file")
     args = ap.parse_args()
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {args.xla_flags}".strip()
@@ -259,7 +271,7 @@ def main():
     prompts, new = workload(args)
     skip = set(filter(None, args.skip.split(",")))
     setting = (f"{jax.devices()[0].platform}, {os.cpu_count()} cores; {args.requests} requests, "
-               f"prompts 8..{args.max_prompt}, answers 4..{args.max_new} tokens, "
+               f"prompts 8..{args.max_prompt}, answers 4..{args.max_new} tokens ({args.answers}), "
                f"{args.max_seqs} at once; {args.repeats} rounds (each system's median run); "
                f"XLA_FLAGS={os.environ['XLA_FLAGS'] or '(none)'}")
     print(setting, flush=True)
