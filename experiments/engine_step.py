@@ -199,7 +199,8 @@ def serve_engines(args) -> None:
     from experiments.bench_serve import workload
 
     bench = argparse.Namespace(requests=48, max_prompt=192, max_new=96, max_seqs=16,
-                               page_size=PAGE, chunk=64, prefill_rows=4, seed=0)
+                               page_size=PAGE, chunk=64, prefill_rows=4, seed=0,
+                               answers="uniform")
     max_len = bench.max_prompt + bench.max_new
     model = bench_model(args.d_model, args.layers, args.vocab, max_len)
     prompts, new = workload(argparse.Namespace(**vars(bench), vocab=args.vocab))
