@@ -5,6 +5,8 @@ to one repeated token); each case compiles prefill + decode loop once, and the
 recomputation once (a fixed-shape buffer, logits read at each row's position).
 """
 
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -225,3 +227,25 @@ def test_unrolled_twin_generates_the_same_tokens():
     want = generate(model, x, max_new_tokens=NEW, prompt_lengths=lengths)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert twin.layers.cycles is None and len(twin.layers.blocks) == 3
+
+
+def test_a_decode_step_writes_the_heads_major_cache_in_place():
+    """`stream`'s decode step writes each layer's K and V into the stored `[B, K, S, H]`
+    cache in place: no op of the compiled step makes a cache-sized array in the
+    attention op's `[B, S, K, H]` view (a scatter on the view relaid each cache out
+    and back on XLA:CPU; `tfjax.nn.state._write_one`)."""
+    model = build(num_kv_heads=2, scan_layers=False)
+    gen = importlib.import_module("tfjax.inference.generate")
+    graphdef, state = nnx.split(model)
+    _, step, _, _ = gen._programs(graphdef, None)
+    B, S = 3, 40
+    cache = jax.eval_shape(lambda: model.init_cache(B, S))
+    layer = jax.tree.leaves(cache.layers)[0]
+    K, H = layer.shape[1], layer.shape[3]
+    assert layer.shape == (B, K, S, H)  # stored heads-major
+    settings = dict(temperature=jnp.float32(0), top_k=jnp.int32(0), top_p=jnp.float32(1))
+    hlo = step.lower(state, cache, jnp.zeros((B,), jnp.int32), jax.random.key(0),
+                     jnp.int32(1), settings).compile().as_text()
+    view = f"f32[{B},{S},{K},{H}]"
+    assert hlo.count(f"= {view}") == 0, [line.strip()[:120] for line in hlo.splitlines()
+                                         if f"= {view}" in line]
