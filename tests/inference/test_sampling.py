@@ -60,8 +60,8 @@ def test_sample_greedy_and_support():
 
 def test_sample_sorts_and_draws_only_inside_the_branches_that_need_them():
     """`generate`'s settings are traced (one program for all): a greedy step, or one
-    with top-k / top-p off, must not pay the [B, V] sort (XLA:CPU: ~5 ms a step at
-    [16, 2048]) nor the draw; they sit in `cond` branches, not at the top level."""
+    with top-k / top-p off, must not pay the [B, V] sort nor the draw: they sit in
+    `cond` branches, not at the top level."""
     logits = jnp.zeros((2, 16))
     jaxpr = jax.make_jaxpr(sample)(jax.random.key(0), logits, jnp.float32(0),
                                    jnp.int32(0), jnp.float32(1)).jaxpr

@@ -111,8 +111,8 @@ def _write_one(old, slot, new):
     """`old` `[B, S, ...]` with row b's `new[b]` at slot `slot[b]`. A 4-D `old` is
     written with its axes 1 and 2 swapped and back: where it is `slots_major`'s view of
     a heads-major `[B, K, S, H]` cache the swaps cancel and the scatter writes the cache
-    in place (on the view, XLA:CPU relaid each layer's K and V out and back: a static
-    decode step's 7.7 ms -> 6.7 ms at 16 x 288, H = 64); `tfjax.ops.paged.write` too."""
+    in place (on the view XLA:CPU relaid each layer's K and V out and back;
+    experiments/results/bench_serve.md); `tfjax.ops.paged.write` does the same."""
     rows = jnp.arange(old.shape[0])
     new = new.astype(old.dtype)
     if old.ndim == 4:
