@@ -12,8 +12,8 @@ random numbers of tokens (4 .. --max_new; `--answers` uniform, or exponential: a
 tail), EOS ignored, all submitted at once (an offline batch). Each system runs it once
 to compile / warm up; then `--repeats` rounds each run every system once, in an order
 rotated each round, so that the ratios compare runs made within seconds of each other
-(a shared 2-core machine's speed drifts by up to ~1.3x over minutes, all systems alike:
-CPU time per run follows wall time, steal stays ~0):
+(a shared machine's speed drifts over minutes, all systems alike; see
+experiments/results/bench_serve.md):
 
 - tfjax engine: `tfjax.inference.engine.Engine` (`--max_seqs` rows, pages of
   `--page_size`, up to `--prefill_rows` runs of `--chunk` prompt tokens a step (16 x
