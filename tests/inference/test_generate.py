@@ -229,6 +229,7 @@ def test_unrolled_twin_generates_the_same_tokens():
     assert twin.layers.cycles is None and len(twin.layers.blocks) == 3
 
 
+@pytest.mark.xla_optimized
 def test_a_decode_step_writes_the_heads_major_cache_in_place():
     """`stream`'s decode step writes each layer's K and V into the stored `[B, K, S, H]`
     cache in place: no op of the compiled step makes a cache-sized array in the
