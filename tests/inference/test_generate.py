@@ -234,7 +234,7 @@ def test_a_decode_step_writes_the_heads_major_cache_in_place():
     """`stream`'s decode step writes each layer's K and V into the stored `[B, K, S, H]`
     cache in place: no op of the compiled step makes a cache-sized array in the
     attention op's `[B, S, K, H]` view (a scatter on the view relaid each cache out
-    and back on XLA:CPU; `tfjax.nn.state._write_one`)."""
+    and back on XLA:CPU; `tfjax.ops.paged.write_entries`)."""
     model = build(num_kv_heads=2, scan_layers=False)
     gen = importlib.import_module("tfjax.inference.generate")
     graphdef, state = nnx.split(model)

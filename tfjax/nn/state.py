@@ -95,8 +95,9 @@ def write_slots(olds, fresh, slots: Slots, axes) -> tuple:
     `slots` say, sharded as `axes` (one for all, or one per array)."""
     every = _per_array(axes, len(olds))
     if slots.mode == "decode":
-        return tuple(shard(_write_one(o, slots.slot, n[:, 0]), a)
-                     for o, n, a in zip(olds, fresh, every))
+        rows = jnp.arange(olds[0].shape[0])  # K / V in place: `paged.write_entries`
+        return tuple(shard(paged_lib.write_entries(o, rows, slots.slot, n[:, 0].astype(o.dtype)),
+                           a) for o, n, a in zip(olds, fresh, every))
     out = []
     for o, n, a in zip(olds, fresh, every):
         tail = (1,) * (o.ndim - 2)
@@ -105,19 +106,6 @@ def write_slots(olds, fresh, slots: Slots, axes) -> tuple:
         got = jnp.take_along_axis(n, src, axis=1).astype(o.dtype)
         out.append(shard(jnp.where(take, got, o), a))
     return tuple(out)
-
-
-def _write_one(old, slot, new):
-    """`old` `[B, S, ...]` with row b's `new[b]` at slot `slot[b]`. A 4-D `old` is
-    written with its axes 1 and 2 swapped and back: where it is `slots_major`'s view of
-    a heads-major `[B, K, S, H]` cache the swaps cancel and the scatter writes the cache
-    in place (on the view XLA:CPU relaid each layer's K and V out and back;
-    experiments/results/bench_serve.md); `tfjax.ops.paged.write` does the same."""
-    rows = jnp.arange(old.shape[0])
-    new = new.astype(old.dtype)
-    if old.ndim == 4:
-        return jnp.swapaxes(jnp.swapaxes(old, 1, 2).at[rows, :, slot].set(new), 1, 2)
-    return old.at[rows, slot].set(new)
 
 
 def cached_attention(olds, fresh, slots: Slots, axes, attend: Callable):

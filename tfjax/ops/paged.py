@@ -24,7 +24,7 @@ from tfjax.ops.implementation import AttentionRequest, Implementation
 from tfjax.ops.tiles import logit_scaling, logits
 
 __all__ = ["DROPPED", "IMPLEMENTATION", "Paged", "by_runs", "dense", "flat_index",
-           "paged_attention", "supports", "write"]
+           "paged_attention", "supports", "write", "write_entries"]
 
 DROPPED = jnp.iinfo(jnp.int32).max  # a flat index past every pool: the write is dropped
 
@@ -91,18 +91,24 @@ def flat_index(table: jax.Array, slots: jax.Array, page_size: int,
 
 def write(pool: jax.Array, index: jax.Array, new: jax.Array) -> jax.Array:
     """`pool` `[P, page, ...]` with `new` `[B, T, ...]` written at flat `index` `[B, T]`
-    (`DROPPED` entries are not written). A K or V pool `[P, page, K, H]` is written
-    heads-major, `[P, K, page, H]`: it is a view of the pages as the KV cache stores
-    them, so the swaps cancel and XLA scatters into the stored pages in place (a
-    flat scatter into the view made it copy both pools, twice, every step)."""
+    (`DROPPED` entries are not written), in place (`write_entries`)."""
     page = pool.shape[1]
     flat = index.reshape(-1)
     pages, offsets = flat // page, flat % page  # DROPPED // page is past every pool
     new = new.reshape(-1, *new.shape[2:]).astype(pool.dtype)
-    if pool.ndim == 4:
-        heads = jnp.swapaxes(pool, 1, 2).at[pages, :, offsets].set(new, mode="drop")
-        return jnp.swapaxes(heads, 1, 2)
-    return pool.at[pages, offsets].set(new, mode="drop")
+    return write_entries(pool, pages, offsets, new, mode="drop")
+
+
+def write_entries(x: jax.Array, first: jax.Array, second: jax.Array, new: jax.Array,
+                  **kw) -> jax.Array:
+    """`x` `[A, S, ...]` with `new[n]` at `x[first[n], second[n]]` (`kw`: `.at[].set`'s).
+    A 4-D `x` (K or V: a pool `[P, page, K, H]`, a cache's slots `[B, S, K, H]`) is
+    written with axes 1 and 2 swapped and back: it is a view of the heads-major array
+    the cache stores, so the swaps cancel and XLA scatters into it in place (a scatter
+    into the view made XLA:CPU copy each K and V out and back, every step)."""
+    if x.ndim == 4:
+        return jnp.swapaxes(jnp.swapaxes(x, 1, 2).at[first, :, second].set(new, **kw), 1, 2)
+    return x.at[first, second].set(new, **kw)
 
 
 def paged_attention(q, k: Paged, v: Paged, mask: masks_lib.Mask | None = None, *, scale=None,
