@@ -36,8 +36,10 @@ requests asked for, over the wall time from submission to the last token; and ev
 run's), its ratio to the engine's (the median of the rounds' ratios; and every
 round's), time to first token (p50, p99; from submission, so it includes waiting for a
 slot), inter-token latency (p50, p99 over every gap between a request's consecutive
-tokens); then the KV memory the engine's pages held at most against the static cache of
-`--max_seqs` rows of the longest sequence. Greedy tokens of the three are checked equal
+tokens); then the positions static batches compute against the requests' own tokens
+(the most scheduling alone saves: an aim on the ratio is read against it) and the
+engine's steps; the KV memory the engine's pages held at most against the static cache
+of `--max_seqs` rows of the longest sequence. Greedy tokens of the three are checked equal
 on the first requests. `--out F` also appends the table to F (markdown) under a dated
 heading with the command and the load average at the start and the end.
 """
@@ -107,22 +109,23 @@ def run_engine(model, prompts, new, args):
     engine.warm_up()
     run = drive(engine, prompts, new)
     return dict(wall=run["wall"], lat=latencies(run["first"], run["gaps"], run["t0"]),
-                tokens=run["tokens"], kv_bytes=run["peak_pages"] * engine.page_bytes(model))
+                tokens=run["tokens"], kv_bytes=run["peak_pages"] * engine.page_bytes(model),
+                steps=run["steps"])
 
 
 def drive(engine, prompts, new) -> dict:
     """Submit greedy requests (prompt i, `new[i]` tokens, no EOS stop) and step `engine`
     until it is done: `t0`, `wall`, each request's first-token time (`first`,
     perf_counter), the inter-token gaps, the tokens in request order, the most pages
-    held at once."""
+    held at once, the engine steps taken."""
     reqs = [Request(p, max_tokens=n, ignore_eos=True, sampling=dict(temperature=0))
             for p, n in zip(prompts, new)]
     last, first, gaps, tokens, peak = {}, {}, [], {r.request_id: [] for r in reqs}, 0
-    t0 = time.perf_counter()
+    steps, t0 = 0, time.perf_counter()
     for r in reqs:
         engine.submit(r)
     while engine.has_work():
-        outs = engine.step()
+        outs, steps = engine.step(), steps + 1
         now = time.perf_counter()
         peak = max(peak, engine.pages_in_use())
         for o in outs:
@@ -135,7 +138,21 @@ def drive(engine, prompts, new) -> dict:
                 first[o.request_id] = now
             last[o.request_id] = now
     return dict(t0=t0, wall=time.perf_counter() - t0, first=list(first.values()), gaps=gaps,
-                tokens=[tokens[r.request_id] for r in reqs], peak_pages=peak)
+                tokens=[tokens[r.request_id] for r in reqs], peak_pages=peak, steps=steps)
+
+
+def work(prompts, new, args) -> str:
+    """What static batches compute against the requests' own tokens (each prompt and
+    each answer token but the last, the least any system runs through the model): the
+    most a scheduler saves at equal cost per position, so the ratio a throughput aim
+    can be read against."""
+    own = sum(len(p) + n - 1 for p, n in zip(prompts, new))
+    longest = [max(new[b:b + args.max_seqs]) for b in range(0, len(new), args.max_seqs)]
+    positions = sum(args.max_seqs * (args.max_prompt + n - 1) for n in longest)
+    return (f"Work: static batches compute {positions} positions ({args.max_seqs} rows of "
+            f"{args.max_prompt} prompt tokens and their batch's longest answer) for the "
+            f"requests' {own} tokens ({positions / own:.2f}x), in {sum(longest)} calls (a "
+            f"prefill and a decode step per token of each batch's longest answer)")
 
 
 def run_static(model, prompts, new, args):
@@ -307,6 +324,7 @@ def main():
     memory = (f"KV memory: engine pages held at most {ref['kv_bytes'] / 2**20:.2f} MiB; static "
               f"cache of {args.max_seqs} rows x {args.max_len} tokens "
               f"{static_bytes / 2**20:.2f} MiB ({ref['kv_bytes'] / static_bytes:.2f}x)")
+    memory = f"{work(prompts, new, args)}; the engine in {ref['steps']} steps.\n\n{memory}"
     print(table)
     print(f"\n{memory}")
     if args.out:
@@ -316,7 +334,7 @@ def main():
 def write_results(path: str, started, load: float, setting: str, table: str, memory: str):
     """Append a run's table to the markdown file `path`: a heading with the date, the
     exact command, the load average at the start and the end (a shared machine's
-    figures are read against it), the table and the KV memory."""
+    figures are read against it), the table, the work and the KV memory."""
     command = ".venv/bin/python " + " ".join(map(shlex.quote, sys.argv))
     with open(path, "a") as f:
         f.write(f"\n## bench_serve.py, {started:%Y-%m-%d %H:%M} UTC\n\n`{command}`\n\n"
