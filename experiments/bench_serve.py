@@ -71,14 +71,17 @@ from tfjax.inference.engine import Engine, EngineConfig, Request
 from tfjax.interop import hf
 
 
-def bench_model(d_model: int, layers: int, vocab: int, max_len: int, attention_impl="auto"):
+def bench_model(d_model: int, layers: int, vocab: int, max_len: int, attention_impl="auto",
+                mla: dict | None = None):
     """The benchmark's random Llama-shaped model (heads of 64, half as many kv heads,
-    layers unrolled; `attention_impl`: its `attention.impl`)."""
+    layers unrolled; `attention_impl`: its `attention.impl`; `mla`: every layer DeepSeek's
+    latent attention of these `MLAConfig` fields instead)."""
+    latent = dict(layer_pattern=("mla",), mla=mla) if mla else {}
     cfg = model_config(dict(vocab_size=vocab, d_model=d_model, num_layers=layers,
                             num_heads=d_model // 64, num_kv_heads=max(1, d_model // 128),
                             d_ff=4 * d_model, max_len=max_len, norm="rmsnorm", scan_layers=False,
                             activation="swiglu", position="rope", tie_embeddings=False,
-                            init_std=0.5, attention=dict(impl=attention_impl)))
+                            init_std=0.5, attention=dict(impl=attention_impl), **latent))
     return models.build(cfg, rngs=nnx.Rngs(0))
 
 

@@ -7,6 +7,7 @@ serve`) whole engines on bench_serve.py's workload, A/B in one process.
     .venv/bin/python experiments/engine_step.py --variants auto:1,blockwise:1   # A/B
     .venv/bin/python experiments/engine_step.py --fill 0.5 --variants auto:1,auto:3
     .venv/bin/python experiments/engine_step.py --part serve --serve_variants sync:1,ragged:1
+    .venv/bin/python experiments/engine_step.py --part serve --mla --serve_variants async:1:16:16,ragged:1:16:16
 
 For each `max_len` of `--widths` (a page table of max_len / 16 pages a row) an engine is
 built, every row holding `--fill` of its pages, and these are timed, interleaved
@@ -34,8 +35,9 @@ the compiled program (time per step, shape, op), then the time summed per kind o
 engine's step, prompt runs and decode tokens one call, read after the next step's call
 is dispatched; `sync`: the same, each step's call read before the next is dispatched;
 `async`: a call for each kind (`ragged=False`); `EngineConfig.chunk_sizes`, `chunk`,
-`prefill_rows`), `--repeats` runs of each in turn after one to warm up.
-Printed per variant (medians over the runs): output tokens/s, time to first token p50 /
+`prefill_rows`), `--repeats` runs of each in turn after one to warm up; `--mla`:
+the model's layers DeepSeek's latent attention (`async` against `ragged`: MLA's
+latent pages read once a run). Printed per variant (medians over the runs): output tokens/s, time to first token p50 /
 p99, inter-token p50, and where a run's wall time goes on the host: in the prefill
 (chunk; ragged: the steps' one) calls and in the decode calls (preparing and
 dispatching each, waiting for its results and taking them), and the rest of the step
@@ -202,7 +204,9 @@ def serve_engines(args) -> None:
                                page_size=PAGE, chunk=64, prefill_rows=4, seed=0,
                                answers="uniform")
     max_len = bench.max_prompt + bench.max_new
-    model = bench_model(args.d_model, args.layers, args.vocab, max_len)
+    mla = dict(kv_lora_rank=64, q_lora_rank=0, qk_rope_head_dim=16, qk_nope_head_dim=48,
+               v_head_dim=64) if args.mla else None
+    model = bench_model(args.d_model, args.layers, args.vocab, max_len, mla=mla)
     prompts, new = workload(argparse.Namespace(**vars(bench), vocab=args.vocab))
     variants = args.serve_variants.split(",")
     calls = collections.defaultdict(float)
@@ -284,6 +288,8 @@ def main():
     ap.add_argument("--serve_variants", default="sync:1,ragged:1",
                     help="--part serve: engines to compare, "
                          "(sync|async|ragged):chunk_sizes[:chunk:prefill_rows]")
+    ap.add_argument("--mla", action="store_true",
+                    help="--part serve: every layer latent attention (rank 64, rope 16)")
     args = ap.parse_args()
     load = os.getloadavg()[0]
     if args.part == "serve":

@@ -169,17 +169,34 @@ def test_the_device_tables_are_copies_of_the_host_tables():
     assert not np.asarray(on_device).any()
 
 
-def test_the_ragged_step_serves_k_v_pages_only():
-    # MLA's latents are gathered by each token of a run (no `Paged.runs` reading), a
-    # recurrent state is per row: both keep the two calls; `ragged=False` forces them
-    mla = dict(layer_pattern=("mla",), mla=dict(kv_lora_rank=16, q_lora_rank=0,
-                                                qk_rope_head_dim=8, qk_nope_head_dim=8,
-                                                v_head_dim=8))
-    for extra, ragged in [({}, True), (mla, False), (MODELS["mamba2_global"], False),
+MLA = dict(layer_pattern=("mla",), mla=dict(kv_lora_rank=16, q_lora_rank=0, qk_rope_head_dim=8,
+                                            qk_nope_head_dim=8, v_head_dim=8))
+
+
+def test_the_ragged_step_serves_paged_layers_only():
+    # K/V pages and MLA's latent pages are read once a run (`Paged.runs`); a recurrent
+    # state is per row: it keeps the two calls; `ragged=False` forces them
+    for extra, ragged in [({}, True), (MLA, True), (MODELS["mamba2_global"], False),
                           (MODELS["local_global"], True)]:
         model = models.build(model_config({**TINY, **extra}), rngs=nnx.Rngs(3))
         assert Engine(model, CONFIG)._ragged is ragged
     assert Engine(model, dataclasses.replace(CONFIG, ragged=False))._ragged is False
+
+
+def test_mla_tokens_equal_generate_in_ragged_steps_of_several_runs():
+    # the absorbed form over each run's latent pages (`paged.split_runs`), beside
+    # decode rows; a prompt of 20 takes 4 runs of 5 in one step
+    model = models.build(model_config({**TINY, **MLA}), rngs=nnx.Rngs(3))
+    engine = Engine(model, CONFIG)
+    runs, ragged = [], engine._launch_ragged
+    engine._launch_ragged = lambda prefilling, C, decoding: (
+        runs.append(len(prefilling)) or ragged(prefilling, C, decoding))
+    ps = prompts(1, (20, 3, 14, 1, 7, 9))
+    reqs = [Request(p, max_tokens=4 + i, sampling=dict(temperature=0)) for i, p in enumerate(ps)]
+    got = engine.generate(reqs)
+    for r, ref in zip(reqs, references(model, ps)):
+        assert got[r.request_id] == [ref[:r.max_tokens]]
+    assert runs and engine.pages_in_use() == 0
 
 
 @pytest.mark.slow  # ~45 s each: every program compiled for an 8-device mesh

@@ -85,7 +85,7 @@ def has_row_states(cache: ModelCache) -> bool:
 
 def reads_runs(cache: ModelCache) -> bool:
     """Whether every layer keeps pages its attention reads once per run of a ragged
-    step (`DecodeState.reads_runs`; MLA's latents do not: each token gathers them)."""
+    step (`DecodeState.reads_runs`; a recurrent state, per row, does not)."""
     return all(c.reads_runs for c in _states(cache.layers))
 
 

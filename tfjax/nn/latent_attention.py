@@ -23,7 +23,7 @@ from tfjax.nn.norms import make_norm
 from tfjax.nn.positions import RotaryEmbedding, default_positions
 from tfjax.nn.state import DecodeState, Slots, cached_attention, decode_state
 from tfjax.ops.masks import Mask
-from tfjax.ops.paged import dense
+from tfjax.ops.paged import dense, split_runs
 from tfjax.parallel.sharding import shard, with_logical_axes
 from tfjax.typing import DType
 
@@ -43,6 +43,7 @@ class LatentCache(DecodeState):
     AXES = {"latent": LATENT_AXES}
     rewindable = True
     pageable = True
+    reads_runs = True
 
 
 def mla_scale(qk_head_dim: int, *, rope_scaling: str = "none", rope_factor: float = 1.0,
@@ -219,8 +220,15 @@ class MultiHeadLatentAttention(nnx.Module):
         q_nope, q_pe = self.queries(x, positions, tables)
 
         def attend(arrays, cached):  # the absorbed form over cached latents
-            form = self.attend_absorbed if cached else self.attend
-            return form(q_nope, q_pe, dense(arrays[0]), mask)  # pages gathered
+            form, latent = (self.attend_absorbed if cached else self.attend), arrays[0]
+            if not getattr(latent, "runs", ()):
+                return form(q_nope, q_pe, dense(latent), mask)  # pages gathered
+            R, C = latent.runs  # a ragged step: a run's pages gathered once
+            (first, runs, runs_mask), (rest, single, single_mask) = split_runs(latent, mask)
+            lead = lambda a: a[first].reshape(R, C, *a.shape[2:])  # noqa: E731
+            out = form(lead(q_nope), lead(q_pe), dense(runs), runs_mask)
+            return jnp.concatenate([out.reshape(R * C, 1, out.shape[-1]),
+                                    form(q_nope[rest], q_pe[rest], dense(single), single_mask)])
 
         out, (latent,) = cached_attention((state.latent,), (self.latent(x, positions, tables),),
                                           slots, LATENT_AXES, attend)

@@ -24,7 +24,7 @@ from tfjax.ops.implementation import AttentionRequest, Implementation
 from tfjax.ops.tiles import logit_scaling, logits
 
 __all__ = ["DROPPED", "IMPLEMENTATION", "Paged", "by_runs", "dense", "flat_index",
-           "paged_attention", "supports", "write", "write_entries"]
+           "paged_attention", "split_runs", "supports", "write", "write_entries"]
 
 DROPPED = jnp.iinfo(jnp.int32).max  # a flat index past every pool: the write is dropped
 
@@ -193,24 +193,32 @@ def _attend(q, k_pool, v_pool, k_scale, v_scale, table, allowed, *, scale, softc
     return out, lse.reshape(B, N, T)
 
 
+def split_runs(x: Paged, mask: masks_lib.Positions) -> tuple:
+    """A ragged call's two parts (`x.runs` (R, C), one query a row), each (its query
+    rows, a slice; `x` on their table rows; their mask): the runs, read as R rows of C
+    queries over their run's table row and the slot positions of its last row (the
+    longest: slots past a query's position are masked by it); then the single rows."""
+    R, C = x.runs
+    first, rest = slice(0, R * C), slice(R * C, x.table.shape[0])
+    q_pos, kv_pos, window = mask.q_positions, mask.kv_positions, mask.window
+    runs = (first, dataclasses.replace(x, table=x.table[0:R * C:C], runs=()),
+            masks_lib.positions(q_pos[first].reshape(R, C), kv_pos[C - 1:R * C:C],
+                                window=window))
+    single = (rest, dataclasses.replace(x, table=x.table[rest], runs=()),
+              masks_lib.positions(q_pos[rest], kv_pos[rest], window=window))
+    return runs, single
+
+
 def by_runs(attend, q, k: Paged, v: Paged, mask: masks_lib.Positions, **kw):
     """A ragged call (`k.runs` (R, C), one query a row) as two calls of `attend(q, k, v,
-    mask, return_lse=True, **kw)` -> (out, lse) on plain `Paged`: the runs as R rows of C
-    queries over their run's table row and the slot positions of its last row (the
-    longest: slots past a query's position are masked by it), then the single rows."""
+    mask, return_lse=True, **kw)` -> (out, lse) on plain `Paged`, one for each part of
+    `split_runs`: the runs as R rows of C queries, then the single rows."""
     R, C = k.runs
-    first, rest = slice(0, R * C), slice(R * C, q.shape[0])
-
-    def part(rows):  # k and v of these rows' tables
-        return tuple(dataclasses.replace(x, table=x.table[rows], runs=()) for x in (k, v))
-
-    q_pos, kv_pos, window = mask.q_positions, mask.kv_positions, mask.window
-    runs = attend(q[first].reshape(R, C, *q.shape[2:]), *part(slice(0, R * C, C)),
-                  masks_lib.positions(q_pos[first].reshape(R, C), kv_pos[C - 1:R * C:C],
-                                      window=window), return_lse=True, **kw)
-    single = attend(q[rest], *part(rest), masks_lib.positions(q_pos[rest], kv_pos[rest],
-                                                              window=window),
-                    return_lse=True, **kw)
+    (first, k_runs, runs_mask), (rest, k_single, single_mask) = split_runs(k, mask)
+    on = lambda part: dataclasses.replace(v, table=part.table, runs=())  # noqa: E731
+    runs = attend(q[first].reshape(R, C, *q.shape[2:]), k_runs, on(k_runs), runs_mask,
+                  return_lse=True, **kw)
+    single = attend(q[rest], k_single, on(k_single), single_mask, return_lse=True, **kw)
     return _joined(runs, single)
 
 

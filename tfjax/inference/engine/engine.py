@@ -51,8 +51,8 @@ class EngineConfig:
     most): a call runs the narrowest that holds its rows' next tokens, so a prompt's last
     piece computes less padding (1: always `chunk`; the pieces are the same either way).
     ragged: a step with both kinds of rows is one call (`programs.ragged`), where every
-    layer keeps K/V pages (`cache.reads_runs`) and no prompt is scored; else a call for
-    each kind."""
+    layer keeps pages, K/V or latents (`cache.reads_runs`), and no prompt is scored;
+    else a call for each kind."""
 
     max_seqs: int = 8
     max_len: int = 0
