@@ -4,6 +4,7 @@ against transformers' own continuous batching, on the same model and machine.
     .venv/bin/python experiments/bench_serve.py            # ~3 min on 2 CPU cores
     .venv/bin/python experiments/bench_serve.py --requests 96 --max_seqs 32 --d_model 512
     .venv/bin/python experiments/bench_serve.py --out experiments/results/bench_serve.md
+    .venv/bin/python experiments/bench_serve.py --answers exponential --max_new 384  # chat-like
 
 One random Llama-shaped model (layers unrolled, as decoding wants them), exported to a
 Hugging Face directory and loaded by transformers (the same weights; float32). The
