@@ -7,7 +7,8 @@ serve`) whole engines on bench_serve.py's workload, A/B in one process.
     .venv/bin/python experiments/engine_step.py --variants auto:1,blockwise:1   # A/B
     .venv/bin/python experiments/engine_step.py --fill 0.5 --variants auto:1,auto:3
     .venv/bin/python experiments/engine_step.py --part serve --serve_variants sync:1,ragged:1
-    .venv/bin/python experiments/engine_step.py --part serve --mla --serve_variants async:1:16:16,ragged:1:16:16
+    .venv/bin/python experiments/engine_step.py --part serve --mla \
+        --serve_variants async:1:16:16,ragged:1:16:16
 
 For each `max_len` of `--widths` (a page table of max_len / 16 pages a row) an engine is
 built, every row holding `--fill` of its pages, and these are timed, interleaved
@@ -37,8 +38,8 @@ is dispatched; `sync`: the same, each step's call read before the next is dispat
 `async`: a call for each kind (`ragged=False`); `EngineConfig.chunk_sizes`, `chunk`,
 `prefill_rows`), `--repeats` runs of each in turn after one to warm up; `--mla`:
 the model's layers DeepSeek's latent attention (`async` against `ragged`: MLA's
-latent pages read once a run). Printed per variant (medians over the runs): output tokens/s, time to first token p50 /
-p99, inter-token p50, and where a run's wall time goes on the host: in the prefill
+latent pages read once a run). Printed per variant (medians over the runs): output
+tokens/s, time to first token p50 / p99, inter-token p50, and where a run's wall time goes on the host: in the prefill
 (chunk; ragged: the steps' one) calls and in the decode calls (preparing and
 dispatching each, waiting for its results and taking them), and the rest of the step
 (admission, bookkeeping); the process's CPU time of a run (every thread: the work done, which other

@@ -185,18 +185,18 @@ def test_the_ragged_step_serves_paged_layers_only():
 
 def test_mla_tokens_equal_generate_in_ragged_steps_of_several_runs():
     # the absorbed form over each run's latent pages (`paged.split_runs`), beside
-    # decode rows; a prompt of 20 takes 4 runs of 5 in one step
+    # decode rows; the prompt of 20 takes the first step's 4 runs of 5
     model = models.build(model_config({**TINY, **MLA}), rngs=nnx.Rngs(3))
     engine = Engine(model, CONFIG)
-    runs, ragged = [], engine._launch_ragged
+    calls, ragged = [], engine._launch_ragged
     engine._launch_ragged = lambda prefilling, C, decoding: (
-        runs.append(len(prefilling)) or ragged(prefilling, C, decoding))
+        calls.append(C) or ragged(prefilling, C, decoding))
     ps = prompts(1, (20, 3, 14, 1, 7, 9))
     reqs = [Request(p, max_tokens=4 + i, sampling=dict(temperature=0)) for i, p in enumerate(ps)]
     got = engine.generate(reqs)
     for r, ref in zip(reqs, references(model, ps)):
         assert got[r.request_id] == [ref[:r.max_tokens]]
-    assert runs and engine.pages_in_use() == 0
+    assert calls and engine.pages_in_use() == 0
 
 
 @pytest.mark.slow  # ~45 s each: every program compiled for an 8-device mesh
