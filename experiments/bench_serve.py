@@ -328,22 +328,22 @@ def main():
     memory = (f"KV memory: engine pages held at most {ref['kv_bytes'] / 2**20:.2f} MiB; static "
               f"cache of {args.max_seqs} rows x {args.max_len} tokens "
               f"{static_bytes / 2**20:.2f} MiB ({ref['kv_bytes'] / static_bytes:.2f}x)")
-    memory = f"{work(prompts, new, args)}; the engine in {ref['steps']} steps.\n\n{memory}"
+    summary = f"{work(prompts, new, args)}; the engine in {ref['steps']} steps.\n\n{memory}"
     print(table)
-    print(f"\n{memory}")
+    print(f"\n{summary}")
     if args.out:
-        write_results(args.out, started, load, setting, table, memory)
+        write_results(args.out, started, load, setting, table, summary)
 
 
-def write_results(path: str, started, load: float, setting: str, table: str, memory: str):
+def write_results(path: str, started, load: float, setting: str, table: str, summary: str):
     """Append a run's table to the markdown file `path`: a heading with the date, the
     exact command, the load average at the start and the end (a shared machine's
-    figures are read against it), the table, the work and the KV memory."""
+    figures are read against it), the table and the `summary` (the work, the KV memory)."""
     command = ".venv/bin/python " + " ".join(map(shlex.quote, sys.argv))
     with open(path, "a") as f:
         f.write(f"\n## bench_serve.py, {started:%Y-%m-%d %H:%M} UTC\n\n`{command}`\n\n"
                 f"{setting}; load average {load:.1f} at the start, "
-                f"{os.getloadavg()[0]:.1f} at the end.\n\n{table}\n\n{memory}\n")
+                f"{os.getloadavg()[0]:.1f} at the end.\n\n{table}\n\n{summary}\n")
     print(f"appended to {path}")
 
 
